@@ -1,0 +1,47 @@
+"""The attention backend interface.
+
+A backend owns two operations over the paged KV cache (layout in ``metadata.py``):
+
+* ``write_kv``: store this step's new keys/values at ``slot_mapping`` (slots of -1 are
+  skipped: padding tokens of a CUDA-graph batch).
+* ``attend``: causal attention of each new query over its request's cached context,
+  read only through ``block_tables`` -- including the keys just written.
+
+Both are called by ``layers.attention.Attention`` once per layer per step.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Contract: ``forward`` returns ``[num_tokens, num_heads, head_dim]`` in q's dtype,
+    where rows ``>= meta.num_actual_tokens`` (padding) may hold anything."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """key/value: ``[num_tokens, num_kv_heads, head_dim]``; kv_cache: one layer's."""
+
+    @abstractmethod
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """query: ``[num_tokens, num_heads, head_dim]`` -> same shape."""
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        self.write_kv(key, value, kv_cache, meta)
+        return self.attend(query, kv_cache, meta, scale)

@@ -1,0 +1,53 @@
+"""Per-step attention metadata: the one contract between the model runner and every
+attention backend (torch reference on CPU, Triton on GPU).
+
+A step's batch is *flattened*: the new tokens of all scheduled requests are laid end to
+end, request after request, in the order of ``query_start_loc``.  A request's new tokens
+may be a whole prompt, a prompt chunk (chunked prefill, possibly after cached context),
+or a single decode token -- attention does not care which ("no phases").
+
+```
+ tokens:       [ r0 r0 r0 r0 | r1 | r2 r2 | r3 ]        num_actual_tokens = 8
+ query_start_loc: 0           4    5       7    8        (int32, [num_reqs + 1])
+ seq_lens:        ctx0+4       ctx1+1  ctx2+2  ctx3+1      (context incl. the new tokens)
+ block_tables:    one row per request, block ids, padded with 0
+ slot_mapping:    per token, block_id * block_size + offset  (int64, -1 = do not write)
+```
+
+KV cache layout, one tensor per layer: ``[2, num_blocks, block_size, num_kv_heads,
+head_dim]`` (index 0 = keys, 1 = values).  The new token ``i`` of request ``r`` sits at
+absolute position ``seq_lens[r] - query_len[r] + i`` and attends causally to every
+cached position ``<=`` its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one forward pass.
+
+    Device tensors live on the model's device; the ``*_cpu`` twins are host copies that
+    the runner already has (it built them), so backends that need host-side sizes (the
+    torch reference, kernel grid planning) never sync the device to get them.
+    """
+
+    num_actual_tokens: int
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64 (padded tokens: -1)
+    query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32, host
+    seq_lens_cpu: torch.Tensor  # [num_reqs] int32, host
+    block_size: int
+
+    @property
+    def query_lens_cpu(self) -> torch.Tensor:
+        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]

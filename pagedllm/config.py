@@ -1,0 +1,207 @@
+"""Engine configuration: frozen dataclasses built once from CLI flags or ``LLM(**kwargs)``.
+
+``EngineArgs`` holds what the user typed (vLLM's names); ``EngineArgs.create_engine_config``
+validates it, resolves the model and returns an ``EngineConfig``.  This module imports no
+torch so that ``core/`` (which reads ``SchedulerConfig`` and ``CacheConfig``) stays
+torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pagedllm.models.resolve import ResolvedModel, resolve_model
+
+DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
+_DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32",
+                  "fp32": "float32", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model, its tokenizer and the numbers derived from its HF config."""
+
+    resolved: ResolvedModel
+    hf_config: Any  # transformers.PretrainedConfig
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    max_model_len: int
+    load_format: str
+    seed: int
+    served_model_name: str
+    skip_tokenizer_init: bool
+    trust_remote_code: bool
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        c = self.hf_config
+        return int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        c = self.hf_config
+        hd = getattr(c, "head_dim", None)
+        return int(hd) if hd else int(c.hidden_size // c.num_attention_heads)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V, all layers, for one token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = False
+    # Filled in by the engine once memory is planned.
+    num_blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    policy: Literal["fcfs", "priority"] = "fcfs"
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"  # "cpu" | "cuda"
+    enforce_eager: bool = False
+    num_threads: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig
+
+    def with_num_blocks(self, num_blocks: int) -> EngineConfig:
+        return dataclasses.replace(
+            self, cache_config=dataclasses.replace(self.cache_config, num_blocks=num_blocks))
+
+
+def _positive_int(name: str, value: object, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclass
+class EngineArgs:
+    """User-facing engine arguments, named as in vLLM."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    load_format: str = "auto"  # "auto" | "safetensors" | "gguf" | "dummy"
+    seed: int = 0
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = False
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    scheduling_policy: str = "fcfs"
+    device: str = "auto"
+    enforce_eager: bool = False
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    num_threads: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def create_engine_config(self) -> EngineConfig:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(
+                "load_format must be one of auto, safetensors, gguf, dummy, "
+                f"got {self.load_format!r}")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got "
+                             f"{self.block_size!r}")
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_num_batched_tokens is not None:
+            _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.kv_cache_memory_bytes is not None:
+            _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        g = self.gpu_memory_utilization
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 < g <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.num_threads is not None:
+            _positive_int("num_threads", self.num_threads)
+
+        resolved = resolve_model(self.model, self.tokenizer, self.load_format)
+        hf_config = resolved.load_hf_config(self.trust_remote_code)
+
+        device = self.device
+        if device == "auto":
+            device = _cuda_available() and "cuda" or "cpu"
+        dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if dtype == "auto":
+            # fp32 on CPU (the parity reference); the checkpoint's half type on GPU.
+            cfg_dtype = str(getattr(hf_config, "torch_dtype", None) or
+                            getattr(hf_config, "dtype", None) or "bfloat16")
+            cfg_dtype = cfg_dtype.replace("torch.", "")
+            if cfg_dtype not in ("bfloat16", "float16"):
+                cfg_dtype = "bfloat16"
+            dtype = "float32" if device == "cpu" else cfg_dtype
+
+        derived_max = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
+        max_model_len = derived_max if self.max_model_len is None else self.max_model_len
+        _positive_int("max_model_len", max_model_len)
+        if max_model_len > derived_max:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({derived_max})")
+        max_batched = self.max_num_batched_tokens or 2048
+        model_config = ModelConfig(
+            resolved=resolved, hf_config=hf_config, dtype=dtype,
+            max_model_len=max_model_len, load_format=resolved.load_format, seed=self.seed,
+            served_model_name=self.served_model_name or resolved.display_name,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+            trust_remote_code=self.trust_remote_code)
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                gpu_memory_utilization=float(g),
+                enable_prefix_caching=self.enable_prefix_caching),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
+                max_model_len=max_model_len, policy=self.scheduling_policy),  # type: ignore
+            device_config=DeviceConfig(device=device, enforce_eager=self.enforce_eager,
+                                       num_threads=self.num_threads),
+        )
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(torch.cuda.is_available())

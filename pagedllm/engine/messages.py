@@ -1,0 +1,85 @@
+"""Messages between the frontend (LLM / API server) and the engine core.
+
+They are msgspec Structs so the same objects travel in-process (offline ``LLM``) and over
+ZeroMQ as msgpack (server): no pickle anywhere.  The engine core only ever sees single
+sequences (n == 1); the frontend fans ``n > 1`` out into child requests and back in.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a sequence finished; ``str()`` gives the OpenAI/vLLM spelling."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort")[self.value]
+
+
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
+    """One sequence to generate.  Prompt already tokenised and validated."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_id: int | None = None
+    priority: int = 0
+
+
+class LogprobsLists(msgspec.Struct, array_like=True):
+    """Per position: ``token_ids[i][0]`` is the chosen (sampled or prompt) token and
+    ``token_ids[i][1:]`` the top-k alternatives; ``ranks[i]`` is the chosen token's rank
+    (1 = most likely)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
+    """What happened to one sequence in one engine step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    # Wall-clock time the request was first scheduled (set once; for queue-time metrics).
+    first_scheduled_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True):
+    """A snapshot of the scheduler after a step (feeds Prometheus gauges/counters)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    num_preemptions: int = 0  # in this step
+    prefix_cache_queries: int = 0  # tokens looked up this step
+    prefix_cache_hits: int = 0  # tokens found this step
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    # Set when the core hit an unrecoverable error; the frontend fails in-flight requests.
+    engine_error: str | None = None

@@ -1,0 +1,153 @@
+"""SamplingParams: how to pick and when to stop, validated on construction.
+
+Names and defaults follow vLLM's ``SamplingParams`` so client code ports unchanged.
+Every invalid value raises ``ValueError`` naming the parameter and its allowed range.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+
+_SAMPLING_EPS = 1e-5
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _check_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if math.isnan(value) or math.isinf(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping for one request (``n`` samples of it).
+
+    ``max_tokens=None`` means "up to the model's context length"; the engine fills it in.
+    ``seed`` makes a request's samples reproducible whatever else is in the batch.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    # Extra: the vLLM name for beam search on a request.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._verify()
+        # Greedy sampling ignores the truncation knobs: normalise them so the sampler's
+        # fast path sees one canonical "greedy" request.
+        if self.temperature < _SAMPLING_EPS:
+            self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
+
+    def _verify(self) -> None:
+        n = _check_int("n", self.n)
+        if n < 1:
+            raise ValueError(f"n must be at least 1, got {n}")
+        if self.best_of is not None and _check_int("best_of", self.best_of) < n:
+            raise ValueError(f"best_of must be >= n ({n}), got {self.best_of}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _check_number(name, getattr(self, name))
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        rp = _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < rp <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {rp}")
+        t = _check_number("temperature", self.temperature)
+        if t < 0.0 or t > 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {t}")
+        tp = _check_number("top_p", self.top_p)
+        if not 0.0 < tp <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {tp}")
+        tk = _check_int("top_k", self.top_k)
+        if tk < -1 or tk == 0:
+            raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {tk}")
+        mp = _check_number("min_p", self.min_p)
+        if not 0.0 <= mp <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {mp}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if self.max_tokens is not None and _check_int("max_tokens", self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        mt = _check_int("min_tokens", self.min_tokens)
+        if mt < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {mt}")
+        if self.max_tokens is not None and mt > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {mt}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and _check_int(name, v) < 0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
+        for s in self.stop:  # type: ignore[union-attr]
+            if not isinstance(s, str) or s == "":
+                raise ValueError(f"stop must contain non-empty strings, got {s!r}")
+        for tid in self.stop_token_ids or []:
+            if _check_int("stop_token_ids", tid) < 0:
+                raise ValueError(f"stop_token_ids must be >= 0, got {tid}")
+        if self.logit_bias:
+            for k, v in self.logit_bias.items():
+                if k < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {k}")
+                _check_number("logit_bias", v)
+                self.logit_bias[k] = max(-100.0, min(100.0, v))
+        if self.use_beam_search and self.temperature > _SAMPLING_EPS:
+            # vLLM's rule: beam search is deterministic.
+            raise ValueError("temperature must be 0 when use_beam_search is set")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    def clone(self, **changes: object) -> SamplingParams:
+        """A copy with ``changes`` applied (re-validated)."""
+        from dataclasses import asdict
+
+        d = asdict(self)
+        d.update(changes)
+        return SamplingParams(**d)  # type: ignore[arg-type]
