@@ -1,0 +1,19 @@
+"""pagedllm: a readable paged-KV-cache LLM inference and serving engine."""
+
+from pagedllm.config import EngineArgs
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "Logprob"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Lazy: importing the package (e.g. for SamplingParams in the API server) must not
+    # pull in torch and the model code.
+    if name == "LLM":
+        from pagedllm.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,158 @@
+"""KV cache manager: which blocks each request holds, and the prefix cache.
+
+```
+ request r:  tokens  [t0 .. t15][t16 .. t31][t32 .. t37 ____]
+ block table [   7   ][   2    ][   9  (partly filled)  ]      <- req_to_blocks[r]
+ hashes      [  h0   ][ h1=H(h0, t16..t31) ]                  <- full blocks only
+```
+
+Internal fragmentation is at most one partly filled block per request: a request holds
+``ceil(tokens / block_size)`` blocks, never more.  Block hashes are chained
+(``H(parent_hash, tokens, extra_keys)``), so equal hashes mean equal *prefixes*, and are
+computed once per block as it fills -- never per step over the whole sequence.
+"""
+
+from __future__ import annotations
+
+from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...],
+               extra_key: object = None) -> int:
+    """Chained hash of one full block.  Python's tuple hash is deterministic for ints
+    (no per-process salt), which is all an in-process cache needs."""
+    return hash((parent_hash, token_ids, extra_key))
+
+
+class KVCacheManager:
+    """Owns request -> blocks and request -> block hashes; the scheduler asks, never edits."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_hashes: dict[str, list[int]] = {}
+        # How many leading blocks of a request are already registered in the cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        # Prefix-cache counters (tokens), read and reset by the scheduler each step.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # -- queries -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.pool.num_usable_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    # -- prefix cache --------------------------------------------------------------
+    def _extra_key(self, request: Request) -> object:
+        return getattr(request.sampling_params, "cache_salt", None)
+
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        """The request's chained hashes for its first ``num_full_blocks`` blocks,
+        extending the memoised list only by the blocks not hashed yet."""
+        hashes = self.req_to_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        tokens = request.all_token_ids
+        extra = self._extra_key(request)
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of full blocks for a request not yet holding blocks.
+
+        Returns the blocks (not yet referenced: pass them to ``allocate_slots``) and the
+        number of tokens they cover.  At least the last token is always left to compute,
+        because its logits are needed.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, max_blocks)
+        hits: list[KVCacheBlock] = []
+        for h in hashes[:max_blocks]:
+            b = self.pool.get_cached_block(h)
+            if b is None:
+                break
+            hits.append(b)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    # -- allocation ----------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens of ``request``.
+
+        ``new_computed_blocks`` are prefix-cache hits from ``get_computed_blocks`` (only
+        on a request's first allocation).  Returns the blocks appended to the request's
+        table (hits first), or None -- changing nothing -- if the pool is too small now.
+        """
+        computed = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        total = num_computed + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(blocks) - len(computed)
+        # Reviving a free cached hit takes it off the free list too.
+        revived = sum(1 for b in computed if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - revived:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        self.pool.touch(computed)
+        new = self.pool.get_new_blocks(max(0, num_new_blocks))
+        blocks.extend(computed)
+        blocks.extend(new)
+        if self.enable_caching:
+            # Register the blocks this step fills completely with known tokens.
+            self._cache_full_blocks(request, min(total, request.num_tokens))
+        return computed + new
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        rid = request.request_id
+        num_full = num_tokens // self.block_size
+        done = self.num_cached_blocks.get(rid, 0)
+        if num_full <= done:
+            return
+        hashes = self._block_hashes(request, num_full)
+        blocks = self.req_to_blocks[rid]
+        for i in range(done, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release every block of ``request`` (tail first, so its prefix stays cached
+        longest).  Idempotent: freeing a request that holds nothing is a no-op."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, None)
+        self.num_cached_blocks.pop(rid, None)
+        self.req_to_hashes.pop(rid, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    def take_prefix_stats(self) -> tuple[int, int]:
+        q, h = self.prefix_queries, self.prefix_hits
+        self.prefix_queries = self.prefix_hits = 0
+        return q, h

@@ -1,0 +1,168 @@
+"""Turn user prompts into validated ``EngineCoreRequest``s (tokenise, check, fan out n).
+
+Every rejection is a ``ValueError`` whose message names the offending parameter; the
+server maps ``ContextLengthError`` to ``code: context_length_exceeded``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+from pagedllm.config import ModelConfig
+from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.sampling_params import SamplingParams
+
+PromptType = Union[str, Sequence[int], Mapping[str, Any]]
+# (prompt text or None, prompt token ids, effective params, one core request per sample)
+ProcessedRequest = tuple[str | None, list[int], SamplingParams, list[EngineCoreRequest]]
+
+
+class ContextLengthError(ValueError):
+    """The prompt (plus ``max_tokens``) does not fit ``max_model_len``."""
+
+    def __init__(self, message: str, param: str, prompt_tokens: int, max_model_len: int):
+        super().__init__(message)
+        self.param = param
+        self.prompt_tokens = prompt_tokens
+        self.max_model_len = max_model_len
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    return f"{index}_{request_id}"
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any | None,
+                 max_tokens_per_request: int | None = None, max_logprobs: int = 20) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.max_model_len = model_config.max_model_len
+        self.max_tokens_per_request = max_tokens_per_request or self.max_model_len
+        self.max_logprobs = max_logprobs
+        self.vocab_size = model_config.vocab_size
+        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        cfg_eos = getattr(model_config.hf_config, "eos_token_id", None)
+        cfg_eos_list = cfg_eos if isinstance(cfg_eos, list) else (
+            [cfg_eos] if cfg_eos is not None else [])
+        self.eos_token_id: int | None = eos if eos is not None else (
+            cfg_eos_list[0] if cfg_eos_list else None)
+        # Extra end-of-sequence ids (e.g. Llama 3's <|eot_id|>) stop like stop_token_ids.
+        self.extra_eos_ids = [t for t in cfg_eos_list if t != self.eos_token_id]
+
+    # -- prompts -------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Returns (prompt text or None, token ids); ValueError naming ``prompt``."""
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer "
+                                 "(skip_tokenizer_init is set); pass token ids")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, Sequence):
+            return None, self._check_ids(prompt)
+        raise ValueError(f"prompt must be a string or a list of token ids, got "
+                         f"{type(prompt).__name__}")
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, Sequence) or isinstance(ids, str):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        if len(ids) == 0:
+            raise ValueError("prompt must not be empty")
+        out = []
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"prompt token ids must be integers, got {t!r}")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"prompt token id {t} is out of vocabulary (must be in [0, "
+                    f"{self.vocab_size}))")
+            out.append(t)
+        return out
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            chat_template: str | None = None,
+                            add_generation_prompt: bool = True,
+                            **kwargs: Any) -> list[int]:
+        """Render ``messages`` with the model's (or the given) chat template."""
+        if self.tokenizer is None:
+            raise ValueError("messages: chat needs a tokenizer (skip_tokenizer_init is set)")
+        if not isinstance(messages, Sequence) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages), chat_template=chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt, **kwargs)
+        except Exception as e:  # jinja errors, missing template, bad roles
+            raise ValueError(f"messages: cannot apply the chat template: {e}") from e
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    # -- requests ------------------------------------------------------------------
+    def check_params(self, num_prompt: int, params: SamplingParams) -> SamplingParams:
+        """Validate against the model and fill defaults; returns the params to use."""
+        mml = self.max_model_len
+        if num_prompt >= mml:
+            raise ContextLengthError(
+                f"This model's maximum context length is {mml} tokens, but the prompt "
+                f"has {num_prompt} tokens", "prompt", num_prompt, mml)
+        changes: dict[str, Any] = {}
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = min(mml, self.max_tokens_per_request) - num_prompt
+            changes["max_tokens"] = max_tokens
+            if params.min_tokens > max_tokens:
+                changes["min_tokens"] = max_tokens
+        elif num_prompt + max_tokens > mml:
+            raise ContextLengthError(
+                f"This model's maximum context length is {mml} tokens; the prompt has "
+                f"{num_prompt} tokens and max_tokens is {max_tokens} "
+                f"({num_prompt + max_tokens} in total)", "max_tokens", num_prompt, mml)
+        if num_prompt + max_tokens > self.max_tokens_per_request:
+            raise ValueError(
+                f"max_tokens: the prompt ({num_prompt}) plus max_tokens ({max_tokens}) "
+                f"needs more KV cache than exists ({self.max_tokens_per_request} tokens)")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > self.max_logprobs:
+                raise ValueError(f"{name} must be <= max_logprobs ({self.max_logprobs}), "
+                                 f"got {v}")
+        for tid in list(params.logit_bias or ()) + list(params.stop_token_ids or ()):
+            if tid >= self.vocab_size:
+                raise ValueError(f"token id {tid} (in logit_bias or stop_token_ids) is out "
+                                 f"of vocabulary ({self.vocab_size})")
+        if self.extra_eos_ids and not params.ignore_eos:
+            missing = [t for t in self.extra_eos_ids if t not in (params.stop_token_ids or [])]
+            if missing:
+                changes["stop_token_ids"] = list(params.stop_token_ids or []) + missing
+        return params.clone(**changes) if changes else params
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                arrival_time: float | None = None, priority: int = 0,
+                ) -> ProcessedRequest:
+        """Validate and tokenise one request (ValueError names the bad parameter)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        text, ids = self.tokenize(prompt)
+        params = self.check_params(len(ids), params)
+        arrival = time.time() if arrival_time is None else arrival_time
+        if params.n == 1:
+            children = [EngineCoreRequest(request_id, ids, params, arrival,
+                                          self.eos_token_id, priority)]
+        else:
+            children = []
+            for i in range(params.n):
+                seed = None if params.seed is None else params.seed + i
+                children.append(EngineCoreRequest(
+                    child_request_id(request_id, i), ids, params.clone(n=1, seed=seed),
+                    arrival, self.eos_token_id, priority))
+        return text, ids, params, children

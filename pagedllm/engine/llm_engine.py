@@ -1,0 +1,79 @@
+"""The synchronous engine behind the offline ``LLM``: input processor -> core -> output
+processor, with the core in this process (``InprocClient``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.engine.core_client import InprocClient
+from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+
+def load_tokenizer(config: EngineConfig) -> Any | None:
+    mc = config.model_config
+    if mc.skip_tokenizer_init:
+        return None
+    return mc.resolved.load_tokenizer(mc.trust_remote_code)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, max_logprobs: int = 20) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        self.client = InprocClient(config)
+        self.input_processor = InputProcessor(
+            config.model_config, self.tokenizer, self.client.max_tokens_per_request,
+            max_logprobs)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config())
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0,
+                    kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
+        """Validate and queue a request (ValueError names the bad parameter; nothing is
+        queued then)."""
+        self.add_processed(request_id, self.input_processor.process(
+            request_id, prompt, params, arrival_time, priority), kind)
+
+    def add_processed(self, request_id: str, processed: ProcessedRequest,
+                      kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
+        """Queue a request already validated by ``input_processor.process``."""
+        text, ids, params, core_reqs = processed
+        self.output_processor.add_request(request_id, text, ids, params,
+                                          core_reqs[0].arrival_time, kind)
+        added: list[str] = []
+        try:
+            for r in core_reqs:
+                self.client.add_request(r)
+                added.append(r.request_id)
+        except ValueError:
+            self.client.abort_requests(added)
+            self.output_processor.abort_request(request_id)
+            raise
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.client.abort_requests(self.output_processor.abort_request(rid))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        core_out = self.client.get_output()
+        processed = self.output_processor.process_outputs(core_out)
+        if processed.reqs_to_abort:
+            self.client.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def shutdown(self) -> None:
+        self.client.shutdown()

@@ -1,0 +1,118 @@
+"""The offline API: ``LLM(model=...).generate(prompts, sampling_params)`` as in vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+_ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)} - {"model", "extra"}
+
+
+def _normalise_prompts(prompts: Any) -> list[PromptType]:
+    """One prompt (text, token ids, dict) or a list of them -> a list."""
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, Sequence):
+        if len(prompts) == 0:
+            raise ValueError("prompts must not be empty")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]
+        return list(prompts)
+    raise ValueError(f"prompts must be a string, a list of token ids, or a list of these; "
+                     f"got {type(prompts).__name__}")
+
+
+class LLM:
+    """An offline engine for batches of prompts.
+
+    ``LLM()`` runs the embedded default model (SmolLM2-135M-Instruct); any ``EngineArgs``
+    field (``dtype``, ``max_model_len``, ``kv_cache_memory_bytes``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``block_size``, ``seed``, ...) may be passed by keyword.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - _ENGINE_ARG_NAMES - {"max_logprobs"})
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+        max_logprobs = kwargs.pop("max_logprobs", 20)
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine(self.engine_args.create_engine_config(), max_logprobs)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[
+            SamplingParams] | None = None, use_tqdm: bool = True,
+            priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; returns one ``RequestOutput`` per prompt, in order.
+
+        Every prompt is validated before any is queued, so a bad one raises ``ValueError``
+        and nothing runs.
+        """
+        plist = _normalise_prompts(prompts)
+        return self._run(plist, sampling_params, use_tqdm, priority)
+
+    def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[
+            SamplingParams] | None = None, use_tqdm: bool = True,
+            chat_template: str | None = None, add_generation_prompt: bool = True,
+            ) -> list[RequestOutput]:
+        """Chat completion(s): ``messages`` is one conversation (a list of
+        ``{"role", "content"}`` dicts) or a list of conversations."""
+        if not isinstance(messages, Sequence) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        convs = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        ip = self.llm_engine.input_processor
+        plist: list[PromptType] = [
+            {"prompt_token_ids": ip.apply_chat_template(c, chat_template,
+                                                        add_generation_prompt)}
+            for c in convs]
+        return self._run(plist, sampling_params, use_tqdm, None)
+
+    def _run(self, plist: list[PromptType], sampling_params: Any, use_tqdm: bool,
+             priority: Sequence[int] | None) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(plist)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(plist):
+                raise ValueError(f"sampling_params: got {len(params)} for {len(plist)} "
+                                 "prompts; pass one, or one per prompt")
+        prio = list(priority) if priority is not None else [0] * len(plist)
+        if len(prio) != len(plist):
+            raise ValueError("priority: pass one value per prompt")
+        engine = self.llm_engine
+        # Validate everything first: a bad prompt must not leave others half-queued.
+        rids = [str(next(self._counter)) for _ in plist]
+        processed = [engine.input_processor.process(rid, p, sp, priority=pr)
+                     for rid, p, sp, pr in zip(rids, plist, params, prio)]
+        ids_in_order: list[str] = []
+        try:
+            for rid, proc in zip(rids, processed):
+                engine.add_processed(rid, proc)
+                ids_in_order.append(rid)
+            finished: dict[str, RequestOutput] = {}
+            bar = tqdm(total=len(plist), desc="Processed prompts", disable=not use_tqdm,
+                       dynamic_ncols=True)
+            with bar:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request(ids_in_order)
+            raise
+        return [finished[r] for r in ids_in_order]

@@ -1,0 +1,110 @@
+"""The engine-side request: one sequence the scheduler tracks (torch-free).
+
+A request has ``num_tokens`` (prompt + generated so far) and ``num_computed_tokens``
+(how many of them have their K/V in the cache).  Each step the scheduler grants it
+``num_tokens - num_computed_tokens`` new tokens or fewer; nothing else distinguishes a
+prefill from a decode.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from pagedllm.engine.messages import EngineCoreRequest, FinishReason
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status >= RequestStatus.FINISHED_STOPPED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> FinishReason | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    """Mutable per-request state owned by the scheduler.
+
+    ``all_token_ids`` grows by append only (O(1) per token); nothing here is recomputed
+    from the full sequence per step.
+    """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority",
+        "arrival_time", "output_token_ids", "all_token_ids", "num_computed_tokens",
+        "status", "stop_reason", "num_preemptions", "max_tokens", "num_cached_tokens",
+        "first_scheduled_time", "_first_scheduled_reported",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, eos_token_id: int | None,
+                 arrival_time: float | None = None, priority: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.priority = priority
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        assert sampling_params.max_tokens is not None, "engine fills in max_tokens"
+        self.max_tokens: int = sampling_params.max_tokens
+        self.num_cached_tokens = -1  # set when first scheduled (prefix-cache hits)
+        self.first_scheduled_time: float | None = None
+        self._first_scheduled_reported = False
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
+        return cls(req.request_id, req.prompt_token_ids, req.sampling_params,
+                   req.eos_token_id, req.arrival_time, req.priority)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def __lt__(self, other: Request) -> bool:
+        """Priority order: lower ``priority`` first, then earlier arrival (vLLM's rule)."""
+        return (self.priority, self.arrival_time, self.request_id) < (
+            other.priority, other.arrival_time, other.request_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")

@@ -1,0 +1,108 @@
+"""The worker: pick the device, load the model, size and allocate the KV cache.
+
+KV sizing: ``kv_cache_memory_bytes`` when given; otherwise on CPU a default of
+``DEFAULT_CPU_KV_BYTES`` (capped at what ``max_num_seqs`` full-length requests could use),
+and on GPU ``gpu_memory_utilization`` of the device minus the weights and the profiled
+activation peak.  The plan is logged once at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.config import EngineConfig
+from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedllm.models.loader import load_model
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedllm")
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def make_backend(device: torch.device) -> AttentionBackend:
+    """Triton on CUDA when available, the torch reference otherwise."""
+    if device.type == "cuda":
+        try:
+            from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+            return TritonAttentionBackend()
+        except ImportError:  # pragma: no cover - triton missing on a GPU box
+            logger.warning("triton not available; using the torch reference attention")
+    from pagedllm.attention.torch_ref import TorchReferenceBackend
+
+    return TorchReferenceBackend()
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device_config.device)
+        if config.device_config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.device_config.num_threads)
+        self.dtype = torch_dtype(config.model_config.dtype)
+        self.runner: ModelRunner | None = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    def load_model(self) -> None:
+        t0 = time.perf_counter()
+        torch.manual_seed(self.config.model_config.seed)
+        self.backend = make_backend(self.device)
+        self.model = load_model(self.config.model_config, self.device, self.backend)
+        logger.info("loaded %s (%s, %s) in %.1f s", self.config.model_config.served_model_name,
+                    self.config.model_config.dtype, self.device, time.perf_counter() - t0)
+
+    def determine_num_blocks(self) -> int:
+        mc, cc, sc = self.config.model_config, self.config.cache_config, \
+            self.config.scheduler_config
+        per_block = mc.kv_bytes_per_token() * cc.block_size
+        budget = cc.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                used_elsewhere = total - free
+                budget = int(total * cc.gpu_memory_utilization) - used_elsewhere
+            else:
+                want = (sc.max_num_seqs * mc.max_model_len + cc.block_size) * \
+                    mc.kv_bytes_per_token()
+                budget = min(DEFAULT_CPU_KV_BYTES, want)
+        num_blocks = int(budget // per_block)
+        need = -(-mc.max_model_len // cc.block_size) + 1  # +1: the reserved null block
+        if num_blocks < need:
+            fits = max(0, (num_blocks - 1) * cc.block_size)
+            raise ValueError(
+                f"kv_cache_memory_bytes: {budget} bytes hold {max(num_blocks - 1, 0)} KV "
+                f"blocks ({fits} tokens), fewer than one request of max_model_len "
+                f"({mc.max_model_len}); lower max_model_len to {fits} or give the KV "
+                f"cache more memory")
+        return num_blocks
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        mc, cc = self.config.model_config, self.config.cache_config
+        self.config = self.config.with_num_blocks(num_blocks)
+        shape = (2, num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim)
+        # Zeroed, not empty: attention gathers whole blocks and masks the tail, and
+        # garbage NaNs would survive a zero attention weight.
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(mc.num_layers)]
+        self.model.bind_kv_caches(self.kv_caches)
+        self.runner = ModelRunner(self.config, self.model, self.device)
+        tokens = (num_blocks - 1) * cc.block_size
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency at "
+            "max_model_len %d: %.2fx", num_blocks - 1, cc.block_size, tokens,
+            num_blocks * cc.block_size * mc.kv_bytes_per_token() / 2**30,
+            mc.max_model_len, tokens / mc.max_model_len)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.runner is not None, "initialize_cache first"
+        return self.runner.execute_model(sched)
