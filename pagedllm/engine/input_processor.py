@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 from pagedllm.config import ModelConfig
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 
-PromptType = Union[str, Sequence[int], Mapping[str, Any]]
+PromptType = str | Sequence[int] | Mapping[str, Any]
 # (prompt text or None, prompt token ids, effective params, one core request per sample)
 ProcessedRequest = tuple[str | None, list[int], SamplingParams, list[EngineCoreRequest]]
 
