@@ -53,12 +53,25 @@ class ResolvedModel:
         return os.path.join(self.directory, self.gguf_file) if self.gguf_file else None
 
     def load_hf_config(self, trust_remote_code: bool = False) -> Any:
-        """The transformers ``PretrainedConfig`` (from config.json or GGUF metadata)."""
+        """The transformers ``PretrainedConfig`` (from config.json or GGUF metadata).
+
+        For a GGUF of a supported architecture (llama, qwen2, qwen3) the config is built
+        straight from the file's metadata (~0.2 s) instead of
+        ``AutoConfig.from_pretrained(gguf_file=...)``, which dequantises nothing but still
+        parses every field through ``GGUFReader`` (~10 s on a small CPU).  Other GGUF
+        architectures fall back to transformers.
+        """
         from transformers import AutoConfig
 
         try:
             if self.gguf_file and not os.path.isfile(os.path.join(self.directory,
                                                                     "config.json")):
+                from pagedllm.models.gguf_file import GGUFFile
+
+                assert self.gguf_path is not None
+                config = hf_config_from_gguf(GGUFFile(self.gguf_path))
+                if config is not None:
+                    return config
                 return AutoConfig.from_pretrained(
                     self.directory, gguf_file=self.gguf_file,
                     trust_remote_code=trust_remote_code)
@@ -70,20 +83,146 @@ class ResolvedModel:
                              f"{_first_line(e)}") from e
 
     def load_tokenizer(self, trust_remote_code: bool = False) -> Any:
-        """The transformers tokenizer (from tokenizer files or GGUF metadata)."""
+        """The transformers tokenizer (from tokenizer files or GGUF metadata).
+
+        Converting a GGUF vocabulary takes seconds, so the converted tokenizer is saved
+        once under ``tokenizer_cache_dir()`` (keyed by the file's path, size, mtime and the
+        transformers version) and loaded from there afterwards.
+        """
         from transformers import AutoTokenizer
 
         try:
             if self.gguf_file and self.tokenizer_dir == self.directory and not _has_tok_files(
                     self.directory):
-                return AutoTokenizer.from_pretrained(
-                    self.directory, gguf_file=self.gguf_file,
-                    trust_remote_code=trust_remote_code)
+                assert self.gguf_path is not None
+                return _cached_gguf_tokenizer(self.gguf_path, trust_remote_code)
             return AutoTokenizer.from_pretrained(
                 self.tokenizer_dir, trust_remote_code=trust_remote_code)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"tokenizer: cannot load a tokenizer from {self.tokenizer_dir}: "
                              f"{_first_line(e)}") from e
+
+
+# GGUF architecture -> (transformers config class name, HF architecture name).
+_GGUF_ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
+def hf_config_from_gguf(gguf: Any) -> Any | None:
+    """Build the transformers config from a parsed ``GGUFFile``'s metadata.
+
+    Mirrors transformers' own GGUF mapping (``integrations/ggml.py``) for the fields our
+    models read; returns None for an architecture we do not map (the caller falls back to
+    transformers).  ``architectures`` is set so the model registry can dispatch on it.
+    """
+    import inspect
+
+    import transformers
+
+    meta = gguf.metadata
+    arch = meta.get("general.architecture")
+    if arch not in _GGUF_ARCHS:
+        return None
+    if any(t.name == "rope_freqs.weight" for t in gguf.tensors):
+        # llama.cpp stores llama3-style rope scaling as per-frequency factors; we only
+        # support rope scaling described in the HF config.
+        raise ValueError(f"{gguf.path}: GGUF rope_freqs (llama3 rope scaling) is not "
+                         "supported; use the Hugging Face safetensors checkpoint")
+    cls_name, hf_arch = _GGUF_ARCHS[arch]
+    cls = getattr(transformers, cls_name)
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    tokens = meta.get("tokenizer.ggml.tokens")
+    kw: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "vocab_size": int(get("vocab_size", len(tokens) if tokens is not None else 32000)),
+        "hidden_size": int(get("embedding_length")),
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": int(get("attention.head_count")),
+        "num_key_value_heads": int(get("attention.head_count_kv",
+                                       get("attention.head_count"))),
+        "max_position_embeddings": int(get("context_length")),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        # llama.cpp drops output.weight when the head is tied to the embedding.
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in gguf.tensors),
+    }
+    for ours, theirs in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                         ("pad_token_id", "padding_token_id"),
+                         ("unk_token_id", "unknown_token_id")):
+        value = meta.get(f"tokenizer.ggml.{theirs}")
+        if value is not None:
+            kw[ours] = int(value)
+    if arch == "llama" and get("rope.dimension_count") is not None:
+        kw["head_dim"] = int(get("rope.dimension_count"))
+    if arch == "qwen3" and get("attention.key_length") is not None:
+        kw["head_dim"] = int(get("attention.key_length"))
+    theta = float(get("rope.freq_base", 10000.0))
+    if "rope_parameters" in inspect.signature(cls.__init__).parameters:
+        kw["rope_parameters"] = {"rope_theta": theta, "rope_type": "default"}
+    else:  # transformers 4.x
+        kw["rope_theta"] = theta
+    return cls(**kw)
+
+
+def tokenizer_cache_dir() -> str:
+    """Root of the converted-tokenizer cache: ``$PAGEDLLM_CACHE_DIR/tokenizers`` or
+    ``~/.cache/pagedllm/tokenizers``."""
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "pagedllm")
+    return os.path.join(root, "tokenizers")
+
+
+def _tokenizer_cache_key(gguf_path: str) -> str:
+    import hashlib
+
+    import transformers
+
+    st = os.stat(gguf_path)
+    ident = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|" \
+            f"{transformers.__version__}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:32]
+
+
+def _cached_gguf_tokenizer(gguf_path: str, trust_remote_code: bool) -> Any:
+    """Load the GGUF's tokenizer from the cache, converting and caching it on a miss.
+
+    The cache entry is written to a temporary sibling directory and renamed into place,
+    so a concurrent reader never sees a half-written tokenizer; a cache that cannot be
+    written (read-only home) only costs the conversion time.
+    """
+    import shutil
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    target = os.path.join(tokenizer_cache_dir(), _tokenizer_cache_key(gguf_path))
+    if os.path.isfile(os.path.join(target, "tokenizer_config.json")):
+        try:
+            return AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a damaged entry: rebuild it below
+    directory, name = os.path.split(gguf_path)
+    tok = AutoTokenizer.from_pretrained(directory, gguf_file=name,
+                                        trust_remote_code=trust_remote_code)
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(target))
+        try:
+            tok.save_pretrained(tmp)
+            if os.path.isdir(target):  # damaged entry (or a racing writer): replace it
+                shutil.rmtree(target, ignore_errors=True)
+            os.rename(tmp, target)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        pass
+    return tok
 
 
 def _first_line(e: BaseException) -> str:
