@@ -1,0 +1,263 @@
+"""The engine-core process: ``EngineCore`` behind two ZeroMQ sockets.
+
+::
+
+    API server process                          engine-core process
+    ------------------                          -------------------
+    PUSH  (binds input_addr)  ── ADD/ABORT ──►  PULL   drain inputs ─┐
+                                                                     ▼
+    PULL  (binds output_addr) ◄── OUTPUTS ───  PUSH   step() ─ publish outputs
+                              ◄── READY (once, after the model is loaded)
+
+Wire format: every message is two frames, ``[kind, payload]``; payloads are msgpack via
+msgspec (``EngineCoreRequest`` list, ``list[str]`` of ids, ``EngineCoreOutputs``,
+``EngineCoreReady``).  No pickle crosses a socket.  Addresses are ``ipc://`` paths in a
+private temp dir or ``tcp://127.0.0.1``: the client binds, the core connects.
+
+The loop (``EngineCoreProc.run``):
+
+1. drain the input socket (block up to ``heartbeat_interval`` when idle, never when busy);
+2. ``step()`` while there is unfinished work and publish its ``EngineCoreOutputs``
+   (stamped with ``timestamp`` = wall time: the client's heartbeat);
+3. when idle, publish an empty ``EngineCoreOutputs`` every ``heartbeat_interval`` so the
+   API server's ``/health`` can tell "idle" from "stuck";
+4. exit when the parent process is gone (``os.getppid()`` changed), so killing the API
+   server never leaves an orphan holding the model's memory.
+
+An exception in ``step()`` is fatal: the core sends ``EngineCoreOutputs(engine_error=...)``
+(first line only: no traceback or paths leave the process), logs the traceback and exits
+with status 1.  A start-up failure is reported in ``EngineCoreReady(error=...)``, exit 1.
+
+Test hook: ``PAGEDLLM_FAULT_STEP_ERROR_AFTER=N`` makes the N+1-th step raise (used by the
+server tests for the "model forward raises" fault).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from pagedllm.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
+
+logger = logging.getLogger("pagedllm.engine.core_proc")
+
+# Frame 0 of every message.
+KIND_ADD = b"A"
+KIND_ABORT = b"X"
+KIND_SHUTDOWN = b"S"
+KIND_READY = b"R"
+KIND_OUTPUTS = b"O"
+
+FAULT_ENV = "PAGEDLLM_FAULT_STEP_ERROR_AFTER"
+
+
+class EngineCoreReady(msgspec.Struct, omit_defaults=True):
+    """The core's first message: what it decided at start-up, or why it could not start."""
+
+    pid: int
+    error: str | None = None
+    num_blocks: int = 0
+    block_size: int = 0
+    max_model_len: int = 0
+    max_num_seqs: int = 0
+    max_tokens_per_request: int = 0
+    device: str = ""
+    dtype: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def first_line(e: BaseException) -> str:
+    """``Type: first line of message`` -- safe to show a client (no traceback)."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+class EngineCoreProc:
+    """Runs one ``EngineCore`` and its sockets; see the module doc for the protocol."""
+
+    def __init__(self, core: Any, input_addr: str, output_addr: str, parent_pid: int,
+                 heartbeat_interval: float = 0.5) -> None:
+        self.core = core
+        self.parent_pid = parent_pid
+        self.heartbeat_interval = heartbeat_interval
+        self.ctx = zmq.Context(io_threads=1)
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.setsockopt(zmq.LINGER, 0)
+        self.input.connect(input_addr)
+        self.output = self.ctx.socket(zmq.PUSH)
+        # Outputs must survive until the client reads them, even on exit (error frames).
+        self.output.setsockopt(zmq.LINGER, 5000)
+        self.output.connect(output_addr)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.add_decoder = msgspec.msgpack.Decoder(list[EngineCoreRequest])
+        self.abort_decoder = msgspec.msgpack.Decoder(list[str])
+        self.last_publish = 0.0
+        self.num_steps = 0
+        fault = os.environ.get(FAULT_ENV)
+        self.fail_after: int | None = int(fault) if fault else None
+        self.stop = False
+
+    # ------------------------------------------------------------------ sending
+
+    def send_ready(self, ready: EngineCoreReady) -> None:
+        self.output.send_multipart([KIND_READY, self.encoder.encode(ready)])
+
+    def publish(self, outputs: EngineCoreOutputs) -> None:
+        outputs.timestamp = time.time()
+        self.output.send_multipart([KIND_OUTPUTS, self.encoder.encode(outputs)])
+        self.last_publish = time.monotonic()
+
+    # ------------------------------------------------------------------ receiving
+
+    def _handle(self, frames: list[bytes]) -> bool:
+        """Apply one input message; returns True if it was an abort (stats changed)."""
+        kind = frames[0]
+        if kind == KIND_ADD:
+            rejected: list[EngineCoreOutput] = []
+            for req in self.add_decoder.decode(frames[1]):
+                try:
+                    self.core.add_request(req)
+                except ValueError as e:
+                    # The frontend validates first; if the core still refuses, finish the
+                    # request (abort) rather than leave the client waiting forever.
+                    logger.warning("request %s rejected by the engine core: %s",
+                                   req.request_id, first_line(e))
+                    rejected.append(EngineCoreOutput(
+                        request_id=req.request_id, new_token_ids=[],
+                        finish_reason=FinishReason.ABORT))
+            if rejected:
+                self.publish(EngineCoreOutputs(outputs=rejected))
+            return False
+        if kind == KIND_ABORT:
+            self.core.abort_requests(self.abort_decoder.decode(frames[1]))
+            return True
+        if kind == KIND_SHUTDOWN:
+            self.stop = True
+            return False
+        logger.error("unknown message kind %r ignored", kind)
+        return False
+
+    def drain_inputs(self, timeout_ms: int) -> bool:
+        """Handle every queued input; wait up to ``timeout_ms`` for the first one.
+
+        Returns True when an abort arrived (so fresh stats are worth publishing)."""
+        aborted = False
+        if timeout_ms > 0 and not self.input.poll(timeout_ms):
+            return False
+        while True:
+            try:
+                frames = self.input.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return aborted
+            aborted |= self._handle(frames)
+
+    # ------------------------------------------------------------------ loop
+
+    def parent_alive(self) -> bool:
+        # Re-parenting (to init or a subreaper) is how Linux tells us the parent died.
+        return os.getppid() == self.parent_pid
+
+    def _idle_stats(self) -> SchedulerStats | None:
+        make = getattr(self.core, "make_stats", None) or getattr(
+            getattr(self.core, "scheduler", None), "make_stats", None)
+        return make() if callable(make) else None
+
+    def run(self) -> int:
+        """The busy loop; returns the process exit status."""
+        while not self.stop:
+            if not self.parent_alive():
+                logger.error("API server process %d is gone; engine core exiting",
+                             self.parent_pid)
+                return 1
+            busy = self.core.has_unfinished_requests()
+            aborted = self.drain_inputs(0 if busy else int(self.heartbeat_interval * 1000))
+            if self.stop:
+                break
+            if self.core.has_unfinished_requests():
+                if self.fail_after is not None and self.num_steps >= self.fail_after:
+                    raise RuntimeError(f"injected fault after {self.num_steps} steps "
+                                       f"({FAULT_ENV})")
+                outputs = self.core.step()
+                self.num_steps += 1
+                self.publish(outputs)
+            elif aborted or time.monotonic() - self.last_publish >= self.heartbeat_interval:
+                # Heartbeat; after aborts it also carries the freed-blocks snapshot.
+                self.publish(EngineCoreOutputs(scheduler_stats=self._idle_stats()))
+        return 0
+
+    def close(self) -> None:
+        self.input.close(linger=0)
+        self.output.close()
+        self.ctx.term()
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(
+        level=os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO"),
+        format=f"%(levelname)s %(asctime)s [EngineCore pid={os.getpid()}] %(message)s",
+        stream=sys.stderr)
+
+
+def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: int,
+                    heartbeat_interval: float = 0.5) -> None:
+    """Process entry point (multiprocessing spawn target).  Exits 0 on a requested
+    shutdown, 1 on a start-up failure, a step error or parent death."""
+    _setup_logging()
+    # The API server handles SIGINT/SIGTERM and tells us to stop; a Ctrl-C on the terminal
+    # reaches the whole process group, so ignore it here instead of dying mid-drain.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    proc: EngineCoreProc | None = None
+    status = 1
+    try:
+        from pagedllm.engine.core import EngineCore
+
+        try:
+            core = EngineCore(config)
+        except Exception as e:  # report why start-up failed, in one line
+            logger.exception("engine core failed to start")
+            proc = EngineCoreProc(None, input_addr, output_addr, parent_pid)
+            proc.send_ready(EngineCoreReady(pid=os.getpid(), error=first_line(e)))
+            return
+        proc = EngineCoreProc(core, input_addr, output_addr, parent_pid, heartbeat_interval)
+        cc = getattr(core, "config", config)
+        proc.send_ready(EngineCoreReady(
+            pid=os.getpid(), num_blocks=int(getattr(core, "num_blocks", 0) or 0),
+            block_size=int(cc.cache_config.block_size),
+            max_model_len=int(getattr(core, "max_model_len", 0)
+                              or cc.model_config.max_model_len),
+            max_num_seqs=int(cc.scheduler_config.max_num_seqs),
+            max_tokens_per_request=int(getattr(core, "max_tokens_per_request", 0) or 0),
+            device=str(cc.device_config.device), dtype=str(cc.model_config.dtype)))
+        try:
+            status = proc.run()
+        except Exception as e:
+            logger.exception("engine core step failed")
+            proc.publish(EngineCoreOutputs(engine_error=first_line(e)))
+            status = 1
+        try:
+            core.shutdown()
+        except Exception:  # shutting down after an error: nothing more to report
+            logger.exception("engine core shutdown failed")
+    finally:
+        if proc is not None:
+            proc.close()
+        # Skip interpreter teardown (atexit of torch / multiprocessing) once done.
+        logging.shutdown()
+        os._exit(status)
