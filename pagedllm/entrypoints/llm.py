@@ -13,6 +13,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
+from pagedllm.logger import init_logger
 from pagedllm.sampling_params import SamplingParams
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)} - {"model", "extra"}
@@ -44,6 +45,7 @@ class LLM:
         unknown = sorted(set(kwargs) - _ENGINE_ARG_NAMES - {"max_logprobs"})
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+        init_logger()
         max_logprobs = kwargs.pop("max_logprobs", 20)
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine(self.engine_args.create_engine_config(), max_logprobs)

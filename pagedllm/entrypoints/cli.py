@@ -1,0 +1,156 @@
+"""``pagedllm serve | generate | chat | bench``.
+
+Every failure a user can cause (bad flag value, missing model, prompt too long) prints
+one line to stderr and exits with status 1; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from pagedllm.entrypoints.engine_cli_args import (
+    add_engine_args,
+    add_sampling_args,
+    engine_args_from_cli,
+)
+
+
+def _sampling_params(args: argparse.Namespace):
+    from pagedllm.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def _build_engine(args: argparse.Namespace):
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.logger import init_logger
+
+    init_logger()
+    return LLMEngine.from_engine_args(engine_args_from_cli(args))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Complete one prompt (raw text, or as a chat turn with --chat) and print it."""
+    params = _sampling_params(args)
+    engine = _build_engine(args)
+    prompt: object = args.prompt
+    if args.chat:
+        prompt = {"prompt_token_ids": engine.input_processor.apply_chat_template(
+            [{"role": "user", "content": args.prompt}])}
+    engine.add_request("0", prompt, params)  # type: ignore[arg-type]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                print(out.outputs[0].text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Interactive chat with the model's chat template, streaming tokens as they come."""
+    from pagedllm.engine.output_processor import RequestOutputKind
+
+    params = _sampling_params(args)
+    engine = _build_engine(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("Chatting with the model; empty line or Ctrl-D to quit.", file=sys.stderr)
+    turn = 0
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        ids = engine.input_processor.apply_chat_template(messages)
+        engine.add_request(f"chat-{turn}", {"prompt_token_ids": ids}, params,
+                           kind=RequestOutputKind.DELTA)
+        turn += 1
+        reply = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                delta = out.outputs[0].text
+                reply.append(delta)
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="Complete a prompt and print the result.",
+                       description=cmd_generate.__doc__)
+    p.add_argument("prompt", help="The prompt text.")
+    p.add_argument("--chat", action="store_true",
+                   help="Wrap the prompt as a user message with the chat template.")
+    add_sampling_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def _add_chat(sub) -> None:
+    p = sub.add_parser("chat", help="Interactive chat in the terminal.",
+                       description=cmd_chat.__doc__)
+    p.add_argument("--system", default=None, help="An optional system message.")
+    add_sampling_args(p)
+    p.set_defaults(max_tokens=512)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_chat)
+
+
+def _add_serve(sub) -> None:
+    try:
+        from pagedllm.entrypoints.openai import api_server, cli_args
+    except ImportError:
+        return
+    p = sub.add_parser("serve", help="Start the OpenAI-compatible HTTP server.")
+    cli_args.add_serve_args(p)
+    p.set_defaults(func=api_server.run_server)
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="Benchmarks (throughput, latency, serve).")
+    bsub = p.add_subparsers(dest="bench_cmd", required=True)
+    for name, module in (("throughput", "pagedllm.benchmarks.throughput"),
+                         ("latency", "pagedllm.benchmarks.latency"),
+                         ("serve", "pagedllm.benchmarks.serve")):
+        try:
+            mod = __import__(module, fromlist=["add_args", "main"])
+        except ImportError:
+            continue
+        bp = bsub.add_parser(name, help=(mod.__doc__ or name).strip().splitlines()[0])
+        mod.add_args(bp)
+        bp.set_defaults(func=mod.main)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedllm", description="pagedllm: a paged-KV-cache LLM inference engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    adders: Sequence[Callable] = (_add_serve, _add_generate, _add_chat, _add_bench)
+    for add in adders:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

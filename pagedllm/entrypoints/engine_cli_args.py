@@ -1,0 +1,88 @@
+"""Command-line flags shared by every subcommand that builds an engine (generate, chat,
+serve, bench), named as in vLLM, and their conversion to ``EngineArgs``."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedllm.config import DTYPES, EngineArgs
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="A GGUF file or a Hugging Face model directory (config.json + "
+                        "safetensors + tokenizer). Default: the embedded "
+                        "SmolLM2-135M-Instruct.")
+    g.add_argument("--tokenizer", default=None,
+                   help="Tokenizer directory, if not the model's own.")
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="Weight and activation dtype. auto = float32 on CPU, the "
+                        "checkpoint's bf16/fp16 on GPU.")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="Longest sequence (prompt + output) in tokens. Default: the "
+                        "model's max_position_embeddings.")
+    g.add_argument("--load-format", default="auto",
+                   choices=["auto", "safetensors", "gguf", "dummy"],
+                   help="How to load weights; 'dummy' = random weights from the config "
+                        "alone (benchmarks).")
+    g.add_argument("--seed", type=int, default=0,
+                   help="Seed for dummy weights and for unseeded random sampling.")
+    g.add_argument("--block-size", type=int, default=16,
+                   help="Tokens per KV cache block.")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="Bytes for the KV cache (overrides --gpu-memory-utilization; on "
+                        "CPU default 2 GiB).")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="Fraction of GPU memory the engine may use (weights + "
+                        "activations + KV cache).")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="Most sequences running at once.")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="Token budget of one engine step (prompt chunks + decodes). "
+                        "Default 2048.")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: first come first served; priority: lower 'priority' "
+                        "value first, then arrival.")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="Where to run. auto = cuda when available.")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="Never capture CUDA graphs.")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's choice).")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=False, help="Reuse KV blocks of identical prompt prefixes.")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="Allow model repositories to run their own code (off by default).")
+
+
+def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
+        max_model_len=args.max_model_len, load_format=args.load_format, seed=args.seed,
+        block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduling_policy=args.scheduling_policy, device=args.device,
+        enforce_eager=args.enforce_eager, num_threads=args.num_threads,
+        enable_prefix_caching=args.enable_prefix_caching,
+        trust_remote_code=args.trust_remote_code,
+        served_model_name=getattr(args, "served_model_name", None))
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128, help="Most tokens to generate.")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy; higher = more random.")
+    g.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (0, 1].")
+    g.add_argument("--top-k", type=int, default=-1, help="Keep the k most likely (-1 = all).")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="Drop tokens below min_p x the top probability.")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 discourages repeating prompt/output tokens.")
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="Per-request seed for reproducible sampling.")
+    g.add_argument("--stop", action="append", default=None,
+                   help="Stop string (repeatable).")
+    g.add_argument("--ignore-eos", action="store_true", help="Keep going past EOS.")

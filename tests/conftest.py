@@ -1,0 +1,32 @@
+"""Shared fixtures: the default model's path, tokenizer, and an HF reference model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Two CPU cores in CI: keep torch from oversubscribing them.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from pagedllm.models.resolve import default_model_path
+
+    return default_model_path()
