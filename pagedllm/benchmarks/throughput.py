@@ -1,0 +1,139 @@
+"""Offline throughput: pagedllm vs HF Transformers on the same requests, same process.
+
+Workloads (BENCHMARKS.md): C1 (CPU, default model, 64 chat prompts, 128 tokens each, at
+the batch sizes given), W1 / W1-small (256 random token-id prompts), W3 (shared prefix),
+or ``custom`` (``--input-len``/``--output-len``/``--num-prompts``).  Prints a table and
+writes JSON with ``--output-json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from typing import Any
+
+from pagedllm.benchmarks.workloads import BenchRequest, c1_messages, w1, w3
+from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_from_cli
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default="C1",
+                   choices=["C1", "W1", "W1-small", "W3", "custom"],
+                   help="Which workload of BENCHMARKS.md to run.")
+    p.add_argument("--batch-sizes", default="1,64",
+                   help="C1/custom: comma-separated batch sizes (requests submitted "
+                        "together; C1 takes the first N prompts).")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="Number of requests (W1/W3/custom); default: the workload's.")
+    p.add_argument("--input-len", type=int, default=128, help="custom: prompt tokens.")
+    p.add_argument("--output-len", type=int, default=128,
+                   help="C1/custom: tokens generated per request (EOS ignored).")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="Timed runs per configuration; the median is reported.")
+    p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
+                   help="Also time HF Transformers generate() on the same requests.")
+    p.add_argument("--hf-batch-size", type=int, default=None,
+                   help="HF static batch size (default: the batch size being measured).")
+    p.add_argument("--output-json", default=None, help="Write the results here as JSON.")
+    add_engine_args(p)
+
+
+def _requests(args: argparse.Namespace, llm: Any) -> list[BenchRequest]:
+    if args.workload == "C1":
+        ip = llm.llm_engine.input_processor
+        return [BenchRequest(ip.apply_chat_template(m), args.output_len)
+                for m in c1_messages(64)]
+    if args.workload in ("W1", "W1-small"):
+        return w1(args.num_prompts or 256, vocab_hi=49000 if args.workload == "W1-small"
+                  else 128000)
+    if args.workload == "W3":
+        return w3(args.num_prompts or 256)
+    import random
+
+    rng = random.Random(0)
+    return [BenchRequest([rng.randrange(1000, 20000) for _ in range(args.input_len)],
+                         args.output_len) for _ in range(args.num_prompts or 64)]
+
+
+def _run_pagedllm(llm: Any, reqs: list[BenchRequest]) -> float:
+    from pagedllm import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
+              for r in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt_token_ids for r in reqs], params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(r.output_len for r in reqs)
+    return dt
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from pagedllm import LLM
+
+    eargs = engine_args_from_cli(args)
+    kwargs = {k: v for k, v in vars(eargs).items() if k not in ("model", "extra")}
+    llm = LLM(eargs.model, **kwargs)
+    all_reqs = _requests(args, llm)
+    if args.workload in ("C1", "custom"):
+        groups = [(f"batch {b}", all_reqs[:b]) for b in
+                  (int(x) for x in args.batch_sizes.split(","))]
+    else:
+        groups = [(args.workload, all_reqs)]
+    # Warm-up: 8 other requests (allocator, kernels, graphs).
+    _run_pagedllm(llm, [BenchRequest(r.prompt_token_ids[:64], 8) for r in all_reqs[-8:]])
+
+    hf_model = None
+    if args.hf:
+        from pagedllm.benchmarks.hf_baseline import load_hf_model
+        from pagedllm.worker.worker import torch_dtype
+
+        cfg = llm.llm_engine.config
+        hf_model = load_hf_model(cfg.model_config, cfg.device_config.device,
+                                 torch_dtype(cfg.model_config.dtype))
+    rows = []
+    for name, reqs in groups:
+        n_out = sum(r.output_len for r in reqs)
+        n_in = sum(len(r.prompt_token_ids) for r in reqs)
+        ours = statistics.median(_run_pagedllm(llm, reqs) for _ in range(args.repeats))
+        row: dict[str, Any] = {"config": name, "requests": len(reqs), "prompt_tokens": n_in,
+                               "output_tokens": n_out, "pagedllm_s": ours,
+                               "pagedllm_out_tok_s": n_out / ours,
+                               "pagedllm_total_tok_s": (n_in + n_out) / ours}
+        if hf_model is not None:
+            from pagedllm.benchmarks.hf_baseline import hf_generate
+
+            bs = args.hf_batch_size or len(reqs)
+            hf_s = statistics.median(
+                hf_generate(hf_model, [r.prompt_token_ids for r in reqs],
+                            [r.output_len for r in reqs], bs)[0] for _ in range(args.repeats))
+            row.update(hf_s=hf_s, hf_out_tok_s=n_out / hf_s, ratio=hf_s / ours)
+        rows.append(row)
+    _print_table(rows)
+    if args.output_json:
+        meta = {"workload": args.workload, "device": llm.llm_engine.config.device_config.device,
+                "dtype": llm.llm_engine.config.model_config.dtype,
+                "threads": torch.get_num_threads(), "machine": platform.processor() or
+                platform.machine(), "date": time.strftime("%Y-%m-%d")}
+        with open(args.output_json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    return 0
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    head = f"{'config':<12}{'reqs':>6}{'out tok':>9}{'pagedllm tok/s':>16}"
+    has_hf = any("hf_out_tok_s" in r for r in rows)
+    if has_hf:
+        head += f"{'HF tok/s':>11}{'ratio':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        line = (f"{r['config']:<12}{r['requests']:>6}{r['output_tokens']:>9}"
+                f"{r['pagedllm_out_tok_s']:>16.1f}")
+        if has_hf and "hf_out_tok_s" in r:
+            line += f"{r['hf_out_tok_s']:>11.1f}{r['ratio']:>7.2f}x"
+        print(line)

@@ -1,0 +1,71 @@
+"""The seeded workloads of BENCHMARKS.md, drawn exactly in the documented order so every
+engine sees the same requests."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def w1(num_requests: int = 256, seed: int = 0, vocab_hi: int = 128000) -> list[BenchRequest]:
+    """W1 (and W2, W1-small with ``vocab_hi=49000``): plen 128..1024, olen 32..512."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_requests):
+        plen = rng.randint(128, 1024)
+        olen = rng.randint(32, 512)
+        out.append(BenchRequest([rng.randrange(1000, vocab_hi) for _ in range(plen)], olen))
+    return out
+
+
+def w3(num_requests: int = 256, prefix_len: int = 2048, vocab_hi: int = 128000,
+       output_len: int = 128) -> list[BenchRequest]:
+    """W3: one shared prefix plus 32..128 unique tokens each, 128 output tokens."""
+    rng = random.Random(3)
+    prefix = [rng.randrange(1000, vocab_hi) for _ in range(prefix_len)]
+    out = []
+    for _ in range(num_requests):
+        n = rng.randint(32, 128)
+        out.append(BenchRequest(prefix + [rng.randrange(1000, vocab_hi) for _ in range(n)],
+                                output_len))
+    return out
+
+
+def w4(seed: int, vocab_hi: int = 128000, prompt_len: int = 512) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, vocab_hi) for _ in range(prompt_len)]
+
+
+_TOPICS = [
+    "the water cycle", "black holes", "the French revolution", "photosynthesis",
+    "machine learning", "the Roman empire", "volcanoes", "jazz music", "the human heart",
+    "climate change", "the printing press", "quantum computing", "honey bees",
+    "the Great Wall of China", "electric cars", "the Olympic games", "coral reefs",
+    "the internet", "ancient Egypt", "vaccines", "the moon landing", "chess",
+    "renewable energy", "the stock market", "dinosaurs", "coffee", "the Silk Road",
+    "earthquakes", "Shakespeare", "the immune system", "rainbows", "bread baking",
+]
+_ASKS = [
+    "Explain {t} to a ten-year-old.",
+    "Write a short paragraph about {t}, with one surprising fact.",
+]
+
+
+def c1_messages(num: int = 64) -> list[list[dict[str, Any]]]:
+    """C1: 64 different single-turn chat prompts (30-50 tokens with SmolLM2's template)."""
+    convs = []
+    for i in range(num):
+        ask = _ASKS[(i // len(_TOPICS)) % len(_ASKS)]
+        convs.append([{"role": "user", "content": ask.format(t=_TOPICS[i % len(_TOPICS)])}])
+    return convs
+
+
+def totals(reqs: list[BenchRequest]) -> tuple[int, int]:
+    return sum(len(r.prompt_token_ids) for r in reqs), sum(r.output_len for r in reqs)
