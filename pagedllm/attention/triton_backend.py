@@ -1,0 +1,48 @@
+"""The GPU attention backend: Triton KV-cache write + one-launch paged attention.
+
+CUDA-graph safety: both launches take their grids from host ints only (``num_tokens`` =
+``query.shape[0]``, ``meta.num_reqs``, ``meta.max_query_len``, head counts) and never read
+a device tensor on the host.  The split-KV choice (see
+``pagedllm.kernels.paged_attention.plan_attention``) depends on the number of requests and
+the max query length but not on sequence lengths, so a graph captured for a decode batch
+size replays correctly at any context length.  Padding tokens (slot -1, beyond
+``query_start_loc[num_reqs]``) are skipped by the write and produce unspecified rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels.kv_write import write_kv_cache
+from pagedllm.kernels.paged_attention import paged_attention
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention on the GPU through the Triton kernels in ``pagedllm.kernels``.
+
+    ``force_num_splits`` pins the split-KV count (1 = never split; tests use it to force
+    the flash-decoding path); None lets the host heuristic decide per step.
+    """
+
+    name = "triton"
+
+    def __init__(self, force_num_splits: int | None = None) -> None:
+        self.force_num_splits = force_num_splits
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_attention(
+            query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            num_reqs=meta.num_reqs, max_query_len=meta.max_query_len, scale=scale,
+            num_splits=self.force_num_splits,
+        )

@@ -1,0 +1,363 @@
+"""Paged attention for a flattened mixed batch in one launch (plus a split-KV variant).
+
+What it computes (contract of ``pagedllm.attention.metadata``): for request ``r`` with
+``q_len = query_start_loc[r+1] - query_start_loc[r]`` new tokens and ``seq_len =
+seq_lens[r]`` tokens of context (new ones included), new token ``i`` sits at absolute
+position ``seq_len - q_len + i`` and attends to cached positions ``0 .. that position``,
+read through ``block_tables[r]``.  Prefill chunks (with or without cached context) and
+single-token decodes may appear in any order.
+
+Grid design (after vLLM's ``unified_attention`` Triton kernel)::
+
+    axis 0: query tiles.  Each request's tokens are cut into tiles of BLOCK_Q tokens; a
+            program finds its request by binary search over ``query_start_loc`` using the
+            "tile start" ``query_start_loc[r] // BLOCK_Q + r``.  The grid size is the
+            upper bound ``num_tokens // BLOCK_Q + num_reqs`` -- host ints only, so the
+            launch is CUDA-graph safe; surplus programs exit at once.
+    axis 1: KV heads.  A program handles BLOCK_Q tokens x all GQA query heads of its KV
+            head (BLOCK_M = BLOCK_Q * GQA rows, padded to a power of two), so each K/V
+            tile is loaded once for the whole group and both products run on tensor
+            cores (tl.dot needs M >= 16, which is why decodes pack GQA heads as rows).
+    axis 2: KV splits (only on the split path).  Split ``s`` of ``S`` handles a
+            contiguous run of the KV tiles this query tile needs; it writes an
+            unnormalised partial output with its running max and sum, and
+            ``_reduce_splits_kernel`` merges the S partials (flash-decoding).
+
+Inside a program: online softmax in the log2 domain (scores * scale * log2(e), exp2),
+fp32 accumulation, P cast to the cache dtype for the P@V product (as FlashAttention
+does).  KV positions are gathered per token through the block table, so the KV tile
+width TILE_N is independent of the cache's block size.  Every offset that involves a
+block id or a token index is int64 (``block_id * block_stride`` passes 2**31 with ~65k
+blocks of 16 x 8 x 128 elements, let alone more).
+
+The split decision is made on the host from ints that a CUDA graph keeps fixed (number of
+requests, max query length, heads, SM count), never from device tensors; the kernel
+itself adapts the split ranges to each request's actual ``seq_len``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _mma(a, b, F32_DOT: tl.constexpr):
+    # fp32 inputs get exact (IEEE) products instead of TF32.  The interpreter also takes
+    # this path for 16-bit inputs because its bf16 tl.dot is broken (garbage results in
+    # triton 3.6); upcasting bf16/fp16 is exact, so the numerics match the GPU's MMA.
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _find_request(qsl_ptr, tile_idx, num_reqs, BLOCK_Q: tl.constexpr):
+    """Largest r with query_start_loc[r] // BLOCK_Q + r <= tile_idx (binary search)."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(qsl_ptr + mid)
+        if start // BLOCK_Q + mid <= tile_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attn_tile(
+    t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr, v_cache_ptr,
+    stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    """One KV tile of the online softmax: returns the updated (m, l, acc)."""
+    kv_pos = t * TILE_N + offs_n
+    kv_ok = kv_pos < kv_end
+    block_id = tl.load(bt_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+    kv_off = block_id * stride_cb + (kv_pos % BLOCK_SIZE).to(tl.int64) * stride_cs
+    kv_off += kv_head_off
+    k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None],
+                mask=dim_ok[:, None] & kv_ok[None, :], other=0.0)  # [DIM, TILE_N]
+    v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :],
+                mask=kv_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, DIM]
+    s = _mma(q, k, F32_DOT) * scale_log2
+    s = tl.where((kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, F32_DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
+    block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    scale_log2, num_reqs, num_heads,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
+):
+    tile_idx = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    req = _find_request(qsl_ptr, tile_idx, num_reqs, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    q_tile = tile_idx - (q_start // BLOCK_Q + req)
+    if q_tile * BLOCK_Q >= q_len:
+        return  # surplus program of the upper-bound grid (or a padded empty request)
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+
+    # Row r of the tile = query token r // GQA of the tile, query head r % GQA of the group.
+    rows = tl.arange(0, BLOCK_M)
+    q_in_req = q_tile * BLOCK_Q + rows // GQA
+    head = kv_head * GQA + rows % GQA
+    row_ok = (rows < BLOCK_Q * GQA) & (q_in_req < q_len)
+    dims = tl.arange(0, DIM_P2)
+    dim_ok = dims < HEAD_DIM
+    tok = (q_start + q_in_req).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q_pos = ctx_len + q_in_req
+
+    # Keys this tile needs: positions [0, kv_end), kv_end = last query position + 1.
+    kv_end = ctx_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_P2], dtype=tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    kv_head_off = kv_head.to(tl.int64) * stride_ch
+    if WHILE_LOOP:
+        # The interpreter cannot use loaded scalars as range() bounds (numpy 2 refuses
+        # int() of their shape-(1,) arrays); on the GPU the for-loop is kept because
+        # only scf.for loops are software-pipelined (num_stages).
+        t = tile_lo
+        while t < tile_hi:
+            m_i, l_i, acc = _attn_tile(
+                t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
+                v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
+                BLOCK_SIZE, TILE_N, F32_DOT)
+            t += 1
+    else:
+        for t in range(tile_lo, tile_hi):
+            m_i, l_i, acc = _attn_tile(
+                t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
+                v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
+                BLOCK_SIZE, TILE_N, F32_DOT)
+
+    if NUM_SPLITS > 1:
+        # Partials: acc [T, H, S, D] fp32 (unnormalised), m/l [T, H, S]; empty splits
+        # store m = -inf, l = 0 so the reduce weighs them 0.
+        stat = (tok * num_heads + head) * NUM_SPLITS + split
+        tl.store(m_ptr + stat, m_i, mask=row_ok)
+        tl.store(l_ptr + stat, l_i, mask=row_ok)
+        tl.store(out_ptr + stat[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=row_ok[:, None] & dim_ok[None, :])
+    else:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    acc_ptr, m_ptr, l_ptr, out_ptr, num_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_P2)
+    dims = tl.arange(0, DIM_P2)
+    split_ok = splits < NUM_SPLITS
+    base = (tok * num_heads + head) * NUM_SPLITS
+    m = tl.load(m_ptr + base + splits, mask=split_ok, other=float("-inf"))
+    l_s = tl.load(l_ptr + base + splits, mask=split_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_max)
+    denom = tl.sum(w * l_s, 0)
+    acc = tl.load(acc_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+                  mask=split_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """Host-side launch plan: tile shapes, split count and warps.  Build it with
+    ``plan_attention`` (heuristic) or by hand (benchmarks, tests forcing a path)."""
+
+    block_m: int  # rows per program = block_q * gqa, padded to a power of two (>= 16)
+    block_q: int  # query tokens per program
+    tile_n: int  # KV positions per inner-loop step
+    num_splits: int  # 1 = single pass; > 1 = split-KV + reduce
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device``; 132 (an H100/H200) off-GPU so plans stay stable."""
+    if device.type != "cuda" or _interpreting():
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def plan_attention(
+    *, num_reqs: int, max_query_len: int, num_heads: int, num_kv_heads: int,
+    block_size: int, sm_count: int, num_splits: int | None = None,
+    max_seq_len: int | None = None,
+) -> AttentionLaunch:
+    """Choose tile shapes and the split count from host ints only.
+
+    * Decode-only batches (``max_query_len == 1``) use BLOCK_M = max(16, GQA) so a
+      program's rows are the GQA heads of one token.  When ``num_reqs * num_kv_heads``
+      programs cannot fill the GPU (< 2 waves of ``sm_count``), the KV range is split so
+      that about ``2 * sm_count`` programs run, up to ``MAX_SPLITS``.  The choice
+      depends on ``num_reqs`` but *not* on sequence lengths unless ``max_seq_len`` is
+      given, so a CUDA graph captured for a batch size stays valid at any context
+      length (empty splits exit after writing a zero-weight partial).
+    * Batches with prefill chunks use BLOCK_M = 64 (or the GQA width if larger) and
+      never split: long prompts already give many query tiles.
+
+    ``num_splits`` forces the split count (1 = never split), e.g. for tests.
+    ``max_seq_len``, when given, turns splitting off for short contexts (<= 4 tiles of
+    work per program), which is only safe outside CUDA graphs.
+    """
+    gqa = num_heads // num_kv_heads
+    if max_query_len <= 1:
+        block_m = max(16, triton.next_power_of_2(gqa))
+        tile_n = max(32, block_size) if block_size <= 64 else block_size
+        num_warps = 4
+    else:
+        block_m = max(64, triton.next_power_of_2(gqa))
+        tile_n = max(64, block_size) if block_size <= 64 else block_size
+        num_warps = 4
+    block_q = max(1, block_m // gqa)
+    if num_splits is None:
+        num_splits = 1
+        programs = num_reqs * num_kv_heads
+        if max_query_len <= 1 and programs < 2 * sm_count:
+            num_splits = min(MAX_SPLITS, triton.next_power_of_2(
+                math.ceil(2 * sm_count / max(programs, 1))))
+            if max_seq_len is not None:
+                tiles = math.ceil(max_seq_len / tile_n)
+                num_splits = max(1, min(num_splits, tiles // 4))
+    return AttentionLaunch(block_m=block_m, block_q=block_q, tile_n=tile_n,
+                           num_splits=max(1, num_splits), num_warps=num_warps,
+                           num_stages=2)
+
+
+def paged_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, num_reqs: int,
+    max_query_len: int, scale: float, out: torch.Tensor | None = None,
+    num_splits: int | None = None, launch: AttentionLaunch | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Causal paged attention for a mixed batch; returns ``[num_tokens, num_heads,
+    head_dim]`` in ``query``'s dtype (written into ``out`` if given).
+
+    Args:
+      query: ``[num_tokens, num_heads, head_dim]``; last dim contiguous.  Rows of tokens past
+        ``query_start_loc[num_reqs]`` (CUDA-graph padding) may hold anything in ``out``.
+      kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+      block_tables: ``[>= num_reqs, max_blocks]`` int32; seq_lens ``[>= num_reqs]``
+        int32; query_start_loc ``[num_reqs + 1]`` int32 -- all on query's device.
+      num_reqs, max_query_len: host ints (from the metadata); they and
+        ``query.shape[0]`` alone fix the grid.
+      num_splits: force the split count (1 = no split-KV); None = heuristic.
+      launch: a full launch plan (overrides ``num_splits``).
+      max_seq_len: optional host int to let the heuristic skip splitting short
+        contexts; leave None under CUDA-graph capture.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert kv_cache.shape[4] == head_dim and kv_cache.stride(4) == 1 and query.stride(2) == 1
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.stride(2) == 1
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    if launch is None:
+        launch = plan_attention(
+            num_reqs=num_reqs, max_query_len=max_query_len, num_heads=num_heads,
+            num_kv_heads=num_kv_heads, block_size=block_size,
+            sm_count=device_sm_count(query.device), num_splits=num_splits,
+            max_seq_len=max_seq_len)
+    gqa = num_heads // num_kv_heads
+    assert launch.block_q * gqa <= launch.block_m, launch
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    f32_dot = _interpreting() or query.dtype == torch.float32
+    dim_p2 = triton.next_power_of_2(head_dim)
+    splits = launch.num_splits
+    grid = (num_tokens // launch.block_q + num_reqs, num_kv_heads, splits)
+    common = dict(
+        GQA=gqa, HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_SIZE=block_size,
+        BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q, TILE_N=launch.tile_n,
+        NUM_SPLITS=splits, F32_DOT=f32_dot, WHILE_LOOP=_interpreting(),
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )
+    args = (block_tables, seq_lens, query_start_loc, scale * _LOG2E, num_reqs, num_heads,
+            query.stride(0), query.stride(1))
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                     block_tables.stride(0))
+    if splits == 1:
+        _paged_attn_kernel[grid](
+            query, k_cache, v_cache, out, out, out, *args, out.stride(0), out.stride(1),
+            *cache_strides, **common)
+        return out
+    # Scratch for the partials; under CUDA-graph capture these come from the graph's
+    # private memory pool, so replays reuse them.
+    acc = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32,
+                      device=query.device)
+    m = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=query.device)
+    lse = torch.empty_like(m)
+    _paged_attn_kernel[grid](
+        query, k_cache, v_cache, acc, m, lse, *args, 0, 0, *cache_strides, **common)
+    _reduce_splits_kernel[(num_tokens, num_heads)](
+        acc, m, lse, out, num_heads, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, DIM_P2=dim_p2, NUM_SPLITS=splits,
+        SPLITS_P2=triton.next_power_of_2(splits), num_warps=4 if head_dim >= 128 else 2)
+    return out
