@@ -1,0 +1,65 @@
+"""Single-stream latency (W4): TTFT and TPOT of one request, median of 3 fresh prompts.
+
+TTFT = time of a 1-token request; TPOT = (t(output_len) - t(1)) / (output_len - 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+from pagedllm.benchmarks.workloads import w4
+from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_from_cli
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input-len", type=int, default=512, help="Prompt tokens.")
+    p.add_argument("--output-len", type=int, default=256, help="Generated tokens.")
+    p.add_argument("--num-prompts", type=int, default=3,
+                   help="Fresh random prompts; medians are reported.")
+    p.add_argument("--vocab-hi", type=int, default=None,
+                   help="Upper bound of random token ids (default: min(vocab, 128000)).")
+    p.add_argument("--output-json", default=None, help="Write the results here as JSON.")
+    add_engine_args(p)
+
+
+def _timed(llm: Any, prompt: list[int], n: int) -> float:
+    from pagedllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
+    t0 = time.perf_counter()
+    llm.generate([prompt], sp, use_tqdm=False)
+    return time.perf_counter() - t0
+
+
+def main(args: argparse.Namespace) -> int:
+    from pagedllm import LLM
+
+    eargs = engine_args_from_cli(args)
+    llm = LLM(eargs.model, **{k: v for k, v in vars(eargs).items()
+                              if k not in ("model", "extra")})
+    vocab = llm.llm_engine.config.model_config.vocab_size
+    hi = args.vocab_hi or min(vocab, 128000)
+    _timed(llm, w4(100, hi, args.input_len), 8)  # warm-up
+    ttft, tpot = [], []
+    for seed in range(args.num_prompts):
+        prompt = w4(seed, hi, args.input_len)
+        t1 = _timed(llm, prompt, 1)
+        tn = _timed(llm, prompt, args.output_len)
+        ttft.append(t1)
+        tpot.append((tn - t1) / (args.output_len - 1))
+    res = {"ttft_ms": 1000 * statistics.median(ttft), "tpot_ms": 1000 * statistics.median(tpot),
+           "ttft_all_ms": [1000 * x for x in ttft], "tpot_all_ms": [1000 * x for x in tpot],
+           "input_len": args.input_len, "output_len": args.output_len,
+           "device": llm.llm_engine.config.device_config.device,
+           "date": time.strftime("%Y-%m-%d")}
+    print(f"{'metric':<10}{'median ms':>12}")
+    print(f"{'TTFT':<10}{res['ttft_ms']:>12.2f}")
+    print(f"{'TPOT':<10}{res['tpot_ms']:>12.2f}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
