@@ -33,6 +33,22 @@ def _check_int(name: str, value: object) -> int:
     return value
 
 
+def _normalise_logit_bias(bias: object) -> dict[int, float]:
+    """Integer keys (JSON sends strings) and float values, or ``ValueError`` naming it."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a mapping of token id to bias, got {bias!r}")
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+        if isinstance(k, (bool, float)) or (isinstance(k, str) and str(tid) != k.strip()):
+            raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+        out[tid] = _check_number("logit_bias", v)
+    return out
+
+
 @dataclass
 class SamplingParams:
     """Sampling and stopping for one request (``n`` samples of it).
@@ -76,7 +92,9 @@ class SamplingParams:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        if self.top_k == 0 and not isinstance(self.top_k, bool):
+            self.top_k = -1  # vLLM (and HF) also spell "disabled" as 0
         self._verify()
         # Greedy sampling ignores the truncation knobs: normalise them so the sampler's
         # fast path sees one canonical "greedy" request.
