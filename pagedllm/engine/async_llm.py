@@ -9,17 +9,19 @@
 
 Contract:
 
-* ``generate(prompt, params, request_id)`` is an async iterator of ``RequestOutput`` in
-  *delta* form (each output holds only the text/tokens/logprobs new since the previous one,
-  for the one sequence that changed; ``index`` says which).  The last has ``finished``.
-* Leaving the iterator early (client disconnect: the task is cancelled, or ``aclose``)
-  aborts the request in the core: its blocks are freed at the next step.
-* ``abort(request_id)`` (cancel by id, drain timeout) ends a running ``generate`` with a
+* ``add_request(prompt, params, request_id)`` validates, admits and queues a request and
+  returns its ``RequestStream``; ``generate(...)`` does that and iterates it.
+* Streams yield ``RequestOutput``s in *delta* form (each holds only the text/tokens/
+  logprobs new since the previous one, for the one sequence that changed; ``index`` says
+  which).  The last has ``finished``.
+* Closing a stream early (client disconnect: the handler's ``finally``) aborts the request
+  in the core: its blocks are freed at the next step.
+* ``abort(request_id)`` (cancel by id, drain timeout) ends a running stream with a
   final output whose sequences carry ``finish_reason="abort"``.
 * Admission: at most ``max_pending_seqs`` sequences in flight (running + queued); a request
   that would exceed it is refused whole (``EngineOverloadedError``; an n=3 request is
   admitted all-or-nothing) before anything is sent to the core.
-* When the core dies or fails a step, every in-flight ``generate`` raises
+* When the core dies or fails a step, every in-flight stream raises
   ``EngineDeadError``, later calls raise it at once, and ``on_dead`` callbacks run.
 """
 
@@ -43,7 +45,7 @@ from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError"]
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "RequestStream"]
 
 
 class EngineOverloadedError(RuntimeError):
@@ -72,6 +74,45 @@ class _OutputStream:
         return item
 
 
+class RequestStream:
+    """The outputs of one request, as an async iterator (see ``AsyncLLM.add_request``).
+
+    ``close()`` is synchronous and idempotent: call it in a ``finally``; if the request is
+    still running it is aborted in the core."""
+
+    def __init__(self, llm: AsyncLLM, request_id: str, n: int, sink: _OutputStream) -> None:
+        self.llm = llm
+        self.request_id = request_id
+        self.n = n
+        self.sink = sink
+        self.finished = False
+        self.closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            out = await self.sink.get()
+        except BaseException:
+            self.close()
+            raise
+        if out.finished:
+            self.finished = True
+            self.close()
+        return out
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not self.finished:
+            self.llm._abort_in_core(self.request_id)
+        self.llm._release(self)
+
+
 class AsyncLLM:
     """See the module doc.  Build with ``await AsyncLLM.create(...)``."""
 
@@ -90,7 +131,8 @@ class AsyncLLM:
             client.ready.max_tokens_per_request or None, max_logprobs)
         self.output_processor = OutputProcessor(tokenizer)
         self.num_pending_seqs = 0
-        self._streams: dict[str, tuple[_OutputStream, int]] = {}
+        self._streams: dict[str, RequestStream] = {}
+        self._bg_tasks: set[asyncio.Task[Any]] = set()
         self.dead: EngineDeadError | None = None
         self.on_dead: list[Callable[[EngineDeadError], None]] = []
         self._output_task = asyncio.get_running_loop().create_task(self._output_loop())
@@ -128,12 +170,14 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ requests
 
-    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       priority: int = 0, arrival_time: float | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
-        """Stream delta ``RequestOutput``s (see module doc).  Raises ``ValueError``
-        (``ContextLengthError``) for bad input before anything is queued,
-        ``EngineOverloadedError`` when admission refuses it, ``EngineDeadError``."""
+    async def add_request(self, prompt: PromptType, params: SamplingParams,
+                          request_id: str, priority: int = 0,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Validate, admit and queue one request; returns its output stream.
+
+        Raises ``ValueError`` (``ContextLengthError``) for bad input and
+        ``EngineOverloadedError`` when admission refuses it -- in both cases before
+        anything reaches the core -- and ``EngineDeadError``."""
         if self.dead is not None:
             raise self.dead
         arrival = time.time() if arrival_time is None else arrival_time
@@ -145,51 +189,63 @@ class AsyncLLM:
             raise EngineOverloadedError(
                 f"the server is at capacity ({self.num_pending_seqs} sequences in flight, "
                 f"limit {self.max_pending_seqs}); retry later")
-        stream = _OutputStream()
+        sink = _OutputStream()
         self.output_processor.add_request(request_id, text, ids, params, arrival,
-                                          RequestOutputKind.DELTA, stream)
-        self._streams[request_id] = (stream, n)
+                                          RequestOutputKind.DELTA, sink)
+        stream = RequestStream(self, request_id, n, sink)
+        self._streams[request_id] = stream
         self.num_pending_seqs += n
-        finished = False
+        if self.metrics is not None:
+            for r in core_reqs:
+                self.metrics.add_request(r.request_id, arrival, len(ids))
         try:
-            if self.metrics is not None:
-                for r in core_reqs:
-                    self.metrics.add_request(r.request_id, arrival, len(ids))
             await self.client.add_requests(core_reqs)
-            while not finished:
-                out = await stream.get()
-                finished = out.finished
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                       priority: int = 0, arrival_time: float | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
+        """``add_request`` then iterate its stream; leaving early aborts the request."""
+        stream = await self.add_request(prompt, params, request_id, priority, arrival_time)
+        try:
+            async for out in stream:
                 yield out
         finally:
-            self.num_pending_seqs -= n
-            self._streams.pop(request_id, None)
-            if not finished and self.dead is None:
-                # Cancelled (client gone) or closed early: free its blocks in the core.
-                # Shielded: this runs while the task is being cancelled.
-                await asyncio.shield(self._abort_ids(request_id))
+            stream.close()
 
-    async def _abort_ids(self, request_id: str) -> list[str]:
+    def _release(self, stream: RequestStream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+            self.num_pending_seqs -= stream.n
+
+    def _abort_in_core(self, request_id: str) -> list[str]:
+        """Forget ``request_id`` here and tell the core to free it (sent asynchronously,
+        so this is safe to call from ``finally`` blocks of cancelled tasks)."""
         ids = self.output_processor.abort_request(request_id)
         if ids:
             if self.metrics is not None:
                 self.metrics.on_finished(ids, "abort")
-            try:
-                await self.client.abort_requests(ids)
-            except Exception:  # the core is dying: nothing left to free
-                logger.debug("abort of %s not delivered", request_id)
+            if self.dead is None:
+                task = asyncio.get_running_loop().create_task(
+                    self.client.abort_requests(ids))
+                self._bg_tasks.add(task)
+                task.add_done_callback(self._bg_tasks.discard)
         return ids
 
-    async def abort(self, request_id: str) -> bool:
-        """Abort a request by id; its ``generate`` ends with ``finish_reason="abort"``.
+    def abort(self, request_id: str) -> bool:
+        """Abort a request by id; its stream ends with ``finish_reason="abort"``.
         Returns False if no such request is in flight."""
-        entry = self._streams.get(request_id)
-        ids = await self._abort_ids(request_id)
-        if entry is None:
-            return bool(ids)
-        stream, n = entry
-        stream.put(RequestOutput(
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return bool(self._abort_in_core(request_id))
+        self._abort_in_core(request_id)
+        stream.sink.put(RequestOutput(
             request_id=request_id, prompt=None, prompt_token_ids=[], prompt_logprobs=None,
-            outputs=[CompletionOutput(i, "", [], None, None, "abort") for i in range(n)],
+            outputs=[CompletionOutput(i, "", [], None, None, "abort")
+                     for i in range(stream.n)],
             finished=True))
         return True
 

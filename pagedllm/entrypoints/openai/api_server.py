@@ -1,0 +1,464 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn), in front of an ``AsyncLLM`` whose
+engine core runs in its own process.
+
+Request path (outermost first)::
+
+    CORS (only with --allowed-origins; answers preflights itself, so they need no key)
+     └ APIKeyMiddleware   401 unless "Authorization: Bearer KEY" (public: /health, /version)
+        └ BodySizeLimitMiddleware   413 before buffering an oversized body
+           └ FastAPI routes   400 envelopes for every validation failure (errors.py)
+
+Life cycle: bind the socket first (a taken port fails fast), start the engine core (model
+load), then serve.  SIGTERM drains: new requests get 503, ``/health`` 503, in-flight ones
+get ``--shutdown-timeout`` seconds, the rest are aborted, exit 0.  If the engine core dies,
+in-flight requests get an error, ``/health`` turns 503 and the server exits with status 1
+about a second later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import hmac
+import logging
+import os
+import posixpath
+import signal
+import socket
+import sys
+from types import FrameType
+from typing import Any
+from urllib.parse import unquote
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.mp_client import EngineDeadError, EngineStartupError
+from pagedllm.entrypoints.openai.errors import error_body, error_response, install_error_handlers
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    RequestError,
+    TokenizeRequest,
+)
+from pagedllm.entrypoints.openai.serving_base import ServingState, engine_error_response
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.metrics import EngineMetrics
+
+logger = logging.getLogger("pagedllm.api_server")
+
+PUBLIC_PATHS = frozenset({"/health", "/version"})
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("pagedllm")
+    except Exception:  # running from a source tree that is not installed
+        return "0.1.0"
+
+
+# ----------------------------------------------------------------------------- middleware
+
+
+def normalize_path(path: str) -> str:
+    """Canonical form for the auth decision: percent-decoded (repeatedly, so %252F does
+    not survive), backslashes as slashes, ``//`` and dot segments collapsed, no trailing
+    slash, lower case.  Only an exact public path skips auth, so any trick that changes
+    the path can only make a request *need* the key, never skip it."""
+    p = path
+    for _ in range(3):
+        p = unquote(p)
+    p = posixpath.normpath("/" + p.replace("\\", "/"))
+    return (p.rstrip("/") or "/").lower()
+
+
+async def _send_json(send: Send, status: int, body: dict[str, Any],
+                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    resp = JSONResponse(body, status_code=status)
+    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.items()]
+    await send({"type": "http.response.start", "status": status,
+                "headers": raw + (headers or [])})
+    await send({"type": "http.response.body", "body": resp.body})
+
+
+class APIKeyMiddleware:
+    """401 for every path but ``PUBLIC_PATHS`` unless a configured key is presented as
+    ``Authorization: Bearer KEY``.  Keys are compared in constant time, all of them (no
+    early exit that would leak which one nearly matched)."""
+
+    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in api_keys]
+
+    def _authorized(self, scope: Scope) -> bool:
+        token = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, rest = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    token = rest.strip()
+                break
+        ok = False
+        for key in self.keys:
+            ok |= hmac.compare_digest(token, key)
+        return ok
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        if normalize_path(scope.get("path", "/")) in PUBLIC_PATHS or self._authorized(scope):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await _send_json(send, 401, error_body(
+            "missing or invalid API key", status=401, code="invalid_api_key"),
+            [(b"www-authenticate", b"Bearer")])
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodySizeLimitMiddleware:
+    """413 for bodies over ``limit`` bytes: at once from ``Content-Length``, or as soon as
+    a chunked body crosses the limit (the rest is never buffered)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        msg_413 = error_body(f"request body larger than {self.limit} bytes", status=413)
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    too_big = int(value) > self.limit
+                except ValueError:
+                    too_big = False  # h11 rejects malformed lengths itself
+                if too_big:
+                    await _send_json(send, 413, msg_413, [(b"connection", b"close")])
+                    return
+        received = 0
+        state = {"too_large": False, "started": False}
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    state["too_large"] = True
+                    raise _BodyTooLarge
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            if state["too_large"]:
+                return  # the app is answering our exception; we answer 413 instead
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except _BodyTooLarge:
+            pass
+        if state["too_large"] and not state["started"]:
+            await _send_json(send, 413, msg_413, [(b"connection", b"close")])
+
+
+# ----------------------------------------------------------------------------- app
+
+
+def build_app(state: ServingState, *, api_keys: list[str] | None = None,
+              allowed_origins: list[str] | None = None,
+              max_body_bytes: int = 16 * 1024 * 1024) -> FastAPI:
+    """The FastAPI application over ``state`` (routes, error handlers, middleware)."""
+    app = FastAPI(title="pagedllm OpenAI-compatible API", version=_version())
+    app.state.serving = state
+    install_error_handlers(app)
+    completion = OpenAIServingCompletion(state)
+    chat = OpenAIServingChat(state)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the engine loop makes progress (heartbeat), 503 otherwise."""
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not state.engine.is_healthy(state.heartbeat_timeout):
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, root=name, max_model_len=state.max_model_len)
+                               for name in state.served_model_names])
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.metrics.set_engine_alive(state.engine.is_healthy(state.heartbeat_timeout))
+        return Response(generate_latest(state.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+        return await completion.create_completion(body, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest,
+                                     raw_request: Request) -> Response:
+        return await chat.create_chat_completion(body, raw_request)
+
+    @app.post("/v1/requests/{request_id}/cancel")
+    async def cancel(request_id: str) -> Response:
+        """Cancel an in-flight request by its response id (``cmpl-…``/``chatcmpl-…``);
+        it finishes with ``finish_reason: "abort"``."""
+        if not state.cancel(request_id):
+            return error_response(f"no in-flight request with id {request_id!r}",
+                                  status=404, param="request_id", code="request_not_found")
+        return JSONResponse({"id": request_id, "object": "request.cancelled",
+                             "cancelled": True})
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        try:
+            state.check_unknown(body)
+            state.check_model(body.model)
+            ip = state.engine.input_processor
+            if (body.prompt is None) == (body.messages is None):
+                raise RequestError("give exactly one of prompt or messages", "prompt")
+            tok = state.engine.tokenizer
+            if tok is None:
+                raise RequestError("this server has no tokenizer", "prompt")
+            if body.messages is not None:
+                ids = ip.apply_chat_template(
+                    [{**(m.model_extra or {}), "role": m.role, "content": m.text()}
+                     for m in body.messages], chat_template=state.chat_template,
+                    add_generation_prompt=body.add_generation_prompt)
+            else:
+                ids = list(tok(body.prompt,
+                               add_special_tokens=body.add_special_tokens).input_ids)
+        except Exception as e:
+            return engine_error_response(e)
+        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len,
+                             "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        try:
+            state.check_unknown(body)
+            state.check_model(body.model)
+            bad = [t for t in body.tokens if t >= state.vocab_size]
+            if bad:
+                raise RequestError(f"token id {bad[0]} is out of vocabulary "
+                                   f"[0, {state.vocab_size})", "tokens")
+            tok = state.engine.tokenizer
+            if tok is None:
+                raise RequestError("this server has no tokenizer", "tokens")
+        except Exception as e:
+            return engine_error_response(e)
+        return JSONResponse({"prompt": tok.decode(body.tokens)})
+
+    # Added innermost first: the last one added runs first.
+    app.add_middleware(BodySizeLimitMiddleware, limit=max_body_bytes)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins,
+                           allow_methods=["*"], allow_headers=["*"],
+                           allow_credentials=False)
+    return app
+
+
+# ----------------------------------------------------------------------------- serving
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with our SIGTERM semantics: drain (503 to new requests) for up to
+    ``shutdown_timeout`` seconds, abort the rest, exit 0.  A second signal or SIGINT stops
+    at once.  ``exit_code`` becomes 1 when the engine core died."""
+
+    def __init__(self, config: uvicorn.Config, state: ServingState,
+                 shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self.exit_code = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Unlike uvicorn we do not re-raise the signal after shutdown: our exit status
+        # is the contract (0 after a drain, 1 after an engine failure).
+        if sig == signal.SIGTERM and not self.state.draining and self.loop is not None:
+            self.loop.call_soon_threadsafe(self._spawn, self._drain())
+            return
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _drain(self) -> None:
+        st = self.state
+        st.draining = True
+        loop = asyncio.get_running_loop()
+        logger.info("SIGTERM: no longer admitting; draining %d in-flight request(s) for "
+                    "up to %.1f s", st.active_requests, self.shutdown_timeout)
+        deadline = loop.time() + self.shutdown_timeout
+        while st.active_requests and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if st.active_requests:
+            logger.warning("shutdown timeout: aborting %d request(s)", st.active_requests)
+            for public_id in list(st.public_ids):
+                st.cancel(public_id)
+            end = loop.time() + 5.0
+            while st.active_requests and loop.time() < end:
+                await asyncio.sleep(0.05)
+        logger.info("drained; shutting down")
+        self.should_exit = True
+
+    def engine_died(self, error: EngineDeadError) -> None:
+        logger.error("engine core is dead (%s); the server exits", error)
+        self.exit_code = 1
+        if self.loop is not None:
+            # A moment for in-flight error responses to flush; /health says 503 meanwhile.
+            self.loop.call_later(1.0, setattr, self, "should_exit", True)
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets=sockets)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def _load_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"chat-template: {value} is neither a file nor a Jinja template")
+    return value
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.engine_cli_args import engine_args_from_cli
+
+    names: list[str] | None = args.served_model_name
+    engine_args = engine_args_from_cli(args)
+    engine_args = dataclasses.replace(engine_args,
+                                      served_model_name=names[0] if names else None)
+    chat_template = _load_chat_template(args.chat_template)
+    api_keys = list(args.api_key or [])
+    if not api_keys and os.environ.get("PAGEDLLM_API_KEY"):
+        api_keys = [os.environ["PAGEDLLM_API_KEY"]]
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        raise ValueError(f"port: cannot listen on {args.host}:{args.port}: "
+                         f"{e.strerror or e}") from None
+    config = engine_args.create_engine_config()
+    mc = config.model_config
+    names = names or [mc.served_model_name]
+    metrics = EngineMetrics(names[0])
+    max_pending = (None if args.max_num_queued_requests is None
+                   else args.max_num_seqs + args.max_num_queued_requests)
+    try:
+        engine = await AsyncLLM.create(config, metrics=metrics, max_pending_seqs=max_pending,
+                                       max_logprobs=args.max_logprobs,
+                                       transport=args.engine_transport)
+    except EngineStartupError as e:
+        sock.close()
+        raise ValueError(f"engine core failed to start: {e}") from None
+    metrics.set_engine_alive(True)
+    ready = engine.ready
+    state = ServingState(
+        engine=engine, metrics=metrics, served_model_names=names,
+        max_model_len=ready.max_model_len or mc.max_model_len, max_n=args.max_n,
+        max_logprobs=args.max_logprobs, allow_unknown_fields=args.allow_unknown_fields,
+        trust_request_chat_template=args.trust_request_chat_template,
+        chat_template=chat_template, heartbeat_timeout=args.health_heartbeat_timeout)
+    app = build_app(state, api_keys=api_keys, allowed_origins=args.allowed_origins,
+                    max_body_bytes=args.max_request_body_bytes)
+    uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level,
+                               timeout_graceful_shutdown=5, lifespan="off",
+                               access_log=args.uvicorn_log_level in ("info", "debug",
+                                                                     "trace"))
+    server = _Server(uv_config, state, args.shutdown_timeout)
+    engine.on_dead.append(server.engine_died)
+    kv_tokens = max(ready.num_blocks - 1, 0) * ready.block_size
+    host, port = sock.getsockname()[:2]
+    logger.info("model %s (served as %s), dtype %s, device %s; engine core pid %s",
+                mc.resolved.display_name, ", ".join(names), ready.dtype, ready.device,
+                ready.pid)
+    logger.info("KV cache %d blocks x %d tokens = %d tokens; max_model_len %d; max "
+                "concurrency at max_model_len %.2fx; max_num_seqs %d; admission limit %s; "
+                "auth %s; CORS %s", ready.num_blocks - 1, ready.block_size, kv_tokens,
+                state.max_model_len, kv_tokens / max(state.max_model_len, 1),
+                ready.max_num_seqs, "none" if max_pending is None else f"{max_pending} seqs",
+                "on" if api_keys else "off", args.allowed_origins or "off")
+    url_host = f"[{host}]" if ":" in host else host
+    logger.info("Serving on http://%s:%d (Ctrl-C to stop)", url_host, port)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        await engine.shutdown()
+        sock.close()
+    logger.info("server stopped (exit status %d)", server.exit_code)
+    return server.exit_code
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """``pagedllm serve``: run until SIGTERM/SIGINT or engine death; returns the exit
+    status.  User errors (bad model path, taken port, too little KV memory) raise
+    ``ValueError`` with a one-line reason (the CLI prints it and exits 1)."""
+    from pagedllm.logger import init_logger
+
+    init_logger()
+    return asyncio.run(_serve(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagedllm.entrypoints.openai.cli_args import build_parser
+
+    args = build_parser().parse_args(argv)
+    try:
+        return run_server(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

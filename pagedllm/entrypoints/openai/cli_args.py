@@ -1,0 +1,88 @@
+"""Flags of ``pagedllm serve`` (vLLM's names where vLLM has the flag).
+
+``add_serve_args`` adds the engine flags (shared with ``generate``/``chat``) and the
+server's own; ``api_server.run_server`` consumes the namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedllm.entrypoints.engine_cli_args import add_engine_args
+
+
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def _non_negative_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Every ``pagedllm serve`` flag, each with a help text."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="Address to bind. Default 127.0.0.1 (loopback only); use 0.0.0.0 "
+                        "to listen on every interface.")
+    g.add_argument("--port", type=int, default=8000,
+                   help="TCP port to listen on (0 = any free port; the log says which).")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="Model name(s) clients must use in the 'model' field. Default: "
+                        "the model's name. The first is reported in responses.")
+    g.add_argument("--api-key", action="append", default=None,
+                   help="Require 'Authorization: Bearer KEY' on every route except "
+                        "/health and /version (repeatable; also $PAGEDLLM_API_KEY).")
+    g.add_argument("--chat-template", default=None,
+                   help="Chat template for /v1/chat/completions: a Jinja file path or the "
+                        "template text. Default: the model's own.")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="Allow clients to send their own 'chat_template' (refused by "
+                        "default: a template is code).")
+    g.add_argument("--max-num-queued-requests", type=_non_negative_int, default=None,
+                   help="Admission control: at most max-num-seqs + this many sequences in "
+                        "flight; beyond it requests get 503 with Retry-After. An n>1 "
+                        "request is admitted all-or-nothing. Default: unlimited.")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="On SIGTERM: stop admitting (503), let in-flight requests finish "
+                        "for up to this many seconds, then abort the rest and exit.")
+    g.add_argument("--max-logprobs", type=_non_negative_int, default=20,
+                   help="Largest 'logprobs' / 'top_logprobs' / 'prompt_logprobs' a "
+                        "request may ask for.")
+    g.add_argument("--max-n", type=int, default=16,
+                   help="Largest 'n' (samples per prompt) a request may ask for.")
+    g.add_argument("--allowed-origins", nargs="*", default=None,
+                   help="CORS: origins allowed to call the API from a browser ('*' for "
+                        "any). Default: CORS off.")
+    g.add_argument("--allow-unknown-fields", action="store_true",
+                   help="Ignore request fields that are neither OpenAI's nor documented "
+                        "extras, instead of answering 400 naming them.")
+    g.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
+                   help="Larger request bodies get 413 (checked before buffering them).")
+    g.add_argument("--health-heartbeat-timeout", type=_positive_float, default=30.0,
+                   help="/health answers 503 when the engine loop sent nothing for this "
+                        "many seconds (it sends a heartbeat every 0.5 s when idle and an "
+                        "update every step).")
+    g.add_argument("--engine-transport", choices=["ipc", "tcp"], default="ipc",
+                   help="How the API server talks to the engine-core process: ipc "
+                        "(a private Unix socket directory) or tcp (127.0.0.1, random "
+                        "ports).")
+    g.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (access logs at 'info').")
+    add_engine_args(parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedllm serve",
+        description="Start the OpenAI-compatible HTTP server (engine core in its own "
+                    "process).")
+    add_serve_args(parser)
+    return parser

@@ -1,0 +1,262 @@
+"""What the completion and chat handlers share: the server's state, request admission,
+error mapping, SSE framing, stream merging and disconnect handling.
+
+Request ids: the response ``id`` (``cmpl-…``/``chatcmpl-…``) is the public id; it is
+built from the ``X-Request-Id`` header or the ``request_id`` field when given, random
+otherwise.  One HTTP request may run several engine requests (a completion with a list of
+prompts): ``ServingState.public_ids`` maps the public id to them, so
+``POST /v1/requests/{id}/cancel`` cancels them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedllm.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestStream,
+)
+from pagedllm.engine.input_processor import ContextLengthError, PromptType
+from pagedllm.entrypoints.openai.errors import error_response, request_error_response
+from pagedllm.entrypoints.openai.protocol import RequestError
+from pagedllm.metrics import EngineMetrics
+from pagedllm.outputs import Logprob
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = "1"
+
+
+@dataclass
+class ServingState:
+    """Mutable server-wide state, owned by the app (one per server, no globals)."""
+
+    engine: AsyncLLM
+    metrics: EngineMetrics
+    served_model_names: list[str]
+    max_model_len: int
+    max_n: int = 16
+    max_logprobs: int = 20
+    allow_unknown_fields: bool = False
+    trust_request_chat_template: bool = False
+    chat_template: str | None = None
+    heartbeat_timeout: float = 10.0
+    draining: bool = False
+    # HTTP requests currently generating (the SIGTERM drain waits for them).
+    active_requests: int = 0
+    public_ids: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.config.model_config.vocab_size
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise RequestError(f"The model `{model}` does not exist.", "model", status=404,
+                               code="model_not_found", err_type="NotFoundError")
+
+    def check_unknown(self, body: Any) -> None:
+        """400 naming fields that are neither OpenAI's nor our documented extras."""
+        if self.allow_unknown_fields:
+            return
+        extra = sorted(getattr(body, "model_extra", None) or {})
+        if extra:
+            raise RequestError(
+                f"Unrecognized request argument(s): {', '.join(extra)} (start the server "
+                "with --allow-unknown-fields to ignore unknown fields)", extra[0])
+
+    def check_admitting(self) -> None:
+        if self.draining:
+            self.metrics.record_rejected("draining")
+            raise RequestError("the server is shutting down", status=503,
+                               err_type="service_unavailable_error")
+        if self.engine.dead is not None:
+            raise RequestError("the engine is not running", status=503,
+                               err_type="service_unavailable_error")
+
+    def public_id(self, raw_request: Request, prefix: str, field_id: str | None) -> str:
+        base = raw_request.headers.get("x-request-id") or field_id or uuid.uuid4().hex
+        if len(base) > 256:
+            raise RequestError("request id is longer than 256 characters", "request_id")
+        pid = f"{prefix}-{base}"
+        if pid in self.public_ids:
+            raise RequestError(f"request id {pid!r} is already in use", "request_id")
+        return pid
+
+    async def start(self, public_id: str, prompts: list[PromptType], params: SamplingParams,
+                    priority: int) -> list[RequestStream]:
+        """Validate, admit and queue one engine request per prompt (all or none)."""
+        engine = self.engine
+        need = len(prompts) * params.n
+        if (engine.max_pending_seqs is not None
+                and engine.num_pending_seqs + need > engine.max_pending_seqs):
+            self.metrics.record_rejected("queue_full")
+            raise EngineOverloadedError("the server is at capacity; retry later")
+        ids = [public_id] if len(prompts) == 1 else [f"{public_id}-{i}"
+                                                      for i in range(len(prompts))]
+        streams: list[RequestStream] = []
+        try:
+            for rid, prompt in zip(ids, prompts):
+                streams.append(await engine.add_request(prompt, params, rid, priority))
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        self.public_ids[public_id] = ids
+        self.active_requests += 1
+        return streams
+
+    def finish(self, public_id: str, streams: list[RequestStream]) -> None:
+        """Release a request (idempotent); aborts whatever is still generating."""
+        for s in streams:
+            s.close()
+        if self.public_ids.pop(public_id, None) is not None:
+            self.active_requests -= 1
+
+    def cancel(self, public_id: str) -> bool:
+        ids = self.public_ids.get(public_id)
+        if ids is None:
+            return False
+        for rid in ids:
+            self.engine.abort(rid)
+        return True
+
+
+def engine_error_response(e: BaseException) -> JSONResponse:
+    """Map an exception raised while starting or running a request to an envelope."""
+    if isinstance(e, RequestError):
+        return request_error_response(e)
+    if isinstance(e, ContextLengthError):
+        return error_response(str(e), param=e.param, code="context_length_exceeded")
+    if isinstance(e, EngineOverloadedError):
+        return error_response(str(e), status=503, err_type="service_unavailable_error",
+                              headers={"Retry-After": RETRY_AFTER_S})
+    if isinstance(e, EngineDeadError):
+        return error_response(str(e), status=500, err_type="server_error",
+                              code="engine_dead")
+    if isinstance(e, ValueError):
+        msg = str(e).splitlines()[0] if str(e) else "invalid request"
+        return error_response(msg, param=_param_of(msg))
+    logger.exception("unexpected error while serving a request", exc_info=e)
+    return error_response("internal server error", status=500, err_type="server_error")
+
+
+_PARAMS = ("prompt", "messages", "max_tokens", "logprobs", "prompt_logprobs", "n", "stop",
+           "temperature", "top_p", "top_k", "min_p", "min_tokens", "seed", "logit_bias",
+           "stop_token_ids", "priority", "presence_penalty", "frequency_penalty",
+           "repetition_penalty")
+
+
+def _param_of(message: str) -> str | None:
+    """The parameter a ``ValueError`` names (its first word, by project convention)."""
+    head = message.split(" ", 1)[0].rstrip(":")
+    if head in _PARAMS:
+        return head
+    if "token id" in message or "prompt" in message:
+        return "prompt"
+    return None
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(e: BaseException) -> str:
+    resp = engine_error_response(e)
+    return sse(resp.body.decode())
+
+
+async def merge_streams(streams: list[RequestStream]
+                        ) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several request streams as outputs arrive: yields (stream index, output).
+
+    One stream (the common case) is iterated directly, without helper tasks."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                await queue.put((i, out))
+        except BaseException as e:  # delivered to the consumer, which re-raises
+            await queue.put((i, e))
+        await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def listen_for_disconnect(raw_request: Request) -> None:
+    """Returns when the client disconnects (the body has already been read)."""
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def with_cancellation(raw_request: Request,
+                            handler: Callable[[], Awaitable[Response]]) -> Response:
+    """Run a non-streaming handler, cancelling it if the client disconnects (so its
+    engine requests are aborted and their KV blocks freed at the next step)."""
+    work = asyncio.ensure_future(handler())
+    watch = asyncio.ensure_future(listen_for_disconnect(raw_request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    try:
+        await work
+    except asyncio.CancelledError:
+        pass
+    # Nobody is listening; the status is for the access log only.
+    return Response(status_code=499)
+
+
+def token_text(lp: Logprob, tid: int, tokenizer: Any) -> str:
+    if lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([tid]) if tokenizer is not None else str(tid)
+
+
+def logprob_value(v: float) -> float:
+    # JSON has no -inf; OpenAI clients expect a number (vLLM uses -9999.0 too).
+    return max(v, -9999.0)

@@ -1,0 +1,224 @@
+"""``POST /v1/chat/completions``: messages rendered with the chat template,
+``max_completion_tokens``, logprobs/top_logprobs, n, and streaming deltas with the role
+first (one ``{"role": "assistant", "content": ""}`` chunk per choice, then content).
+
+A per-request ``chat_template`` is refused unless the operator started the server with
+``--trust-request-chat-template``: templates are code (Jinja), rendered by transformers in
+its sandboxed environment, but an untrusted one can still burn CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedllm.engine.async_llm import RequestStream
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, RequestError
+from pagedllm.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    ServingState,
+    engine_error_response,
+    logprob_value,
+    merge_streams,
+    sse,
+    sse_error,
+    token_text,
+    with_cancellation,
+)
+from pagedllm.outputs import CompletionOutput
+
+# apply_chat_template parameters a client must not set through chat_template_kwargs.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    role_sent: bool = False
+
+
+class OpenAIServingChat:
+    def __init__(self, state: ServingState) -> None:
+        self.state = state
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.state.engine.tokenizer
+
+    def render(self, body: ChatCompletionRequest) -> list[int]:
+        """The prompt token ids of ``body.messages`` (400 on template errors)."""
+        st = self.state
+        if body.chat_template is not None and not st.trust_request_chat_template:
+            raise RequestError("chat_template in a request is not allowed on this server "
+                               "(start it with --trust-request-chat-template)",
+                               "chat_template")
+        extra = dict(body.chat_template_kwargs or {})
+        bad = sorted(set(extra) & _RESERVED_TEMPLATE_KWARGS)
+        if bad:
+            raise RequestError(f"chat_template_kwargs may not set {', '.join(bad)}",
+                               "chat_template_kwargs")
+        if body.continue_final_message:
+            extra["continue_final_message"] = True
+        ids = st.engine.input_processor.apply_chat_template(
+            body.template_messages(), chat_template=body.chat_template or st.chat_template,
+            add_generation_prompt=body.add_generation_prompt, **extra)
+        if body.add_special_tokens and self.tokenizer is not None:
+            bos = getattr(self.tokenizer, "bos_token_id", None)
+            if bos is not None and (not ids or ids[0] != bos):
+                ids = [bos, *ids]
+        return ids
+
+    async def create_chat_completion(self, body: ChatCompletionRequest,
+                                     raw_request: Request) -> Response:
+        st = self.state
+        try:
+            st.check_unknown(body)
+            st.check_model(body.model)
+            body.validate_request(st.max_n, st.max_logprobs)
+            params = body.to_sampling_params(st.vocab_size)
+            st.check_admitting()
+            public_id = st.public_id(raw_request, "chatcmpl", body.request_id)
+            prompt_ids = self.render(body)
+            streams = await st.start(public_id, [{"prompt_token_ids": prompt_ids}], params,
+                                     body.priority)
+        except Exception as e:
+            if isinstance(e, ValueError) and str(e).startswith("messages"):
+                e = RequestError(str(e).splitlines()[0], "messages")
+            return engine_error_response(e)
+        created = int(time.time())
+        model = body.model or st.model_name
+        if body.stream:
+            return StreamingResponse(
+                self._stream(body, public_id, streams[0], params.n, created, model,
+                             len(prompt_ids)),
+                media_type="text/event-stream")
+        return await with_cancellation(raw_request, lambda: self._full(
+            body, public_id, streams[0], params.n, created, model, len(prompt_ids)))
+
+    # ------------------------------------------------------------------ conversion
+
+    def _logprobs(self, body: ChatCompletionRequest, c: CompletionOutput
+                  ) -> dict[str, Any] | None:
+        if not body.logprobs or c.logprobs is None:
+            return None
+        num_top = body.top_logprobs or 0
+        content = []
+        for tid, lps in zip(c.token_ids, c.logprobs):
+            chosen = lps.get(tid)
+            text = token_text(chosen, tid, self.tokenizer) if chosen else str(tid)
+            # Ranks are unique (the chosen token keeps its true rank; see OutputProcessor).
+            top = sorted((lp.rank, t, lp) for t, lp in lps.items()
+                         if lp.rank is not None and lp.rank <= num_top)
+            top_list = []
+            for _, t, lp in top:
+                ttext = token_text(lp, t, self.tokenizer)
+                top_list.append({"token": ttext, "logprob": logprob_value(lp.logprob),
+                                 "bytes": list(ttext.encode())})
+            content.append({
+                "token": text,
+                "logprob": logprob_value(chosen.logprob) if chosen else -9999.0,
+                "bytes": list(text.encode()), "top_logprobs": top_list[:num_top]})
+        return {"content": content}
+
+    # ------------------------------------------------------------------ non-streaming
+
+    async def _full(self, body: ChatCompletionRequest, public_id: str,
+                    stream: RequestStream, n: int, created: int, model: str,
+                    num_prompt: int) -> Response:
+        choices = [_Choice() for _ in range(n)]
+        logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+        try:
+            async for _, out in merge_streams([stream]):
+                for c in out.outputs:
+                    ch = choices[c.index]
+                    if ch.finish_reason is not None:
+                        continue
+                    ch.text += c.text
+                    ch.num_tokens += len(c.token_ids)
+                    lp = self._logprobs(body, c)
+                    if lp is not None:
+                        logprobs[c.index].extend(lp["content"])
+                    if c.finish_reason is not None:
+                        ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+        except Exception as e:
+            return engine_error_response(e)
+        finally:
+            self.state.finish(public_id, [stream])
+        completion = sum(ch.num_tokens for ch in choices)
+        return JSONResponse({
+            "id": public_id, "object": "chat.completion", "created": created,
+            "model": model,
+            "choices": [{
+                "index": i, "message": {"role": "assistant", "content": ch.text},
+                "logprobs": {"content": logprobs[i]} if body.logprobs else None,
+                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
+            } for i, ch in enumerate(choices)],
+            "usage": {"prompt_tokens": num_prompt, "completion_tokens": completion,
+                      "total_tokens": num_prompt + completion},
+        })
+
+    # ------------------------------------------------------------------ streaming
+
+    async def _stream(self, body: ChatCompletionRequest, public_id: str,
+                      stream: RequestStream, n: int, created: int, model: str,
+                      num_prompt: int) -> AsyncIterator[str]:
+        choices = [_Choice() for _ in range(n)]
+        opts = body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+
+        def chunk(choice: dict[str, Any]) -> str:
+            d: dict[str, Any] = {"id": public_id, "object": "chat.completion.chunk",
+                                 "created": created, "model": model, "choices": [choice]}
+            if include_usage:
+                d["usage"] = _usage(num_prompt, choices) if continuous else None
+            return sse(d)
+
+        try:
+            # The role comes first, for every choice, before any content (OpenAI order).
+            for i, ch in enumerate(choices):
+                ch.role_sent = True
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None})
+            async for _, out in merge_streams([stream]):
+                for c in out.outputs:
+                    ch = choices[c.index]
+                    if ch.finish_reason is not None:
+                        continue
+                    ch.text += c.text
+                    ch.num_tokens += len(c.token_ids)
+                    if c.finish_reason is not None:
+                        ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+                    if not c.text and not c.token_ids and ch.finish_reason is None:
+                        continue
+                    yield chunk({"index": c.index,
+                                 "delta": {"content": c.text} if c.text else {},
+                                 "logprobs": self._logprobs(body, c),
+                                 "finish_reason": ch.finish_reason,
+                                 "stop_reason": ch.stop_reason})
+            if include_usage:
+                yield sse({"id": public_id, "object": "chat.completion.chunk",
+                           "created": created, "model": model, "choices": [],
+                           "usage": _usage(num_prompt, choices)})
+        except Exception as e:
+            yield sse_error(e)
+        finally:
+            self.state.finish(public_id, [stream])
+        yield SSE_DONE
+
+
+def _usage(prompt_tokens: int, choices: list[_Choice]) -> dict[str, int]:
+    completion = sum(ch.num_tokens for ch in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
