@@ -1,0 +1,47 @@
+"""The attention layer: shapes q/k/v per head and hands them to the attention backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Paged causal self-attention over this layer's slice of the KV cache.
+
+    ``kv_cache`` is bound after the KV memory is planned (``bind_kv_caches`` on the model)
+    and has the layout ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.  It is a
+    plain attribute, not a buffer: it is not part of the state dict and is never moved by
+    ``.to()``.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.backend = backend
+        self.kv_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: ``[T, num_heads * head_dim]``, k/v: ``[T, num_kv_heads * head_dim]`` (views
+        of the fused QKV output are fine) -> ``[T, num_heads * head_dim]``."""
+        if self.kv_cache.numel() == 0:
+            raise RuntimeError("Attention.kv_cache is not bound; call "
+                               "model.bind_kv_caches(kv_caches) before forward")
+        t = q.shape[0]
+        out = self.backend.forward(
+            q.view(t, self.num_heads, self.head_dim),
+            k.view(t, self.num_kv_heads, self.head_dim),
+            v.view(t, self.num_kv_heads, self.head_dim),
+            self.kv_cache, meta, self.scale)
+        return out.reshape(t, self.num_heads * self.head_dim)

@@ -1,0 +1,65 @@
+"""Token embedding and LM head, split over the vocabulary for tensor parallelism.
+
+Rank r owns vocabulary rows ``[r*V/tp, (r+1)*V/tp)``.  The embedding looks up only its
+own ids (others give zero) and all-reduces; the head computes its slice of the logits
+and all-gathers.  At ``tp_size=1`` both are a plain lookup / matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``[T] long -> [T, hidden]``.  ``weight: [vocab_per_partition, hidden]``."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp_size: int = 1,
+                 tp_rank: int = 0) -> None:
+        super().__init__()
+        if vocab_size % tp_size:
+            raise ValueError(f"vocab_size {vocab_size} not divisible by tp_size {tp_size}")
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.per_partition = vocab_size // tp_size
+        self.vocab_start = tp_rank * self.per_partition
+        self.weight = nn.Parameter(torch.empty(self.per_partition, hidden_size),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        src = loaded.narrow(0, self.vocab_start, self.per_partition)
+        if param.shape != src.shape:
+            raise ValueError(f"shape mismatch: embedding {tuple(param.shape)} vs checkpoint "
+                             f"{tuple(loaded.shape)}")
+        param.data.copy_(src)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.per_partition)
+        out = F.embedding(local.clamp(0, self.per_partition - 1), self.weight)
+        out = out * mine.unsqueeze(-1).to(out.dtype)
+        torch.distributed.all_reduce(out)
+        return out
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection ``hidden -> vocab``.  ``tie_to(embedding)`` shares the
+    embedding's weight (``tie_word_embeddings``); the checkpoint's ``lm_head.weight`` is
+    then ignored."""
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """``[N, hidden] -> [N, vocab]`` float32 logits."""
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            torch.distributed.all_gather(parts, logits)
+            logits = torch.cat(parts, dim=-1)
+        return logits.float()

@@ -1,0 +1,40 @@
+"""RMSNorm, optionally fused with the residual add (vLLM's calling convention)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32 like Hugging Face.
+
+    ``forward(x)`` returns the normed ``x``.  ``forward(x, residual)`` first forms
+    ``x + residual`` (the decoder's skip connection, added in the activation dtype as HF
+    does) and returns ``(normed, x + residual)`` -- the new residual stream -- so a
+    decoder layer never materialises the add separately.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused kernel; same math as below up to float rounding.
+            return torch.nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Half types: upcast for the statistics, cast back *before* the weight multiply,
+        # exactly as transformers' LlamaRMSNorm does (bit-for-bit parity matters for greedy
+        # decoding).
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

@@ -1,0 +1,226 @@
+"""Llama (and Mistral without sliding window): the decoder every other model here extends.
+
+Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) are the same graph with flags, see
+``LlamaAttention``.  One step's data path::
+
+  ids -> embed -> [ norm(+res) -> qkv -> (qk-norm) -> rope -> paged attn -> o
+                    -> norm(+res) -> gate_up -> silu*mul -> down ] x L -> norm -> hidden
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+def head_dim_of(config: Any) -> int:
+    hd = getattr(config, "head_dim", None)
+    return int(hd) if hd else config.hidden_size // config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with fused QKV.  ``qkv_bias``/``o_bias`` cover Llama's
+    ``attention_bias`` and Qwen2's bias-on-qkv-only; ``qk_norm`` adds Qwen3's per-head
+    RMSNorm on q and k (applied before RoPE)."""
+
+    def __init__(self, config: Any, backend: AttentionBackend, rotary_emb: RotaryEmbedding,
+                 *, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads,
+                                          self.num_kv_heads, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
+                                        bias=o_bias)
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        self.rotary_emb = rotary_emb  # one instance shared by all layers
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
+                              self.num_kv_heads, backend)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        # Views into the fused output; rope / the backend read them without copies.
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            t = x.shape[0]
+            q = self.q_norm(q.reshape(t, -1, self.head_dim)).view(t, -1)  # type: ignore
+            k = self.k_norm(k.reshape(t, -1, self.head_dim)).view(t, -1)  # type: ignore
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, attention: LlamaAttention) -> None:
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
+                            bool(getattr(config, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's residual convention: the residual stream is carried separately and
+        added inside the next norm, so each layer returns ``(mlp_out, residual)``."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)  # type: ignore[assignment]
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)  # type: ignore[misc]
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)  # type: ignore
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, backend: AttentionBackend,
+                 make_attention: Any) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
+                                 rope_parameters(config))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, make_attention(config, backend, rotary))
+            for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)  # type: ignore[misc]
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model interface the model runner uses (identical for every architecture):
+
+    * ``forward(input_ids [T] long, positions [T] long, meta) -> hidden [T, hidden]``
+    * ``compute_logits(hidden [N, hidden]) -> [N, vocab] float32`` (only the rows given)
+    * ``bind_kv_caches(list of per-layer caches, layer order)``
+    * ``load_weights(iterable of (HF name, tensor))``
+    """
+
+    # (fused parameter, checkpoint name, shard id)
+    stacked_params_mapping = [
+        ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(self, hf_config: Any, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.check_config(hf_config)
+        self.model = LlamaModel(hf_config, backend, self.make_attention)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tied:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @staticmethod
+    def check_config(config: Any) -> None:
+        window = getattr(config, "sliding_window", None)
+        max_pos = getattr(config, "max_position_embeddings", 0)
+        if getattr(config, "use_sliding_window", window is not None) and window \
+                and window < max_pos:
+            raise ValueError(f"sliding_window={window} is not supported (only full "
+                             "attention); use a checkpoint without sliding window")
+
+    @staticmethod
+    def make_attention(config: Any, backend: AttentionBackend,
+                       rotary: RotaryEmbedding) -> LlamaAttention:
+        bias = bool(getattr(config, "attention_bias", False))
+        return LlamaAttention(config, backend, rotary, qkv_bias=bias, o_bias=bias)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        layers = self.model.layers
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(layers)} layers")
+        for layer, cache in zip(layers, kv_caches):
+            layer.self_attn.attn.kv_cache = cache
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; raises ``ValueError`` naming the tensor on an unknown
+        name or a shape mismatch, and listing parameters the checkpoint did not provide."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tied:
+                continue  # the head is the embedding
+            target = name
+            shard: int | str | None = None
+            for fused, part, shard_id in self.stacked_params_mapping:
+                if f".{part}." in name:
+                    target, shard = name.replace(f".{part}.", f".{fused}."), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
+                                 f"{type(self).__name__}")
+            loader = getattr(param, "weight_loader", None)
+            try:
+                with torch.no_grad():
+                    if loader is None:
+                        default_weight_loader(param, tensor)
+                    elif shard is None:
+                        loader(param, tensor)
+                    else:
+                        loader(param, tensor, shard)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
+            loaded.add(target)
+        missing = sorted(set(params) - loaded - ({"lm_head.weight"} if self.tied else set()))
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} parameter(s): {shown}")
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral is Llama's graph; a sliding window (v0.1) is rejected by ``check_config``."""

@@ -1,0 +1,186 @@
+"""Build a model on its device in its dtype and fill its weights.
+
+``load_format``:
+
+* ``safetensors`` -- every ``*.safetensors`` in the HF directory (sharded or not),
+  streamed tensor by tensor; ``tie_word_embeddings`` is handled by the model.
+* ``gguf`` -- llama.cpp names mapped to HF names, tensors dequantised to float32 with
+  ``gguf.quants.dequantize``; Llama's q/k rows are un-permuted (see ``_unpermute``).
+* ``dummy`` -- ``normal(0, 0.02)`` (norm weights 1) generated on the target device:
+  a GPU never waits on CPU random numbers, so an 8B shape builds in seconds.
+
+Missing or corrupt files raise ``ValueError`` with a one-line reason naming the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.models.registry import get_model_class
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kv_cache_shape(model_config: Any, num_blocks: int,
+                   block_size: int) -> tuple[int, int, int, int, int]:
+    """One layer's KV cache: ``(2, num_blocks, block_size, num_kv_heads, head_dim)``."""
+    return (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(model_config: Any, device: torch.device,
+               backend: AttentionBackend) -> nn.Module:
+    """The model for ``model_config`` (a ``pagedllm.config.ModelConfig``) on ``device``,
+    in ``model_config.dtype``, in eval mode, weights loaded per ``load_format``."""
+    hf_config = model_config.hf_config
+    cls = get_model_class(hf_config)
+    dtype = _DTYPES[model_config.dtype]
+    device = torch.device(device)
+    with _default_dtype(dtype), device:
+        model = cls(hf_config, backend)
+    fmt = model_config.load_format
+    resolved = model_config.resolved
+    if fmt == "dummy":
+        _init_dummy(model, device, int(getattr(model_config, "seed", 0)))
+    elif fmt == "safetensors":
+        model.load_weights(iter_safetensors(resolved.directory))  # type: ignore[operator]
+    elif fmt == "gguf":
+        path = resolved.gguf_path
+        if path is None:
+            raise ValueError(f"load_format: 'gguf' but {resolved.directory} holds no .gguf")
+        model.load_weights(iter_gguf(path, hf_config))  # type: ignore[operator]
+    else:
+        raise ValueError(f"load_format must be safetensors, gguf or dummy, got {fmt!r}")
+    return model.eval()
+
+
+def _init_dummy(model: nn.Module, device: torch.device, seed: int) -> None:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+# -- safetensors ----------------------------------------------------------------------
+
+def iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of every ``*.safetensors`` in ``directory``."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if any(not os.path.basename(f).startswith("consolidated") for f in files):
+        # Mistral-format duplicates of the HF weights.
+        files = [f for f in files if not os.path.basename(f).startswith("consolidated")]
+    if not files:
+        raise ValueError(f"{directory}: no *.safetensors weight files found")
+    for path in files:
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                names = list(f.keys())
+                for name in names:
+                    yield name, f.get_tensor(name)
+        except ValueError:
+            raise
+        except Exception as e:  # safetensors raises its own error types
+            raise ValueError(f"{path}: cannot read safetensors file: "
+                             f"{str(e).strip().splitlines()[0] if str(e) else e!r}") from e
+
+
+# -- GGUF -----------------------------------------------------------------------------
+
+_GGUF_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """HF parameter name of a llama.cpp tensor name, or None if it has no HF twin."""
+    if name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[name]
+    m = _BLK.match(name)
+    if m and m.group(2) in _GGUF_LAYER:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (``convert_hf_to_gguf.py``'s ``permute``).
+
+    llama.cpp rotates adjacent pairs (GPT-J style); HF rotates the two halves of each
+    head.  The converter reorders each head's rows from ``[half0 | half1]`` to
+    interleaved ``[h0[0], h1[0], h0[1], h1[1], ...]``; we view the rows as
+    ``[head, pair_idx, 2]`` and swap back to ``[head, 2, pair_idx]``.  (Same as
+    transformers' ``LlamaTensorProcessor._reverse_permute_weights``.)
+    """
+    rows = w.shape[0]
+    dim = rows // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def iter_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantised float32 ``(HF name, tensor)`` pairs from a GGUF file."""
+    from gguf.quants import dequantize
+
+    from pagedllm.models.gguf_file import GGUFFile
+
+    f = GGUFFile(path)
+    arch = f.metadata.get("general.architecture")
+    # Only llama.cpp's "llama" converter permutes q/k (qwen2/qwen3 are stored HF-style).
+    permute = arch == "llama"
+    n_head = int(hf_config.num_attention_heads)
+    n_kv = int(getattr(hf_config, "num_key_value_heads", None) or n_head)
+    for info in f.tensors:
+        hf_name = gguf_to_hf_name(info.name)
+        if hf_name is None:
+            raise ValueError(f"{path}: unexpected GGUF tensor {info.name!r} "
+                             f"(architecture {arch!r})")
+        try:
+            arr = dequantize(f.raw(info), info.ggml_type)
+        except (NotImplementedError, ValueError) as e:
+            raise ValueError(f"{path}: cannot dequantise {info.name}: {e}") from e
+        if not arr.flags.writeable:  # float32 tensors come back as views of the memmap
+            arr = arr.copy()
+        t = torch.from_numpy(arr.reshape(info.shape))
+        if permute and ".attn_q." in info.name:
+            t = _unpermute(t, n_head)
+        elif permute and ".attn_k." in info.name:
+            t = _unpermute(t, n_kv)
+        yield hf_name, t
