@@ -1,0 +1,93 @@
+"""RMSNorm, optionally fused with the residual add (vLLM's ``fused_add_rms_norm``).
+
+Numerics follow Hugging Face's ``LlamaRMSNorm`` step for step so greedy outputs match
+token for token: the residual sum is rounded to the activation dtype first (as
+``residual + hidden`` is in the model dtype), the variance is taken in fp32 from that
+rounded sum, the normalised value is rounded to the activation dtype, and only then
+multiplied by the weight (one more rounding, as ``weight * x.to(dtype)`` does).
+
+One program per row; the whole row lives in registers (hidden sizes up to 64k).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
+    n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / n_cols
+    y = (xf * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    out = y.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """View as ``[rows, hidden]``; the last dim must be contiguous (rows may be strided)."""
+    assert t.stride(-1) == 1, "last dimension must be contiguous"
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+            eps: float, out: torch.Tensor, res_out: torch.Tensor | None) -> None:
+    x2 = _rows(x)
+    n_rows, n_cols = x2.shape
+    assert weight.shape == (n_cols,), (weight.shape, n_cols)
+    if n_rows == 0:
+        return
+    o2 = _rows(out)
+    r2 = _rows(residual) if residual is not None else x2
+    ro2 = _rows(res_out) if res_out is not None else o2
+    block = triton.next_power_of_2(n_cols)
+    _rms_norm_kernel[(n_rows,)](
+        x2, r2, weight, o2, ro2, x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
+        n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight * normalise(x)`` over the last dim; ``x`` is ``[..., hidden]`` with a
+    contiguous last dim (e.g. ``[T, hidden]``, or ``[T, heads, head_dim]`` for per-head
+    q/k norms).  Returns a new tensor (or ``out``) in ``x``'s dtype.
+
+    ``out`` may alias ``x`` (in place): each program reads its row before writing it.
+    """
+    if out is None:
+        out = torch.empty_like(x)
+    _launch(x, None, weight, eps, out, None)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float, *, inplace: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual``; returns ``(rms_norm(s) * weight, s)``.
+
+    With ``inplace=True`` the normalised output overwrites ``x`` and ``s`` overwrites
+    ``residual`` (vLLM's ``fused_add_rms_norm`` convention, no allocation -- handy inside
+    CUDA graphs); the returned tensors are then ``(x, residual)``.
+    """
+    assert residual.shape == x.shape, (residual.shape, x.shape)
+    if inplace:
+        out, res_out = x, residual
+    else:
+        out, res_out = torch.empty_like(x), torch.empty_like(residual)
+    _launch(x, residual, weight, eps, out, res_out)
+    return out, res_out

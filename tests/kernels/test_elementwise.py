@@ -1,0 +1,164 @@
+"""RMSNorm (+ fused residual add), rotary embeddings and SiLU-and-mul against eager
+torch written the way Hugging Face writes them (same roundings, so on the GPU bf16
+results match to the last bit, or within one bf16 ulp where fp32 rsqrt/exp differ).
+
+The Triton 3.6 interpreter converts fp32 -> bf16 by truncation instead of
+round-to-nearest-even (its cast ignores the rounding mode), so under it bf16
+comparisons allow a few ulps; the exact checks run on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_refs import DEVICE, ON_GPU, fresh_seed
+
+from pagedllm.kernels.activation import silu_and_mul
+from pagedllm.kernels.norm import fused_add_rms_norm, rms_norm
+from pagedllm.kernels.rotary import apply_rotary
+
+DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if ON_GPU else [])
+
+
+def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, seed: int,
+           floor: float = 1e-2) -> None:
+    """Relative error, with ``floor`` added to |ref| (cancellation makes small refs)."""
+    assert not got.isnan().any(), f"NaN/unwritten (seed={seed})"
+    # One ulp of the output dtype, relative to magnitude (fp32: a few ulps).
+    bf16 = 8e-3 if ON_GPU else 2.4e-2  # interpreter: truncating casts, see module doc
+    rel = {torch.float32: 1e-5, torch.bfloat16: bf16, torch.float16: 1e-3}[dtype]
+    err = (got.float() - ref.float()).abs() / (ref.float().abs() + floor)
+    assert err.max().item() <= rel, f"max rel err {err.max().item()} (seed={seed})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 200])
+def test_rms_norm(hidden: int, dtype: torch.dtype) -> None:
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(7, hidden, generator=gen).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DEVICE, dtype)
+    out = torch.full_like(x, float("nan"))
+    rms_norm(x, w, 1e-6, out=out)
+    _close(out, _hf_rms_norm(x, w, 1e-6), dtype, seed)
+    # Per-head norm on a [T, H, D] view (Qwen3's q/k norm).
+    x3 = x.view(7, -1, hidden // 2 if hidden % 2 == 0 else hidden)
+    w3 = w[: x3.shape[-1]].contiguous()
+    _close(rms_norm(x3, w3, 1e-6), _hf_rms_norm(x3, w3, 1e-6), dtype, seed)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm(dtype: torch.dtype, inplace: bool) -> None:
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 96, generator=gen).to(DEVICE, dtype)
+    res = torch.randn(5, 96, generator=gen).to(DEVICE, dtype)
+    w = torch.randn(96, generator=gen).to(DEVICE, dtype)
+    s_ref = x + res
+    ref = _hf_rms_norm(s_ref, w, 1e-5)
+    xin, rin = x.clone(), res.clone()
+    out, new_res = fused_add_rms_norm(xin, rin, w, 1e-5, inplace=inplace)
+    if ON_GPU or dtype == torch.float32:
+        assert torch.equal(new_res, s_ref), f"seed={seed}"
+    _close(new_res, s_ref, dtype, seed)
+    _close(out, ref, dtype, seed)
+    if inplace:
+        assert out.data_ptr() == xin.data_ptr() and new_res.data_ptr() == rin.data_ptr()
+    else:
+        assert torch.equal(xin, x) and torch.equal(rin, res)
+
+
+def _hf_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, neox: bool
+             ) -> torch.Tensor:
+    """Eager HF-style rotary on [T, H, D] with partial rotary over the first rot_dim."""
+    rot = inv_freq.numel() * 2
+    freqs = pos.float()[:, None] * inv_freq[None, :]  # [T, rot/2]
+    xr, xp = x[..., :rot], x[..., rot:]
+    if neox:
+        cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(x.dtype)[:, None, :]
+        sin = torch.cat([freqs.sin(), freqs.sin()], -1).to(x.dtype)[:, None, :]
+        x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
+        rotated = torch.cat([-x2, x1], -1)
+    else:
+        cos = freqs.cos().repeat_interleave(2, -1).to(x.dtype)[:, None, :]
+        sin = freqs.sin().repeat_interleave(2, -1).to(x.dtype)[:, None, :]
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rotated = torch.stack([-x2, x1], -1).flatten(-2)
+    return torch.cat([xr * cos + rotated * sin, xp], -1)
+
+
+@pytest.mark.parametrize("neox,head_size,rot_dim", [(True, 64, 64), (True, 128, 128),
+                                                    (False, 64, 32)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary(neox: bool, head_size: int, rot_dim: int, dtype: torch.dtype) -> None:
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    t, hq, hk, max_pos = 6, 4, 2, 4096
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
+    freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
+    cache = torch.cat([freqs.cos(), freqs.sin()], -1).to(DEVICE)
+    pos = torch.randint(0, max_pos, (t,), generator=gen).to(DEVICE)
+    # q and k as strided views of one fused QKV buffer, as the attention layer has them.
+    qkv = torch.randn(t, (hq + 2 * hk) * head_size, generator=gen).to(DEVICE, dtype)
+    q = qkv[:, : hq * head_size]
+    k = qkv[:, hq * head_size: (hq + hk) * head_size]
+    v_before = qkv[:, (hq + hk) * head_size:].clone()
+    q_ref = _hf_rope(q.view(t, hq, head_size).cpu(), pos.cpu(), inv_freq, neox)
+    k_ref = _hf_rope(k.view(t, hk, head_size).cpu(), pos.cpu(), inv_freq, neox)
+    apply_rotary(pos, q, k, head_size, cache, is_neox=neox)
+    got_q = q.view(t, hq, head_size).cpu()
+    got_k = k.view(t, hk, head_size).cpu()
+    exact = (dtype == torch.float32) != ON_GPU  # GPU fp32: mul+add may become an FMA;
+    if not exact:  # interpreter bf16: truncating casts
+        _close(got_q, q_ref, dtype, seed, floor=2.0)
+        _close(got_k, k_ref, dtype, seed, floor=2.0)
+    else:
+        assert torch.equal(got_q, q_ref), f"seed={seed}"
+        assert torch.equal(got_k, k_ref), f"seed={seed}"
+    assert torch.equal(qkv[:, (hq + hk) * head_size:], v_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [64, 1500])
+def test_silu_and_mul(inter: int, dtype: torch.dtype) -> None:
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(5, 2 * inter, generator=gen)).to(DEVICE, dtype)
+    out = torch.full((5, inter), float("nan"), dtype=dtype, device=DEVICE)
+    silu_and_mul(x, out=out)
+    ref = F.silu(x[:, :inter]) * x[:, inter:]
+    _close(out, ref, dtype, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_real_sizes(dtype: torch.dtype) -> None:
+    """Llama-3-8B sizes: hidden 4096, intermediate 14336, 32/8 heads of 128."""
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    x = torch.randn(512, 4096, device="cuda", dtype=dtype)
+    res = torch.randn_like(x)
+    w = torch.randn(4096, device="cuda", dtype=dtype)
+    out, new_res = fused_add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(new_res, x + res)
+    _close(out, _hf_rms_norm(x + res, w, 1e-5), dtype, seed)
+    g = torch.randn(512, 2 * 14336, device="cuda", dtype=dtype)
+    _close(silu_and_mul(g), F.silu(g[:, :14336]) * g[:, 14336:], dtype, seed)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))
+    freqs = torch.arange(8192).float()[:, None] * inv_freq[None, :]
+    cache = torch.cat([freqs.cos(), freqs.sin()], -1).cuda()
+    pos = torch.randint(0, 8192, (512,), device="cuda")
+    q = torch.randn(512, 32 * 128, device="cuda", dtype=dtype)
+    k = torch.randn(512, 8 * 128, device="cuda", dtype=dtype)
+    q_ref = _hf_rope(q.view(512, 32, 128).cpu(), pos.cpu(), inv_freq, True)
+    k_ref = _hf_rope(k.view(512, 8, 128).cpu(), pos.cpu(), inv_freq, True)
+    apply_rotary(pos, q, k, 128, cache)
+    assert torch.equal(q.view(512, 32, 128).cpu(), q_ref)
+    assert torch.equal(k.view(512, 8, 128).cpu(), k_ref)
