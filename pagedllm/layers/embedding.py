@@ -30,11 +30,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
-        src = loaded.narrow(0, self.vocab_start, self.per_partition)
-        if param.shape != src.shape:
-            raise ValueError(f"shape mismatch: embedding {tuple(param.shape)} vs checkpoint "
-                             f"{tuple(loaded.shape)}")
-        param.data.copy_(src)
+        if tuple(loaded.shape) != (self.vocab_size, self.hidden_size):
+            raise ValueError(f"shape mismatch: expected checkpoint shape "
+                             f"{(self.vocab_size, self.hidden_size)}, got {tuple(loaded.shape)}")
+        param.data.copy_(loaded.narrow(0, self.vocab_start, self.per_partition))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

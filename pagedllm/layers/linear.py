@@ -32,11 +32,17 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-def _check_and_copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"shape mismatch for {what}: parameter slice {tuple(dst.shape)} vs "
-                         f"checkpoint {tuple(src.shape)}")
-    dst.copy_(src)
+def _copy_shard(dst: torch.Tensor, loaded: torch.Tensor, dim: int, rank: int,
+                full: int, what: str) -> None:
+    """Copy rank ``rank``'s slice (along ``dim``) of the full checkpoint tensor ``loaded``,
+    which must be ``full`` long on ``dim`` and match ``dst`` elsewhere."""
+    size = dst.shape[dim]
+    expect = list(dst.shape)
+    expect[dim] = full
+    if list(loaded.shape) != expect:
+        raise ValueError(f"shape mismatch for {what}: expected checkpoint shape "
+                         f"{tuple(expect)}, got {tuple(loaded.shape)}")
+    dst.copy_(loaded.narrow(dim, rank * size, size))
 
 
 class LinearBase(nn.Module):
@@ -97,8 +103,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
-        n = param.shape[0]
-        _check_and_copy(param.data, loaded.narrow(0, self.tp_rank * n, n), "column shard")
+        _copy_shard(param.data, loaded, 0, self.tp_rank, self.output_size, "column shard")
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -120,8 +125,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         idx = int(shard_id)
         size = self.output_sizes[idx] // self.tp_size
         offset = sum(self.output_sizes[:idx]) // self.tp_size
-        src = loaded.narrow(0, self.tp_rank * size, size)
-        _check_and_copy(param.data.narrow(0, offset, size), src, f"merged shard {idx}")
+        _copy_shard(param.data.narrow(0, offset, size), loaded, 0, self.tp_rank,
+                    self.output_sizes[idx], f"merged shard {idx}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -158,13 +163,15 @@ class QKVParallelLinear(ColumnParallelLinear):
             return
         if shard_id == "q":
             offset, size, rank = 0, self.q_size, self.tp_rank
+            full = self.q_size * self.tp_size
         elif shard_id in ("k", "v"):
             offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
             size, rank = self.kv_size, self.tp_rank // self.kv_replicas
+            full = self.kv_size * (self.tp_size // self.kv_replicas)
         else:
             raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        src = loaded.narrow(0, rank * size, size)
-        _check_and_copy(param.data.narrow(0, offset, size), src, f"{shard_id}_proj")
+        _copy_shard(param.data.narrow(0, offset, size), loaded, 0, rank, full,
+                    f"{shard_id}_proj")
 
 
 class RowParallelLinear(LinearBase):
@@ -193,5 +200,4 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 1:  # bias: replicated
             default_weight_loader(param, loaded)
             return
-        n = param.shape[1]
-        _check_and_copy(param.data, loaded.narrow(1, self.tp_rank * n, n), "row shard")
+        _copy_shard(param.data, loaded, 1, self.tp_rank, self.input_size, "row shard")

@@ -1,0 +1,134 @@
+"""Our Llama / Qwen2 / Qwen3 vs transformers' own classes on tiny random checkpoints.
+
+Each config is saved by transformers (``save_pretrained``, safetensors), loaded through
+``load_model`` and run through the paged KV cache: the whole prompt as one request, the
+prompt as chunks followed by single-token decodes, and several requests mixed in one
+batch.  Logits must match HF's full-sequence forward (fp32, CPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+
+from pagedllm.attention.torch_ref import TorchReferenceBackend
+from pagedllm.config import EngineArgs
+from pagedllm.models.loader import load_model
+from tests.models.paged import PagedSession
+
+ATOL = 1e-4
+
+COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              max_position_embeddings=256, rms_norm_eps=1e-5)
+
+CONFIGS = {
+    # GQA 4:1, untied head, llama3 rope scaling (original context 64 < prompt positions).
+    "llama": lambda: transformers.LlamaConfig(
+        **COMMON, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64},
+        architectures=["LlamaForCausalLM"]),
+    # q/k/v bias, tied embeddings, GQA 2:1.
+    "qwen2": lambda: transformers.Qwen2Config(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        architectures=["Qwen2ForCausalLM"]),
+    # q/k norm and head_dim (32) != hidden / heads (16); no GQA.
+    "qwen3": lambda: transformers.Qwen3Config(
+        **COMMON, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+        tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"]),
+}
+HF_CLASSES = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+              "qwen3": transformers.Qwen3ForCausalLM}
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """HF zero-inits biases and one-inits norms; randomise everything so a weight loaded
+    into the wrong place (or not at all) changes the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.08)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request, tmp_path_factory):
+    """(our model, HF model, engine config) for one architecture."""
+    arch = request.param
+    torch.manual_seed(0)
+    hf = HF_CLASSES[arch](CONFIGS[arch]()).eval()
+    _randomize(hf, seed=len(arch))
+    path = str(tmp_path_factory.mktemp(arch))
+    hf.save_pretrained(path, safe_serialization=True)
+    assert any(f.endswith(".safetensors") for f in os.listdir(path))
+    cfg = EngineArgs(model=path, device="cpu", dtype="float32").create_engine_config()
+    ours = load_model(cfg.model_config, torch.device("cpu"), TorchReferenceBackend())
+    return ours, hf, cfg
+
+
+def _session(pair, block_size: int = 16, seed: int = 0) -> PagedSession:
+    ours, _, cfg = pair
+    mc = cfg.model_config
+    return PagedSession(ours, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks=48,
+                        block_size=block_size, seed=seed)
+
+
+def _hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_whole_prompt(pair) -> None:
+    ids = _prompt(70, seed=1)
+    got = _session(pair).step({0: ids})[0]
+    torch.testing.assert_close(got, _hf_logits(pair[1], ids), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_chunks_then_decodes(pair, block_size: int) -> None:
+    ids = _prompt(45, seed=2)
+    s = _session(pair, block_size=block_size, seed=block_size)
+    parts = [s.step({7: ids[:13]})[7], s.step({7: ids[13:30]})[7]]
+    parts += [s.step({7: [t]})[7] for t in ids[30:]]
+    torch.testing.assert_close(torch.cat(parts), _hf_logits(pair[1], ids), atol=ATOL, rtol=0)
+
+
+def test_mixed_batch(pair) -> None:
+    """Prefills, chunks-with-context and decodes of different requests in the same steps."""
+    prompts = {r: _prompt(n, seed=10 + r) for r, n in enumerate([33, 20, 9, 50])}
+    s = _session(pair, seed=3)
+    got: dict[int, list[torch.Tensor]] = {r: [] for r in prompts}
+    schedule = [
+        {0: (0, 33), 1: (0, 7), 2: (0, 1)},
+        {1: (7, 19), 2: (1, 2), 3: (0, 16)},
+        {1: (19, 20), 2: (2, 9), 3: (16, 40)},
+        {3: (40, 41)},
+        {3: (41, 50)},
+    ]
+    for step in schedule:
+        out = s.step({r: prompts[r][a:b] for r, (a, b) in step.items()})
+        for r, logits in out.items():
+            got[r].append(logits)
+    for r, ids in prompts.items():
+        torch.testing.assert_close(torch.cat(got[r]), _hf_logits(pair[1], ids), atol=ATOL,
+                                   rtol=0)
+
+
+def test_compute_logits_only_given_rows(pair) -> None:
+    ours, _, cfg = pair
+    h = torch.randn(3, cfg.model_config.hf_config.hidden_size)
+    with torch.inference_mode():
+        logits = ours.compute_logits(h)
+    assert logits.shape == (3, cfg.model_config.vocab_size)
+    assert logits.dtype == torch.float32
