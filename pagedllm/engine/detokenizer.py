@@ -85,6 +85,13 @@ class _TextBuffer:
         return self._pieces[0] if self._pieces else ""
 
 
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", ()))
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    ids.update(i for i, t in decoder.items() if getattr(t, "special", False))
+    return frozenset(ids)
+
+
 class _TokenDecoder:
     """Token id -> token string -> text, honouring the special-token options.
 
@@ -98,9 +105,10 @@ class _TokenDecoder:
                  spaces_between_special_tokens: bool) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
-        # Looked up once: transformers recomputes these on every call.
-        self.special_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else (
-            frozenset())
+        # Looked up once (transformers recomputes these on every call).  The union matters:
+        # ``decode(skip_special_tokens=True)`` skips every added token flagged special,
+        # which can be more than ``all_special_ids`` (SmolLM2: 17 vs 3).
+        self.special_ids = _special_ids(tokenizer) if skip_special_tokens else frozenset()
         self.spaces_between = spaces_between_special_tokens
         added = {} if getattr(tokenizer, "is_fast", True) else tokenizer.get_added_vocab()
         self.added_tokens = frozenset(added)
