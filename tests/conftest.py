@@ -30,3 +30,12 @@ def default_model_path() -> str:
     from pagedllm.models.resolve import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def llm(default_model_path):
+    """One engine on the default model for the whole session (start-up is the slow part)."""
+    from pagedllm import LLM
+
+    return LLM(kv_cache_memory_bytes=64 << 20, max_model_len=1024,
+               max_num_batched_tokens=256)

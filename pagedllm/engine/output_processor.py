@@ -165,8 +165,10 @@ class OutputProcessor:
                 seq.logprobs.extend(self._logprob_dicts(eo.new_logprobs))
                 seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sum(
                     row[0] for row in eo.new_logprobs.logprobs)
-            stop_str = seq.detok.update(eo.new_token_ids) if (
-                seq.detok is not None and eo.new_token_ids) else None
+            # An EOS / stop-token finish: that token's text is not part of the output.
+            stop_str = seq.detok.update(
+                eo.new_token_ids, stop_terminated=eo.finish_reason == FinishReason.STOP,
+            ) if (seq.detok is not None and eo.new_token_ids) else None
             if stop_str is not None:
                 seq.finish_reason, seq.stop_reason = str(FinishReason.STOP), stop_str
                 if eo.finish_reason is None:

@@ -27,11 +27,6 @@ RAW = [
 
 
 @pytest.fixture(scope="module")
-def llm(default_model_path) -> LLM:
-    return LLM(kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_batched_tokens=256)
-
-
-@pytest.fixture(scope="module")
 def prompts(llm) -> list[list[int]]:
     tok = llm.get_tokenizer()
     ids = [llm.llm_engine.input_processor.apply_chat_template([{"role": "user", "content": c}])
