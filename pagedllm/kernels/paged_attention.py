@@ -108,12 +108,12 @@ def _attn_tile(
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    scale_log2, num_reqs, num_heads,
+    scale_log2, num_reqs, num_heads, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    TILE_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
 ):
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -143,8 +143,8 @@ def _paged_attn_kernel(
     # Keys this tile needs: positions [0, kv_end), kv_end = last query position + 1.
     kv_end = ctx_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, TILE_N)
-    if NUM_SPLITS > 1:
-        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    if SPLIT:
+        per_split = tl.cdiv(num_tiles, num_splits)
         tile_lo = split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
     else:
@@ -175,10 +175,10 @@ def _paged_attn_kernel(
                 v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
                 BLOCK_SIZE, TILE_N, F32_DOT)
 
-    if NUM_SPLITS > 1:
+    if SPLIT:
         # Partials: acc [T, H, S, D] fp32 (unnormalised), m/l [T, H, S]; empty splits
         # store m = -inf, l = 0 so the reduce weighs them 0.
-        stat = (tok * num_heads + head) * NUM_SPLITS + split
+        stat = (tok * num_heads + head) * num_splits + split
         tl.store(m_ptr + stat, m_i, mask=row_ok)
         tl.store(l_ptr + stat, l_i, mask=row_ok)
         tl.store(out_ptr + stat[:, None] * HEAD_DIM + dims[None, :], acc,
@@ -191,16 +191,15 @@ def _paged_attn_kernel(
 
 @triton.jit
 def _reduce_splits_kernel(
-    acc_ptr, m_ptr, l_ptr, out_ptr, num_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
+    acc_ptr, m_ptr, l_ptr, out_ptr, num_heads, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_P2)
     dims = tl.arange(0, DIM_P2)
-    split_ok = splits < NUM_SPLITS
-    base = (tok * num_heads + head) * NUM_SPLITS
+    split_ok = splits < num_splits
+    base = (tok * num_heads + head) * num_splits
     m = tl.load(m_ptr + base + splits, mask=split_ok, other=float("-inf"))
     l_s = tl.load(l_ptr + base + splits, mask=split_ok, other=0.0)
     m_max = tl.max(m, 0)
@@ -336,11 +335,13 @@ def paged_attention(
     common = dict(
         GQA=gqa, HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_SIZE=block_size,
         BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q, TILE_N=launch.tile_n,
-        NUM_SPLITS=splits, F32_DOT=f32_dot, WHILE_LOOP=_interpreting(),
+        SPLIT=splits > 1, F32_DOT=f32_dot, WHILE_LOOP=_interpreting(),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
+    # num_splits is a runtime argument (only "split or not" is compiled in), so batch
+    # sizes that pick different split counts share one compiled kernel.
     args = (block_tables, seq_lens, query_start_loc, scale * _LOG2E, num_reqs, num_heads,
-            query.stride(0), query.stride(1))
+            splits, query.stride(0), query.stride(1))
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      block_tables.stride(0))
     if splits == 1:
@@ -357,7 +358,7 @@ def paged_attention(
     _paged_attn_kernel[grid](
         query, k_cache, v_cache, acc, m, lse, *args, 0, 0, *cache_strides, **common)
     _reduce_splits_kernel[(num_tokens, num_heads)](
-        acc, m, lse, out, num_heads, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, DIM_P2=dim_p2, NUM_SPLITS=splits,
+        acc, m, lse, out, num_heads, splits, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, DIM_P2=dim_p2,
         SPLITS_P2=triton.next_power_of_2(splits), num_warps=4 if head_dim >= 128 else 2)
     return out
