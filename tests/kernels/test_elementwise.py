@@ -162,3 +162,39 @@ def test_gpu_real_sizes(dtype: torch.dtype) -> None:
     apply_rotary(pos, q, k, 128, cache)
     assert torch.equal(q.view(512, 32, 128).cpu(), q_ref)
     assert torch.equal(k.view(512, 8, 128).cpu(), k_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_torch_layers(dtype: torch.dtype) -> None:
+    """The kernels against the model's torch layers (the CPU path they replace)."""
+    from pagedllm.layers.activation import SiluAndMul
+    from pagedllm.layers.norm import RMSNorm
+    from pagedllm.layers.rotary import RotaryEmbedding
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    t, hq, hk, d = 5, 4, 2, 64
+    norm = RMSNorm(128, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(128, generator=gen))
+    norm = norm.to(DEVICE, dtype)
+    x = torch.randn(t, 128, generator=gen).to(DEVICE, dtype)
+    res = torch.randn(t, 128, generator=gen).to(DEVICE, dtype)
+    with torch.no_grad():
+        want_out, want_res = norm(x, res)
+    got_out, got_res = fused_add_rms_norm(x, res, norm.weight, 1e-5)
+    _close(got_res, want_res, dtype, seed)
+    _close(got_out, want_out, dtype, seed)
+
+    rope = RotaryEmbedding(d, 2048, {"rope_theta": 10000.0, "rope_type": "default"})
+    rope = rope.to(DEVICE)
+    pos = torch.randint(0, 2048, (t,), generator=gen).to(DEVICE)
+    q = torch.randn(t, hq * d, generator=gen).to(DEVICE, dtype)
+    k = torch.randn(t, hk * d, generator=gen).to(DEVICE, dtype)
+    want_q, want_k = rope(pos, q, k)
+    apply_rotary(pos, q, k, d, rope.cos_sin_cache)
+    _close(q, want_q, dtype, seed, floor=2.0)
+    _close(k, want_k, dtype, seed, floor=2.0)
+
+    g = torch.randn(t, 2 * 96, generator=gen).to(DEVICE, dtype)
+    _close(silu_and_mul(g), SiluAndMul()(g), dtype, seed)
