@@ -56,15 +56,15 @@ class TorchReferenceBackend(AttentionBackend):
         if meta.num_reqs == 0 or meta.num_actual_tokens == 0:
             return out
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        qsl = meta.query_start_loc_cpu
-        seq_lens = meta.seq_lens_cpu
+        qsl = meta.query_start_loc_cpu[:meta.num_reqs + 1]
+        seq_lens = meta.seq_lens_cpu[:meta.num_reqs]
         query_lens = qsl[1:] - qsl[:-1]
         bs = kv_cache.shape[2]
         gqa = query.shape[1] != kv_cache.shape[3]
 
         is_decode = query_lens == 1
         if bool(is_decode.any()):
-            self._decodes(query, out, k_cache, v_cache, meta, is_decode, scale, gqa)
+            self._decodes(query, out, k_cache, v_cache, meta, is_decode, scale)
         for r in torch.nonzero(~is_decode & (query_lens > 0)).flatten().tolist():
             start, end = int(qsl[r]), int(qsl[r + 1])
             seq_len = int(seq_lens[r])
@@ -72,8 +72,9 @@ class TorchReferenceBackend(AttentionBackend):
             nblk = -(-seq_len // bs)
             blocks = meta.block_tables[r, :nblk]
             # [nblk, bs, H, D] -> [1, H, seq_len, D]
-            k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
-            v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
+            k = k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+            v = v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             q = query[start:end].transpose(0, 1).unsqueeze(0)
             if ctx == 0:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
@@ -90,14 +91,14 @@ class TorchReferenceBackend(AttentionBackend):
     @staticmethod
     def _decodes(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, is_decode: torch.Tensor,
-                 scale: float, gqa: bool) -> None:
+                 scale: float) -> None:
         """All single-token queries at once: ``[B, H, 1, D]`` against ``[B, H, L, D]``."""
         bs = k_cache.shape[1]
         qsl = meta.query_start_loc_cpu
         all_decode = bool(is_decode.all())
         if all_decode:  # the steady state: no index juggling
             rows_cpu = None
-            seq_lens_cpu = meta.seq_lens_cpu
+            seq_lens_cpu = meta.seq_lens_cpu[:meta.num_reqs]
             seq_lens = meta.seq_lens[:meta.num_reqs]
             tables = meta.block_tables[:meta.num_reqs]
             tok_idx = None
@@ -110,17 +111,24 @@ class TorchReferenceBackend(AttentionBackend):
             tok_idx = qsl[:-1][rows_cpu].to(device=query.device, dtype=torch.long)
         max_len = int(seq_lens_cpu.max())
         nblk = -(-max_len // bs)
-        tables = tables[:, :nblk].long()
+        tables = tables[:, :nblk]
         b = tables.shape[0]
         length = nblk * bs
-        # [B, nblk, bs, H, D] -> [B, H, L, D]
-        k = k_cache[tables].view(b, length, *k_cache.shape[2:]).transpose(1, 2)
-        v = v_cache[tables].view(b, length, *v_cache.shape[2:]).transpose(1, 2)
-        q = (query[:b] if tok_idx is None else query[tok_idx]).unsqueeze(2)
+        h_kv, d = k_cache.shape[2], k_cache.shape[3]
+        # index_select over the flattened table is a row memcpy; ``k_cache[tables]`` with a
+        # 2-D index goes through the generic (several times slower) index kernel.
+        flat = tables.reshape(-1)
+        k = k_cache.index_select(0, flat).view(b, length, h_kv, d).transpose(1, 2)
+        v = v_cache.index_select(0, flat).view(b, length, h_kv, d).transpose(1, 2)
+        q = query[:b] if tok_idx is None else query[tok_idx]
+        # GQA without expanding K/V: the G query heads sharing a KV head become G "query
+        # rows" of that head (HF's repeat_kv maps query head h to KV head h // G).
+        group = q.shape[1] // h_kv
+        q = q.view(b, h_kv, group, d)
         mask = torch.arange(length, device=query.device) < seq_lens.unsqueeze(1)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :],
-                                           scale=scale, enable_gqa=gqa)
-        o = o.squeeze(2)  # [B, H, D]
+                                           scale=scale)
+        o = o.reshape(b, h_kv * group, d)
         if tok_idx is None:
             out[:b] = o
         else:

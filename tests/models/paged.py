@@ -47,10 +47,13 @@ class PagedSession:
 
     def __init__(self, model: torch.nn.Module, num_layers: int, num_kv_heads: int,
                  head_dim: int, num_blocks: int = 64, block_size: int = 16,
-                 dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
+                 dtype: torch.dtype = torch.float32, seed: int = 0,
+                 device: torch.device | str = "cpu") -> None:
         self.model, self.block_size = model, block_size
+        self.device = torch.device(device)
         self.caches = [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim,
-                                   dtype=dtype) for _ in range(num_layers)]
+                                   dtype=dtype, device=self.device)
+                       for _ in range(num_layers)]
         model.bind_kv_caches(self.caches)  # type: ignore[operator]
         g = torch.Generator().manual_seed(seed)
         # Block 0 is kept as padding/null, like the real block pool.
@@ -71,10 +74,12 @@ class PagedSession:
                 table.append(self.free.pop())
             ctx.append(c)
             qlens.append(q)
-        meta = build_metadata(ctx, qlens, [self.tables[r] for r in reqs], self.block_size)
-        ids = torch.tensor([t for r in reqs for t in new_tokens[r]], dtype=torch.long)
+        meta = build_metadata(ctx, qlens, [self.tables[r] for r in reqs], self.block_size,
+                              self.device)
+        ids = torch.tensor([t for r in reqs for t in new_tokens[r]], dtype=torch.long,
+                           device=self.device)
         with torch.inference_mode():
-            hidden = self.model(ids, positions_for(ctx, qlens), meta)
+            hidden = self.model(ids, positions_for(ctx, qlens).to(self.device), meta)
             logits = self.model.compute_logits(hidden)  # type: ignore[operator]
         out, start = {}, 0
         for r, c, q in zip(reqs, ctx, qlens):

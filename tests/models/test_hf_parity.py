@@ -132,3 +132,44 @@ def test_compute_logits_only_given_rows(pair) -> None:
         logits = ours.compute_logits(h)
     assert logits.shape == (3, cfg.model_config.vocab_size)
     assert logits.dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_matches_transformers(pair, dtype: str) -> None:
+    """The same checkpoint built on the GPU: fp32 within float noise, bf16 loosely."""
+    _, hf, cfg = pair
+    import dataclasses
+
+    mc = dataclasses.replace(cfg.model_config, dtype=dtype)
+    ours = load_model(mc, torch.device("cuda"), TorchReferenceBackend())
+    torch_dtype = getattr(torch, dtype)
+    ids = _prompt(40, seed=5)
+    s = PagedSession(ours, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks=16,
+                     dtype=torch_dtype, device="cuda")
+    got = torch.cat([s.step({0: ids[:25]})[0]] + [s.step({0: [t]})[0] for t in ids[25:]])
+    ref = _hf_logits(hf, ids)
+    tol = 1e-3 if dtype == "float32" else 0.15
+    torch.testing.assert_close(got.cpu(), ref, atol=tol, rtol=0)
+
+
+@pytest.mark.gpu
+def test_dummy_8b_shape_builds_fast_on_gpu(tmp_path) -> None:
+    import time
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+        architectures=["LlamaForCausalLM"])
+    cfg.save_pretrained(tmp_path)
+    ec = EngineArgs(model=str(tmp_path), device="cuda", dtype="bfloat16",
+                    load_format="dummy").create_engine_config()
+    t0 = time.perf_counter()
+    model = load_model(ec.model_config, torch.device("cuda"), TorchReferenceBackend())
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    n = sum(p.numel() for p in model.parameters())
+    assert 7.5e9 < n < 8.5e9
+    assert elapsed < 20, f"dummy 8B build took {elapsed:.1f}s"
+    del model
+    torch.cuda.empty_cache()
