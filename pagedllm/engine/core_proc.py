@@ -138,9 +138,9 @@ class EngineCoreProc:
                     # request (abort) rather than leave the client waiting forever.
                     logger.warning("request %s rejected by the engine core: %s",
                                    req.request_id, first_line(e))
-                    rejected.append(EngineCoreOutput(
-                        request_id=req.request_id, new_token_ids=[],
-                        finish_reason=FinishReason.ABORT))
+                    rejected.extend(EngineCoreOutput(
+                        request_id=sid, new_token_ids=[], finish_reason=FinishReason.ABORT)
+                        for sid in (req.request_id, *req.fork_ids))
             if rejected:
                 self.publish(EngineCoreOutputs(outputs=rejected))
             return False
@@ -231,7 +231,10 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         try:
             core = EngineCore(config)
         except Exception as e:  # report why start-up failed, in one line
-            logger.exception("engine core failed to start")
+            if isinstance(e, ValueError):  # a user error (flags, model file): no traceback
+                logger.error("engine core failed to start: %s", first_line(e))
+            else:
+                logger.exception("engine core failed to start")
             proc = EngineCoreProc(None, input_addr, output_addr, parent_pid)
             proc.send_ready(EngineCoreReady(pid=os.getpid(), error=first_line(e)))
             return

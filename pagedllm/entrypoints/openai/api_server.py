@@ -24,6 +24,7 @@ import hmac
 import logging
 import os
 import posixpath
+import re
 import signal
 import socket
 import sys
@@ -80,7 +81,8 @@ def normalize_path(path: str) -> str:
     p = path
     for _ in range(3):
         p = unquote(p)
-    p = posixpath.normpath("/" + p.replace("\\", "/"))
+    # normpath keeps a leading "//" (POSIX allows it a meaning), so squeeze slashes first.
+    p = posixpath.normpath(re.sub(r"/+", "/", "/" + p.replace("\\", "/")))
     return (p.rstrip("/") or "/").lower()
 
 
