@@ -23,6 +23,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-hi", type=int, default=None,
                    help="Upper bound of random token ids (default: min(vocab, 128000)).")
     p.add_argument("--output-json", default=None, help="Write the results here as JSON.")
+    p.add_argument("--dummy", default=None, choices=["llama3-8b", "smollm2-135m"],
+                   help="Benchmark a named model shape with random weights (writes its "
+                        "config.json to a temp dir; implies --load-format dummy).")
     add_engine_args(p)
 
 
@@ -38,6 +41,11 @@ def _timed(llm: Any, prompt: list[int], n: int) -> float:
 def main(args: argparse.Namespace) -> int:
     from pagedllm import LLM
 
+    if args.dummy:
+        from pagedllm.benchmarks.workloads import write_dummy_model
+
+        args.model, args.load_format = write_dummy_model(args.dummy), "dummy"
+        args.skip_tokenizer_init = True
     eargs = engine_args_from_cli(args)
     llm = LLM(eargs.model, **{k: v for k, v in vars(eargs).items()
                               if k not in ("model", "extra")})

@@ -37,7 +37,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Also time HF Transformers generate() on the same requests.")
     p.add_argument("--hf-batch-size", type=int, default=None,
                    help="HF static batch size (default: the batch size being measured).")
+    p.add_argument("--hf-num-prompts", type=int, default=None,
+                   help="Time HF on only the first N requests of each configuration (HF "
+                        "is slow; its tok/s is still comparable).")
     p.add_argument("--output-json", default=None, help="Write the results here as JSON.")
+    p.add_argument("--dummy", default=None, choices=["llama3-8b", "smollm2-135m"],
+                   help="Benchmark a named model shape with random weights (writes its "
+                        "config.json to a temp dir; implies --load-format dummy).")
     add_engine_args(p)
 
 
@@ -75,6 +81,11 @@ def main(args: argparse.Namespace) -> int:
 
     from pagedllm import LLM
 
+    if args.dummy:
+        from pagedllm.benchmarks.workloads import write_dummy_model
+
+        args.model, args.load_format = write_dummy_model(args.dummy), "dummy"
+        args.skip_tokenizer_init = True
     eargs = engine_args_from_cli(args)
     kwargs = {k: v for k, v in vars(eargs).items() if k not in ("model", "extra")}
     llm = LLM(eargs.model, **kwargs)
@@ -107,11 +118,15 @@ def main(args: argparse.Namespace) -> int:
         if hf_model is not None:
             from pagedllm.benchmarks.hf_baseline import hf_generate
 
-            bs = args.hf_batch_size or len(reqs)
+            hf_reqs = reqs[:args.hf_num_prompts] if args.hf_num_prompts else reqs
+            bs = args.hf_batch_size or len(hf_reqs)
             hf_s = statistics.median(
-                hf_generate(hf_model, [r.prompt_token_ids for r in reqs],
-                            [r.output_len for r in reqs], bs)[0] for _ in range(args.repeats))
-            row.update(hf_s=hf_s, hf_out_tok_s=n_out / hf_s, ratio=hf_s / ours)
+                hf_generate(hf_model, [r.prompt_token_ids for r in hf_reqs],
+                            [r.output_len for r in hf_reqs], bs)[0]
+                for _ in range(args.repeats))
+            hf_tps = sum(r.output_len for r in hf_reqs) / hf_s
+            row.update(hf_requests=len(hf_reqs), hf_s=hf_s, hf_out_tok_s=hf_tps,
+                       ratio=(n_out / ours) / hf_tps)
         rows.append(row)
     _print_table(rows)
     if args.output_json:

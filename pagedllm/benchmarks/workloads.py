@@ -69,3 +69,35 @@ def c1_messages(num: int = 64) -> list[list[dict[str, Any]]]:
 
 def totals(reqs: list[BenchRequest]) -> tuple[int, int]:
     return sum(len(r.prompt_token_ids) for r in reqs), sum(r.output_len for r in reqs)
+
+
+# The model shapes of BENCHMARKS.md, for dummy-weight runs (no weights needed).
+DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama3-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+        "rope_theta": 500000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001},
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
+        "rope_theta": 100000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2},
+}
+
+
+def write_dummy_model(name: str, directory: str | None = None) -> str:
+    """Write ``config.json`` for a named shape into a (temporary) directory; load it with
+    ``load_format="dummy"``."""
+    import json
+    import os
+    import tempfile
+
+    if name not in DUMMY_CONFIGS:
+        raise ValueError(f"dummy model must be one of {', '.join(DUMMY_CONFIGS)}, got {name!r}")
+    d = directory or tempfile.mkdtemp(prefix=f"pagedllm-{name}-")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(DUMMY_CONFIGS[name], f)
+    return d

@@ -1,0 +1,80 @@
+"""Profile the activation peak of the largest step the scheduler can send.
+
+One forward of ``max_num_batched_tokens`` tokens spread over ``min(max_num_seqs, T)``
+requests (all prefill, so attention does its largest work), logits for every request and
+a full random-sampling pass, against a temporary KV cache just big enough for it.  The
+peak of ``torch.cuda.max_memory_allocated`` is what the KV cache must leave room for.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.sampler import Sampler
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.input_batch import InputBatch
+
+if TYPE_CHECKING:
+    from pagedllm.worker.worker import Worker
+
+
+class _DummyReq:
+    def __init__(self, params: SamplingParams, prompt: list[int]) -> None:
+        self.params = params
+        self.generator = None
+        self.prompt_token_ids = prompt
+        self.output_token_ids: list[int] = []
+        self.eos_token_id = None
+
+
+@torch.inference_mode()
+def profile_run(worker: Worker) -> int:
+    """Returns the peak bytes allocated on the worker's GPU during a maximal step."""
+    mc, cc, sc = worker.config.model_config, worker.config.cache_config, \
+        worker.config.scheduler_config
+    dev = worker.device
+    total = min(sc.max_num_batched_tokens, sc.max_num_seqs * mc.max_model_len)
+    reqs = min(sc.max_num_seqs, total)
+    per = np.full(reqs, total // reqs, dtype=np.int64)
+    per[: total % reqs] += 1
+    bs = cc.block_size
+    blocks_per_req = int(-(-per.max() // bs))
+    num_blocks = reqs * blocks_per_req + 1
+    shape = (2, num_blocks, bs, mc.num_kv_heads, mc.head_dim)
+    caches = [torch.zeros(shape, dtype=worker.dtype, device=dev) for _ in range(mc.num_layers)]
+    worker.model.bind_kv_caches(caches)
+    batch = InputBatch(reqs, int(per.max()) + 1, bs)
+    rng = np.random.default_rng(0)
+    for r in range(reqs):
+        ids = rng.integers(0, mc.vocab_size, int(per[r])).tolist()
+        blocks = list(range(1 + r * blocks_per_req, 1 + (r + 1) * blocks_per_req))
+        batch.add(str(r), ids, blocks)
+    rows = np.arange(reqs)
+    inp = batch.prepare(rows, np.zeros(reqs, dtype=np.int64), per)
+    from pagedllm.attention.metadata import AttentionMetadata
+
+    def d(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+
+    meta = AttentionMetadata(
+        num_actual_tokens=total, num_reqs=reqs, max_query_len=inp.max_query_len,
+        max_seq_len=inp.max_seq_len, query_start_loc=d(inp.query_start_loc),
+        seq_lens=d(inp.seq_lens), block_tables=d(inp.block_tables),
+        slot_mapping=d(inp.slot_mapping),
+        query_start_loc_cpu=torch.from_numpy(inp.query_start_loc),
+        seq_lens_cpu=torch.from_numpy(inp.seq_lens), block_size=bs)
+    hidden = worker.model(d(inp.input_ids), d(inp.positions), meta)
+    logits = worker.model.compute_logits(hidden[d(inp.query_start_loc[1:] - 1).long()])
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=1)
+    states = [_DummyReq(params, [1]) for _ in range(reqs)]
+    Sampler()(logits, SamplingMetadata.build(states, dev, mc.vocab_size))
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev)
+    del hidden, logits, caches
+    worker.model.bind_kv_caches([None] * mc.num_layers)  # type: ignore[list-item]
+    torch.cuda.empty_cache()
+    return int(peak)
