@@ -1,0 +1,197 @@
+"""Faults and shutdown: SIGTERM drain, engine-core death, a failing model step, API-server
+death, and start-up failures (RELIABILITY.md, "Faults")."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import httpx
+import psutil
+
+from tests.server.harness import ServerProcess, running_server, wait_until
+
+STREAM = {"prompt": "Once upon a time", "ignore_eos": True, "temperature": 0,
+          "stream": True}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _consume(s: ServerProcess, body: dict[str, Any], out: dict[str, Any],
+             started: threading.Event) -> None:
+    """Read a streamed completion into ``out`` (events, error) from a thread."""
+    events: list[Any] = []
+    out["events"] = events
+    try:
+        with httpx.Client(base_url=s.url, timeout=120) as c, \
+                c.stream("POST", "/v1/completions", json=body) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    p = line[len("data: "):]
+                    events.append(p if p == "[DONE]" else json.loads(p))
+                    started.set()
+    except httpx.HTTPError as e:
+        out["error"] = e
+    finally:
+        started.set()
+
+
+def test_sigterm_drains_in_flight_requests() -> None:
+    with running_server("--shutdown-timeout", "120") as s:
+        engine_pid = s.engine_pid()
+        out: dict[str, Any] = {}
+        started = threading.Event()
+        t = threading.Thread(target=_consume,
+                             args=(s, {**STREAM, "max_tokens": 12}, out, started))
+        t.start()
+        assert started.wait(120)
+        s.proc.send_signal(signal.SIGTERM)
+        # Draining: not admitting, unhealthy, while the in-flight stream continues.
+        with s.client() as c:
+            assert wait_until(lambda: c.get("/health").status_code == 503, timeout=10)
+            r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+            assert r.status_code == 503 and r.json()["error"]["message"]
+        t.join(120)
+        events = out["events"]
+        assert events[-1] == "[DONE]"
+        finals = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]
+        assert finals[-1] == "length"
+        assert sum(1 for e in events[:-1] if e["choices"]) == 12
+        assert s.proc.wait(60) == 0
+        assert wait_until(lambda: _gone(engine_pid), timeout=15)
+
+
+def test_sigterm_aborts_after_shutdown_timeout() -> None:
+    with running_server("--shutdown-timeout", "1") as s:
+        out: dict[str, Any] = {}
+        started = threading.Event()
+        t = threading.Thread(target=_consume,
+                             args=(s, {**STREAM, "max_tokens": 200}, out, started))
+        t.start()
+        assert started.wait(120)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        events = out["events"]
+        assert events[-1] == "[DONE]"
+        finals = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]
+        assert finals[-1] == "abort"
+        assert s.proc.wait(60) == 0
+        assert time.monotonic() - t0 < 30
+        assert not s.descendants()
+
+
+def test_engine_core_killed() -> None:
+    with running_server() as s:
+        engine_pid = s.engine_pid()
+        out: dict[str, Any] = {}
+        started = threading.Event()
+        t = threading.Thread(target=_consume,
+                             args=(s, {**STREAM, "max_tokens": 200}, out, started))
+        t.start()
+        assert started.wait(120)
+        t0 = time.monotonic()
+        os.kill(engine_pid, signal.SIGKILL)
+        t.join(30)
+        events = out["events"]
+        # The stream ends with an in-band error, then [DONE].
+        assert events[-1] == "[DONE]"
+        assert "error" in events[-2], events[-2]
+        assert "Traceback" not in json.dumps(events[-2])
+        # The server notices within seconds and exits non-zero.
+        rc = s.proc.wait(30)
+        assert rc != 0
+        assert time.monotonic() - t0 < 15
+        assert "engine core" in s.log()
+
+
+def test_model_step_failure() -> None:
+    """The model forward raises after N steps: in-flight requests get an error, /health
+    turns 503, the server exits non-zero, no orphan processes."""
+    with running_server(env={"PAGEDLLM_FAULT_STEP_ERROR_AFTER": "3"}) as s:
+        engine_pid = s.engine_pid()
+        kids = [p.pid for p in s.descendants()]
+        result: dict[str, Any] = {}
+
+        def post() -> None:
+            with httpx.Client(base_url=s.url, timeout=120) as c:
+                result["r"] = c.post("/v1/completions", json={
+                    "prompt": "Hi", "max_tokens": 50, "ignore_eos": True})
+
+        t = threading.Thread(target=post)
+        t.start()
+        health = []
+        deadline = time.monotonic() + 60
+        while t.is_alive() or (time.monotonic() < deadline and s.proc.poll() is None):
+            try:
+                health.append(httpx.get(s.url + "/health", timeout=2).status_code)
+            except httpx.HTTPError:
+                break
+            if health[-1] == 503:
+                break
+            time.sleep(0.05)
+        t.join(60)
+        r = result["r"]
+        assert r.status_code == 500
+        err = r.json()["error"]
+        assert err["code"] == "engine_dead" and "Traceback" not in err["message"]
+        assert 503 in health
+        assert s.proc.wait(30) != 0
+        assert wait_until(lambda: all(_gone(p) for p in [engine_pid, *kids]), timeout=15)
+        assert "injected fault" in s.log()
+
+
+def test_api_server_killed_engine_exits() -> None:
+    with running_server() as s:
+        engine_pid = s.engine_pid()
+        assert not _gone(engine_pid)
+        os.kill(s.pid, signal.SIGKILL)  # only the API server, not its process group
+        s.proc.wait(10)
+        assert wait_until(lambda: _gone(engine_pid), timeout=10)
+
+
+def _serve_fails(*args: str) -> tuple[int, str]:
+    p = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port",
+                        "0", *args], capture_output=True, text=True, timeout=300)
+    return p.returncode, p.stderr
+
+
+def test_bad_model_path_one_line() -> None:
+    rc, err = _serve_fails("--model", "/nonexistent/model.gguf")
+    assert rc != 0
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error:") and "model" in last and "Traceback" not in err
+
+
+def test_too_little_kv_memory_one_line() -> None:
+    rc, err = _serve_fails("--max-model-len", "256", "--kv-cache-memory-bytes", "100000")
+    assert rc != 0
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error:") and "max_model_len" in last
+    assert "Traceback" not in err
+
+
+def test_port_in_use_one_line() -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        port = sock.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve",
+                            "--port", str(port)], capture_output=True, text=True,
+                           timeout=300)
+    assert p.returncode != 0
+    assert p.stderr.strip().splitlines()[-1].startswith("error: port")
