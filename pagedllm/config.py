@@ -66,7 +66,9 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
+    # CPU memory for swapped-out KV blocks (allocated only with preemption_mode="swap").
+    swap_space_bytes: int = 4 << 30
     # Filled in by the engine once memory is planned.
     num_blocks: int | None = None
 
@@ -77,6 +79,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     policy: Literal["fcfs", "priority"] = "fcfs"
+    # How a preempted request gives back its blocks: drop and recompute them later, or
+    # copy them to CPU swap space and back.
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    # Swap bandwidth the scheduler may spend per step, in blocks (in + out).
+    max_swap_blocks_per_step: int = 64
+
+
+# Bytes the scheduler may swap per step: about 4 ms at PCIe 4.0 x16's ~16 GB/s, small
+# next to a decode step, so swapping never stalls the running batch for long.
+SWAP_BYTES_PER_STEP = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -118,7 +130,9 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"  # "recompute" | "swap"
+    swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     scheduling_policy: str = "fcfs"
@@ -154,6 +168,12 @@ class EngineArgs:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got "
+                             f"{self.preemption_mode!r}")
+        sw = self.swap_space
+        if isinstance(sw, bool) or not isinstance(sw, (int, float)) or not 0 <= sw <= 1024:
+            raise ValueError(f"swap_space must be a number of GiB in [0, 1024], got {sw!r}")
 
         resolved = resolve_model(self.model, self.tokenizer, self.load_format)
         hf_config = resolved.load_hf_config(self.trust_remote_code)
@@ -190,10 +210,14 @@ class EngineArgs:
             cache_config=CacheConfig(
                 block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=float(g),
-                enable_prefix_caching=self.enable_prefix_caching),
+                enable_prefix_caching=self.enable_prefix_caching,
+                swap_space_bytes=int(sw * (1 << 30))),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
-                max_model_len=max_model_len, policy=self.scheduling_policy),  # type: ignore
+                max_model_len=max_model_len, policy=self.scheduling_policy,  # type: ignore
+                preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
+                max_swap_blocks_per_step=max(1, SWAP_BYTES_PER_STEP // (
+                    model_config.kv_bytes_per_token() * self.block_size))),
             device_config=DeviceConfig(device=device, enforce_eager=self.enforce_eager,
                                        num_threads=self.num_threads),
         )

@@ -18,11 +18,12 @@ from pagedllm.sampling_params import SamplingParams
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
-    PREEMPTED = 2
+    PREEMPTED = 2  # recompute preemption: back in the waiting queue, KV dropped
+    SWAPPED = 3  # swap preemption: KV parked in CPU blocks, resumes where it stopped
     # Everything from here on is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -52,11 +53,23 @@ class Request:
         "arrival_time", "output_token_ids", "all_token_ids", "num_computed_tokens",
         "status", "stop_reason", "num_preemptions", "max_tokens", "num_cached_tokens",
         "first_scheduled_time", "_first_scheduled_reported",
+        # Memory sharing (issue 5): see the docstring of ``__init__``.
+        "fork_ids", "reserved_slots", "beam_group", "token_override", "cpu_block_ids",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None,
-                 arrival_time: float | None = None, priority: int = 0) -> None:
+                 arrival_time: float | None = None, priority: int = 0,
+                 fork_ids: list[str] | None = None) -> None:
+        """``fork_ids``: ids of the extra parallel samples (n > 1) this request forks into
+        once its prompt is computed up to the last token; they share its blocks.
+
+        ``reserved_slots`` counts sequences this request will still fork into (they are
+        reserved against ``max_num_seqs`` while it runs); ``beam_group`` names the beam
+        search group it belongs to; ``token_override`` is a token the scheduler chose
+        (beam search) that the runner must write over the one it sampled;
+        ``cpu_block_ids`` holds its KV while swapped out.
+        """
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -74,11 +87,30 @@ class Request:
         self.num_cached_tokens = -1  # set when first scheduled (prefix-cache hits)
         self.first_scheduled_time: float | None = None
         self._first_scheduled_reported = False
+        self.fork_ids: list[str] = list(fork_ids or ())
+        self.reserved_slots = len(self.fork_ids)
+        self.beam_group: str | None = None
+        self.token_override: int | None = None
+        self.cpu_block_ids: list[int] | None = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params,
-                   req.eos_token_id, req.arrival_time, req.priority)
+                   req.eos_token_id, req.arrival_time, req.priority, req.fork_ids)
+
+    def fork(self, child_id: str, sampling_params: SamplingParams | None = None) -> Request:
+        """A new request with this one's tokens so far (no blocks: the KV manager shares
+        those).  It inherits arrival, priority, cache and scheduling metadata."""
+        child = Request(child_id, self.prompt_token_ids,
+                        sampling_params or self.sampling_params, self.eos_token_id,
+                        self.arrival_time, self.priority)
+        child.output_token_ids = list(self.output_token_ids)
+        child.all_token_ids = list(self.all_token_ids)
+        child.num_cached_tokens = self.num_cached_tokens
+        child.first_scheduled_time = self.first_scheduled_time
+        child._first_scheduled_reported = self._first_scheduled_reported
+        child.beam_group = self.beam_group
+        return child
 
     @property
     def num_tokens(self) -> int:

@@ -82,6 +82,8 @@ class SamplingParams:
     # Extra: the vLLM name for beam search on a request.
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # Prefix caching: requests only share cached KV blocks when their salts are equal.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -152,6 +154,9 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be token ids >= 0, got {k}")
                 _check_number("logit_bias", v)
                 self.logit_bias[k] = max(-100.0, min(100.0, v))
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {self.cache_salt!r}")
+        _check_number("length_penalty", self.length_penalty)
         if self.use_beam_search and self.temperature > _SAMPLING_EPS:
             # vLLM's rule: beam search is deterministic.
             raise ValueError("temperature must be 0 when use_beam_search is set")

@@ -122,7 +122,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             b = self.free_queue.popleft()
-            self._evict_hash(b)
+            self.evict_hash(b)
             b.ref_cnt = 1
             out.append(b)
         return out
@@ -154,7 +154,8 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
 
-    def _evict_hash(self, block: KVCacheBlock) -> None:
+    def evict_hash(self, block: KVCacheBlock) -> None:
+        """Forget ``block``'s cached contents (no prefix hit will return it)."""
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]

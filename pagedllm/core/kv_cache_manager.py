@@ -10,6 +10,23 @@ Internal fragmentation is at most one partly filled block per request: a request
 ``ceil(tokens / block_size)`` blocks, never more.  Block hashes are chained
 (``H(parent_hash, tokens, extra_keys)``), so equal hashes mean equal *prefixes*, and are
 computed once per block as it fills -- never per step over the whole sequence.
+
+Sharing and copy-on-write (n > 1 samples, beam search):
+
+```
+ fork(parent, child):          parent  [ 7 ][ 2 ][ 9 (partial) ]      ref counts 2, 2, 2
+                               child   [ 7 ][ 2 ][ 9 (partial) ]
+ child appends a token:        child   [ 7 ][ 2 ][ 4 ]   <- 4 = copy of 9, then written
+                               copy (9 -> 4) emitted for the runner; 9 back to ref 1
+```
+
+A block is written only at positions ``>= num_computed_tokens``; the block holding the
+first such position is the only one that can be shared (later ones are new), so
+``allocate_slots`` checks that one block: shared (``ref_cnt > 1``) -> copy on write.
+Full blocks are never written again, so prefix-cache sharing never needs a copy.
+
+Swap: ``swap_out`` releases a request's GPU blocks (their ids are returned for the copy to
+CPU) but keeps its hashes; ``swap_in`` allocates fresh blocks for the copy back.
 """
 
 from __future__ import annotations
@@ -43,6 +60,8 @@ class KVCacheManager:
         # Prefix-cache counters (tokens), read and reset by the scheduler each step.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # Copy-on-write done this step, per request: (table index, src id, dst id).
+        self._cow: dict[str, list[tuple[int, int, int]]] = {}
 
     # -- queries -------------------------------------------------------------------
     @property
@@ -86,7 +105,8 @@ class KVCacheManager:
         number of tokens they cover.  At least the last token is always left to compute,
         because its logits are needed.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need the logits of every prompt position: no hits.
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, max_blocks)
@@ -109,18 +129,30 @@ class KVCacheManager:
         ``new_computed_blocks`` are prefix-cache hits from ``get_computed_blocks`` (only
         on a request's first allocation).  Returns the blocks appended to the request's
         table (hits first), or None -- changing nothing -- if the pool is too small now.
+        If the first block written is shared, it is copied on write first (see
+        ``take_cow``).
         """
         computed = new_computed_blocks or []
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        rid = request.request_id
+        blocks = self.req_to_blocks.setdefault(rid, [])
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
         total = num_computed + num_new_tokens
         num_new_blocks = self.blocks_needed(total) - len(blocks) - len(computed)
+        first = num_computed // self.block_size
+        cow = num_new_tokens > 0 and first < len(blocks) and blocks[first].ref_cnt > 1
         # Reviving a free cached hit takes it off the free list too.
         revived = sum(1 for b in computed if b.ref_cnt == 0)
-        if num_new_blocks > self.pool.num_free_blocks - revived:
+        if max(0, num_new_blocks) + cow > self.pool.num_free_blocks - revived:
             if not blocks:
-                del self.req_to_blocks[request.request_id]
+                del self.req_to_blocks[rid]
             return None
+        if cow:
+            # Another sequence still reads this block: write into a private copy.
+            (copy,) = self.pool.get_new_blocks(1)
+            shared = blocks[first]
+            blocks[first] = copy
+            self.pool.free_blocks([shared])  # drops our reference only (ref_cnt > 1)
+            self._cow.setdefault(rid, []).append((first, shared.block_id, copy.block_id))
         self.pool.touch(computed)
         new = self.pool.get_new_blocks(max(0, num_new_blocks))
         blocks.extend(computed)
@@ -129,6 +161,48 @@ class KVCacheManager:
             # Register the blocks this step fills completely with known tokens.
             self._cache_full_blocks(request, min(total, request.num_tokens))
         return computed + new
+
+    def take_cow(self, request_id: str) -> list[tuple[int, int, int]]:
+        """The copy-on-write replacements made for a request since the last call:
+        ``(table index, src block id, dst block id)``."""
+        return self._cow.pop(request_id, [])
+
+    # -- sharing -------------------------------------------------------------------
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` (same tokens as ``parent`` so far) all of the parent's blocks,
+        shared by reference count; nothing is copied until one of them writes."""
+        blocks = self.req_to_blocks.get(parent.request_id, [])
+        self.pool.touch(blocks)
+        cid = child.request_id
+        self.req_to_blocks[cid] = list(blocks)
+        if parent.request_id in self.req_to_hashes:
+            self.req_to_hashes[cid] = list(self.req_to_hashes[parent.request_id])
+        if parent.request_id in self.num_cached_blocks:
+            self.num_cached_blocks[cid] = self.num_cached_blocks[parent.request_id]
+
+    # -- swap ----------------------------------------------------------------------
+    def swap_out(self, request: Request, num_blocks: int) -> list[int]:
+        """Release ``request``'s blocks; returns the ids of its first ``num_blocks`` (the
+        computed ones) for the runner to copy to CPU before anything overwrites them.
+        Hashes stay memoised so ``swap_in`` can re-register the blocks."""
+        ids = self.get_block_ids(request.request_id)[:num_blocks]
+        self._release(request, keep_hashes=True)
+        return ids
+
+    def swap_in(self, request: Request, num_blocks: int,
+                num_new_tokens: int) -> list[KVCacheBlock] | None:
+        """Fresh blocks for a swapped-out request: ``num_blocks`` to receive its CPU
+        copy, plus room for ``num_new_tokens``.  None (nothing changed) if they don't fit."""
+        total = request.num_computed_tokens + num_new_tokens
+        need = max(num_blocks, self.blocks_needed(total))
+        if need > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.get_new_blocks(need)
+        self.req_to_blocks[request.request_id] = blocks
+        self.num_cached_blocks[request.request_id] = 0
+        if self.enable_caching:
+            self._cache_full_blocks(request, min(total, request.num_tokens))
+        return blocks
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         rid = request.request_id
@@ -145,12 +219,23 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release every block of ``request`` (tail first, so its prefix stays cached
         longest).  Idempotent: freeing a request that holds nothing is a no-op."""
+        self._release(request, keep_hashes=False)
+
+    def _release(self, request: Request, keep_hashes: bool) -> None:
         rid = request.request_id
         blocks = self.req_to_blocks.pop(rid, None)
-        self.num_cached_blocks.pop(rid, None)
-        self.req_to_hashes.pop(rid, None)
-        if blocks:
-            self.pool.free_blocks(reversed(blocks))
+        num_cached = self.num_cached_blocks.pop(rid, 0)
+        self._cow.pop(rid, None)
+        if not keep_hashes:
+            self.req_to_hashes.pop(rid, None)
+        if not blocks:
+            return
+        # Blocks were registered in the cache when allocated; those a preempted request
+        # never computed hold no valid KV and must not serve hits.
+        for b in blocks[request.num_computed_tokens // self.block_size:num_cached]:
+            if b.block_hash is not None and b.ref_cnt == 1:
+                self.pool.evict_hash(b)
+        self.pool.free_blocks(reversed(blocks))
 
     def take_prefix_stats(self) -> tuple[int, int]:
         q, h = self.prefix_queries, self.prefix_hits

@@ -28,11 +28,31 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A request the runner already holds: the blocks appended since last step."""
+    """A request the runner already holds: the blocks appended since last step.
+
+    ``replaced_block_ids``: ``(table index, new block id)`` -- copy-on-write gave the
+    request a private copy of a shared block (the copy itself is in
+    ``SchedulerOutput.block_copies``).  ``last_token_id``: beam search chose this token;
+    it replaces the last token of the runner's row (the one the runner sampled).
+    """
 
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    replaced_block_ids: list[tuple[int, int]] = field(default_factory=list)
+    last_token_id: int | None = None
+
+
+@dataclass
+class ForkRequestData:
+    """Fork ``child_req_id`` from ``parent_req_id``: the runner copies the parent's row
+    (tokens and block table -- the blocks themselves are shared, not copied) before it
+    applies anything else of the step.  ``sampling_params`` is set when the child's
+    differ from the parent's (parallel sample ``i`` is seeded with ``seed + i``)."""
+
+    parent_req_id: str
+    child_req_id: str
+    sampling_params: SamplingParams | None = None
 
 
 @dataclass
@@ -45,6 +65,13 @@ class SchedulerOutput:
     # Requests the runner must forget: finished, aborted or preempted since last step.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Memory sharing.  The runner applies, in this order and before anything else:
+    # forks (row copies), swap-outs (GPU block -> CPU block), swap-ins (CPU -> GPU), then
+    # block copies (copy-on-write, src -> dst); all before the forward writes any KV.
+    forks: list[ForkRequestData] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

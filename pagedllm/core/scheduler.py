@@ -15,17 +15,31 @@ a prompt (chunked prefill), or one token (decode).  The scheduler grants them in
 A prompt longer than the remaining budget is cut into a chunk; the rest comes next step,
 mixed with other requests' decode tokens.  Work per step is O(number of requests): no
 loop here ever runs over a request's tokens (block hashing is incremental and amortised).
+
+Memory sharing stays phase-less too (docs/memory_sharing.md):
+
+* **n > 1 samples**: the request computes its prompt up to the last token, then forks
+  into n sequences that share its blocks; each computes the last prompt token itself
+  (sample i seeded with ``seed + i``) and the shared partial block is copied on write.
+* **beam search** (``core/beam_search.py``): beams are ordinary requests reporting their
+  top-K next tokens; when all have reported, the group forks/keeps/drops beams.
+* **swap preemption**: a victim's computed blocks are copied to CPU blocks and come back,
+  to fresh GPU blocks, before it runs again (swapped requests resume before new ones);
+  at most ``max_swap_blocks_per_step`` blocks move per step (one request always may).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable
 
 from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.beam_search import BeamGroup
+from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.core.outputs import (
     CachedRequestData,
+    ForkRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -34,17 +48,23 @@ from pagedllm.core.request_queue import make_queue
 from pagedllm.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
+    FinishReason,
     LogprobsLists,
     SchedulerStats,
 )
 from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParams
 
 
 class Scheduler:
-    """Owns every unfinished request and the waiting/running queues."""
+    """Owns every unfinished request and the waiting/running/swapped queues.
+
+    ``num_cpu_blocks`` is the size of the swap space (``preemption_mode="swap"``); its
+    block ids index the runner's CPU KV tensors.
+    """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int) -> None:
+                 num_blocks: int, num_cpu_blocks: int = 0) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
@@ -52,10 +72,21 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(scheduler_config.policy)
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self.num_cpu_blocks = num_cpu_blocks
+        self.beam_groups: dict[str, BeamGroup] = {}
+        # Sequences running requests will still fork into (reserved under max_num_seqs).
+        self._reserved = 0
+        # Forks decided since the last SchedulerOutput (emitted with the next one).
+        self._pending_forks: list[ForkRequestData] = []
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_used = 0
         # Requests the runner must drop at the next step.
         self._finished_ids: set[str] = set()
         self._num_preemptions_step = 0
         self.total_preemptions = 0
+        self.total_swaps = 0
 
     # -- admission -----------------------------------------------------------------
     def max_tokens_per_request(self) -> int:
@@ -65,59 +96,188 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request.  Raises ValueError if it could never fit (so it is rejected
         at admission instead of being preempted forever)."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        rid = request.request_id
+        for i in [rid, *request.fork_ids]:
+            if i in self.requests or i in self.beam_groups:
+                raise ValueError(f"request_id {i!r} is already in use")
         need = request.num_prompt_tokens + request.max_tokens
         if need > self.max_tokens_per_request():
             raise ValueError(
                 f"prompt ({request.num_prompt_tokens} tokens) plus max_tokens "
                 f"({request.max_tokens}) needs {need} tokens, more than the "
                 f"{self.max_tokens_per_request()} one request can hold")
-        self.requests[request.request_id] = request
+        sp = request.sampling_params
+        width = 1 + len(request.fork_ids)
+        if sp.use_beam_search:
+            width = max(width, sp.best_of or 1)
+            # Beams wait for each other every step, so all of them must fit at once.
+            blocks = width * self.kv.blocks_needed(need)
+            if blocks > self.kv.num_usable_blocks:
+                raise ValueError(
+                    f"beam search with beam width {width} needs up to {blocks} KV blocks "
+                    f"at once, more than the {self.kv.num_usable_blocks} that exist")
+        if width > self.config.max_num_seqs:
+            raise ValueError(f"n ({width} sequences) exceeds max_num_seqs "
+                             f"({self.config.max_num_seqs})")
+        if sp.use_beam_search:
+            self._start_beam_group(request, width)
+        self.requests[rid] = request
         self.waiting.add(request)
+
+    def _start_beam_group(self, root: Request, width: int) -> None:
+        sp = root.sampling_params
+        stops = set(sp.stop_token_ids or ())
+        if not sp.ignore_eos and root.eos_token_id is not None:
+            stops.add(root.eos_token_id)
+        group = BeamGroup(root.request_id, [root.request_id, *root.fork_ids], width,
+                          root.max_tokens, sp.length_penalty, frozenset(stops))
+        root.fork_ids = []
+        root.reserved_slots = width - 1
+        root.beam_group = group.group_id
+        # Raw log-softmax top-K of the next token is what beam search scores.
+        root.sampling_params = sp.clone(n=1, logprobs=group.num_candidates)
+        group.live[root.request_id] = 0.0
+        self.beam_groups[group.group_id] = group
 
     def finish_requests(self, request_ids: Iterable[str],
                         status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        """Finish (abort) requests wherever they are; unknown ids are ignored."""
+        """Finish (abort) requests wherever they are; unknown ids are ignored.  A beam
+        search request's id aborts all its beams."""
         for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is None:
+            group = self.beam_groups.pop(rid, None)
+            if group is not None:
+                for b in list(group.live):
+                    self._drop(self.requests[b], status)
                 continue
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
-            req.status = status
-            self._free(req)
+            req = self.requests.get(rid)
+            if req is not None:
+                self._drop(req, status)
+
+    def _drop(self, req: Request, status: RequestStatus) -> None:
+        """Take ``req`` out of whichever queue holds it and free everything it holds."""
+        if req.status == RequestStatus.RUNNING:
+            self._remove_running(req)
+        elif req.status == RequestStatus.SWAPPED:
+            self.swapped.remove(req)
+            self._free_cpu(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self._free(req)
 
     def _free(self, req: Request) -> None:
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
         self._finished_ids.add(req.request_id)
 
-    # -- scheduling ----------------------------------------------------------------
-    def _preempt(self, victim: Request) -> None:
-        self.running.remove(victim)
-        self.kv.free(victim)
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
+    def _free_cpu(self, req: Request) -> None:
+        if req.cpu_block_ids:
+            self.cpu_free.extend(req.cpu_block_ids)
+        req.cpu_block_ids = None
+
+    def _add_running(self, req: Request) -> None:
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._reserved += req.reserved_slots
+
+    def _remove_running(self, req: Request) -> None:
+        self.running.remove(req)
+        self._reserved -= req.reserved_slots
+
+    def _has_seat(self, req: Request) -> bool:
+        return (len(self.running) + self._reserved + 1 + req.reserved_slots
+                <= self.config.max_num_seqs)
+
+    # -- preemption ----------------------------------------------------------------
+    def _preempt(self, victim: Request, to_back: bool = False) -> None:
+        self._remove_running(victim)
         victim.num_preemptions += 1
+        victim.token_override = None  # the runner rebuilds its row from our tokens
         self._num_preemptions_step += 1
         self.total_preemptions += 1
         self._finished_ids.add(victim.request_id)  # the runner drops its row
-        self.waiting.add_preempted(victim)
+        if self.config.preemption_mode == "swap" and self._swap_out_request(victim):
+            return
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        if to_back:
+            self.waiting.add(victim)
+        else:
+            self.waiting.add_preempted(victim)
+
+    def _swap_budget_allows(self, num_blocks: int) -> bool:
+        # One request may always move, however large: it would otherwise never move.
+        return self._swap_used == 0 or (
+            self._swap_used + num_blocks <= self.config.max_swap_blocks_per_step)
+
+    def _swap_out_request(self, victim: Request) -> bool:
+        """Park ``victim``'s computed KV in CPU blocks; False (nothing changed) if the
+        swap space or this step's swap budget cannot take it -- recompute then."""
+        n = cdiv(victim.num_computed_tokens, self.block_size)
+        if n == 0 or n > len(self.cpu_free) or not self._swap_budget_allows(n):
+            return False
+        gpu = self.kv.swap_out(victim, n)
+        cpu = [self.cpu_free.pop() for _ in range(n)]
+        self._swap_out.extend(zip(gpu, cpu))
+        self._swap_used += n
+        victim.cpu_block_ids = cpu
+        victim.status = RequestStatus.SWAPPED
+        self.swapped.append(victim)
+        self.total_swaps += 1
+        return True
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
             return max(self.running)  # lowest priority, then latest arrival
         return self.running[-1]  # newest
 
+    # -- forks ---------------------------------------------------------------------
+    def _fork(self, parent: Request, child_id: str,
+              params: SamplingParams | None = None) -> Request:
+        """A new sequence with ``parent``'s tokens.  A running parent shares its blocks
+        (the runner copies its row at the next step); any other parent holds no KV, so
+        the child simply waits to be computed from scratch."""
+        child = parent.fork(child_id, params)
+        self.requests[child_id] = child
+        if parent.status == RequestStatus.RUNNING:
+            self.kv.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            self._add_running(child)
+            self._pending_forks.append(ForkRequestData(parent.request_id, child_id, params))
+        else:
+            child.status = RequestStatus.PREEMPTED
+            self.waiting.add_preempted(child)
+        return child
+
+    def _fork_samples(self, parent: Request) -> None:
+        """n > 1: the prompt is computed but for its last token; sample i (``fork_ids[i
+        - 1]``) continues from here with ``seed + i``."""
+        sp = parent.sampling_params
+        for i, cid in enumerate(parent.fork_ids, 1):
+            self._fork(parent, cid, sp.clone(
+                n=1, seed=None if sp.seed is None else sp.seed + i, prompt_logprobs=None))
+        self._reserved -= parent.reserved_slots
+        parent.reserved_slots = 0
+        parent.fork_ids = []
+
+    def _num_to_compute(self, req: Request) -> int:
+        # A parent of n > 1 samples stops one token short: each sample computes the last
+        # prompt token itself, so each samples from its own row with its own seed.
+        return req.num_tokens - req.num_computed_tokens - (1 if req.fork_ids else 0)
+
+    # -- scheduling ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         cached: list[CachedRequestData] = []
+        cow_copies: dict[str, list[tuple[int, int]]] = {}
         new: list[NewRequestData] = []
+        touched: list[Request] = []
         self._num_preemptions_step = 0
+        self._swap_out, self._swap_used = [], 0
+        swap_in: list[tuple[int, int]] = []
+        forks, self._pending_forks = self._pending_forks, []
         preempted_ids: set[str] = set()
 
         # 1. Running requests, oldest first.
@@ -126,9 +286,9 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(self._num_to_compute(req), budget)
             if n <= 0:
-                continue
+                continue  # a beam waiting for the rest of its group
             blocks = self.kv.allocate_slots(req, n)
             while blocks is None:
                 victim = self._pick_victim()
@@ -137,50 +297,98 @@ class Scheduler:
                 # Budget granted to a victim earlier in this loop is given back.
                 budget += num_scheduled.pop(victim.request_id, 0)
                 cached = [c for c in cached if c.req_id != victim.request_id]
+                cow_copies.pop(victim.request_id, None)
                 if victim is req:
                     break
                 blocks = self.kv.allocate_slots(req, n)
             if blocks is None:
                 continue
             num_scheduled[req.request_id] = n
-            cached.append(CachedRequestData(req.request_id, [b.block_id for b in blocks],
-                                            req.num_computed_tokens))
+            cow = self.kv.take_cow(req.request_id)
+            if cow:
+                cow_copies[req.request_id] = [(src, dst) for _, src, dst in cow]
+            cached.append(CachedRequestData(
+                req.request_id, [b.block_id for b in blocks], req.num_computed_tokens,
+                [(i, dst) for i, _, dst in cow], req.token_override))
+            req.token_override = None
+            touched.append(req)
             budget -= n
 
-        # 2. Waiting requests (not in a step that had to preempt: memory is tight).
         now = time.time()
-        while (not preempted_ids and budget > 0 and len(self.waiting) > 0
-               and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting.peek()
-            hits, num_hit = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - num_hit, budget)
-            blocks = self.kv.allocate_slots(req, n, hits)
-            if blocks is None:
-                break
-            self.waiting.pop()
-            req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            num_scheduled[req.request_id] = n
-            new.append(NewRequestData(
-                req.request_id, req.prompt_token_ids, list(req.output_token_ids),
-                req.sampling_params, req.eos_token_id,
-                self.kv.get_block_ids(req.request_id), num_hit))
-            budget -= n
+        if not preempted_ids:  # memory is tight in a step that had to preempt
+            # 2. Swapped-out requests come back first (they are older than new arrivals).
+            for req in list(self.swapped):
+                if budget <= 0 or not self._has_seat(req):
+                    break
+                n = min(self._num_to_compute(req), budget)
+                if n <= 0:
+                    continue  # a beam waiting for its group: stays parked
+                m = len(req.cpu_block_ids or ())
+                if not self._swap_budget_allows(m):
+                    break
+                blocks = self.kv.swap_in(req, m, n)
+                if blocks is None:
+                    break
+                swap_in.extend(zip(req.cpu_block_ids or (), (b.block_id for b in blocks)))
+                self._swap_used += m
+                self._free_cpu(req)
+                self.swapped.remove(req)
+                self._admit(req, n, num_scheduled, new, touched, now)
+                budget -= n
 
-        # 3. Advance: these tokens will be computed by the time anyone looks again.
+            # 3. Waiting requests.
+            while budget > 0 and len(self.waiting) > 0 and self._has_seat(self.waiting.peek()):
+                req = self.waiting.peek()
+                hits, num_hit = self.kv.get_computed_blocks(req)
+                n = min(req.num_tokens - num_hit - (1 if req.fork_ids else 0), budget)
+                if self.kv.allocate_slots(req, n, hits) is None:
+                    break
+                self.waiting.pop()
+                req.num_computed_tokens = num_hit
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                self._admit(req, n, num_scheduled, new, touched, now)
+                budget -= n
+
+        # 4. Nothing runs although requests wait: every running request is a beam
+        # waiting for a group-mate that cannot get in.  Make room (victim to the back).
+        if not touched and self.running and (len(self.waiting) or self.swapped):
+            victim = self._pick_victim()
+            self._preempt(victim, to_back=True)
+            preempted_ids.add(victim.request_id)
+
+        # 5. Advance: these tokens will be computed by the time anyone looks again.
         for rid, n in num_scheduled.items():
             self.requests[rid].num_computed_tokens += n
+        # 6. n > 1 parents whose prompt is computed but for the last token fork now.
+        for req in touched:
+            if req.fork_ids and req.status == RequestStatus.RUNNING and \
+                    req.num_computed_tokens >= req.num_tokens - 1:
+                self._fork_samples(req)
         finished = self._finished_ids
         self._finished_ids = set()
         return SchedulerOutput(
             new_reqs=new, cached_reqs=cached, num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=finished, preempted_req_ids=preempted_ids)
+            finished_req_ids=finished, preempted_req_ids=preempted_ids, forks=forks,
+            swap_out=self._swap_out, swap_in=swap_in,
+            block_copies=[p for c in cached for p in cow_copies.get(c.req_id, ())])
+
+    def _admit(self, req: Request, n: int, num_scheduled: dict[str, int],
+               new: list[NewRequestData], touched: list[Request], now: float) -> None:
+        """Move a request that just got its blocks into ``running`` and tell the runner
+        everything about it (a resumed one carries its generated tokens)."""
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        req.token_override = None
+        self._add_running(req)
+        if n > 0:  # n == 0: an n > 1 parent whose whole prompt but one token hit the cache
+            num_scheduled[req.request_id] = n
+        new.append(NewRequestData(
+            req.request_id, req.prompt_token_ids, list(req.output_token_ids),
+            req.sampling_params, req.eos_token_id,
+            self.kv.get_block_ids(req.request_id), req.num_computed_tokens))
+        touched.append(req)
 
     # -- results -------------------------------------------------------------------
     def _check_stop(self, req: Request, token: int) -> bool:
@@ -203,10 +411,17 @@ class Scheduler:
                            out: ModelRunnerOutput) -> EngineCoreOutputs:
         """Append sampled tokens, apply stop rules, free finished requests' blocks."""
         outputs: list[EngineCoreOutput] = []
+        beam_ready: dict[str, BeamGroup] = {}
         for rid, tokens in zip(out.req_ids, out.sampled_token_ids):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if req.beam_group is not None:
+                lp = out.logprobs.get(rid)
+                group = self.beam_groups[req.beam_group]
+                if tokens and lp is not None and group.record(rid, lp[0][1:], lp[1][1:]):
+                    beam_ready[group.group_id] = group
+                continue
             prompt_lp = out.prompt_logprobs.get(rid)
             if not tokens and prompt_lp is None:
                 continue  # a prompt chunk: nothing to report yet
@@ -231,20 +446,69 @@ class Scheduler:
             if stopped:
                 eo.finish_reason = RequestStatus.finish_reason(req.status)
                 eo.stop_reason = req.stop_reason
-                self.running.remove(req)
+                self._remove_running(req)
                 self._free(req)
             outputs.append(eo)
+        for group in beam_ready.values():
+            outputs.extend(self._advance_beams(group))
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(),
                                  timestamp=time.time())
+
+    def _advance_beams(self, group: BeamGroup) -> list[EngineCoreOutput]:
+        """Apply one beam step: keep/fork/drop beams, or report the finished group."""
+        step = group.advance({b: self.requests[b].output_token_ids for b in group.live})
+        if step.done:
+            return self._finish_beams(group)
+        used: set[str] = set()
+        appends: list[tuple[Request, int]] = []
+        live: dict[str, float] = {}
+        for parent_id, token, score in step.keep:  # forks first: they copy pre-append tokens
+            parent = self.requests[parent_id]
+            child = parent if parent_id not in used else self._fork(parent,
+                                                                     group.new_beam_id())
+            used.add(parent_id)
+            appends.append((child, token))
+            live[child.request_id] = score
+        for b in group.live:
+            if b not in used:
+                self._drop(self.requests[b], RequestStatus.FINISHED_ABORTED)
+        for beam, token in appends:
+            beam.append_output_token_ids([token])
+            if beam.status == RequestStatus.RUNNING:
+                beam.token_override = token
+                self._reserved -= beam.reserved_slots
+            beam.reserved_slots = 0
+        group.live = live
+        return []
+
+    def _finish_beams(self, group: BeamGroup) -> list[EngineCoreOutput]:
+        del self.beam_groups[group.group_id]
+        any_beam = self.requests[next(iter(group.live))]
+        cached, first = max(any_beam.num_cached_tokens, 0), any_beam.first_scheduled_time
+        for b in list(group.live):
+            self._drop(self.requests[b], RequestStatus.FINISHED_STOPPED)
+        outs = []
+        for out_id, hyp in zip(group.output_ids, group.results()):
+            outs.append(EngineCoreOutput(
+                request_id=out_id, new_token_ids=hyp.token_ids,
+                finish_reason=FinishReason.STOP if hyp.stopped else FinishReason.LENGTH,
+                num_cached_tokens=cached, cumulative_logprob=hyp.cumulative_logprob,
+                first_scheduled_time=first))
+        return outs
 
     # -- introspection -------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash; False (nothing done) while blocks are in use."""
+        return self.kv.pool.reset_prefix_cache()
+
     def make_stats(self) -> SchedulerStats:
         q, h = self.kv.take_prefix_stats()
         return SchedulerStats(
-            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting) + len(self.swapped),
             kv_cache_usage=self.kv.usage(), num_preemptions=self._num_preemptions_step,
             prefix_cache_queries=q, prefix_cache_hits=h,
             num_free_blocks=self.kv.num_free_blocks,

@@ -183,7 +183,7 @@ class AsyncLLM:
         arrival = time.time() if arrival_time is None else arrival_time
         text, ids, params, core_reqs = self.input_processor.process(
             request_id, prompt, params, arrival, priority)
-        n = len(core_reqs)
+        n = sum(1 + len(r.fork_ids) for r in core_reqs)
         if (self.max_pending_seqs is not None
                 and self.num_pending_seqs + n > self.max_pending_seqs):
             raise EngineOverloadedError(
@@ -197,7 +197,8 @@ class AsyncLLM:
         self.num_pending_seqs += n
         if self.metrics is not None:
             for r in core_reqs:
-                self.metrics.add_request(r.request_id, arrival, len(ids))
+                for sid in (r.request_id, *r.fork_ids):
+                    self.metrics.add_request(sid, arrival, len(ids))
         try:
             await self.client.add_requests(core_reqs)
         except BaseException:

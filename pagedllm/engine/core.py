@@ -1,8 +1,9 @@
 """EngineCore: the scheduler and the worker, stepped together.
 
-``step()`` = schedule -> execute -> update.  The core sees tokens only (no text) and
-single sequences only; it runs in the caller's process for the offline ``LLM`` and in a
-process of its own behind the API server (``core_proc.py``), unchanged.
+``step()`` = schedule -> execute -> update.  The core sees tokens only (no text): single
+sequences, and n-sequence groups sharing a prompt; it runs in the caller's process for the
+offline ``LLM`` and in a process of its own behind the API server (``core_proc.py``),
+unchanged.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class EngineCore:
         self.worker.initialize_cache(self.num_blocks)
         self.config = config.with_num_blocks(self.num_blocks)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
-                                   self.num_blocks)
+                                   self.num_blocks, self.worker.num_cpu_blocks)
         self.max_model_len = config.model_config.max_model_len
         sc = config.scheduler_config
         logger.info("engine ready in %.1f s: max_num_seqs=%d, max_num_batched_tokens=%d, "
@@ -48,6 +49,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; False (nothing done) while requests hold blocks."""
+        return self.scheduler.reset_prefix_cache()
 
     def step(self) -> EngineCoreOutputs:
         sched = self.scheduler.schedule()

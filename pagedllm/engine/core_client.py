@@ -14,8 +14,9 @@ from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 
 
 class EngineCoreClient(ABC):
-    """Contract: requests are single sequences; ``get_output`` returns the outputs of the
-    next step (possibly empty); aborting an unknown or finished id is a no-op."""
+    """Contract: a request is one sequence or an n-sequence group (``fork_ids``);
+    ``get_output`` returns the outputs of the next step (possibly empty); aborting an
+    unknown or finished id is a no-op."""
 
     @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
@@ -52,6 +53,9 @@ class InprocClient(EngineCoreClient):
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.core.shutdown()

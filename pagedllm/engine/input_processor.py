@@ -15,7 +15,8 @@ from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = str | Sequence[int] | Mapping[str, Any]
-# (prompt text or None, prompt token ids, effective params, one core request per sample)
+# (prompt text or None, prompt token ids, effective params, the core requests: one, whose
+# ``fork_ids`` name sequences 1..n-1 when n > 1)
 ProcessedRequest = tuple[str | None, list[int], SamplingParams, list[EngineCoreRequest]]
 
 
@@ -155,14 +156,16 @@ class InputProcessor:
         text, ids = self.tokenize(prompt)
         params = self.check_params(len(ids), params)
         arrival = time.time() if arrival_time is None else arrival_time
+        if params.cache_salt is None and isinstance(prompt, Mapping) \
+                and prompt.get("cache_salt") is not None:
+            params = params.clone(cache_salt=prompt["cache_salt"])
+        # n > 1 (samples or beams) is one core request: the core computes the prompt
+        # once and forks sequences 1..n-1 (named here) that share its KV blocks.
         if params.n == 1:
-            children = [EngineCoreRequest(request_id, ids, params, arrival,
-                                          self.eos_token_id, priority)]
+            rid, fork_ids = request_id, []
         else:
-            children = []
-            for i in range(params.n):
-                seed = None if params.seed is None else params.seed + i
-                children.append(EngineCoreRequest(
-                    child_request_id(request_id, i), ids, params.clone(n=1, seed=seed),
-                    arrival, self.eos_token_id, priority))
+            rid = child_request_id(request_id, 0)
+            fork_ids = [child_request_id(request_id, i) for i in range(1, params.n)]
+        children = [EngineCoreRequest(rid, ids, params, arrival, self.eos_token_id,
+                                      priority, fork_ids)]
         return text, ids, params, children

@@ -68,6 +68,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing done) while requests run."""
+        return self.client.reset_prefix_cache()
+
     def step(self) -> list[RequestOutput]:
         core_out = self.client.get_output()
         processed = self.output_processor.process_outputs(core_out)

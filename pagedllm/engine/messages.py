@@ -1,8 +1,9 @@
 """Messages between the frontend (LLM / API server) and the engine core.
 
 They are msgspec Structs so the same objects travel in-process (offline ``LLM``) and over
-ZeroMQ as msgpack (server): no pickle anywhere.  The engine core only ever sees single
-sequences (n == 1); the frontend fans ``n > 1`` out into child requests and back in.
+ZeroMQ as msgpack (server): no pickle anywhere.  An ``n > 1`` request (parallel sampling or
+beam search) is one core request naming its n sequence ids (``request_id`` + ``fork_ids``):
+the core computes the prompt once and forks; the frontend fans the n outputs back in.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     arrival_time: float
     eos_token_id: int | None = None
     priority: int = 0
+    # n > 1 (parallel sampling or beam search): the ids sequences 1..n-1 report under;
+    # ``request_id`` is sequence 0.  The core computes the prompt once and forks.
+    fork_ids: list[str] = msgspec.field(default_factory=list)
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):
@@ -56,6 +60,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # Beam search reports each final sequence whole, with its score's log probability.
+    cumulative_logprob: float | None = None
     # Wall-clock time the request was first scheduled (set once; for queue-time metrics).
     first_scheduled_time: float | None = None
 

@@ -161,6 +161,8 @@ class OutputProcessor:
                 m.last_token_time = now
                 m.num_generation_tokens += len(eo.new_token_ids)
                 seq.token_ids.extend(eo.new_token_ids)
+            if eo.cumulative_logprob is not None:  # beam search: the whole score
+                seq.cumulative_logprob = eo.cumulative_logprob
             if eo.new_logprobs is not None and seq.logprobs is not None:
                 seq.logprobs.extend(self._logprob_dicts(eo.new_logprobs))
                 seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sum(

@@ -51,7 +51,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's choice).")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=False, help="Reuse KV blocks of identical prompt prefixes.")
+                   default=True, help="Reuse KV blocks of identical prompt prefixes "
+                                      "(on by default).")
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="When KV blocks run out: drop a request's KV and recompute it "
+                        "later, or swap it to CPU memory and back.")
+    g.add_argument("--swap-space", type=float, default=4.0,
+                   help="GiB of CPU memory for swapped-out KV blocks (pinned on GPU "
+                        "machines); used with --preemption-mode swap.")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="Allow model repositories to run their own code (off by default).")
 
@@ -66,6 +73,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
         scheduling_policy=args.scheduling_policy, device=args.device,
         enforce_eager=args.enforce_eager, num_threads=args.num_threads,
         enable_prefix_caching=args.enable_prefix_caching,
+        preemption_mode=args.preemption_mode, swap_space=args.swap_space,
         trust_remote_code=args.trust_remote_code,
         served_model_name=getattr(args, "served_model_name", None))
 

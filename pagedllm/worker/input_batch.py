@@ -7,9 +7,12 @@
 ```
 
 A request keeps its row while it runs; removal moves the last row into the hole, so
-rows stay dense and nothing is rebuilt from scratch per step.  ``prepare`` turns a step's
-``(row, num_new_tokens)`` list into flattened token ids, positions, slot mapping, query
-offsets and sequence lengths with numpy array ops -- no Python loop over tokens.
+rows stay dense and nothing is rebuilt from scratch per step.  ``fork`` copies a row (a
+new sequence sharing the parent's blocks); forks are applied before the step's removals,
+so the arrays grow (rarely, once) when a step forks and drops sequences at the same time.
+``prepare`` turns a step's ``(row, num_new_tokens)`` list into flattened token ids,
+positions, slot mapping, query offsets and sequence lengths with numpy array ops -- no
+Python loop over tokens.
 """
 
 from __future__ import annotations
@@ -50,10 +53,20 @@ class InputBatch:
     def num_reqs(self) -> int:
         return len(self.req_ids)
 
-    def add(self, req_id: str, token_ids: list[int], block_ids: list[int]) -> int:
+    def _new_row(self) -> int:
         row = len(self.req_ids)
-        if row >= self.max_num_seqs:
-            raise RuntimeError("input batch is full (more than max_num_seqs requests)")
+        if row >= len(self.token_ids):
+            if row >= 2 * self.max_num_seqs:
+                raise RuntimeError("input batch is full (more than max_num_seqs requests)")
+            def grown(a: np.ndarray) -> np.ndarray:
+                return np.concatenate([a, np.zeros_like(a[:self.max_num_seqs])])
+
+            self.token_ids, self.num_tokens = grown(self.token_ids), grown(self.num_tokens)
+            self.block_table, self.num_blocks = grown(self.block_table), grown(self.num_blocks)
+        return row
+
+    def add(self, req_id: str, token_ids: list[int], block_ids: list[int]) -> int:
+        row = self._new_row()
         n = len(token_ids)
         self.token_ids[row, :n] = token_ids
         self.num_tokens[row] = n
@@ -68,6 +81,28 @@ class InputBatch:
             start = int(self.num_blocks[row])
             self.block_table[row, start:start + len(block_ids)] = block_ids
             self.num_blocks[row] = start + len(block_ids)
+
+    def fork(self, parent_id: str, child_id: str) -> int:
+        """A new row for ``child_id`` holding a copy of the parent's tokens and block table."""
+        src = self.row_of[parent_id]
+        row = self._new_row()
+        n, nb = int(self.num_tokens[src]), int(self.num_blocks[src])
+        self.token_ids[row, :n] = self.token_ids[src, :n]
+        self.block_table[row, :nb] = self.block_table[src, :nb]
+        self.num_tokens[row] = n
+        self.num_blocks[row] = nb
+        self.req_ids.append(child_id)
+        self.row_of[child_id] = row
+        return row
+
+    def replace_blocks(self, row: int, replaced: list[tuple[int, int]]) -> None:
+        """Point table entries at new blocks (copy-on-write): ``(index, block id)``."""
+        for i, b in replaced:
+            self.block_table[row, i] = b
+
+    def set_last_token(self, row: int, token_id: int) -> None:
+        """Overwrite the row's last token (beam search chose another one)."""
+        self.token_ids[row, self.num_tokens[row] - 1] = token_id
 
     def remove(self, req_id: str) -> None:
         """Drop a request's row, moving the last row into its place (O(row width))."""

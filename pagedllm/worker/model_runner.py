@@ -16,10 +16,16 @@ from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
-from pagedllm.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.outputs import (
+    ForkRequestData,
+    LogprobsLists,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, compute_prompt_logprobs
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.block_ops import BlockOps
 from pagedllm.worker.input_batch import InputBatch, StepInputs
 
 
@@ -48,9 +54,33 @@ class ModelRunner:
         self.batch = InputBatch(sc.max_num_seqs, mc.max_model_len, self.block_size)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        # Swap and copy-on-write moves on the KV tensors (set by the worker).
+        self.block_ops: BlockOps | None = None
+
+    @staticmethod
+    def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        gen = torch.Generator(device=device)
+        gen.manual_seed(params.seed)
+        return gen
+
+    def _fork(self, f: ForkRequestData) -> None:
+        """A new sequence continuing ``f.parent_req_id``: same tokens and blocks so far,
+        its own parameters (own seed -> own generator) when they differ."""
+        p = self.requests[f.parent_req_id]
+        params = f.sampling_params or p.params
+        # Without new parameters the child is a beam: greedy, no generator needed.
+        gen = self._generator(params, self.device) if f.sampling_params else None
+        self.requests[f.child_req_id] = CachedRequestState(
+            f.child_req_id, p.prompt_token_ids, list(p.output_token_ids), params,
+            p.eos_token_id, gen)
+        self.batch.fork(f.parent_req_id, f.child_req_id)
 
     # -- 1. apply the scheduler's diffs ------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> dict[str, int]:
+        for f in sched.forks:  # before removals: a parent may leave in this same step
+            self._fork(f)
         for rid in sched.finished_req_ids:
             self.batch.remove(rid)
             if rid not in sched.preempted_req_ids:
@@ -59,20 +89,22 @@ class ModelRunner:
         for nr in sched.new_reqs:
             st = self.requests.get(nr.req_id)
             if st is None:
-                gen = None
-                if nr.sampling_params.seed is not None:
-                    gen = torch.Generator(device=self.device)
-                    gen.manual_seed(nr.sampling_params.seed)
                 st = CachedRequestState(nr.req_id, nr.prompt_token_ids,
                                         list(nr.output_token_ids), nr.sampling_params,
-                                        nr.eos_token_id, gen)
+                                        nr.eos_token_id,
+                                        self._generator(nr.sampling_params, self.device))
                 self.requests[nr.req_id] = st
             else:  # resumed after a recompute preemption: same tokens, same generator
                 st.output_token_ids = list(nr.output_token_ids)
             self.batch.add(nr.req_id, st.prompt_token_ids + st.output_token_ids, nr.block_ids)
             computed[nr.req_id] = nr.num_computed_tokens
         for c in sched.cached_reqs:
-            self.batch.append_blocks(self.batch.row_of[c.req_id], c.new_block_ids)
+            row = self.batch.row_of[c.req_id]
+            self.batch.replace_blocks(row, c.replaced_block_ids)
+            self.batch.append_blocks(row, c.new_block_ids)
+            if c.last_token_id is not None:  # beam search picked this token, not ours
+                self.batch.set_last_token(row, c.last_token_id)
+                self.requests[c.req_id].output_token_ids[-1] = c.last_token_id
             computed[c.req_id] = c.num_computed_tokens
         return computed
 
@@ -94,6 +126,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         computed = self._update_states(sched)
+        if self.block_ops is not None:  # swap and copy-on-write, before any KV write
+            self.block_ops.apply(sched)
         if sched.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
         order = list(sched.num_scheduled_tokens)

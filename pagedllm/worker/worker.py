@@ -17,6 +17,7 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.models.loader import load_model
+from pagedllm.worker.block_ops import BlockOps, allocate_swap_space
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -52,6 +53,8 @@ class Worker:
         self.dtype = torch_dtype(config.model_config.dtype)
         self.runner: ModelRunner | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.swap_caches: list[torch.Tensor] = []
+        self.num_cpu_blocks = 0
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
@@ -95,7 +98,15 @@ class Worker:
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(mc.num_layers)]
         self.model.bind_kv_caches(self.kv_caches)
+        if self.config.scheduler_config.preemption_mode == "swap":
+            per_block = mc.kv_bytes_per_token() * cc.block_size
+            self.num_cpu_blocks = cc.swap_space_bytes // per_block
+            self.swap_caches = allocate_swap_space(self.num_cpu_blocks, self.kv_caches[0],
+                                                   mc.num_layers)
+            logger.info("swap space: %d CPU blocks (%.2f GiB)", self.num_cpu_blocks,
+                        self.num_cpu_blocks * per_block / 2**30)
         self.runner = ModelRunner(self.config, self.model, self.device)
+        self.runner.block_ops = BlockOps(self.kv_caches, self.swap_caches)
         tokens = (num_blocks - 1) * cc.block_size
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency at "
