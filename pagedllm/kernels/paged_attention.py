@@ -191,11 +191,14 @@ def _paged_attn_kernel(
 
 @triton.jit
 def _reduce_splits_kernel(
-    acc_ptr, m_ptr, l_ptr, out_ptr, num_heads, num_splits, stride_ot, stride_oh,
+    acc_ptr, m_ptr, l_ptr, out_ptr, qsl_ptr, num_reqs, num_heads, num_splits,
+    stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    if tok >= tl.load(qsl_ptr + num_reqs):
+        return  # padding token: its partials were never written
     splits = tl.arange(0, SPLITS_P2)
     dims = tl.arange(0, DIM_P2)
     split_ok = splits < num_splits
@@ -299,7 +302,7 @@ def paged_attention(
 
     Args:
       query: ``[num_tokens, num_heads, head_dim]``; last dim contiguous.  Rows of tokens past
-        ``query_start_loc[num_reqs]`` (CUDA-graph padding) may hold anything in ``out``.
+        ``query_start_loc[num_reqs]`` (CUDA-graph padding) are left unwritten.
       kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
       block_tables: ``[>= num_reqs, max_blocks]`` int32; seq_lens ``[>= num_reqs]``
         int32; query_start_loc ``[num_reqs + 1]`` int32 -- all on query's device.
@@ -358,7 +361,8 @@ def paged_attention(
     _paged_attn_kernel[grid](
         query, k_cache, v_cache, acc, m, lse, *args, 0, 0, *cache_strides, **common)
     _reduce_splits_kernel[(num_tokens, num_heads)](
-        acc, m, lse, out, num_heads, splits, out.stride(0), out.stride(1),
+        acc, m, lse, out, query_start_loc, num_reqs, num_heads, splits, out.stride(0),
+        out.stride(1),
         HEAD_DIM=head_dim, DIM_P2=dim_p2,
         SPLITS_P2=triton.next_power_of_2(splits), num_warps=4 if head_dim >= 128 else 2)
     return out
