@@ -228,3 +228,24 @@ def test_gpu_kv_write_high_blocks() -> None:
     # Nothing else was written (the -1 slot was skipped).
     written = key[[0, 1, 3]] != 0
     assert int((flat != 0).sum()) == int(written.sum() + (value[[0, 1, 3]] != 0).sum())
+
+
+def test_padded_empty_requests() -> None:
+    """CUDA-graph batches may pad the request list with empty requests (query_len 0,
+    seq_len 0, repeated query_start_loc): they must neither crash nor write."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    batch = make_paged_batch([1, 3, 1], [20, 5, 9], num_heads=8, num_kv_heads=2,
+                             head_dim=64, block_size=16, dtype=torch.float32,
+                             device=DEVICE, pad_tokens=2, gen=gen)
+    n = sum(batch.query_lens)
+    qsl = torch.cat([batch.query_start_loc, batch.query_start_loc[-1:].repeat(2)])
+    seq_lens = torch.cat([batch.seq_lens, batch.seq_lens.new_zeros(2)])
+    tables = torch.cat([batch.block_tables, batch.block_tables.new_zeros(2, 2)[:, :1]
+                        .expand(2, batch.block_tables.shape[1])])
+    for splits in (1, 4):
+        out = torch.full_like(batch.query, float("nan"))
+        paged_attention(batch.query, batch.kv_cache, tables, seq_lens, qsl, num_reqs=5,
+                        max_query_len=3, scale=0.125, out=out, num_splits=splits)
+        assert_close(out[:n], naive_attention(batch, 0.125)[:n], torch.float32, seed)
+        assert out[n:].isnan().all()
