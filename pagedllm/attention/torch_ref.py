@@ -16,10 +16,15 @@ request's keys in position order (position p lives at block ``p // bs``, offset
 is empty and nothing becomes NaN).
 
 Sizes come from the ``*_cpu`` metadata, so the backend never syncs the device; it works
-for float32, bfloat16 and float16 on CPU and CUDA.
+for float32, bfloat16 and float16 on CPU and CUDA.  The batch's structure (which requests
+decode, their sizes, the decode mask) is worked out once per step and reused by every
+layer (``_plan``), since on a small CPU model those few dozen tiny ops per layer cost as
+much as the attention itself.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +33,34 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 
 
+@dataclass
+class _Plan:
+    """Per-step structure of the batch, derived from the host metadata only."""
+
+    qsl: torch.Tensor  # clones of the host tensors the plan was made from
+    seq_lens: torch.Tensor
+    num_decodes: int
+    all_decode: bool
+    decode_rows: torch.Tensor | None  # device; None when all requests decode
+    decode_tokens: torch.Tensor | None  # device; token index of each decode
+    decode_blocks: int  # blocks to gather per decode request
+    decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool, True = attend
+    chunks: list[tuple[int, int, int, int]]  # (row, start, end, seq_len), query_len > 1
+
+
 class TorchReferenceBackend(AttentionBackend):
-    """Paged attention in plain PyTorch (``scaled_dot_product_attention``)."""
+    """Paged attention in plain PyTorch (``scaled_dot_product_attention``).
+
+    Holds no per-request state; it caches the plan of the last metadata object it saw
+    (checked by identity *and* by the host tensors' contents, so a runner that reuses one
+    metadata object and rewrites it in place still gets a fresh plan).
+    """
 
     name = "torch"
+
+    def __init__(self) -> None:
+        self._meta: AttentionMetadata | None = None
+        self._plan_cache: _Plan | None = None
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:
@@ -50,27 +79,59 @@ class TorchReferenceBackend(AttentionBackend):
         kv[0].index_copy_(0, slots, key.to(kv_cache.dtype))
         kv[1].index_copy_(0, slots, value.to(kv_cache.dtype))
 
-    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
-        out = torch.empty_like(query)
-        if meta.num_reqs == 0 or meta.num_actual_tokens == 0:
-            return out
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
+    def _plan(self, meta: AttentionMetadata, block_size: int,
+              device: torch.device) -> _Plan:
         qsl = meta.query_start_loc_cpu[:meta.num_reqs + 1]
         seq_lens = meta.seq_lens_cpu[:meta.num_reqs]
+        cached = self._plan_cache
+        if (cached is not None and self._meta is meta and torch.equal(cached.qsl, qsl)
+                and torch.equal(cached.seq_lens, seq_lens)):
+            return cached
         query_lens = qsl[1:] - qsl[:-1]
-        bs = kv_cache.shape[2]
-        gqa = query.shape[1] != kv_cache.shape[3]
-
         is_decode = query_lens == 1
-        if bool(is_decode.any()):
-            self._decodes(query, out, k_cache, v_cache, meta, is_decode, scale)
-        for r in torch.nonzero(~is_decode & (query_lens > 0)).flatten().tolist():
-            start, end = int(qsl[r]), int(qsl[r + 1])
-            seq_len = int(seq_lens[r])
+        num_decodes = int(is_decode.sum())
+        all_decode = num_decodes == meta.num_reqs
+        rows = tokens = mask = None
+        nblk = 0
+        if num_decodes:
+            dec_seq = seq_lens if all_decode else seq_lens[is_decode]
+            nblk = -(-int(dec_seq.max()) // block_size)
+            dev_seq = meta.seq_lens[:meta.num_reqs]
+            if not all_decode:
+                rows_cpu = torch.nonzero(is_decode).flatten()
+                rows = rows_cpu.to(device)
+                tokens = qsl[:-1][rows_cpu].to(device=device, dtype=torch.long)
+                dev_seq = dev_seq.index_select(0, rows)
+            mask = torch.arange(nblk * block_size, device=device) < dev_seq.unsqueeze(1)
+            mask = mask[:, None, None, :]
+        chunks = []
+        for r in torch.nonzero(query_lens > 1).flatten().tolist():
+            chunks.append((r, int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])))
+        plan = _Plan(qsl.clone(), seq_lens.clone(), num_decodes, all_decode, rows, tokens,
+                     nblk, mask, chunks)
+        self._meta, self._plan_cache = meta, plan
+        return plan
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        if meta.num_reqs == 0 or meta.num_actual_tokens == 0:
+            return torch.empty_like(query)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        bs = kv_cache.shape[2]
+        plan = self._plan(meta, bs, query.device)
+        if plan.all_decode and plan.num_decodes == query.shape[0]:
+            return self._decodes(query, k_cache, v_cache, meta, plan, scale)  # no copy
+        out = torch.empty_like(query)
+        if plan.num_decodes:
+            o = self._decodes(query, k_cache, v_cache, meta, plan, scale)
+            if plan.decode_tokens is None:
+                out[:plan.num_decodes] = o
+            else:
+                out[plan.decode_tokens] = o
+        gqa = query.shape[1] != kv_cache.shape[3]
+        for r, start, end, seq_len in plan.chunks:
             ctx = seq_len - (end - start)
-            nblk = -(-seq_len // bs)
-            blocks = meta.block_tables[r, :nblk]
+            blocks = meta.block_tables[r, :-(-seq_len // bs)]
             # [nblk, bs, H, D] -> [1, H, seq_len, D]
             k = k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
             v = v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
@@ -89,47 +150,28 @@ class TorchReferenceBackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _decodes(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata, is_decode: torch.Tensor,
-                 scale: float) -> None:
-        """All single-token queries at once: ``[B, H, 1, D]`` against ``[B, H, L, D]``."""
-        bs = k_cache.shape[1]
-        qsl = meta.query_start_loc_cpu
-        all_decode = bool(is_decode.all())
-        if all_decode:  # the steady state: no index juggling
-            rows_cpu = None
-            seq_lens_cpu = meta.seq_lens_cpu[:meta.num_reqs]
-            seq_lens = meta.seq_lens[:meta.num_reqs]
-            tables = meta.block_tables[:meta.num_reqs]
-            tok_idx = None
+    def _decodes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata, plan: _Plan, scale: float) -> torch.Tensor:
+        """All single-token queries at once: ``[B, Hk, G, D]`` against ``[B, Hk, L, D]``;
+        returns ``[B, H, D]`` in decode order."""
+        b = plan.num_decodes
+        if plan.decode_rows is None:
+            tables = meta.block_tables[:b, :plan.decode_blocks]
+            q = query[:b]
         else:
-            rows_cpu = torch.nonzero(is_decode).flatten()
-            seq_lens_cpu = meta.seq_lens_cpu[rows_cpu]
-            rows = rows_cpu.to(query.device)
-            seq_lens = meta.seq_lens.index_select(0, rows)
-            tables = meta.block_tables.index_select(0, rows)
-            tok_idx = qsl[:-1][rows_cpu].to(device=query.device, dtype=torch.long)
-        max_len = int(seq_lens_cpu.max())
-        nblk = -(-max_len // bs)
-        tables = tables[:, :nblk]
-        b = tables.shape[0]
-        length = nblk * bs
+            tables = meta.block_tables.index_select(0, plan.decode_rows)
+            tables = tables[:, :plan.decode_blocks]
+            q = query[plan.decode_tokens]
+        length = plan.decode_blocks * k_cache.shape[1]
         h_kv, d = k_cache.shape[2], k_cache.shape[3]
         # index_select over the flattened table is a row memcpy; ``k_cache[tables]`` with a
         # 2-D index goes through the generic (several times slower) index kernel.
         flat = tables.reshape(-1)
         k = k_cache.index_select(0, flat).view(b, length, h_kv, d).transpose(1, 2)
         v = v_cache.index_select(0, flat).view(b, length, h_kv, d).transpose(1, 2)
-        q = query[:b] if tok_idx is None else query[tok_idx]
         # GQA without expanding K/V: the G query heads sharing a KV head become G "query
         # rows" of that head (HF's repeat_kv maps query head h to KV head h // G).
         group = q.shape[1] // h_kv
-        q = q.view(b, h_kv, group, d)
-        mask = torch.arange(length, device=query.device) < seq_lens.unsqueeze(1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :],
-                                           scale=scale)
-        o = o.reshape(b, h_kv * group, d)
-        if tok_idx is None:
-            out[:b] = o
-        else:
-            out[tok_idx] = o
+        o = F.scaled_dot_product_attention(q.view(b, h_kv, group, d), k, v,
+                                           attn_mask=plan.decode_mask, scale=scale)
+        return o.reshape(b, h_kv * group, d)

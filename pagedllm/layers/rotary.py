@@ -38,7 +38,8 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
 def _inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
     """Per-pair angular frequencies, computed exactly as transformers does."""
     base = float(params["rope_theta"])
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(
+        torch.float32) / head_dim
     inv_freq = 1.0 / (base ** exponent)
     kind = params["rope_type"]
     if kind == "default":
@@ -61,32 +62,46 @@ def _inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
                      "llama3)")
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x: [T, H, D]`` (any strides) by ``cos``/``sin: [T, 1, D/2]``; new tensor."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
 class RotaryEmbedding(nn.Module):
-    """``forward(positions [T], q [T, Hq*D], k [T, Hk*D]) -> (q', k')`` (new tensors)."""
+    """Precomputed cos/sin for every position; shared by all layers of a model.
+
+    Per step the model calls ``cos_sin(positions)`` once and every layer then applies
+    ``apply_rotary`` -- the gather and dtype cast are not repeated per layer.
+    """
 
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary head_dim must be even, got {head_dim}")
         self.head_dim = head_dim
+        # Built in float32 on the CPU (as HF does) whatever the model dtype and the
+        # ambient device, then moved; ``outer`` is the same single multiply per entry as
+        # HF's ``inv_freq @ positions``.
         inv_freq = _inv_freq(head_dim, params)
-        # Built in float32 on the CPU (as HF does) whatever the model dtype, then moved;
-        # ``outer`` is the same single multiply per entry as HF's ``inv_freq @ positions``.
         t = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_pos, head_dim]
         target = torch.empty(0).device  # the ambient default device (model build context)
         self.register_buffer("cos_sin_cache", cache.to(target), persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, each ``[T, 1, D/2]`` in ``dtype`` (HF casts to the activation
+        dtype before multiplying, and so do we)."""
+        cos_sin = self.cos_sin_cache.index_select(0, positions).to(dtype)
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos_sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype)
-        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        x = x.view(t, -1, self.head_dim)
-        x1, x2 = x.chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.view(t, -1)
+        """Convenience: ``q [T, Hq*D]``, ``k [T, Hk*D]`` -> rotated ``(q, k)``, same shapes."""
+        cos, sin = self.cos_sin(positions, q.dtype)
+        t = q.shape[0]
+        return (apply_rotary(q.view(t, -1, self.head_dim), cos, sin).view(t, -1),
+                apply_rotary(k.view(t, -1, self.head_dim), cos, sin).view(t, -1))

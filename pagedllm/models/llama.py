@@ -27,7 +27,7 @@ from pagedllm.layers.linear import (
     default_weight_loader,
 )
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
 
 def head_dim_of(config: Any) -> int:
@@ -51,8 +51,8 @@ class LlamaAttention(nn.Module):
     ``attention_bias`` and Qwen2's bias-on-qkv-only; ``qk_norm`` adds Qwen3's per-head
     RMSNorm on q and k (applied before RoPE)."""
 
-    def __init__(self, config: Any, backend: AttentionBackend, rotary_emb: RotaryEmbedding,
-                 *, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> None:
+    def __init__(self, config: Any, backend: AttentionBackend, *, qkv_bias: bool,
+                 o_bias: bool, qk_norm: bool = False) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -63,7 +63,6 @@ class LlamaAttention(nn.Module):
                                         bias=o_bias)
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
-        self.rotary_emb = rotary_emb  # one instance shared by all layers
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -71,16 +70,23 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
                               self.num_kv_heads, backend)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        """``rope``: this step's ``(cos, sin)`` from ``RotaryEmbedding.cos_sin``."""
+        t = x.shape[0]
         qkv = self.qkv_proj(x)
-        # Views into the fused output; rope / the backend read them without copies.
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q_end = self.q_size
+        k_end = q_end + self.kv_size
+        v = qkv[:, k_end:]
         if self.qk_norm:
-            t = x.shape[0]
-            q = self.q_norm(q.reshape(t, -1, self.head_dim)).view(t, -1)  # type: ignore
-            k = self.k_norm(k.reshape(t, -1, self.head_dim)).view(t, -1)  # type: ignore
-        q, k = self.rotary_emb(positions, q, k)
+            q = apply_rotary(self.q_norm(qkv[:, :q_end].view(t, -1, self.head_dim)), *rope)
+            k = apply_rotary(self.k_norm(qkv[:, q_end:k_end].view(t, -1, self.head_dim)),
+                             *rope)
+        else:
+            # q and k are adjacent in the fused output: rotate both heads-blocks in one
+            # pass over a [T, Hq + Hk, D] view, then take views of the result.
+            qk = apply_rotary(qkv[:, :k_end].view(t, -1, self.head_dim), *rope)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -93,7 +99,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's residual convention: the residual stream is carried separately and
@@ -103,7 +109,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)  # type: ignore[assignment]
         else:
             hidden, residual = self.input_layernorm(hidden, residual)  # type: ignore[misc]
-        hidden = self.self_attn(positions, hidden, meta)
+        hidden = self.self_attn(rope, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)  # type: ignore
         return self.mlp(hidden), residual
 
@@ -113,19 +119,21 @@ class LlamaModel(nn.Module):
                  make_attention: Any) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
-                                 rope_parameters(config))
+        # One cos/sin table for all layers, gathered once per step in forward().
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
+                                          rope_parameters(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, make_attention(config, backend, rotary))
+            LlamaDecoderLayer(config, make_attention(config, backend))
             for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.cos_sin(positions, hidden.dtype)
         residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
+            hidden, residual = layer(rope, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)  # type: ignore[misc]
         return hidden
 
@@ -165,10 +173,9 @@ class LlamaForCausalLM(nn.Module):
                              "attention); use a checkpoint without sliding window")
 
     @staticmethod
-    def make_attention(config: Any, backend: AttentionBackend,
-                       rotary: RotaryEmbedding) -> LlamaAttention:
+    def make_attention(config: Any, backend: AttentionBackend) -> LlamaAttention:
         bias = bool(getattr(config, "attention_bias", False))
-        return LlamaAttention(config, backend, rotary, qkv_bias=bias, o_bias=bias)
+        return LlamaAttention(config, backend, qkv_bias=bias, o_bias=bias)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -5,12 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.attention.backend import AttentionBackend
-from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     @staticmethod
-    def make_attention(config: Any, backend: AttentionBackend,
-                       rotary: RotaryEmbedding) -> LlamaAttention:
-        return LlamaAttention(config, backend, rotary, qkv_bias=True, o_bias=False)
+    def make_attention(config: Any, backend: AttentionBackend) -> LlamaAttention:
+        return LlamaAttention(config, backend, qkv_bias=True, o_bias=False)

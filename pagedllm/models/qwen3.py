@@ -7,13 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.attention.backend import AttentionBackend
-from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @staticmethod
-    def make_attention(config: Any, backend: AttentionBackend,
-                       rotary: RotaryEmbedding) -> LlamaAttention:
+    def make_attention(config: Any, backend: AttentionBackend) -> LlamaAttention:
         bias = bool(getattr(config, "attention_bias", False))
-        return LlamaAttention(config, backend, rotary, qkv_bias=bias, o_bias=bias, qk_norm=True)
+        return LlamaAttention(config, backend, qkv_bias=bias, o_bias=bias, qk_norm=True)
