@@ -26,7 +26,30 @@ from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, compute_prompt_logprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.block_ops import BlockOps
+from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.input_batch import InputBatch, StepInputs
+
+
+class HostToDevice:
+    """Copies host arrays to the device through persistent pinned buffers, so every copy
+    is truly asynchronous (a pageable copy would synchronise the stream first).  On CPU
+    the arrays are used in place."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, arr: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(arr))
+        if self.device.type == "cpu":
+            return t
+        buf = self.pinned.get(name)
+        if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
+            buf = torch.empty(max(t.numel(), 1024), dtype=t.dtype, pin_memory=True)
+            self.pinned[name] = buf
+        staged = buf[:t.numel()].view(t.shape)
+        staged.copy_(t)
+        return staged.to(self.device, non_blocking=True)
 
 
 @dataclass
@@ -54,6 +77,8 @@ class ModelRunner:
         self.batch = InputBatch(sc.max_num_seqs, mc.max_model_len, self.block_size)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        self.h2d = HostToDevice(device)
+        self.graphs: CudaGraphRunner | None = None
         # Swap and copy-on-write moves on the KV tensors (set by the worker).
         self.block_ops: BlockOps | None = None
 
@@ -76,6 +101,15 @@ class ModelRunner:
             f.child_req_id, p.prompt_token_ids, list(p.output_token_ids), params,
             p.eos_token_id, gen)
         self.batch.fork(f.parent_req_id, f.child_req_id)
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode graphs (CUDA only, unless enforce_eager)."""
+        mc = self.config.model_config
+        self.graphs = CudaGraphRunner(
+            self.model, self.device, self.config.scheduler_config.max_num_seqs,
+            self.batch.block_table.shape[1], self.block_size, mc.max_model_len,
+            int(mc.hf_config.hidden_size), next(self.model.parameters()).dtype)
+        self.graphs.capture()
 
     # -- 1. apply the scheduler's diffs ------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> dict[str, int]:
@@ -110,17 +144,28 @@ class ModelRunner:
 
     # -- 2. build inputs ---------------------------------------------------------------
     def _metadata(self, inp: StepInputs) -> AttentionMetadata:
-        dev = self.device
-        qsl_cpu = torch.from_numpy(inp.query_start_loc)
-        seq_cpu = torch.from_numpy(inp.seq_lens)
+        h2d = self.h2d
         return AttentionMetadata(
             num_actual_tokens=int(inp.query_start_loc[-1]), num_reqs=len(inp.seq_lens),
             max_query_len=inp.max_query_len, max_seq_len=inp.max_seq_len,
-            query_start_loc=qsl_cpu.to(dev, non_blocking=True),
-            seq_lens=seq_cpu.to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(inp.block_tables).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(inp.slot_mapping).to(dev, non_blocking=True),
-            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu, block_size=self.block_size)
+            query_start_loc=h2d("qsl", inp.query_start_loc),
+            seq_lens=h2d("seq_lens", inp.seq_lens),
+            block_tables=h2d("block_tables", inp.block_tables),
+            slot_mapping=h2d("slots", inp.slot_mapping),
+            query_start_loc_cpu=torch.from_numpy(inp.query_start_loc),
+            seq_lens_cpu=torch.from_numpy(inp.seq_lens), block_size=self.block_size)
+
+    def _forward(self, inp: StepInputs) -> torch.Tensor:
+        """Hidden states of every scheduled token: a CUDA-graph replay for decode
+        batches that fit a captured size, an eager forward otherwise."""
+        num_reqs = len(inp.seq_lens)
+        if self.graphs is not None:
+            bs = self.graphs.padded_size(len(inp.input_ids), num_reqs, inp.max_query_len)
+            if bs is not None:
+                return self.graphs.run(inp, bs)
+        meta = self._metadata(inp)
+        return self.model(self.h2d("ids", inp.input_ids), self.h2d("pos", inp.positions),
+                          meta)
 
     # -- the step ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -135,10 +180,7 @@ class ModelRunner:
         num_new = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, len(order))
         num_computed = np.fromiter((computed[r] for r in order), np.int64, len(order))
         inp = self.batch.prepare(rows, num_computed, num_new)
-        meta = self._metadata(inp)
-
-        hidden = self.model(torch.from_numpy(inp.input_ids).to(self.device),
-                            torch.from_numpy(inp.positions).to(self.device), meta)
+        hidden = self._forward(inp)
 
         # Sample only requests whose known tokens are all computed after this step.
         sampling = (num_computed + num_new) >= self.batch.num_tokens[rows]
@@ -146,8 +188,8 @@ class ModelRunner:
         states = [self.requests[order[i]] for i in sample_idx]
         out = ModelRunnerOutput(req_ids=order, sampled_token_ids=[[] for _ in order])
         if len(sample_idx):
-            logits_idx = torch.from_numpy(inp.query_start_loc[1:][sample_idx] - 1)
-            logits = self.model.compute_logits(hidden[logits_idx.to(self.device)])
+            logits_idx = self.h2d("logits_idx", inp.query_start_loc[1:][sample_idx] - 1)
+            logits = self.model.compute_logits(hidden[logits_idx])
             smeta = SamplingMetadata.build(states, self.device, self.vocab_size)
             sampled = self.sampler(logits, smeta)
             tokens, lp = self._to_host(sampled)

@@ -19,10 +19,11 @@ from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.models.loader import load_model
 from pagedllm.worker.block_ops import BlockOps, allocate_swap_space
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.profile import profile_run
 
 logger = logging.getLogger("pagedllm")
 
-DEFAULT_CPU_KV_BYTES = 2 << 30
+DEFAULT_CPU_KV_BYTES = 1 << 30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -71,9 +72,7 @@ class Worker:
         budget = cc.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                used_elsewhere = total - free
-                budget = int(total * cc.gpu_memory_utilization) - used_elsewhere
+                budget = self._gpu_kv_budget()
             else:
                 want = (sc.max_num_seqs * mc.max_model_len + cc.block_size) * \
                     mc.kv_bytes_per_token()
@@ -83,11 +82,32 @@ class Worker:
         if num_blocks < need:
             fits = max(0, (num_blocks - 1) * cc.block_size)
             raise ValueError(
-                f"kv_cache_memory_bytes: {budget} bytes hold {max(num_blocks - 1, 0)} KV "
-                f"blocks ({fits} tokens), fewer than one request of max_model_len "
-                f"({mc.max_model_len}); lower max_model_len to {fits} or give the KV "
-                f"cache more memory")
+                f"kv_cache_memory_bytes: {max(budget, 0)} bytes hold "
+                f"{max(num_blocks - 1, 0)} KV blocks ({fits} tokens), fewer than one "
+                f"request of max_model_len ({mc.max_model_len}); lower max_model_len to "
+                f"{fits} or give the KV cache more memory")
         return num_blocks
+
+    def _gpu_kv_budget(self) -> int:
+        """Memory plan: ``gpu_memory_utilization`` x total, minus weights, the profiled
+        activation peak of a maximal batch, memory outside torch (CUDA context, other
+        processes) and a margin for CUDA graphs."""
+        torch.cuda.synchronize(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        profile_peak = profile_run(self)
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        graph_margin = 0 if self.config.device_config.enforce_eager else 512 << 20
+        budget = int(total * self.config.cache_config.gpu_memory_utilization) - \
+            profile_peak - max(outside_torch, 0) - graph_margin
+        logger.info(
+            "memory plan: total %.1f GiB x %.2f; weights %.2f GiB, activation peak %.2f "
+            "GiB, outside torch %.2f GiB, graphs %.2f GiB -> KV cache %.2f GiB",
+            total / 2**30, self.config.cache_config.gpu_memory_utilization,
+            weights / 2**30, (profile_peak - weights) / 2**30, outside_torch / 2**30,
+            graph_margin / 2**30, budget / 2**30)
+        return budget
 
     def initialize_cache(self, num_blocks: int) -> None:
         mc, cc = self.config.model_config, self.config.cache_config
@@ -107,6 +127,8 @@ class Worker:
                         self.num_cpu_blocks * per_block / 2**30)
         self.runner = ModelRunner(self.config, self.model, self.device)
         self.runner.block_ops = BlockOps(self.kv_caches, self.swap_caches)
+        if self.device.type == "cuda" and not self.config.device_config.enforce_eager:
+            self.runner.capture_cuda_graphs()
         tokens = (num_blocks - 1) * cc.block_size
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency at "
