@@ -75,7 +75,8 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=args.enable_prefix_caching,
         preemption_mode=args.preemption_mode, swap_space=args.swap_space,
         trust_remote_code=args.trust_remote_code,
-        served_model_name=getattr(args, "served_model_name", None))
+        served_model_name=getattr(args, "served_model_name", None),
+        skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
