@@ -6,7 +6,9 @@ a device tensor on the host.  The split-KV choice (see
 ``pagedllm.kernels.paged_attention.plan_attention``) depends on the number of requests and
 the max query length but not on sequence lengths, so a graph captured for a decode batch
 size replays correctly at any context length.  Padding tokens (slot -1, beyond
-``query_start_loc[num_reqs]``) are skipped by the write and produce unspecified rows.
+``query_start_loc[num_reqs]``) are skipped by the write and their output rows are left
+unwritten.  A graph runner that pads ``num_reqs`` too may add empty requests (query
+length 0 -- ``query_start_loc`` repeats its last value -- and seq_len 0); they are no-ops.
 """
 
 from __future__ import annotations
