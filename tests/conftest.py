@@ -10,6 +10,20 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(torch.cuda.is_available())
+
+
+# Without a GPU, Triton kernels run under the interpreter.  Set before any test module
+# imports triton (kernels are bound to the interpreter at import time).
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
