@@ -48,48 +48,44 @@ def _consume(s: ServerProcess, body: dict[str, Any], out: dict[str, Any],
         started.set()
 
 
-def test_sigterm_drains_in_flight_requests() -> None:
-    with running_server("--shutdown-timeout", "120") as s:
+def _stream_in_thread(s: ServerProcess, max_tokens: int
+                     ) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+    started = threading.Event()
+    t = threading.Thread(target=_consume,
+                         args=(s, {**STREAM, "max_tokens": max_tokens}, out, started))
+    t.start()
+    assert started.wait(120)
+    return t, out
+
+
+def _finish_reasons(events: list[Any]) -> list[str | None]:
+    assert events[-1] == "[DONE]"
+    return [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]
+
+
+def test_sigterm_drains_then_aborts() -> None:
+    """SIGTERM: 503 for new requests and /health; a short in-flight request finishes
+    normally; a long one is aborted at --shutdown-timeout; exit 0, no processes left."""
+    with running_server("--shutdown-timeout", "10", base_args=[
+            "--max-model-len", "1024", "--max-num-seqs", "2"]) as s:
         engine_pid = s.engine_pid()
-        out: dict[str, Any] = {}
-        started = threading.Event()
-        t = threading.Thread(target=_consume,
-                             args=(s, {**STREAM, "max_tokens": 12}, out, started))
-        t.start()
-        assert started.wait(120)
+        short_t, short = _stream_in_thread(s, 4)
+        long_t, long = _stream_in_thread(s, 1000)
+        t0 = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
-        # Draining: not admitting, unhealthy, while the in-flight stream continues.
         with s.client() as c:
             assert wait_until(lambda: c.get("/health").status_code == 503, timeout=10)
             r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
             assert r.status_code == 503 and r.json()["error"]["message"]
-        t.join(120)
-        events = out["events"]
-        assert events[-1] == "[DONE]"
-        finals = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]
-        assert finals[-1] == "length"
-        assert sum(1 for e in events[:-1] if e["choices"]) == 12
+        short_t.join(60)
+        long_t.join(60)
+        assert _finish_reasons(short["events"])[-1] == "length"
+        assert len(_finish_reasons(short["events"])) == 4
+        assert _finish_reasons(long["events"])[-1] == "abort"
         assert s.proc.wait(60) == 0
+        assert 9 < time.monotonic() - t0 < 40
         assert wait_until(lambda: _gone(engine_pid), timeout=15)
-
-
-def test_sigterm_aborts_after_shutdown_timeout() -> None:
-    with running_server("--shutdown-timeout", "1") as s:
-        out: dict[str, Any] = {}
-        started = threading.Event()
-        t = threading.Thread(target=_consume,
-                             args=(s, {**STREAM, "max_tokens": 200}, out, started))
-        t.start()
-        assert started.wait(120)
-        t0 = time.monotonic()
-        s.proc.send_signal(signal.SIGTERM)
-        t.join(60)
-        events = out["events"]
-        assert events[-1] == "[DONE]"
-        finals = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]
-        assert finals[-1] == "abort"
-        assert s.proc.wait(60) == 0
-        assert time.monotonic() - t0 < 30
         assert not s.descendants()
 
 

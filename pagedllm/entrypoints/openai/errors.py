@@ -73,7 +73,7 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
         return error_response("request body must be a JSON object")
     if etype == "missing":
         return error_response(f"{param} is required", param=param)
-    msg = str(first.get("msg", "invalid value"))
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return error_response(f"{param}: {msg}", param=param)
 
 
