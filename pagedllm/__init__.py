@@ -1,11 +1,12 @@
 """pagedllm: a readable paged-KV-cache LLM inference and serving engine."""
 
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.config import EngineArgs
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 __all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "Logprob"]
+           "Logprob", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 __version__ = "0.1.0"
 
 

@@ -9,11 +9,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.config import EngineArgs
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.outputs import RequestOutput
 from pagedllm.logger import init_logger
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)} - {"model", "extra"}
@@ -64,6 +65,28 @@ class LLM:
         """
         plist = _normalise_prompts(prompts)
         return self._run(plist, sampling_params, use_tqdm, priority)
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's API): one ``BeamSearchOutput`` per prompt
+        with ``params.beam_width`` sequences, best first.  Beams share KV blocks
+        (copy-on-write); results match Hugging Face ``generate(num_beams=...)``."""
+        sp = SamplingParams(n=params.beam_width, temperature=0.0,
+                            max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                            use_beam_search=True, length_penalty=params.length_penalty,
+                            include_stop_str_in_output=params.include_stop_str_in_output)
+        outs = self._run(_normalise_prompts(prompts), sp, use_tqdm, None)
+        return [BeamSearchOutput([
+            BeamSearchSequence(
+                tokens=o.prompt_token_ids + c.token_ids, cum_logprob=c.cumulative_logprob
+                or 0.0, text=(o.prompt or "") + c.text, finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason)
+            for c in o.outputs]) for o in outs]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (e.g. between benchmark runs); returns False,
+        doing nothing, while requests are running."""
+        return self.llm_engine.reset_prefix_cache()
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[
             SamplingParams] | None = None, use_tqdm: bool = True,
