@@ -89,9 +89,21 @@ def test_sigterm_drains_then_aborts() -> None:
         assert not s.descendants()
 
 
-def test_engine_core_killed() -> None:
-    with running_server() as s:
+def test_health_follows_heartbeat_then_engine_core_killed() -> None:
+    with running_server("--health-heartbeat-timeout", "2") as s:
         engine_pid = s.engine_pid()
+        # A stuck engine loop (the process exists but makes no progress) is unhealthy.
+        os.kill(engine_pid, signal.SIGSTOP)
+        try:
+            with s.client() as c:
+                assert wait_until(lambda: c.get("/health").status_code == 503, timeout=15)
+                m = s.metrics()
+                assert m["pagedllm:engine_alive"] == 0
+        finally:
+            os.kill(engine_pid, signal.SIGCONT)
+        with s.client() as c:
+            assert wait_until(lambda: c.get("/health").status_code == 200, timeout=15)
+        # Now kill it while a request streams.
         out: dict[str, Any] = {}
         started = threading.Event()
         t = threading.Thread(target=_consume,
