@@ -227,3 +227,17 @@ def test_metrics_names(server: ServerProcess, client: openai.OpenAI, model: str)
     assert m['pagedllm:request_success_total{finished_reason="length"}'] >= 1
     text = httpx.get(server.url + "/metrics").text
     assert 'model_name="SmolLM2-135M-Instruct"' in text
+
+
+def test_streamed_unicode_deltas_are_whole_characters(client: openai.OpenAI,
+                                                      model: str) -> None:
+    prompt = "Translate to Japanese and add an emoji 👍🏽: good morning →"
+    full = client.completions.create(model=model, prompt=prompt, max_tokens=12,
+                                     temperature=0).choices[0].text
+    deltas = [c.choices[0].text for c in client.completions.create(
+        model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+        if c.choices]
+    assert "".join(deltas) == full
+    for d in deltas:
+        assert "\ufffd" not in d
+        d.encode("utf-8")  # every delta is valid UTF-8 on its own
