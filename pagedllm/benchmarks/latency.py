@@ -33,6 +33,9 @@ def _timed(llm: Any, prompt: list[int], n: int) -> float:
     from pagedllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
+    # Each prompt runs twice (1 token, then output_len): without a reset the second run
+    # would find its prompt in the prefix cache and report a TTFT of ~one token.
+    llm.reset_prefix_cache()
     t0 = time.perf_counter()
     llm.generate([prompt], sp, use_tqdm=False)
     return time.perf_counter() - t0
