@@ -176,8 +176,14 @@ def test_oversized_body_is_413(server: ServerProcess) -> None:
 
 def test_huge_headers_rejected(server: ServerProcess) -> None:
     with server.client() as c:
-        r = c.post("/v1/completions", json=OK, headers={"x-big": "a" * 200_000})
-    assert 400 <= r.status_code < 500
+        try:
+            r = c.post("/v1/completions", json=OK, headers={"x-big": "a" * 200_000})
+            assert 400 <= r.status_code < 500
+        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+            # The parser answers 400 and closes at once; with most of the headers still
+            # unread the kernel may turn that close into a reset that overtakes the 400.
+            pass
+        assert c.get("/health").status_code == 200
 
 
 def test_unknown_route_and_method(server: ServerProcess) -> None:

@@ -44,7 +44,9 @@ from pagedllm.engine.mp_client import EngineDeadError, EngineStartupError
 from pagedllm.entrypoints.openai.errors import error_body, error_response, install_error_handlers
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     ModelCard,
     ModelList,
@@ -220,11 +222,13 @@ def build_app(state: ServingState, *, api_keys: list[str] | None = None,
         return Response(generate_latest(state.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    # Handlers return Response objects (streams, envelopes); ``responses=`` documents the
+    # success bodies in /openapi.json without re-validating every response.
+    @app.post("/v1/completions", responses={200: {"model": CompletionResponse}})
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
         return await completion.create_completion(body, raw_request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}})
     async def create_chat_completion(body: ChatCompletionRequest,
                                      raw_request: Request) -> Response:
         return await chat.create_chat_completion(body, raw_request)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
@@ -299,7 +298,6 @@ class ChatCompletionRequest(_SamplingFields):
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
     # vLLM extras.
-    echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -372,19 +370,12 @@ class DetokenizeRequest(_Base):
 # ----------------------------------------------------------------------------- responses
 
 
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
+# Response bodies: the handlers build plain dicts on the hot path (one per streamed
+# token); these models document them in /openapi.json.
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
 
 
 class CompletionLogprobs(BaseModel):
@@ -481,13 +472,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-# The OpenAI request fields of each endpoint, for the unknown-field check (everything
-# declared on the model is known: OpenAI's fields plus our documented extras).
-def known_fields(model: type[BaseModel]) -> frozenset[str]:
-    names = set(model.model_fields)
-    for f in model.model_fields.values():
-        if f.alias:
-            names.add(f.alias)
-    return frozenset(names)
