@@ -84,6 +84,9 @@ class SchedulerConfig:
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     # Swap bandwidth the scheduler may spend per step, in blocks (in + out).
     max_swap_blocks_per_step: int = 64
+    # Schedule step N+1 while step N runs on the device (its tokens arrive one step
+    # late); on by default on CUDA, where host work would otherwise idle the GPU.
+    async_scheduling: bool = False
 
 
 # Bytes the scheduler may swap per step: about 4 ms at PCIe 4.0 x16's ~16 GB/s, small
@@ -138,6 +141,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     device: str = "auto"
     enforce_eager: bool = False
+    async_scheduling: bool | None = None  # None: on for CUDA, off for CPU
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
     num_threads: int | None = None
@@ -217,7 +221,9 @@ class EngineArgs:
                 max_model_len=max_model_len, policy=self.scheduling_policy,  # type: ignore
                 preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
                 max_swap_blocks_per_step=max(1, SWAP_BYTES_PER_STEP // (
-                    model_config.kv_bytes_per_token() * self.block_size))),
+                    model_config.kv_bytes_per_token() * self.block_size)),
+                async_scheduling=(device == "cuda" if self.async_scheduling is None
+                                  else bool(self.async_scheduling))),
             device_config=DeviceConfig(device=device, enforce_eager=self.enforce_eager,
                                        num_threads=self.num_threads),
         )

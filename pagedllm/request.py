@@ -49,6 +49,7 @@ class Request:
     """
 
     __slots__ = (
+        "num_placeholders",
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority",
         "arrival_time", "output_token_ids", "all_token_ids", "num_computed_tokens",
         "status", "stop_reason", "num_preemptions", "max_tokens", "num_cached_tokens",
@@ -91,6 +92,9 @@ class Request:
         self.reserved_slots = len(self.fork_ids)
         self.beam_group: str | None = None
         self.token_override: int | None = None
+        # Tokens being sampled by steps already launched but not yet reported back
+        # (async scheduling: step N+1 is scheduled before step N's tokens arrive).
+        self.num_placeholders = 0
         self.cpu_block_ids: list[int] | None = None
 
     @classmethod

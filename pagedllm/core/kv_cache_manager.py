@@ -103,7 +103,7 @@ class KVCacheManager:
 
         Returns the blocks (not yet referenced: pass them to ``allocate_slots``) and the
         number of tokens they cover.  At least the last token is always left to compute,
-        because its logits are needed.
+        because its logits are needed.  Counted in the stats by ``record_prefix_lookup``.
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             # Prompt logprobs need the logits of every prompt position: no hits.
@@ -116,8 +116,6 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     # -- allocation ----------------------------------------------------------------
@@ -236,6 +234,12 @@ class KVCacheManager:
             if b.block_hash is not None and b.ref_cnt == 1:
                 self.pool.evict_hash(b)
         self.pool.free_blocks(reversed(blocks))
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (a lookup whose request could not be
+        admitted yet is repeated later and must not count twice)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
 
     def take_prefix_stats(self) -> tuple[int, int]:
         q, h = self.prefix_queries, self.prefix_hits

@@ -193,6 +193,7 @@ class Scheduler:
         self._remove_running(victim)
         victim.num_preemptions += 1
         victim.token_override = None  # the runner rebuilds its row from our tokens
+        victim.num_placeholders = 0  # an in-flight token still arrives: see update
         self._num_preemptions_step += 1
         self.total_preemptions += 1
         self._finished_ids.add(victim.request_id)  # the runner drops its row
@@ -264,7 +265,12 @@ class Scheduler:
     def _num_to_compute(self, req: Request) -> int:
         # A parent of n > 1 samples stops one token short: each sample computes the last
         # prompt token itself, so each samples from its own row with its own seed.
-        return req.num_tokens - req.num_computed_tokens - (1 if req.fork_ids else 0)
+        if req.num_placeholders and (
+                req.num_output_tokens + req.num_placeholders >= req.max_tokens
+                or req.num_tokens + req.num_placeholders >= self.config.max_model_len):
+            return 0  # the in-flight token is its last: nothing more to schedule
+        return (req.num_tokens + req.num_placeholders - req.num_computed_tokens
+                - (1 if req.fork_ids else 0))
 
     # -- scheduling ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -344,22 +350,31 @@ class Scheduler:
                 if self.kv.allocate_slots(req, n, hits) is None:
                     break
                 self.waiting.pop()
+                if self.kv.enable_caching:
+                    self.kv.record_prefix_lookup(req.num_tokens, num_hit)
                 req.num_computed_tokens = num_hit
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
                 self._admit(req, n, num_scheduled, new, touched, now)
                 budget -= n
 
-        # 4. Nothing runs although requests wait: every running request is a beam
-        # waiting for a group-mate that cannot get in.  Make room (victim to the back).
-        if not touched and self.running and (len(self.waiting) or self.swapped):
-            victim = self._pick_victim()
-            self._preempt(victim, to_back=True)
-            preempted_ids.add(victim.request_id)
+        # 4. Nothing runs although requests wait: the running requests are beams waiting
+        # for group-mates that cannot get in (a deadlock only beams can cause).  Make
+        # room: preempt the newest beam, to the back of the queue.
+        if not touched and self.beam_groups and (len(self.waiting) or self.swapped):
+            beams = [r for r in self.running if r.beam_group is not None]
+            if beams:
+                self._preempt(beams[-1], to_back=True)
+                preempted_ids.add(beams[-1].request_id)
 
-        # 5. Advance: these tokens will be computed by the time anyone looks again.
+        # 5. Advance: these tokens will be computed by the time anyone looks again; a
+        # request whose known tokens are then all computed will sample one more (its
+        # placeholder, until ``update_from_output`` reports the real token).
         for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+            r = self.requests[rid]
+            r.num_computed_tokens += n
+            if r.num_computed_tokens >= r.num_tokens + r.num_placeholders:
+                r.num_placeholders += 1
         # 6. n > 1 parents whose prompt is computed but for the last token fork now.
         for req in touched:
             if req.fork_ids and req.status == RequestStatus.RUNNING and \
@@ -414,8 +429,16 @@ class Scheduler:
         beam_ready: dict[str, BeamGroup] = {}
         for rid, tokens in zip(out.req_ids, out.sampled_token_ids):
             req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            if req is None:
+                continue  # finished or aborted while the step ran
+            was_running = req.status == RequestStatus.RUNNING
+            if was_running:
+                req.num_placeholders = max(0, req.num_placeholders - len(tokens))
+            elif not (req.status == RequestStatus.PREEMPTED and tokens):
+                continue
+            # (A request preempted while its step was in flight still takes that token:
+            # it was sampled from the right state, and dropping it would change a
+            # seeded request's output.)
             if req.beam_group is not None:
                 lp = out.logprobs.get(rid)
                 group = self.beam_groups[req.beam_group]
@@ -446,7 +469,10 @@ class Scheduler:
             if stopped:
                 eo.finish_reason = RequestStatus.finish_reason(req.status)
                 eo.stop_reason = req.stop_reason
-                self._remove_running(req)
+                if was_running:
+                    self._remove_running(req)
+                else:
+                    self.waiting.remove(req)
                 self._free(req)
             outputs.append(eo)
         for group in beam_ready.values():
@@ -495,6 +521,21 @@ class Scheduler:
                 num_cached_tokens=cached, cumulative_logprob=hyp.cumulative_logprob,
                 first_scheduled_time=first))
         return outs
+
+    def requires_sync(self) -> bool:
+        """True while some live request needs each step's tokens on the host before the
+        next step is scheduled: penalties and min_tokens read the generated tokens,
+        forks and beams rearrange sequences, prompt logprobs and swapping are
+        synchronous.  Async scheduling pauses then."""
+        if self.beam_groups or self.config.preemption_mode == "swap":
+            return True
+        for r in self.requests.values():
+            sp = r.sampling_params
+            if (r.fork_ids or sp.prompt_logprobs is not None or sp.presence_penalty
+                    or sp.frequency_penalty or sp.repetition_penalty != 1.0
+                    or r.num_output_tokens < sp.min_tokens):
+                return True
+        return False
 
     # -- introspection -------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

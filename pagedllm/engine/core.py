@@ -12,9 +12,11 @@ import logging
 import time
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.request import Request
+from pagedllm.worker.model_runner import StepHandle
 from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger("pagedllm")
@@ -31,10 +33,13 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
                                    self.num_blocks, self.worker.num_cpu_blocks)
         self.max_model_len = config.model_config.max_model_len
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        self._inflight: tuple[SchedulerOutput, StepHandle] | None = None
         sc = config.scheduler_config
         logger.info("engine ready in %.1f s: max_num_seqs=%d, max_num_batched_tokens=%d, "
-                    "policy=%s", time.perf_counter() - t0, sc.max_num_seqs,
-                    sc.max_num_batched_tokens, sc.policy)
+                    "policy=%s, async_scheduling=%s", time.perf_counter() - t0,
+                    sc.max_num_seqs, sc.max_num_batched_tokens, sc.policy,
+                    sc.async_scheduling)
 
     @property
     def max_tokens_per_request(self) -> int:
@@ -46,18 +51,48 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids)
+        if self._inflight is not None and not self.scheduler.has_unfinished_requests():
+            self._finish_inflight()  # it serves only aborted requests now
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; False (nothing done) while requests hold blocks."""
         return self.scheduler.reset_prefix_cache()
 
     def step(self) -> EngineCoreOutputs:
+        """One engine step.  With async scheduling, step N+1 is scheduled and launched
+        before step N's tokens are read back, so the host's work (updating requests,
+        scheduling, building inputs) overlaps the device's; the outputs returned are
+        step N's.  Requests that need every token before the next step (penalties,
+        min_tokens, forks, beams, prompt logprobs, swap) switch it off while live."""
+        if not self.async_scheduling:
+            sched = self.scheduler.schedule()
+            return self.scheduler.update_from_output(sched, self.worker.execute_model(sched))
+        sync = self.scheduler.requires_sync()
+        if sync and self._inflight is not None:
+            return self._finish_inflight()  # drain; the next call runs synchronously
         sched = self.scheduler.schedule()
-        out = self.worker.execute_model(sched)
-        return self.scheduler.update_from_output(sched, out)
+        handle = self.worker.execute_model_async(sched)
+        if sync:
+            return self.scheduler.update_from_output(sched, handle.result())
+        prev, self._inflight = self._inflight, (sched, handle)
+        if prev is None:
+            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(),
+                                     timestamp=time.time())
+        outputs = self.scheduler.update_from_output(prev[0], prev[1].result())
+        if not self.scheduler.has_unfinished_requests():
+            # The step in flight only serves requests that have just finished: settle it
+            # now so an idle engine holds nothing in flight.
+            self._finish_inflight()
+        return outputs
+
+    def _finish_inflight(self) -> EngineCoreOutputs:
+        assert self._inflight is not None
+        sched, handle = self._inflight
+        self._inflight = None
+        return self.scheduler.update_from_output(sched, handle.result())
 
     def shutdown(self) -> None:
         self.worker.kv_caches.clear()

@@ -48,6 +48,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Where to run. auto = cuda when available.")
     g.add_argument("--enforce-eager", action="store_true",
                    help="Never capture CUDA graphs.")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="Schedule the next step while the device runs the current one "
+                        "(default: on for CUDA, off for CPU).")
     g.add_argument("--num-threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's choice).")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -71,7 +75,8 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy, device=args.device,
-        enforce_eager=args.enforce_eager, num_threads=args.num_threads,
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+        num_threads=args.num_threads,
         enable_prefix_caching=args.enable_prefix_caching,
         preemption_mode=args.preemption_mode, swap_space=args.swap_space,
         trust_remote_code=args.trust_remote_code,

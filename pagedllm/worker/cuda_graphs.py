@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -55,17 +56,23 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(n, dtype=i32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=i32, device=device)
         self.block_tables = torch.zeros((n, max_blocks_per_req), dtype=i32, device=device)
-        # Pinned staging: one host->device copy per buffer per step, never a sync.
-        self._h_ids = torch.zeros(n, dtype=i64, pin_memory=True)
-        self._h_pos = torch.zeros(n, dtype=i64, pin_memory=True)
-        self._h_slot = torch.zeros(n, dtype=i64, pin_memory=True)
-        self._h_seq = torch.zeros(n, dtype=i32, pin_memory=True)
-        self._h_bt = torch.zeros((n, max_blocks_per_req), dtype=i32, pin_memory=True)
+        # Pinned staging: one host->device copy per buffer per step, never a sync; two
+        # sets used on alternate steps so a step in flight keeps its own.
+        self._staging = [self._make_staging(n, max_blocks_per_req) for _ in range(2)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.hidden_size = hidden_size
         self.dtype = dtype
+
+    @staticmethod
+    def _make_staging(n: int, max_blocks: int) -> dict[str, torch.Tensor]:
+        i32, i64 = torch.int32, torch.int64
+        return {"ids": torch.zeros(n, dtype=i64, pin_memory=True),
+                "pos": torch.zeros(n, dtype=i64, pin_memory=True),
+                "slot": torch.zeros(n, dtype=i64, pin_memory=True),
+                "seq": torch.zeros(n, dtype=i32, pin_memory=True),
+                "bt": torch.zeros((n, max_blocks), dtype=i32, pin_memory=True)}
 
     def _meta(self, bs: int) -> AttentionMetadata:
         qsl_cpu = torch.arange(bs + 1, dtype=torch.int32)
@@ -105,24 +112,31 @@ class CudaGraphRunner:
                 return s
         return None
 
-    def run(self, inp: StepInputs, bs: int) -> torch.Tensor:
+    def run(self, inp: StepInputs, bs: int,
+            fix: Callable[[torch.Tensor], None] | None = None, parity: int = 0,
+            ) -> torch.Tensor:
+        """Replay the graph of size ``bs`` on this step's ``n <= bs`` decode tokens;
+        ``fix`` patches the device input ids (in-flight tokens) before the replay."""
         n = len(inp.seq_lens)
         nb = inp.block_tables.shape[1]
-        self._h_ids[:n] = torch.from_numpy(inp.input_ids)
-        self._h_pos[:n] = torch.from_numpy(inp.positions)
-        self._h_slot[:n] = torch.from_numpy(inp.slot_mapping)
-        self._h_seq[:n] = torch.from_numpy(inp.seq_lens)
-        self._h_bt[:n, :nb] = torch.from_numpy(np.ascontiguousarray(inp.block_tables))
+        h = self._staging[parity]
+        h["ids"][:n] = torch.from_numpy(inp.input_ids)
+        h["pos"][:n] = torch.from_numpy(inp.positions)
+        h["slot"][:n] = torch.from_numpy(inp.slot_mapping)
+        h["seq"][:n] = torch.from_numpy(inp.seq_lens)
+        h["bt"][:n, :nb] = torch.from_numpy(np.ascontiguousarray(inp.block_tables))
         if bs > n:
-            self._h_ids[n:bs] = 0
-            self._h_pos[n:bs] = 0
-            self._h_slot[n:bs] = -1
-            self._h_seq[n:bs] = 1
-            self._h_bt[n:bs, :nb] = 0
-        self.input_ids[:bs].copy_(self._h_ids[:bs], non_blocking=True)
-        self.positions[:bs].copy_(self._h_pos[:bs], non_blocking=True)
-        self.slot_mapping[:bs].copy_(self._h_slot[:bs], non_blocking=True)
-        self.seq_lens[:bs].copy_(self._h_seq[:bs], non_blocking=True)
-        self.block_tables[:bs, :nb].copy_(self._h_bt[:bs, :nb], non_blocking=True)
+            h["ids"][n:bs] = 0
+            h["pos"][n:bs] = 0
+            h["slot"][n:bs] = -1
+            h["seq"][n:bs] = 1
+            h["bt"][n:bs, :nb] = 0
+        self.input_ids[:bs].copy_(h["ids"][:bs], non_blocking=True)
+        self.positions[:bs].copy_(h["pos"][:bs], non_blocking=True)
+        self.slot_mapping[:bs].copy_(h["slot"][:bs], non_blocking=True)
+        self.seq_lens[:bs].copy_(h["seq"][:bs], non_blocking=True)
+        self.block_tables[:bs, :nb].copy_(h["bt"][:bs, :nb], non_blocking=True)
+        if fix is not None:
+            fix(self.input_ids[:n])
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

@@ -7,8 +7,9 @@ bottom; the only device->host sync is the one named ``_to_host`` call per step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,16 +38,20 @@ class HostToDevice:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.pinned: dict[str, torch.Tensor] = {}
+        self.pinned: dict[tuple[str, int], torch.Tensor] = {}
+        # Two buffer sets used on alternate steps: with one step in flight, the set a
+        # step fills is never one whose copies may still be pending.
+        self.parity = 0
 
     def __call__(self, name: str, arr: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(arr))
         if self.device.type == "cpu":
             return t
-        buf = self.pinned.get(name)
+        key = (name, self.parity)
+        buf = self.pinned.get(key)
         if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
             buf = torch.empty(max(t.numel(), 1024), dtype=t.dtype, pin_memory=True)
-            self.pinned[name] = buf
+            self.pinned[key] = buf
         staged = buf[:t.numel()].view(t.shape)
         staged.copy_(t)
         return staged.to(self.device, non_blocking=True)
@@ -66,6 +71,27 @@ class CachedRequestState:
     prompt_logprobs_done: int = field(default=0)  # prompt positions already reported
 
 
+@dataclass
+class StepHandle:
+    """A launched step.  ``result()`` waits for its sampled tokens (the step's one
+    device->host transfer), records them in the runner's state and returns the output."""
+
+    runner: ModelRunner
+    out: ModelRunnerOutput
+    states: list[CachedRequestState] = field(default_factory=list)
+    sample_idx: np.ndarray | None = None
+    tokens_host: torch.Tensor | None = None
+    logprobs: Any = None
+    event: Any = None
+    done: bool = False
+
+    def result(self) -> ModelRunnerOutput:
+        if not self.done:
+            self.runner._finish(self)
+            self.done = True
+        return self.out
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
         self.config = config
@@ -79,6 +105,13 @@ class ModelRunner:
         self.sampler = Sampler()
         self.h2d = HostToDevice(device)
         self.graphs: CudaGraphRunner | None = None
+        # Async scheduling: tokens sampled by the last launched step that the host has
+        # not read yet (req id -> row of ``_last_sampled``); the next step takes them
+        # from the device directly.
+        self._pending: dict[str, int] = {}
+        self._pending_owner: StepHandle | None = None
+        self._last_sampled: torch.Tensor | None = None
+        self._tokens_host = [torch.empty(0, dtype=torch.int64) for _ in range(2)]
         # Swap and copy-on-write moves on the KV tensors (set by the worker).
         self.block_ops: BlockOps | None = None
 
@@ -155,62 +188,129 @@ class ModelRunner:
             query_start_loc_cpu=torch.from_numpy(inp.query_start_loc),
             seq_lens_cpu=torch.from_numpy(inp.seq_lens), block_size=self.block_size)
 
-    def _forward(self, inp: StepInputs) -> torch.Tensor:
+    def _forward(self, inp: StepInputs, fix: Callable[[torch.Tensor], None] | None,
+                 ) -> torch.Tensor:
         """Hidden states of every scheduled token: a CUDA-graph replay for decode
-        batches that fit a captured size, an eager forward otherwise."""
+        batches that fit a captured size, an eager forward otherwise.  ``fix`` patches
+        the device input ids (tokens still in flight) before the model reads them."""
         num_reqs = len(inp.seq_lens)
         if self.graphs is not None:
             bs = self.graphs.padded_size(len(inp.input_ids), num_reqs, inp.max_query_len)
             if bs is not None:
-                return self.graphs.run(inp, bs)
+                return self.graphs.run(inp, bs, fix, self.h2d.parity)
         meta = self._metadata(inp)
-        return self.model(self.h2d("ids", inp.input_ids), self.h2d("pos", inp.positions),
-                          meta)
+        ids = self.h2d("ids", inp.input_ids)
+        if fix is not None:
+            fix(ids)
+        return self.model(ids, self.h2d("pos", inp.positions), meta)
+
+    def _pending_fix(self, order: list[str], inp: StepInputs,
+                     ) -> tuple[np.ndarray, Callable[[torch.Tensor], None] | None]:
+        """Which scheduled requests decode a token the host has not seen yet, and the
+        device-side patch that puts those tokens into the input ids."""
+        if not self._pending:
+            return np.zeros(len(order), dtype=np.int64), None
+        pend = np.fromiter((r in self._pending for r in order), np.int64, len(order))
+        idx = np.nonzero(pend)[0]
+        if len(idx) == 0:
+            return pend, None
+        # Such a request is a single-token decode: its token is the first of its slice.
+        dst = self.h2d("pend_dst", inp.query_start_loc[idx].astype(np.int64))
+        src = self.h2d("pend_src", np.fromiter((self._pending[order[i]] for i in idx),
+                                               np.int64, len(idx)))
+        prev = self._last_sampled
+        assert prev is not None
+
+        def fix(ids: torch.Tensor) -> None:
+            ids.index_copy_(0, dst, prev.index_select(0, src))
+
+        return pend, fix
 
     # -- the step ----------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(sched).result()
+
+    @torch.inference_mode()
+    def execute_model_async(self, sched: SchedulerOutput) -> StepHandle:
+        """Launch the step; the sampled tokens are read back by ``StepHandle.result``."""
+        self.h2d.parity ^= 1
         computed = self._update_states(sched)
         if self.block_ops is not None:  # swap and copy-on-write, before any KV write
             self.block_ops.apply(sched)
         if sched.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], [])
+            return StepHandle(self, ModelRunnerOutput([], []))
         order = list(sched.num_scheduled_tokens)
         rows = np.fromiter((self.batch.row_of[r] for r in order), np.int64, len(order))
         num_new = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, len(order))
         num_computed = np.fromiter((computed[r] for r in order), np.int64, len(order))
         inp = self.batch.prepare(rows, num_computed, num_new)
-        hidden = self._forward(inp)
+        pending, fix = self._pending_fix(order, inp)
+        hidden = self._forward(inp, fix)
 
-        # Sample only requests whose known tokens are all computed after this step.
-        sampling = (num_computed + num_new) >= self.batch.num_tokens[rows]
+        # Sample only requests whose known tokens (incl. one still in flight) are all
+        # computed after this step.
+        sampling = (num_computed + num_new) >= self.batch.num_tokens[rows] + pending
         sample_idx = np.nonzero(sampling)[0]
         states = [self.requests[order[i]] for i in sample_idx]
-        out = ModelRunnerOutput(req_ids=order, sampled_token_ids=[[] for _ in order])
+        handle = StepHandle(self, ModelRunnerOutput(
+            req_ids=order, sampled_token_ids=[[] for _ in order]), states, sample_idx)
         if len(sample_idx):
             logits_idx = self.h2d("logits_idx", inp.query_start_loc[1:][sample_idx] - 1)
             logits = self.model.compute_logits(hidden[logits_idx])
             smeta = SamplingMetadata.build(states, self.device, self.vocab_size)
             sampled = self.sampler(logits, smeta)
-            tokens, lp = self._to_host(sampled)
-            self.batch.append_token(rows[sample_idx], np.asarray(tokens, dtype=np.int64))
-            for j, (i, st) in enumerate(zip(sample_idx, states)):
-                st.output_token_ids.append(tokens[j])
-                out.sampled_token_ids[i] = [tokens[j]]
-                if lp is not None and st.params.logprobs is not None:
-                    k = st.params.logprobs + 1
-                    out.logprobs[st.req_id] = (lp[0][j][:k], lp[1][j][:k], lp[2][j])
-        self._prompt_logprobs(sched, order, inp, hidden, num_computed, out)
-        return out
+            ids = sampled.sampled_token_ids
+            self._last_sampled = ids
+            self._pending = {st.req_id: j for j, st in enumerate(states)}
+            self._pending_owner = handle
+            handle.logprobs = sampled.logprobs
+            if self.device.type == "cuda":
+                buf = self._tokens_host[self.h2d.parity]
+                if buf.numel() < len(states):
+                    buf = torch.empty(max(len(states), 1024), dtype=torch.int64,
+                                      pin_memory=True)
+                    self._tokens_host[self.h2d.parity] = buf
+                handle.tokens_host = buf[:len(states)]
+                handle.tokens_host.copy_(ids, non_blocking=True)
+                handle.event = torch.cuda.Event()
+                handle.event.record()
+            else:
+                handle.tokens_host = ids
+        else:
+            self._pending, self._pending_owner = {}, None
+        self._prompt_logprobs(sched, order, inp, hidden, num_computed, handle.out)
+        return handle
 
-    @staticmethod
-    def _to_host(sampled) -> tuple[list[int], tuple[list, list, list] | None]:
-        """The step's one device->host transfer: sampled ids (+ logprobs if asked)."""
-        tokens = sampled.sampled_token_ids.tolist()
-        lp = sampled.logprobs
-        if lp is None:
-            return tokens, None
-        return tokens, (lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist())
+    def _finish(self, handle: StepHandle) -> None:
+        """The step's one device->host wait: record its sampled tokens (the requests'
+        rows may have moved since, or gone: finished or preempted)."""
+        if handle.tokens_host is None:
+            return
+        if handle.event is not None:
+            handle.event.synchronize()
+        tokens: list[int] = handle.tokens_host.tolist()
+        lp = handle.logprobs
+        lp_lists = (lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()) \
+            if lp is not None else None
+        out = handle.out
+        rows, toks = [], []
+        assert handle.sample_idx is not None
+        for j, (i, st) in enumerate(zip(handle.sample_idx, handle.states)):
+            st.output_token_ids.append(tokens[j])
+            out.sampled_token_ids[i] = [tokens[j]]
+            row = self.batch.row_of.get(st.req_id)
+            if row is not None:
+                rows.append(row)
+                toks.append(tokens[j])
+            if lp_lists is not None and st.params.logprobs is not None:
+                k = st.params.logprobs + 1
+                out.logprobs[st.req_id] = (lp_lists[0][j][:k], lp_lists[1][j][:k],
+                                           lp_lists[2][j])
+        if rows:
+            self.batch.append_token(np.asarray(rows, dtype=np.int64),
+                                    np.asarray(toks, dtype=np.int64))
+        if self._pending_owner is handle:  # no later step launched: nothing in flight
+            self._pending, self._pending_owner = {}, None
 
     def _prompt_logprobs(self, sched: SchedulerOutput, order: Sequence[str], inp: StepInputs,
                          hidden: torch.Tensor, num_computed: np.ndarray,

@@ -18,7 +18,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.models.loader import load_model
 from pagedllm.worker.block_ops import BlockOps, allocate_swap_space
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.model_runner import ModelRunner, StepHandle
 from pagedllm.worker.profile import profile_run
 
 logger = logging.getLogger("pagedllm")
@@ -135,6 +135,10 @@ class Worker:
             "max_model_len %d: %.2fx", num_blocks - 1, cc.block_size, tokens,
             num_blocks * cc.block_size * mc.kv_bytes_per_token() / 2**30,
             mc.max_model_len, tokens / mc.max_model_len)
+
+    def execute_model_async(self, sched: SchedulerOutput) -> StepHandle:
+        assert self.runner is not None, "initialize_cache first"
+        return self.runner.execute_model_async(sched)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_cache first"
