@@ -12,6 +12,7 @@ fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 step() { echo "=== $*"; local t=$SECONDS; "$@"; echo "=== rc=$? in $((SECONDS - t)) s"; }
+step python benchmarks/gpu_check.py 2>&1 | tee "$OUT/check.log"
 step python -m pagedllm bench latency --dummy llama3-8b --output-json "$OUT/w4.json" 2>&1 | tee "$OUT/w4.log"
 step python -m pagedllm bench throughput --workload W1 --dummy llama3-8b --no-hf \
   --max-num-batched-tokens 8192 --output-json "$OUT/w1.json" 2>&1 | tee "$OUT/w1.log"
