@@ -32,7 +32,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Tokens per KV cache block.")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="Bytes for the KV cache (overrides --gpu-memory-utilization; on "
-                        "CPU default 2 GiB).")
+                        "CPU default 1 GiB).")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="Fraction of GPU memory the engine may use (weights + "
                         "activations + KV cache).")
