@@ -138,6 +138,23 @@ class ServingState:
         return True
 
 
+class ServingHandler:
+    """What every endpoint handler shares: the server state and its tokenizer."""
+
+    def __init__(self, state: ServingState) -> None:
+        self.state = state
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.state.engine.tokenizer
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The OpenAI ``usage`` object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 def engine_error_response(e: BaseException) -> JSONResponse:
     """Map an exception raised while starting or running a request to an envelope."""
     if isinstance(e, RequestError):

@@ -21,13 +21,14 @@ from pagedllm.engine.async_llm import RequestStream
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, RequestError
 from pagedllm.entrypoints.openai.serving_base import (
     SSE_DONE,
-    ServingState,
+    ServingHandler,
     engine_error_response,
     logprob_value,
     merge_streams,
     sse,
     sse_error,
     token_text,
+    usage,
     with_cancellation,
 )
 from pagedllm.outputs import CompletionOutput
@@ -47,15 +48,15 @@ class _Choice:
     stop_reason: int | str | None = None
     role_sent: bool = False
 
+    def absorb(self, c: CompletionOutput) -> None:
+        """Add one streamed delta of this choice."""
+        self.text += c.text
+        self.num_tokens += len(c.token_ids)
+        if c.finish_reason is not None:
+            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
 
-class OpenAIServingChat:
-    def __init__(self, state: ServingState) -> None:
-        self.state = state
 
-    @property
-    def tokenizer(self) -> Any:
-        return self.state.engine.tokenizer
-
+class OpenAIServingChat(ServingHandler):
     def render(self, body: ChatCompletionRequest) -> list[int]:
         """The prompt token ids of ``body.messages`` (400 on template errors)."""
         st = self.state
@@ -144,18 +145,14 @@ class OpenAIServingChat:
                     ch = choices[c.index]
                     if ch.finish_reason is not None:
                         continue
-                    ch.text += c.text
-                    ch.num_tokens += len(c.token_ids)
+                    ch.absorb(c)
                     lp = self._logprobs(body, c)
                     if lp is not None:
                         logprobs[c.index].extend(lp["content"])
-                    if c.finish_reason is not None:
-                        ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
         except Exception as e:
             return engine_error_response(e)
         finally:
             self.state.finish(public_id, [stream])
-        completion = sum(ch.num_tokens for ch in choices)
         return JSONResponse({
             "id": public_id, "object": "chat.completion", "created": created,
             "model": model,
@@ -164,8 +161,7 @@ class OpenAIServingChat:
                 "logprobs": {"content": logprobs[i]} if body.logprobs else None,
                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
             } for i, ch in enumerate(choices)],
-            "usage": {"prompt_tokens": num_prompt, "completion_tokens": completion,
-                      "total_tokens": num_prompt + completion},
+            "usage": _usage(num_prompt, choices),
         })
 
     # ------------------------------------------------------------------ streaming
@@ -196,10 +192,7 @@ class OpenAIServingChat:
                     ch = choices[c.index]
                     if ch.finish_reason is not None:
                         continue
-                    ch.text += c.text
-                    ch.num_tokens += len(c.token_ids)
-                    if c.finish_reason is not None:
-                        ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+                    ch.absorb(c)
                     if not c.text and not c.token_ids and ch.finish_reason is None:
                         continue
                     yield chunk({"index": c.index,
@@ -219,6 +212,4 @@ class OpenAIServingChat:
 
 
 def _usage(prompt_tokens: int, choices: list[_Choice]) -> dict[str, int]:
-    completion = sum(ch.num_tokens for ch in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+    return usage(prompt_tokens, sum(ch.num_tokens for ch in choices))

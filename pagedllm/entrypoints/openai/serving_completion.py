@@ -19,13 +19,14 @@ from pagedllm.engine.async_llm import RequestStream
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving_base import (
     SSE_DONE,
-    ServingState,
+    ServingHandler,
     engine_error_response,
     logprob_value,
     merge_streams,
     sse,
     sse_error,
     token_text,
+    usage,
     with_cancellation,
 )
 from pagedllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
@@ -46,14 +47,7 @@ class _Choice:
     echoed: bool = False
 
 
-class OpenAIServingCompletion:
-    def __init__(self, state: ServingState) -> None:
-        self.state = state
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.state.engine.tokenizer
-
+class OpenAIServingCompletion(ServingHandler):
     async def create_completion(self, body: CompletionRequest,
                                 raw_request: Request) -> Response:
         st = self.state
@@ -228,6 +222,4 @@ class OpenAIServingCompletion:
 
 
 def _usage(prompt_tokens: int, choices: list[_Choice]) -> dict[str, int]:
-    completion = sum(ch.num_tokens for ch in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+    return usage(prompt_tokens, sum(ch.num_tokens for ch in choices))
