@@ -2,7 +2,7 @@
 
 It owns every device tensor (model, KV caches) and the per-request state the scheduler
 sends only once (prompt, sampling parameters, seeded generator).  The step reads top to
-bottom; the only device->host sync is the one named ``_to_host`` call per step.
+bottom; the only device->host sync is the wait in ``_finish`` (one per step).
 """
 
 from __future__ import annotations
@@ -68,7 +68,6 @@ class CachedRequestState:
     params: SamplingParams
     eos_token_id: int | None
     generator: torch.Generator | None = None
-    prompt_logprobs_done: int = field(default=0)  # prompt positions already reported
 
 
 @dataclass
