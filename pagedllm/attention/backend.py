@@ -7,7 +7,9 @@ A backend owns two operations over the paged KV cache (layout in ``metadata.py``
 * ``attend``: causal attention of each new query over its request's cached context,
   read only through ``block_tables`` -- including the keys just written.
 
-Both are called by ``layers.attention.Attention`` once per layer per step.
+Both are called by ``layers.attention.Attention`` once per layer per step.  A backend
+with ``fuses_rope = True`` also applies rotary embeddings itself (``forward_rope``), so
+the model hands it unrotated queries and keys and one kernel rotates and stores them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.layers.rotary import RopeInputs
 
 
 class AttentionBackend(ABC):
@@ -24,6 +27,7 @@ class AttentionBackend(ABC):
     where rows ``>= meta.num_actual_tokens`` (padding) may hold anything."""
 
     name: str = "abstract"
+    fuses_rope: bool = False
 
     @abstractmethod
     def write_kv(
@@ -45,3 +49,11 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         self.write_kv(key, value, kv_cache, meta)
         return self.attend(query, kv_cache, meta, scale)
+
+    def forward_rope(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, rope: RopeInputs,
+    ) -> torch.Tensor:
+        """``forward`` on unrotated ``query``/``key``: rotate both, then attend."""
+        return self.forward(rope.rotate(query), rope.rotate(key), value, kv_cache, meta,
+                            scale)

@@ -19,6 +19,8 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kernels.kv_write import write_kv_cache
 from pagedllm.kernels.paged_attention import paged_attention
+from pagedllm.kernels.rotary import rotary_and_write_kv
+from pagedllm.layers.rotary import RopeInputs
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -29,6 +31,7 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    fuses_rope = True  # rotary + KV write in one launch per layer
 
     def __init__(self, force_num_splits: int | None = None) -> None:
         self.force_num_splits = force_num_splits
@@ -48,3 +51,12 @@ class TritonAttentionBackend(AttentionBackend):
             num_reqs=meta.num_reqs, max_query_len=meta.max_query_len, scale=scale,
             num_splits=self.force_num_splits,
         )
+
+    def forward_rope(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, rope: RopeInputs,
+    ) -> torch.Tensor:
+        # Query rotated in place; rotated keys and the values go straight into the cache.
+        rotary_and_write_kv(rope.positions, query, key, value, query.shape[-1],
+                            rope.cos_sin_cache, kv_cache, meta.slot_mapping)
+        return self.attend(query, kv_cache, meta, scale)

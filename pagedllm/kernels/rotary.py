@@ -25,29 +25,50 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(base_ptr, stride_h, num_heads, heads, i, imask, cos, sin,
-                  HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+def _pair_offsets(i, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """Offsets of the two elements of rotation pair ``i`` within a head."""
     if IS_NEOX:
-        off1 = i
-        off2 = i + HALF
+        return i, i + HALF
     else:
-        off1 = 2 * i
-        off2 = 2 * i + 1
-    mask = (heads[:, None] < num_heads) & imask[None, :]
-    p1 = base_ptr + heads[:, None] * stride_h + off1[None, :]
-    p2 = base_ptr + heads[:, None] * stride_h + off2[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p2, mask=mask, other=0.0)
+        return 2 * i, 2 * i + 1
+
+
+@triton.jit
+def _rope(x1, x2, cos, sin):
+    """Rotate pairs ``(x1, x2)``; results in x's dtype, rounded like HF's eager code
+    (every product and the sum rounded to the activation dtype)."""
     dt = x1.dtype
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
-    # Round every product and sum to the activation dtype, like the eager HF code.
     a = (x1f * cos[None, :]).to(dt).to(tl.float32)
     b = (x2f * sin[None, :]).to(dt).to(tl.float32)
     c = (x2f * cos[None, :]).to(dt).to(tl.float32)
     d = (x1f * sin[None, :]).to(dt).to(tl.float32)
-    tl.store(p1, (a - b).to(dt), mask=mask)
-    tl.store(p2, (c + d).to(dt), mask=mask)
+    return (a - b).to(dt), (c + d).to(dt)
+
+
+@triton.jit
+def _rotate_heads(base_ptr, stride_h, num_heads, heads, i, imask, cos, sin,
+                  HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    off1, off2 = _pair_offsets(i, HALF, IS_NEOX)
+    mask = (heads[:, None] < num_heads) & imask[None, :]
+    p1 = base_ptr + heads[:, None] * stride_h + off1[None, :]
+    p2 = base_ptr + heads[:, None] * stride_h + off2[None, :]
+    y1, y2 = _rope(tl.load(p1, mask=mask, other=0.0), tl.load(p2, mask=mask, other=0.0),
+                   cos, sin)
+    tl.store(p1, y1, mask=mask)
+    tl.store(p2, y2, mask=mask)
+
+
+@triton.jit
+def _cos_sin(pos_ptr, cache_ptr, stride_c, tok, i, imask, q_ptr, HALF: tl.constexpr):
+    """This token's cos/sin rows, cast to the activation dtype (as HF casts them before
+    multiplying) and held in fp32."""
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    cos = tl.load(cache_ptr + pos * stride_c + i, mask=imask, other=0.0)
+    sin = tl.load(cache_ptr + pos * stride_c + HALF + i, mask=imask, other=0.0)
+    return (cos.to(q_ptr.dtype.element_ty).to(tl.float32),
+            sin.to(q_ptr.dtype.element_ty).to(tl.float32))
 
 
 @triton.jit
@@ -58,20 +79,55 @@ def _rotary_kernel(
     IS_NEOX: tl.constexpr, HAS_KEY: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
     i = tl.arange(0, HALF_P2)
     imask = i < HALF
-    cos = tl.load(cache_ptr + pos * stride_c + i, mask=imask, other=0.0)
-    sin = tl.load(cache_ptr + pos * stride_c + HALF + i, mask=imask, other=0.0)
-    # HF casts cos/sin to the activation dtype before multiplying.
-    cos = cos.to(q_ptr.dtype.element_ty).to(tl.float32)
-    sin = sin.to(q_ptr.dtype.element_ty).to(tl.float32)
+    cos, sin = _cos_sin(pos_ptr, cache_ptr, stride_c, tok, i, imask, q_ptr, HALF)
     heads = tl.arange(0, HEADS_P2)
     _rotate_heads(q_ptr + tok * stride_qt, stride_qh, num_q_heads, heads, i, imask, cos, sin,
                   HALF, IS_NEOX)
     if HAS_KEY:
         _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_k_heads, heads, i, imask, cos,
                       sin, HALF, IS_NEOX)
+
+
+@triton.jit
+def _rotary_kv_write_kernel(
+    pos_ptr, q_ptr, k_ptr, v_ptr, cache_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
+    stride_cb, stride_cs, stride_ch, num_q_heads,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HALF: tl.constexpr, HALF_P2: tl.constexpr, QH_P2: tl.constexpr, KH_P2: tl.constexpr,
+    DIM_P2: tl.constexpr, IS_NEOX: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, HALF_P2)
+    imask = i < HALF
+    cos, sin = _cos_sin(pos_ptr, cache_ptr, stride_c, tok, i, imask, q_ptr, HALF)
+    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, num_q_heads, tl.arange(0, QH_P2), i,
+                  imask, cos, sin, HALF, IS_NEOX)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return  # CUDA-graph padding: nothing to store
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    kh = tl.arange(0, KH_P2)
+    head_ok = kh[:, None] < NUM_KV_HEADS
+    # Rotated key pairs go straight to the cache (the key buffer itself is not updated).
+    off1, off2 = _pair_offsets(i, HALF, IS_NEOX)
+    pair_ok = head_ok & imask[None, :]
+    src = k_ptr + tok * stride_kt + kh[:, None] * stride_kh
+    y1, y2 = _rope(tl.load(src + off1[None, :], mask=pair_ok, other=0.0),
+                   tl.load(src + off2[None, :], mask=pair_ok, other=0.0), cos, sin)
+    kdst = k_cache_ptr + dst + kh[:, None] * stride_ch
+    tl.store(kdst + off1[None, :], y1.to(k_cache_ptr.dtype.element_ty), mask=pair_ok)
+    tl.store(kdst + off2[None, :], y2.to(k_cache_ptr.dtype.element_ty), mask=pair_ok)
+    dims = tl.arange(0, DIM_P2)
+    if 2 * HALF < HEAD_DIM:  # partial rotary: the tail of each key head is copied as is
+        tail_ok = head_ok & (dims[None, :] >= 2 * HALF) & (dims[None, :] < HEAD_DIM)
+        tail = tl.load(src + dims[None, :], mask=tail_ok, other=0.0)
+        tl.store(kdst + dims[None, :], tail, mask=tail_ok)
+    v_ok = head_ok & (dims[None, :] < HEAD_DIM)
+    v = tl.load(v_ptr + tok * stride_vt + kh[:, None] * stride_vh + dims[None, :], mask=v_ok)
+    tl.store(v_cache_ptr + dst + kh[:, None] * stride_ch + dims[None, :], v, mask=v_ok)
 
 
 def _as_heads(x: torch.Tensor, head_size: int) -> torch.Tensor:
@@ -107,4 +163,45 @@ def apply_rotary(
         HALF=half, HALF_P2=triton.next_power_of_2(half),
         HEADS_P2=triton.next_power_of_2(heads), IS_NEOX=is_neox, HAS_KEY=key is not None,
         num_warps=4 if heads * half >= 1024 else 1,
+    )
+
+
+def rotary_and_write_kv(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    head_size: int, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, is_neox: bool = True,
+) -> None:
+    """One launch per layer: rotate ``query`` in place, and store the rotated ``key`` and
+    the ``value`` into ``kv_cache`` at ``slot_mapping`` (-1 = skip, CUDA-graph padding).
+
+    Equivalent to ``apply_rotary(positions, query, key, ...)`` followed by
+    ``pagedllm.kernels.kv_write.write_kv_cache(key, value, kv_cache, slot_mapping)``,
+    except that ``key`` itself is left unrotated (attention reads keys from the cache).
+    Shapes as in those two functions; ``kv_cache`` is one layer's
+    ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+    """
+    q = _as_heads(query, head_size)
+    k = _as_heads(key, head_size)
+    v = _as_heads(value, head_size)
+    num_tokens, num_kv_heads = k.shape[0], k.shape[1]
+    rot_dim = cos_sin_cache.shape[-1]
+    assert rot_dim % 2 == 0 and rot_dim <= head_size, (rot_dim, head_size)
+    assert cos_sin_cache.stride(-1) == 1 and v.shape == k.shape, (v.shape, k.shape)
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.stride(4) == 1
+    assert kv_cache.shape[3] == num_kv_heads and kv_cache.shape[4] == head_size, (
+        kv_cache.shape, k.shape)
+    if num_tokens == 0:
+        return
+    half = rot_dim // 2
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _rotary_kv_write_kernel[(num_tokens,)](
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q.shape[1],
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_size, BLOCK_SIZE=kv_cache.shape[2],
+        HALF=half, HALF_P2=triton.next_power_of_2(half),
+        QH_P2=triton.next_power_of_2(q.shape[1]), KH_P2=triton.next_power_of_2(num_kv_heads),
+        DIM_P2=triton.next_power_of_2(head_size), IS_NEOX=is_neox,
+        num_warps=4 if q.shape[1] * half >= 1024 else 1,
     )

@@ -7,6 +7,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.layers.rotary import RopeInputs
 
 
 class Attention(nn.Module):
@@ -32,16 +33,20 @@ class Attention(nn.Module):
         self.kv_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, rope: RopeInputs | None = None) -> torch.Tensor:
         """q: ``[T, num_heads * head_dim]``, k/v: ``[T, num_kv_heads * head_dim]`` (views
-        of the fused QKV output are fine) -> ``[T, num_heads * head_dim]``."""
+        of the fused QKV output are fine) -> ``[T, num_heads * head_dim]``.  With
+        ``rope`` given, q and k are unrotated and the backend rotates them (q may be
+        rotated in place)."""
         if self.kv_cache.numel() == 0:
             raise RuntimeError("Attention.kv_cache is not bound; call "
                                "model.bind_kv_caches(kv_caches) before forward")
         t = q.shape[0]
-        out = self.backend.forward(
-            q.view(t, self.num_heads, self.head_dim),
-            k.view(t, self.num_kv_heads, self.head_dim),
-            v.view(t, self.num_kv_heads, self.head_dim),
-            self.kv_cache, meta, self.scale)
+        q3 = q.view(t, self.num_heads, self.head_dim)
+        k3 = k.view(t, self.num_kv_heads, self.head_dim)
+        v3 = v.view(t, self.num_kv_heads, self.head_dim)
+        if rope is not None:
+            out = self.backend.forward_rope(q3, k3, v3, self.kv_cache, meta, self.scale, rope)
+        else:
+            out = self.backend.forward(q3, k3, v3, self.kv_cache, meta, self.scale)
         return out.reshape(t, self.num_heads * self.head_dim)

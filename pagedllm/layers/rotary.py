@@ -13,6 +13,7 @@ and gathered by ``positions`` each step; supported scalings: ``default``, ``line
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,11 +69,35 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+@dataclass
+class RopeInputs:
+    """One step's rotary inputs, shared by every layer.
+
+    Two ways to use it: ``rotate(x)`` (torch; the cos/sin gather and dtype cast happen
+    once per step, on first use), or hand ``positions`` and ``cos_sin_cache`` to a kernel
+    that rotates while it writes the KV cache (``AttentionBackend.fuses_rope``).
+    """
+
+    positions: torch.Tensor  # [T] int
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim] float32: cat(cos, sin)
+    dtype: torch.dtype  # the activations' dtype
+    _cos: torch.Tensor | None = None
+    _sin: torch.Tensor | None = None
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: [T, H, D]`` (any strides) rotated, as a new tensor."""
+        if self._cos is None or self._sin is None:
+            cos_sin = self.cos_sin_cache.index_select(0, self.positions).to(self.dtype)
+            self._cos, self._sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
+        return apply_rotary(x, self._cos, self._sin)
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin for every position; shared by all layers of a model.
 
-    Per step the model calls ``cos_sin(positions)`` once and every layer then applies
-    ``apply_rotary`` -- the gather and dtype cast are not repeated per layer.
+    Per step the model calls ``inputs(positions)`` once and every layer then rotates
+    through the returned ``RopeInputs`` -- the gather and dtype cast are not repeated
+    per layer.
     """
 
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
@@ -90,18 +115,15 @@ class RotaryEmbedding(nn.Module):
         target = torch.empty(0).device  # the ambient default device (model build context)
         self.register_buffer("cos_sin_cache", cache.to(target), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)``, each ``[T, 1, D/2]`` in ``dtype`` (HF casts to the activation
-        dtype before multiplying, and so do we)."""
-        cos_sin = self.cos_sin_cache.index_select(0, positions).to(dtype)
-        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
+    def inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
+        """This step's rotary inputs for activations of ``dtype`` (HF casts cos/sin to
+        the activation dtype before multiplying, and so do we)."""
+        return RopeInputs(positions, self.cos_sin_cache, dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Convenience: ``q [T, Hq*D]``, ``k [T, Hk*D]`` -> rotated ``(q, k)``, same shapes."""
-        cos, sin = self.cos_sin(positions, q.dtype)
+        rope = self.inputs(positions, q.dtype)
         t = q.shape[0]
-        return (apply_rotary(q.view(t, -1, self.head_dim), cos, sin).view(t, -1),
-                apply_rotary(k.view(t, -1, self.head_dim), cos, sin).view(t, -1))
+        return (rope.rotate(q.view(t, -1, self.head_dim)).view(t, -1),
+                rope.rotate(k.view(t, -1, self.head_dim)).view(t, -1))

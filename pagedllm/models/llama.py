@@ -27,7 +27,7 @@ from pagedllm.layers.linear import (
     default_weight_loader,
 )
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from pagedllm.layers.rotary import RopeInputs, RotaryEmbedding, rope_parameters
 
 
 def head_dim_of(config: Any) -> int:
@@ -70,22 +70,27 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
                               self.num_kv_heads, backend)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+    def forward(self, rope: RopeInputs, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """``rope``: this step's ``(cos, sin)`` from ``RotaryEmbedding.cos_sin``."""
+        """``rope``: this step's inputs from ``RotaryEmbedding.inputs``."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q_end = self.q_size
         k_end = q_end + self.kv_size
         v = qkv[:, k_end:]
         if self.qk_norm:
-            q = apply_rotary(self.q_norm(qkv[:, :q_end].view(t, -1, self.head_dim)), *rope)
-            k = apply_rotary(self.k_norm(qkv[:, q_end:k_end].view(t, -1, self.head_dim)),
-                             *rope)
+            q = self.q_norm(qkv[:, :q_end].view(t, -1, self.head_dim))
+            k = self.k_norm(qkv[:, q_end:k_end].view(t, -1, self.head_dim))
+        else:
+            q, k = qkv[:, :q_end], qkv[:, q_end:k_end]
+        if self.attn.backend.fuses_rope:  # one kernel rotates and writes the KV cache
+            return self.o_proj(self.attn(q, k, v, meta, rope))
+        if self.qk_norm:
+            q, k = rope.rotate(q), rope.rotate(k)
         else:
             # q and k are adjacent in the fused output: rotate both heads-blocks in one
             # pass over a [T, Hq + Hk, D] view, then take views of the result.
-            qk = apply_rotary(qkv[:, :k_end].view(t, -1, self.head_dim), *rope)
+            qk = rope.rotate(qkv[:, :k_end].view(t, -1, self.head_dim))
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         return self.o_proj(self.attn(q, k, v, meta))
 
@@ -99,7 +104,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+    def forward(self, rope: RopeInputs, hidden: torch.Tensor,
                 residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's residual convention: the residual stream is carried separately and
@@ -130,7 +135,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        rope = self.rotary_emb.inputs(positions, hidden.dtype)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual, meta)

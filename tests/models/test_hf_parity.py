@@ -104,10 +104,22 @@ def test_chunks_then_decodes(pair, block_size: int) -> None:
     torch.testing.assert_close(torch.cat(parts), _hf_logits(pair[1], ids), atol=ATOL, rtol=0)
 
 
-def test_mixed_batch(pair) -> None:
-    """Prefills, chunks-with-context and decodes of different requests in the same steps."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mixed_batch(pair, backend: str) -> None:
+    """Prefills, chunks-with-context and decodes of different requests in the same steps.
+    ``triton``: the GPU backend (interpreted on CPU), whose rotary is fused into its KV
+    write -- the model hands it unrotated q/k."""
     prompts = {r: _prompt(n, seed=10 + r) for r, n in enumerate([33, 20, 9, 50])}
-    s = _session(pair, seed=3)
+    if backend == "triton":
+        from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+        _, hf, cfg = pair
+        ours = load_model(cfg.model_config, torch.device("cpu"), TritonAttentionBackend())
+        mc = cfg.model_config
+        s = PagedSession(ours, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks=48,
+                         seed=3)
+    else:
+        s = _session(pair, seed=3)
     got: dict[int, list[torch.Tensor]] = {r: [] for r in prompts}
     schedule = [
         {0: (0, 33), 1: (0, 7), 2: (0, 1)},
