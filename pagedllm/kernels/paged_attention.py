@@ -254,7 +254,7 @@ def plan_attention(
 
     * Decode-only batches (``max_query_len == 1``) use BLOCK_M = max(16, GQA) so a
       program's rows are the GQA heads of one token.  When ``num_reqs * num_kv_heads``
-      programs cannot fill the GPU (< 2 waves of ``sm_count``), the KV range is split so
+      programs cannot fill the GPU (< 1 wave of ``sm_count``), the KV range is split so
       that about ``2 * sm_count`` programs run, up to ``MAX_SPLITS``.  The choice
       depends on ``num_reqs`` but *not* on sequence lengths unless ``max_seq_len`` is
       given, so a CUDA graph captured for a batch size stays valid at any context
@@ -268,8 +268,11 @@ def plan_attention(
     """
     gqa = num_heads // num_kv_heads
     if max_query_len <= 1:
+        # TILE_N 64: on an H200 at Llama-3-8B shapes (kernel_bench sweep, 2026-11-29) it
+        # reaches the KV-read bandwidth bound at batch 256 x 1k context (260 us) where 32
+        # did not; 64 was also best at batch 1 x 8k.
         block_m = max(16, triton.next_power_of_2(gqa))
-        tile_n = max(32, block_size) if block_size <= 64 else block_size
+        tile_n = max(64, block_size) if block_size <= 64 else block_size
         num_warps = 4
     else:
         block_m = max(64, triton.next_power_of_2(gqa))
@@ -279,7 +282,9 @@ def plan_attention(
     if num_splits is None:
         num_splits = 1
         programs = num_reqs * num_kv_heads
-        if max_query_len <= 1 and programs < 2 * sm_count:
+        # Split only when the grid is under one wave: at batch 32 x 2k (256 programs of
+        # 8 KV heads) one pass beat two splits in the same sweep.
+        if max_query_len <= 1 and programs < sm_count:
             num_splits = min(MAX_SPLITS, triton.next_power_of_2(
                 math.ceil(2 * sm_count / max(programs, 1))))
             if max_seq_len is not None:
