@@ -45,13 +45,17 @@ class Request:
     """Mutable per-request state owned by the scheduler.
 
     ``all_token_ids`` grows by append only (O(1) per token); nothing here is recomputed
-    from the full sequence per step.
+    from the full sequence per step.  ``num_tokens`` and ``num_output_tokens`` are plain
+    attributes, not ``len()`` properties, because the scheduler reads them several times
+    per request per step: only ``append_output_token_ids`` (and ``fork``) may change the
+    token lists, and they keep the counts in step.
     """
 
     __slots__ = (
         "num_placeholders",
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority",
         "arrival_time", "output_token_ids", "all_token_ids", "num_computed_tokens",
+        "num_tokens", "num_output_tokens",
         "status", "stop_reason", "num_preemptions", "max_tokens", "num_cached_tokens",
         "first_scheduled_time", "_first_scheduled_reported",
         # Memory sharing (issue 5): see the docstring of ``__init__``.
@@ -79,6 +83,8 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_tokens = len(self.all_token_ids)  # prompt + generated so far
+        self.num_output_tokens = 0
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -110,6 +116,7 @@ class Request:
                         self.arrival_time, self.priority)
         child.output_token_ids = list(self.output_token_ids)
         child.all_token_ids = list(self.all_token_ids)
+        child.num_tokens, child.num_output_tokens = self.num_tokens, self.num_output_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.first_scheduled_time = self.first_scheduled_time
         child._first_scheduled_reported = self._first_scheduled_reported
@@ -117,16 +124,8 @@ class Request:
         return child
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -135,6 +134,16 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+        n = len(token_ids)
+        self.num_tokens += n
+        self.num_output_tokens += n
+
+    def append_output_token_id(self, token_id: int) -> None:
+        """One token (the common case: no list to build and extend by)."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self.num_tokens += 1
+        self.num_output_tokens += 1
 
     def __lt__(self, other: Request) -> bool:
         """Priority order: lower ``priority`` first, then earlier arrival (vLLM's rule)."""

@@ -130,17 +130,36 @@ class KVCacheManager:
         If the first block written is shared, it is copied on write first (see
         ``take_cow``).
         """
-        computed = new_computed_blocks or []
+        rid = request.request_id
+        bs = self.block_size
+        blocks = self.req_to_blocks.get(rid)
+        if blocks and not new_computed_blocks and num_new_tokens > 0:
+            # Fast path, the steady decode step: the request's last block still has room
+            # (a block fills only every ``block_size`` tokens), the block written first is
+            # its own, and no block fills up this step -- nothing to allocate, copy or
+            # cache.  (``num_computed < total <= len(blocks) * bs``, so the block written
+            # first exists.)
+            num_computed = request.num_computed_tokens
+            total = num_computed + num_new_tokens
+            if (total <= len(blocks) * bs and blocks[num_computed // bs].ref_cnt == 1
+                    and (not self.enable_caching or self.num_cached_blocks.get(rid, 0)
+                         >= min(total, request.num_tokens) // bs)):
+                return []
+        return self._allocate_slots(request, num_new_tokens, new_computed_blocks or [])
+
+    def _allocate_slots(self, request: Request, num_new_tokens: int,
+                        computed: list[KVCacheBlock]) -> list[KVCacheBlock] | None:
+        """``allocate_slots`` in full: new blocks, prefix hits, copy-on-write, caching."""
         rid = request.request_id
         blocks = self.req_to_blocks.setdefault(rid, [])
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
         total = num_computed + num_new_tokens
-        num_new_blocks = self.blocks_needed(total) - len(blocks) - len(computed)
+        num_new_blocks = max(0, self.blocks_needed(total) - len(blocks) - len(computed))
         first = num_computed // self.block_size
         cow = num_new_tokens > 0 and first < len(blocks) and blocks[first].ref_cnt > 1
         # Reviving a free cached hit takes it off the free list too.
         revived = sum(1 for b in computed if b.ref_cnt == 0)
-        if max(0, num_new_blocks) + cow > self.pool.num_free_blocks - revived:
+        if num_new_blocks + cow > self.pool.num_free_blocks - revived:
             if not blocks:
                 del self.req_to_blocks[rid]
             return None
@@ -151,19 +170,20 @@ class KVCacheManager:
             blocks[first] = copy
             self.pool.free_blocks([shared])  # drops our reference only (ref_cnt > 1)
             self._cow.setdefault(rid, []).append((first, shared.block_id, copy.block_id))
-        self.pool.touch(computed)
-        new = self.pool.get_new_blocks(max(0, num_new_blocks))
-        blocks.extend(computed)
+        if computed:
+            self.pool.touch(computed)
+            blocks.extend(computed)
+        new = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         blocks.extend(new)
         if self.enable_caching:
             # Register the blocks this step fills completely with known tokens.
             self._cache_full_blocks(request, min(total, request.num_tokens))
-        return computed + new
+        return computed + new if computed else new
 
     def take_cow(self, request_id: str) -> list[tuple[int, int, int]]:
         """The copy-on-write replacements made for a request since the last call:
         ``(table index, src block id, dst block id)``."""
-        return self._cow.pop(request_id, [])
+        return self._cow.pop(request_id, []) if self._cow else []
 
     # -- sharing -------------------------------------------------------------------
     def fork(self, parent: Request, child: Request) -> None:

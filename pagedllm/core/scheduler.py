@@ -66,10 +66,14 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, num_cpu_blocks: int = 0) -> None:
         self.config = scheduler_config
+        self._max_model_len = scheduler_config.max_model_len  # read per request per step
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
+        # The live requests whose sampling parameters may make ``requires_sync`` true,
+        # so that it need not look at every request every step (usually none).
+        self._may_need_sync: dict[str, Request] = {}
         self.waiting = make_queue(scheduler_config.policy)
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -121,7 +125,7 @@ class Scheduler:
                              f"({self.config.max_num_seqs})")
         if sp.use_beam_search:
             self._start_beam_group(request, width)
-        self.requests[rid] = request
+        self._track(request)
         self.waiting.add(request)
 
     def _start_beam_group(self, root: Request, width: int) -> None:
@@ -165,9 +169,18 @@ class Scheduler:
         req.status = status
         self._free(req)
 
+    def _track(self, req: Request) -> None:
+        """Register a live request (see ``requires_sync`` for ``_may_need_sync``)."""
+        self.requests[req.request_id] = req
+        sp = req.sampling_params
+        if (req.fork_ids or sp.prompt_logprobs is not None or sp.presence_penalty
+                or sp.frequency_penalty or sp.repetition_penalty != 1.0 or sp.min_tokens):
+            self._may_need_sync[req.request_id] = req
+
     def _free(self, req: Request) -> None:
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
+        self._may_need_sync.pop(req.request_id, None)
         self._finished_ids.add(req.request_id)
 
     def _free_cpu(self, req: Request) -> None:
@@ -240,7 +253,7 @@ class Scheduler:
         (the runner copies its row at the next step); any other parent holds no KV, so
         the child simply waits to be computed from scratch."""
         child = parent.fork(child_id, params)
-        self.requests[child_id] = child
+        self._track(child)
         if parent.status == RequestStatus.RUNNING:
             self.kv.fork(parent, child)
             child.num_computed_tokens = parent.num_computed_tokens
@@ -263,14 +276,14 @@ class Scheduler:
         parent.fork_ids = []
 
     def _num_to_compute(self, req: Request) -> int:
+        p = req.num_placeholders
+        if p and (req.num_output_tokens + p >= req.max_tokens
+                  or req.num_tokens + p >= self._max_model_len):
+            return 0  # the in-flight token is its last: nothing more to schedule
+        n = req.num_tokens + p - req.num_computed_tokens
         # A parent of n > 1 samples stops one token short: each sample computes the last
         # prompt token itself, so each samples from its own row with its own seed.
-        if req.num_placeholders and (
-                req.num_output_tokens + req.num_placeholders >= req.max_tokens
-                or req.num_tokens + req.num_placeholders >= self.config.max_model_len):
-            return 0  # the in-flight token is its last: nothing more to schedule
-        return (req.num_tokens + req.num_placeholders - req.num_computed_tokens
-                - (1 if req.fork_ids else 0))
+        return n - 1 if req.fork_ids else n
 
     # -- scheduling ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -287,15 +300,19 @@ class Scheduler:
         preempted_ids: set[str] = set()
 
         # 1. Running requests, oldest first.
+        kv = self.kv
+        running = RequestStatus.RUNNING
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:
+            if req.status != running:
                 continue  # preempted as a victim earlier in this loop
-            n = min(self._num_to_compute(req), budget)
+            n = self._num_to_compute(req)
+            if n > budget:
+                n = budget
             if n <= 0:
                 continue  # a beam waiting for the rest of its group
-            blocks = self.kv.allocate_slots(req, n)
+            blocks = kv.allocate_slots(req, n)
             while blocks is None:
                 victim = self._pick_victim()
                 self._preempt(victim)
@@ -306,16 +323,18 @@ class Scheduler:
                 cow_copies.pop(victim.request_id, None)
                 if victim is req:
                     break
-                blocks = self.kv.allocate_slots(req, n)
+                blocks = kv.allocate_slots(req, n)
             if blocks is None:
                 continue
-            num_scheduled[req.request_id] = n
-            cow = self.kv.take_cow(req.request_id)
+            rid = req.request_id
+            num_scheduled[rid] = n
+            cow = kv.take_cow(rid)
             if cow:
-                cow_copies[req.request_id] = [(src, dst) for _, src, dst in cow]
+                cow_copies[rid] = [(src, dst) for _, src, dst in cow]
             cached.append(CachedRequestData(
-                req.request_id, [b.block_id for b in blocks], req.num_computed_tokens,
-                [(i, dst) for i, _, dst in cow], req.token_override))
+                rid, [b.block_id for b in blocks] if blocks else [],
+                req.num_computed_tokens, [(i, dst) for i, _, dst in cow] if cow else [],
+                req.token_override))
             req.token_override = None
             touched.append(req)
             budget -= n
@@ -370,8 +389,9 @@ class Scheduler:
         # 5. Advance: these tokens will be computed by the time anyone looks again; a
         # request whose known tokens are then all computed will sample one more (its
         # placeholder, until ``update_from_output`` reports the real token).
+        requests = self.requests
         for rid, n in num_scheduled.items():
-            r = self.requests[rid]
+            r = requests[rid]
             r.num_computed_tokens += n
             if r.num_computed_tokens >= r.num_tokens + r.num_placeholders:
                 r.num_placeholders += 1
@@ -387,7 +407,8 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished, preempted_req_ids=preempted_ids, forks=forks,
             swap_out=self._swap_out, swap_in=swap_in,
-            block_copies=[p for c in cached for p in cow_copies.get(c.req_id, ())])
+            block_copies=[p for c in cached for p in cow_copies.get(c.req_id, ())]
+            if cow_copies else [])
 
     def _admit(self, req: Request, n: int, num_scheduled: dict[str, int],
                new: list[NewRequestData], touched: list[Request], now: float) -> None:
@@ -407,17 +428,18 @@ class Scheduler:
 
     # -- results -------------------------------------------------------------------
     def _check_stop(self, req: Request, token: int) -> bool:
+        """Stop rules for ``token``, just appended to ``req``; sets the finished status."""
         sp = req.sampling_params
         if req.num_output_tokens >= sp.min_tokens:
-            if not sp.ignore_eos and token == req.eos_token_id:
+            if token == req.eos_token_id and not sp.ignore_eos:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if token in (sp.stop_token_ids or ()):
+            if sp.stop_token_ids and token in sp.stop_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = token
                 return True
         if (req.num_output_tokens >= req.max_tokens
-                or req.num_tokens >= self.config.max_model_len):
+                or req.num_tokens >= self._max_model_len):
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
@@ -427,13 +449,20 @@ class Scheduler:
         """Append sampled tokens, apply stop rules, free finished requests' blocks."""
         outputs: list[EngineCoreOutput] = []
         beam_ready: dict[str, BeamGroup] = {}
+        requests = self.requests
+        running = RequestStatus.RUNNING
+        # Most steps carry no logprobs at all: skip the per-request lookups then.
+        all_lp = out.logprobs or None
+        all_prompt_lp = out.prompt_logprobs or None
         for rid, tokens in zip(out.req_ids, out.sampled_token_ids):
-            req = self.requests.get(rid)
+            req = requests.get(rid)
             if req is None:
                 continue  # finished or aborted while the step ran
-            was_running = req.status == RequestStatus.RUNNING
+            was_running = req.status == running
             if was_running:
-                req.num_placeholders = max(0, req.num_placeholders - len(tokens))
+                if req.num_placeholders:
+                    p = req.num_placeholders - len(tokens)
+                    req.num_placeholders = p if p > 0 else 0
             elif not (req.status == RequestStatus.PREEMPTED and tokens):
                 continue
             # (A request preempted while its step was in flight still takes that token:
@@ -445,24 +474,30 @@ class Scheduler:
                 if tokens and lp is not None and group.record(rid, lp[0][1:], lp[1][1:]):
                     beam_ready[group.group_id] = group
                 continue
-            prompt_lp = out.prompt_logprobs.get(rid)
+            prompt_lp = all_prompt_lp.get(rid) if all_prompt_lp else None
             if not tokens and prompt_lp is None:
                 continue  # a prompt chunk: nothing to report yet
-            new_tokens: list[int] = []
-            stopped = False
-            for t in tokens:  # one token per step today (more with speculative decoding)
-                req.append_output_token_ids([t])
-                new_tokens.append(t)
-                if self._check_stop(req, t):
-                    stopped = True
-                    break
-            lp = out.logprobs.get(rid)
+            if len(tokens) == 1:  # one token per step today
+                t = tokens[0]
+                req.append_output_token_id(t)
+                new_tokens = [t]
+                stopped = self._check_stop(req, t)
+            else:  # several (speculative decoding), or none (a prompt-logprobs chunk)
+                new_tokens = []
+                stopped = False
+                for t in tokens:
+                    req.append_output_token_id(t)
+                    new_tokens.append(t)
+                    if self._check_stop(req, t):
+                        stopped = True
+                        break
+            lp = all_lp.get(rid) if all_lp else None
             eo = EngineCoreOutput(
                 request_id=rid, new_token_ids=new_tokens,
                 new_logprobs=LogprobsLists([lp[0]], [lp[1]], [lp[2]]) if lp else None,
                 new_prompt_logprobs=(LogprobsLists(prompt_lp.token_ids, prompt_lp.logprobs,
                                                    prompt_lp.ranks) if prompt_lp else None),
-                num_cached_tokens=max(req.num_cached_tokens, 0))
+                num_cached_tokens=req.num_cached_tokens if req.num_cached_tokens > 0 else 0)
             if not req._first_scheduled_reported:
                 eo.first_scheduled_time = req.first_scheduled_time
                 req._first_scheduled_reported = True
@@ -529,7 +564,7 @@ class Scheduler:
         synchronous.  Async scheduling pauses then."""
         if self.beam_groups or self.config.preemption_mode == "swap":
             return True
-        for r in self.requests.values():
+        for r in self._may_need_sync.values():
             sp = r.sampling_params
             if (r.fork_ids or sp.prompt_logprobs is not None or sp.presence_penalty
                     or sp.frequency_penalty or sp.repetition_penalty != 1.0
