@@ -153,7 +153,7 @@ def w1_mode(sync: bool, repeats: int, profile: bool) -> None:
         prof.enable()
         _run_w1(sync)
         prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(45)
         return
     runs = [_run_w1(sync) for _ in range(repeats)]
     steps = runs[0][0]

@@ -78,6 +78,11 @@ class InputProcessor:
             raise ValueError("prompt_token_ids must be a list of integers")
         if len(ids) == 0:
             raise ValueError("prompt must not be empty")
+        # Fast path: plain ints (``type is int`` also rules out bools) in range are
+        # checked by C-level builtins; anything else takes the loop below, which names
+        # the offending id.
+        if all(type(t) is int for t in ids) and 0 <= min(ids) and max(ids) < self.vocab_size:
+            return list(ids)
         out = []
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int):

@@ -139,14 +139,25 @@ class OutputProcessor:
         return out
 
     def process_outputs(self, core_outputs: EngineCoreOutputs) -> ProcessedOutputs:
+        """Fold one engine step's outputs into the requests' states.
+
+        Returns the ``RequestOutput``s due now (those of requests without a sink; the
+        others are put into their sinks) and the core ids to abort (stop strings).  The
+        common case -- one new token of a non-streaming request with no text, logprobs
+        or stop strings to look at -- touches only the token list and the metrics.
+        """
         now = time.time()
         results: list[RequestOutput] = []
         to_abort: list[str] = []
+        child_to_parent = self.child_to_parent
+        requests = self.requests
+        final_only = RequestOutputKind.FINAL_ONLY
         for eo in core_outputs.outputs:
-            parent = self.child_to_parent.get(eo.request_id)
+            rid = eo.request_id
+            parent = child_to_parent.get(rid)
             if parent is None:
                 continue  # aborted by the caller meanwhile
-            state = self.requests[parent[0]]
+            state = requests[parent[0]]
             seq = state.seqs[parent[1]]
             m = state.metrics
             if eo.first_scheduled_time is not None and m.first_scheduled_time is None:
@@ -155,12 +166,13 @@ class OutputProcessor:
             state.num_cached_tokens = eo.num_cached_tokens
             if eo.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(self._logprob_dicts(eo.new_prompt_logprobs))
-            if eo.new_token_ids:
+            new_ids = eo.new_token_ids
+            if new_ids:
                 if m.first_token_time is None:
                     m.first_token_time = now
                 m.last_token_time = now
-                m.num_generation_tokens += len(eo.new_token_ids)
-                seq.token_ids.extend(eo.new_token_ids)
+                m.num_generation_tokens += len(new_ids)
+                seq.token_ids.extend(new_ids)
             if eo.cumulative_logprob is not None:  # beam search: the whole score
                 seq.cumulative_logprob = eo.cumulative_logprob
             if eo.new_logprobs is not None and seq.logprobs is not None:
@@ -169,25 +181,29 @@ class OutputProcessor:
                     row[0] for row in eo.new_logprobs.logprobs)
             # An EOS / stop-token finish: that token's text is not part of the output.
             stop_str = seq.detok.update(
-                eo.new_token_ids, stop_terminated=eo.finish_reason == FinishReason.STOP,
-            ) if (seq.detok is not None and eo.new_token_ids) else None
+                new_ids, stop_terminated=eo.finish_reason == FinishReason.STOP,
+            ) if (seq.detok is not None and new_ids) else None
             if stop_str is not None:
                 seq.finish_reason, seq.stop_reason = str(FinishReason.STOP), stop_str
                 if eo.finish_reason is None:
-                    to_abort.append(eo.request_id)
+                    to_abort.append(rid)
             elif eo.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = str(eo.finish_reason), eo.stop_reason
+            # The request can only have finished now if this sequence just did (a
+            # finished sequence gets no more outputs: its id is forgotten here).
+            finished = False
             if seq.finish_reason is not None:
-                self.child_to_parent.pop(eo.request_id, None)
-            out = self._make_output(state, seq)
-            if out is not None:
+                child_to_parent.pop(rid, None)
+                finished = state.finished
+            if finished or state.kind is not final_only:
+                out = self._make_output(state, seq, finished)
                 if state.sink is not None:
                     state.sink.put(out)
                 else:
                     results.append(out)
-            if state.finished:
+            if finished:
                 m.finished_time = now
-                self.requests.pop(state.request_id, None)
+                requests.pop(state.request_id, None)
         return ProcessedOutputs(results, to_abort)
 
     def fail_all(self, error: BaseException) -> None:
@@ -213,11 +229,10 @@ class OutputProcessor:
         return CompletionOutput(seq.index, text, token_ids, seq.cumulative_logprob, logprobs,
                                 seq.finish_reason, seq.stop_reason)
 
-    def _make_output(self, state: _RequestState, seq: _Seq) -> RequestOutput | None:
-        finished = state.finished
+    def _make_output(self, state: _RequestState, seq: _Seq, finished: bool) -> RequestOutput:
+        """The output to report after ``seq`` changed (``finished``: the request did).
+        Only called for a FINAL_ONLY request once it has finished."""
         if state.kind is RequestOutputKind.FINAL_ONLY:
-            if not finished:
-                return None
             outputs = [self._completion(s, state.kind) for s in state.seqs]
         else:
             # Streaming: report the sequence that changed.
