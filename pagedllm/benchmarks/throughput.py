@@ -102,8 +102,9 @@ def main(args: argparse.Namespace) -> int:
                   (int(x) for x in args.batch_sizes.split(","))]
     else:
         groups = [(args.workload, all_reqs)]
-    # Warm-up: 8 other requests (allocator, kernels, graphs).
-    _run_pagedllm(llm, [BenchRequest(r.prompt_token_ids[:64], 8) for r in all_reqs[-8:]])
+    # Warm-up: 8 of the workload's prompts at full length, 8 tokens each (allocator,
+    # kernels and cuBLAS for prefill-sized steps; decode graphs are captured at start).
+    _run_pagedllm(llm, [BenchRequest(r.prompt_token_ids, 8) for r in all_reqs[-8:]])
 
     hf_model = None
     if args.hf:

@@ -104,7 +104,9 @@ def _attn_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# Ints that change from step to step are not specialised on (Triton would otherwise
+# compile new variants when one becomes 1 or a multiple of 16 -- mid-run, ~1 s each).
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_bt"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr,
@@ -189,7 +191,7 @@ def _paged_attn_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _reduce_splits_kernel(
     acc_ptr, m_ptr, l_ptr, out_ptr, qsl_ptr, num_reqs, num_heads, num_splits,
     stride_ot, stride_oh,

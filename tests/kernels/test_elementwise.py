@@ -33,7 +33,9 @@ def _close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, seed: int,
     assert not got.isnan().any(), f"NaN/unwritten (seed={seed})"
     # One ulp of the output dtype, relative to magnitude (fp32: a few ulps).
     bf16 = 8e-3 if ON_GPU else 2.4e-2  # interpreter: truncating casts, see module doc
-    rel = {torch.float32: 1e-5, torch.bfloat16: bf16, torch.float16: 1e-3}[dtype]
+    # fp16: two ulps (2**-10 each), since exp/rsqrt differ in their last fp32 bits
+    # between Triton and torch and the result is rounded twice (silu, then the product).
+    rel = {torch.float32: 1e-5, torch.bfloat16: bf16, torch.float16: 2e-3}[dtype]
     err = (got.float() - ref.float()).abs() / (ref.float().abs() + floor)
     assert err.max().item() <= rel, f"max rel err {err.max().item()} (seed={seed})"
 
