@@ -16,6 +16,10 @@ Cost of ``build`` (Python + host->device copies), with ``N`` rows:
   vectorised ``scatter_add_``.  This is the one part that grows with sequence length; a
   runner that wants it flat can keep persistent per-row counts instead and pass them in
   (the sampler only reads :class:`PenaltyTensors`).
+
+No copy here waits for the device: on CUDA every host list goes through pinned memory
+with a non-blocking copy (``torch.tensor(..., device="cuda")`` would synchronise the
+stream and stall async scheduling).
 """
 
 from __future__ import annotations
@@ -60,6 +64,17 @@ class PenaltyTensors:
     repetition: torch.Tensor  # [P] float32
     prompt_mask: torch.Tensor  # [P, V] bool
     output_counts: torch.Tensor  # [P, V] int32
+
+
+def _to_device(values: Sequence | torch.Tensor, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """A host list (or CPU tensor) as a tensor on ``device``, without a stream sync."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    # Pinned blocks come from torch's caching host allocator, which keeps each one until
+    # the copy reading it has finished.
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -117,24 +132,22 @@ class SamplingMetadata:
         generators: dict[int, torch.Generator] = {}
         if not all_greedy:
             temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-            temperature = torch.tensor(temps, dtype=torch.float32, device=device)
+            temperature = _to_device(temps, torch.float32, device)
             # Greedy rows were normalised by SamplingParams (top_k=-1, top_p=1, min_p=0),
             # so "any row uses it" below is automatically about random rows.
             ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
             limited = [k for k in ks if k < vocab_size]
             if limited:
-                top_k = torch.tensor(ks, dtype=torch.int64, device=device)
+                top_k = _to_device(ks, torch.int64, device)
                 max_top_k = max(limited)
             if any(p.top_p < 1.0 for p in params):
-                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32,
-                                     device=device)
+                top_p = _to_device([p.top_p for p in params], torch.float32, device)
             if any(p.min_p > 0.0 for p in params):
-                min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32,
-                                     device=device)
+                min_p = _to_device([p.min_p for p in params], torch.float32, device)
             generators = {i: r.generator for i, r in enumerate(requests)
                           if not greedy[i] and r.generator is not None}
             if not all_random:
-                greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+                greedy_mask = _to_device(greedy, torch.bool, device)
 
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
@@ -163,9 +176,9 @@ def _build_logit_bias(params: Sequence[SamplingParams], device: torch.device,
     if not rows:
         return None
     return SparseLogitUpdate(
-        rows=torch.tensor(rows, dtype=torch.int64, device=device),
-        token_ids=torch.tensor(toks, dtype=torch.int64, device=device),
-        values=torch.tensor(vals, dtype=torch.float32, device=device))
+        rows=_to_device(rows, torch.int64, device),
+        token_ids=_to_device(toks, torch.int64, device),
+        values=_to_device(vals, torch.float32, device))
 
 
 def _build_min_tokens(requests: Sequence[SamplingRequestView], device: torch.device,
@@ -186,8 +199,8 @@ def _build_min_tokens(requests: Sequence[SamplingRequestView], device: torch.dev
                 toks.append(t)
     if not rows:
         return None
-    return SparseLogitUpdate(rows=torch.tensor(rows, dtype=torch.int64, device=device),
-                             token_ids=torch.tensor(toks, dtype=torch.int64, device=device))
+    return SparseLogitUpdate(rows=_to_device(rows, torch.int64, device),
+                             token_ids=_to_device(toks, torch.int64, device))
 
 
 def _uses_penalties(p: SamplingParams) -> bool:
@@ -212,7 +225,8 @@ def _token_counts(id_lists: Sequence[list[int]], vocab_size: int,
     flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int64, count=total)
     row_of = np.repeat(np.arange(rows, dtype=np.int64), sizes)
     ok = (flat >= 0) & (flat < vocab_size)
-    index = torch.from_numpy(row_of[ok] * vocab_size + flat[ok]).to(device)
+    index = _to_device(torch.from_numpy(row_of[ok] * vocab_size + flat[ok]), torch.int64,
+                       device)
     counts.scatter_add_(0, index, torch.ones_like(index, dtype=torch.int32))
     return counts.view(rows, vocab_size)
 
@@ -225,11 +239,10 @@ def _build_penalties(requests: Sequence[SamplingRequestView], device: torch.devi
     sel = [requests[i] for i in rows]
 
     def col(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(r.params, name) for r in sel], dtype=torch.float32,
-                            device=device)
+        return _to_device([getattr(r.params, name) for r in sel], torch.float32, device)
 
     return PenaltyTensors(
-        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        rows=_to_device(rows, torch.int64, device),
         presence=col("presence_penalty"), frequency=col("frequency_penalty"),
         repetition=col("repetition_penalty"),
         prompt_mask=_token_counts([r.prompt_token_ids for r in sel], vocab_size, device) > 0,

@@ -24,7 +24,7 @@ from pagedllm.core.outputs import (
     SchedulerOutput,
 )
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.sampler import Sampler, compute_prompt_logprobs
+from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.block_ops import BlockOps
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
@@ -55,6 +55,18 @@ class HostToDevice:
         staged = buf[:t.numel()].view(t.shape)
         staged.copy_(t)
         return staged.to(self.device, non_blocking=True)
+
+
+def _to_pinned_host(lp: LogprobsTensors) -> LogprobsTensors:
+    """Start copying sampled logprobs into fresh pinned host tensors (non-blocking: the
+    step's event, recorded after, marks them complete).  Reading them with ``tolist()``
+    on the device would wait for every step queued since, not just this one."""
+    def host(t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        return out
+
+    return LogprobsTensors(host(lp.token_ids), host(lp.logprobs), host(lp.ranks))
 
 
 @dataclass
@@ -264,6 +276,8 @@ class ModelRunner:
             self._pending_owner = handle
             handle.logprobs = sampled.logprobs
             if self.device.type == "cuda":
+                if sampled.logprobs is not None:  # to host with the tokens, not after
+                    handle.logprobs = _to_pinned_host(sampled.logprobs)
                 buf = self._tokens_host[self.h2d.parity]
                 if buf.numel() < len(states):
                     buf = torch.empty(max(len(states), 1024), dtype=torch.int64,
