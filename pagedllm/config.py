@@ -202,7 +202,10 @@ class EngineArgs:
             raise ValueError(
                 f"max_model_len ({max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({derived_max})")
-        max_batched = self.max_num_batched_tokens or 2048
+        # GPU steps are compute-bound only from a few thousand tokens on, so the GPU
+        # default is larger (vLLM picks 8192-16384 on this class of GPU); on the CPU a
+        # smaller budget keeps decodes flowing while long prompts are chunked.
+        max_batched = self.max_num_batched_tokens or (8192 if device == "cuda" else 2048)
         model_config = ModelConfig(
             resolved=resolved, hf_config=hf_config, dtype=dtype,
             max_model_len=max_model_len, load_format=resolved.load_format, seed=self.seed,
