@@ -123,6 +123,8 @@ class ModelRunner:
         self._pending_owner: StepHandle | None = None
         self._last_sampled: torch.Tensor | None = None
         self._tokens_host = [torch.empty(0, dtype=torch.int64) for _ in range(2)]
+        # Live requests that asked for prompt logprobs (so most steps skip that scan).
+        self._prompt_lp_ids: set[str] = set()
         # Swap and copy-on-write moves on the KV tensors (set by the worker).
         self.block_ops: BlockOps | None = None
 
@@ -145,6 +147,8 @@ class ModelRunner:
             f.child_req_id, p.prompt_token_ids, list(p.output_token_ids), params,
             p.eos_token_id, gen)
         self.batch.fork(f.parent_req_id, f.child_req_id)
+        if params.prompt_logprobs is not None:
+            self._prompt_lp_ids.add(f.child_req_id)
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs (CUDA only, unless enforce_eager)."""
@@ -163,6 +167,7 @@ class ModelRunner:
             self.batch.remove(rid)
             if rid not in sched.preempted_req_ids:
                 self.requests.pop(rid, None)
+                self._prompt_lp_ids.discard(rid)
         computed: dict[str, int] = {}
         for nr in sched.new_reqs:
             st = self.requests.get(nr.req_id)
@@ -172,6 +177,8 @@ class ModelRunner:
                                         nr.eos_token_id,
                                         self._generator(nr.sampling_params, self.device))
                 self.requests[nr.req_id] = st
+                if nr.sampling_params.prompt_logprobs is not None:
+                    self._prompt_lp_ids.add(nr.req_id)
             else:  # resumed after a recompute preemption: same tokens, same generator
                 st.output_token_ids = list(nr.output_token_ids)
             self.batch.add(nr.req_id, st.prompt_token_ids + st.output_token_ids, nr.block_ids)
@@ -291,7 +298,8 @@ class ModelRunner:
                 handle.tokens_host = ids
         else:
             self._pending, self._pending_owner = {}, None
-        self._prompt_logprobs(sched, order, inp, hidden, num_computed, handle.out)
+        if self._prompt_lp_ids:  # usually none: skip the per-request scan
+            self._prompt_logprobs(sched, order, inp, hidden, num_computed, handle.out)
         return handle
 
     def _finish(self, handle: StepHandle) -> None:
