@@ -369,6 +369,13 @@ class Scheduler:
                 if self.kv.allocate_slots(req, n, hits) is None:
                     break
                 self.waiting.pop()
+                if req.beam_group is not None:
+                    # A beam recomputed from scratch samples its next token again and
+                    # must report it again: a report from before its preemption would
+                    # let the group advance while the runner's row (rebuilt without the
+                    # sampled token) is mid-prompt, and the chosen token would then
+                    # overwrite a prompt token instead of following it.
+                    self.beam_groups[req.beam_group].pending.pop(req.request_id, None)
                 if self.kv.enable_caching:
                     self.kv.record_prefix_lookup(req.num_tokens, num_hit)
                 req.num_computed_tokens = num_hit

@@ -232,3 +232,16 @@ def test_property_shared_blocks_never_freed_or_overwritten_while_referenced(
             s.finish_requests([added.pop()])
 
     run(s, on_step=maybe_abort)
+
+
+def test_recomputed_beam_reports_again_before_its_group_advances():
+    """Regression: a beam preempted (recompute) after reporting its candidates must not
+    let its group advance on that stale report while it recomputes its prompt -- the
+    chosen token would overwrite a prompt token in the runner's rebuilt row."""
+    s = make(num_blocks=10, budget=24, max_seqs=8, caching=False, max_model_len=64)
+    for i, (plen, max_tokens) in enumerate([(1, 1), (7, 7), (8, 7)]):
+        s.add_request(req(f"q{i}", [(7 * i + j) % 5 + 1 for j in range(plen)], max_tokens,
+                          beam=2))
+    outs, _ = run(s)  # the fake runner checks every chunk and token against its rows
+    assert s.total_preemptions > 0
+    assert set(outs) == {"q0", "q1", "q2"}
