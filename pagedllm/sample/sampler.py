@@ -28,6 +28,17 @@ from torch import nn
 from pagedllm.sample.metadata import PenaltyTensors, SamplingMetadata
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (first maximum).  On CUDA the vocabulary is split over many
+    programs (``kernels.sampling.sample_tokens``): torch's argmax reduces one row with a
+    single block, ~27 us for a 128k vocabulary at batch 1 on an H200."""
+    if logits.is_cuda:
+        from pagedllm.kernels.sampling import sample_tokens
+
+        return sample_tokens(logits, None)
+    return logits.argmax(dim=-1)
+
+
 @dataclass(frozen=True)
 class LogprobsTensors:
     """Logprobs for ``N`` positions, ``k`` alternatives each.
@@ -169,7 +180,7 @@ class Sampler(nn.Module):
                         if meta.max_num_logprobs is not None else None)
 
         logits = self.apply_logits_processors(logits, meta)
-        greedy_ids = None if meta.all_random else logits.argmax(dim=-1)
+        greedy_ids = None if meta.all_random else _argmax(logits)
         if meta.all_greedy:
             assert greedy_ids is not None
             sampled = greedy_ids
