@@ -15,6 +15,11 @@ Styles:
 For pair ``(x1, x2)`` at angle ``i``: ``x1' = x1*cos - x2*sin``, ``x2' = x2*cos + x1*sin``,
 each product and the sum rounded to q's dtype as HF's ``q*cos + rotate_half(q)*sin``
 does in bf16, so results match Hugging Face bit for bit.
+
+Two entry points: ``apply_rotary`` (q and k in place) and ``rotary_and_write_kv``, which
+the GPU attention backend uses: one launch per layer rotates q in place and stores the
+rotated k and the v straight into the paged KV cache (the same rounding, so the cache
+holds exactly what ``apply_rotary`` + ``kv_write.write_kv_cache`` would write).
 """
 
 from __future__ import annotations
