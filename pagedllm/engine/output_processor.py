@@ -37,7 +37,7 @@ class OutputSink(Protocol):
     def put(self, item: RequestOutput | BaseException) -> None: ...
 
 
-@dataclass
+@dataclass(slots=True)
 class _Seq:
     """One of the n sequences of a request."""
 
@@ -52,7 +52,7 @@ class _Seq:
     sent_logprobs: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _RequestState:
     request_id: str
     prompt: str | None
