@@ -301,11 +301,11 @@ class Scheduler:
 
         # 1. Running requests, oldest first.
         kv = self.kv
-        running = RequestStatus.RUNNING
+        running_status = RequestStatus.RUNNING  # a local: read per request
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req.status != running:
+            if req.status != running_status:
                 continue  # preempted as a victim earlier in this loop
             n = self._num_to_compute(req)
             if n > budget:
@@ -457,7 +457,7 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         beam_ready: dict[str, BeamGroup] = {}
         requests = self.requests
-        running = RequestStatus.RUNNING
+        running_status = RequestStatus.RUNNING
         # Most steps carry no logprobs at all: skip the per-request lookups then.
         all_lp = out.logprobs or None
         all_prompt_lp = out.prompt_logprobs or None
@@ -465,7 +465,7 @@ class Scheduler:
             req = requests.get(rid)
             if req is None:
                 continue  # finished or aborted while the step ran
-            was_running = req.status == running
+            was_running = req.status == running_status
             if was_running:
                 if req.num_placeholders:
                     p = req.num_placeholders - len(tokens)
