@@ -174,7 +174,7 @@ class Scheduler:
         self.requests[req.request_id] = req
         sp = req.sampling_params
         if (req.fork_ids or sp.prompt_logprobs is not None or sp.presence_penalty
-                or sp.frequency_penalty or sp.repetition_penalty != 1.0 or sp.min_tokens):
+                or sp.frequency_penalty or sp.repetition_penalty != 1.0):
             self._may_need_sync[req.request_id] = req
 
     def _free(self, req: Request) -> None:
@@ -566,16 +566,16 @@ class Scheduler:
 
     def requires_sync(self) -> bool:
         """True while some live request needs each step's tokens on the host before the
-        next step is scheduled: penalties and min_tokens read the generated tokens,
-        forks and beams rearrange sequences, prompt logprobs and swapping are
-        synchronous.  Async scheduling pauses then."""
+        next step is scheduled: penalties read the generated tokens, forks and beams
+        rearrange sequences, prompt logprobs and swapping are synchronous.  Async
+        scheduling pauses then.  (``min_tokens`` needs only the *count* of generated
+        tokens, which the runner knows including the one in flight.)"""
         if self.beam_groups or self.config.preemption_mode == "swap":
             return True
         for r in self._may_need_sync.values():
             sp = r.sampling_params
             if (r.fork_ids or sp.prompt_logprobs is not None or sp.presence_penalty
-                    or sp.frequency_penalty or sp.repetition_penalty != 1.0
-                    or r.num_output_tokens < sp.min_tokens):
+                    or sp.frequency_penalty or sp.repetition_penalty != 1.0):
                 return True
         return False
 

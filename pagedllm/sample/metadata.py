@@ -114,8 +114,13 @@ class SamplingMetadata:
 
     @classmethod
     def build(cls, requests: Sequence[SamplingRequestView], device: torch.device,
-              vocab_size: int) -> SamplingMetadata:
+              vocab_size: int, num_in_flight: Sequence[int] | None = None,
+              ) -> SamplingMetadata:
         """Batch ``requests`` (one per logits row, in row order) for a ``vocab_size`` model.
+
+        ``num_in_flight[i]``: tokens row ``i`` has generated that are not yet in its
+        ``output_token_ids`` (async scheduling: the previous step's, still on the device);
+        they count towards ``min_tokens``.
 
         Token ids ``>= vocab_size`` in ``logit_bias`` or ``stop_token_ids`` are ignored
         (the input processor is where they are rejected with a message).
@@ -157,7 +162,7 @@ class SamplingMetadata:
             min_p=min_p, generators=generators,
             max_num_logprobs=max(asked) if asked else None,
             logit_bias=_build_logit_bias(params, device, vocab_size),
-            min_tokens_mask=_build_min_tokens(requests, device, vocab_size),
+            min_tokens_mask=_build_min_tokens(requests, device, vocab_size, num_in_flight),
             penalties=_build_penalties(requests, device, vocab_size),
         )
 
@@ -182,13 +187,16 @@ def _build_logit_bias(params: Sequence[SamplingParams], device: torch.device,
 
 
 def _build_min_tokens(requests: Sequence[SamplingRequestView], device: torch.device,
-                      vocab_size: int) -> SparseLogitUpdate | None:
+                      vocab_size: int, num_in_flight: Sequence[int] | None,
+                      ) -> SparseLogitUpdate | None:
     # EOS is masked even under ignore_eos, as vLLM does (it adds the model's EOS to the
     # min_tokens stop set unconditionally): the rule stays one simple sentence.
     rows: list[int] = []
     toks: list[int] = []
     for i, r in enumerate(requests):
-        if len(r.output_token_ids) >= r.params.min_tokens:
+        done = len(r.output_token_ids) + (int(num_in_flight[i]) if num_in_flight is not None
+                                          else 0)
+        if done >= r.params.min_tokens:
             continue
         stop_ids = set(r.params.stop_token_ids or [])
         if r.eos_token_id is not None:

@@ -275,7 +275,9 @@ class ModelRunner:
         if len(sample_idx):
             logits_idx = self.h2d("logits_idx", inp.query_start_loc[1:][sample_idx] - 1)
             logits = self.model.compute_logits(hidden[logits_idx])
-            smeta = SamplingMetadata.build(states, self.device, self.vocab_size)
+            # A request's in-flight token counts towards min_tokens already.
+            smeta = SamplingMetadata.build(states, self.device, self.vocab_size,
+                                           num_in_flight=pending[sample_idx])
             sampled = self.sampler(logits, smeta)
             ids = sampled.sampled_token_ids
             self._last_sampled = ids

@@ -34,8 +34,7 @@ def _requires_sync_reference(s: Scheduler) -> bool:
     for r in s.requests.values():
         sp = r.sampling_params
         if (r.fork_ids or sp.prompt_logprobs is not None or sp.presence_penalty
-                or sp.frequency_penalty or sp.repetition_penalty != 1.0
-                or r.num_output_tokens < sp.min_tokens):
+                or sp.frequency_penalty or sp.repetition_penalty != 1.0):
             return True
     return False
 

@@ -21,6 +21,13 @@ def _run(async_scheduling: bool) -> tuple[list, list, str, int]:
                                     for n in (40, 7, 33, 21, 48, 12)], use_tqdm=False)
     seeded = llm.generate(PROMPTS, SamplingParams(temperature=0.8, seed=5, max_tokens=20),
                           use_tqdm=False)
+    # min_tokens masks EOS by the count of generated tokens, the in-flight one included
+    # (it does not make the engine synchronous).  EOS is pushed up so that it is chosen
+    # the moment the mask lifts: a miscount shows as a different length.
+    eos = llm.get_tokenizer().eos_token_id
+    seeded += llm.generate(PROMPTS, SamplingParams(temperature=0, min_tokens=12,
+                                                   max_tokens=30, logit_bias={eos: 50.0}),
+                           use_tqdm=False)
     (stop,) = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=30,
                                                        stop=["brown bear"]), use_tqdm=False)
     core = llm.llm_engine.client.core
@@ -40,5 +47,6 @@ def test_async_equals_sync(sync_run):
     assert got[0] == sync_run[0]
     assert [len(t) for t in got[0]] == [40, 7, 33, 21, 48, 12]
     assert got[1] == sync_run[1]
+    assert [len(t) for t in got[1][len(PROMPTS):]] == [13] * len(PROMPTS)  # 12 + EOS
     assert got[2] == sync_run[2]
     assert got[3] > 0 and sync_run[3] > 0  # both were preempted
