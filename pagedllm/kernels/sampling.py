@@ -38,7 +38,7 @@ import triton.language as tl
 
 # Largest fp32 below 1: Triton's uniform can round to exactly 1.0, and -log(-log 1) = inf
 # would make that token win unconditionally.
-_U_MAX = 0.99999994
+_U_MAX = tl.constexpr(0.99999994)  # a global a Triton kernel reads must be constexpr
 
 
 @triton.jit

@@ -136,8 +136,13 @@ def test_gpu_no_host_sync_llama_vocab() -> None:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.equal(greedy, logits.float().argmax(-1))
     assert torch.equal(toks[::4], greedy[::4]) and torch.equal(toks2[::4], greedy[::4])
-    kept = _kept_by_torch(logits.float(), temp.clamp_min(1e-6), top_k, 100, top_p, None)
-    assert kept.gather(1, toks[:, None]).all()
+    x = logits.float()
+    kept = _kept_by_torch(x, temp.clamp_min(1e-6), top_k, 100, top_p, None)
+    # bf16 logits over a 128k vocabulary tie often; the kernel keeps every token tied
+    # with the last one kept (its threshold is a logit value), the torch sampler only
+    # those its sort put first.  So: the sampled logit is >= the smallest kept logit.
+    floor = torch.where(kept, x, float("inf")).amin(-1)
+    assert (x.gather(1, toks[:, None]).squeeze(1) >= floor).all()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="timing-free smoke of a big vocab on GPU only")
