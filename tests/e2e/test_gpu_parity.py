@@ -2,8 +2,10 @@
 against the CPU fp32 reference on the real default model (SmolLM2-135M-Instruct GGUF).
 
 bf16 rounds differently from fp32, so a near-tie between the two best tokens may flip
-and the continuations diverge from there; the contract is "the first 32 tokens agree on
-most prompts, and the chosen tokens' logprobs stay close while they agree".
+and the continuations diverge from there.  The check is vLLM's ``check_logprobs_close``:
+where the two first differ, each one's token must be among the other's top 5, and while
+they agree the chosen tokens' logprobs must stay close.  It also reports how many of
+the prompts agree on all 32 tokens.
 Run on a GPU machine: ``pytest tests/e2e/test_gpu_parity.py -m gpu``.
 """
 
@@ -32,15 +34,15 @@ RAW = ["The quick brown fox", "def fibonacci(n):", "Once upon a time, in a small
        "1, 2, 3, 4, 5,"]
 
 
-def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[dict]]]:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
-                            logprobs=1)
+                            logprobs=5)
     out = []
     for o in llm.generate(prompts, params, use_tqdm=False):
         c = o.outputs[0]
         assert c.logprobs is not None
-        out.append((list(c.token_ids),
-                    [step[t].logprob for t, step in zip(c.token_ids, c.logprobs)]))
+        out.append((list(c.token_ids), [{t: lp.logprob for t, lp in step.items()}
+                                        for step in c.logprobs]))
     return out
 
 
@@ -56,13 +58,17 @@ def test_gpu_bf16_greedy_matches_cpu_fp32(default_model_path: str) -> None:
               gpu_memory_utilization=0.3)
     got = _run(gpu, prompts)
 
-    identical = sum(g[0] == r[0] for g, r in zip(got, ref, strict=True))
-    diffs = []
-    for (g_ids, g_lp), (r_ids, r_lp) in zip(got, ref, strict=True):
-        for gi, ri, gl, rl in zip(g_ids, r_ids, g_lp, r_lp, strict=True):
-            if gi != ri:
-                break
-            diffs.append(abs(gl - rl))
-    report = f"{identical}/{len(prompts)} identical; logprob diffs {sorted(diffs)[-5:]}"
-    assert identical >= 0.7 * len(prompts), report
+    identical, diffs, flips = 0, [], []
+    for p, ((g_ids, g_lp), (r_ids, r_lp)) in enumerate(zip(got, ref, strict=True)):
+        j = next((i for i, (a, b) in enumerate(zip(g_ids, r_ids)) if a != b), None)
+        identical += j is None
+        diffs += [abs(g_lp[i][g_ids[i]] - r_lp[i][r_ids[i]])
+                  for i in range(NEW_TOKENS if j is None else j)]
+        if j is not None:
+            flips.append((p, j, g_ids[j] in r_lp[j], r_ids[j] in g_lp[j]))
+    report = (f"{identical}/{len(prompts)} identical for {NEW_TOKENS} tokens; first "
+              f"differences (prompt, index, gpu token in cpu top-5, cpu in gpu top-5): "
+              f"{flips}; largest logprob diffs {sorted(diffs)[-5:]}")
+    print(report)
+    assert all(a and b for _, _, a, b in flips), report
     assert statistics.median(diffs) < 0.05 and max(diffs) < 0.5, report
