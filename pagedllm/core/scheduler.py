@@ -56,6 +56,14 @@ from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 
 
+def _needs_sync(req: Request) -> bool:
+    """Whether ``req`` keeps the engine synchronous (see ``Scheduler.requires_sync``):
+    it still has to fork, asked for prompt logprobs, or uses penalties."""
+    sp = req.sampling_params
+    return bool(req.fork_ids or sp.prompt_logprobs is not None or sp.presence_penalty
+                or sp.frequency_penalty or sp.repetition_penalty != 1.0)
+
+
 class Scheduler:
     """Owns every unfinished request and the waiting/running/swapped queues.
 
@@ -172,9 +180,7 @@ class Scheduler:
     def _track(self, req: Request) -> None:
         """Register a live request (see ``requires_sync`` for ``_may_need_sync``)."""
         self.requests[req.request_id] = req
-        sp = req.sampling_params
-        if (req.fork_ids or sp.prompt_logprobs is not None or sp.presence_penalty
-                or sp.frequency_penalty or sp.repetition_penalty != 1.0):
+        if _needs_sync(req):
             self._may_need_sync[req.request_id] = req
 
     def _free(self, req: Request) -> None:
@@ -572,12 +578,8 @@ class Scheduler:
         tokens, which the runner knows including the one in flight.)"""
         if self.beam_groups or self.config.preemption_mode == "swap":
             return True
-        for r in self._may_need_sync.values():
-            sp = r.sampling_params
-            if (r.fork_ids or sp.prompt_logprobs is not None or sp.presence_penalty
-                    or sp.frequency_penalty or sp.repetition_penalty != 1.0):
-                return True
-        return False
+        # Candidates only: a request's parameters never change, and fork_ids only empties.
+        return any(_needs_sync(r) for r in self._may_need_sync.values())
 
     # -- introspection -------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
