@@ -194,9 +194,8 @@ def _build_min_tokens(requests: Sequence[SamplingRequestView], device: torch.dev
     rows: list[int] = []
     toks: list[int] = []
     for i, r in enumerate(requests):
-        done = len(r.output_token_ids) + (int(num_in_flight[i]) if num_in_flight is not None
-                                          else 0)
-        if done >= r.params.min_tokens:
+        in_flight = 0 if num_in_flight is None else int(num_in_flight[i])
+        if len(r.output_token_ids) + in_flight >= r.params.min_tokens:
             continue
         stop_ids = set(r.params.stop_token_ids or [])
         if r.eos_token_id is not None:
