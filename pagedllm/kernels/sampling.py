@@ -109,7 +109,9 @@ def truncation_threshold(
             keep = sorted_x >= kth
         probs = (sorted_x / temp).masked_fill(~keep, float("-inf")).softmax(-1)
         exclusive = probs.cumsum(-1) - probs
-        keep &= exclusive < top_p.float().unsqueeze(1)
+        # top_p 1.0 means "off": fp32 cumsum can reach 1.0 before the last token.
+        p_row = top_p.float().unsqueeze(1)
+        keep &= (exclusive < p_row) | (p_row >= 1.0)
         keep[:, 0] = True  # the most likely token always survives
         n_keep = keep.sum(-1, keepdim=True)  # keep is a prefix of the sorted row
         thr = sorted_x.gather(1, n_keep - 1)
