@@ -17,11 +17,42 @@ Fusing q/k/v and gate/up into one matmul each is also what makes the CPU path fa
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x W^T`` runs as the batch-1 Triton GEMV (``kernels/gemv.py``): one row on
+    CUDA in bf16/fp16.  It reads the weight at the memory roofline where cuBLAS's split-K
+    kernels for thin layers do not.  The choice depends only on the row count, so a CUDA
+    graph and an eager run of one batch size agree."""
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
+            and weight.dtype in (torch.bfloat16, torch.float16) and _gemv_enabled())
+
+
+def _gemv_enabled() -> bool:
+    """``PAGEDLLM_GEMV=0`` turns the GEMV off (cuBLAS everywhere), for A/B benchmarks."""
+    global _GEMV
+    if _GEMV is None:
+        _GEMV = os.environ.get("PAGEDLLM_GEMV", "1") != "0"
+    return _GEMV
+
+
+_GEMV: bool | None = None
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b``: the GEMV where :func:`gemv_applies`, cuBLAS otherwise."""
+    if gemv_applies(x, weight):
+        from pagedllm.kernels.gemv import gemv
+
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -77,7 +108,7 @@ class LinearBase(nn.Module):
         return self.input_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return _matmul(x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
@@ -190,8 +221,21 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return _matmul(x, self.weight, self.bias)
+        y = _matmul(x, self.weight, None)
+        torch.distributed.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``forward(silu(gate) * up)`` for ``gate_up = [gate | up]``, with the activation
+        fused into the GEMV's read of its input (one kernel instead of two).  Only where
+        ``gemv_applies(gate_up, self.weight)``."""
+        from pagedllm.kernels.gemv import gemv
+
+        bias = self.bias if self.tp_size == 1 else None
+        y = gemv(gate_up, self.weight, bias, silu_mul=True)
+        if self.tp_size == 1:
+            return y
         torch.distributed.all_reduce(y)
         return y if self.bias is None else y + self.bias
 

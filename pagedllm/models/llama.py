@@ -25,6 +25,7 @@ from pagedllm.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     default_weight_loader,
+    gemv_applies,
 )
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RopeInputs, RotaryEmbedding, rope_parameters
@@ -43,7 +44,11 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if gemv_applies(gate_up, self.down_proj.weight):
+            # Batch-1 decode: the activation runs inside down_proj's GEMV.
+            return self.down_proj.forward_silu_mul(gate_up)
+        return self.down_proj(self.act_fn(gate_up))
 
 
 class LlamaAttention(nn.Module):

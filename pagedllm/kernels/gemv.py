@@ -1,0 +1,112 @@
+"""Matrix-vector product for batch-1 decode: ``y = x W^T (+ b)`` with one row in ``x``,
+optionally with the gated-MLP activation fused in front (``x = silu(g) * u``).
+
+At decode batch 1 a linear layer is a pure read of its weight: 2 bytes per weight, one
+FMA each.  For Llama's thin projections (``qkv``: 6144 x 4096, ``o_proj``: 4096 x 4096)
+cuBLAS picks split-K kernels that read at ~3 TB/s and add a reduce kernel each; this
+kernel is one launch.  Fusing SiLU-and-mul into ``down_proj``'s read of its input removes
+the activation kernel (and its round trip through memory) from every layer.
+
+Layout: each program owns ``BLOCK_N`` consecutive output features and walks the whole K
+dimension in ``BLOCK_K`` steps, so every weight row is read as one contiguous stream and
+no partial sums cross programs (no split-K workspace, no atomics: results are
+deterministic and do not depend on the launch grid).  The accumulator is an elementwise
+``[BLOCK_N, BLOCK_K]`` fp32 tile, reduced along K once at the end, so the loop body is
+loads and FMAs only.  K is a compile-time constant (a layer's input size: a handful per
+model), which lets the K loop be unrolled.
+
+The sum is ordered differently from cuBLAS's, so outputs differ from ``F.linear`` within
+fp32 accumulation error, then one rounding to the output dtype.  Whether a layer uses this
+kernel depends only on its row count (a host int), never on data: CUDA-graph capture and
+eager runs of the same batch size take the same path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_x(x_ptr, ks, k_ok, K: tl.constexpr, SILU_MUL: tl.constexpr, MASKED: tl.constexpr):
+    """The input chunk ``ks`` in fp32.  With ``SILU_MUL``, ``x = silu(gate) * up`` from
+    ``[gate | up]`` (K each), rounded exactly as ``kernels/activation.py`` rounds it: silu
+    in fp32 -> dtype, then the product -> dtype."""
+    if SILU_MUL:
+        if MASKED:
+            g = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
+            u = tl.load(x_ptr + K + ks, mask=k_ok, other=0.0)
+        else:
+            g = tl.load(x_ptr + ks)
+            u = tl.load(x_ptr + K + ks)
+        gf = g.to(tl.float32)
+        act = tl.div_rn(gf, 1.0 + tl.exp(-gf)).to(g.dtype)
+        return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+    if MASKED:
+        return tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+    return tl.load(x_ptr + ks).to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn,
+                 K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_mask = rn < N
+    # Out-of-range rows re-read row N-1 instead of being masked, so that the weight loads
+    # along K stay unmasked and vectorised; those rows are never stored.
+    rn_safe = tl.minimum(rn, N - 1).to(tl.int64)
+    w_rows = w_ptr + rn_safe[:, None] * stride_wn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + rk
+        if K % BLOCK_K == 0:  # static: unmasked, vectorised loads
+            w = tl.load(w_rows + ks[None, :])
+            x = _load_x(x_ptr, ks, ks < K, K, SILU_MUL, False)
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
+            x = _load_x(x_ptr, ks, ks < K, K, SILU_MUL, True)
+        acc += w.to(tl.float32) * x[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def gemv_config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps), from an H200 sweep of the Llama-3-8B projections
+    (``benchmarks/gemm_sweep.py``, graph-timed, 24 configurations each): 8 output rows
+    per program gives 512+ programs for N >= 4096 (several per SM, enough bytes in
+    flight); long rows (down_proj, K = 14336) do best with 4 rows and 8 warps, very wide
+    layers (gate_up, N = 28672) with 16 rows and 2 warps."""
+    if k >= 8192:
+        return 4, 512, 8
+    if n >= 16384:
+        return 16, 256, 2
+    return 8, min(512, triton.next_power_of_2(k)), 4
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         out: torch.Tensor | None = None, silu_mul: bool = False,
+         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``x: [1, K]`` (``[1, 2K]`` = ``[gate | up]`` when ``silu_mul``; contiguous),
+    ``weight: [N, K]`` with contiguous rows, ``bias: [N]`` or None -> ``[1, N]`` in
+    ``x``'s dtype.  ``config`` overrides :func:`gemv_config` (for tuning)."""
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"gemv takes exactly one row, got x of shape {tuple(x.shape)}")
+    if x.shape[1] != (2 * k if silu_mul else k) or weight.stride(1) != 1 \
+            or not x.is_contiguous():
+        raise ValueError(f"gemv: x {tuple(x.shape)} does not match weight {(n, k)} "
+                         f"(silu_mul={silu_mul}) or is not contiguous")
+    if out is None:
+        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = config or gemv_config(n, k)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, out, n, weight.stride(0), K=k,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps)
+    return out
