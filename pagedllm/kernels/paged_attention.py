@@ -116,6 +116,7 @@ def _paged_attn_kernel(
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    Q_FILTER: tl.constexpr,
 ):
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -127,6 +128,10 @@ def _paged_attn_kernel(
     q_tile = tile_idx - (q_start // BLOCK_Q + req)
     if q_tile * BLOCK_Q >= q_len:
         return  # surplus program of the upper-bound grid (or a padded empty request)
+    if Q_FILTER == 1 and q_len != 1:
+        return  # decode launch of a mixed batch: prompt chunks are the other launch's
+    if Q_FILTER == 2 and q_len == 1:
+        return  # prompt-chunk launch of a mixed batch: decodes are the other launch's
     seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len
 
@@ -329,12 +334,39 @@ def paged_attention(
     assert out.shape == query.shape and out.stride(2) == 1
     if num_tokens == 0 or num_reqs == 0:
         return out
+    if launch is None and num_splits is None and max_query_len > 1:
+        # A mixed batch runs as two launches over the same metadata: the decodes with
+        # the decode plan's small tiles (BLOCK_M = the GQA group of one token) and the
+        # prompt chunks with 64-row tiles.  One launch with 64-row tiles for all would
+        # give each decode a tile 16x larger than its 4 (GQA) rows, and the decode
+        # attention of a step with hundreds of decodes would turn compute-bound.
+        # Programs of the other kind exit at once.
+        sms = device_sm_count(query.device)
+        for q_filter, mql in ((1, 1), (2, max_query_len)):
+            plan = plan_attention(num_reqs=num_reqs, max_query_len=mql, num_heads=num_heads,
+                                  num_kv_heads=num_kv_heads, block_size=block_size,
+                                  sm_count=sms, num_splits=1)
+            _launch(query, kv_cache, block_tables, seq_lens, query_start_loc, num_reqs,
+                    scale, out, plan, q_filter)
+        return out
     if launch is None:
         launch = plan_attention(
             num_reqs=num_reqs, max_query_len=max_query_len, num_heads=num_heads,
             num_kv_heads=num_kv_heads, block_size=block_size,
             sm_count=device_sm_count(query.device), num_splits=num_splits,
             max_seq_len=max_seq_len)
+    _launch(query, kv_cache, block_tables, seq_lens, query_start_loc, num_reqs, scale, out,
+            launch, 0)
+    return out
+
+
+def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+            seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int,
+            scale: float, out: torch.Tensor, launch: AttentionLaunch, q_filter: int) -> None:
+    """One launch of the kernel (plus the split merge) with plan ``launch``; ``q_filter``:
+    0 every request, 1 only single-token ones, 2 only multi-token ones."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
     gqa = num_heads // num_kv_heads
     assert launch.block_q * gqa <= launch.block_m, launch
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -345,7 +377,7 @@ def paged_attention(
     common = dict(
         GQA=gqa, HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_SIZE=block_size,
         BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q, TILE_N=launch.tile_n,
-        SPLIT=splits > 1, F32_DOT=f32_dot, WHILE_LOOP=_interpreting(),
+        SPLIT=splits > 1, F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), Q_FILTER=q_filter,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     # num_splits is a runtime argument (only "split or not" is compiled in), so batch
@@ -358,7 +390,7 @@ def paged_attention(
         _paged_attn_kernel[grid](
             query, k_cache, v_cache, out, out, out, *args, out.stride(0), out.stride(1),
             *cache_strides, **common)
-        return out
+        return
     # Scratch for the partials; under CUDA-graph capture these come from the graph's
     # private memory pool, so replays reuse them.
     acc = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32,
@@ -372,4 +404,3 @@ def paged_attention(
         out.stride(1),
         HEAD_DIM=head_dim, DIM_P2=dim_p2,
         SPLITS_P2=triton.next_power_of_2(splits), num_warps=4 if head_dim >= 128 else 2)
-    return out

@@ -63,7 +63,9 @@ def test_mixed_batch(head_dim: int, gqa: int, block_size: int, dtype: torch.dtyp
                              block_size=block_size, dtype=dtype, device=DEVICE,
                              pad_tokens=2, gen=gen)
     scale = head_dim ** -0.5
-    _check(batch, _run(batch, scale, num_splits=1), scale, dtype, seed)
+    _check(batch, _run(batch, scale, num_splits=1), scale, dtype, seed)  # one launch
+    # Default plan: decodes and prompt chunks as two launches with their own tiles.
+    _check(batch, _run(batch, scale), scale, dtype, seed)
 
 
 @pytest.mark.parametrize("dtype,head_dim,gqa,block_size,splits", [
