@@ -8,13 +8,9 @@ a prompt (chunked prefill), or one token (decode).  The scheduler grants them in
  budget ──► running requests (oldest first; decodes and unfinished prompt chunks)
         │     no blocks left?  preempt the lowest-priority / newest running request
         │     (recompute: free its blocks, reset num_computed_tokens, back to waiting)
-        └─► waiting requests (FCFS, priority or throughput) while budget, blocks
-            and max_num_seqs allow -- skipped in a step that had to preempt
+        └─► waiting requests (FCFS or priority) while budget, blocks and
+            max_num_seqs allow -- skipped in a step that had to preempt
 ```
-
-The throughput policy (offline batches) changes two things only: the waiting order
-(longest ``max_tokens`` first) and how much of the budget the waiting requests may use
-(prefill paced over the decode horizon: ``Scheduler._prefill_allowance``).
 
 A prompt longer than the remaining budget is cut into a chunk; the rest comes next step,
 mixed with other requests' decode tokens.  Work per step is O(number of requests): no
@@ -48,7 +44,7 @@ from pagedllm.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagedllm.core.request_queue import LongestFirstQueue, make_queue
+from pagedllm.core.request_queue import make_queue
 from pagedllm.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -87,8 +83,6 @@ class Scheduler:
         # so that it need not look at every request every step (usually none).
         self._may_need_sync: dict[str, Request] = {}
         self.waiting = make_queue(scheduler_config.policy)
-        # The throughput policy's queue, which paces prefill (None under fcfs/priority).
-        self._lpt = self.waiting if isinstance(self.waiting, LongestFirstQueue) else None
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
@@ -373,13 +367,7 @@ class Scheduler:
                 self._admit(req, n, num_scheduled, new, touched, now)
                 budget -= n
 
-            # 3. Waiting requests.  Under the throughput policy the step's budget is
-            # smaller, but never below what the running requests need (their chunks and
-            # decodes come first in the pacing rule), so only this share is cut.
-            if self._lpt is not None and len(self._lpt) > 0:
-                used = self.config.max_num_batched_tokens - budget  # no victims here
-                budget = min(budget, self._prefill_allowance(self._lpt, used,
-                                                             len(num_scheduled), budget))
+            # 3. Waiting requests.
             while budget > 0 and len(self.waiting) > 0 and self._has_seat(self.waiting.peek()):
                 req = self.waiting.peek()
                 hits, num_hit = self.kv.get_computed_blocks(req)
@@ -434,43 +422,6 @@ class Scheduler:
             swap_out=self._swap_out, swap_in=swap_in,
             block_copies=[p for c in cached for p in cow_copies.get(c.req_id, ())]
             if cow_copies else [])
-
-    def _prefill_allowance(self, waiting: LongestFirstQueue, used: int, num_running: int,
-                           budget: int) -> int:
-        """Throughput policy: the tokens the waiting requests may take this step, given
-        that the ``num_running`` running (and swapped-in) requests scheduled already took
-        ``used``; at most ``budget`` (what is left of ``max_num_batched_tokens``).
-
-        A decode step's GEMMs read every weight however few tokens it carries, so prompt
-        tokens spread over the decode steps ride along almost free, while a step full of
-        prompt tokens is compute-bound and delays every decode.  Prefill is therefore
-        paced: ``L``, the longest remaining output of any request, is a lower bound on
-        the steps left (the makespan), and a waiting request that will generate ``o``
-        tokens must start decoding by step ``L - o``.  The rate is the smallest even
-        prefill rate meeting every such deadline in queue (longest-first) order::
-
-            rate = max(P, max over j of (P + S_j) / max(1, L - o_j))
-
-        with ``P`` the prompt tokens of running requests still to compute (partial
-        chunks, which go first) and ``S_j`` the tokens of the first ``j`` waiting
-        requests (the first 512 only, to bound the per-step cost).  The step's budget is
-        ``dec + ceil(rate)`` (``dec``: decode tokens), at least ``dec + 1``.  When every
-        request has the same ``max_tokens`` the first deadline is step 0 and the rule is
-        "prefill everything now", as under FCFS.
-
-        Accounting: each running request scheduled this step counts one token as its
-        decode (a chunk that completes a prompt samples one too) and the rest as ``P``;
-        a waiting request's tokens are all to compute (prefix-cache hits are not known
-        before it is admitted; counting them only makes the rate conservative).
-        """
-        p_run = used - num_running
-        # O(running) per step, only while requests wait: remaining outputs shrink at
-        # different paces (prompt chunks, stops), so no cheaper exact maximum is kept.
-        horizon = max((r.max_tokens - r.num_output_tokens for r in self.running),
-                      default=1)
-        horizon = max(horizon, waiting.longest_remaining_output())
-        need = waiting.paced_rate(p_run, horizon, limit=budget + p_run)
-        return min(budget, max(need, 1) - p_run)
 
     def _admit(self, req: Request, n: int, num_scheduled: dict[str, int],
                new: list[NewRequestData], touched: list[Request], now: float) -> None:
