@@ -19,8 +19,9 @@ step timeout 120 python -m pytest tests/e2e/test_gpu_parity.py -m gpu -q -p no:c
 step python -m pagedllm bench latency --dummy llama3-8b --output-json "$OUT/w4.json"
 step python -m pagedllm bench throughput --workload W1 --dummy llama3-8b --no-hf \
   --max-num-batched-tokens 8192 --output-json "$OUT/w1.json"
-step python -m pagedllm bench throughput --workload W1 --dummy llama3-8b --no-hf \
-  --max-num-batched-tokens 16384 --output-json "$OUT/w1_16k.json"
+PAGEDLLM_GEMV=0 step python -m pagedllm bench latency --dummy llama3-8b \
+  --output-json "$OUT/w4_cublas.json"
+step python benchmarks/profile_step.py --dummy llama3-8b --num-prompts 256 --no-cprofile --out /tmp
 step python -m pagedllm bench throughput --workload W1-small --dummy smollm2-135m --no-hf \
   --max-num-batched-tokens 8192 --output-json "$OUT/w1small.json"
 step python benchmarks/profile_step.py --dummy smollm2-135m --num-prompts 256 --no-cprofile --out /tmp
