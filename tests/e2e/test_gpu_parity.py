@@ -11,6 +11,7 @@ Run on a GPU machine: ``pytest tests/e2e/test_gpu_parity.py -m gpu``.
 
 from __future__ import annotations
 
+import gc
 import statistics
 
 import pytest
@@ -46,17 +47,30 @@ def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[dict]
     return out
 
 
-def test_gpu_bf16_greedy_matches_cpu_fp32(default_model_path: str) -> None:
+@pytest.fixture(scope="module")
+def cpu_reference(default_model_path: str) -> tuple[list[list[int]], list]:
     cpu = LLM(default_model_path, device="cpu", dtype="float32", max_model_len=512,
               kv_cache_memory_bytes=256 << 20)
     prompts = [cpu.llm_engine.input_processor.apply_chat_template(
         [{"role": "user", "content": c}]) for c in CHAT]
     prompts += [cpu.get_tokenizer()(r).input_ids for r in RAW]
-    ref = _run(cpu, prompts)
-    del cpu
+    return prompts, _run(cpu, prompts)
+
+
+@pytest.mark.parametrize("alone", [False, True], ids=["batched", "alone"])
+def test_gpu_bf16_greedy_matches_cpu_fp32(default_model_path: str, cpu_reference: tuple,
+                                          alone: bool) -> None:
+    """``alone``: each prompt in its own generate call, so every decode step is batch 1
+    and runs the batch-1 GEMV kernels (``kernels/gemv.py``) instead of cuBLAS."""
+    prompts, ref = cpu_reference
     gpu = LLM(default_model_path, device="cuda", dtype="bfloat16", max_model_len=512,
               gpu_memory_utilization=0.3)
-    got = _run(gpu, prompts)
+    try:
+        got = [r for p in prompts for r in _run(gpu, [p])] if alone else _run(gpu, prompts)
+    finally:
+        del gpu  # free the KV cache before the next case builds its engine
+        gc.collect()
+        torch.cuda.empty_cache()
 
     identical, diffs, flips = 0, [], []
     for p, ((g_ids, g_lp), (r_ids, r_lp)) in enumerate(zip(got, ref, strict=True)):
