@@ -27,8 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.rotary import _rope
-
 
 @triton.jit
 def _load_x(x_ptr, ks, k_ok, K: tl.constexpr, SILU_MUL: tl.constexpr, MASKED: tl.constexpr):
@@ -107,105 +105,4 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, bias if bias is not None else weight, out, n, weight.stride(0), K=k,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps)
-    return out
-
-
-@triton.jit
-def _gemv_qkv_rope_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, pos_ptr, cs_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
-    stride_wn, stride_c, stride_cb, stride_cs, stride_ch,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    R: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    HALF: tl.constexpr = HEAD_DIM // 2
-    PER_HEAD: tl.constexpr = HALF // R
-    pid = tl.program_id(0)
-    head = pid // PER_HEAD
-    # This program's R rotation pairs (i, i + HALF) of one q, k or v head: both rows of
-    # each pair are computed here, so the rotation happens in registers.
-    i = (pid % PER_HEAD) * R + tl.arange(0, R)
-    rows1 = head * HEAD_DIM + i
-    rows2 = rows1 + HALF
-    w1_rows = w_ptr + rows1.to(tl.int64)[:, None] * stride_wn
-    w2_rows = w_ptr + rows2.to(tl.int64)[:, None] * stride_wn
-    rk = tl.arange(0, BLOCK_K)
-    acc1 = tl.zeros((R, BLOCK_K), dtype=tl.float32)
-    acc2 = tl.zeros((R, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + rk
-        if K % BLOCK_K == 0:
-            x = tl.load(x_ptr + ks).to(tl.float32)
-            w1 = tl.load(w1_rows + ks[None, :])
-            w2 = tl.load(w2_rows + ks[None, :])
-        else:
-            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-            w1 = tl.load(w1_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
-            w2 = tl.load(w2_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
-        acc1 += w1.to(tl.float32) * x[None, :]
-        acc2 += w2.to(tl.float32) * x[None, :]
-    y1 = tl.sum(acc1, axis=1)
-    y2 = tl.sum(acc2, axis=1)
-    if HAS_BIAS:
-        y1 += tl.load(b_ptr + rows1).to(tl.float32)
-        y2 += tl.load(b_ptr + rows2).to(tl.float32)
-    dt = y_ptr.dtype.element_ty
-    y1 = y1.to(dt)  # the projection's output rounding, as the unfused path stores it
-    y2 = y2.to(dt)
-    # Rotate q and k heads exactly as kernels/rotary.py does (cos/sin cast to the
-    # activation dtype; every product and sum rounded); v heads pass through.
-    pos = tl.load(pos_ptr).to(tl.int64)
-    cos = tl.load(cs_ptr + pos * stride_c + i).to(dt).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_c + HALF + i).to(dt).to(tl.float32)
-    r1, r2 = _rope(y1[None, :], y2[None, :], cos, sin)
-    rotate = head < NUM_Q_HEADS + NUM_KV_HEADS
-    y1 = tl.where(rotate, tl.reshape(r1, (R,)), y1)
-    y2 = tl.where(rotate, tl.reshape(r2, (R,)), y2)
-    tl.store(y_ptr + rows1, y1)
-    tl.store(y_ptr + rows2, y2)
-    if head >= NUM_Q_HEADS:
-        slot = tl.load(slot_ptr).to(tl.int64)
-        if slot >= 0:  # -1: CUDA-graph padding, nothing to store
-            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-            kv = head - NUM_Q_HEADS
-            if kv < NUM_KV_HEADS:
-                base = k_cache_ptr + dst + kv * stride_ch
-            else:
-                base = v_cache_ptr + dst + (kv - NUM_KV_HEADS) * stride_ch
-            tl.store(base + i, y1.to(k_cache_ptr.dtype.element_ty))
-            tl.store(base + HALF + i, y2.to(k_cache_ptr.dtype.element_ty))
-
-
-def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int,
-                  num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """Batch-1 decode: the fused QKV projection, neox rotary on q and k, and the KV-cache
-    write, in one launch.  Returns the ``[1, (Hq + 2 Hkv) * D]`` projection with q (and
-    k) rotated; the rotated k and the v are also stored at ``slot_mapping[0]`` (-1:
-    skipped) of ``kv_cache`` (``[2, num_blocks, block_size, Hkv, D]``).
-
-    Equals ``gemv`` then ``rotary.rotary_and_write_kv`` (full rotary, neox style), which
-    round the same way: the caller's attention then reads q from the result and k/v
-    from the cache.
-    """
-    n, k = weight.shape
-    if x.shape != (1, k) or not x.is_contiguous() or weight.stride(1) != 1:
-        raise ValueError(f"gemv_qkv_rope: x {tuple(x.shape)} vs weight {(n, k)}")
-    if n != (num_q_heads + 2 * num_kv_heads) * head_dim or head_dim % 8:
-        raise ValueError(f"gemv_qkv_rope: {n} outputs is not ({num_q_heads} + 2 x "
-                         f"{num_kv_heads}) heads of {head_dim}")
-    if cos_sin_cache.shape[-1] != head_dim or cos_sin_cache.stride(-1) != 1:
-        raise ValueError("gemv_qkv_rope needs full-width rotary (cos_sin_cache [P, D])")
-    r = 4  # 8 rows per program, as gemv_config
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    grid = (n // (2 * r),)
-    _gemv_qkv_rope_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, positions, cos_sin_cache,
-        slot_mapping, k_cache, v_cache, weight.stride(0), cos_sin_cache.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        K=k, HAS_BIAS=bias is not None, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2], R=r,
-        BLOCK_K=gemv_config(n, k)[1], num_warps=4)
     return out

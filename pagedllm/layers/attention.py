@@ -50,11 +50,3 @@ class Attention(nn.Module):
         else:
             out = self.backend.forward(q3, k3, v3, self.kv_cache, meta, self.scale)
         return out.reshape(t, self.num_heads * self.head_dim)
-
-    def forward_cached(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention for ``q`` (``[T, num_heads * head_dim]``, already rotated) when this
-        step's keys and values are already in the cache (a fused kernel wrote them)."""
-        t = q.shape[0]
-        out = self.backend.attend(q.view(t, self.num_heads, self.head_dim), self.kv_cache,
-                                  meta, self.scale)
-        return out.reshape(t, self.num_heads * self.head_dim)

@@ -75,25 +75,9 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
                               self.num_kv_heads, backend)
 
-    def _fused_decode(self, x: torch.Tensor, rope: RopeInputs) -> bool:
-        """Whether this step can take ``gemv_qkv_rope``: one token on the GEMV path, a
-        backend that rotates while writing the cache, full-width neox rotary, no q/k
-        norms, one tensor-parallel rank."""
-        return (self.attn.backend.fuses_rope and not self.qk_norm
-                and self.qkv_proj.tp_size == 1 and gemv_applies(x, self.qkv_proj.weight)
-                and rope.cos_sin_cache.shape[-1] == self.head_dim)
-
     def forward(self, rope: RopeInputs, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """``rope``: this step's inputs from ``RotaryEmbedding.inputs``."""
-        if self._fused_decode(x, rope):
-            # Batch-1 decode: projection, rotary and KV-cache write in one kernel.
-            from pagedllm.kernels.gemv import gemv_qkv_rope
-
-            qkv = gemv_qkv_rope(x, self.qkv_proj.weight, self.qkv_proj.bias, rope.positions,
-                                rope.cos_sin_cache, self.attn.kv_cache, meta.slot_mapping,
-                                self.num_heads, self.num_kv_heads, self.head_dim)
-            return self.o_proj(self.attn.forward_cached(qkv[:, :self.q_size], meta))
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q_end = self.q_size

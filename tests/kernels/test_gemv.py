@@ -11,8 +11,7 @@ import torch
 from kernel_refs import DEVICE, ON_GPU, fresh_seed
 
 from pagedllm.kernels.activation import silu_and_mul
-from pagedllm.kernels.gemv import gemv, gemv_qkv_rope
-from pagedllm.kernels.rotary import rotary_and_write_kv
+from pagedllm.kernels.gemv import gemv
 
 DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if ON_GPU else [])
 CONFIGS = [None, (4, 64, 2), (16, 128, 4)]  # the default and two tuning variants
@@ -69,41 +68,3 @@ def test_gemv_rejects_bad_shapes() -> None:
 def test_gpu_gemv_real_shapes(n: int, k: int) -> None:
     _check(n, k, torch.bfloat16, bias=False, seed=fresh_seed())
     _check(n, k, torch.bfloat16, bias=False, seed=fresh_seed(), silu=True)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bias", [False, True])
-def test_gemv_qkv_rope_equals_gemv_then_rotary_write(dtype: torch.dtype, bias: bool) -> None:
-    """The fused batch-1 QKV + rotary + KV write stores exactly what ``gemv`` followed by
-    ``rotary_and_write_kv`` stores: rotated q in the output, rotated k and v in the cache
-    slot, nothing else in the cache."""
-    seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
-    hq, hkv, d, k, block_size, num_blocks = 4, 2, 16, 200, 16, 6
-    n = (hq + 2 * hkv) * d
-    x = torch.randn(1, k, generator=gen).to(DEVICE, dtype)
-    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
-    b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
-    ang = torch.arange(64).float()[:, None] * inv_freq[None, :]
-    cos_sin = torch.cat([ang.cos(), ang.sin()], dim=-1).to(DEVICE)
-    positions = torch.randint(0, 64, (1,), generator=gen).to(DEVICE)
-    slot = torch.randint(0, num_blocks * block_size, (1,), generator=gen).to(DEVICE)
-    cache = torch.full((2, num_blocks, block_size, hkv, d), float("nan"), dtype=dtype,
-                       device=DEVICE)
-    ref_cache = cache.clone()
-
-    got = gemv_qkv_rope(x, w, b, positions, cos_sin, cache, slot, hq, hkv, d)
-    ref = gemv(x, w, b)
-    q, kk, v = ref.split([hq * d, hkv * d, hkv * d], dim=1)
-    rotary_and_write_kv(positions, q, kk, v, d, cos_sin, ref_cache, slot)
-    torch.testing.assert_close(got[:, :hq * d], ref[:, :hq * d], rtol=0, atol=0,
-                               msg=f"q (seed={seed})")
-    torch.testing.assert_close(got[:, (hq + hkv) * d:], ref[:, (hq + hkv) * d:], rtol=0,
-                               atol=0, msg=f"v (seed={seed})")
-    torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0, equal_nan=True,
-                               msg=f"KV cache (seed={seed})")
-    # A padding slot (-1) writes nothing to the cache.
-    before = cache.clone()
-    gemv_qkv_rope(x, w, b, positions, cos_sin, cache, torch.full_like(slot, -1), hq, hkv, d)
-    torch.testing.assert_close(cache, before, rtol=0, atol=0, equal_nan=True)
