@@ -10,7 +10,7 @@ the activation kernel (and its round trip through memory) from every layer.
 Layout: each program owns ``BLOCK_N`` consecutive output features and walks the whole K
 dimension in ``BLOCK_K`` steps, so every weight row is read as one contiguous stream and
 no partial sums cross programs (no split-K workspace, no atomics: results are
-deterministic and do not depend on the launch grid).  The accumulator is an elementwise
+deterministic for a given launch configuration).  The accumulator is an elementwise
 ``[BLOCK_N, BLOCK_K]`` fp32 tile, reduced along K once at the end, so the loop body is
 loads and FMAs only.  K is a compile-time constant (a layer's input size: a handful per
 model), which lets the K loop be unrolled.
