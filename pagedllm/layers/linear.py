@@ -27,9 +27,9 @@ from torch import nn
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x W^T`` runs as the batch-1 Triton GEMV (``kernels/gemv.py``): one row on
-    CUDA in bf16/fp16.  It reads the weight at the memory roofline where cuBLAS's split-K
-    kernels for thin layers do not.  The choice depends only on the row count, so a CUDA
-    graph and an eager run of one batch size agree."""
+    CUDA in bf16/fp16.  For thin layers it reads the weight faster than cuBLAS's split-K
+    kernels (H200 figures in docs/benchmarks.md).  The choice depends only on the row
+    count, so a CUDA graph and an eager run of one batch size agree."""
     return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
             and weight.dtype in (torch.bfloat16, torch.float16) and _gemv_enabled())
 
