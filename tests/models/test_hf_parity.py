@@ -140,6 +140,38 @@ def test_mixed_batch(pair, backend: str) -> None:
                                    rtol=0)
 
 
+def test_batch1_decodes_on_the_gemv_path(pair, monkeypatch) -> None:
+    """Batch-1 decode steps through the GEMV kernels (``kernels/gemv.py``, interpreted on
+    CPU): every projection, and down_proj with SiLU-and-mul fused into its input read.
+    On the GPU this path is chosen for one-row bf16/fp16 batches; here it is forced for
+    fp32 CPU rows so that CI checks the model's wiring against HF."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels on CPU tensors: needs TRITON_INTERPRET=1")
+    from pagedllm.kernels import gemv as gemv_mod
+    from pagedllm.layers import linear
+    from pagedllm.models import llama
+
+    calls = {"plain": 0, "silu_mul": 0}
+    real_gemv = gemv_mod.gemv
+
+    def counting_gemv(*args, **kw):  # type: ignore[no-untyped-def]
+        calls["silu_mul" if kw.get("silu_mul") else "plain"] += 1
+        return real_gemv(*args, **kw)
+
+    def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
+
+    monkeypatch.setattr(linear, "gemv_applies", one_row)
+    monkeypatch.setattr(llama, "gemv_applies", one_row)
+    monkeypatch.setattr(gemv_mod, "gemv", counting_gemv)
+    ids = _prompt(30, seed=6)
+    s = _session(pair, seed=6)
+    parts = [s.step({5: ids[:24]})[5]] + [s.step({5: [t]})[5] for t in ids[24:]]
+    torch.testing.assert_close(torch.cat(parts), _hf_logits(pair[1], ids), atol=ATOL, rtol=0)
+    layers = pair[2].model_config.num_layers
+    assert calls == {"plain": 6 * layers * 3, "silu_mul": 6 * layers}, calls
+
+
 def test_compute_logits_only_given_rows(pair) -> None:
     ours, _, cfg = pair
     h = torch.randn(3, cfg.model_config.hf_config.hidden_size)
