@@ -334,7 +334,8 @@ def paged_attention(
     assert out.shape == query.shape and out.stride(2) == 1
     if num_tokens == 0 or num_reqs == 0:
         return out
-    if launch is None and num_splits is None and max_query_len > 1:
+    if launch is None and num_splits is None and max_query_len > 1 and num_reqs > 1:
+        # (One request with several tokens is a prompt chunk: one launch.)
         # A mixed batch runs as two launches over the same metadata: the decodes with
         # the decode plan's small tiles (BLOCK_M = the GQA group of one token) and the
         # prompt chunks with 64-row tiles.  One launch with 64-row tiles for all would
