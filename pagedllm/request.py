@@ -47,7 +47,7 @@ class Request:
     ``all_token_ids`` grows by append only (O(1) per token); nothing here is recomputed
     from the full sequence per step.  ``num_tokens`` and ``num_output_tokens`` are plain
     attributes, not ``len()`` properties, because the scheduler reads them several times
-    per request per step: only ``append_output_token_ids`` (and ``fork``) may change the
+    per request per step: only ``append_output_token_id`` (and ``fork``) may change the
     token lists, and they keep the counts in step.
     """
 
@@ -131,15 +131,8 @@ class Request:
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
 
-    def append_output_token_ids(self, token_ids: list[int]) -> None:
-        self.output_token_ids.extend(token_ids)
-        self.all_token_ids.extend(token_ids)
-        n = len(token_ids)
-        self.num_tokens += n
-        self.num_output_tokens += n
-
     def append_output_token_id(self, token_id: int) -> None:
-        """One token (the common case: no list to build and extend by)."""
+        """Append one generated token, keeping the counts in step."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.num_tokens += 1

@@ -490,20 +490,16 @@ class Scheduler:
             prompt_lp = all_prompt_lp.get(rid) if all_prompt_lp else None
             if not tokens and prompt_lp is None:
                 continue  # a prompt chunk: nothing to report yet
-            if len(tokens) == 1:  # one token per step today
-                t = tokens[0]
+            # One token per step today (more with speculative decoding, none for a
+            # prompt-logprobs chunk); tokens after a stop are dropped.
+            new_tokens = tokens
+            stopped = False
+            for i, t in enumerate(tokens):
                 req.append_output_token_id(t)
-                new_tokens = [t]
-                stopped = self._check_stop(req, t)
-            else:  # several (speculative decoding), or none (a prompt-logprobs chunk)
-                new_tokens = []
-                stopped = False
-                for t in tokens:
-                    req.append_output_token_id(t)
-                    new_tokens.append(t)
-                    if self._check_stop(req, t):
-                        stopped = True
-                        break
+                if self._check_stop(req, t):
+                    stopped = True
+                    new_tokens = tokens[:i + 1]
+                    break
             lp = all_lp.get(rid) if all_lp else None
             eo = EngineCoreOutput(
                 request_id=rid, new_token_ids=new_tokens,
@@ -547,7 +543,7 @@ class Scheduler:
             if b not in used:
                 self._drop(self.requests[b], RequestStatus.FINISHED_ABORTED)
         for beam, token in appends:
-            beam.append_output_token_ids([token])
+            beam.append_output_token_id(token)
             if beam.status == RequestStatus.RUNNING:
                 beam.token_override = token
                 self._reserved -= beam.reserved_slots
