@@ -335,13 +335,13 @@ def paged_attention(
     if num_tokens == 0 or num_reqs == 0:
         return out
     if launch is None and num_splits is None and max_query_len > 1 and num_reqs > 1:
-        # (One request with several tokens is a prompt chunk: one launch.)
         # A mixed batch runs as two launches over the same metadata: the decodes with
         # the decode plan's small tiles (BLOCK_M = the GQA group of one token) and the
         # prompt chunks with 64-row tiles.  One launch with 64-row tiles for all would
         # give each decode a tile 16x larger than its 4 (GQA) rows, and the decode
         # attention of a step with hundreds of decodes would turn compute-bound.
-        # Programs of the other kind exit at once.
+        # Programs of the other kind exit at once.  (A lone request with several tokens
+        # is a prompt chunk: it keeps the single launch below.)
         sms = device_sm_count(query.device)
         for q_filter, mql in ((1, 1), (2, max_query_len)):
             plan = plan_attention(num_reqs=num_reqs, max_query_len=mql, num_heads=num_heads,

@@ -220,11 +220,7 @@ class RowParallelLinear(LinearBase):
         return self.input_size // self.tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return _matmul(x, self.weight, self.bias)
-        y = _matmul(x, self.weight, None)
-        torch.distributed.all_reduce(y)
-        return y if self.bias is None else y + self.bias
+        return self._reduce(_matmul(x, self.weight, self._local_bias))
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``forward(silu(gate) * up)`` for ``gate_up = [gate | up]``, with the activation
@@ -232,8 +228,16 @@ class RowParallelLinear(LinearBase):
         ``gemv_applies(gate_up, self.weight)``."""
         from pagedllm.kernels.gemv import gemv
 
-        bias = self.bias if self.tp_size == 1 else None
-        y = gemv(gate_up, self.weight, bias, silu_mul=True)
+        return self._reduce(gemv(gate_up, self.weight, self._local_bias, silu_mul=True))
+
+    @property
+    def _local_bias(self) -> torch.Tensor | None:
+        """The bias to add inside the matmul: only without tensor parallelism (with it,
+        once, after the all-reduce)."""
+        return self.bias if self.tp_size == 1 else None
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial outputs (and add the bias once)."""
         if self.tp_size == 1:
             return y
         torch.distributed.all_reduce(y)
