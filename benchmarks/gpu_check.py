@@ -1,11 +1,14 @@
 """GPU sanity check for the engine paths: greedy tokens with async scheduling on and off
-(CUDA graphs both times) and eager must agree on a dummy-weight model.
+(CUDA graphs both times), eager, and with programmatic dependent launch off
+(``PAGEDLLM_PDL=0``) must agree on a dummy-weight model.  PDL changes no arithmetic, so
+the PDL-off run must be identical token for token.
 
 Usage: python benchmarks/gpu_check.py
 """
 
 from __future__ import annotations
 
+import os
 import random
 
 from pagedllm import LLM, SamplingParams
@@ -22,13 +25,16 @@ def main() -> None:
     results = {}
     for name, kw in {"async": {"async_scheduling": True},
                      "sync": {"async_scheduling": False},
-                     "eager": {"async_scheduling": False, "enforce_eager": True}}.items():
+                     "eager": {"async_scheduling": False, "enforce_eager": True},
+                     "pdl_off": {"async_scheduling": True}}.items():
+        os.environ["PAGEDLLM_PDL"] = "0" if name == "pdl_off" else "1"
         llm = LLM(d, load_format="dummy", skip_tokenizer_init=True, max_model_len=1024,
                   kv_cache_memory_bytes=2 << 30, **kw)
         outs = llm.generate(prompts, params, use_tqdm=False)
         results[name] = [o.outputs[0].token_ids for o in outs]
         del llm
-    for name in ("sync", "eager"):
+    os.environ.pop("PAGEDLLM_PDL")
+    for name in ("sync", "eager", "pdl_off"):
         same = sum(a == b for a, b in zip(results["async"], results[name]))
         print(f"async vs {name}: {same}/{len(prompts)} sequences identical")
 

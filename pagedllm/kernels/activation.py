@@ -12,9 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -41,5 +45,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     block = min(1024, triton.next_power_of_2(inter))
     grid = (x2.shape[0], triton.cdiv(inter, block))
     _silu_and_mul_kernel[grid](x2, o2, x2.stride(0), o2.stride(0), inter, BLOCK=block,
-                               num_warps=4 if block >= 512 else 2)
+                               num_warps=4 if block >= 512 else 2,
+                               **pdl_launch_args(x.device))
     return out

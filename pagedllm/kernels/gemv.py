@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
+
 
 @triton.jit
 def _load_x(x_ptr, ks, k_ok, K: tl.constexpr, SILU_MUL: tl.constexpr, MASKED: tl.constexpr):
@@ -49,9 +51,17 @@ def _load_x(x_ptr, ks, k_ok, K: tl.constexpr, SILU_MUL: tl.constexpr, MASKED: tl
 
 
 @triton.jit
+def _load_w(w_rows, ks, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    if K % BLOCK_K == 0:  # static: unmasked, vectorised loads
+        return tl.load(w_rows + ks[None, :])
+    return tl.load(w_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn,
                  K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_trigger(USE_PDL)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -60,15 +70,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn,
     # along K stay unmasked and vectorised; those rows are never stored.
     rn_safe = tl.minimum(rn, N - 1).to(tl.int64)
     w_rows = w_ptr + rn_safe[:, None] * stride_wn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # The first weight tile is fetched before waiting for the previous kernel (PDL,
+    # kernels/pdl.py): weights are never written by a kernel, x is.
+    w = _load_w(w_rows, rk, K, BLOCK_K)
+    pdl_wait(USE_PDL)
+    acc = w.to(tl.float32) * _load_x(x_ptr, rk, rk < K, K, SILU_MUL, K % BLOCK_K != 0)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + rk
-        if K % BLOCK_K == 0:  # static: unmasked, vectorised loads
-            w = tl.load(w_rows + ks[None, :])
-            x = _load_x(x_ptr, ks, ks < K, K, SILU_MUL, False)
-        else:
-            w = tl.load(w_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
-            x = _load_x(x_ptr, ks, ks < K, K, SILU_MUL, True)
+        w = _load_w(w_rows, ks, K, BLOCK_K)
+        x = _load_x(x_ptr, ks, ks < K, K, SILU_MUL, K % BLOCK_K != 0)
         acc += w.to(tl.float32) * x[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -104,5 +114,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, n, weight.stride(0), K=k,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps)
+        num_warps=warps, **pdl_launch_args(x.device))
     return out

@@ -15,12 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
-    n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -57,7 +60,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     _rms_norm_kernel[(n_rows,)](
         x2, r2, weight, o2, ro2, x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
         n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=min(16, max(1, block // 256)),
+        num_warps=min(16, max(1, block // 256)), **pdl_launch_args(x.device),
     )
 
 

@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
+
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 
@@ -116,8 +118,9 @@ def _paged_attn_kernel(
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
-    Q_FILTER: tl.constexpr,
+    Q_FILTER: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -201,7 +204,9 @@ def _reduce_splits_kernel(
     acc_ptr, m_ptr, l_ptr, out_ptr, qsl_ptr, num_reqs, num_heads, num_splits,
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if tok >= tl.load(qsl_ptr + num_reqs):
@@ -380,6 +385,7 @@ def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
         BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q, TILE_N=launch.tile_n,
         SPLIT=splits > 1, F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), Q_FILTER=q_filter,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
+        **pdl_launch_args(query.device),
     )
     # num_splits is a runtime argument (only "split or not" is compiled in), so batch
     # sizes that pick different split counts share one compiled kernel.
@@ -404,4 +410,5 @@ def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
         acc, m, lse, out, query_start_loc, num_reqs, num_heads, splits, out.stride(0),
         out.stride(1),
         HEAD_DIM=head_dim, DIM_P2=dim_p2,
-        SPLITS_P2=triton.next_power_of_2(splits), num_warps=4 if head_dim >= 128 else 2)
+        SPLITS_P2=triton.next_power_of_2(splits), num_warps=4 if head_dim >= 128 else 2,
+        **pdl_launch_args(query.device))

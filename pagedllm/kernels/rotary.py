@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
+
 
 @triton.jit
 def _pair_offsets(i, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
@@ -102,8 +104,9 @@ def _rotary_kv_write_kernel(
     stride_cb, stride_cs, stride_ch, num_q_heads,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HALF: tl.constexpr, HALF_P2: tl.constexpr, QH_P2: tl.constexpr, KH_P2: tl.constexpr,
-    DIM_P2: tl.constexpr, IS_NEOX: tl.constexpr,
+    DIM_P2: tl.constexpr, IS_NEOX: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, HALF_P2)
     imask = i < HALF
@@ -208,5 +211,5 @@ def rotary_and_write_kv(
         HALF=half, HALF_P2=triton.next_power_of_2(half),
         QH_P2=triton.next_power_of_2(q.shape[1]), KH_P2=triton.next_power_of_2(num_kv_heads),
         DIM_P2=triton.next_power_of_2(head_size), IS_NEOX=is_neox,
-        num_warps=4 if q.shape[1] * half >= 1024 else 1,
+        num_warps=4 if q.shape[1] * half >= 1024 else 1, **pdl_launch_args(q.device),
     )

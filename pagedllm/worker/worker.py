@@ -62,6 +62,10 @@ class Worker:
         torch.manual_seed(self.config.model_config.seed)
         self.backend = make_backend(self.device)
         self.model = load_model(self.config.model_config, self.device, self.backend)
+        if self.device.type == "cuda":
+            # Weights must be final before any kernel runs: PDL kernels read weights
+            # before waiting for their predecessor (kernels/pdl.py).
+            torch.cuda.synchronize(self.device)
         logger.info("loaded %s (%s, %s) in %.1f s", self.config.model_config.served_model_name,
                     self.config.model_config.dtype, self.device, time.perf_counter() - t0)
 
