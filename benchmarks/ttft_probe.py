@@ -9,7 +9,9 @@ Three phases, each ``--trials`` fresh prompts:
 2. after ``gc.collect(); gc.freeze()`` with the collector disabled, to see whether
    collections landing in the timed call explain the slow trials;
 3. under ``torch.profiler`` (CUDA kernels only): per trial, the sum of kernel times and
-   the span from the first kernel's start to the last kernel's end, against wall time.
+   the span from the first kernel's start to the last kernel's end, against wall time;
+4. with ``--cprofile``: the host's functions over ``--trials`` requests (by own time),
+   written to ``ttft_host.txt``.
 
 Prints one line per trial and writes ``ttft_probe.json``.
 """
@@ -33,6 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=12)
     ap.add_argument("--out", default=".")
+    ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--dummy", default="llama3-8b", choices=["llama3-8b", "smollm2-135m"])
     a = ap.parse_args()
     llm = LLM(write_dummy_model(a.dummy), load_format="dummy", skip_tokenizer_init=True)
@@ -59,6 +62,20 @@ def main() -> None:
                 - min(e.time_range.start for e in kernels)) / 1000 if kernels else 0.0
         res["profiled"].append({"wall_ms": 1000 * wall, "kernel_sum_ms": busy,
                                 "kernel_span_ms": span, "kernels": len(kernels)})
+    if a.cprofile:
+        import cProfile
+        import io
+        import pstats
+        prof_host = cProfile.Profile()
+        prof_host.enable()
+        for _ in range(a.trials):
+            _timed(llm, w4(next(seeds), hi), 1)
+        prof_host.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof_host, stream=buf).sort_stats("tottime").print_stats(40)
+        pstats.Stats(prof_host, stream=buf).sort_stats("cumtime").print_stats(40)
+        with open(os.path.join(a.out, "ttft_host.txt"), "w") as f:
+            f.write(buf.getvalue())
     for key in ("gc_on_ms", "gc_frozen_ms"):
         vals = res[key]
         print(f"{key:<14} median {statistics.median(vals):7.2f}  min {min(vals):7.2f}  "
