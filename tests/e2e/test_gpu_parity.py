@@ -60,8 +60,9 @@ def cpu_reference(default_model_path: str) -> tuple[list[list[int]], list]:
 @pytest.mark.parametrize("alone", [False, True], ids=["batched", "alone"])
 def test_gpu_bf16_greedy_matches_cpu_fp32(default_model_path: str, cpu_reference: tuple,
                                           alone: bool) -> None:
-    """``alone``: each prompt in its own generate call, so every decode step is batch 1
-    and runs the batch-1 GEMV kernels (``kernels/gemv.py``) instead of cuBLAS."""
+    """``alone``: each prompt in its own generate call, so its prompt replays a
+    prompt-chunk CUDA graph and every decode step is batch 1 and runs the batch-1 GEMV
+    kernels (``kernels/gemv.py``) instead of cuBLAS."""
     prompts, ref = cpu_reference
     gpu = LLM(default_model_path, device="cuda", dtype="bfloat16", max_model_len=512,
               gpu_memory_utilization=0.3)
