@@ -96,7 +96,10 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: Any, olen: int) ->
     res = _Result(prompt_len=len(prompt) if isinstance(prompt, list) else 0)
     body = {"model": model, "prompt": prompt, "max_tokens": olen, "min_tokens": olen,
             "ignore_eos": True, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True},
+            # Token ids too, so that chunks count when the server has no tokenizer
+            # (--skip-tokenizer-init: empty text) -- a vLLM extra like min_tokens.
+            "return_token_ids": True}
     t0 = time.perf_counter()
     last = t0
     try:
@@ -116,7 +119,8 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: Any, olen: int) ->
                     res.error = str(chunk["error"].get("message", "error"))[:200]
                     return res
                 now = time.perf_counter()
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                choices = chunk.get("choices")
+                if choices and (choices[0].get("text") or choices[0].get("token_ids")):
                     if res.ttft == 0.0:
                         res.ttft = now - t0
                     else:

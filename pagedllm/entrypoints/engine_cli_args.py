@@ -63,6 +63,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=4.0,
                    help="GiB of CPU memory for swapped-out KV blocks (pinned on GPU "
                         "machines); used with --preemption-mode swap.")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="Load no tokenizer (e.g. a dummy-weight benchmark model with only "
+                        "config.json): prompts must be token ids, and outputs carry token "
+                        "ids with empty text.")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="Allow model repositories to run their own code (off by default).")
 

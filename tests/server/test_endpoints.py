@@ -184,6 +184,27 @@ def test_chat_stream_n2_role_first(client: openai.OpenAI, model: str) -> None:
     assert seen_role == {0, 1}
 
 
+def test_completion_return_token_ids(server: ServerProcess, model: str) -> None:
+    """vLLM's ``return_token_ids``: the choice carries its token ids (streamed: each
+    chunk its new ones, the first chunk the prompt's), consistent with the text."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+            "return_token_ids": True}
+    with server.client() as c:
+        full = c.post("/v1/completions", json=body).json()["choices"][0]
+        tok = c.post("/tokenize", json={"model": model, "prompt": PROMPT}).json()["tokens"]
+        detok = c.post("/detokenize", json={"model": model,
+                                            "tokens": full["token_ids"]}).json()["prompt"]
+        with c.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+            chunks = [json.loads(line[len("data: "):]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+    assert len(full["token_ids"]) == 6 and detok == full["text"]
+    assert full["prompt_token_ids"] == tok
+    streamed = [t for ch in chunks for t in ch["choices"][0]["token_ids"]]
+    assert streamed == full["token_ids"]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == tok
+    assert all("prompt_token_ids" not in ch["choices"][0] for ch in chunks[1:])
+
+
 def test_vllm_extras_accepted(client: openai.OpenAI, model: str) -> None:
     extras = {"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2,
               "ignore_eos": True, "stop_token_ids": [2], "include_stop_str_in_output": False,

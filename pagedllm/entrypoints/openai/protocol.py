@@ -196,6 +196,9 @@ class CompletionRequest(_SamplingFields):
     # vLLM extras.
     add_special_tokens: bool = True
     prompt_logprobs: Int | None = None
+    # Each choice also carries its generated ``token_ids`` (streaming: the chunk's new
+    # ones) and ``prompt_token_ids`` (streaming: in its first chunk), as in vLLM.
+    return_token_ids: bool = False
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of single prompts (text or token ids), 400 if empty."""

@@ -45,6 +45,9 @@ class _Choice:
     top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
     echoed: bool = False
+    token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None  # set by the first delta
+    sent_prompt_ids: bool = False
 
 
 class OpenAIServingCompletion(ServingHandler):
@@ -131,6 +134,10 @@ class OpenAIServingCompletion(ServingHandler):
         delta += c.text
         ch.text += c.text
         ch.num_tokens += len(c.token_ids)
+        if body.return_token_ids:
+            ch.token_ids += c.token_ids
+            if ch.prompt_token_ids is None:
+                ch.prompt_token_ids = list(out.prompt_token_ids)
         if c.finish_reason is not None and ch.finish_reason is None:
             ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
         return delta, lp_start
@@ -169,6 +176,8 @@ class OpenAIServingCompletion(ServingHandler):
                 "logprobs": self._logprobs_json(ch, 0) if body.logprobs is not None
                 else None,
                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
+                **({"token_ids": ch.token_ids, "prompt_token_ids": ch.prompt_token_ids}
+                   if body.return_token_ids else {}),
             } for i, ch in enumerate(choices)],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
@@ -195,16 +204,21 @@ class OpenAIServingCompletion(ServingHandler):
                     delta, lp_start = self._apply(body, ch, out, c)
                     if not delta and ch.finish_reason is None and not c.token_ids:
                         continue
+                    choice: dict[str, Any] = {
+                        "index": idx, "text": delta,
+                        "logprobs": self._logprobs_json(ch, lp_start)
+                        if body.logprobs is not None else None,
+                        "finish_reason": ch.finish_reason,
+                        "stop_reason": ch.stop_reason,
+                    }
+                    if body.return_token_ids:
+                        choice["token_ids"] = list(c.token_ids)
+                        if not ch.sent_prompt_ids:
+                            ch.sent_prompt_ids = True
+                            choice["prompt_token_ids"] = ch.prompt_token_ids
                     chunk: dict[str, Any] = {
                         "id": public_id, "object": "text_completion", "created": created,
-                        "model": model,
-                        "choices": [{
-                            "index": idx, "text": delta,
-                            "logprobs": self._logprobs_json(ch, lp_start)
-                            if body.logprobs is not None else None,
-                            "finish_reason": ch.finish_reason,
-                            "stop_reason": ch.stop_reason,
-                        }]}
+                        "model": model, "choices": [choice]}
                     if include_usage:
                         chunk["usage"] = _usage(sum(num_prompt), choices) if continuous \
                             else None
