@@ -1,0 +1,81 @@
+"""Programmatic dependent launch (PDL, Hopper and later): a kernel may start while the
+kernel before it in the stream is still finishing.
+
+A batch-1 decode step is ~290 short kernels back to back (3-60 µs each).  Without PDL
+each one starts only after its predecessor has fully drained, so every boundary costs the
+predecessor's tail (its last programs running on a few SMs) plus the new kernel's
+launch and ramp-up.  With PDL the next kernel is launched as soon as every program of
+the current one has executed ``gdc_launch_dependents``; its programs then sit in
+``gdc_wait`` until the predecessor has completed and its writes are visible.  Work placed
+before the wait overlaps the predecessor's tail: the GEMV (``kernels/gemv.py``) fetches
+its first weight tile there.
+
+**Contract** for a kernel compiled with ``USE_PDL``: it calls :func:`pdl_wait` (or
+``gdc_wait`` directly) before any load of data that another kernel writes (activations,
+KV cache, metadata) and before any store.  Before the wait it may read only weights,
+which no kernel writes after loading (``Worker.load_model`` synchronises after loading).
+Completion is transitive: every PDL kernel waits for its predecessor to *complete*, and
+that predecessor could not complete before its own wait returned, so once a kernel is past
+its wait every earlier kernel in the stream has finished.  Kernels without PDL (cuBLAS,
+torch ops) keep ordinary stream order, and mixing the two is safe in both directions.
+
+CUDA graphs keep the dependency (stream capture records a programmatic edge), so the
+overlap also happens on replay.  ``PAGEDLLM_PDL=0`` turns PDL off (A/B runs); it is off
+in the Triton interpreter and below compute capability 9.0.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+
+@functools.cache
+def _capability_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels launched on ``device`` use PDL (read per launch, so the env var
+    and the interpreter switch take effect without a restart)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    if os.environ.get("PAGEDLLM_PDL", "1") == "0":
+        return False
+    return _capability_ok(device.index if device.index is not None
+                          else torch.cuda.current_device())
+
+
+def pdl_launch_args(device: torch.device) -> dict[str, Any]:
+    """Keyword arguments for a ``kernel[grid](...)`` call of a kernel that takes a
+    ``USE_PDL`` constexpr: the constexpr and, when on, the launch attribute."""
+    if pdl_enabled(device):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
+
+
+@triton.jit
+def pdl_trigger(USE_PDL: tl.constexpr):
+    """Let the next kernel in the stream launch (once every program got here)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Block until the previous kernel has completed and its writes are visible."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_start(USE_PDL: tl.constexpr):
+    """Trigger then wait: the prologue of a kernel that reads nothing before the wait."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
