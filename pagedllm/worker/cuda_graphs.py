@@ -2,26 +2,29 @@
 step's inputs copied into static buffers.
 
 ```
- decode step, n requests x 1 token ──► smallest captured batch size bs >= n
- lone prompt chunk of n tokens      ──► smallest captured prompt size T >= n
-   static buffers[:n] <- inputs          static buffers[n:bs or T] <- padding
-   (ids 0, positions 0, slot -1 = no write, seq_len 1, block table row = null block)
-   graph.replay()  ──► hidden[:n]
+ decode step: n requests x 1 token  ──► decode graph of the smallest batch size bs >= n
+ any other step of t <= 1024 tokens ──► chunk graph of the smallest size T >= t
+   static buffers[:t] <- inputs          static buffers[t:T] <- padding
+   (ids 0, positions 0, slot -1 = no write; padded requests own no token)
+   graph.replay()  ──► hidden[:t]
 ```
 
 Two families of graphs share one memory pool:
 
 * **decode**: every request has exactly one new token (the steady state of serving);
-* **lone prompt chunk**: one request with several new tokens and nothing else in the
-  step -- a single user's prompt (W4's TTFT) or a chunk of it.  Eagerly such a step costs
-  ~15 ms of host time for ~330 kernel launches on a Llama-3-8B shape, more than the GPU
-  needs for a 512-token prompt; replayed it costs the GPU time alone.  Sizes stop at 1024
-  tokens, where the GPU time outgrows the host's.
+  captured for batch sizes 1, 2, 4, 8, 16, ..., ``max_num_seqs``.
+* **chunk**: steps with prompt chunks -- a lone prompt (W4's TTFT), or decodes plus a
+  newly arrived prompt (most of W2's slow steps) -- captured for 8 ... 1024 tokens, each
+  with room for ``min(T, max_num_seqs)`` requests.  Eagerly such a step costs ~15 ms of
+  host time for ~330 kernel launches on a Llama-3-8B shape, more than the GPU needs for
+  a 512-token chunk; replayed it costs the GPU time alone.  Larger steps run eagerly:
+  their GPU time outgrows the host's.
 
-Other steps (several requests, some with prompt chunks) run eagerly.  The attention
-backend's launch grids depend only on host ints (number of requests, number of tokens,
-whether the step is decode-only), never on sequence lengths or on where a chunk starts,
-so one graph per shape serves every context length.
+This works because the attention backend's launch grids depend only on host ints (the
+number of tokens, the number of requests, whether the step is decode-only), never on
+sequence lengths or on where a chunk starts: a chunk graph captured with ``R`` request
+slots serves any step with up to ``R`` requests (the unused slots own no tokens, so
+their programs exit at once), and one graph per shape serves every context length.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -39,10 +43,17 @@ from pagedllm.worker.input_batch import StepInputs
 
 logger = logging.getLogger("pagedllm")
 
-# Prompt-chunk sizes captured (those <= max_num_batched_tokens and max_model_len).
-PROMPT_SIZES = (8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 640, 768, 1024)
+# Chunk-graph token counts captured (those <= max_num_batched_tokens and max_model_len):
+# about 25% apart, so padding wastes little.
+CHUNK_SIZES = (8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
-GraphKey = tuple[int, int]  # (requests, tokens) it was captured for
+
+class GraphShape(NamedTuple):
+    """What a graph was captured for: ``reqs`` request slots, ``tokens`` token rows."""
+
+    reqs: int
+    tokens: int
+    decode: bool  # decode-only (one token per request) or chunk
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -54,20 +65,23 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-def prompt_capture_sizes(max_num_batched_tokens: int, max_model_len: int) -> list[int]:
+def chunk_capture_sizes(max_num_batched_tokens: int, max_model_len: int) -> list[int]:
     cap = min(max_num_batched_tokens, max_model_len)
-    return [s for s in PROMPT_SIZES if s <= cap]
+    return [s for s in CHUNK_SIZES if s <= cap]
 
 
-def graph_key(decode_sizes: list[int], prompt_sizes: list[int], num_tokens: int,
-              num_reqs: int, max_query_len: int) -> GraphKey | None:
+def graph_shape(decode_sizes: list[int], chunk_sizes: list[int], max_num_seqs: int,
+                num_tokens: int, num_reqs: int, max_query_len: int) -> GraphShape | None:
     """Which captured graph a step of ``num_tokens`` tokens over ``num_reqs`` requests
-    replays: ``(bs, bs)`` for a decode-only step of <= bs requests, ``(1, T)`` for a
-    lone prompt chunk of <= T tokens, None (eager) for anything else or too large."""
+    replays: the decode graph of the smallest batch size >= ``num_reqs`` for a
+    decode-only step, else the chunk graph of the smallest size >= ``num_tokens``;
+    None (eager) when the step is larger than every captured shape."""
     if max_query_len == 1 and num_tokens == num_reqs:
-        return next(((s, s) for s in decode_sizes if s >= num_reqs), None)
-    if num_reqs == 1:
-        return next(((1, t) for t in prompt_sizes if t >= num_tokens), None)
+        return next((GraphShape(s, s, True) for s in decode_sizes if s >= num_reqs), None)
+    for t in chunk_sizes:
+        if t >= num_tokens:
+            reqs = min(t, max_num_seqs)
+            return GraphShape(reqs, t, False) if num_reqs <= reqs else None
     return None
 
 
@@ -81,22 +95,23 @@ class CudaGraphRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_num_seqs)
-        self.prompt_sizes = prompt_capture_sizes(max_num_batched_tokens, max_model_len)
+        self.chunk_sizes = chunk_capture_sizes(max_num_batched_tokens, max_model_len)
         n = self.sizes[-1]
-        tokens = max([n, *self.prompt_sizes])
+        self.max_num_seqs = n
+        tokens = max([n, *self.chunk_sizes])
         i32, i64 = torch.int32, torch.int64
         self.input_ids = torch.zeros(tokens, dtype=i64, device=device)
         self.positions = torch.zeros(tokens, dtype=i64, device=device)
         self.slot_mapping = torch.full((tokens,), -1, dtype=i64, device=device)
         self.seq_lens = torch.ones(n, dtype=i32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=i32, device=device)
-        self.prompt_qsl = torch.tensor([0, 1], dtype=i32, device=device)  # [0, n]
+        self.query_start_loc = torch.arange(n + 1, dtype=i32, device=device)  # decode
+        self.chunk_qsl = torch.zeros(n + 1, dtype=i32, device=device)  # set per step
         self.block_tables = torch.zeros((n, max_blocks_per_req), dtype=i32, device=device)
         # Pinned staging: one host->device copy per buffer per step, never a sync; two
         # sets used on alternate steps so a step in flight keeps its own.
         self._staging = [self._make_staging(tokens, n, max_blocks_per_req) for _ in range(2)]
-        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[GraphKey, torch.Tensor] = {}
+        self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphShape, torch.Tensor] = {}
         self.pool = None
         self.hidden_size = hidden_size
         self.dtype = dtype
@@ -108,18 +123,21 @@ class CudaGraphRunner:
                 "pos": torch.zeros(tokens, dtype=i64, pin_memory=True),
                 "slot": torch.zeros(tokens, dtype=i64, pin_memory=True),
                 "seq": torch.zeros(n, dtype=i32, pin_memory=True),
-                "qsl": torch.zeros(2, dtype=i32, pin_memory=True),
+                "qsl": torch.zeros(n + 1, dtype=i32, pin_memory=True),
                 "bt": torch.zeros((n, max_blocks), dtype=i32, pin_memory=True)}
 
-    def _meta(self, key: GraphKey) -> AttentionMetadata:
-        reqs, tokens = key
-        if reqs == tokens:  # decode: request i is token i
-            qsl, qsl_cpu = self.query_start_loc[:reqs + 1], torch.arange(reqs + 1,
-                                                                           dtype=torch.int32)
-        else:  # one prompt chunk of up to `tokens` tokens
-            qsl, qsl_cpu = self.prompt_qsl, torch.tensor([0, tokens], dtype=torch.int32)
+    def _meta(self, shape: GraphShape) -> AttentionMetadata:
+        reqs, tokens = shape.reqs, shape.tokens
+        if shape.decode:  # request i is token i
+            qsl = self.query_start_loc[:reqs + 1]
+            qsl_cpu = torch.arange(reqs + 1, dtype=torch.int32)
+        else:  # captured as one request owning every row; set per step
+            qsl = self.chunk_qsl[:reqs + 1]
+            qsl_cpu = torch.full((reqs + 1,), tokens, dtype=torch.int32)
+            qsl_cpu[0] = 0
         return AttentionMetadata(
-            num_actual_tokens=tokens, num_reqs=reqs, max_query_len=tokens // reqs,
+            num_actual_tokens=tokens, num_reqs=reqs,
+            max_query_len=1 if shape.decode else tokens,
             max_seq_len=self.max_model_len, query_start_loc=qsl,
             seq_lens=self.seq_lens[:reqs], block_tables=self.block_tables[:reqs],
             slot_mapping=self.slot_mapping[:tokens], query_start_loc_cpu=qsl_cpu,
@@ -130,16 +148,17 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         # Largest first: later graphs reuse its pool.
-        keys = [(1, t) for t in reversed(self.prompt_sizes)] + \
-            [(bs, bs) for bs in reversed(self.sizes)]
-        for key in keys:
-            reqs, tokens = key
-            if reqs != tokens:  # capture a whole-chunk prompt (no cached context)
-                self.prompt_qsl[1] = tokens
+        shapes = [GraphShape(min(t, self.max_num_seqs), t, False)
+                  for t in reversed(self.chunk_sizes)]
+        shapes += [GraphShape(bs, bs, True) for bs in reversed(self.sizes)]
+        for shape in shapes:
+            tokens = shape.tokens
+            self.seq_lens.fill_(1)
+            if not shape.decode:  # capture one whole-chunk prompt (no cached context)
+                self.chunk_qsl.fill_(tokens)
+                self.chunk_qsl[0] = 0
                 self.seq_lens[0] = tokens
-            else:
-                self.seq_lens.fill_(1)
-            meta = self._meta(key)
+            meta = self._meta(shape)
             for _ in range(2):  # warm up (Triton autotune/compile) outside the graph
                 self.model(self.input_ids[:tokens], self.positions[:tokens], meta)
             torch.cuda.synchronize(self.device)
@@ -148,26 +167,27 @@ class CudaGraphRunner:
                 out = self.model(self.input_ids[:tokens], self.positions[:tokens], meta)
             if self.pool is None:
                 self.pool = g.pool()
-            self.graphs[key] = g
-            self.outputs[key] = out
+            self.graphs[shape] = g
+            self.outputs[shape] = out
         torch.cuda.synchronize(self.device)
-        logger.info("captured CUDA graphs for %d decode batch sizes (%s) and %d prompt-chunk "
-                    "sizes (%s) in %.1f s", len(self.sizes), ",".join(map(str, self.sizes)),
-                    len(self.prompt_sizes), ",".join(map(str, self.prompt_sizes)),
+        logger.info("captured CUDA graphs for %d decode batch sizes (%s) and %d chunk sizes "
+                    "(%s tokens) in %.1f s", len(self.sizes), ",".join(map(str, self.sizes)),
+                    len(self.chunk_sizes), ",".join(map(str, self.chunk_sizes)),
                     time.perf_counter() - t0)
 
     def padded_size(self, num_tokens: int, num_reqs: int,
-                    max_query_len: int) -> GraphKey | None:
+                    max_query_len: int) -> GraphShape | None:
         """The captured shape this step replays, or None to run eagerly."""
-        return graph_key(self.sizes, self.prompt_sizes, num_tokens, num_reqs, max_query_len)
+        return graph_shape(self.sizes, self.chunk_sizes, self.max_num_seqs, num_tokens,
+                           num_reqs, max_query_len)
 
-    def run(self, inp: StepInputs, key: GraphKey,
+    def run(self, inp: StepInputs, shape: GraphShape,
             fix: Callable[[torch.Tensor], None] | None = None, parity: int = 0,
             ) -> torch.Tensor:
-        """Replay the graph captured for ``key`` on this step's ``t <= tokens`` tokens of
-        ``n <= reqs`` requests; ``fix`` patches the device input ids (in-flight tokens)
-        before the replay."""
-        reqs, tokens = key
+        """Replay the graph captured for ``shape`` on this step's ``t <= tokens`` tokens
+        of ``n <= reqs`` requests; ``fix`` patches the device input ids (in-flight
+        tokens) before the replay."""
+        reqs, tokens = shape.reqs, shape.tokens
         t, n = len(inp.input_ids), len(inp.seq_lens)
         nb = inp.block_tables.shape[1]
         h = self._staging[parity]
@@ -188,10 +208,12 @@ class CudaGraphRunner:
         self.slot_mapping[:tokens].copy_(h["slot"][:tokens], non_blocking=True)
         self.seq_lens[:reqs].copy_(h["seq"][:reqs], non_blocking=True)
         self.block_tables[:reqs, :nb].copy_(h["bt"][:reqs, :nb], non_blocking=True)
-        if reqs != tokens:
-            h["qsl"][0], h["qsl"][1] = 0, t
-            self.prompt_qsl.copy_(h["qsl"], non_blocking=True)
+        if not shape.decode:
+            # The unused request slots start (and end) at row t: they own no tokens.
+            h["qsl"][:n + 1] = torch.from_numpy(inp.query_start_loc)
+            h["qsl"][n + 1:reqs + 1] = t
+            self.chunk_qsl[:reqs + 1].copy_(h["qsl"][:reqs + 1], non_blocking=True)
         if fix is not None:
             fix(self.input_ids[:t])
-        self.graphs[key].replay()
-        return self.outputs[key][:t]
+        self.graphs[shape].replay()
+        return self.outputs[shape][:t]

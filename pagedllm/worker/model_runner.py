@@ -151,7 +151,7 @@ class ModelRunner:
             self._prompt_lp_ids.add(f.child_req_id)
 
     def capture_cuda_graphs(self) -> None:
-        """Capture decode and prompt-chunk graphs (CUDA only, unless enforce_eager)."""
+        """Capture decode and chunk graphs (CUDA only, unless enforce_eager)."""
         mc = self.config.model_config
         self.graphs = CudaGraphRunner(
             self.model, self.device, self.config.scheduler_config.max_num_seqs,
@@ -209,15 +209,15 @@ class ModelRunner:
 
     def _forward(self, inp: StepInputs, fix: Callable[[torch.Tensor], None] | None,
                  ) -> torch.Tensor:
-        """Hidden states of every scheduled token: a CUDA-graph replay for decode
-        batches and lone prompt chunks that fit a captured size, an eager forward
-        otherwise.  ``fix`` patches
+        """Hidden states of every scheduled token: a CUDA-graph replay when the step fits
+        a captured shape (``worker/cuda_graphs.py``), an eager forward otherwise.  ``fix`` patches
         the device input ids (tokens still in flight) before the model reads them."""
         num_reqs = len(inp.seq_lens)
         if self.graphs is not None:
-            key = self.graphs.padded_size(len(inp.input_ids), num_reqs, inp.max_query_len)
-            if key is not None:
-                return self.graphs.run(inp, key, fix, self.h2d.parity)
+            shape = self.graphs.padded_size(len(inp.input_ids), num_reqs,
+                                            inp.max_query_len)
+            if shape is not None:
+                return self.graphs.run(inp, shape, fix, self.h2d.parity)
         meta = self._metadata(inp)
         ids = self.h2d("ids", inp.input_ids)
         if fix is not None:

@@ -1,8 +1,10 @@
 """CUDA-graph replay against eager on the GPU (dummy SmolLM2-shaped bf16 model).
 
-Each prompt runs alone, so its prompt is a lone prompt chunk (a prompt-chunk graph when
-it has <= 1024 tokens, eager above) and its decode steps are batch 1 (a decode graph).
-The same engine settings with ``enforce_eager=True`` give the reference.
+Alone, each prompt is a lone prompt chunk (a chunk graph when it has <= 1024 tokens,
+eager above) and its decode steps are batch 1 (a decode graph).  Batched with a
+512-token step budget, long prompts are split into chunks that share steps with other
+requests' decodes and chunks: mixed steps, replayed from chunk graphs.  The same engine
+settings with ``enforce_eager=True`` give the reference.
 
 A replay pads the step to a captured shape, and cuBLAS may pick another kernel for the
 padded row count, so bf16 results can differ in the last bit: a near-tie between the two
@@ -30,15 +32,19 @@ pytestmark = [pytest.mark.gpu,
 LENGTHS = [2, 7, 8, 9, 63, 100, 255, 257, 512, 600, 1024, 1300]
 
 
-def _run(graphs: bool, prompts: list[list[int]]) -> list[tuple[list[int], list[dict]]]:
+def _run(graphs: bool, prompts: list[list[int]],
+         alone: bool) -> list[tuple[list[int], list[dict]]]:
     llm = LLM(write_dummy_model("smollm2-135m"), load_format="dummy",
               skip_tokenizer_init=True, max_model_len=2048, kv_cache_memory_bytes=1 << 30,
-              enforce_eager=not graphs, seed=0)
+              enforce_eager=not graphs, seed=0,
+              max_num_batched_tokens=None if alone else 512)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
     out = []
     try:
-        for p in prompts:
-            c = llm.generate([p], params, use_tqdm=False)[0].outputs[0]
+        outs = [o for p in prompts for o in llm.generate([p], params, use_tqdm=False)] \
+            if alone else llm.generate(prompts, params, use_tqdm=False)
+        for o in outs:
+            c = o.outputs[0]
             assert c.logprobs is not None
             out.append((list(c.token_ids),
                         [{t: lp.logprob for t, lp in s.items()} for s in c.logprobs]))
@@ -49,10 +55,11 @@ def _run(graphs: bool, prompts: list[list[int]]) -> list[tuple[list[int], list[d
     return out
 
 
-def test_prompt_and_decode_graphs_match_eager() -> None:
+@pytest.mark.parametrize("alone", [True, False], ids=["alone", "batched"])
+def test_chunk_and_decode_graphs_match_eager(alone: bool) -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 49000) for _ in range(n)] for n in LENGTHS]
-    eager, graphed = _run(False, prompts), _run(True, prompts)
+    eager, graphed = _run(False, prompts, alone), _run(True, prompts, alone)
     identical = 0
     for n, (g_ids, g_lp), (e_ids, e_lp) in zip(LENGTHS, graphed, eager, strict=True):
         j = next((i for i, (a, b) in enumerate(zip(g_ids, e_ids)) if a != b), None)
