@@ -24,8 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.norm import RMSNorm
-
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x W^T`` runs as the batch-1 Triton GEMV (``kernels/gemv.py``): one row on
@@ -45,18 +43,6 @@ def _gemv_enabled() -> bool:
 
 
 _GEMV: bool | None = None
-
-
-def _gemv_norm_enabled() -> bool:
-    """``PAGEDLLM_GEMV_NORM=0`` keeps the RMSNorms out of the GEMV (a norm kernel, then
-    the plain GEMV), for A/B benchmarks.  Read on first use, like ``PAGEDLLM_GEMV``."""
-    global _GEMV_NORM
-    if _GEMV_NORM is None:
-        _GEMV_NORM = os.environ.get("PAGEDLLM_GEMV_NORM", "1") != "0"
-    return _GEMV_NORM
-
-
-_GEMV_NORM: bool | None = None
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor,
@@ -145,24 +131,6 @@ class ColumnParallelLinear(LinearBase):
     @property
     def out_per_partition(self) -> int:
         return self.output_size // self.tp_size
-
-    def forward_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None,
-                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward(norm(x + residual))``; returns ``(y, x + residual)``, the second being
-        the new residual stream (``x`` itself when ``residual`` is None, as in the first
-        decoder layer).  Where :func:`gemv_applies`, the norm (and the add) run inside the
-        GEMV's read of its input (``kernels/gemv.py::gemv_rmsnorm``, one kernel instead
-        of two); elsewhere ``norm`` then ``forward``.  The input is replicated across
-        ranks, so each rank normalises the whole row for its shard of the outputs."""
-        if gemv_applies(x, self.weight) and _gemv_norm_enabled() \
-                and (residual is None or residual.is_contiguous()):
-            from pagedllm.kernels.gemv import gemv_rmsnorm
-
-            return gemv_rmsnorm(x, residual, norm.weight, norm.eps, self.weight, self.bias)
-        if residual is None:
-            return self(norm(x)), x
-        h, residual = norm(x, residual)  # type: ignore[misc]
-        return self(h), residual
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:

@@ -5,9 +5,6 @@ Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) are the same graph with flag
 
   ids -> embed -> [ norm(+res) -> qkv -> (qk-norm) -> rope -> paged attn -> o
                     -> norm(+res) -> gate_up -> silu*mul -> down ] x L -> norm -> hidden
-
-At batch 1 (one decode row) each layer's two norm(+res) and its silu*mul run inside the
-GEMV that follows them (``kernels/gemv.py``).
 """
 
 from __future__ import annotations
@@ -46,9 +43,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias)
         self.act_fn = SiluAndMul()
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``gate_up``: ``gate_up_proj``'s output, which the decoder layer computes (with
-        the pre-MLP norm fused in at batch 1)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
         if gemv_applies(gate_up, self.down_proj.weight):
             # Batch-1 decode: the activation runs inside down_proj's GEMV.
             return self.down_proj.forward_silu_mul(gate_up)
@@ -79,12 +75,11 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
                               self.num_kv_heads, backend)
 
-    def forward(self, rope: RopeInputs, qkv: torch.Tensor,
+    def forward(self, rope: RopeInputs, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """``qkv``: ``qkv_proj``'s output, which the decoder layer computes (with the
-        pre-attention norm fused in at batch 1); ``rope``: this step's inputs from
-        ``RotaryEmbedding.inputs``."""
-        t = qkv.shape[0]
+        """``rope``: this step's inputs from ``RotaryEmbedding.inputs``."""
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
         q_end = self.q_size
         k_end = q_end + self.kv_size
         v = qkv[:, k_end:]
@@ -118,15 +113,15 @@ class LlamaDecoderLayer(nn.Module):
                 residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's residual convention: the residual stream is carried separately and
-        added inside the next norm, so each layer returns ``(mlp_out, residual)``.  Each
-        norm is applied by the projection after it (``forward_rmsnorm``), which fuses the
-        add and the norm into its GEMV at batch 1."""
-        attn = self.self_attn
-        qkv, residual = attn.qkv_proj.forward_rmsnorm(hidden, residual, self.input_layernorm)
-        hidden = attn(rope, qkv, meta)
-        gate_up, residual = self.mlp.gate_up_proj.forward_rmsnorm(
-            hidden, residual, self.post_attention_layernorm)
-        return self.mlp(gate_up), residual
+        added inside the next norm, so each layer returns ``(mlp_out, residual)``."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)  # type: ignore[assignment]
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)  # type: ignore[misc]
+        hidden = self.self_attn(rope, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)  # type: ignore
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):

@@ -140,50 +140,36 @@ def test_mixed_batch(pair, backend: str) -> None:
                                    rtol=0)
 
 
-@pytest.mark.parametrize("fuse_norms", [True, False])
-def test_batch1_decodes_on_the_gemv_path(pair, monkeypatch, fuse_norms: bool) -> None:
+def test_batch1_decodes_on_the_gemv_path(pair, monkeypatch) -> None:
     """Batch-1 decode steps through the GEMV kernels (``kernels/gemv.py``, interpreted on
-    CPU): every projection, down_proj with SiLU-and-mul fused into its input read, and
-    (unless ``PAGEDLLM_GEMV_NORM=0``) qkv and gate_up with the decoder's (residual add +)
-    RMSNorm fused into theirs.  On the GPU this path is chosen for one-row bf16/fp16
-    batches; here it is forced for fp32 CPU rows so that CI checks the model's wiring
-    against HF."""
+    CPU): every projection, and down_proj with SiLU-and-mul fused into its input read.
+    On the GPU this path is chosen for one-row bf16/fp16 batches; here it is forced for
+    fp32 CPU rows so that CI checks the model's wiring against HF."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs the Triton kernels on CPU tensors: needs TRITON_INTERPRET=1")
     from pagedllm.kernels import gemv as gemv_mod
     from pagedllm.layers import linear
     from pagedllm.models import llama
 
-    calls = {"plain": 0, "silu_mul": 0, "rmsnorm": 0}
-    real_gemv, real_gemv_rmsnorm = gemv_mod.gemv, gemv_mod.gemv_rmsnorm
+    calls = {"plain": 0, "silu_mul": 0}
+    real_gemv = gemv_mod.gemv
 
     def counting_gemv(*args, **kw):  # type: ignore[no-untyped-def]
         calls["silu_mul" if kw.get("silu_mul") else "plain"] += 1
         return real_gemv(*args, **kw)
-
-    def counting_gemv_rmsnorm(*args, **kw):  # type: ignore[no-untyped-def]
-        calls["rmsnorm"] += 1
-        return real_gemv_rmsnorm(*args, **kw)
 
     def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
 
     monkeypatch.setattr(linear, "gemv_applies", one_row)
     monkeypatch.setattr(llama, "gemv_applies", one_row)
-    monkeypatch.setattr(linear, "_GEMV_NORM", fuse_norms)  # what PAGEDLLM_GEMV_NORM sets
     monkeypatch.setattr(gemv_mod, "gemv", counting_gemv)
-    monkeypatch.setattr(gemv_mod, "gemv_rmsnorm", counting_gemv_rmsnorm)
     ids = _prompt(30, seed=6)
     s = _session(pair, seed=6)
     parts = [s.step({5: ids[:24]})[5]] + [s.step({5: [t]})[5] for t in ids[24:]]
     torch.testing.assert_close(torch.cat(parts), _hf_logits(pair[1], ids), atol=ATOL, rtol=0)
-    # Six decode steps; per layer qkv, o_proj, gate_up and down_proj.
     layers = pair[2].model_config.num_layers
-    if fuse_norms:
-        expect = {"plain": 6 * layers, "silu_mul": 6 * layers, "rmsnorm": 6 * layers * 2}
-    else:
-        expect = {"plain": 6 * layers * 3, "silu_mul": 6 * layers, "rmsnorm": 0}
-    assert calls == expect, calls
+    assert calls == {"plain": 6 * layers * 3, "silu_mul": 6 * layers}, calls
 
 
 def test_compute_logits_only_given_rows(pair) -> None:
