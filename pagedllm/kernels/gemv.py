@@ -23,8 +23,6 @@ eager runs of the same batch size take the same path.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -62,8 +60,7 @@ def _load_w(w_rows, ks, K: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn,
                  K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE_K: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_trigger(USE_PDL)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,17 +69,17 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn,
     # along K stay unmasked and vectorised; those rows are never stored.
     rn_safe = tl.minimum(rn, N - 1).to(tl.int64)
     w_rows = w_ptr + rn_safe[:, None] * stride_wn
-    # The first PRE_K columns of the weights are fetched before waiting for the previous
-    # kernel (PDL, kernels/pdl.py): weights are never written by a kernel, x is.
-    rp = tl.arange(0, PRE_K)
-    w0 = _load_w(w_rows, rp, K, PRE_K)
+    # The first K step of the weights is fetched before waiting for the previous kernel
+    # (PDL, kernels/pdl.py): weights are never written by a kernel, x is.  (Fetching two
+    # steps measured the same on an H200, four were slower: register spills.)
+    rk = tl.arange(0, BLOCK_K)
+    w0 = _load_w(w_rows, rk, K, BLOCK_K)
     pdl_wait(USE_PDL)
-    x0 = _load_x(x_ptr, rp, rp < K, K, SILU_MUL, K % PRE_K != 0)
+    x0 = _load_x(x_ptr, rk, rk < K, K, SILU_MUL, K % BLOCK_K != 0)
     out = tl.sum(w0.to(tl.float32) * x0[None, :], axis=1)
-    if PRE_K < K:
-        rk = tl.arange(0, BLOCK_K)
+    if BLOCK_K < K:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(PRE_K, K, BLOCK_K):
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             ks = k0 + rk
             w = _load_w(w_rows, ks, K, BLOCK_K)
             x = _load_x(x_ptr, ks, ks < K, K, SILU_MUL, K % BLOCK_K != 0)
@@ -118,12 +115,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = config or gemv_config(n, k)
-    # Columns fetched ahead of the PDL wait: a multiple of the K step (A/B knob for now).
-    pre_k = min(block_k * int(os.environ.get("PAGEDLLM_GEMV_PREFETCH", "1")),
-                triton.next_power_of_2(k))
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, n, weight.stride(0), K=k,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRE_K=pre_k,
         num_warps=warps, **pdl_launch_args(x.device))
     return out
