@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU correctness checks, then W4 (with A/B runs: cuBLAS only, PDL off),
 # the TTFT probe, W1, W1-small, W2 (the server, benchmarks/w2_suite.sh) on an H200 with
-# dummy weights, then the gpu-marked pytest suites.  Results under $OUT.  About 9 minutes;
+# dummy weights, then the gpu-marked pytest suites.  Results under $OUT.  About 12 minutes,
+# more than one 10-minute device call: run it in parts (the pytest grid last) if needed;
 # the wheels in .whl (msgspec, gguf, fastapi, uvicorn, pydantic, pyzmq, ...) must travel.
 # Usage (on the GPU machine, repo root): bash benchmarks/gpu_suite.sh
 # If /tmp/gguf/ggufpart_aa (carried in an earlier call) and .gguf2/ggufpart_ab are there,
