@@ -216,8 +216,10 @@ def _setup_logging() -> None:
 
 def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: int,
                     heartbeat_interval: float = 0.5) -> None:
-    """Process entry point (multiprocessing spawn target).  Exits 0 on a requested
-    shutdown, 1 on a start-up failure, a step error or parent death."""
+    """Process entry point (multiprocessing spawn target).  ``config`` is an
+    ``EngineConfig``, or the ``EngineArgs`` to build it from here (so that the parent
+    need not build it before spawning).  Exits 0 on a requested shutdown, 1 on a
+    start-up failure, a step error or parent death."""
     _setup_logging()
     # The API server handles SIGINT/SIGTERM and tells us to stop; a Ctrl-C on the terminal
     # reaches the whole process group, so ignore it here instead of dying mid-drain.
@@ -226,12 +228,19 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     proc: EngineCoreProc | None = None
     status = 1
     try:
+        from pagedllm.config import EngineArgs
         from pagedllm.engine.core import EngineCore
 
+        built = not isinstance(config, EngineArgs)
         try:
+            if not built:  # spawned before the parent built its copy of the config
+                config = config.create_engine_config()
+                built = True
             core = EngineCore(config)
         except Exception as e:  # report why start-up failed, in one line
-            if isinstance(e, ValueError):  # a user error (flags, model file): no traceback
+            if isinstance(e, ValueError) and not built:
+                pass  # bad arguments: the parent builds the same config and says why
+            elif isinstance(e, ValueError):  # a user error (flags, model file): no traceback
                 logger.error("engine core failed to start: %s", first_line(e))
             else:
                 logger.exception("engine core failed to start")

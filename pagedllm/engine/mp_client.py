@@ -54,6 +54,7 @@ class EngineStartupError(RuntimeError):
 class AsyncMPClient:
     """Async client of an engine core running in its own process.
 
+    ``config``: an ``EngineConfig``, or ``EngineArgs`` (the core builds the config).
     Use: ``client = AsyncMPClient(config); ready = await client.start()``; then
     ``add_requests`` / ``abort_requests`` and a single reader calling ``get_output``;
     finally ``shutdown()``.  Not thread-safe: one event loop owns it.

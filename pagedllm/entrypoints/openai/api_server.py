@@ -394,19 +394,24 @@ async def _serve(args: argparse.Namespace) -> int:
     except OSError as e:
         raise ValueError(f"port: cannot listen on {args.host}:{args.port}: "
                          f"{e.strerror or e}") from None
-    config = engine_args.create_engine_config()
-    mc = config.model_config
-    names = names or [mc.served_model_name]
-    metrics = EngineMetrics(names[0])
     max_pending = (None if args.max_num_queued_requests is None
                    else args.max_num_seqs + args.max_num_queued_requests)
     try:
-        engine = await AsyncLLM.create(config, metrics=metrics, max_pending_seqs=max_pending,
+        # From the arguments: the engine core starts while this process builds its config.
+        engine = await AsyncLLM.create(engine_args, max_pending_seqs=max_pending,
                                        max_logprobs=args.max_logprobs,
                                        transport=args.engine_transport)
     except EngineStartupError as e:
         sock.close()
         raise ValueError(f"engine core failed to start: {e}") from None
+    except BaseException:
+        sock.close()
+        raise
+    config = engine.config
+    mc = config.model_config
+    names = names or [mc.served_model_name]
+    metrics = EngineMetrics(names[0])
+    engine.attach_metrics(metrics)
     metrics.set_engine_alive(True)
     ready = engine.ready
     state = ServingState(
