@@ -147,6 +147,7 @@ class CudaGraphRunner:
     def capture(self) -> None:
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
+        reserved0 = torch.cuda.memory_reserved(self.device)
         # Largest first: later graphs reuse its pool.
         shapes = [GraphShape(min(t, self.max_num_seqs), t, False)
                   for t in reversed(self.chunk_sizes)]
@@ -171,9 +172,10 @@ class CudaGraphRunner:
             self.outputs[shape] = out
         torch.cuda.synchronize(self.device)
         logger.info("captured CUDA graphs for %d decode batch sizes (%s) and %d chunk sizes "
-                    "(%s tokens) in %.1f s", len(self.sizes), ",".join(map(str, self.sizes)),
-                    len(self.chunk_sizes), ",".join(map(str, self.chunk_sizes)),
-                    time.perf_counter() - t0)
+                    "(%s tokens) in %.1f s, %.0f MiB", len(self.sizes),
+                    ",".join(map(str, self.sizes)), len(self.chunk_sizes),
+                    ",".join(map(str, self.chunk_sizes)), time.perf_counter() - t0,
+                    (torch.cuda.memory_reserved(self.device) - reserved0) / 2**20)
 
     def padded_size(self, num_tokens: int, num_reqs: int,
                     max_query_len: int) -> GraphShape | None:
