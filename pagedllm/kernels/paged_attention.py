@@ -379,13 +379,13 @@ def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
     f32_dot = _interpreting() or query.dtype == torch.float32
     dim_p2 = triton.next_power_of_2(head_dim)
     splits = launch.num_splits
+    pdl = pdl_launch_args(query.device)
     grid = (num_tokens // launch.block_q + num_reqs, num_kv_heads, splits)
     common = dict(
         GQA=gqa, HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_SIZE=block_size,
         BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q, TILE_N=launch.tile_n,
         SPLIT=splits > 1, F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), Q_FILTER=q_filter,
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
-        **pdl_launch_args(query.device),
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl,
     )
     # num_splits is a runtime argument (only "split or not" is compiled in), so batch
     # sizes that pick different split counts share one compiled kernel.
@@ -411,4 +411,4 @@ def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
         out.stride(1),
         HEAD_DIM=head_dim, DIM_P2=dim_p2,
         SPLITS_P2=triton.next_power_of_2(splits), num_warps=4 if head_dim >= 128 else 2,
-        **pdl_launch_args(query.device))
+        **pdl)

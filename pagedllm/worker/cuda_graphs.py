@@ -88,8 +88,7 @@ def graph_shape(decode_sizes: list[int], chunk_sizes: list[int], max_num_seqs: i
 class CudaGraphRunner:
     def __init__(self, model: nn.Module, device: torch.device, max_num_seqs: int,
                  max_blocks_per_req: int, block_size: int, max_model_len: int,
-                 hidden_size: int, dtype: torch.dtype,
-                 max_num_batched_tokens: int = 0) -> None:
+                 max_num_batched_tokens: int) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -113,8 +112,6 @@ class CudaGraphRunner:
         self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphShape, torch.Tensor] = {}
         self.pool = None
-        self.hidden_size = hidden_size
-        self.dtype = dtype
 
     @staticmethod
     def _make_staging(tokens: int, n: int, max_blocks: int) -> dict[str, torch.Tensor]:
@@ -177,7 +174,7 @@ class CudaGraphRunner:
                     ",".join(map(str, self.chunk_sizes)), time.perf_counter() - t0,
                     (torch.cuda.memory_reserved(self.device) - reserved0) / 2**20)
 
-    def padded_size(self, num_tokens: int, num_reqs: int,
+    def padded_shape(self, num_tokens: int, num_reqs: int,
                     max_query_len: int) -> GraphShape | None:
         """The captured shape this step replays, or None to run eagerly."""
         return graph_shape(self.sizes, self.chunk_sizes, self.max_num_seqs, num_tokens,

@@ -156,7 +156,6 @@ class ModelRunner:
         self.graphs = CudaGraphRunner(
             self.model, self.device, self.config.scheduler_config.max_num_seqs,
             self.batch.block_table.shape[1], self.block_size, mc.max_model_len,
-            int(mc.hf_config.hidden_size), next(self.model.parameters()).dtype,
             self.config.scheduler_config.max_num_batched_tokens)
         self.graphs.capture()
 
@@ -210,12 +209,12 @@ class ModelRunner:
     def _forward(self, inp: StepInputs, fix: Callable[[torch.Tensor], None] | None,
                  ) -> torch.Tensor:
         """Hidden states of every scheduled token: a CUDA-graph replay when the step fits
-        a captured shape (``worker/cuda_graphs.py``), an eager forward otherwise.  ``fix`` patches
-        the device input ids (tokens still in flight) before the model reads them."""
+        a captured shape (``worker/cuda_graphs.py``), an eager forward otherwise.  ``fix``
+        patches the device input ids (tokens still in flight) before the model reads them."""
         num_reqs = len(inp.seq_lens)
         if self.graphs is not None:
-            shape = self.graphs.padded_size(len(inp.input_ids), num_reqs,
-                                            inp.max_query_len)
+            shape = self.graphs.padded_shape(len(inp.input_ids), num_reqs,
+                                             inp.max_query_len)
             if shape is not None:
                 return self.graphs.run(inp, shape, fix, self.h2d.parity)
         meta = self._metadata(inp)
