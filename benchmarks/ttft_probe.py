@@ -3,7 +3,7 @@ one by one and splits each into GPU-busy time and the rest.
 
 Usage: python benchmarks/ttft_probe.py [--trials 12] [--out DIR]
 
-Three phases, each ``--trials`` fresh prompts:
+Phases, each over ``--trials`` fresh prompts:
 
 1. as ``pagedllm bench latency`` runs them (garbage collector on);
 2. after ``gc.collect(); gc.freeze()`` with the collector disabled, to see whether

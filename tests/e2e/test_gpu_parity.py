@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.e2e.greedy_compare import compare_greedy
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -73,14 +74,7 @@ def test_gpu_bf16_greedy_matches_cpu_fp32(default_model_path: str, cpu_reference
         gc.collect()
         torch.cuda.empty_cache()
 
-    identical, diffs, flips = 0, [], []
-    for p, ((g_ids, g_lp), (r_ids, r_lp)) in enumerate(zip(got, ref, strict=True)):
-        j = next((i for i, (a, b) in enumerate(zip(g_ids, r_ids)) if a != b), None)
-        identical += j is None
-        diffs += [abs(g_lp[i][g_ids[i]] - r_lp[i][r_ids[i]])
-                  for i in range(NEW_TOKENS if j is None else j)]
-        if j is not None:
-            flips.append((p, j, g_ids[j] in r_lp[j], r_ids[j] in g_lp[j]))
+    identical, diffs, flips = compare_greedy(got, ref)
     report = (f"{identical}/{len(prompts)} identical for {NEW_TOKENS} tokens; first "
               f"differences (prompt, index, gpu token in cpu top-5, cpu in gpu top-5): "
               f"{flips}; largest logprob diffs {sorted(diffs)[-5:]}")
