@@ -60,3 +60,30 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     encoder_prompt: None = field(default=None, repr=False)
+
+    def add(self, later: RequestOutput) -> None:
+        """Fold ``later``, the next *delta* of the same request, into this one (vLLM's
+        ``RequestOutput.add(..., aggregate=True)``): per sequence index, text, token ids
+        and logprobs are appended and the finish state is the later one's; a sequence
+        only ``later`` reports is added.  Used when a slow consumer finds several deltas
+        queued, so that it sends one chunk instead of many.  Lists are copied on first
+        merge, never extended in place, so no other holder of them sees a change."""
+        mine = {c.index: i for i, c in enumerate(self.outputs)}
+        for c in later.outputs:
+            i = mine.get(c.index)
+            if i is None:
+                mine[c.index] = len(self.outputs)
+                self.outputs.append(c)
+                continue
+            old = self.outputs[i]
+            logprobs = old.logprobs
+            if c.logprobs is not None:
+                logprobs = [*(logprobs or ()), *c.logprobs]
+            self.outputs[i] = CompletionOutput(
+                old.index, old.text + c.text, [*old.token_ids, *c.token_ids],
+                c.cumulative_logprob, logprobs, c.finish_reason, c.stop_reason)
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        self.metrics = later.metrics or self.metrics

@@ -65,12 +65,20 @@ class _OutputStream:
         self._ready.set()
 
     async def get(self) -> RequestOutput:
+        """The next output; deltas queued behind it are merged into it
+        (``RequestOutput.add``), so a consumer that fell behind -- a busy event loop, a
+        slow client -- catches up with one chunk instead of one per engine step.  An
+        error is raised once the outputs before it have been returned."""
         while not self._items:
             self._ready.clear()
             await self._ready.wait()
         item = self._items.popleft()
         if isinstance(item, BaseException):
             raise item
+        while self._items and not isinstance(self._items[0], BaseException):
+            nxt = self._items.popleft()
+            assert not isinstance(nxt, BaseException)
+            item.add(nxt)
         return item
 
 

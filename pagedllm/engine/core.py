@@ -15,6 +15,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.engine.step_trace import StepTrace
 from pagedllm.request import Request
 from pagedllm.worker.model_runner import StepHandle
 from pagedllm.worker.worker import Worker
@@ -35,6 +36,7 @@ class EngineCore:
         self.max_model_len = config.model_config.max_model_len
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._inflight: tuple[SchedulerOutput, StepHandle] | None = None
+        self.trace = StepTrace.from_env()  # PAGEDLLM_STEP_TRACE: per-step timings
         sc = config.scheduler_config
         logger.info("engine ready in %.1f s: max_num_seqs=%d, max_num_batched_tokens=%d, "
                     "policy=%s, async_scheduling=%s", time.perf_counter() - t0,
@@ -68,12 +70,21 @@ class EngineCore:
         step N's.  Requests that need every token before the next step (penalties,
         min_tokens, forks, beams, prompt logprobs, swap) switch it off while live."""
         if not self.async_scheduling:
+            t_wall, t0 = time.time(), time.perf_counter()
             sched = self.scheduler.schedule()
-            return self.scheduler.update_from_output(sched, self.worker.execute_model(sched))
+            t1 = time.perf_counter()
+            result = self.worker.execute_model(sched)
+            t2 = time.perf_counter()
+            outputs = self.scheduler.update_from_output(sched, result)
+            if self.trace is not None:  # synchronous: "launch" includes the device time
+                self.trace.record(sched, t_wall, t0, t1, t2, t2, time.perf_counter())
+            return outputs
         sync = self.scheduler.requires_sync()
         if sync and self._inflight is not None:
             return self._finish_inflight()  # drain; the next call runs synchronously
+        t_wall, t0 = time.time(), time.perf_counter()
         sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
         handle = self.worker.execute_model_async(sched)
         if sync:
             return self.scheduler.update_from_output(sched, handle.result())
@@ -81,7 +92,12 @@ class EngineCore:
         if prev is None:
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(),
                                      timestamp=time.time())
-        outputs = self.scheduler.update_from_output(prev[0], prev[1].result())
+        t2 = time.perf_counter()
+        result = prev[1].result()
+        t3 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(prev[0], result)
+        if self.trace is not None:
+            self.trace.record(sched, t_wall, t0, t1, t2, t3, time.perf_counter())
         if not self.scheduler.has_unfinished_requests():
             # The step in flight only serves requests that have just finished: settle it
             # now so an idle engine holds nothing in flight.
@@ -95,4 +111,6 @@ class EngineCore:
         return self.scheduler.update_from_output(sched, handle.result())
 
     def shutdown(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
         self.worker.kv_caches.clear()

@@ -11,13 +11,13 @@ prompts): ``ServingState.public_ids`` maps the public id to them, so
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -190,15 +190,20 @@ def _param_of(message: str) -> str | None:
     return None
 
 
-def sse(data: dict[str, Any] | str) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"data: {payload}\n\n"
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event.  msgspec encodes the dict (UTF-8, no ASCII escapes, as
+    ``json.dumps(ensure_ascii=False)`` but several times faster: this runs once per
+    streamed token per request)."""
+    payload = data.encode() if isinstance(data, str) else _json_encode(data)
+    return b"data: " + payload + b"\n\n"
 
 
-SSE_DONE = "data: [DONE]\n\n"
+_json_encode = msgspec.json.Encoder().encode
+
+SSE_DONE = b"data: [DONE]\n\n"
 
 
-def sse_error(e: BaseException) -> str:
+def sse_error(e: BaseException) -> bytes:
     resp = engine_error_response(e)
     return sse(resp.body.decode())
 

@@ -168,13 +168,13 @@ class OpenAIServingChat(ServingHandler):
 
     async def _stream(self, body: ChatCompletionRequest, public_id: str,
                       stream: RequestStream, n: int, created: int, model: str,
-                      num_prompt: int) -> AsyncIterator[str]:
+                      num_prompt: int) -> AsyncIterator[bytes]:
         choices = [_Choice() for _ in range(n)]
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts and opts.continuous_usage_stats)
 
-        def chunk(choice: dict[str, Any]) -> str:
+        def chunk(choice: dict[str, Any]) -> bytes:
             d: dict[str, Any] = {"id": public_id, "object": "chat.completion.chunk",
                                  "created": created, "model": model, "choices": [choice]}
             if include_usage:

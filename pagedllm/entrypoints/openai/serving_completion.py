@@ -187,7 +187,7 @@ class OpenAIServingCompletion(ServingHandler):
 
     async def _stream(self, body: CompletionRequest, public_id: str,
                       streams: list[RequestStream], n: int, created: int,
-                      model: str) -> AsyncIterator[str]:
+                      model: str) -> AsyncIterator[bytes]:
         choices = [_Choice() for _ in range(len(streams) * n)]
         num_prompt = [0] * len(streams)
         opts = body.stream_options

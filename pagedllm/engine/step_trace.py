@@ -1,0 +1,55 @@
+"""Per-step timing trace of the engine core, for finding where latency tails come from.
+
+Set ``PAGEDLLM_STEP_TRACE=/path/file.jsonl`` and every ``EngineCore.step()`` appends one
+JSON line::
+
+    {"t": wall time the step began (time.time(), comparable with a client's send times),
+     "sched_ms": scheduling, "launch_ms": building inputs and launching the forward,
+     "wait_ms": waiting for the previous step's tokens (the device's time shows here),
+     "update_ms": updating requests from them,
+     "tokens": tokens scheduled, "reqs": requests scheduled,
+     "chunks": the token counts of requests scheduled more than one token (prompt
+     chunks; a whole prompt's chunk equals its length)}
+
+Without async scheduling "launch_ms" includes the device time and "wait_ms" is 0.
+Off (the default) it costs
+one attribute test per step; on, one line write (a syscall: the file is line-buffered,
+so a killed core loses nothing).  ``benchmarks/w2_suite.sh`` sets it for W2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import IO
+
+from pagedllm.core.outputs import SchedulerOutput
+
+TRACE_ENV = "PAGEDLLM_STEP_TRACE"
+
+
+class StepTrace:
+    """Appends one line per step to the file named by ``PAGEDLLM_STEP_TRACE``."""
+
+    def __init__(self, path: str) -> None:
+        self.file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115
+
+    @classmethod
+    def from_env(cls) -> StepTrace | None:
+        path = os.environ.get(TRACE_ENV)
+        return cls(path) if path else None
+
+    def record(self, sched: SchedulerOutput, t_wall: float, t0: float, t1: float,
+               t2: float, t3: float, t4: float) -> None:
+        """``t0``..``t4`` (perf_counter): schedule start, launch start, wait start,
+        update start, end."""
+        n = sched.num_scheduled_tokens
+        self.file.write(json.dumps({
+            "t": round(t_wall, 6), "sched_ms": round((t1 - t0) * 1e3, 3),
+            "launch_ms": round((t2 - t1) * 1e3, 3), "wait_ms": round((t3 - t2) * 1e3, 3),
+            "update_ms": round((t4 - t3) * 1e3, 3),
+            "tokens": sched.total_num_scheduled_tokens, "reqs": len(n),
+            "chunks": [k for k in n.values() if k > 1]}) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
