@@ -221,6 +221,8 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     need not build it before spawning).  Exits 0 on a requested shutdown, 1 on a
     start-up failure, a step error or parent death."""
     _setup_logging()
+    # Start-up timeline: this line, then "loaded ... in X s" and "engine ready".
+    logger.info("engine core process started; loading torch and the model")
     # The API server handles SIGINT/SIGTERM and tells us to stop; a Ctrl-C on the terminal
     # reaches the whole process group, so ignore it here instead of dying mid-drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

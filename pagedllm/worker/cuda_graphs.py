@@ -3,7 +3,7 @@ step's inputs copied into static buffers.
 
 ```
  decode step: n requests x 1 token  ──► decode graph of the smallest batch size bs >= n
- any other step of t <= 1024 tokens ──► chunk graph of the smallest size T >= t
+ any other step of t <= 2048 tokens ──► chunk graph of the smallest size T >= t
    static buffers[:t] <- inputs          static buffers[t:T] <- padding
    (ids 0, positions 0, slot -1 = no write; padded requests own no token)
    graph.replay()  ──► hidden[:t]
@@ -14,11 +14,11 @@ Two families of graphs share one memory pool:
 * **decode**: every request has exactly one new token (the steady state of serving);
   captured for batch sizes 1, 2, 4, 8, 16, ..., ``max_num_seqs``.
 * **chunk**: steps with prompt chunks -- a lone prompt (W4's TTFT), or decodes plus a
-  newly arrived prompt (most of W2's slow steps) -- captured for 8 ... 1024 tokens, each
-  with room for ``min(T, max_num_seqs)`` requests.  Eagerly such a step costs ~15 ms of
-  host time for ~330 kernel launches on a Llama-3-8B shape, more than the GPU needs for
-  a 512-token chunk; replayed it costs the GPU time alone.  Larger steps run eagerly:
-  their GPU time outgrows the host's.
+  newly arrived prompt (most of W2's slow steps) -- captured for 8 ... 2048 tokens, each
+  with room for ``min(T, max_num_seqs)`` requests.  Eagerly such a step costs 15-65 ms
+  of host time for ~330 kernel launches on a Llama-3-8B shape (65 ms measured under W2
+  for 1,035 tokens, whose GPU time is ~25 ms); replayed it costs the GPU time alone.
+  Larger steps run eagerly: from ~3,000 tokens their GPU time outgrows the host's.
 
 This works because the attention backend's launch grids depend only on host ints (the
 number of tokens, the number of requests, whether the step is decode-only), never on
@@ -45,7 +45,8 @@ logger = logging.getLogger("pagedllm")
 
 # Chunk-graph token counts captured (those <= max_num_batched_tokens and max_model_len):
 # about 25% apart, so padding wastes little.
-CHUNK_SIZES = (8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+CHUNK_SIZES = (8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
+               1280, 1536, 1792, 2048)
 
 
 class GraphShape(NamedTuple):

@@ -1,6 +1,6 @@
 """CUDA-graph replay against eager on the GPU (dummy SmolLM2-shaped bf16 model).
 
-Alone, each prompt is a lone prompt chunk (a chunk graph when it has <= 1024 tokens,
+Alone, each prompt is a lone prompt chunk (a chunk graph when it has <= 2048 tokens,
 eager above) and its decode steps are batch 1 (a decode graph).  Batched with a
 512-token step budget, long prompts are split into chunks that share steps with other
 requests' decodes and chunks: mixed steps, replayed from chunk graphs.  The same engine
@@ -29,14 +29,14 @@ from tests.e2e.greedy_compare import compare_greedy
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-# Prompt lengths around the captured prompt sizes (8 ... 1024) and past the largest.
-LENGTHS = [2, 7, 8, 9, 63, 100, 255, 257, 512, 600, 1024, 1300]
+# Prompt lengths around the captured prompt sizes (8 ... 2048) and past the largest.
+LENGTHS = [2, 7, 8, 9, 63, 100, 255, 257, 512, 600, 1024, 1300, 2048, 2300]
 
 
 def _run(graphs: bool, prompts: list[list[int]],
          alone: bool) -> list[tuple[list[int], list[dict]]]:
     llm = LLM(write_dummy_model("smollm2-135m"), load_format="dummy",
-              skip_tokenizer_init=True, max_model_len=2048, kv_cache_memory_bytes=1 << 30,
+              skip_tokenizer_init=True, max_model_len=4096, kv_cache_memory_bytes=1 << 30,
               enforce_eager=not graphs, seed=0,
               max_num_batched_tokens=None if alone else 512)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)

@@ -16,7 +16,7 @@ def test_graph_shape_picks_the_smallest_captured_shape() -> None:
     dec = capture_sizes(256)
     assert dec[:5] == [1, 2, 4, 8, 16] and dec[-1] == 256
     chunk = chunk_capture_sizes(8192, 4096)
-    assert chunk[0] == 8 and chunk[-1] == 1024
+    assert chunk[0] == 8 and chunk[-1] == 2048
 
     def shape(tokens: int, reqs: int, mql: int) -> GraphShape | None:
         return graph_shape(dec, chunk, 256, tokens, reqs, mql)
@@ -29,7 +29,9 @@ def test_graph_shape_picks_the_smallest_captured_shape() -> None:
     assert shape(513, 1, 513) == GraphShape(256, 640, False)
     assert shape(10, 2, 9) == GraphShape(16, 16, False)  # a decode and a prompt chunk
     assert shape(40 + 600, 41, 600) == GraphShape(256, 640, False)
-    assert shape(1025, 1, 1025) is None  # GPU-bound: eager
+    assert shape(1025, 1, 1025) == GraphShape(256, 1280, False)
+    assert shape(30 + 2000, 31, 2000) == GraphShape(256, 2048, False)
+    assert shape(2049, 1, 2049) is None  # GPU-bound: eager
     assert shape(8192, 200, 1024) is None
 
 
