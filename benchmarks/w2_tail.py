@@ -4,7 +4,8 @@ send times (``pagedllm bench serve --save-detailed``) with the engine core's ste
 
 For each request it finds the step that scheduled its prompt (the first step at or after
 the send time whose prompt chunks include the prompt's length; unambiguous enough for
-random W1 lengths) and splits TTFT into:
+random W1 lengths; with a prefix-cache hit, the first step with a chunk shorter by whole
+blocks, a guess) and splits TTFT into:
 
 * ``to_core``: send -> the first step that began after the send (HTTP, API process,
   IPC, and the step already running when the request arrived);
@@ -30,6 +31,9 @@ def main() -> None:
     ap.add_argument("bench_json")
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=12, help="Slowest requests to list.")
+    ap.add_argument("--block-size", type=int, default=16,
+                    help="KV block size: with a prefix-cache hit a prompt's chunk is its "
+                         "length minus whole blocks (then the match is a guess).")
     args = ap.parse_args()
     b = json.load(open(args.bench_json))
     steps = [json.loads(line) for line in open(args.trace)]
@@ -42,6 +46,10 @@ def main() -> None:
             continue
         first = bisect.bisect_left(starts, send)
         j = next((k for k in range(first, len(steps)) if plen in steps[k]["chunks"]), None)
+        if j is None:  # prefix-cache hit: only the prompt's tail after whole blocks runs
+            j = next((k for k in range(first, len(steps)) if any(
+                c < plen and (plen - c) % args.block_size == 0
+                for c in steps[k]["chunks"])), None)
         if j is None or first >= len(steps) or j + 2 >= len(steps):
             continue
         done = starts[j + 2]  # the step after the prompt's has returned its tokens

@@ -51,6 +51,7 @@ from pagedllm.engine.messages import (
     FinishReason,
     SchedulerStats,
 )
+from pagedllm.gc_heap import freeze_gc_heap
 
 logger = logging.getLogger("pagedllm.engine.core_proc")
 
@@ -250,6 +251,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
             proc.send_ready(EngineCoreReady(pid=os.getpid(), error=first_line(e)))
             return
         proc = EngineCoreProc(core, input_addr, output_addr, parent_pid, heartbeat_interval)
+        freeze_gc_heap("engine core")
         cc = getattr(core, "config", config)
         proc.send_ready(EngineCoreReady(
             pid=os.getpid(), num_blocks=int(getattr(core, "num_blocks", 0) or 0),

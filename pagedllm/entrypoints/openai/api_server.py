@@ -57,6 +57,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_base import ServingState, engine_error_response
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.gc_heap import freeze_gc_heap
 from pagedllm.metrics import EngineMetrics
 
 logger = logging.getLogger("pagedllm.api_server")
@@ -451,6 +452,7 @@ async def _serve(args: argparse.Namespace) -> int:
     # stream in flight -- at the first streamed request.  Pay it before serving.
     async with anyio.create_task_group():
         pass
+    freeze_gc_heap("API server")
     url_host = f"[{host}]" if ":" in host else host
     logger.info("Serving on http://%s:%d (Ctrl-C to stop)", url_host, port)
     try:
