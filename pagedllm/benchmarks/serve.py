@@ -27,9 +27,10 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
+if TYPE_CHECKING:
+    import aiohttp
 
 
 @dataclass
@@ -100,6 +101,8 @@ def make_requests(args: argparse.Namespace) -> list[tuple[Any, int]]:
 
 async def _one(session: aiohttp.ClientSession, model: str, prompt: Any,
                olen: int) -> _Result:
+    import aiohttp
+
     res = _Result(prompt_len=len(prompt) if isinstance(prompt, list) else 0)
     body = {"model": model, "prompt": prompt, "max_tokens": olen, "min_tokens": olen,
             "ignore_eos": True, "temperature": 0.0, "stream": True,
@@ -161,6 +164,10 @@ def _pcts(values: list[float]) -> dict[str, float]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    # Imported here: the CLI builds every subcommand's parser, so a module-level import
+    # would cost `pagedllm serve` ~0.3 s of start-up for a client it does not use.
+    import aiohttp
+
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     # aiohttp, as vLLM's benchmark: it parses a streamed chunk with about half the CPU
     # of httpx, and at W2's 40 req/s the client handles ~8,000 chunks/s.
