@@ -222,8 +222,10 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     need not build it before spawning).  Exits 0 on a requested shutdown, 1 on a
     start-up failure, a step error or parent death."""
     _setup_logging()
-    # Start-up timeline: this line, then "loaded ... in X s" and "engine ready".
+    # Start-up timeline: this line, the imports, the config, then "loaded ... in X s"
+    # and "engine ready" (docs/benchmarks.md breaks a server's start-up down with them).
     logger.info("engine core process started; loading torch and the model")
+    t0 = time.perf_counter()
     # The API server handles SIGINT/SIGTERM and tells us to stop; a Ctrl-C on the terminal
     # reaches the whole process group, so ignore it here instead of dying mid-drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -234,11 +236,14 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         from pagedllm.config import EngineArgs
         from pagedllm.engine.core import EngineCore
 
+        t1 = time.perf_counter()
+        logger.info("imported torch and the engine in %.1f s", t1 - t0)
         built = not isinstance(config, EngineArgs)
         try:
             if not built:  # spawned before the parent built its copy of the config
                 config = config.create_engine_config()
                 built = True
+                logger.info("built the engine config in %.1f s", time.perf_counter() - t1)
             core = EngineCore(config)
         except Exception as e:  # report why start-up failed, in one line
             if isinstance(e, ValueError) and not built:
