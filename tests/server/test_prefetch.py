@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from pagedllm.entrypoints.prefetch import _library_files, prefetch_shared_libraries
+from pagedllm.entrypoints.prefetch import _bytecode_files, _library_files, prefetch_startup_files
 
 
 def test_prefetch_covers_torch_and_finishes() -> None:
@@ -16,7 +16,9 @@ def test_prefetch_covers_torch_and_finishes() -> None:
     assert not any("cudnn" in os.path.basename(f) for f in files)
     sizes = [os.path.getsize(f) for f in files]
     assert sizes == sorted(sizes, reverse=True)  # largest first
-    thread = prefetch_shared_libraries()
+    pyc = _bytecode_files()
+    assert any("transformers" in f and f.endswith(".pyc") for f in pyc)
+    thread = prefetch_startup_files()
     if thread is not None:  # Linux
         thread.join(timeout=60)
         assert not thread.is_alive()

@@ -468,10 +468,10 @@ def run_server(args: argparse.Namespace) -> int:
     """``pagedllm serve``: run until SIGTERM/SIGINT or engine death; returns the exit
     status.  User errors (bad model path, taken port, too little KV memory) raise
     ``ValueError`` with a one-line reason (the CLI prints it and exits 1)."""
-    from pagedllm.entrypoints.prefetch import prefetch_shared_libraries
+    from pagedllm.entrypoints.prefetch import prefetch_startup_files
     from pagedllm.logger import init_logger
 
-    prefetch_shared_libraries()  # first thing: both processes are about to import torch
+    prefetch_startup_files()  # first thing: both processes are about to import torch
     init_logger()
     return asyncio.run(_serve(args))
 
