@@ -89,10 +89,12 @@ class EngineCore:
         if sync:
             return self.scheduler.update_from_output(sched, handle.result())
         prev, self._inflight = self._inflight, (sched, handle)
-        if prev is None:
+        t2 = time.perf_counter()
+        if prev is None:  # nothing to wait for yet
+            if self.trace is not None:
+                self.trace.record(sched, t_wall, t0, t1, t2, t2, t2)
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(),
                                      timestamp=time.time())
-        t2 = time.perf_counter()
         result = prev[1].result()
         t3 = time.perf_counter()
         outputs = self.scheduler.update_from_output(prev[0], result)
