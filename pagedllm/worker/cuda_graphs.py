@@ -43,6 +43,11 @@ from pagedllm.worker.input_batch import StepInputs
 
 logger = logging.getLogger("pagedllm")
 
+# What the memory plan (worker.py) sets aside for the graphs' private memory pool.  The
+# Llama-3-8B shape uses 360 MiB with chunk graphs up to 2,048 tokens; a capture that
+# takes more is logged as a warning (the 1 - gpu_memory_utilization headroom absorbs it).
+GRAPH_MEMORY_MARGIN = 512 << 20
+
 # Chunk-graph token counts captured (those <= max_num_batched_tokens and max_model_len):
 # about 25% apart, so padding wastes little.
 CHUNK_SIZES = (8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
@@ -169,11 +174,16 @@ class CudaGraphRunner:
             self.graphs[shape] = g
             self.outputs[shape] = out
         torch.cuda.synchronize(self.device)
+        used = torch.cuda.memory_reserved(self.device) - reserved0
         logger.info("captured CUDA graphs for %d decode batch sizes (%s) and %d chunk sizes "
                     "(%s tokens) in %.1f s, %.0f MiB", len(self.sizes),
                     ",".join(map(str, self.sizes)), len(self.chunk_sizes),
                     ",".join(map(str, self.chunk_sizes)), time.perf_counter() - t0,
-                    (torch.cuda.memory_reserved(self.device) - reserved0) / 2**20)
+                    used / 2**20)
+        if used > GRAPH_MEMORY_MARGIN:
+            logger.warning("CUDA graphs took %.0f MiB, more than the %.0f MiB the memory "
+                           "plan set aside; lower --gpu-memory-utilization if memory runs "
+                           "short", used / 2**20, GRAPH_MEMORY_MARGIN / 2**20)
 
     def padded_shape(self, num_tokens: int, num_reqs: int,
                     max_query_len: int) -> GraphShape | None:

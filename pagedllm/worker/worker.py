@@ -18,6 +18,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.models.loader import load_model
 from pagedllm.worker.block_ops import BlockOps, allocate_swap_space
+from pagedllm.worker.cuda_graphs import GRAPH_MEMORY_MARGIN
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
 from pagedllm.worker.profile import profile_run
 
@@ -102,7 +103,7 @@ class Worker:
         profile_peak = profile_run(self)
         free, total = torch.cuda.mem_get_info(self.device)
         outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
-        graph_margin = 0 if self.config.device_config.enforce_eager else 512 << 20
+        graph_margin = 0 if self.config.device_config.enforce_eager else GRAPH_MEMORY_MARGIN
         budget = int(total * self.config.cache_config.gpu_memory_utilization) - \
             profile_peak - max(outside_torch, 0) - graph_margin
         logger.info(
