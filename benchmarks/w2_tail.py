@@ -39,18 +39,27 @@ def main() -> None:
     steps = [json.loads(line) for line in open(args.trace)]
     steps.sort(key=lambda s: s["t"])
     starts = [s["t"] for s in steps]
+    gaps = [(b2 - a) * 1e3 for a, b2 in zip(starts, starts[1:])]  # step k -> k + 1, ms
+
+    def prompt_step(first: int, plen: int) -> int | None:
+        """The step that ran the prompt: its whole length as one chunk, else (a prefix-
+        cache hit) a chunk shorter by whole blocks."""
+        for fits in (lambda c: c == plen,
+                     lambda c: c < plen and (plen - c) % args.block_size == 0):
+            j = next((k for k in range(first, len(steps))
+                      if any(fits(c) for c in steps[k]["chunks"])), None)
+            if j is not None:
+                return j
+        return None
+
     rows = []
     t_first = min(b["start_times"])
     for send, ttft, plen in zip(b["start_times"], b["ttfts"], b["input_lens"]):
         if not ttft:
             continue
         first = bisect.bisect_left(starts, send)
-        j = next((k for k in range(first, len(steps)) if plen in steps[k]["chunks"]), None)
-        if j is None:  # prefix-cache hit: only the prompt's tail after whole blocks runs
-            j = next((k for k in range(first, len(steps)) if any(
-                c < plen and (plen - c) % args.block_size == 0
-                for c in steps[k]["chunks"])), None)
-        if j is None or first >= len(steps) or j + 2 >= len(steps):
+        j = prompt_step(first, plen)
+        if j is None or j + 2 >= len(steps):
             continue
         done = starts[j + 2]  # the step after the prompt's has returned its tokens
         end = send + ttft
@@ -60,31 +69,28 @@ def main() -> None:
                      "prefill": (done - starts[j]) * 1e3,
                      "deliver": (end - done) * 1e3,
                      "step_tokens": steps[j]["tokens"], "step_reqs": steps[j]["reqs"],
-                     "gap_max": max((starts[k + 1] - starts[k]) * 1e3
-                                    for k in range(first, j + 2))})
+                     "gap_max": max(gaps[first:j + 2])})
     if not rows:
         raise SystemExit("no request could be matched to a step")
+    rows.sort(key=lambda r: r["ttft"])
     print(f"{len(rows)} of {len(b['ttfts'])} requests matched; {len(steps)} steps")
     keys = ("ttft", "to_core", "queued", "prefill", "deliver")
     for name, sel in (("all (median)", rows),
-                      ("slowest 5% (median)",
-                       sorted(rows, key=lambda r: r["ttft"])[-max(1, len(rows) // 20):])):
+                      ("slowest 5% (median)", rows[-max(1, len(rows) // 20):])):
         print(f"{name:<22}" + "".join(
             f"{k} {statistics.median(r[k] for r in sel):7.1f}  " for k in keys))
     print(f"\n{'ttft':>7} {'to_core':>8} {'queued':>7} {'prefill':>8} {'deliver':>8} "
           f"{'plen':>5} {'step tok':>8} {'reqs':>5} {'max gap':>8} {'sent at':>8}   (ms; s)")
-    for r in sorted(rows, key=lambda r: r["ttft"])[-args.top:]:
+    for r in rows[-args.top:]:
         print(f"{r['ttft']:7.1f} {r['to_core']:8.1f} {r['queued']:7.1f} {r['prefill']:8.1f} "
               f"{r['deliver']:8.1f} {r['plen']:5d} {r['step_tokens']:8d} {r['step_reqs']:5d} "
               f"{r['gap_max']:8.1f} {r['at']:8.2f}")
-    durs = sorted((starts[k + 1] - starts[k]) * 1e3 for k in range(len(steps) - 1))
+    durs = sorted(gaps)
     print(f"\nstep start-to-start (ms): p50 {durs[len(durs) // 2]:.1f}  "
           f"p99 {durs[int(len(durs) * 0.99)]:.1f}  max {durs[-1]:.1f}")
-    slow = sorted(steps[:-1], key=lambda s: -(starts[steps.index(s) + 1] - s["t"]))[:5]
-    for s in slow:
-        print("  slow step:", {k: s[k] for k in ("sched_ms", "launch_ms", "wait_ms",
-                                                  "update_ms", "tokens", "reqs")})
-
+    for k in sorted(range(len(gaps)), key=lambda k: -gaps[k])[:5]:
+        print("  slow step:", {key: steps[k][key] for key in (
+            "sched_ms", "launch_ms", "wait_ms", "update_ms", "tokens", "reqs")})
 
 if __name__ == "__main__":
     main()

@@ -75,9 +75,8 @@ class _OutputStream:
         item = self._items.popleft()
         if isinstance(item, BaseException):
             raise item
-        while self._items and not isinstance(self._items[0], BaseException):
-            nxt = self._items.popleft()
-            assert not isinstance(nxt, BaseException)
+        while self._items and isinstance(nxt := self._items[0], RequestOutput):
+            self._items.popleft()
             item.add(nxt)
         return item
 

@@ -12,9 +12,9 @@ JSON line::
      chunks; a whole prompt's chunk equals its length)}
 
 Without async scheduling "launch_ms" includes the device time and "wait_ms" is 0.
-Off (the default) it costs
-one attribute test per step; on, one line write (a syscall: the file is line-buffered,
-so a killed core loses nothing).  ``benchmarks/w2_suite.sh`` sets it for W2.
+Off (the default) it costs one attribute test per step; on, one line write (a syscall:
+the file is line-buffered, so a killed core loses nothing).  ``benchmarks/w2_suite.sh``
+sets it for W2.
 """
 
 from __future__ import annotations

@@ -38,32 +38,29 @@ def _package_dirs(package: str) -> list[str]:
     return list(spec.submodule_search_locations or []) if spec else []
 
 
-def _library_files() -> list[str]:
-    """Shared libraries of ``_LIBRARY_PACKAGES``, largest first."""
-    files: list[tuple[int, str]] = []
-    for package in _LIBRARY_PACKAGES:
+def _startup_files() -> tuple[list[str], list[str]]:
+    """(shared libraries of ``_LIBRARY_PACKAGES``, largest first; this interpreter's
+    ``.pyc`` files of ``_BYTECODE_PACKAGES``), each package's tree walked once."""
+    tag = f".{sys.implementation.cache_tag}."
+    libraries: list[tuple[int, str]] = []
+    bytecode: list[str] = []
+    for package in dict.fromkeys(_LIBRARY_PACKAGES + _BYTECODE_PACKAGES):
+        want_libs = package in _LIBRARY_PACKAGES
+        want_pyc = package in _BYTECODE_PACKAGES
         for location in _package_dirs(package):
             for root, _, names in os.walk(location):
+                if want_pyc and os.path.basename(root) == "__pycache__":
+                    bytecode.extend(os.path.join(root, n) for n in names if tag in n)
+                if not want_libs:
+                    continue
                 for name in names:
                     if ".so" in name and "cudnn" not in name:
                         path = os.path.join(root, name)
                         try:
-                            files.append((os.path.getsize(path), path))
+                            libraries.append((os.path.getsize(path), path))
                         except OSError:
                             continue
-    return [path for _, path in sorted(files, reverse=True)]
-
-
-def _bytecode_files() -> list[str]:
-    """This interpreter's ``.pyc`` files of ``_BYTECODE_PACKAGES``."""
-    tag = f".{sys.implementation.cache_tag}."
-    files = []
-    for package in _BYTECODE_PACKAGES:
-        for location in _package_dirs(package):
-            for root, _, names in os.walk(location):
-                if os.path.basename(root) == "__pycache__":
-                    files.extend(os.path.join(root, n) for n in names if tag in n)
-    return files
+    return [path for _, path in sorted(libraries, reverse=True)], bytecode
 
 
 def _advise(path: str) -> None:
@@ -82,7 +79,7 @@ def _advise(path: str) -> None:
 def _prefetch() -> None:
     with ThreadPoolExecutor(_THREADS, thread_name_prefix="pagedllm-prefetch") as pool:
         # Libraries first: each is one large sequential read.  Then the bytecode.
-        for paths in (_library_files(), _bytecode_files()):
+        for paths in _startup_files():
             list(pool.map(_advise, paths, chunksize=16))
 
 
