@@ -50,3 +50,12 @@ class Attention(nn.Module):
         else:
             out = self.backend.forward(q3, k3, v3, self.kv_cache, meta, self.scale)
         return out.reshape(t, self.num_heads * self.head_dim)
+
+    def attend_cached(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention only, for queries already rotated whose keys and values are already
+        in ``kv_cache`` (the batch-1 QKV kernel writes them: ``kernels/gemv_rope.py``).
+        ``q: [T, num_heads * head_dim]`` -> same shape."""
+        t = q.shape[0]
+        out = self.backend.attend(q.view(t, self.num_heads, self.head_dim), self.kv_cache,
+                                  meta, self.scale)
+        return out.reshape(t, self.num_heads * self.head_dim)

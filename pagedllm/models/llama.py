@@ -75,10 +75,32 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
                               self.num_kv_heads, backend)
 
+    def _fused_qkv_rope(self, x: torch.Tensor, rope: RopeInputs) -> bool:
+        """Whether this step's QKV runs as the batch-1 GEMV with rotary and the KV write
+        fused in.  Like ``gemv_applies`` it depends only on shapes and types, never on
+        data, so graph capture and eager runs of one batch size take the same path."""
+        if self.qk_norm or not self.attn.backend.fuses_rope \
+                or not gemv_applies(x, self.qkv_proj.weight):
+            return False
+        from pagedllm.kernels.gemv_rope import qkv_rope_supported
+
+        return qkv_rope_supported(self.head_dim, rope.cos_sin_cache.shape[-1])
+
     def forward(self, rope: RopeInputs, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """``rope``: this step's inputs from ``RotaryEmbedding.inputs``."""
         t = x.shape[0]
+        if self._fused_qkv_rope(x, rope):
+            # Batch-1 decode: one kernel projects, rotates q and k and writes k/v into
+            # the cache (kernels/gemv_rope.py); attention then only reads.
+            from pagedllm.kernels.gemv_rope import gemv_qkv_rope
+
+            qkv = gemv_qkv_rope(
+                x, self.qkv_proj.weight, self.qkv_proj.bias, rope.positions,
+                rope.cos_sin_cache, self.attn.kv_cache, meta.slot_mapping,
+                num_heads=self.qkv_proj.num_heads, num_kv_heads=self.qkv_proj.num_kv_heads,
+                head_dim=self.head_dim)
+            return self.o_proj(self.attn.attend_cached(qkv[:, :self.q_size], meta))
         qkv = self.qkv_proj(x)
         q_end = self.q_size
         k_end = q_end + self.kv_size

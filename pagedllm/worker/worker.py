@@ -61,6 +61,10 @@ class Worker:
     def load_model(self) -> None:
         t0 = time.perf_counter()
         torch.manual_seed(self.config.model_config.seed)
+        if self.device.type == "cuda":
+            from pagedllm.kernels import compile_stats
+
+            compile_stats.install()
         self.backend = make_backend(self.device)
         self.model = load_model(self.config.model_config, self.device, self.backend)
         if self.device.type == "cuda":
@@ -140,6 +144,12 @@ class Worker:
             "max_model_len %d: %.2fx", num_blocks - 1, cc.block_size, tokens,
             num_blocks * cc.block_size * mc.kv_bytes_per_token() / 2**30,
             mc.max_model_len, tokens / mc.max_model_len)
+        if self.device.type == "cuda":
+            from pagedllm.kernels.compile_stats import snapshot
+
+            st = snapshot()
+            logger.info("Triton: %d kernel variants compiled (%.1f s of compiler time), "
+                        "%d loaded from the cache", st.compiled, st.compile_s, st.cache_hits)
 
     def execute_model_async(self, sched: SchedulerOutput) -> StepHandle:
         assert self.runner is not None, "initialize_cache first"

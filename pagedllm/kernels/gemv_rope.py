@@ -1,0 +1,142 @@
+"""Batch-1 decode QKV projection with rotary embedding and the KV-cache write in its
+epilogue: one launch instead of the GEMV plus ``rotary.rotary_and_write_kv``.
+
+What it computes, for one token with ``qkv = x W^T (+ b)`` laid out ``[q | k | v]`` by
+heads of ``head_dim``:
+
+* q heads: rotated (neox pairs ``(i, i + head_dim/2)``), written to ``out``'s q columns;
+* k heads: rotated, written to the key cache at ``slot_mapping[0]``;
+* v heads: written to the value cache at that slot (nothing is stored when the slot
+  is -1, a CUDA-graph padding row).
+
+``out``'s k and v columns are left unwritten: attention reads keys and values from the
+cache.  Every value is rounded exactly as the unfused path rounds it (the projection to
+the activation dtype first, then ``rotary._rope``'s per-product rounding), so the cache
+and the rotated queries are bit-identical to ``gemv`` + ``rotary_and_write_kv``.
+
+Layout: as in ``kernels/gemv.py`` each program walks the whole K dimension for its rows,
+but its ``2 * PAIRS`` rows are ``PAIRS`` rotation pairs of one head, interleaved
+``(c, c + half, c + 1, c + 1 + half, ...)``, so the epilogue has both halves of each pair
+in registers.  Only full neox rotary (``rot_dim == head_dim``) is handled; other models
+keep the unfused path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.kernels.gemv import _load_w, _load_x
+from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
+from pagedllm.kernels.rotary import _rope
+
+PAIRS = 4  # rotation pairs per program: 8 rows, as gemv_config's BLOCK_N
+
+
+@triton.jit
+def _gemv_qkv_rope_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, pos_ptr, cs_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_wn, stride_c, stride_cb, stride_cs, stride_ch,
+    K: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pdl_trigger(USE_PDL)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    PROGS_PER_HEAD: tl.constexpr = HALF // PAIRS
+    pid = tl.program_id(0)
+    head = pid // PROGS_PER_HEAD
+    c0 = (pid % PROGS_PER_HEAD) * PAIRS
+    idx = tl.arange(0, 2 * PAIRS)
+    col = c0 + idx // 2 + (idx % 2) * HALF  # column within the head, pairs interleaved
+    rn = head * HEAD_DIM + col  # the grid covers the rows exactly: no masks
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    rk = tl.arange(0, BLOCK_K)
+    w0 = _load_w(w_rows, rk, K, BLOCK_K)  # weights only before the PDL wait
+    pdl_wait(USE_PDL)
+    x0 = _load_x(x_ptr, rk, rk < K, K, False, K % BLOCK_K != 0)
+    acc_out = tl.sum(w0.to(tl.float32) * x0[None, :], axis=1)
+    if BLOCK_K < K:
+        acc = tl.zeros((2 * PAIRS, BLOCK_K), dtype=tl.float32)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            ks = k0 + rk
+            w = _load_w(w_rows, ks, K, BLOCK_K)
+            x = _load_x(x_ptr, ks, ks < K, K, False, K % BLOCK_K != 0)
+            acc += w.to(tl.float32) * x[None, :]
+        acc_out += tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        acc_out += tl.load(b_ptr + rn).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    y = acc_out.to(dt)  # the projection's own rounding, as gemv stores it
+
+    # Rotation: cos/sin of this token's position, cast to the activation dtype as HF
+    # does (rotary._cos_sin).
+    pos = tl.load(pos_ptr).to(tl.int64)
+    i = c0 + tl.arange(0, PAIRS)
+    cos = tl.load(cs_ptr + pos * stride_c + i).to(dt).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_c + HALF + i).to(dt).to(tl.float32)
+    x1, x2 = tl.split(tl.reshape(y, (PAIRS, 2)))
+    r1, r2 = _rope(x1[None, :], x2[None, :], cos, sin)
+    rotated = tl.reshape(tl.join(r1, r2), (2 * PAIRS,))
+
+    if head < NUM_Q_HEADS:
+        tl.store(out_ptr + rn, rotated)
+    else:
+        slot = tl.load(slot_ptr).to(tl.int64)
+        if slot >= 0:
+            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+            if head < NUM_Q_HEADS + NUM_KV_HEADS:
+                kvh = head - NUM_Q_HEADS
+                tl.store(k_cache_ptr + dst + kvh * stride_ch + col,
+                         rotated.to(k_cache_ptr.dtype.element_ty))
+            else:
+                kvh = head - NUM_Q_HEADS - NUM_KV_HEADS
+                tl.store(v_cache_ptr + dst + kvh * stride_ch + col,
+                         y.to(v_cache_ptr.dtype.element_ty))
+
+
+def qkv_rope_supported(head_dim: int, rot_dim: int) -> bool:
+    """Whether :func:`gemv_qkv_rope` handles this head shape (full neox rotary, heads a
+    whole number of programs)."""
+    return rot_dim == head_dim and head_dim % (2 * PAIRS) == 0
+
+
+def gemv_qkv_rope(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, *, num_heads: int, num_kv_heads: int, head_dim: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x: [1, K]`` (contiguous), ``weight: [(Hq + 2 Hkv) * D, K]`` (rows contiguous),
+    ``bias`` of that many rows or None; ``positions``/``slot_mapping``: this token's
+    (element 0 is used); ``cos_sin_cache: [max_pos, D]`` (``rotary``'s layout);
+    ``kv_cache``: one layer's ``[2, num_blocks, block_size, Hkv, D]``.
+
+    Returns ``out`` (``[1, (Hq + 2 Hkv) * D]`` in x's dtype) with the rotated q in its
+    first ``Hq * D`` columns; the rotated k and the v go to the cache only."""
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape != (1, k) or not x.is_contiguous() or weight.stride(1) != 1:
+        raise ValueError(f"gemv_qkv_rope: x {tuple(x.shape)} must be one contiguous row "
+                         f"matching weight {(n, k)}")
+    if n != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"gemv_qkv_rope: weight has {n} rows, expected "
+                         f"({num_heads} + 2 x {num_kv_heads}) x {head_dim}")
+    if not qkv_rope_supported(head_dim, cos_sin_cache.shape[-1]):
+        raise ValueError(f"gemv_qkv_rope: head_dim {head_dim} with rotary dim "
+                         f"{cos_sin_cache.shape[-1]} is not supported")
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.stride(4) == 1
+    assert kv_cache.shape[3] == num_kv_heads and kv_cache.shape[4] == head_dim
+    assert cos_sin_cache.stride(-1) == 1
+    if out is None:
+        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    block_k = min(512, triton.next_power_of_2(k))
+    _gemv_qkv_rope_kernel[(n // (2 * PAIRS),)](
+        x, weight, bias if bias is not None else weight, out, positions, cos_sin_cache,
+        k_cache, v_cache, slot_mapping, weight.stride(0), cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        K=k, NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_SIZE=kv_cache.shape[2], HAS_BIAS=bias is not None, PAIRS=PAIRS,
+        BLOCK_K=block_k, num_warps=4, **pdl_launch_args(x.device))
+    return out
