@@ -118,24 +118,36 @@ def _paged_attn_kernel(
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
-    Q_FILTER: tl.constexpr, USE_PDL: tl.constexpr,
+    Q_FILTER: tl.constexpr, DECODE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_start(USE_PDL)
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    req = _find_request(qsl_ptr, tile_idx, num_reqs, BLOCK_Q)
-    q_start = tl.load(qsl_ptr + req)
-    q_len = tl.load(qsl_ptr + req + 1) - q_start
-    q_tile = tile_idx - (q_start // BLOCK_Q + req)
-    if q_tile * BLOCK_Q >= q_len:
-        return  # surplus program of the upper-bound grid (or a padded empty request)
-    if Q_FILTER == 1 and q_len != 1:
-        return  # decode launch of a mixed batch: prompt chunks are the other launch's
-    if Q_FILTER == 2 and q_len == 1:
-        return  # prompt-chunk launch of a mixed batch: decodes are the other launch's
+    if DECODE:
+        # Decode-only batch: request r's one token is row r (padded empty requests come
+        # last, with seq_len 0), so the program is its request and no query_start_loc
+        # lookups sit on the load chain before the KV reads -- at batch 1 the kernel's
+        # time is that chain's latency, not bandwidth.
+        req = tile_idx
+        q_start = tile_idx
+        q_len = 1
+        q_tile = 0
+    else:
+        req = _find_request(qsl_ptr, tile_idx, num_reqs, BLOCK_Q)
+        q_start = tl.load(qsl_ptr + req)
+        q_len = tl.load(qsl_ptr + req + 1) - q_start
+        q_tile = tile_idx - (q_start // BLOCK_Q + req)
+        if q_tile * BLOCK_Q >= q_len:
+            return  # surplus program of the upper-bound grid (or a padded empty request)
+        if Q_FILTER == 1 and q_len != 1:
+            return  # decode launch of a mixed batch: prompt chunks are the other launch's
+        if Q_FILTER == 2 and q_len == 1:
+            return  # prompt-chunk launch of a mixed batch: decodes are the other launch's
     seq_len = tl.load(seq_lens_ptr + req)
+    if DECODE and seq_len == 0:
+        return  # a padded empty request: nothing to attend, its row stays unwritten
     ctx_len = seq_len - q_len
 
     # Row r of the tile = query token r // GQA of the tile, query head r % GQA of the group.
@@ -209,23 +221,25 @@ def _reduce_splits_kernel(
     pdl_start(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    if tok >= tl.load(qsl_ptr + num_reqs):
-        return  # padding token: its partials were never written
+    # Every load is issued at once, the padding check included (one round trip to memory
+    # instead of two): a padding token's partials may be garbage, but its row is never
+    # stored.
+    real = tok < tl.load(qsl_ptr + num_reqs)
     splits = tl.arange(0, SPLITS_P2)
     dims = tl.arange(0, DIM_P2)
     split_ok = splits < num_splits
     base = (tok * num_heads + head) * num_splits
     m = tl.load(m_ptr + base + splits, mask=split_ok, other=float("-inf"))
     l_s = tl.load(l_ptr + base + splits, mask=split_ok, other=0.0)
+    acc = tl.load(acc_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+                  mask=split_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.math.exp2(m - m_max)
     denom = tl.sum(w * l_s, 0)
-    acc = tl.load(acc_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
-                  mask=split_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)
+             mask=(dims < HEAD_DIM) & real)
 
 
 @dataclass(frozen=True)
@@ -362,15 +376,18 @@ def paged_attention(
             sm_count=device_sm_count(query.device), num_splits=num_splits,
             max_seq_len=max_seq_len)
     _launch(query, kv_cache, block_tables, seq_lens, query_start_loc, num_reqs, scale, out,
-            launch, 0)
+            launch, 0, decode=max_query_len <= 1)
     return out
 
 
 def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int,
-            scale: float, out: torch.Tensor, launch: AttentionLaunch, q_filter: int) -> None:
+            scale: float, out: torch.Tensor, launch: AttentionLaunch, q_filter: int,
+            decode: bool = False) -> None:
     """One launch of the kernel (plus the split merge) with plan ``launch``; ``q_filter``:
-    0 every request, 1 only single-token ones, 2 only multi-token ones."""
+    0 every request, 1 only single-token ones, 2 only multi-token ones.  ``decode``: every
+    request has one new token (row r is request r's; empty padded requests last), so
+    programs map to requests directly."""
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     gqa = num_heads // num_kv_heads
@@ -380,12 +397,16 @@ def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
     dim_p2 = triton.next_power_of_2(head_dim)
     splits = launch.num_splits
     pdl = pdl_launch_args(query.device)
-    grid = (num_tokens // launch.block_q + num_reqs, num_kv_heads, splits)
+    if decode:
+        grid = (min(num_reqs, num_tokens), num_kv_heads, splits)
+    else:
+        grid = (num_tokens // launch.block_q + num_reqs, num_kv_heads, splits)
     common = dict(
         GQA=gqa, HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_SIZE=block_size,
         BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q, TILE_N=launch.tile_n,
         SPLIT=splits > 1, F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), Q_FILTER=q_filter,
-        num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl,
+        DECODE=decode and q_filter == 0, num_warps=launch.num_warps,
+        num_stages=launch.num_stages, **pdl,
     )
     # num_splits is a runtime argument (only "split or not" is compiled in), so batch
     # sizes that pick different split counts share one compiled kernel.

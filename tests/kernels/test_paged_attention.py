@@ -253,3 +253,26 @@ def test_padded_empty_requests() -> None:
                         max_query_len=3, scale=0.125, out=out, num_splits=splits)
         assert_close(out[:n], naive_attention(batch, 0.125)[:n], torch.float32, seed)
         assert out[n:].isnan().all()
+
+
+def test_decode_only_padded_empty_requests() -> None:
+    """The decode-only launch maps program r to request r's row directly (no
+    query_start_loc search): empty padded requests at the end of the list and padding
+    token rows must stay unwritten there too, split or not."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    batch = make_paged_batch([1, 1, 1], [40, 7, 90], num_heads=8, num_kv_heads=2,
+                             head_dim=64, block_size=16, dtype=torch.float32,
+                             device=DEVICE, pad_tokens=3, gen=gen)
+    n = sum(batch.query_lens)
+    qsl = torch.cat([batch.query_start_loc, batch.query_start_loc[-1:].repeat(2)])
+    seq_lens = torch.cat([batch.seq_lens, batch.seq_lens.new_zeros(2)])
+    tables = torch.cat([batch.block_tables, batch.block_tables.new_zeros(2, 2)[:, :1]
+                        .expand(2, batch.block_tables.shape[1])])
+    ref = naive_attention(batch, 0.125)[:n]
+    for splits in (1, 4):
+        out = torch.full_like(batch.query, float("nan"))
+        paged_attention(batch.query, batch.kv_cache, tables, seq_lens, qsl, num_reqs=5,
+                        max_query_len=1, scale=0.125, out=out, num_splits=splits)
+        assert_close(out[:n], ref, torch.float32, seed)
+        assert out[n:].isnan().all(), f"padding rows written (splits={splits})"
