@@ -53,7 +53,20 @@ def _gemv_qkv_rope_kernel(
     rn = head * HEAD_DIM + col  # the grid covers the rows exactly: no masks
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     rk = tl.arange(0, BLOCK_K)
-    w0 = _load_w(w_rows, rk, K, BLOCK_K)  # weights only before the PDL wait
+    # Before the PDL wait: the first weight tile, and this step's position, slot and
+    # cos/sin (step metadata, written only by host copies before the forward -- see
+    # kernels/pdl.py), so the epilogue's inputs are not a chain of round trips after
+    # the K loop.  cos/sin are cast to the activation dtype as HF does
+    # (rotary._cos_sin).
+    w0 = _load_w(w_rows, rk, K, BLOCK_K)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rn).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr).to(tl.int64)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    i = c0 + tl.arange(0, PAIRS)
+    cos = tl.load(cs_ptr + pos * stride_c + i).to(dt).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_c + HALF + i).to(dt).to(tl.float32)
     pdl_wait(USE_PDL)
     x0 = _load_x(x_ptr, rk, rk < K, K, False, K % BLOCK_K != 0)
     acc_out = tl.sum(w0.to(tl.float32) * x0[None, :], axis=1)
@@ -66,34 +79,24 @@ def _gemv_qkv_rope_kernel(
             acc += w.to(tl.float32) * x[None, :]
         acc_out += tl.sum(acc, axis=1)
     if HAS_BIAS:
-        acc_out += tl.load(b_ptr + rn).to(tl.float32)
-    dt = out_ptr.dtype.element_ty
+        acc_out += bias
     y = acc_out.to(dt)  # the projection's own rounding, as gemv stores it
-
-    # Rotation: cos/sin of this token's position, cast to the activation dtype as HF
-    # does (rotary._cos_sin).
-    pos = tl.load(pos_ptr).to(tl.int64)
-    i = c0 + tl.arange(0, PAIRS)
-    cos = tl.load(cs_ptr + pos * stride_c + i).to(dt).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_c + HALF + i).to(dt).to(tl.float32)
     x1, x2 = tl.split(tl.reshape(y, (PAIRS, 2)))
     r1, r2 = _rope(x1[None, :], x2[None, :], cos, sin)
     rotated = tl.reshape(tl.join(r1, r2), (2 * PAIRS,))
 
     if head < NUM_Q_HEADS:
         tl.store(out_ptr + rn, rotated)
-    else:
-        slot = tl.load(slot_ptr).to(tl.int64)
-        if slot >= 0:
-            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-            if head < NUM_Q_HEADS + NUM_KV_HEADS:
-                kvh = head - NUM_Q_HEADS
-                tl.store(k_cache_ptr + dst + kvh * stride_ch + col,
-                         rotated.to(k_cache_ptr.dtype.element_ty))
-            else:
-                kvh = head - NUM_Q_HEADS - NUM_KV_HEADS
-                tl.store(v_cache_ptr + dst + kvh * stride_ch + col,
-                         y.to(v_cache_ptr.dtype.element_ty))
+    elif slot >= 0:  # slot -1: a CUDA-graph padding row, nothing to store
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+        if head < NUM_Q_HEADS + NUM_KV_HEADS:
+            kvh = head - NUM_Q_HEADS
+            tl.store(k_cache_ptr + dst + kvh * stride_ch + col,
+                     rotated.to(k_cache_ptr.dtype.element_ty))
+        else:
+            kvh = head - NUM_Q_HEADS - NUM_KV_HEADS
+            tl.store(v_cache_ptr + dst + kvh * stride_ch + col,
+                     y.to(v_cache_ptr.dtype.element_ty))
 
 
 def qkv_rope_supported(head_dim: int, rot_dim: int) -> bool:

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
+from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
@@ -79,15 +79,34 @@ def _find_request(qsl_ptr, tile_idx, num_reqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tile_blocks(t, kv_end, bt_row, offs_n, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """KV positions of tile ``t``, which of them exist, and their cache block ids."""
+    kv_pos = t * TILE_N + offs_n
+    kv_ok = kv_pos < kv_end
+    block_id = tl.load(bt_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+    return kv_pos, kv_ok, block_id
+
+
+@triton.jit
 def _attn_tile(
     t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr, v_cache_ptr,
     stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     """One KV tile of the online softmax: returns the updated (m, l, acc)."""
-    kv_pos = t * TILE_N + offs_n
-    kv_ok = kv_pos < kv_end
-    block_id = tl.load(bt_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+    kv_pos, kv_ok, block_id = _tile_blocks(t, kv_end, bt_row, offs_n, BLOCK_SIZE, TILE_N)
+    return _attn_tile_blocks(q, q_pos, m_i, l_i, acc, kv_pos, kv_ok, block_id, kv_head_off,
+                             k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, scale_log2,
+                             dims, dim_ok, BLOCK_SIZE, F32_DOT)
+
+
+@triton.jit
+def _attn_tile_blocks(
+    q, q_pos, m_i, l_i, acc, kv_pos, kv_ok, block_id, kv_head_off, k_cache_ptr,
+    v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok,
+    BLOCK_SIZE: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    """``_attn_tile`` with the tile's block ids already loaded."""
     kv_off = block_id * stride_cb + (kv_pos % BLOCK_SIZE).to(tl.int64) * stride_cs
     kv_off += kv_head_off
     k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None],
@@ -120,21 +139,27 @@ def _paged_attn_kernel(
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
     Q_FILTER: tl.constexpr, DECODE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_start(USE_PDL)
+    pdl_trigger(USE_PDL)
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     if DECODE:
         # Decode-only batch: request r's one token is row r (padded empty requests come
-        # last, with seq_len 0), so the program is its request and no query_start_loc
-        # lookups sit on the load chain before the KV reads -- at batch 1 the kernel's
-        # time is that chain's latency, not bandwidth.
+        # last, with seq_len 0), so the program is its request: no query_start_loc
+        # search.  At batch 1 this kernel's time is its chain of dependent memory round
+        # trips, not bandwidth, so the metadata (seq_len here, the first tile's block
+        # ids below) is read before the PDL wait (allowed: kernels/pdl.py) and only the
+        # query and the KV reads follow it.
         req = tile_idx
         q_start = tile_idx
         q_len = 1
         q_tile = 0
+        seq_len = tl.load(seq_lens_ptr + req)
+        if seq_len == 0:
+            return  # a padded empty request: nothing to attend, its row stays unwritten
     else:
+        pdl_wait(USE_PDL)
         req = _find_request(qsl_ptr, tile_idx, num_reqs, BLOCK_Q)
         q_start = tl.load(qsl_ptr + req)
         q_len = tl.load(qsl_ptr + req + 1) - q_start
@@ -145,9 +170,7 @@ def _paged_attn_kernel(
             return  # decode launch of a mixed batch: prompt chunks are the other launch's
         if Q_FILTER == 2 and q_len == 1:
             return  # prompt-chunk launch of a mixed batch: decodes are the other launch's
-    seq_len = tl.load(seq_lens_ptr + req)
-    if DECODE and seq_len == 0:
-        return  # a padded empty request: nothing to attend, its row stays unwritten
+        seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len
 
     # Row r of the tile = query token r // GQA of the tile, query head r % GQA of the group.
@@ -158,8 +181,6 @@ def _paged_attn_kernel(
     dims = tl.arange(0, DIM_P2)
     dim_ok = dims < HEAD_DIM
     tok = (q_start + q_in_req).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     q_pos = ctx_len + q_in_req
 
     # Keys this tile needs: positions [0, kv_end), kv_end = last query position + 1.
@@ -172,18 +193,32 @@ def _paged_attn_kernel(
     else:
         tile_lo = 0
         tile_hi = num_tiles
+    offs_n = tl.arange(0, TILE_N)
+    bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    kv_head_off = kv_head.to(tl.int64) * stride_ch
+    if DECODE:
+        kv_pos0, kv_ok0, block0 = _tile_blocks(tile_lo, kv_end, bt_row, offs_n, BLOCK_SIZE,
+                                               TILE_N)
+        pdl_wait(USE_PDL)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_P2], dtype=tl.float32)
-    offs_n = tl.arange(0, TILE_N)
-    bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
-    kv_head_off = kv_head.to(tl.int64) * stride_ch
+    first = tile_lo
+    if DECODE:  # the first tile, with its prefetched block ids
+        if tile_lo < tile_hi:
+            m_i, l_i, acc = _attn_tile_blocks(
+                q, q_pos, m_i, l_i, acc, kv_pos0, kv_ok0, block0, kv_head_off,
+                k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok,
+                BLOCK_SIZE, F32_DOT)
+        first = tile_lo + 1
     if WHILE_LOOP:
         # The interpreter cannot use loaded scalars as range() bounds (numpy 2 refuses
         # int() of their shape-(1,) arrays); on the GPU the for-loop is kept because
         # only scf.for loops are software-pipelined (num_stages).
-        t = tile_lo
+        t = first
         while t < tile_hi:
             m_i, l_i, acc = _attn_tile(
                 t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
@@ -191,7 +226,7 @@ def _paged_attn_kernel(
                 BLOCK_SIZE, TILE_N, F32_DOT)
             t += 1
     else:
-        for t in range(tile_lo, tile_hi):
+        for t in range(first, tile_hi):
             m_i, l_i, acc = _attn_tile(
                 t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
                 v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
@@ -218,13 +253,14 @@ def _reduce_splits_kernel(
     HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_start(USE_PDL)
+    pdl_trigger(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    # Every load is issued at once, the padding check included (one round trip to memory
-    # instead of two): a padding token's partials may be garbage, but its row is never
-    # stored.
+    # The token count is metadata, read before the PDL wait (kernels/pdl.py); the
+    # partials are loaded at once after it.  A padding token's partials may be garbage,
+    # but its row is never stored.
     real = tok < tl.load(qsl_ptr + num_reqs)
+    pdl_wait(USE_PDL)
     splits = tl.arange(0, SPLITS_P2)
     dims = tl.arange(0, DIM_P2)
     split_ok = splits < num_splits

@@ -12,8 +12,20 @@ its first weight tile there.
 
 **Contract** for a kernel compiled with ``USE_PDL``: it calls :func:`pdl_wait` (or
 ``gdc_wait`` directly) before any load of data that another kernel writes (activations,
-KV cache, metadata) and before any store.  Before the wait it may read only weights,
-which no kernel writes after loading (``Worker.load_model`` synchronises after loading).
+KV cache, sampled tokens) and before any store.  Before the wait it may read only
+
+* weights, which no kernel writes after loading (``Worker.load_model`` synchronises
+  after loading), and
+* the step's attention metadata and positions (``positions``, ``slot_mapping``,
+  ``seq_lens``, ``block_tables``, ``query_start_loc``), which only host-to-device copies
+  write, before the step's forward.  The forward's first kernel is an ordinary launch
+  (the embedding gather), so it starts after those copies have finished, and every PDL
+  kernel after it launches after it started -- hence after the copies too.  (The
+  async-scheduling fix-up writes only ``input_ids``, which no PDL kernel reads.)
+
+At batch 1 a kernel's time is mostly its chain of dependent memory round trips, so
+taking these reads off the chain (they overlap the predecessor's tail) is most of what
+PDL can save after the launch gaps.
 Completion is transitive: every PDL kernel waits for its predecessor to *complete*, and
 that predecessor could not complete before its own wait returned, so once a kernel is past
 its wait every earlier kernel in the stream has finished.  Kernels without PDL (cuBLAS,

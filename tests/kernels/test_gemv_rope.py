@@ -1,8 +1,11 @@
 """The batch-1 QKV GEMV with rotary + KV-cache write in its epilogue
 (``kernels/gemv_rope.py``) against the unfused path it replaces: ``gemv`` then
-``rotary_and_write_kv``.  Both run the same per-row sums and roundings, so the rotated q
-and every cache element must be bit-identical.  The caches start poisoned with NaN and
-are compared whole, so a write to a wrong slot, head or column fails too."""
+``rotary_and_write_kv``.  Both run the same per-row sums and roundings: under the
+interpreter the rotated q and every cache element must be bit-identical.  On the GPU the
+compiler may lay the two kernels' reductions out differently (fp32 sums in another
+order), so there each value may differ by about one rounding of the activation dtype.
+The caches start poisoned with NaN and are compared whole, so a write to a wrong slot,
+head or column fails too."""
 
 from __future__ import annotations
 
@@ -43,9 +46,13 @@ def _case(dtype: torch.dtype, head_dim: int, hq: int, hkv: int, k: int, bias: bo
     out = torch.full((1, n), float("nan"), dtype=dtype, device=DEVICE)
     gemv_qkv_rope(x, w, b, positions, cs, got_cache, slots, num_heads=hq,
                   num_kv_heads=hkv, head_dim=head_dim, out=out)
-    torch.testing.assert_close(out[:, :hq * head_dim], q_ref, rtol=0, atol=0,
+    # Exact in the interpreter; on the GPU ~2 roundings of the dtype (module docstring).
+    tol = {"rtol": 0, "atol": 0} if not ON_GPU else \
+        {torch.bfloat16: {"rtol": 2 ** -6, "atol": 2 ** -6},
+         torch.float16: {"rtol": 2 ** -9, "atol": 2 ** -9}}[dtype]
+    torch.testing.assert_close(out[:, :hq * head_dim], q_ref, **tol,
                                msg=lambda m: f"rotated q differs (seed={seed}): {m}")
-    torch.testing.assert_close(got_cache, ref_cache, rtol=0, atol=0, equal_nan=True,
+    torch.testing.assert_close(got_cache, ref_cache, equal_nan=True, **tol,
                                msg=lambda m: f"KV cache differs (seed={seed}): {m}")
     if slot >= 0:  # the written slot really holds numbers (the reference wrote there)
         blk, off = divmod(slot, block_size)
