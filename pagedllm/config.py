@@ -147,7 +147,10 @@ class EngineArgs:
     num_threads: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def create_engine_config(self) -> EngineConfig:
+    def create_engine_config(self, hf_config: Any = None) -> EngineConfig:
+        """Validate and build.  ``hf_config`` replaces the model's transformers config
+        (the start-up kernel warm-up passes config.json's raw keys,
+        ``worker/kernel_warmup.py``); normally it is loaded here."""
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
@@ -180,7 +183,8 @@ class EngineArgs:
             raise ValueError(f"swap_space must be a number of GiB in [0, 1024], got {sw!r}")
 
         resolved = resolve_model(self.model, self.tokenizer, self.load_format)
-        hf_config = resolved.load_hf_config(self.trust_remote_code)
+        if hf_config is None:
+            hf_config = resolved.load_hf_config(self.trust_remote_code)
 
         device = self.device
         if device == "auto":

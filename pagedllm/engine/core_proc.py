@@ -232,8 +232,18 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     proc: EngineCoreProc | None = None
     status = 1
+    warmup = None
     try:
         from pagedllm.config import EngineArgs
+
+        if isinstance(config, EngineArgs):
+            # Before torch: a helper compiles the Triton kernels while this process
+            # imports torch and transformers (worker/kernel_warmup.py).
+            from pagedllm.worker import kernel_warmup
+
+            warmup = kernel_warmup.start(config)
+            if warmup is not None:
+                logger.info("kernel warm-up helper started (pid %d)", warmup.proc.pid)
         from pagedllm.engine.core import EngineCore
 
         t1 = time.perf_counter()
@@ -244,6 +254,9 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
                 config = config.create_engine_config()
                 built = True
                 logger.info("built the engine config in %.1f s", time.perf_counter() - t1)
+            if warmup is not None:  # its CUDA context must be gone before the memory plan
+                warmup.wait()
+                warmup = None
             core = EngineCore(config)
         except Exception as e:  # report why start-up failed, in one line
             if isinstance(e, ValueError) and not built:
@@ -277,6 +290,8 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         except Exception:  # shutting down after an error: nothing more to report
             logger.exception("engine core shutdown failed")
     finally:
+        if warmup is not None and warmup.proc.poll() is None:  # start-up failed early
+            warmup.proc.kill()
         if proc is not None:
             proc.close()
         # Skip interpreter teardown (atexit of torch / multiprocessing) once done.
