@@ -143,8 +143,12 @@ def start(engine_args: Any) -> WarmupProcess | None:
     key = warmup_key(args, config)
     if os.path.exists(_marker(key)):
         return None
+    # The helper imports this very pagedllm, whatever its working directory holds.
+    root = os.path.dirname(_PKG_DIR)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     proc = subprocess.Popen([sys.executable, "-m", "pagedllm.worker.kernel_warmup",
-                             json.dumps({"args": args, "key": key})])
+                             json.dumps({"args": args, "key": key})], env=env)
     return WarmupProcess(proc, time.perf_counter())
 
 
