@@ -118,8 +118,13 @@ def test_rotary(neox: bool, head_size: int, rot_dim: int, dtype: torch.dtype) ->
     apply_rotary(pos, q, k, head_size, cache, is_neox=neox)
     got_q = q.view(t, hq, head_size).cpu()
     got_k = k.view(t, hk, head_size).cpu()
-    exact = (dtype == torch.float32) != ON_GPU  # GPU fp32: mul+add may become an FMA;
-    if not exact:  # interpreter bf16: truncating casts
+    # Exact only in the interpreter's fp32.  GPU fp32: mul+add may become an FMA;
+    # interpreter bf16: truncating casts; GPU 16-bit: on the H200 (2026-11-29, the first
+    # run of this test there) 5 of 6 cases differed from the CPU reference by about one
+    # rounding -- the fused rotary + KV write, which the engine uses, is checked against
+    # this kernel exactly (test_rotary_and_write_kv) and end to end by the GPU parity test.
+    exact = dtype == torch.float32 and not ON_GPU
+    if not exact:
         _close(got_q, q_ref, dtype, seed, floor=2.0)
         _close(got_k, k_ref, dtype, seed, floor=2.0)
     else:
