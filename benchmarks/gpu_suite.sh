@@ -17,6 +17,8 @@ if [ -f /tmp/gguf/ggufpart_aa ] && [ -f .gguf2/ggufpart_ab ]; then
 fi
 {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+# First, while the machine is fresh: a cold server start (empty Triton cache), then a warm one.
+bash benchmarks/startup_probe.sh 2
 step python benchmarks/gpu_check.py
 step timeout 240 python -m pytest tests/e2e/test_gpu_parity.py tests/e2e/test_cuda_graphs.py \
   tests/kernels/test_pdl.py -m gpu -q -p no:cacheprovider
