@@ -13,7 +13,9 @@ Grid design (after vLLM's ``unified_attention`` Triton kernel)::
             program finds its request by binary search over ``query_start_loc`` using the
             "tile start" ``query_start_loc[r] // BLOCK_Q + r``.  The grid size is the
             upper bound ``num_tokens // BLOCK_Q + num_reqs`` -- host ints only, so the
-            launch is CUDA-graph safe; surplus programs exit at once.
+            launch is CUDA-graph safe; surplus programs exit at once.  A decode-only
+            launch (``max_query_len <= 1``) skips the search: program r is request r,
+            whose one token is row r.
     axis 1: KV heads.  A program handles BLOCK_Q tokens x all GQA query heads of its KV
             head (BLOCK_M = BLOCK_Q * GQA rows, padded to a power of two), so each K/V
             tile is loaded once for the whole group and both products run on tensor
