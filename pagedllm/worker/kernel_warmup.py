@@ -210,7 +210,12 @@ def main(argv: list[str]) -> int:
         return 2
     spec = json.loads(argv[0])
     logging.basicConfig(level=logging.WARNING)  # the worker's INFO lines are the core's
-    return run(spec["args"], spec["key"])
+    try:
+        return run(spec["args"], spec["key"])
+    except Exception as e:  # the core reports real problems itself, in its own words
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"pagedllm kernel warm-up stopped: {reason}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
