@@ -58,6 +58,26 @@ def _load_w(w_rows, ks, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _row_dots(x_ptr, w_rows, w0, rk, K: tl.constexpr, SILU_MUL: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``sum_k w[n, k] * x[k]`` in fp32 for the program's ``BLOCK_N`` rows ``w_rows``,
+    given their first K tile ``w0`` (fetched by the caller, before its PDL wait).  The
+    accumulator is an elementwise ``[BLOCK_N, BLOCK_K]`` tile reduced once at the end, so
+    the loop body is loads and FMAs only."""
+    x0 = _load_x(x_ptr, rk, rk < K, K, SILU_MUL, K % BLOCK_K != 0)
+    out = tl.sum(w0.to(tl.float32) * x0[None, :], axis=1)
+    if BLOCK_K < K:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            ks = k0 + rk
+            w = _load_w(w_rows, ks, K, BLOCK_K)
+            x = _load_x(x_ptr, ks, ks < K, K, SILU_MUL, K % BLOCK_K != 0)
+            acc += w.to(tl.float32) * x[None, :]
+        out += tl.sum(acc, axis=1)
+    return out
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn,
                  K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
@@ -75,16 +95,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn,
     rk = tl.arange(0, BLOCK_K)
     w0 = _load_w(w_rows, rk, K, BLOCK_K)
     pdl_wait(USE_PDL)
-    x0 = _load_x(x_ptr, rk, rk < K, K, SILU_MUL, K % BLOCK_K != 0)
-    out = tl.sum(w0.to(tl.float32) * x0[None, :], axis=1)
-    if BLOCK_K < K:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            ks = k0 + rk
-            w = _load_w(w_rows, ks, K, BLOCK_K)
-            x = _load_x(x_ptr, ks, ks < K, K, SILU_MUL, K % BLOCK_K != 0)
-            acc += w.to(tl.float32) * x[None, :]
-        out += tl.sum(acc, axis=1)
+    out = _row_dots(x_ptr, w_rows, w0, rk, K, SILU_MUL, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_mask)

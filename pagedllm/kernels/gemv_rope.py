@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.gemv import _load_w, _load_x
+from pagedllm.kernels.gemv import _load_w, _row_dots
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
 from pagedllm.kernels.rotary import _rope
 
@@ -68,16 +68,7 @@ def _gemv_qkv_rope_kernel(
     cos = tl.load(cs_ptr + pos * stride_c + i).to(dt).to(tl.float32)
     sin = tl.load(cs_ptr + pos * stride_c + HALF + i).to(dt).to(tl.float32)
     pdl_wait(USE_PDL)
-    x0 = _load_x(x_ptr, rk, rk < K, K, False, K % BLOCK_K != 0)
-    acc_out = tl.sum(w0.to(tl.float32) * x0[None, :], axis=1)
-    if BLOCK_K < K:
-        acc = tl.zeros((2 * PAIRS, BLOCK_K), dtype=tl.float32)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            ks = k0 + rk
-            w = _load_w(w_rows, ks, K, BLOCK_K)
-            x = _load_x(x_ptr, ks, ks < K, K, False, K % BLOCK_K != 0)
-            acc += w.to(tl.float32) * x[None, :]
-        acc_out += tl.sum(acc, axis=1)
+    acc_out = _row_dots(x_ptr, w_rows, w0, rk, K, False, 2 * PAIRS, BLOCK_K)
     if HAS_BIAS:
         acc_out += bias
     y = acc_out.to(dt)  # the projection's own rounding, as gemv stores it

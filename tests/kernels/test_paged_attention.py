@@ -234,6 +234,16 @@ def test_gpu_kv_write_high_blocks() -> None:
     assert int((flat != 0).sum()) == int(written.sum() + (value[[0, 1, 3]] != 0).sum())
 
 
+def _two_empty_requests(batch: PagedBatch) -> tuple[torch.Tensor, ...]:
+    """``batch``'s metadata with two empty requests appended, as a CUDA-graph runner
+    pads: ``query_start_loc`` repeats its last value, seq_len 0, block-table rows 0."""
+    qsl = torch.cat([batch.query_start_loc, batch.query_start_loc[-1:].repeat(2)])
+    seq_lens = torch.cat([batch.seq_lens, batch.seq_lens.new_zeros(2)])
+    tables = torch.cat([batch.block_tables,
+                        batch.block_tables.new_zeros(2, batch.block_tables.shape[1])])
+    return qsl, seq_lens, tables
+
+
 def test_padded_empty_requests() -> None:
     """CUDA-graph batches may pad the request list with empty requests (query_len 0,
     seq_len 0, repeated query_start_loc): they must neither crash nor write."""
@@ -243,10 +253,7 @@ def test_padded_empty_requests() -> None:
                              head_dim=64, block_size=16, dtype=torch.float32,
                              device=DEVICE, pad_tokens=2, gen=gen)
     n = sum(batch.query_lens)
-    qsl = torch.cat([batch.query_start_loc, batch.query_start_loc[-1:].repeat(2)])
-    seq_lens = torch.cat([batch.seq_lens, batch.seq_lens.new_zeros(2)])
-    tables = torch.cat([batch.block_tables, batch.block_tables.new_zeros(2, 2)[:, :1]
-                        .expand(2, batch.block_tables.shape[1])])
+    qsl, seq_lens, tables = _two_empty_requests(batch)
     for splits in (1, 4):
         out = torch.full_like(batch.query, float("nan"))
         paged_attention(batch.query, batch.kv_cache, tables, seq_lens, qsl, num_reqs=5,
@@ -265,10 +272,7 @@ def test_decode_only_padded_empty_requests() -> None:
                              head_dim=64, block_size=16, dtype=torch.float32,
                              device=DEVICE, pad_tokens=3, gen=gen)
     n = sum(batch.query_lens)
-    qsl = torch.cat([batch.query_start_loc, batch.query_start_loc[-1:].repeat(2)])
-    seq_lens = torch.cat([batch.seq_lens, batch.seq_lens.new_zeros(2)])
-    tables = torch.cat([batch.block_tables, batch.block_tables.new_zeros(2, 2)[:, :1]
-                        .expand(2, batch.block_tables.shape[1])])
+    qsl, seq_lens, tables = _two_empty_requests(batch)
     ref = naive_attention(batch, 0.125)[:n]
     for splits in (1, 4):
         out = torch.full_like(batch.query, float("nan"))
