@@ -35,8 +35,10 @@ step python benchmarks/profile_step.py --dummy llama3-8b --num-prompts 256 --no-
 step python -m pagedllm bench throughput --workload W1-small --dummy smollm2-135m --no-hf \
   --max-num-batched-tokens 8192 --output-json "$OUT/w1small.json"
 step python benchmarks/profile_step.py --dummy smollm2-135m --num-prompts 256 --no-cprofile --out /tmp
-step timeout 180 python -m pytest tests/kernels tests/models tests/sample -m gpu -q -x \
-  -p no:cacheprovider -k "not test_gpu_grid"
+# Every kernel test runs on the GPU when one is visible (most have no gpu marker).
+step timeout 300 python -m pytest tests/kernels -q -rf -p no:cacheprovider -k "not test_gpu_grid"
+step timeout 180 python -m pytest tests/models tests/sample -m gpu -q -x \
+  -p no:cacheprovider
 # The dtype x block size x head shape grid compiles ~100 kernel variants: last, on its own.
 step timeout 420 python -m pytest tests/kernels/test_paged_attention.py -m gpu -q \
   -p no:cacheprovider -k test_gpu_grid
