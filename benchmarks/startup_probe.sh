@@ -12,12 +12,7 @@ for i in $(seq "${1:-1}"); do
   python -m pagedllm serve --model "$M" --load-format dummy --skip-tokenizer-init \
     --port $PORT > "$OUT/startup_$i.log" 2>&1 &
   SP=$!
-  for _ in $(seq 900); do
-    curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
-    kill -0 $SP 2>/dev/null || { echo "server exited"; cat "$OUT/startup_$i.log"; exit 1; }
-    sleep 0.1
-  done
-  echo "start $i: ready to serve in $(python -c "import time; print(round(time.time() - $t0, 1))") s"
+  echo -n "start $i: "; wait_healthy $PORT $SP "$OUT/startup_$i.log" "$t0"
   grep -E "process started|imported|built the engine|loaded|memory plan|captured|Triton:|engine ready|Serving on" \
     "$OUT/startup_$i.log"
   kill $SP; wait $SP

@@ -25,13 +25,8 @@ start_server() {  # $1: name for the log and trace files
   PAGEDLLM_STEP_TRACE="$OUT/${TAG}trace_$1.jsonl" python -m pagedllm serve --model "$M" \
     --load-format dummy --skip-tokenizer-init --port $PORT > "$OUT/${TAG}server_$1.log" 2>&1 &
   SP=$!
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
-    kill -0 $SP 2>/dev/null || { echo "server exited"; cat "$OUT/${TAG}server_$1.log"; exit 1; }
-    sleep 0.2
-  done
-  echo "ready to serve in $(python -c "import time; print(round(time.time() - $t0, 1))") s" \
-    "(started $(date -d @"$t0" +%T.%N))"
+  wait_healthy $PORT $SP "$OUT/${TAG}server_$1.log" "$t0"
+  echo "(started $(date -d @"$t0" +%T.%N))"
   grep -E "engine core process started|loaded|captured|engine ready|Serving on" \
     "$OUT/${TAG}server_$1.log"
   CORE=$(pgrep -P $SP -f spawn_main | head -1)

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from pagedllm.kernels.gemv import _load_w, _row_dots
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
-from pagedllm.kernels.rotary import _rope
+from pagedllm.kernels.rotary import _cos_sin, _rope
 
 PAIRS = 4  # rotation pairs per program: 8 rows, as gemv_config's BLOCK_N
 
@@ -56,22 +56,18 @@ def _gemv_qkv_rope_kernel(
     # Before the PDL wait: the first weight tile, and this step's position, slot and
     # cos/sin (step metadata, written only by host copies before the forward -- see
     # kernels/pdl.py), so the epilogue's inputs are not a chain of round trips after
-    # the K loop.  cos/sin are cast to the activation dtype as HF does
-    # (rotary._cos_sin).
+    # the K loop.
     w0 = _load_w(w_rows, rk, K, BLOCK_K)
     if HAS_BIAS:
         bias = tl.load(b_ptr + rn).to(tl.float32)
-    dt = out_ptr.dtype.element_ty
-    pos = tl.load(pos_ptr).to(tl.int64)
     slot = tl.load(slot_ptr).to(tl.int64)
     i = c0 + tl.arange(0, PAIRS)
-    cos = tl.load(cs_ptr + pos * stride_c + i).to(dt).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_c + HALF + i).to(dt).to(tl.float32)
+    cos, sin = _cos_sin(pos_ptr, cs_ptr, stride_c, 0, i, i < HALF, out_ptr, HALF)
     pdl_wait(USE_PDL)
     acc_out = _row_dots(x_ptr, w_rows, w0, rk, K, False, 2 * PAIRS, BLOCK_K)
     if HAS_BIAS:
         acc_out += bias
-    y = acc_out.to(dt)  # the projection's own rounding, as gemv stores it
+    y = acc_out.to(out_ptr.dtype.element_ty)  # the projection's rounding, as gemv's
     x1, x2 = tl.split(tl.reshape(y, (PAIRS, 2)))
     r1, r2 = _rope(x1[None, :], x2[None, :], cos, sin)
     rotated = tl.reshape(tl.join(r1, r2), (2 * PAIRS,))

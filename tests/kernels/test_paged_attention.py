@@ -234,49 +234,30 @@ def test_gpu_kv_write_high_blocks() -> None:
     assert int((flat != 0).sum()) == int(written.sum() + (value[[0, 1, 3]] != 0).sum())
 
 
-def _two_empty_requests(batch: PagedBatch) -> tuple[torch.Tensor, ...]:
-    """``batch``'s metadata with two empty requests appended, as a CUDA-graph runner
-    pads: ``query_start_loc`` repeats its last value, seq_len 0, block-table rows 0."""
+@pytest.mark.parametrize("q_lens,ctx_lens,max_q,pad", [
+    ([1, 3, 1], [20, 5, 9], 3, 2),  # a mixed batch: the query_start_loc search
+    ([1, 1, 1], [40, 7, 90], 1, 3),  # decode only: program r is request r, no search
+])
+def test_padded_empty_requests(q_lens: list[int], ctx_lens: list[int], max_q: int,
+                               pad: int) -> None:
+    """CUDA-graph batches may pad the request list with empty requests (query_len 0,
+    seq_len 0, repeated query_start_loc) and the tokens with padding rows: they must
+    neither crash nor write, split or not -- also where the decode-only launch maps
+    programs to requests directly."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    batch = make_paged_batch(q_lens, ctx_lens, num_heads=8, num_kv_heads=2,
+                             head_dim=64, block_size=16, dtype=torch.float32,
+                             device=DEVICE, pad_tokens=pad, gen=gen)
+    n = sum(batch.query_lens)
     qsl = torch.cat([batch.query_start_loc, batch.query_start_loc[-1:].repeat(2)])
     seq_lens = torch.cat([batch.seq_lens, batch.seq_lens.new_zeros(2)])
     tables = torch.cat([batch.block_tables,
                         batch.block_tables.new_zeros(2, batch.block_tables.shape[1])])
-    return qsl, seq_lens, tables
-
-
-def test_padded_empty_requests() -> None:
-    """CUDA-graph batches may pad the request list with empty requests (query_len 0,
-    seq_len 0, repeated query_start_loc): they must neither crash nor write."""
-    seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
-    batch = make_paged_batch([1, 3, 1], [20, 5, 9], num_heads=8, num_kv_heads=2,
-                             head_dim=64, block_size=16, dtype=torch.float32,
-                             device=DEVICE, pad_tokens=2, gen=gen)
-    n = sum(batch.query_lens)
-    qsl, seq_lens, tables = _two_empty_requests(batch)
-    for splits in (1, 4):
-        out = torch.full_like(batch.query, float("nan"))
-        paged_attention(batch.query, batch.kv_cache, tables, seq_lens, qsl, num_reqs=5,
-                        max_query_len=3, scale=0.125, out=out, num_splits=splits)
-        assert_close(out[:n], naive_attention(batch, 0.125)[:n], torch.float32, seed)
-        assert out[n:].isnan().all()
-
-
-def test_decode_only_padded_empty_requests() -> None:
-    """The decode-only launch maps program r to request r's row directly (no
-    query_start_loc search): empty padded requests at the end of the list and padding
-    token rows must stay unwritten there too, split or not."""
-    seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
-    batch = make_paged_batch([1, 1, 1], [40, 7, 90], num_heads=8, num_kv_heads=2,
-                             head_dim=64, block_size=16, dtype=torch.float32,
-                             device=DEVICE, pad_tokens=3, gen=gen)
-    n = sum(batch.query_lens)
-    qsl, seq_lens, tables = _two_empty_requests(batch)
     ref = naive_attention(batch, 0.125)[:n]
     for splits in (1, 4):
         out = torch.full_like(batch.query, float("nan"))
         paged_attention(batch.query, batch.kv_cache, tables, seq_lens, qsl, num_reqs=5,
-                        max_query_len=1, scale=0.125, out=out, num_splits=splits)
+                        max_query_len=max_q, scale=0.125, out=out, num_splits=splits)
         assert_close(out[:n], ref, torch.float32, seed)
         assert out[n:].isnan().all(), f"padding rows written (splits={splits})"
