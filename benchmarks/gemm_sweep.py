@@ -141,12 +141,40 @@ def gemv_vs_cublas() -> list[dict]:
     return rows
 
 
+def blas_variants(ms: list[int]) -> dict[str, list[dict]]:
+    """The layer sweep under three GEMM back ends: torch's default (cuBLAS), cuBLASLt
+    (``preferred_blas_library``), and TunableOp, which times cuBLAS against cuBLASLt's
+    heuristic algorithms per shape and keeps the fastest (tuned on first use)."""
+    res = {"cublas": layer_sweep(ms)}
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    res["cublaslt"] = layer_sweep(ms)
+    torch.backends.cuda.preferred_blas_library("cublas")
+    torch.cuda.tunable.enable(True)
+    torch.cuda.tunable.tuning_enable(True)
+    torch.cuda.tunable.set_max_tuning_duration(200)
+    res["tunable"] = layer_sweep(ms)
+    torch.cuda.tunable.enable(False)
+    for i, m in enumerate(ms):
+        print(f"M={m:5d}  " + "  ".join(f"{k} {v[i]['model_ms']:.2f} ms"
+                                        for k, v in res.items()), flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--skip-layer-sweep", action="store_true")
+    ap.add_argument("--blas", action="store_true",
+                    help="only compare cuBLAS, cuBLASLt and TunableOp-tuned GEMMs on the "
+                    "layer sweep at W1's step sizes, then exit")
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name()}
+    if a.blas:
+        res["blas"] = blas_variants([64, 128, 192, 256, 384, 512, 1024, 4096, 8192])
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     if not a.skip_layer_sweep:
         res["layer_sweep"] = layer_sweep([1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384,
                                           448, 512, 640, 768, 1024, 1536, 2048, 4096,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import os
 import pstats
 import time
@@ -43,7 +44,17 @@ def main() -> None:
                     "understate how busy the GPU is)")
     ap.add_argument("--w4", action="store_true",
                     help="profile one W4 request (512 prompt, 256 output tokens) instead")
+    ap.add_argument("--per-step", action="store_true",
+                    help="also split the kernel time by engine step (steps are delimited "
+                    "by the sampling kernel; their token and request counts come from "
+                    "PAGEDLLM_STEP_TRACE) and print it by step kind and batch size; "
+                    "writes steps.jsonl.  Run with PAGEDLLM_PDL=0: with PDL a kernel's "
+                    "duration includes its wait for the one before")
     a = ap.parse_args()
+    trace_path = os.path.join(a.out, "step_trace.jsonl")
+    if a.per_step:
+        open(trace_path, "w").close()
+        os.environ["PAGEDLLM_STEP_TRACE"] = trace_path
     vocab_hi = 49000 if a.dummy == "smollm2-135m" else 128000
     llm = LLM(write_dummy_model(a.dummy), load_format="dummy", skip_tokenizer_init=True,
               max_num_batched_tokens=a.max_num_batched_tokens)
@@ -61,6 +72,7 @@ def main() -> None:
     llm.generate(warm, SamplingParams(temperature=0, ignore_eos=True, max_tokens=8),
                  use_tqdm=False)
     llm.reset_prefix_cache()
+    warm_steps = _count_lines(trace_path) if a.per_step else 0
     pr = cProfile.Profile()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         torch.cuda.synchronize()
@@ -94,6 +106,77 @@ def main() -> None:
         for c, v in sorted(cats.items(), key=lambda kv: -kv[1])))
     print(table[:6000])
     print(s.getvalue()[:6000])
+    if a.per_step:
+        per_step(prof, trace_path, warm_steps, a.out)
+
+
+def _count_lines(path: str) -> int:
+    with open(path) as f:
+        return sum(1 for _ in f)
+
+
+def per_step(prof, trace_path: str, skip: int, out_dir: str) -> None:
+    """Kernel time per engine step, summed by step kind (mixed / decode-only) and batch.
+
+    Kernels are ordered by start time and cut after each ``_sample_chunk_kernel`` (one per
+    step).  A step's ``span`` runs from its first kernel's start to the next step's; its
+    ``idle`` is the part of the span no kernel covers."""
+    with open(trace_path) as f:
+        trace = [json.loads(line) for line in f][skip:]
+    kernels = sorted(
+        ((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+         if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda k: k[0])
+    steps: list[list[tuple[float, float, str]]] = [[]]
+    for k in kernels:
+        steps[-1].append(k)
+        if "_sample_chunk_kernel" in k[2]:
+            steps.append([])
+    steps = [st for st in steps if st]
+    rows = []
+    for i, st in enumerate(steps):
+        start = st[0][0]
+        end = steps[i + 1][0][0] if i + 1 < len(steps) else max(k[1] for k in st)
+        busy, cur_s, cur_e = 0.0, None, None
+        by: dict[str, float] = {}
+        for s0, e0, name in st:
+            by[category(name)] = by.get(category(name), 0.0) + (e0 - s0)
+            if cur_e is None or s0 > cur_e:
+                busy += 0.0 if cur_e is None else cur_e - cur_s
+                cur_s, cur_e = s0, e0
+            else:
+                cur_e = max(cur_e, e0)
+        busy += cur_e - cur_s
+        t = trace[i] if i < len(trace) else {}
+        rows.append({"step": i, "tokens": t.get("tokens"), "reqs": t.get("reqs"),
+                     "mixed": bool(t.get("chunks")), "span_ms": (end - start) / 1e3,
+                     "idle_ms": (end - start - busy) / 1e3,
+                     **{f"{c}_ms": v / 1e3 for c, v in by.items()}})
+    with open(os.path.join(out_dir, "steps.jsonl"), "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    print(f"{len(rows)} steps with kernels, {len(trace)} traced steps")
+
+    def bucket(r: dict) -> str:
+        if r["mixed"]:
+            return "mixed"
+        n = r["reqs"] or 0
+        for hi in (8, 32, 64, 128, 192, 256):
+            if n <= hi:
+                return f"decode <={hi}"
+        return "decode >256"
+
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(bucket(r), []).append(r)
+    cols = ("span", "gemm", "attention", "other", "copy", "idle")
+    print(f"{'kind':14s} {'steps':>5s} {'tokens':>7s} " + " ".join(
+        f"{c + ' s':>11s}" for c in cols) + "   (totals; per step in ms after /)")
+    for name in sorted(groups, key=lambda g: (g != "mixed", g)):
+        g = groups[name]
+        tot = {c: sum(r.get(f"{c}_ms", 0.0) for r in g) for c in cols}
+        print(f"{name:14s} {len(g):5d} {sum(r['tokens'] or 0 for r in g):7d} " + " ".join(
+            f"{tot[c] / 1e3:5.2f}/{tot[c] / len(g):5.2f}" for c in cols))
 
 
 if __name__ == "__main__":
