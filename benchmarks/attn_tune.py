@@ -19,16 +19,44 @@ import triton.testing
 from pagedllm.kernels.paged_attention import AttentionLaunch, paged_attention, plan_attention
 
 
+def w1_decode_shapes() -> dict[str, tuple[list[int], list[int]]]:
+    """W1's decode steps at a few batch sizes: after the prompts (FCFS, all admitted),
+    decode step t has every request with output_len > t, at context plen + t.  Each in
+    engine order and sorted longest first (what a longest-first program order would see)."""
+    from pagedllm.benchmarks.workloads import w1
+
+    reqs = [(len(r.prompt_token_ids), r.output_len) for r in w1(256)]
+    shapes: dict[str, tuple[list[int], list[int]]] = {}
+    for t in (20, 150, 290, 400, 460):
+        ctx = [p + t for p, o in reqs if o > t]
+        shapes[f"w1_t{t}_b{len(ctx)}"] = ([1] * len(ctx), ctx)
+        srt = sorted(ctx, reverse=True)
+        shapes[f"w1_t{t}_b{len(ctx)}_sorted"] = ([1] * len(srt), srt)
+    # The first step: whole prompts from an empty cache up to the 8,192-token budget.
+    lens, used = [], 0
+    for p, _ in reqs:
+        lens.append(min(p, 8192 - used))
+        used += lens[-1]
+        if used == 8192:
+            break
+    shapes[f"w1_prefill_{len(lens)}x"] = (lens, lens)
+    return shapes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--w1", action="store_true",
+                    help="decode batches as W1 has them (variable contexts), each also "
+                    "with its requests sorted longest first, and more stages and splits")
     a = ap.parse_args()
     dev, bs, dt = torch.device("cuda"), a.block_size, torch.bfloat16
     gqa = a.heads // a.kv_heads
-    shapes = {"decode_b1_4k": ([1], [4096]), "decode_b16_1k": ([1] * 16, [1024] * 16),
+    shapes = w1_decode_shapes() if a.w1 else {
+              "decode_b1_4k": ([1], [4096]), "decode_b16_1k": ([1] * 16, [1024] * 16),
               "decode_b64_1k": ([1] * 64, [1024] * 64),
               "decode_b256_1k": ([1] * 256, [1024] * 256),
               "prefill_8x1k": ([1024] * 8, [1024] * 8),
@@ -66,8 +94,8 @@ def main() -> None:
         for block_m in block_ms:
             for tile_n in (32, 64, 128):
                 for warps in (4, 8):
-                    for stages in (2, 3):
-                        for sp in sorted({1, base.num_splits}):
+                    for stages in (2, 3, 4) if a.w1 else (2, 3):
+                        for sp in sorted({1, 2, 4} if a.w1 else {1, base.num_splits}):
                             la = AttentionLaunch(block_m, max(1, block_m // gqa), tile_n, sp,
                                                  warps, stages)
                             try:
