@@ -312,7 +312,7 @@ def device_sm_count(device: torch.device) -> int:
 def plan_attention(
     *, num_reqs: int, max_query_len: int, num_heads: int, num_kv_heads: int,
     block_size: int, sm_count: int, num_splits: int | None = None,
-    max_seq_len: int | None = None,
+    max_seq_len: int | None = None, head_dim: int = 128,
 ) -> AttentionLaunch:
     """Choose tile shapes and the split count from host ints only.
 
@@ -328,35 +328,50 @@ def plan_attention(
 
     ``num_splits`` forces the split count (1 = never split), e.g. for tests.
     ``max_seq_len``, when given, turns splitting off for short contexts (<= 4 tiles of
-    work per program), which is only safe outside CUDA graphs.
+    work per program), which is only safe outside CUDA graphs.  ``head_dim`` bounds the
+    shared memory the pipelined K/V tiles may take.
     """
     gqa = num_heads // num_kv_heads
-    if max_query_len <= 1:
-        # TILE_N 64: on an H200 at Llama-3-8B shapes (kernel_bench sweep, 2026-11-29) it
-        # reaches the KV-read bandwidth bound at batch 256 x 1k context (260 us) where 32
-        # did not; 64 was also best at batch 1 x 8k.
-        block_m = max(16, triton.next_power_of_2(gqa))
-        tile_n = max(64, block_size) if block_size <= 64 else block_size
-        num_warps = 4
-    else:
-        block_m = max(64, triton.next_power_of_2(gqa))
-        tile_n = max(64, block_size) if block_size <= 64 else block_size
-        num_warps = 4
-    block_q = max(1, block_m // gqa)
+    decode = max_query_len <= 1
     if num_splits is None:
         num_splits = 1
         programs = num_reqs * num_kv_heads
         # Split only when the grid is under one wave: at batch 32 x 2k (256 programs of
-        # 8 KV heads) one pass beat two splits in the same sweep.
-        if max_query_len <= 1 and programs < sm_count:
+        # 8 KV heads) one pass beat two splits in the same sweep, and W1's decode
+        # batches of 27-256 requests never gained from 2 or 4 splits (attn_tune --w1).
+        if decode and programs < sm_count:
             num_splits = min(MAX_SPLITS, triton.next_power_of_2(
                 math.ceil(2 * sm_count / max(programs, 1))))
             if max_seq_len is not None:
-                tiles = math.ceil(max_seq_len / tile_n)
+                tiles = math.ceil(max_seq_len / 64)
                 num_splits = max(1, min(num_splits, tiles // 4))
+    num_stages = 2
+    if decode:
+        block_m = max(16, triton.next_power_of_2(gqa))
+        if num_splits > 1:
+            # Few programs, each a slice of a context: TILE_N 64 was best at batch 1 x 8k
+            # (kernel_bench sweep, H200, Llama-3-8B shapes, 2026-11-29).
+            tile_n = max(64, block_size)
+        else:
+            # One program per (request, KV head) over its whole context: a deeper
+            # pipeline of larger tiles keeps more bytes in flight per program.  On an
+            # H200 at W1's decode batches (attn_tune --w1, 2026-11-30) TILE_N 128 with 3
+            # stages took 50 us against 62-65 us at 27 requests, 125 against 130 at 112,
+            # and tied at 256.
+            tile_n = max(128, block_size)
+            num_stages = 3
+            if head_dim > 128:  # 3 stages of 128-position K and V tiles: over 200 KB
+                tile_n, num_stages = max(64, block_size), 2
+    else:
+        block_m = max(64, triton.next_power_of_2(gqa))
+        # TILE_N 32 for prompt chunks: W1's first step (13 prompts, 8,192 tokens) took
+        # 234 us per layer against 274 us with 64 (attn_tune --w1).
+        tile_n = max(32, block_size)
+    num_warps = 4
+    block_q = max(1, block_m // gqa)
     return AttentionLaunch(block_m=block_m, block_q=block_q, tile_n=tile_n,
                            num_splits=max(1, num_splits), num_warps=num_warps,
-                           num_stages=2)
+                           num_stages=num_stages)
 
 
 def paged_attention(
@@ -403,7 +418,7 @@ def paged_attention(
         for q_filter, mql in ((1, 1), (2, max_query_len)):
             plan = plan_attention(num_reqs=num_reqs, max_query_len=mql, num_heads=num_heads,
                                   num_kv_heads=num_kv_heads, block_size=block_size,
-                                  sm_count=sms, num_splits=1)
+                                  sm_count=sms, num_splits=1, head_dim=head_dim)
             _launch(query, kv_cache, block_tables, seq_lens, query_start_loc, num_reqs,
                     scale, out, plan, q_filter)
         return out
@@ -412,7 +427,7 @@ def paged_attention(
             num_reqs=num_reqs, max_query_len=max_query_len, num_heads=num_heads,
             num_kv_heads=num_kv_heads, block_size=block_size,
             sm_count=device_sm_count(query.device), num_splits=num_splits,
-            max_seq_len=max_seq_len)
+            max_seq_len=max_seq_len, head_dim=head_dim)
     _launch(query, kv_cache, block_tables, seq_lens, query_start_loc, num_reqs, scale, out,
             launch, 0, decode=max_query_len <= 1)
     return out
