@@ -106,6 +106,9 @@ def main() -> None:
         for c, v in sorted(cats.items(), key=lambda kv: -kv[1])))
     print(table[:6000])
     print(s.getvalue()[:6000])
+    # CUDA runtime/driver calls as the host saw them: a launch or copy that blocks (a full
+    # launch queue, a pageable copy, an allocator sync) shows as a long host time here.
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=12)[:4000])
     if a.per_step:
         per_step(prof, trace_path, warm_steps, a.out)
 

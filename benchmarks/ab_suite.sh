@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Same-lease A/B on the GPU machine: this tree ("new") against an older copy of the
+# package in .old/pagedllm ("old", e.g. `git archive <rev> pagedllm | tar -x -C .old`),
+# interleaved: W1 (2 repeats per process), W4, W1-small.  Results under $OUT/ab_*.json
+# and a summary on stdout.  Usage (repo root): bash benchmarks/ab_suite.sh [ROUNDS]
+set -uo pipefail
+source benchmarks/device_env.sh
+[ -d .old/pagedllm ] || { echo ".old/pagedllm missing"; exit 1; }
+run() {  # run NAME(new|old) ARGS... : the old copy runs from inside .old (cwd first on sys.path)
+  local who=$1; shift
+  if [ "$who" = old ]; then (cd .old && PYTHONPATH=/tmp/site:. python -m pagedllm "$@")
+  else python -m pagedllm "$@"; fi
+}
+for r in $(seq "${1:-1}"); do
+  for who in new old; do
+    run $who bench throughput --workload W1 --dummy llama3-8b --no-hf --repeats 2 \
+      --output-json "$OUT/ab_w1_${who}_$r.json" 2>&1 | grep -E "^W1 " | sed "s/^/$who r$r /"
+    run $who bench latency --dummy llama3-8b --output-json "$OUT/ab_w4_${who}_$r.json" \
+      2>&1 | grep -E "^(TTFT|TPOT)" | sed "s/^/$who r$r W4 /"
+    run $who bench throughput --workload W1-small --dummy smollm2-135m --no-hf \
+      --output-json "$OUT/ab_w1s_${who}_$r.json" 2>&1 | grep -E "^W1-small" | sed "s/^/$who r$r /"
+  done
+done
