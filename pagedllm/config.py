@@ -99,6 +99,8 @@ class DeviceConfig:
     device: str = "cpu"  # "cpu" | "cuda"
     enforce_eager: bool = False
     num_threads: int | None = None
+    # Largest token count of a chunk (non-decode) CUDA graph (worker/cuda_graphs.py).
+    max_cudagraph_capture_size: int = 2048
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     device: str = "auto"
     enforce_eager: bool = False
+    max_cudagraph_capture_size: int = 2048  # tokens of the largest chunk CUDA graph
     async_scheduling: bool | None = None  # None: on for CUDA, off for CPU
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
@@ -231,8 +234,10 @@ class EngineArgs:
                     model_config.kv_bytes_per_token() * self.block_size)),
                 async_scheduling=(device == "cuda" if self.async_scheduling is None
                                   else bool(self.async_scheduling))),
-            device_config=DeviceConfig(device=device, enforce_eager=self.enforce_eager,
-                                       num_threads=self.num_threads),
+            device_config=DeviceConfig(
+                device=device, enforce_eager=self.enforce_eager, num_threads=self.num_threads,
+                max_cudagraph_capture_size=_positive_int(
+                    "max_cudagraph_capture_size", self.max_cudagraph_capture_size, 0)),
         )
 
 

@@ -3,7 +3,8 @@ step's inputs copied into static buffers.
 
 ```
  decode step: n requests x 1 token  ──► decode graph of the smallest batch size bs >= n
- any other step of t <= 2048 tokens ──► chunk graph of the smallest size T >= t
+ any other step of t <= max_cudagraph_capture_size tokens (2048 by default)
+                                    ──► chunk graph of the smallest size T >= t
    static buffers[:t] <- inputs          static buffers[t:T] <- padding
    (ids 0, positions 0, slot -1 = no write; padded requests own no token)
    graph.replay()  ──► hidden[:t]
@@ -14,11 +15,14 @@ Two families of graphs share one memory pool:
 * **decode**: every request has exactly one new token (the steady state of serving);
   captured for batch sizes 1, 2, 4, 8, 16, ..., ``max_num_seqs``.
 * **chunk**: steps with prompt chunks -- a lone prompt (W4's TTFT), or decodes plus a
-  newly arrived prompt (most of W2's slow steps) -- captured for 8 ... 2048 tokens, each
-  with room for ``min(T, max_num_seqs)`` requests.  Eagerly such a step costs 15-65 ms
-  of host time for ~330 kernel launches on a Llama-3-8B shape (65 ms measured under W2
-  for 1,035 tokens, whose GPU time is ~25 ms); replayed it costs the GPU time alone.
-  Larger steps run eagerly: from ~3,000 tokens their GPU time outgrows the host's.
+  newly arrived prompt (most of W2's slow steps) -- captured for 8 ... 2048 tokens (up to
+  ``max_cudagraph_capture_size``), each with room for ``min(T, max_num_seqs)`` requests.
+  Eagerly such a step costs 15-65 ms of host time for ~330 kernel launches on a
+  Llama-3-8B shape (65 ms measured under W2 for 1,035 tokens, whose GPU time is ~25 ms);
+  replayed it costs the GPU time alone.  Larger steps run eagerly: on that shape their
+  GPU time outgrows the host's from ~3,000 tokens.  A small model's GPU time does not
+  (SmolLM2-135M's 8,192-token W1 steps: ~7 ms of GPU work, ~65 ms apart under the
+  profiler), which is what a larger ``max_cudagraph_capture_size`` is for.
 
 This works because the attention backend's launch grids depend only on host ints (the
 number of tokens, the number of requests, whether the step is decode-only), never on
@@ -43,15 +47,18 @@ from pagedllm.worker.input_batch import StepInputs
 
 logger = logging.getLogger("pagedllm")
 
-# What the memory plan (worker.py) sets aside for the graphs' private memory pool.  The
-# Llama-3-8B shape uses 360 MiB with chunk graphs up to 2,048 tokens; a capture that
-# takes more is logged as a warning (the 1 - gpu_memory_utilization headroom absorbs it).
+# What the memory plan (worker.py) sets aside for the graphs' private memory pool with
+# chunk graphs up to 2,048 tokens: the Llama-3-8B shape uses 360 MiB.  A capture that
+# takes more than was set aside is logged as a warning (the 1 - gpu_memory_utilization
+# headroom absorbs it).
 GRAPH_MEMORY_MARGIN = 512 << 20
+DEFAULT_MAX_CAPTURE_SIZE = 2048
 
-# Chunk-graph token counts captured (those <= max_num_batched_tokens and max_model_len):
-# about 25% apart, so padding wastes little.
+# Chunk-graph token counts captured (those <= max_num_batched_tokens, max_model_len and
+# max_cudagraph_capture_size): about 25% apart, so padding wastes little.
 CHUNK_SIZES = (8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
-               1280, 1536, 1792, 2048)
+               1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192,
+               10240, 12288, 14336, 16384)
 
 
 class GraphShape(NamedTuple):
@@ -71,9 +78,24 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-def chunk_capture_sizes(max_num_batched_tokens: int, max_model_len: int) -> list[int]:
-    cap = min(max_num_batched_tokens, max_model_len)
+def chunk_capture_sizes(max_num_batched_tokens: int, max_model_len: int,
+                        max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE) -> list[int]:
+    cap = min(max_num_batched_tokens, max_model_len, max_capture_size)
     return [s for s in CHUNK_SIZES if s <= cap]
+
+
+def graph_memory_margin(activation_peak: int, profiled_tokens: int,
+                        largest_chunk: int) -> int:
+    """Bytes the memory plan sets aside for the graphs' pool.  Graphs are captured
+    largest first and share one pool, so it holds about the largest chunk graph's
+    activations: up to 2,048 tokens the fixed margin covers them (measured above); beyond,
+    the margin grows with the profiled activation peak of a ``profiled_tokens`` step, in
+    proportion to the tokens (an overestimate: 2,048 tokens would get 0.58 GiB of the
+    Llama-3-8B shape's 2.32 GiB peak at 8,192, and took 0.35 GiB)."""
+    if largest_chunk <= DEFAULT_MAX_CAPTURE_SIZE:
+        return GRAPH_MEMORY_MARGIN
+    scaled = activation_peak * largest_chunk // max(profiled_tokens, 1)
+    return max(GRAPH_MEMORY_MARGIN, int(scaled))
 
 
 def graph_shape(decode_sizes: list[int], chunk_sizes: list[int], max_num_seqs: int,
@@ -94,13 +116,17 @@ def graph_shape(decode_sizes: list[int], chunk_sizes: list[int], max_num_seqs: i
 class CudaGraphRunner:
     def __init__(self, model: nn.Module, device: torch.device, max_num_seqs: int,
                  max_blocks_per_req: int, block_size: int, max_model_len: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int,
+                 max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE,
+                 memory_margin: int = GRAPH_MEMORY_MARGIN) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
+        self.memory_margin = memory_margin  # what the memory plan set aside
         self.sizes = capture_sizes(max_num_seqs)
-        self.chunk_sizes = chunk_capture_sizes(max_num_batched_tokens, max_model_len)
+        self.chunk_sizes = chunk_capture_sizes(max_num_batched_tokens, max_model_len,
+                                               max_capture_size)
         n = self.sizes[-1]
         self.max_num_seqs = n
         tokens = max([n, *self.chunk_sizes])
@@ -180,10 +206,10 @@ class CudaGraphRunner:
                     ",".join(map(str, self.sizes)), len(self.chunk_sizes),
                     ",".join(map(str, self.chunk_sizes)), time.perf_counter() - t0,
                     used / 2**20)
-        if used > GRAPH_MEMORY_MARGIN:
+        if used > self.memory_margin:
             logger.warning("CUDA graphs took %.0f MiB, more than the %.0f MiB the memory "
                            "plan set aside; lower --gpu-memory-utilization if memory runs "
-                           "short", used / 2**20, GRAPH_MEMORY_MARGIN / 2**20)
+                           "short", used / 2**20, self.memory_margin / 2**20)
 
     def padded_shape(self, num_tokens: int, num_reqs: int,
                     max_query_len: int) -> GraphShape | None:

@@ -150,13 +150,15 @@ class ModelRunner:
         if params.prompt_logprobs is not None:
             self._prompt_lp_ids.add(f.child_req_id)
 
-    def capture_cuda_graphs(self) -> None:
-        """Capture decode and chunk graphs (CUDA only, unless enforce_eager)."""
+    def capture_cuda_graphs(self, memory_margin: int) -> None:
+        """Capture decode and chunk graphs (CUDA only, unless enforce_eager);
+        ``memory_margin``: what the memory plan set aside for them."""
         mc = self.config.model_config
         self.graphs = CudaGraphRunner(
             self.model, self.device, self.config.scheduler_config.max_num_seqs,
             self.batch.block_table.shape[1], self.block_size, mc.max_model_len,
-            self.config.scheduler_config.max_num_batched_tokens)
+            self.config.scheduler_config.max_num_batched_tokens,
+            self.config.device_config.max_cudagraph_capture_size, memory_margin)
         self.graphs.capture()
 
     # -- 1. apply the scheduler's diffs ------------------------------------------------

@@ -18,7 +18,11 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.models.loader import load_model
 from pagedllm.worker.block_ops import BlockOps, allocate_swap_space
-from pagedllm.worker.cuda_graphs import GRAPH_MEMORY_MARGIN
+from pagedllm.worker.cuda_graphs import (
+    GRAPH_MEMORY_MARGIN,
+    chunk_capture_sizes,
+    graph_memory_margin,
+)
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
 from pagedllm.worker.profile import profile_run
 
@@ -57,6 +61,9 @@ class Worker:
         self.kv_caches: list[torch.Tensor] = []
         self.swap_caches: list[torch.Tensor] = []
         self.num_cpu_blocks = 0
+        # The memory plan's share for CUDA graphs (the fixed margin when the KV cache
+        # size is given outright).
+        self.graph_margin = GRAPH_MEMORY_MARGIN
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
@@ -107,7 +114,9 @@ class Worker:
         profile_peak = profile_run(self)
         free, total = torch.cuda.mem_get_info(self.device)
         outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
-        graph_margin = 0 if self.config.device_config.enforce_eager else GRAPH_MEMORY_MARGIN
+        graph_margin = 0 if self.config.device_config.enforce_eager else \
+            self._graph_margin(profile_peak - weights)
+        self.graph_margin = graph_margin
         budget = int(total * self.config.cache_config.gpu_memory_utilization) - \
             profile_peak - max(outside_torch, 0) - graph_margin
         logger.info(
@@ -117,6 +126,14 @@ class Worker:
             weights / 2**30, (profile_peak - weights) / 2**30, outside_torch / 2**30,
             graph_margin / 2**30, budget / 2**30)
         return budget
+
+    def _graph_margin(self, activation_peak: int) -> int:
+        """The graphs' share of the memory plan (``cuda_graphs.graph_memory_margin``)."""
+        mc, sc = self.config.model_config, self.config.scheduler_config
+        chunks = chunk_capture_sizes(sc.max_num_batched_tokens, mc.max_model_len,
+                                     self.config.device_config.max_cudagraph_capture_size)
+        profiled = min(sc.max_num_batched_tokens, sc.max_num_seqs * mc.max_model_len)
+        return graph_memory_margin(activation_peak, profiled, chunks[-1] if chunks else 0)
 
     def initialize_cache(self, num_blocks: int) -> None:
         mc, cc = self.config.model_config, self.config.cache_config
@@ -137,7 +154,7 @@ class Worker:
         self.runner = ModelRunner(self.config, self.model, self.device)
         self.runner.block_ops = BlockOps(self.kv_caches, self.swap_caches)
         if self.device.type == "cuda" and not self.config.device_config.enforce_eager:
-            self.runner.capture_cuda_graphs()
+            self.runner.capture_cuda_graphs(self.graph_margin)
         tokens = (num_blocks - 1) * cc.block_size
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency at "

@@ -33,11 +33,11 @@ pytestmark = [pytest.mark.gpu,
 LENGTHS = [2, 7, 8, 9, 63, 100, 255, 257, 512, 600, 1024, 1300, 2048, 2300]
 
 
-def _run(graphs: bool, prompts: list[list[int]],
-         alone: bool) -> list[tuple[list[int], list[dict]]]:
+def _run(graphs: bool, prompts: list[list[int]], alone: bool,
+         max_capture: int = 2048) -> list[tuple[list[int], list[dict]]]:
     llm = LLM(write_dummy_model("smollm2-135m"), load_format="dummy",
               skip_tokenizer_init=True, max_model_len=4096, kv_cache_memory_bytes=1 << 30,
-              enforce_eager=not graphs, seed=0,
+              enforce_eager=not graphs, seed=0, max_cudagraph_capture_size=max_capture,
               max_num_batched_tokens=None if alone else 512)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
     out = []
@@ -66,3 +66,18 @@ def test_chunk_and_decode_graphs_match_eager(alone: bool) -> None:
     assert max(diffs) < 0.1, report
     assert all(a and b for _, _, a, b in flips), report
     assert identical >= len(LENGTHS) - 2, report
+
+
+def test_large_chunk_graphs_match_eager() -> None:
+    """--max-cudagraph-capture-size 4096: prompts of 2,300-4,000 tokens replay chunk graphs
+    of 2,560-4,096 tokens (eager at the default) and agree with eager."""
+    rng = random.Random(1)
+    lengths = [2049, 2300, 3000, 3584, 4000]
+    prompts = [[rng.randrange(1000, 49000) for _ in range(n)] for n in lengths]
+    eager = _run(False, prompts, True)
+    graphed = _run(True, prompts, True, max_capture=4096)
+    identical, diffs, flips = compare_greedy(graphed, eager)
+    report = f"{identical}/{len(lengths)} identical; first differences {flips}"
+    assert max(diffs) < 0.1, report
+    assert all(a and b for _, _, a, b in flips), report
+    assert identical >= len(lengths) - 1, report

@@ -4,10 +4,15 @@ pad to the next captured batch size; any other step pads to the next captured ch
 
 from __future__ import annotations
 
+import pytest
+
+from pagedllm.config import EngineArgs
 from pagedllm.worker.cuda_graphs import (
+    GRAPH_MEMORY_MARGIN,
     GraphShape,
     capture_sizes,
     chunk_capture_sizes,
+    graph_memory_margin,
     graph_shape,
 )
 
@@ -42,3 +47,42 @@ def test_chunk_sizes_respect_the_token_budget_and_model_length() -> None:
     dec = capture_sizes(4)
     # With max_num_seqs 4 a chunk graph has 4 request slots.
     assert graph_shape(dec, [8, 16], 4, 12, 3, 10) == GraphShape(4, 16, False)
+
+
+def test_max_cudagraph_capture_size_extends_the_chunk_ladder() -> None:
+    """Above the 2,048-token default the ladder stays ~25% apart and reaches the W1 step
+    budget exactly, so a full 8,192-token step pads nothing."""
+    big = chunk_capture_sizes(8192, 8192, max_capture_size=8192)
+    assert big[-1] == 8192 and big[:20] == chunk_capture_sizes(8192, 8192)
+    assert all(b / a <= 1.34 for a, b in zip(big[16:], big[17:]))
+    assert chunk_capture_sizes(8192, 8192, max_capture_size=0) == []
+    assert chunk_capture_sizes(8192, 4096, max_capture_size=100_000)[-1] == 4096
+    dec = capture_sizes(256)
+    assert graph_shape(dec, big, 256, 8192, 13, 1000) == GraphShape(256, 8192, False)
+    assert graph_shape(dec, big, 256, 5000, 40, 1000) == GraphShape(256, 5120, False)
+
+
+def test_graph_memory_margin_scales_past_the_default() -> None:
+    gib = 1 << 30
+    # Up to 2,048 tokens: the fixed margin (the default plan is unchanged).
+    assert graph_memory_margin(2 * gib, 8192, 2048) == GRAPH_MEMORY_MARGIN
+    assert graph_memory_margin(2 * gib, 8192, 0) == GRAPH_MEMORY_MARGIN
+    # Beyond: in proportion to the profiled activation peak, never below the fixed one.
+    assert graph_memory_margin(2 * gib, 8192, 8192) == 2 * gib
+    assert graph_memory_margin(2 * gib, 8192, 4096) == gib
+    assert graph_memory_margin(gib // 4, 8192, 4096) == GRAPH_MEMORY_MARGIN
+
+
+def test_max_cudagraph_capture_size_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size"):
+        EngineArgs(model=_model_dir(), load_format="dummy", skip_tokenizer_init=True,
+                   max_cudagraph_capture_size=-1).create_engine_config()
+    cfg = EngineArgs(model=_model_dir(), load_format="dummy", skip_tokenizer_init=True,
+                     max_cudagraph_capture_size=8192).create_engine_config()
+    assert cfg.device_config.max_cudagraph_capture_size == 8192
+
+
+def _model_dir() -> str:
+    from pagedllm.benchmarks.workloads import write_dummy_model
+
+    return write_dummy_model("smollm2-135m")
