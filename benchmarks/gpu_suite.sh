@@ -35,6 +35,11 @@ step python benchmarks/profile_step.py --dummy llama3-8b --num-prompts 256 --no-
 step python -m pagedllm bench throughput --workload W1-small --dummy smollm2-135m --no-hf \
   --max-num-batched-tokens 8192 --output-json "$OUT/w1small.json"
 step python benchmarks/profile_step.py --dummy smollm2-135m --num-prompts 256 --no-cprofile --out /tmp
+# Chunk graphs up to the step budget: W1-small's 8,192-token prompt steps are host-bound.
+step python -m pagedllm bench throughput --workload W1-small --dummy smollm2-135m --no-hf \
+  --max-cudagraph-capture-size 8192 --output-json "$OUT/w1small_graphs8k.json"
+step python -m pagedllm bench throughput --workload W1 --dummy llama3-8b --no-hf \
+  --max-cudagraph-capture-size 8192 --output-json "$OUT/w1_graphs8k.json"
 # Every kernel test runs on the GPU when one is visible (most have no gpu marker).
 step timeout 300 python -m pytest tests/kernels -q -rf -p no:cacheprovider -k "not test_gpu_grid"
 step timeout 180 python -m pytest tests/models tests/sample -m gpu -q -x \
