@@ -127,16 +127,6 @@ def test_plan_is_graph_stable() -> None:
     assert mixed.num_splits == 1 and mixed.block_q * 4 == mixed.block_m
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("num_reqs", [1, 8, 40, 256])
-def test_plan_fits_shared_memory(num_reqs: int, head_dim: int) -> None:
-    """The pipelined K and V tiles (stages x 2 x TILE_N x head_dim, 16-bit) stay under an
-    H100/H200's 227 KB of shared memory per block, with room for Q and the scores."""
-    plan = plan_attention(num_reqs=num_reqs, max_query_len=1, num_heads=32,
-                          num_kv_heads=8, block_size=16, sm_count=132, head_dim=head_dim)
-    assert plan.num_stages * 2 * plan.tile_n * head_dim * 2 <= 200 * 1024, plan
-
-
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_only_unsplit_default_plan(block_size: int) -> None:
     """A decode batch with at least one wave of programs (34 requests x 4 KV heads >= 132
