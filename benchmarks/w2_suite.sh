@@ -9,6 +9,9 @@
 #   prompts are served from the prefix cache, as in any benchmark that does not restart
 #   the server between rates (prefix caching is on by default, in vLLM too).
 #
+# SERVE_ARGS adds engine flags to the server (e.g. SERVE_ARGS="--max-cudagraph-capture-size
+# 4096" TAG=g4k_ for an A/B in the same lease).
+#
 # Also times each start -> /health OK, records the engine core's step trace
 # (PAGEDLLM_STEP_TRACE) and the CPU time of the API and core processes per rate, and
 # splits the slowest first tokens (benchmarks/w2_tail.py).  Results under $OUT.
@@ -23,7 +26,8 @@ cpu() { awk '{printf "%.2f", ($14 + $15) / 100}' "/proc/$1/stat"; }
 start_server() {  # $1: name for the log and trace files
   local t0; t0=$(date +%s.%N)
   PAGEDLLM_STEP_TRACE="$OUT/${TAG}trace_$1.jsonl" python -m pagedllm serve --model "$M" \
-    --load-format dummy --skip-tokenizer-init --port $PORT > "$OUT/${TAG}server_$1.log" 2>&1 &
+    --load-format dummy --skip-tokenizer-init --port $PORT ${SERVE_ARGS:-} \
+    > "$OUT/${TAG}server_$1.log" 2>&1 &
   SP=$!
   wait_healthy $PORT $SP "$OUT/${TAG}server_$1.log" "$t0"
   echo "(started $(date -d @"$t0" +%T.%N))"
