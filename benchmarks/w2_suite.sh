@@ -20,7 +20,7 @@
 set -uo pipefail
 source benchmarks/device_env.sh
 PORT=8765
-TAG=${SAME_SERVER:+same_}
+TAG=${TAG:-}${SAME_SERVER:+same_}
 M=$(python -c "from pagedllm.benchmarks.workloads import write_dummy_model as w; print(w('llama3-8b'))")
 cpu() { awk '{printf "%.2f", ($14 + $15) / 100}' "/proc/$1/stat"; }
 start_server() {  # $1: name for the log and trace files
