@@ -335,6 +335,9 @@ def plan_attention(
     """
     gqa = num_heads // num_kv_heads
     decode = max_query_len <= 1
+    # Split decodes' tile: TILE_N 64 was best at batch 1 x 8k (kernel_bench sweep, H200,
+    # Llama-3-8B shapes, 2026-11-29).
+    split_tile_n = max(64, block_size)
     if num_splits is None:
         num_splits = 1
         programs = num_reqs * num_kv_heads
@@ -345,15 +348,13 @@ def plan_attention(
             num_splits = min(MAX_SPLITS, triton.next_power_of_2(
                 math.ceil(2 * sm_count / max(programs, 1))))
             if max_seq_len is not None:
-                tiles = math.ceil(max_seq_len / 64)
+                tiles = math.ceil(max_seq_len / split_tile_n)
                 num_splits = max(1, min(num_splits, tiles // 4))
     num_stages = 2
     if decode:
         block_m = max(16, triton.next_power_of_2(gqa))
-        if num_splits > 1:
-            # Few programs, each a slice of a context: TILE_N 64 was best at batch 1 x 8k
-            # (kernel_bench sweep, H200, Llama-3-8B shapes, 2026-11-29).
-            tile_n = max(64, block_size)
+        if num_splits > 1:  # few programs, each a slice of a context
+            tile_n = split_tile_n
         else:
             # One program per (request, KV head) over its whole context: a deeper
             # pipeline of larger tiles keeps more bytes in flight per program.  On an
@@ -363,7 +364,7 @@ def plan_attention(
             tile_n = max(128, block_size)
             num_stages = 3
             if head_dim > 128:  # not measured at larger heads: keep the split tiles
-                tile_n, num_stages = max(64, block_size), 2
+                tile_n, num_stages = split_tile_n, 2
     else:
         block_m = max(64, triton.next_power_of_2(gqa))
         # TILE_N 32 for prompt chunks: W1's first step (13 prompts, 8,192 tokens) took

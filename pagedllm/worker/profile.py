@@ -19,6 +19,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
+    from pagedllm.config import SchedulerConfig
     from pagedllm.worker.worker import Worker
 
 
@@ -31,13 +32,18 @@ class _DummyReq:
         self.eos_token_id = None
 
 
+def profile_tokens(sc: SchedulerConfig, max_model_len: int) -> int:
+    """Tokens of the maximal step ``profile_run`` profiles."""
+    return min(sc.max_num_batched_tokens, sc.max_num_seqs * max_model_len)
+
+
 @torch.inference_mode()
 def profile_run(worker: Worker) -> int:
     """Returns the peak bytes allocated on the worker's GPU during a maximal step."""
     mc, cc, sc = worker.config.model_config, worker.config.cache_config, \
         worker.config.scheduler_config
     dev = worker.device
-    total = min(sc.max_num_batched_tokens, sc.max_num_seqs * mc.max_model_len)
+    total = profile_tokens(sc, mc.max_model_len)
     reqs = min(sc.max_num_seqs, total)
     per = np.full(reqs, total // reqs, dtype=np.int64)
     per[: total % reqs] += 1

@@ -24,7 +24,7 @@ from pagedllm.worker.cuda_graphs import (
     graph_memory_margin,
 )
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
-from pagedllm.worker.profile import profile_run
+from pagedllm.worker.profile import profile_run, profile_tokens
 
 logger = logging.getLogger("pagedllm")
 
@@ -132,8 +132,8 @@ class Worker:
         mc, sc = self.config.model_config, self.config.scheduler_config
         chunks = chunk_capture_sizes(sc.max_num_batched_tokens, mc.max_model_len,
                                      self.config.device_config.max_cudagraph_capture_size)
-        profiled = min(sc.max_num_batched_tokens, sc.max_num_seqs * mc.max_model_len)
-        return graph_memory_margin(activation_peak, profiled, chunks[-1] if chunks else 0)
+        return graph_memory_margin(activation_peak, profile_tokens(sc, mc.max_model_len),
+                                   chunks[-1] if chunks else 0)
 
     def initialize_cache(self, num_blocks: int) -> None:
         mc, cc = self.config.model_config, self.config.cache_config
