@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--out", default=".")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--scheduling-policy", default="fcfs",
+                    choices=["fcfs", "priority", "throughput"])
     ap.add_argument("--no-cprofile", action="store_true",
                     help="CUDA kernels only (cProfile slows the host ~2x, which would "
                     "understate how busy the GPU is)")
@@ -57,7 +59,8 @@ def main() -> None:
         os.environ["PAGEDLLM_STEP_TRACE"] = trace_path
     vocab_hi = 49000 if a.dummy == "smollm2-135m" else 128000
     llm = LLM(write_dummy_model(a.dummy), load_format="dummy", skip_tokenizer_init=True,
-              max_num_batched_tokens=a.max_num_batched_tokens)
+              max_num_batched_tokens=a.max_num_batched_tokens,
+              scheduling_policy=a.scheduling_policy)
     if a.w4:
         prompts = [w4(1, vocab_hi=vocab_hi)]
         out_lens = [256]
@@ -142,16 +145,27 @@ def per_step(prof, trace_path: str, skip: int, out_dir: str) -> None:
         end = steps[i + 1][0][0] if i + 1 < len(steps) else max(k[1] for k in st)
         busy, cur_s, cur_e = 0.0, None, None
         by: dict[str, float] = {}
+        t = trace[i] if i < len(trace) else {}
+        # A mixed step of several requests runs attention as two launches per layer,
+        # decodes first, then prompt chunks (kernels/paged_attention.py).
+        two_launches = bool(t.get("chunks")) and (t.get("reqs") or 0) > 1
+        n_attn = 0
         for s0, e0, name in st:
-            by[category(name)] = by.get(category(name), 0.0) + (e0 - s0)
+            c = category(name)
+            if c == "attention" and "paged_attn" in name:
+                if two_launches:
+                    by["attn_dec" if n_attn % 2 == 0 else "attn_pre"] = by.get(
+                        "attn_dec" if n_attn % 2 == 0 else "attn_pre", 0.0) + (e0 - s0)
+                n_attn += 1
+            by[c] = by.get(c, 0.0) + (e0 - s0)
             if cur_e is None or s0 > cur_e:
                 busy += 0.0 if cur_e is None else cur_e - cur_s
                 cur_s, cur_e = s0, e0
             else:
                 cur_e = max(cur_e, e0)
         busy += cur_e - cur_s
-        t = trace[i] if i < len(trace) else {}
         rows.append({"step": i, "tokens": t.get("tokens"), "reqs": t.get("reqs"),
+                     "prefill": sum(t.get("chunks") or ()),
                      "mixed": bool(t.get("chunks")), "span_ms": (end - start) / 1e3,
                      "idle_ms": (end - start - busy) / 1e3,
                      **{f"{c}_ms": v / 1e3 for c, v in by.items()}})
@@ -162,7 +176,11 @@ def per_step(prof, trace_path: str, skip: int, out_dir: str) -> None:
 
     def bucket(r: dict) -> str:
         if r["mixed"]:
-            return "mixed"
+            n = r["tokens"] or 0
+            for hi in (256, 512, 1024, 2048):
+                if n <= hi:
+                    return f"mixed <={hi}"
+            return "mixed >2048"
         n = r["reqs"] or 0
         for hi in (8, 32, 64, 128, 192, 256):
             if n <= hi:
@@ -172,13 +190,14 @@ def per_step(prof, trace_path: str, skip: int, out_dir: str) -> None:
     groups: dict[str, list[dict]] = {}
     for r in rows:
         groups.setdefault(bucket(r), []).append(r)
-    cols = ("span", "gemm", "attention", "other", "copy", "idle")
-    print(f"{'kind':14s} {'steps':>5s} {'tokens':>7s} " + " ".join(
+    cols = ("span", "gemm", "attention", "attn_dec", "attn_pre", "other", "copy", "idle")
+    print(f"{'kind':14s} {'steps':>5s} {'tokens':>7s} {'prompt':>7s} " + " ".join(
         f"{c + ' s':>11s}" for c in cols) + "   (totals; per step in ms after /)")
-    for name in sorted(groups, key=lambda g: (g != "mixed", g)):
+    for name in sorted(groups, key=lambda g: (not g.startswith("mixed"), g)):
         g = groups[name]
         tot = {c: sum(r.get(f"{c}_ms", 0.0) for r in g) for c in cols}
-        print(f"{name:14s} {len(g):5d} {sum(r['tokens'] or 0 for r in g):7d} " + " ".join(
+        print(f"{name:14s} {len(g):5d} {sum(r['tokens'] or 0 for r in g):7d} "
+              f"{sum(r['prefill'] for r in g):7d} " + " ".join(
             f"{tot[c] / 1e3:5.2f}/{tot[c] / len(g):5.2f}" for c in cols))
 
 

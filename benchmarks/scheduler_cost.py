@@ -3,7 +3,8 @@
 Usage:
   python benchmarks/scheduler_cost.py            # both modes
   python benchmarks/scheduler_cost.py growth     # per-step time vs. sequence length
-  python benchmarks/scheduler_cost.py w1 [--sync] [--repeats N] [--profile]
+  python benchmarks/scheduler_cost.py w1 [--sync] [--repeats N] [--profile] \
+      [--policy fcfs|priority|throughput]
 
 ``growth``: 64 running decode requests; times ``schedule()`` + ``update_from_output()``
 per step at several sequence lengths -- the per-step time must stay flat as sequences grow.
@@ -14,7 +15,8 @@ tokens, greedy, ignore_eos, all submitted at once, ``max_num_batched_tokens=8192
 (async scheduling as on CUDA unless ``--sync``) and the frontend's output processor
 (no tokenizer, as the dummy-model benchmark runs), with a runner that costs nothing.
 Reports the host time per engine step of each phase; this is the host work that has to
-hide behind the GPU's forward pass.
+hide behind the GPU's forward pass.  ``--policy`` picks the scheduling policy (FCFS by
+default); ``throughput`` also changes the number of steps.
 """
 
 from __future__ import annotations
@@ -86,12 +88,13 @@ class _NullRunner:
         return ModelRunnerOutput(ids, toks)
 
 
-def _run_w1(sync: bool) -> tuple[int, dict[str, float]]:
+def _run_w1(sync: bool, policy: str = "fcfs") -> tuple[int, dict[str, float]]:
     """One W1-small run; returns (engine steps, seconds spent per phase)."""
     reqs = w1(256, vocab_hi=49000)
     max_len = 2048
     s = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192,
-                                  max_model_len=max_len, async_scheduling=not sync),
+                                  max_model_len=max_len, async_scheduling=not sync,
+                                  policy=policy),  # type: ignore[arg-type]
                   CacheConfig(block_size=16, enable_prefix_caching=True),
                   num_blocks=256 * max_len // 16 + 1)
     op = OutputProcessor(None)
@@ -147,18 +150,18 @@ def _run_w1(sync: bool) -> tuple[int, dict[str, float]]:
     return steps, t
 
 
-def w1_mode(sync: bool, repeats: int, profile: bool) -> None:
+def w1_mode(sync: bool, repeats: int, profile: bool, policy: str = "fcfs") -> None:
     if profile:
         prof = cProfile.Profile()
         prof.enable()
-        _run_w1(sync)
+        _run_w1(sync, policy)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(45)
         return
-    runs = [_run_w1(sync) for _ in range(repeats)]
+    runs = [_run_w1(sync, policy) for _ in range(repeats)]
     steps = runs[0][0]
-    print(f"W1-small, fake runner, {'sync' if sync else 'async'} scheduling: {steps} steps; "
-          f"best of {repeats}")
+    print(f"W1-small, fake runner, {'sync' if sync else 'async'} scheduling, {policy}: "
+          f"{steps} steps; best of {repeats}")
     print(f"{'phase':>16}{'total ms':>10}{'us/step':>10}")
     total = 0.0
     for phase in runs[0][1]:
@@ -175,11 +178,13 @@ def main() -> None:
     p.add_argument("--sync", action="store_true", help="w1: synchronous scheduling")
     p.add_argument("--repeats", type=int, default=5, help="w1: runs (best is shown)")
     p.add_argument("--profile", action="store_true", help="w1: cProfile one run instead")
+    p.add_argument("--policy", default="fcfs", choices=["fcfs", "priority", "throughput"],
+                   help="w1: scheduling policy")
     args = p.parse_args()
     if args.mode in ("growth", "all"):
         growth()
     if args.mode in ("w1", "all"):
-        w1_mode(args.sync, args.repeats, args.profile)
+        w1_mode(args.sync, args.repeats, args.profile, args.policy)
 
 
 if __name__ == "__main__":

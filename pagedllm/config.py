@@ -78,7 +78,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    # "throughput": offline batches; longest max_tokens first, prefill paced over the
+    # decode horizon (core/scheduler.py, Scheduler._prefill_allowance).
+    policy: Literal["fcfs", "priority", "throughput"] = "fcfs"
     # How a preempted request gives back its blocks: drop and recompute them later, or
     # copy them to CPU swap space and back.
     preemption_mode: Literal["recompute", "swap"] = "recompute"
@@ -171,9 +173,9 @@ class EngineArgs:
         g = self.gpu_memory_utilization
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 < g <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(
-                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.scheduling_policy not in ("fcfs", "priority", "throughput"):
+            raise ValueError("scheduling_policy must be 'fcfs', 'priority' or 'throughput', "
+                             f"got {self.scheduling_policy!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.num_threads is not None:

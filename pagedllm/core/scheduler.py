@@ -8,9 +8,13 @@ a prompt (chunked prefill), or one token (decode).  The scheduler grants them in
  budget ──► running requests (oldest first; decodes and unfinished prompt chunks)
         │     no blocks left?  preempt the lowest-priority / newest running request
         │     (recompute: free its blocks, reset num_computed_tokens, back to waiting)
-        └─► waiting requests (FCFS or priority) while budget, blocks and
-            max_num_seqs allow -- skipped in a step that had to preempt
+        └─► waiting requests (FCFS, priority or throughput) while budget, blocks
+            and max_num_seqs allow -- skipped in a step that had to preempt
 ```
+
+The throughput policy (offline batches) changes two things only: the waiting order
+(longest ``max_tokens`` first) and how much of the budget the waiting requests may use
+(prefill paced over the decode horizon: ``Scheduler._prefill_cap``).
 
 A prompt longer than the remaining budget is cut into a chunk; the rest comes next step,
 mixed with other requests' decode tokens.  Work per step is O(number of requests): no
@@ -30,9 +34,10 @@ Memory sharing stays phase-less too (docs/memory_sharing.md):
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.beam_search import BeamGroup
@@ -44,7 +49,7 @@ from pagedllm.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagedllm.core.request_queue import make_queue
+from pagedllm.core.request_queue import LongestFirstQueue, make_queue
 from pagedllm.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -72,8 +77,13 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int, num_cpu_blocks: int = 0) -> None:
+                 num_blocks: int, num_cpu_blocks: int = 0,
+                 padded_step_sizes: Sequence[int] = ()) -> None:
         self.config = scheduler_config
+        # Token counts the runner pads a mixed step up to (its chunk CUDA graphs): the
+        # throughput policy fills that padding with prompt tokens, which then cost
+        # nothing extra (``_prefill_cap``).
+        self._step_sizes = sorted(padded_step_sizes)
         self._max_model_len = scheduler_config.max_model_len  # read per request per step
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
@@ -83,6 +93,8 @@ class Scheduler:
         # so that it need not look at every request every step (usually none).
         self._may_need_sync: dict[str, Request] = {}
         self.waiting = make_queue(scheduler_config.policy)
+        # The throughput policy's queue, which paces prefill (None under fcfs/priority).
+        self._lpt = self.waiting if isinstance(self.waiting, LongestFirstQueue) else None
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
@@ -305,6 +317,11 @@ class Scheduler:
         forks, self._pending_forks = self._pending_forks, []
         preempted_ids: set[str] = set()
 
+        # Throughput policy: how many prompt tokens (running chunks and new requests)
+        # this step may compute; None = no limit beyond the budget.
+        prefill_cap = self._prefill_cap() if self._lpt is not None and len(self._lpt) \
+            else None
+
         # 1. Running requests, oldest first.
         kv = self.kv
         running_status = RequestStatus.RUNNING  # a local: read per request
@@ -316,8 +333,11 @@ class Scheduler:
             n = self._num_to_compute(req)
             if n > budget:
                 n = budget
+            if prefill_cap is not None and n > 1:  # a prompt chunk: paced
+                n = min(n, prefill_cap)
+                prefill_cap -= n
             if n <= 0:
-                continue  # a beam waiting for the rest of its group
+                continue  # a beam waiting for the rest of its group (or a paced chunk)
             blocks = kv.allocate_slots(req, n)
             while blocks is None:
                 victim = self._pick_victim()
@@ -367,7 +387,9 @@ class Scheduler:
                 self._admit(req, n, num_scheduled, new, touched, now)
                 budget -= n
 
-            # 3. Waiting requests.
+            # 3. Waiting requests (under the throughput policy: what the pace leaves).
+            if prefill_cap is not None:
+                budget = min(budget, prefill_cap)
             while budget > 0 and len(self.waiting) > 0 and self._has_seat(self.waiting.peek()):
                 req = self.waiting.peek()
                 hits, num_hit = self.kv.get_computed_blocks(req)
@@ -422,6 +444,58 @@ class Scheduler:
             swap_out=self._swap_out, swap_in=swap_in,
             block_copies=[p for c in cached for p in cow_copies.get(c.req_id, ())]
             if cow_copies else [])
+
+    def _prefill_cap(self) -> int:
+        """Throughput policy: the prompt tokens -- running requests' unfinished chunks
+        first, then waiting requests -- that this step may compute.
+
+        A decode step's GEMMs read every weight however few tokens it carries, so prompt
+        tokens spread over the decode steps ride along almost free, while a step full of
+        prompt tokens is compute-bound and delays every decode.  Prefill is therefore
+        paced: ``L``, the longest remaining output of any request, is a lower bound on
+        the steps left (the makespan), and a waiting request that will generate ``o``
+        tokens must start decoding by step ``L - o``.  The rate is the smallest even
+        prefill rate meeting every such deadline in queue (longest-first) order::
+
+            rate = max(P, max over j of (P + S_j) / max(1, L - o_j))
+
+        with ``P`` the prompt tokens of running requests still to compute (unfinished
+        chunks, which go first) and ``S_j`` the tokens of the first ``j`` waiting
+        requests (the first 512 only, to bound the per-step cost).  When every request
+        has the same ``max_tokens`` the first deadline is step 0 and the rule is
+        "prefill everything now", as under FCFS.
+
+        With CUDA graphs the runner pads a mixed step up to its graph's size, so the cap
+        is raised to fill that padding (``padded_step_sizes``).  A waiting request's
+        tokens all count as to compute (prefix-cache hits are not known before it is
+        admitted; counting them only makes the rate conservative).  O(running) per step,
+        and only while requests wait.
+        """
+        waiting = self._lpt
+        assert waiting is not None
+        horizon = waiting.longest_remaining_output()
+        p_run = decodes = 0
+        chunk_out = 0  # the longest output of a request with an unfinished chunk
+        for r in self.running:
+            left = r.num_tokens - r.num_computed_tokens
+            rest = r.max_tokens - r.num_output_tokens
+            if left > 1:
+                p_run += left
+                chunk_out = max(chunk_out, rest)
+            elif r.num_placeholders or left == 1:
+                decodes += 1
+            if rest > horizon:
+                horizon = rest
+        budget = self.config.max_num_batched_tokens
+        rate = waiting.paced_rate(p_run, horizon, limit=budget,
+                                  running_slack=horizon - chunk_out)
+        cap = min(rate, budget - decodes)
+        sizes = self._step_sizes
+        if cap > 0 and sizes:
+            i = bisect.bisect_left(sizes, decodes + cap)
+            if i < len(sizes) and sizes[i] <= budget:
+                cap = sizes[i] - decodes
+        return max(cap, 1)
 
     def _admit(self, req: Request, n: int, num_scheduled: dict[str, int],
                new: list[NewRequestData], touched: list[Request], now: float) -> None:

@@ -32,7 +32,8 @@ class EngineCore:
         self.worker.initialize_cache(self.num_blocks)
         self.config = config.with_num_blocks(self.num_blocks)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
-                                   self.num_blocks, self.worker.num_cpu_blocks)
+                                   self.num_blocks, self.worker.num_cpu_blocks,
+                                   self.worker.padded_step_sizes())
         self.max_model_len = config.model_config.max_model_len
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._inflight: tuple[SchedulerOutput, StepHandle] | None = None

@@ -168,6 +168,12 @@ class Worker:
             logger.info("Triton: %d kernel variants compiled (%.1f s of compiler time), "
                         "%d loaded from the cache", st.compiled, st.compile_s, st.cache_hits)
 
+    def padded_step_sizes(self) -> list[int]:
+        """Token counts a mixed step is padded up to (the chunk CUDA graphs' sizes; none
+        when running eagerly)."""
+        graphs = self.runner.graphs if self.runner is not None else None
+        return list(graphs.chunk_sizes) if graphs is not None else []
+
     def execute_model_async(self, sched: SchedulerOutput) -> StepHandle:
         assert self.runner is not None, "initialize_cache first"
         return self.runner.execute_model_async(sched)

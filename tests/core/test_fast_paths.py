@@ -54,10 +54,12 @@ def _check_counts(r: Request) -> None:
 @given(ops=st.lists(st.tuples(st.integers(0, 6), st.integers(1, 14), st.integers(1, 12),
                               st.integers(1, 3)), min_size=1, max_size=10),
        mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
-       num_blocks=st.integers(9, 40), abort_every=st.integers(0, 7))
-def test_fast_paths_equal_the_full_path(ops, mode, caching, num_blocks, abort_every):
+       num_blocks=st.integers(9, 40), abort_every=st.integers(0, 7),
+       policy=st.sampled_from(["fcfs", "throughput"]))
+def test_fast_paths_equal_the_full_path(ops, mode, caching, num_blocks, abort_every, policy):
     fast, slow = (make(num_blocks=num_blocks, budget=24, max_seqs=8, caching=caching,
-                       mode=mode, cpu_blocks=12, swap_per_step=6, max_model_len=64)
+                       mode=mode, cpu_blocks=12, swap_per_step=6, max_model_len=64,
+                       policy=policy)
                   for _ in range(2))
     _slow_path_only(slow.kv)
     added: list[str] = []

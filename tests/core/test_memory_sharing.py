@@ -19,11 +19,12 @@ from tests.core.fake_runner import FakeRunner
 
 
 def make(num_blocks=64, block_size=4, budget=64, max_seqs=16, caching=True,
-         mode="recompute", cpu_blocks=0, swap_per_step=64, max_model_len=512) -> Scheduler:
+         mode="recompute", cpu_blocks=0, swap_per_step=64, max_model_len=512,
+         policy="fcfs") -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                         max_model_len=max_model_len, preemption_mode=mode,
-                        max_swap_blocks_per_step=swap_per_step),
+                        max_swap_blocks_per_step=swap_per_step, policy=policy),
         CacheConfig(block_size=block_size, enable_prefix_caching=caching),
         num_blocks, cpu_blocks)
 

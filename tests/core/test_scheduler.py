@@ -196,7 +196,7 @@ def test_step_cost_does_not_depend_on_generated_length():
 @given(st.lists(st.tuples(st.sampled_from(["add", "abort", "step", "step", "step"]),
                           st.integers(1, 30), st.integers(1, 20), st.integers(0, 3)),
                 min_size=1, max_size=60),
-       st.integers(8, 40), st.sampled_from(["fcfs", "priority"]), st.booleans())
+       st.integers(8, 40), st.sampled_from(["fcfs", "priority", "throughput"]), st.booleans())
 def test_property_every_block_free_after_anything(ops, num_blocks, policy, caching):
     s = make_scheduler(num_blocks=num_blocks, budget=24, max_seqs=4, policy=policy,
                        caching=caching)

@@ -122,6 +122,23 @@ def test_chat_uses_template(llm):
     assert out.outputs[0].text
 
 
+def test_throughput_policy_gives_fcfs_greedy_outputs(llm):
+    """Longest-first order and paced (chunked) prefill change when tokens are computed,
+    never which: greedy outputs equal FCFS's (the session engine)."""
+    from pagedllm import LLM
+
+    prompts = [PROMPT, "Hello there, how are you today? I am", "Count: 1, 2,",
+               "The capital of France is a city that"]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+              for m in (4, 16, 8, 12)]
+    thr = LLM(kv_cache_memory_bytes=16 << 20, max_model_len=256,
+              max_num_batched_tokens=256, scheduling_policy="throughput")
+    assert thr.llm_engine.config.scheduler_config.policy == "throughput"
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in thr.generate(prompts, params, use_tqdm=False)]
+    assert got == want and [len(t) for t in got] == [4, 16, 8, 12]
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pagedllm", *args], capture_output=True,
                           text=True, timeout=300)

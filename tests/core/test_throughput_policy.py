@@ -1,0 +1,151 @@
+"""The throughput scheduling policy (fake runner): longest-``max_tokens``-first order,
+prefill paced over the decode horizon, and everything else as under FCFS."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+
+from pagedllm.config import EngineArgs
+from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.request_queue import LongestFirstQueue
+from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_from_cli
+from tests.core.fake_runner import FakeRunner
+from tests.core.test_scheduler import assert_all_free, make_scheduler, req, run_to_completion
+
+
+def test_queue_order_longest_first_then_arrival_preempted_ahead():
+    q = LongestFirstQueue()
+    for rid, max_tokens, arrival in [("a", 8, 0.0), ("b", 32, 1.0), ("c", 16, 2.0),
+                                     ("d", 32, 3.0), ("e", 32, 3.0)]:
+        q.add(req(rid, 4, max_tokens, arrival=arrival))
+    assert [r.request_id for r in q] == ["b", "d", "e", "c", "a"]
+    # Preempted requests go ahead of everything, the latest preempted first (as FCFS).
+    p1, p2 = req("p1", 4, 2, arrival=9.0), req("p2", 4, 1, arrival=8.0)
+    q.add_preempted(p1)
+    q.add_preempted(p2)
+    assert [r.request_id for r in q] == ["p2", "p1", "b", "d", "e", "c", "a"]
+    assert q.peek() is p2 and q.pop() is p2 and len(q) == 6
+    q.remove(p1)
+    q.remove(next(r for r in q if r.request_id == "e"))
+    assert [q.pop().request_id for _ in range(len(q))] == ["b", "d", "c", "a"]
+    assert q._tokens == 0 and q.longest_remaining_output() == 0
+
+
+def test_paced_rate_meets_every_deadline():
+    q = LongestFirstQueue()
+    q.add(req("long", 100, 50))  # must start now: deadline 50 - 50 = 0
+    q.add(req("mid", 300, 40))  # by step 10
+    q.add(req("short", 100, 10))  # by step 40
+    # The first deadline is now: all of "long" (and the 20 running prompt tokens first).
+    assert q.paced_rate(20, horizon=50, limit=10_000) == 120
+    # With 20 steps of slack for "long": 100/20 = 5, 400/30 -> 14, 500/60 -> 9.
+    assert q.paced_rate(0, horizon=70, limit=10_000) == 14
+    # Never below the running prompt tokens, which go first.
+    assert q.paced_rate(20, horizon=70, limit=10_000) == 20
+    # Capped: the scan stops at the limit, since no more would be granted anyway.
+    assert q.paced_rate(20, horizon=50, limit=60) >= 60
+
+
+def _chat_like(s, n=64, max_tokens=128):
+    rng = random.Random(1)
+    for i in range(n):
+        s.add_request(req(f"c{i}", rng.randint(30, 50), max_tokens, arrival=float(i),
+                          first=1 + 7 * i))
+
+
+def test_equal_max_tokens_prefills_everything_now_like_fcfs():
+    """Every deadline is step 0 when all requests want the same output length: the rule
+    degenerates to "prefill everything now", and the run is FCFS's, step for step."""
+    runs = {}
+    for policy in ("fcfs", "throughput"):
+        s = make_scheduler(num_blocks=64 * 180 // 4 + 1, budget=512, max_seqs=64,
+                           policy=policy)
+        _chat_like(s)
+        runner = FakeRunner()
+        outs, _ = run_to_completion(s, runner)
+        assert runner.steps[0].total_num_scheduled_tokens == 512  # the whole budget
+        runs[policy] = runner.steps, outs
+        assert_all_free(s)
+    assert runs["throughput"] == runs["fcfs"]
+
+
+class _LightRunner:
+    """Samples token 7 once a request's prompt is computed: enough for a pool that never
+    preempts, and much cheaper than ``FakeRunner``'s KV simulation at W1 sizes."""
+
+    def __init__(self) -> None:
+        self.left: dict[str, int] = {}
+        self.steps: list[SchedulerOutput] = []
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        assert not so.preempted_req_ids
+        self.steps.append(so)
+        for nr in so.new_reqs:
+            self.left[nr.req_id] = len(nr.prompt_token_ids) - nr.num_computed_tokens
+        toks = []
+        for rid, n in so.num_scheduled_tokens.items():
+            self.left[rid] -= n
+            toks.append([7] if self.left[rid] <= 0 else [])
+        return ModelRunnerOutput(list(so.num_scheduled_tokens), toks)
+
+
+def _w1_like(policy: str, seed: int):
+    rng = random.Random(seed)
+    s = make_scheduler(num_blocks=64 * 1600 // 16 + 1, block_size=16, budget=8192,
+                       max_seqs=64, policy=policy, max_model_len=2048)
+    max_tokens = {}
+    for i in range(64):
+        plen, olen = rng.randint(128, 1024), rng.randint(32, 512)
+        s.add_request(req(f"r{i}", plen, olen, arrival=float(i), first=1 + i))
+        max_tokens[f"r{i}"] = olen
+    runner = _LightRunner()
+    outs, finish = run_to_completion(s, runner)  # type: ignore[arg-type]
+    assert {rid: len(t) for rid, t in outs.items()} == max_tokens
+    assert set(finish.values()) == {"length"}
+    assert_all_free(s)
+    return runner.steps, max_tokens
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_w1_mix_longest_first_paced_prefill_no_longer_run(seed):
+    steps, max_tokens = _w1_like("throughput", seed)
+    fcfs_steps, _ = _w1_like("fcfs", seed)
+    longest = max(max_tokens, key=lambda rid: (max_tokens[rid], -int(rid[1:])))
+    assert next(iter(steps[0].num_scheduled_tokens)) == longest
+    # Prefill is spread out: after the first steps no step comes near the budget
+    # (FCFS fills four whole steps of 8192 first).
+    assert max(so.total_num_scheduled_tokens for so in steps[2:]) <= 8192 // 4
+    assert sum(so.total_num_scheduled_tokens == 8192 for so in fcfs_steps) >= 3
+    # ... and pacing never lengthens the run: about max(max_tokens) steps, no more
+    # than FCFS needs.
+    assert len(steps) <= max(max_tokens.values()) + 2
+    assert len(steps) <= len(fcfs_steps) + 2
+
+
+def test_preemption_under_throughput_gives_fcfs_outputs():
+    """A pool too small for everything: preemption, recompute and chunking behave as
+    under FCFS, and every request still gets exactly its tokens."""
+    outs = {}
+    for policy in ("fcfs", "throughput"):
+        s = make_scheduler(num_blocks=30, budget=24, max_seqs=6, policy=policy)
+        for i in range(8):
+            s.add_request(req(f"q{i}", 6 + 3 * i % 11, 8 + 5 * i % 17, arrival=float(i),
+                              first=1 + 9 * i))
+        outs[policy], _ = run_to_completion(s, FakeRunner())
+        if policy == "throughput":
+            assert s.total_preemptions >= 1
+        assert_all_free(s)
+    assert outs["throughput"] == outs["fcfs"]
+
+
+def test_config_and_cli_accept_throughput():
+    with pytest.raises(ValueError, match="'throughput'"):
+        EngineArgs(scheduling_policy="lpt").create_engine_config()
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert p.parse_args([]).scheduling_policy == "fcfs"  # the default stays FCFS
+    args = p.parse_args(["--scheduling-policy", "throughput"])
+    assert engine_args_from_cli(args).scheduling_policy == "throughput"
