@@ -127,10 +127,9 @@ def _attn_tile_blocks(
     return m_new, l_i, acc
 
 
-# Ints that change from step to step are not specialised on (Triton would otherwise
-# compile new variants when one becomes 1 or a multiple of 16 -- mid-run, ~1 s each).
-@triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_bt"])
-def _paged_attn_kernel(
+@triton.jit
+def _attn_program(
+    tile_idx, kv_head, split,
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr,
     scale_log2, num_reqs, num_heads, num_splits,
@@ -140,11 +139,11 @@ def _paged_attn_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
     Q_FILTER: tl.constexpr, DECODE: tl.constexpr, USE_PDL: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
-    pdl_trigger(USE_PDL)
-    tile_idx = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    """One program: query tile ``tile_idx`` of KV head ``kv_head`` (split ``split``).
+    ``LOOP_STAGES`` > 0 pipelines the KV loop that deep (a kernel holding two kinds of
+    programs, ``_mixed_attn_kernel``); 0 takes the kernel's ``num_stages``."""
 
     if DECODE:
         # Decode-only batch: request r's one token is row r (padded empty requests come
@@ -227,6 +226,12 @@ def _paged_attn_kernel(
                 v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
                 BLOCK_SIZE, TILE_N, F32_DOT)
             t += 1
+    elif LOOP_STAGES > 0:
+        for t in tl.range(first, tile_hi, num_stages=LOOP_STAGES):
+            m_i, l_i, acc = _attn_tile(
+                t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
+                v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
+                BLOCK_SIZE, TILE_N, F32_DOT)
     else:
         for t in range(first, tile_hi):
             m_i, l_i, acc = _attn_tile(
@@ -246,6 +251,72 @@ def _paged_attn_kernel(
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+# Ints that change from step to step are not specialised on (Triton would otherwise
+# compile new variants when one becomes 1 or a multiple of 16 -- mid-run, ~1 s each).
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_bt"])
+def _paged_attn_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
+    block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    scale_log2, num_reqs, num_heads, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    Q_FILTER: tl.constexpr, DECODE: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pdl_trigger(USE_PDL)
+    _attn_program(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
+        block_tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2, num_reqs, num_heads, num_splits,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+        GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, SPLIT, F32_DOT,
+        WHILE_LOOP, Q_FILTER, DECODE, USE_PDL, 0)
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_pre_tiles", "stride_bt"])
+def _mixed_attn_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    scale_log2, num_reqs, num_heads, num_pre_tiles,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    P_BLOCK_M: tl.constexpr, P_BLOCK_Q: tl.constexpr, P_TILE_N: tl.constexpr,
+    P_STAGES: tl.constexpr,
+    D_BLOCK_M: tl.constexpr, D_BLOCK_Q: tl.constexpr, D_TILE_N: tl.constexpr,
+    D_STAGES: tl.constexpr,
+    F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """A mixed batch in one launch: prompt-chunk programs (``num_pre_tiles`` query tiles
+    x KV heads, the prompt plan's tiles) come first on the 1-D grid, then the decode
+    programs (the decode plan's tiles).  The GPU starts programs roughly in grid order,
+    so the long prompt programs -- each walks its whole context, and a step's few hundred
+    prompt tokens make only about one wave of them -- run beside the decodes instead of
+    after them, as a second launch's would."""
+    pdl_trigger(USE_PDL)
+    pid = tl.program_id(0)
+    num_pre = num_pre_tiles * NUM_KV_HEADS
+    if pid < num_pre:
+        _attn_program(
+            pid // NUM_KV_HEADS, pid % NUM_KV_HEADS, 0,
+            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, out_ptr, out_ptr,
+            block_tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2, num_reqs, num_heads, 1,
+            stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
+            stride_bt, GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, P_BLOCK_M, P_BLOCK_Q, P_TILE_N,
+            False, F32_DOT, WHILE_LOOP, 2, False, USE_PDL, P_STAGES)
+    else:
+        d = pid - num_pre
+        _attn_program(
+            d // NUM_KV_HEADS, d % NUM_KV_HEADS, 0,
+            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, out_ptr, out_ptr,
+            block_tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2, num_reqs, num_heads, 1,
+            stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
+            stride_bt, GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, D_BLOCK_M, D_BLOCK_Q, D_TILE_N,
+            False, F32_DOT, WHILE_LOOP, 1, False, USE_PDL, D_STAGES)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
@@ -291,6 +362,9 @@ class AttentionLaunch:
     num_splits: int  # 1 = single pass; > 1 = split-KV + reduce
     num_warps: int = 4
     num_stages: int = 2
+
+
+_TWO_LAUNCHES = os.environ.get("PAGEDLLM_ATTN_TWO_LAUNCHES", "0") == "1"
 
 
 def _interpreting() -> bool:
@@ -410,20 +484,30 @@ def paged_attention(
     if num_tokens == 0 or num_reqs == 0:
         return out
     if launch is None and num_splits is None and max_query_len > 1 and num_reqs > 1:
-        # A mixed batch runs as two launches over the same metadata: the decodes with
-        # the decode plan's small tiles (BLOCK_M = the GQA group of one token) and the
-        # prompt chunks with 64-row tiles.  One launch with 64-row tiles for all would
-        # give each decode a tile 16x larger than its 4 (GQA) rows, and the decode
-        # attention of a step with hundreds of decodes would turn compute-bound.
-        # Programs of the other kind exit at once.  (A lone request with several tokens
-        # is a prompt chunk: it keeps the single launch below.)
+        # A mixed batch runs its decodes with the decode plan's small tiles (BLOCK_M =
+        # the GQA group of one token) and its prompt chunks with 64-row tiles: 64-row
+        # tiles for all would give each decode a tile 16x larger than its 4 (GQA) rows,
+        # and the decode attention of a step with hundreds of decodes would turn
+        # compute-bound.  Both kinds of program share one launch
+        # (``_mixed_attn_kernel``), prompt programs first, so that they run beside the
+        # decodes: as a second launch they took 1.2 ms of W1's mixed steps of ~450
+        # tokens under the throughput policy (~300 prompt tokens in ~150 programs, each
+        # walking its whole context: one long wave), on top of 3.7-5.4 ms of decode
+        # attention (H200, 2026-12-01).  ``PAGEDLLM_ATTN_TWO_LAUNCHES=1`` restores the
+        # two launches (for A/B runs).  (A lone request with several tokens is a prompt
+        # chunk: it keeps the single launch below.)
         sms = device_sm_count(query.device)
-        for q_filter, mql in ((1, 1), (2, max_query_len)):
-            plan = plan_attention(num_reqs=num_reqs, max_query_len=mql, num_heads=num_heads,
-                                  num_kv_heads=num_kv_heads, block_size=block_size,
-                                  sm_count=sms, num_splits=1, head_dim=head_dim)
-            _launch(query, kv_cache, block_tables, seq_lens, query_start_loc, num_reqs,
-                    scale, out, plan, q_filter)
+        dec, pre = (plan_attention(num_reqs=num_reqs, max_query_len=mql, num_heads=num_heads,
+                                   num_kv_heads=num_kv_heads, block_size=block_size,
+                                   sm_count=sms, num_splits=1, head_dim=head_dim)
+                    for mql in (1, max_query_len))
+        if _TWO_LAUNCHES:
+            for q_filter, plan in ((1, dec), (2, pre)):
+                _launch(query, kv_cache, block_tables, seq_lens, query_start_loc, num_reqs,
+                        scale, out, plan, q_filter)
+        else:
+            _mixed_launch(query, kv_cache, block_tables, seq_lens, query_start_loc,
+                          num_reqs, scale, out, pre, dec)
         return out
     if launch is None:
         launch = plan_attention(
@@ -434,6 +518,35 @@ def paged_attention(
     _launch(query, kv_cache, block_tables, seq_lens, query_start_loc, num_reqs, scale, out,
             launch, 0, decode=max_query_len <= 1)
     return out
+
+
+def _mixed_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int,
+                  scale: float, out: torch.Tensor, pre: AttentionLaunch,
+                  dec: AttentionLaunch) -> None:
+    """A mixed batch's one launch: prompt programs with plan ``pre``, then decode
+    programs with plan ``dec`` (neither splits).  Each part's query tiles are the
+    upper-bound count ``num_tokens // block_q + num_reqs`` (host ints only)."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    gqa = num_heads // num_kv_heads
+    assert pre.num_splits == 1 and dec.num_splits == 1, (pre, dec)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    pre_tiles = num_tokens // pre.block_q + num_reqs
+    dec_tiles = num_tokens // dec.block_q + num_reqs
+    _mixed_attn_kernel[((pre_tiles + dec_tiles) * num_kv_heads,)](
+        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        scale * _LOG2E, num_reqs, num_heads, pre_tiles,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GQA=gqa, HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads,
+        P_BLOCK_M=pre.block_m, P_BLOCK_Q=pre.block_q, P_TILE_N=pre.tile_n,
+        P_STAGES=pre.num_stages, D_BLOCK_M=dec.block_m, D_BLOCK_Q=dec.block_q,
+        D_TILE_N=dec.tile_n, D_STAGES=dec.num_stages,
+        F32_DOT=_interpreting() or query.dtype == torch.float32,
+        WHILE_LOOP=_interpreting(), num_warps=max(pre.num_warps, dec.num_warps),
+        num_stages=max(pre.num_stages, dec.num_stages), **pdl_launch_args(query.device))
 
 
 def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -17,6 +17,9 @@ Two families of graphs share one memory pool:
 * **chunk**: steps with prompt chunks -- a lone prompt (W4's TTFT), or decodes plus a
   newly arrived prompt (most of W2's slow steps) -- captured for 8 ... 2048 tokens (up to
   ``max_cudagraph_capture_size``), each with room for ``min(T, max_num_seqs)`` requests.
+
+A size whose forward (timed at capture) is no faster than the next larger one's is not
+captured (``keep_graph``): its steps pad up to the larger graph.
   Eagerly such a step costs 15-65 ms of host time for ~330 kernel launches on a
   Llama-3-8B shape (65 ms measured under W2 for 1,035 tokens, whose GPU time is ~25 ms);
   replayed it costs the GPU time alone.  Larger steps run eagerly: on that shape their
@@ -96,6 +99,20 @@ def graph_memory_margin(activation_peak: int, profiled_tokens: int,
         return GRAPH_MEMORY_MARGIN
     scaled = activation_peak * largest_chunk // max(profiled_tokens, 1)
     return max(GRAPH_MEMORY_MARGIN, int(scaled))
+
+
+def keep_graph(shape: GraphShape, ms: float, larger_ms: float | None) -> bool:
+    """Whether to capture ``shape``, whose forward took ``ms`` at capture, given the
+    time of the next larger captured shape of its family (None: it is the largest).
+
+    cuBLAS runs some row counts slower than larger ones (its heuristic's tile choice:
+    on an H200 the Llama-3-8B shape's GEMMs took 13.7 ms per step at 448 rows against
+    10.7 ms at 512), so such a step is padded up to the larger graph instead.  The
+    batch-1 decode graph is always kept: it is the only one that runs the GEMV path.
+    """
+    if larger_ms is None or (shape.decode and shape.reqs == 1):
+        return True
+    return ms < larger_ms
 
 
 def graph_shape(decode_sizes: list[int], chunk_sizes: list[int], max_num_seqs: int,
@@ -181,6 +198,9 @@ class CudaGraphRunner:
         shapes = [GraphShape(min(t, self.max_num_seqs), t, False)
                   for t in reversed(self.chunk_sizes)]
         shapes += [GraphShape(bs, bs, True) for bs in reversed(self.sizes)]
+        # Forward time of the last captured (next larger) shape of each family.
+        larger: dict[bool, float] = {}
+        pruned: list[GraphShape] = []
         for shape in shapes:
             tokens = shape.tokens
             self.seq_lens.fill_(1)
@@ -189,9 +209,19 @@ class CudaGraphRunner:
                 self.chunk_qsl[0] = 0
                 self.seq_lens[0] = tokens
             meta = self._meta(shape)
-            for _ in range(2):  # warm up (Triton autotune/compile) outside the graph
-                self.model(self.input_ids[:tokens], self.positions[:tokens], meta)
-            torch.cuda.synchronize(self.device)
+            # Warm up (Triton compiles) outside the graph; the second run is timed.
+            self.model(self.input_ids[:tokens], self.positions[:tokens], meta)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                enable_timing=True)
+            start.record()
+            self.model(self.input_ids[:tokens], self.positions[:tokens], meta)
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+            if not keep_graph(shape, ms, larger.get(shape.decode)):
+                pruned.append(shape)
+                continue
+            larger[shape.decode] = ms
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
                 out = self.model(self.input_ids[:tokens], self.positions[:tokens], meta)
@@ -201,6 +231,14 @@ class CudaGraphRunner:
             self.outputs[shape] = out
         torch.cuda.synchronize(self.device)
         used = torch.cuda.memory_reserved(self.device) - reserved0
+        self.sizes = [s for s in self.sizes if GraphShape(s, s, True) not in pruned]
+        self.chunk_sizes = [t for t in self.chunk_sizes
+                            if GraphShape(min(t, self.max_num_seqs), t, False) not in pruned]
+        if pruned:
+            logger.info("not captured (a forward no faster than the next larger graph's): "
+                        "decode batch sizes %s, chunk sizes %s",
+                        ",".join(str(p.reqs) for p in pruned if p.decode) or "none",
+                        ",".join(str(p.tokens) for p in pruned if not p.decode) or "none")
         logger.info("captured CUDA graphs for %d decode batch sizes (%s) and %d chunk sizes "
                     "(%s tokens) in %.1f s, %.0f MiB", len(self.sizes),
                     ",".join(map(str, self.sizes)), len(self.chunk_sizes),
