@@ -24,7 +24,7 @@ from pagedllm.benchmarks.workloads import w1, w4, write_dummy_model
 def category(name: str) -> str:
     """Coarse kernel class for the summary line."""
     n = name.lower()
-    if "paged_attn" in n or "reduce_splits" in n:
+    if "paged_attn" in n or "mixed_attn" in n or "reduce_splits" in n:
         return "attention"
     if any(k in n for k in ("gemm", "gemv", "cutlass", "sm90", "nvjet", "splitk", "xmma")):
         return "gemm"

@@ -159,7 +159,25 @@ def _attn_program(
         seq_len = tl.load(seq_lens_ptr + req)
         if seq_len == 0:
             return  # a padded empty request: nothing to attend, its row stays unwritten
+    elif Q_FILTER == 3:
+        # The decode programs of a one-launch mixed batch: program r is request r (the
+        # grid has one per request), which runs only if it is a single-token decode.
+        # Request r's query row is query_start_loc[r]: no search, unlike Q_FILTER 1.
+        req = tile_idx
+        q_start = tl.load(qsl_ptr + req)
+        q_len = tl.load(qsl_ptr + req + 1) - q_start
+        if q_len != 1:
+            return  # a prompt chunk (the prompt programs' work) or a padded empty request
+        q_tile = 0
+        seq_len = tl.load(seq_lens_ptr + req)
+        pdl_wait(USE_PDL)
     else:
+        if Q_FILTER == 2:
+            # Metadata may be read before the PDL wait (kernels/pdl.py): programs past
+            # the last real query tile (every tile index of request r lies below
+            # query_start_loc[r + 1] // BLOCK_Q + r) exit without searching.
+            if tile_idx >= tl.load(qsl_ptr + num_reqs) // BLOCK_Q + num_reqs:
+                return
         pdl_wait(USE_PDL)
         req = _find_request(qsl_ptr, tile_idx, num_reqs, BLOCK_Q)
         q_start = tl.load(qsl_ptr + req)
@@ -293,7 +311,7 @@ def _mixed_attn_kernel(
 ):
     """A mixed batch in one launch: prompt-chunk programs (``num_pre_tiles`` query tiles
     x KV heads, the prompt plan's tiles) come first on the 1-D grid, then the decode
-    programs (the decode plan's tiles).  The GPU starts programs roughly in grid order,
+    programs (one per request x KV head, the decode plan's tiles).  The GPU starts programs roughly in grid order,
     so the long prompt programs -- each walks its whole context, and a step's few hundred
     prompt tokens make only about one wave of them -- run beside the decodes instead of
     after them, as a second launch's would."""
@@ -316,7 +334,7 @@ def _mixed_attn_kernel(
             block_tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2, num_reqs, num_heads, 1,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
             stride_bt, GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, D_BLOCK_M, D_BLOCK_Q, D_TILE_N,
-            False, F32_DOT, WHILE_LOOP, 1, False, USE_PDL, D_STAGES)
+            False, F32_DOT, WHILE_LOOP, 3, False, USE_PDL, D_STAGES)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
@@ -525,15 +543,16 @@ def _mixed_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
                   scale: float, out: torch.Tensor, pre: AttentionLaunch,
                   dec: AttentionLaunch) -> None:
     """A mixed batch's one launch: prompt programs with plan ``pre``, then decode
-    programs with plan ``dec`` (neither splits).  Each part's query tiles are the
-    upper-bound count ``num_tokens // block_q + num_reqs`` (host ints only)."""
+    programs with plan ``dec`` (neither splits).  The prompt part has the upper-bound
+    count of query tiles ``num_tokens // block_q + num_reqs``, the decode part one
+    program per request (host ints only)."""
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     gqa = num_heads // num_kv_heads
     assert pre.num_splits == 1 and dec.num_splits == 1, (pre, dec)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     pre_tiles = num_tokens // pre.block_q + num_reqs
-    dec_tiles = num_tokens // dec.block_q + num_reqs
+    dec_tiles = num_reqs
     _mixed_attn_kernel[((pre_tiles + dec_tiles) * num_kv_heads,)](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
         scale * _LOG2E, num_reqs, num_heads, pre_tiles,

@@ -90,11 +90,12 @@ def _model_dir() -> str:
 
 
 def test_a_graph_no_faster_than_the_next_larger_is_not_kept() -> None:
-    """A size whose forward took no less than the next larger captured size's is dropped
-    (its steps pad up); the largest of each family and the batch-1 decode graph (the
-    GEMV path) are always kept."""
+    """A size whose forward took clearly longer (3%) than the next larger captured
+    size's is dropped (its steps pad up); a tie within timing noise keeps it; the largest
+    of each family and the batch-1 decode graph (the GEMV path) are always kept."""
     assert keep_graph(GraphShape(256, 2048, False), 40.0, None)
     assert keep_graph(GraphShape(256, 384, False), 8.3, 10.7)
     assert not keep_graph(GraphShape(256, 448, False), 13.7, 10.7)
-    assert not keep_graph(GraphShape(248, 248, True), 6.0, 6.0)
+    assert keep_graph(GraphShape(248, 248, True), 6.05, 6.0)
+    assert not keep_graph(GraphShape(248, 248, True), 6.5, 6.0)
     assert keep_graph(GraphShape(1, 1, True), 4.5, 4.2)
