@@ -311,10 +311,10 @@ def _mixed_attn_kernel(
 ):
     """A mixed batch in one launch: prompt-chunk programs (``num_pre_tiles`` query tiles
     x KV heads, the prompt plan's tiles) come first on the 1-D grid, then the decode
-    programs (one per request x KV head, the decode plan's tiles).  The GPU starts programs roughly in grid order,
-    so the long prompt programs -- each walks its whole context, and a step's few hundred
-    prompt tokens make only about one wave of them -- run beside the decodes instead of
-    after them, as a second launch's would."""
+    programs (one per request x KV head, the decode plan's tiles).  The GPU starts
+    programs roughly in grid order, so the long prompt programs -- each walks its whole
+    context, and a step's few hundred prompt tokens make only about one wave of them --
+    run beside the decodes instead of after them, as a second launch's would."""
     pdl_trigger(USE_PDL)
     pid = tl.program_id(0)
     num_pre = num_pre_tiles * NUM_KV_HEADS

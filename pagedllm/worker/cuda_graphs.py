@@ -18,8 +18,8 @@ Two families of graphs share one memory pool:
   newly arrived prompt (most of W2's slow steps) -- captured for 8 ... 2048 tokens (up to
   ``max_cudagraph_capture_size``), each with room for ``min(T, max_num_seqs)`` requests.
 
-A size whose forward (timed at capture) is clearly slower than the next larger one's is
-not captured (``keep_graph``): its steps pad up to the larger graph.
+A size whose graph replay (timed at capture) is clearly slower than the next larger one's
+is dropped (``keep_graph``): its steps pad up to the larger graph.
   Eagerly such a step costs 15-65 ms of host time for ~330 kernel launches on a
   Llama-3-8B shape (65 ms measured under W2 for 1,035 tokens, whose GPU time is ~25 ms);
   replayed it costs the GPU time alone.  Larger steps run eagerly: on that shape their
@@ -56,7 +56,7 @@ logger = logging.getLogger("pagedllm")
 # headroom absorbs it).
 GRAPH_MEMORY_MARGIN = 512 << 20
 DEFAULT_MAX_CAPTURE_SIZE = 2048
-# A graph size is dropped when its forward is this much slower than the next larger's.
+# A graph size is dropped when its replay is this much slower than the next larger's.
 PRUNE_MARGIN = 1.03
 
 # Chunk-graph token counts captured (those <= max_num_batched_tokens, max_model_len and
@@ -104,15 +104,15 @@ def graph_memory_margin(activation_peak: int, profiled_tokens: int,
 
 
 def keep_graph(shape: GraphShape, ms: float, larger_ms: float | None) -> bool:
-    """Whether to capture ``shape``, whose forward took ``ms`` at capture (the faster of
-    two runs), given the time of the next larger captured shape of its family (None: it
-    is the largest).
+    """Whether to keep ``shape``'s graph, whose replay took ``ms`` at capture (the faster
+    of two), given the time of the next larger kept shape of its family (None: it is the
+    largest).
 
     cuBLAS runs some row counts slower than larger ones (its heuristic's tile choice:
     on an H200 the Llama-3-8B shape's GEMMs took 13.7 ms per step at 448 rows against
     10.7 ms at 512), so such a step is padded up to the larger graph instead.  Only a
     clear loss counts (``PRUNE_MARGIN``): small batches all take about the weight-read
-    time, and a bare "no faster" dropped half the decode sizes on timing noise.  The
+    time, and a bare "no faster" would drop sizes on timing noise.  The
     batch-1 decode graph is always kept: it is the only one that runs the GEMV path.
     """
     if larger_ms is None or (shape.decode and shape.reqs == 1):
@@ -203,7 +203,7 @@ class CudaGraphRunner:
         shapes = [GraphShape(min(t, self.max_num_seqs), t, False)
                   for t in reversed(self.chunk_sizes)]
         shapes += [GraphShape(bs, bs, True) for bs in reversed(self.sizes)]
-        # Forward time of the last captured (next larger) shape of each family.
+        # Replay time of the last kept (next larger) shape of each family.
         larger: dict[bool, float] = {}
         pruned: list[GraphShape] = []
         for shape in shapes:
@@ -214,24 +214,28 @@ class CudaGraphRunner:
                 self.chunk_qsl[0] = 0
                 self.seq_lens[0] = tokens
             meta = self._meta(shape)
-            # Warm up (Triton compiles) outside the graph, then time two runs.
-            self.model(self.input_ids[:tokens], self.positions[:tokens], meta)
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            events[0].record()
-            for ev in events[1:]:
+            for _ in range(2):  # warm up (Triton autotune/compile) outside the graph
                 self.model(self.input_ids[:tokens], self.positions[:tokens], meta)
-                ev.record()
-            events[-1].synchronize()
-            ms = min(a.elapsed_time(b) for a, b in zip(events, events[1:]))
-            if not keep_graph(shape, ms, larger.get(shape.decode)):
-                pruned.append(shape)
-                continue
-            larger[shape.decode] = ms
+            torch.cuda.synchronize(self.device)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
                 out = self.model(self.input_ids[:tokens], self.positions[:tokens], meta)
             if self.pool is None:
                 self.pool = g.pool()
+            # Time two replays (GPU time: an eager forward's time is mostly its host's
+            # launches), after one to warm up.
+            g.replay()
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            events[0].record()
+            for ev in events[1:]:
+                g.replay()
+                ev.record()
+            events[-1].synchronize()
+            ms = min(a.elapsed_time(b) for a, b in zip(events, events[1:]))
+            if not keep_graph(shape, ms, larger.get(shape.decode)):
+                pruned.append(shape)  # its memory stays in the shared pool: small
+                continue
+            larger[shape.decode] = ms
             self.graphs[shape] = g
             self.outputs[shape] = out
         torch.cuda.synchronize(self.device)
@@ -240,7 +244,7 @@ class CudaGraphRunner:
         self.chunk_sizes = [t for t in self.chunk_sizes
                             if GraphShape(min(t, self.max_num_seqs), t, False) not in pruned]
         if pruned:
-            logger.info("not captured (a forward slower than the next larger graph's): "
+            logger.info("dropped graphs (a replay slower than the next larger graph's): "
                         "decode batch sizes %s, chunk sizes %s",
                         ",".join(str(p.reqs) for p in pruned if p.decode) or "none",
                         ",".join(str(p.tokens) for p in pruned if not p.decode) or "none")
