@@ -5,7 +5,7 @@
 # attention), W4, W1-small, and a per-step kernel profile of W1 under the throughput
 # policy (PDL off, so kernel durations exclude PDL waits).  Results under $OUT.
 # Usage (on the GPU machine, repo root; .whl carried): bash benchmarks/policy_suite.sh
-# SKIP_TESTS=1 skips the correctness part; TEST_K picks the attention tests (-k);
+# SKIP_TESTS=1 skips the correctness part; GPU_CHECK=1 adds benchmarks/gpu_check.py; TEST_K picks the attention tests (-k);
 # TWO_LAUNCH_AB=1 runs the second throughput-policy W1 with the two-launch attention.
 set -uo pipefail
 source benchmarks/device_env.sh
@@ -16,6 +16,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     -p no:cacheprovider -k "${TEST_K:-not test_gpu_grid}"
   step timeout 150 python -m pytest tests/e2e/test_cuda_graphs.py -q -rf -p no:cacheprovider
 fi
+[ -n "${GPU_CHECK:-}" ] && step timeout 150 python benchmarks/gpu_check.py
 W1="python -m pagedllm bench throughput --workload W1 --dummy llama3-8b --no-hf"
 step $W1 --scheduling-policy fcfs --output-json "$OUT/w1_fcfs.json"
 step $W1 --scheduling-policy throughput --output-json "$OUT/w1_throughput.json"
