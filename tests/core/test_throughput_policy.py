@@ -92,10 +92,11 @@ class _LightRunner:
         return ModelRunnerOutput(list(so.num_scheduled_tokens), toks)
 
 
-def _w1_like(policy: str, seed: int):
+def _w1_like(policy: str, seed: int, step_sizes: tuple[int, ...] = ()):
     rng = random.Random(seed)
     s = make_scheduler(num_blocks=64 * 1600 // 16 + 1, block_size=16, budget=8192,
                        max_seqs=64, policy=policy, max_model_len=2048)
+    s._step_sizes = list(step_sizes)  # as Scheduler(..., padded_step_sizes=...) sets it
     max_tokens = {}
     for i in range(64):
         plen, olen = rng.randint(128, 1024), rng.randint(32, 512)
@@ -123,6 +124,33 @@ def test_w1_mix_longest_first_paced_prefill_no_longer_run(seed):
     # than FCFS needs.
     assert len(steps) <= max(max_tokens.values()) + 2
     assert len(steps) <= len(fcfs_steps) + 2
+
+
+# The chunk-graph sizes the engine captures by default (worker/cuda_graphs.py).
+_SIZES = (8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
+          1280, 1536, 1792, 2048)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_paced_steps_fill_the_graph_sizes_and_pace_running_chunks(seed):
+    """With the runner's chunk-graph sizes known, a step that takes prompt tokens while
+    requests wait is filled up to a graph size (the padding it would compute anyway
+    does work), and a prompt cut into chunks is finished at the pace too, not in the
+    next step whatever its size: no step after the first is far above the pace."""
+    steps, max_tokens = _w1_like("throughput", seed, _SIZES)
+    plain, _ = _w1_like("throughput", seed)
+    waiting_left = [i for i, so in enumerate(steps) if so.new_reqs]
+    last_admission = max(waiting_left)
+    for so in steps[:last_admission]:
+        prompt = sum(n for n in so.num_scheduled_tokens.values() if n > 1)
+        if prompt:
+            assert so.total_num_scheduled_tokens in _SIZES, so.total_num_scheduled_tokens
+    # 64 requests of ~576 prompt tokens over ~480 steps: ~80 prompt tokens a step, so
+    # after the opening steps every step stays within a few graph sizes of that while
+    # requests wait (the last admitted prompt's rest is not paced: nothing waits then).
+    assert max(so.total_num_scheduled_tokens for so in steps[3:last_admission]) <= 512
+    assert len(steps) <= max(max_tokens.values()) + 2
+    assert len(steps) <= len(plain) + 2
 
 
 def test_preemption_under_throughput_gives_fcfs_outputs():
