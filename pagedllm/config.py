@@ -79,7 +79,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     # "throughput": offline batches; longest max_tokens first, prefill paced over the
-    # decode horizon (core/scheduler.py, Scheduler._prefill_allowance).
+    # decode horizon (core/scheduler.py, Scheduler._prefill_cap).
     policy: Literal["fcfs", "priority", "throughput"] = "fcfs"
     # How a preempted request gives back its blocks: drop and recompute them later, or
     # copy them to CPU swap space and back.
