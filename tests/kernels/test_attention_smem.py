@@ -67,16 +67,23 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_plans_compile_for_sm90_within_shared_memory(tmp_path) -> None:
+def _compile(script: str, cases: list, tmp_path) -> list[dict]:
+    """Run ``script`` (which prints a JSON list, one entry per case) in a subprocess
+    without the interpreter, with an empty Triton cache (a real compile, not a hit)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a real compile, not a cache hit
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(CASES)], env=env,
+    res = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     results = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(results) == len(CASES)
+    assert len(results) == len(cases)
+    return results
+
+
+def test_plans_compile_for_sm90_within_shared_memory(tmp_path) -> None:
+    results = _compile(_SCRIPT, CASES, tmp_path)
     for r in results:
         assert 0 < r["shared"] <= SM90_MAX_SHARED, r
 
@@ -120,14 +127,5 @@ def test_mixed_kernel_compiles_for_sm90_within_shared_memory(tmp_path) -> None:
     buffers share shared memory (the Llama-3-8B shape needs 69 KB, about the decode
     plan's alone), so it fits as either plan does."""
     cases = [("llama", 128, 32, 8), ("smollm", 64, 9, 3), ("head_dim 256", 256, 16, 8)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _MIXED_SCRIPT, json.dumps(cases)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    results = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(results) == len(cases)
-    for r in results:
+    for r in _compile(_MIXED_SCRIPT, cases, tmp_path):
         assert 0 < r["shared"] <= 100 * 1024, r
