@@ -13,8 +13,8 @@ a prompt (chunked prefill), or one token (decode).  The scheduler grants them in
 ```
 
 The throughput policy (offline batches) changes two things only: the waiting order
-(longest ``max_tokens`` first) and how much of the budget the waiting requests may use
-(prefill paced over the decode horizon: ``Scheduler._prefill_cap``).
+(longest ``max_tokens`` first) and how many prompt tokens a step may compute while
+requests wait (prefill paced over the decode horizon: ``Scheduler._prefill_cap``).
 
 A prompt longer than the remaining budget is cut into a chunk; the rest comes next step,
 mixed with other requests' decode tokens.  Work per step is O(number of requests): no
@@ -457,11 +457,13 @@ class Scheduler:
         tokens must start decoding by step ``L - o``.  The rate is the smallest even
         prefill rate meeting every such deadline in queue (longest-first) order::
 
-            rate = max(P, max over j of (P + S_j) / max(1, L - o_j))
+            rate = max(P / max(1, L - o_P), max over j of (P + S_j) / max(1, L - o_j))
 
         with ``P`` the prompt tokens of running requests still to compute (unfinished
-        chunks, which go first) and ``S_j`` the tokens of the first ``j`` waiting
-        requests (the first 512 only, to bound the per-step cost).  When every request
+        chunks, which go first; ``o_P`` the longest remaining output among them, so they
+        too finish by their deadline rather than in the next step whatever their size)
+        and ``S_j`` the tokens of the first ``j`` waiting requests (the first 512 only,
+        to bound the per-step cost).  When every request
         has the same ``max_tokens`` the first deadline is step 0 and the rule is
         "prefill everything now", as under FCFS.
 
