@@ -24,9 +24,10 @@ import argparse
 import bisect
 import json
 
+from scheduler_cost import _NullRunner  # benchmarks/, on sys.path when run as a script
+
 from pagedllm.benchmarks.workloads import w1
 from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
@@ -61,22 +62,6 @@ def decode_att_ms(batch: int, ctx_tokens: int) -> float:
     return ctx_tokens * _KV_BYTES_PER_TOKEN / (bw * 1e12) * 1e3
 
 
-class _NullRunner:
-    def __init__(self) -> None:
-        self.left: dict[str, int] = {}
-
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        for nr in so.new_reqs:
-            self.left[nr.req_id] = len(nr.prompt_token_ids) - nr.num_computed_tokens
-        ids = list(so.num_scheduled_tokens)
-        return ModelRunnerOutput(ids, [[7] if self._take(r, n) else []
-                                       for r, n in so.num_scheduled_tokens.items()])
-
-    def _take(self, rid: str, n: int) -> bool:
-        self.left[rid] -= n
-        return self.left[rid] <= 0
-
-
 def simulate(policy: str, budget: int = 8192, num_prompts: int = 256,
              fill: bool = True) -> list[dict]:
     """W1's steps under ``policy``; ``fill``: the scheduler knows the chunk-graph sizes
@@ -99,7 +84,6 @@ def simulate(policy: str, budget: int = 8192, num_prompts: int = 256,
         so = s.schedule()
         reqs_by_id = s.requests
         dec = ctx = pairs = pre = 0
-        sampled = 0
         for rid, n in so.num_scheduled_tokens.items():
             r = reqs_by_id[rid]
             end = r.num_computed_tokens  # already advanced by schedule()
@@ -137,9 +121,10 @@ def padded(st: dict) -> int:
 
 
 def price(st: dict) -> dict[str, float]:
-    g = gemm_ms(padded(st), st["sampled"])
+    rows = padded(st)
+    g = gemm_ms(rows, st["sampled"])
     a = decode_att_ms(st["decodes"], st["ctx"]) + st["pairs"] * _PREFILL_NS_PER_PAIR * 1e-6
-    other = 0.3 + 1.3e-3 * padded(st)
+    other = 0.3 + 1.3e-3 * rows
     return dict(gemm=g, attention=a, other=other, idle=0.3)
 
 
