@@ -63,9 +63,11 @@ def decode_att_ms(batch: int, ctx_tokens: int) -> float:
 
 
 def simulate(policy: str, budget: int = 8192, num_prompts: int = 256,
-             fill: bool = True) -> list[dict]:
+             fill: bool = True, batches: bool = False) -> list[dict]:
     """W1's steps under ``policy``; ``fill``: the scheduler knows the chunk-graph sizes
-    (as the engine tells it with CUDA graphs on)."""
+    (as the engine tells it with CUDA graphs on).  ``batches``: each step also lists its
+    requests as ``[query_len, seq_len]`` pairs in the scheduler's order (what attention
+    sees; ``mixed_attn_ab.py`` replays them)."""
     reqs = w1(num_prompts)
     max_len = 8192
     s = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=budget,
@@ -84,9 +86,11 @@ def simulate(policy: str, budget: int = 8192, num_prompts: int = 256,
         so = s.schedule()
         reqs_by_id = s.requests
         dec = ctx = pairs = pre = 0
+        batch = []
         for rid, n in so.num_scheduled_tokens.items():
             r = reqs_by_id[rid]
             end = r.num_computed_tokens  # already advanced by schedule()
+            batch.append([n, end])
             if n == 1 and end > r.num_prompt_tokens:
                 dec += 1
                 ctx += end
@@ -100,6 +104,8 @@ def simulate(policy: str, budget: int = 8192, num_prompts: int = 256,
         if tokens:
             steps.append(dict(tokens=tokens, decodes=dec, prefill=pre, ctx=ctx, pairs=pairs,
                               sampled=sampled))
+            if batches:
+                steps[-1]["batch"] = batch
         prev, inflight = inflight, (so, mo)
         if prev is not None:
             s.update_from_output(*prev)

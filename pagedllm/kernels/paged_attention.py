@@ -541,11 +541,12 @@ def paged_attention(
 def _mixed_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int,
                   scale: float, out: torch.Tensor, pre: AttentionLaunch,
-                  dec: AttentionLaunch) -> None:
+                  dec: AttentionLaunch, maxnreg: int | None = None) -> None:
     """A mixed batch's one launch: prompt programs with plan ``pre``, then decode
     programs with plan ``dec`` (neither splits).  The prompt part has the upper-bound
     count of query tiles ``num_tokens // block_q + num_reqs``, the decode part one
-    program per request (host ints only)."""
+    program per request (host ints only).  ``maxnreg`` caps registers per thread (for
+    tuning runs: more programs per multiprocessor)."""
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     gqa = num_heads // num_kv_heads
@@ -565,7 +566,8 @@ def _mixed_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         D_TILE_N=dec.tile_n, D_STAGES=dec.num_stages,
         F32_DOT=_interpreting() or query.dtype == torch.float32,
         WHILE_LOOP=_interpreting(), num_warps=max(pre.num_warps, dec.num_warps),
-        num_stages=max(pre.num_stages, dec.num_stages), **pdl_launch_args(query.device))
+        num_stages=max(pre.num_stages, dec.num_stages),
+        **({} if maxnreg is None else {"maxnreg": maxnreg}), **pdl_launch_args(query.device))
 
 
 def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
