@@ -35,9 +35,12 @@ def _plans(num_reqs: int, mql: int) -> tuple[pa.AttentionLaunch, pa.AttentionLau
                                    num_splits=1, head_dim=DIM) for m in (1, mql))
 
 
-def variants() -> dict[str, tuple[bool, Callable]]:
-    """name -> (sort the batch longest context first, launch(q, cache, tables, sl, qsl,
-    num_reqs, mql, out))."""
+def variants() -> dict[str, tuple[bool, bool, Callable]]:
+    """name -> (sort the batch longest context first, head-major cache, launch(q, cache,
+    tables, sl, qsl, num_reqs, mql, out)).  A head-major cache holds each block's
+    positions of one KV head contiguously (physically ``[2, blocks, kv_heads,
+    block_size, dim]``) behind the usual ``[2, blocks, block_size, kv_heads, dim]``
+    view: the kernels address the cache through its strides."""
 
     def mixed(dec_tile: int | None = None, warps: int | None = None,
               maxnreg: int | None = None, pre_tile: int | None = None,
@@ -63,14 +66,17 @@ def variants() -> dict[str, tuple[bool, Callable]]:
             pa._launch(q, cache, tables, sl, qsl, n, DIM ** -0.5, out, plan, q_filter)
         return run
 
-    out: dict[str, tuple[bool, Callable]] = {
-        "current": (False, mixed()), "two launches": (False, two),
-        "decodes alone": (False, alone(1)), "prompt chunks alone": (False, alone(2))}
-    out["current, sorted"] = (True, mixed())
-    out["prompt TILE_N 64, sorted"] = (True, mixed(pre_tile=64))
-    out["prompt 3 stages, sorted"] = (True, mixed(pre_stages=3))
-    out["decode 2 stages, sorted"] = (True, mixed(dec_stages=2))
-    out["prompt 64/3 stages, sorted"] = (True, mixed(pre_tile=64, pre_stages=3))
+    out: dict[str, tuple[bool, bool, Callable]] = {
+        "current": (False, False, mixed()), "two launches": (False, False, two),
+        "decodes alone": (False, False, alone(1)),
+        "prompt chunks alone": (False, False, alone(2))}
+    for hm in (False, True):
+        tag = ", head-major" if hm else ""
+        out["sorted" + tag] = (True, hm, mixed())
+        out["sorted, prompt 64/3 stages" + tag] = (True, hm, mixed(pre_tile=64, pre_stages=3))
+        out["sorted, prompt TILE_N 64" + tag] = (True, hm, mixed(pre_tile=64))
+    out["decodes alone, sorted, head-major"] = (True, True, alone(1))
+    out["prompt chunks alone, head-major"] = (False, True, alone(2))
     return out
 
 
@@ -85,6 +91,9 @@ def main() -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     max_ctx = max(sum(math.ceil(b[1] / BS) for b in s["batch"]) for s in sample)
     cache = torch.randn(2, max_ctx + 64, BS, KV_HEADS, DIM, device=dev, dtype=dt)
+    # The same values, laid out head-major (see variants()).
+    caches = {False: cache,
+              True: cache.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)}
     vs = variants()
     total = {k: 0.0 for k in vs}
     err = {k: 0.0 for k in vs}
@@ -108,14 +117,15 @@ def main() -> None:
             is_dec = torch.tensor([ql == 1 for ql in q_lens for _ in range(ql)], device=dev)
             kv_bytes += sum(b[1] for b in batch) * KV_HEADS * DIM * 2 * 2 if srt else 0
             ref = torch.empty_like(q)
-            vs["current"][1](q, cache, tables, sl, qsl, n, max(q_lens), ref)
-            for name, (want_sorted, fn) in vs.items():
+            vs["current"][2](q, cache, tables, sl, qsl, n, max(q_lens), ref)
+            for name, (want_sorted, hm, fn) in vs.items():
                 if want_sorted != srt:
                     continue
                 o = torch.full_like(q, float("nan"))  # poison: unwritten rows show
-                args = (q, cache, tables, sl, qsl, n, max(q_lens), o)
+                args = (q, caches[hm], tables, sl, qsl, n, max(q_lens), o)
                 fn(*args)
-                rows = {"decodes alone": is_dec, "prompt chunks alone": ~is_dec}.get(name)
+                rows = (is_dec if name.startswith("decodes alone") else
+                        ~is_dec if name.startswith("prompt chunks alone") else None)
                 d = (o.float() - ref.float()).abs()
                 d = d if rows is None else d[rows]
                 if d.numel():
