@@ -15,7 +15,6 @@ whatever the number of blocks: no Python loop over blocks.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -81,30 +80,3 @@ def allocate_swap_space(num_blocks: int, like: torch.Tensor,
     shape = (2, num_blocks, *like.shape[2:])
     pin = like.device.type == "cuda"
     return [torch.zeros(shape, dtype=like.dtype, pin_memory=pin) for _ in range(num_layers)]
-
-
-def kv_head_major(device: torch.device) -> bool:
-    """Whether ``allocate_kv_cache`` lays the cache out head-major on ``device``: on CUDA
-    unless ``PAGEDLLM_KV_LAYOUT=token`` (the CPU reference backend views the cache as
-    contiguous, so it keeps the plain layout)."""
-    return device.type == "cuda" and os.environ.get("PAGEDLLM_KV_LAYOUT", "head") != "token"
-
-
-def allocate_kv_cache(shape: tuple[int, int, int, int, int], dtype: torch.dtype,
-                      device: torch.device) -> torch.Tensor:
-    """One layer's zeroed KV tensor, always *indexed* ``[2, num_blocks, block_size,
-    num_kv_heads, head_dim]`` (the contract of ``attention/metadata.py``).
-
-    Head-major (``kv_head_major``): stored as ``[2, num_blocks, num_kv_heads,
-    block_size, head_dim]`` behind a permuted view, so one KV head's positions of a
-    block are one contiguous run (4 KB at block size 16, head size 128) rather than
-    256-byte rows 2 KB apart.  Attention reads a block per KV head, so it streams
-    contiguous memory; the GPU kernels address the cache only through its strides.
-    Zeroed, not empty: attention gathers whole blocks and masks the tail, and garbage
-    NaNs would survive a zero attention weight.
-    """
-    if not kv_head_major(device):
-        return torch.zeros(shape, dtype=dtype, device=device)
-    two, blocks, block_size, heads, dim = shape
-    return torch.zeros((two, blocks, heads, block_size, dim), dtype=dtype,
-                       device=device).permute(0, 1, 3, 2, 4)

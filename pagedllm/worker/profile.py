@@ -16,7 +16,6 @@ import torch
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.block_ops import allocate_kv_cache
 from pagedllm.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
@@ -52,7 +51,7 @@ def profile_run(worker: Worker) -> int:
     blocks_per_req = int(-(-per.max() // bs))
     num_blocks = reqs * blocks_per_req + 1
     shape = (2, num_blocks, bs, mc.num_kv_heads, mc.head_dim)
-    caches = [allocate_kv_cache(shape, worker.dtype, dev) for _ in range(mc.num_layers)]
+    caches = [torch.zeros(shape, dtype=worker.dtype, device=dev) for _ in range(mc.num_layers)]
     worker.model.bind_kv_caches(caches)
     batch = InputBatch(reqs, int(per.max()) + 1, bs)
     rng = np.random.default_rng(0)

@@ -17,7 +17,7 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.models.loader import load_model
-from pagedllm.worker.block_ops import BlockOps, allocate_kv_cache, allocate_swap_space
+from pagedllm.worker.block_ops import BlockOps, allocate_swap_space
 from pagedllm.worker.cuda_graphs import (
     GRAPH_MEMORY_MARGIN,
     chunk_capture_sizes,
@@ -139,7 +139,9 @@ class Worker:
         mc, cc = self.config.model_config, self.config.cache_config
         self.config = self.config.with_num_blocks(num_blocks)
         shape = (2, num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_caches = [allocate_kv_cache(shape, self.dtype, self.device)
+        # Zeroed, not empty: attention gathers whole blocks and masks the tail, and
+        # garbage NaNs would survive a zero attention weight.
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(mc.num_layers)]
         self.model.bind_kv_caches(self.kv_caches)
         if self.config.scheduler_config.preemption_mode == "swap":
