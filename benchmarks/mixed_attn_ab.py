@@ -29,10 +29,14 @@ from pagedllm.kernels import paged_attention as pa
 HEADS, KV_HEADS, DIM, BS, LAYERS = 32, 8, 128, 16, 32
 
 
-def _plans(num_reqs: int, mql: int) -> tuple[pa.AttentionLaunch, pa.AttentionLaunch]:
+def _plans(num_reqs: int, mql: int, beside_decodes: bool = True,
+           ) -> tuple[pa.AttentionLaunch, pa.AttentionLaunch]:
+    """The decode and prompt plans ``paged_attention`` picks for a mixed batch (with
+    ``beside_decodes=False``: the prompt plan of a separate launch)."""
     return tuple(pa.plan_attention(num_reqs=num_reqs, max_query_len=m, num_heads=HEADS,
                                    num_kv_heads=KV_HEADS, block_size=BS, sm_count=132,
-                                   num_splits=1, head_dim=DIM) for m in (1, mql))
+                                   num_splits=1, head_dim=DIM,
+                                   beside_decodes=beside_decodes) for m in (1, mql))
 
 
 def variants() -> dict[str, tuple[bool, bool, Callable]]:
@@ -56,13 +60,13 @@ def variants() -> dict[str, tuple[bool, bool, Callable]]:
         return run
 
     def two(q, cache, tables, sl, qsl, n, mql, out):
-        dec, pre = _plans(n, mql)
+        dec, pre = _plans(n, mql, beside_decodes=False)
         for f, plan in ((1, dec), (2, pre)):
             pa._launch(q, cache, tables, sl, qsl, n, DIM ** -0.5, out, plan, f)
 
     def alone(q_filter: int) -> Callable:
         def run(q, cache, tables, sl, qsl, n, mql, out):
-            plan = _plans(n, mql)[q_filter - 1]
+            plan = _plans(n, mql, beside_decodes=False)[q_filter - 1]
             pa._launch(q, cache, tables, sl, qsl, n, DIM ** -0.5, out, plan, q_filter)
         return run
 
@@ -70,13 +74,11 @@ def variants() -> dict[str, tuple[bool, bool, Callable]]:
         "current": (False, False, mixed()), "two launches": (False, False, two),
         "decodes alone": (False, False, alone(1)),
         "prompt chunks alone": (False, False, alone(2))}
-    for hm in (False, True):
-        tag = ", head-major" if hm else ""
-        out["sorted" + tag] = (True, hm, mixed())
-        out["sorted, prompt 64/3 stages" + tag] = (True, hm, mixed(pre_tile=64, pre_stages=3))
-        out["sorted, prompt TILE_N 64" + tag] = (True, hm, mixed(pre_tile=64))
+    out["sorted"] = (True, False, mixed())
+    out["sorted, prompt TILE_N 32, 2 stages"] = (True, False, mixed(pre_tile=32, pre_stages=2))
+    out["sorted, head-major"] = (True, True, mixed())
+    out["decodes alone, sorted"] = (True, False, alone(1))
     out["decodes alone, sorted, head-major"] = (True, True, alone(1))
-    out["prompt chunks alone, head-major"] = (False, True, alone(2))
     return out
 
 

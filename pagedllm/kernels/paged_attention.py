@@ -404,7 +404,7 @@ def device_sm_count(device: torch.device) -> int:
 def plan_attention(
     *, num_reqs: int, max_query_len: int, num_heads: int, num_kv_heads: int,
     block_size: int, sm_count: int, num_splits: int | None = None,
-    max_seq_len: int | None = None, head_dim: int = 128,
+    max_seq_len: int | None = None, head_dim: int = 128, beside_decodes: bool = False,
 ) -> AttentionLaunch:
     """Choose tile shapes and the split count from host ints only.
 
@@ -422,6 +422,8 @@ def plan_attention(
     ``max_seq_len``, when given, turns splitting off for short contexts (<= 4 tiles of
     work per program), which is only safe outside CUDA graphs.  ``head_dim``: the long
     unsplit decode tiles are used only at head sizes they were measured at (<= 128).
+    ``beside_decodes``: the plan of the prompt chunks of a mixed batch, whose programs
+    share ``_mixed_attn_kernel``'s launch with the decodes.
     Every plan compiles for sm_90 within its shared memory (tests/kernels/
     test_attention_smem.py: 68 KB for the unsplit Llama-3-8B decode plan).
     """
@@ -462,6 +464,14 @@ def plan_attention(
         # TILE_N 32 for prompt chunks: W1's first step (13 prompts, 8,192 tokens) took
         # 234 us per layer against 274 us with 64 (attn_tune --w1).
         tile_n = max(32, block_size)
+        if beside_decodes and head_dim <= 128:
+            # Beside decodes, a step's few hundred prompt tokens make about one wave of
+            # long programs, each a chain of dependent tiles: longer, deeper-pipelined
+            # tiles shorten the chains.  W1's mixed steps (throughput policy, replayed by
+            # benchmarks/mixed_attn_ab.py on an H200, 2026-12-01): 1.98 s of attention
+            # against 2.01 s with TILE_N 32 and 2 stages (and 2.02 against 2.07 in an
+            # earlier lease).  Shared memory stays within the decode plan's (82 KB).
+            tile_n, num_stages = max(64, block_size), 3
     num_warps = 4
     block_q = max(1, block_m // gqa)
     return AttentionLaunch(block_m=block_m, block_q=block_q, tile_n=tile_n,
@@ -517,7 +527,8 @@ def paged_attention(
         sms = device_sm_count(query.device)
         dec, pre = (plan_attention(num_reqs=num_reqs, max_query_len=mql, num_heads=num_heads,
                                    num_kv_heads=num_kv_heads, block_size=block_size,
-                                   sm_count=sms, num_splits=1, head_dim=head_dim)
+                                   sm_count=sms, num_splits=1, head_dim=head_dim,
+                                   beside_decodes=not _TWO_LAUNCHES)
                     for mql in (1, max_query_len))
         if _TWO_LAUNCHES:
             for q_filter, plan in ((1, dec), (2, pre)):

@@ -99,7 +99,8 @@ _MIXED_SCRIPT = textwrap.dedent("""
     for name, d, h, kvh in json.loads(sys.argv[1]):
         dec, pre = (plan_attention(num_reqs=200, max_query_len=mql, num_heads=h,
                                    num_kv_heads=kvh, block_size=16, sm_count=132,
-                                   num_splits=1, head_dim=d) for mql in (1, 512))
+                                   num_splits=1, head_dim=d, beside_decodes=True)
+                    for mql in (1, 512))
         sig = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
                "out_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
                "qsl_ptr": "*i32", "scale_log2": "fp32"}
@@ -124,8 +125,8 @@ _MIXED_SCRIPT = textwrap.dedent("""
 
 def test_mixed_kernel_compiles_for_sm90_within_shared_memory(tmp_path) -> None:
     """The one-launch mixed-batch kernel holds both plans' programs: its two KV loops'
-    buffers share shared memory (the Llama-3-8B shape needs 69 KB, about the decode
-    plan's alone), so it fits as either plan does."""
+    buffers share shared memory (the Llama-3-8B shape needs 82 KB, little more than the
+    decode plan's 74 KB alone), so two programs still fit on a multiprocessor."""
     cases = [("llama", 128, 32, 8), ("smollm", 64, 9, 3), ("head_dim 256", 256, 16, 8)]
     for r in _compile(_MIXED_SCRIPT, cases, tmp_path):
         assert 0 < r["shared"] <= 100 * 1024, r
