@@ -423,7 +423,7 @@ def plan_attention(
     work per program), which is only safe outside CUDA graphs.  ``head_dim``: the long
     unsplit decode tiles are used only at head sizes they were measured at (<= 128).
     ``beside_decodes``: the plan of the prompt chunks of a mixed batch, whose programs
-    share ``_mixed_attn_kernel``'s launch with the decodes.
+    share ``_mixed_attn_kernel``'s launch with the decodes (head size 128: longer tiles).
     Every plan compiles for sm_90 within its shared memory (tests/kernels/
     test_attention_smem.py: 68 KB for the unsplit Llama-3-8B decode plan).
     """
@@ -464,13 +464,15 @@ def plan_attention(
         # TILE_N 32 for prompt chunks: W1's first step (13 prompts, 8,192 tokens) took
         # 234 us per layer against 274 us with 64 (attn_tune --w1).
         tile_n = max(32, block_size)
-        if beside_decodes and head_dim <= 128:
+        if beside_decodes and head_dim == 128:
             # Beside decodes, a step's few hundred prompt tokens make about one wave of
             # long programs, each a chain of dependent tiles: longer, deeper-pipelined
             # tiles shorten the chains.  W1's mixed steps (throughput policy, replayed by
-            # benchmarks/mixed_attn_ab.py on an H200, 2026-12-01): 1.98 s of attention
-            # against 2.01 s with TILE_N 32 and 2 stages (and 2.02 against 2.07 in an
-            # earlier lease).  Shared memory stays within the decode plan's (82 KB).
+            # benchmarks/mixed_attn_ab.py on an H200, 2026-12-01, three leases): 2.02,
+            # 1.98 and 2.03 s of attention against 2.07, 2.01 and 2.06 s with TILE_N 32
+            # and 2 stages.  Shared memory stays near the decode plan's (82 KB against
+            # 74 KB: still two programs per multiprocessor).  Other head sizes keep the
+            # plan above (not measured).
             tile_n, num_stages = max(64, block_size), 3
     num_warps = 4
     block_q = max(1, block_m // gqa)

@@ -7,7 +7,6 @@ bottom; the only device->host sync is the wait in ``_finish`` (one per step).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,13 +127,6 @@ class ModelRunner:
         self._prompt_lp_ids: set[str] = set()
         # Swap and copy-on-write moves on the KV tensors (set by the worker).
         self.block_ops: BlockOps | None = None
-        # Lay each step's requests out longest context first on the GPU: the attention
-        # kernel runs one decode program per request in that order, so the long ones
-        # start first and do not trail the launch (3% of W1's mixed-step attention on
-        # an H200, benchmarks/mixed_attn_ab.py).  PAGEDLLM_SORT_BATCH=0 keeps the
-        # scheduler's order (A/B runs).
-        self.sort_batch = (device.type == "cuda"
-                           and os.environ.get("PAGEDLLM_SORT_BATCH", "1") != "0")
 
     @staticmethod
     def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -272,12 +264,6 @@ class ModelRunner:
         rows = np.fromiter((self.batch.row_of[r] for r in order), np.int64, len(order))
         num_new = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, len(order))
         num_computed = np.fromiter((computed[r] for r in order), np.int64, len(order))
-        if self.sort_batch and len(order) > 1:
-            # Every per-step array below follows ``order``, and the outputs carry their
-            # request ids, so any order is as correct as the scheduler's.
-            perm = np.argsort(-(num_computed + num_new), kind="stable")
-            order = [order[i] for i in perm]
-            rows, num_new, num_computed = rows[perm], num_new[perm], num_computed[perm]
         inp = self.batch.prepare(rows, num_computed, num_new)
         pending, fix = self._pending_fix(order, inp)
         hidden = self._forward(inp, fix)
