@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import triton
@@ -53,13 +54,16 @@ def variants() -> dict[str, tuple[bool, bool, Callable]]:
 
     def mixed(dec_tile: int | None = None, warps: int | None = None,
               maxnreg: int | None = None, pre_tile: int | None = None,
-              pre_stages: int | None = None, dec_stages: int | None = None) -> Callable:
+              pre_stages: int | None = None, dec_stages: int | None = None,
+              table: int | None = None) -> Callable:
         def run(q, cache, tables, sl, qsl, n, mql, out):
             dec, pre = _plans(n, mql)
-            dec = pa.AttentionLaunch(dec.block_m, dec.block_q, dec_tile or dec.tile_n, 1,
-                                     warps or dec.num_warps, dec_stages or dec.num_stages)
-            pre = pa.AttentionLaunch(pre.block_m, pre.block_q, pre_tile or pre.tile_n, 1,
-                                     pre.num_warps, pre_stages or pre.num_stages)
+            dec = replace(dec, tile_n=dec_tile or dec.tile_n,
+                          num_warps=warps or dec.num_warps,
+                          num_stages=dec_stages or dec.num_stages,
+                          table_chunk=dec.table_chunk if table is None else table)
+            pre = replace(pre, tile_n=pre_tile or pre.tile_n,
+                          num_stages=pre_stages or pre.num_stages)
             pa._mixed_launch(q, cache, tables, sl, qsl, n, DIM ** -0.5, out, pre, dec,
                              maxnreg=maxnreg)
         return run
@@ -69,9 +73,10 @@ def variants() -> dict[str, tuple[bool, bool, Callable]]:
         for f, plan in ((1, dec), (2, pre)):
             pa._launch(q, cache, tables, sl, qsl, n, DIM ** -0.5, out, plan, f)
 
-    def alone(q_filter: int) -> Callable:
+    def alone(q_filter: int, **plan_changes: int) -> Callable:
         def run(q, cache, tables, sl, qsl, n, mql, out):
-            plan = _plans(n, mql, beside_decodes=False)[q_filter - 1]
+            plan = replace(_plans(n, mql, beside_decodes=False)[q_filter - 1],
+                           **plan_changes)
             pa._launch(q, cache, tables, sl, qsl, n, DIM ** -0.5, out, plan, q_filter)
         return run
 
@@ -84,6 +89,13 @@ def variants() -> dict[str, tuple[bool, bool, Callable]]:
     out["sorted, head-major"] = (True, True, mixed())
     out["decodes alone, sorted"] = (True, False, alone(1))
     out["decodes alone, sorted, head-major"] = (True, True, alone(1))
+    # Block ids from registers (PAGEDLLM_ATTN_TABLE_CHUNK): 64-position tiles, 2 or 3
+    # in flight per program.
+    for st in (3, 4):
+        out[f"table chunks, decode 64 x {st} stages"] = (
+            False, False, mixed(dec_tile=64, dec_stages=st, table=64))
+        out[f"decodes alone, table chunks, 64 x {st} stages"] = (
+            False, False, alone(1, tile_n=64, num_stages=st, table_chunk=64))
     return out
 
 
