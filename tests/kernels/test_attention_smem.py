@@ -66,8 +66,13 @@ _BUILD = r"""
         os.unlink(f.name)
         spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", res.stderr))
         regs = max(int(x) for x in re.findall(r"Used (\d+) registers", res.stderr))
+        # Pipeline buffers: shared allocations of <stages>x<rows>x<cols>; the deepest
+        # (K or V) is how many KV tiles a program keeps in flight.
+        bufs = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x\d+x",
+                          k.asm["ttgir"])
         return {"shared": k.metadata.shared, "spill_stores": spills, "registers": regs,
-                "async_copies": k.asm["ttgir"].count("async_copy_global_to_local")}
+                "async_copies": k.asm["ttgir"].count("async_copy_global_to_local"),
+                "kv_buffers": max((int(b) for b in bufs), default=0)}
 """
 
 _SCRIPT = textwrap.dedent(_BUILD + """
@@ -101,11 +106,13 @@ _SCRIPT = textwrap.dedent(_BUILD + """
 """)
 
 
-def _compile(script: str, cases: list, tmp_path) -> list[dict]:
+def _compile(script: str, cases: list, tmp_path, table_chunk: int = 0) -> list[dict]:
     """Run ``script`` (which prints a JSON list, one entry per case) in a subprocess
-    without the interpreter, with an empty Triton cache (a real compile, not a hit)."""
+    without the interpreter, with an empty Triton cache (a real compile, not a hit);
+    ``table_chunk``: its ``PAGEDLLM_ATTN_TABLE_CHUNK``."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["PAGEDLLM_ATTN_TABLE_CHUNK"] = str(table_chunk)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], env=env,
@@ -163,4 +170,18 @@ def test_mixed_kernel_compiles_for_sm90_within_shared_memory(tmp_path) -> None:
     decode plan's 74 KB alone), so two programs still fit on a multiprocessor."""
     cases = [("llama", 128, 32, 8), ("smollm", 64, 9, 3), ("head_dim 256", 256, 16, 8)]
     for r in _compile(_MIXED_SCRIPT, cases, tmp_path):
+        _check(r, 100 * 1024)
+
+
+def test_block_table_chunk_plans_compile_two_deep(tmp_path) -> None:
+    """``PAGEDLLM_ATTN_TABLE_CHUNK=64``: the unsplit decode plans (alone and in the mixed
+    kernel) fit, do not spill, keep two KV tiles in flight (the default plan keeps one:
+    its block ids are an indirect load), and leave room for three decode programs per
+    multiprocessor (<= 168 registers, <= 75 KB)."""
+    dec = [c for c in CASES if c[0] in ("llama decode, unsplit", "smollm decode, unsplit")]
+    for r in _compile(_SCRIPT, dec, tmp_path, table_chunk=64):
+        assert "table_chunk=64" in r["plan"], r
+        _check(r, 75 * 1024)
+        assert r["registers"] <= 168 and r["kv_buffers"] == 2, r
+    for r in _compile(_MIXED_SCRIPT, [("llama", 128, 32, 8)], tmp_path / "m", table_chunk=64):
         _check(r, 100 * 1024)
