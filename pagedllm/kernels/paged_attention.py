@@ -128,6 +128,21 @@ def _attn_tile_blocks(
 
 
 @triton.jit
+def _attn_table_tile(
+    t, base, table, q, q_pos, m_i, l_i, acc, kv_end, kv_head_off, k_cache_ptr,
+    v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    """Tile ``t`` of the table chunk that starts at position ``base``: its block ids
+    are gathered from ``table`` (registers), not loaded."""
+    local = t * TILE_N + offs_n
+    return _attn_tile_blocks(
+        q, q_pos, m_i, l_i, acc, base + local, base + local < kv_end,
+        tl.gather(table, local // BLOCK_SIZE, 0), kv_head_off, k_cache_ptr, v_cache_ptr,
+        stride_cb, stride_cs, scale_log2, dims, dim_ok, BLOCK_SIZE, F32_DOT)
+
+
+@triton.jit
 def _attn_table_chunks(
     q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr, v_cache_ptr,
     stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
@@ -151,32 +166,26 @@ def _attn_table_chunks(
                         other=0).to(tl.int64)
         n = tl.minimum(num_tiles - c * CHUNK_TILES, CHUNK_TILES)
         base = first * BLOCK_SIZE
-        if WHILE_LOOP:  # the interpreter (see _attn_program)
+        if WHILE_LOOP:  # the interpreter (see _attn_tiles)
             t = 0
             while t < n:
-                local = t * TILE_N + offs_n
-                m_i, l_i, acc = _attn_tile_blocks(
-                    q, q_pos, m_i, l_i, acc, base + local, base + local < kv_end,
-                    tl.gather(table, local // BLOCK_SIZE, 0), kv_head_off, k_cache_ptr,
-                    v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok,
-                    BLOCK_SIZE, F32_DOT)
+                m_i, l_i, acc = _attn_table_tile(
+                    t, base, table, q, q_pos, m_i, l_i, acc, kv_end, kv_head_off,
+                    k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, scale_log2, dims,
+                    dim_ok, offs_n, BLOCK_SIZE, TILE_N, F32_DOT)
                 t += 1
         elif LOOP_STAGES > 0:
             for t in tl.range(0, n, num_stages=LOOP_STAGES):
-                local = t * TILE_N + offs_n
-                m_i, l_i, acc = _attn_tile_blocks(
-                    q, q_pos, m_i, l_i, acc, base + local, base + local < kv_end,
-                    tl.gather(table, local // BLOCK_SIZE, 0), kv_head_off, k_cache_ptr,
-                    v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok,
-                    BLOCK_SIZE, F32_DOT)
+                m_i, l_i, acc = _attn_table_tile(
+                    t, base, table, q, q_pos, m_i, l_i, acc, kv_end, kv_head_off,
+                    k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, scale_log2, dims,
+                    dim_ok, offs_n, BLOCK_SIZE, TILE_N, F32_DOT)
         else:
             for t in range(0, n):
-                local = t * TILE_N + offs_n
-                m_i, l_i, acc = _attn_tile_blocks(
-                    q, q_pos, m_i, l_i, acc, base + local, base + local < kv_end,
-                    tl.gather(table, local // BLOCK_SIZE, 0), kv_head_off, k_cache_ptr,
-                    v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok,
-                    BLOCK_SIZE, F32_DOT)
+                m_i, l_i, acc = _attn_table_tile(
+                    t, base, table, q, q_pos, m_i, l_i, acc, kv_end, kv_head_off,
+                    k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, scale_log2, dims,
+                    dim_ok, offs_n, BLOCK_SIZE, TILE_N, F32_DOT)
         c += 1
     return m_i, l_i, acc
 
@@ -520,8 +529,8 @@ def plan_attention(
     unsplit decode tiles are used only at head sizes they were measured at (<= 128).
     ``beside_decodes``: the plan of the prompt chunks of a mixed batch, whose programs
     share ``_mixed_attn_kernel``'s launch with the decodes (head size 128: longer tiles).
-    Every plan compiles for sm_90 within its shared memory (tests/kernels/
-    test_attention_smem.py: 68 KB for the unsplit Llama-3-8B decode plan).
+    Every plan compiles for sm_90 within its shared memory, without register spills
+    (tests/kernels/test_attention_smem.py: 73 KB for the unsplit Llama-3-8B decode plan).
     """
     gqa = num_heads // num_kv_heads
     decode = max_query_len <= 1
@@ -556,7 +565,7 @@ def plan_attention(
             num_stages = 3
             if head_dim > 128:  # not measured at larger heads: keep the split tiles
                 tile_n, num_stages = split_tile_n, 2
-            elif _TABLE_CHUNK > 0 and _TABLE_CHUNK * block_size % 64 == 0:
+            elif _TABLE_CHUNK > 0 and _TABLE_CHUNK * block_size % max(64, block_size) == 0:
                 # Block ids from registers: two 64-position K/V tiles in flight per
                 # program in 72 KB of shared memory (PAGEDLLM_ATTN_TABLE_CHUNK).
                 tile_n, num_stages, table_chunk = max(64, block_size), 3, _TABLE_CHUNK
