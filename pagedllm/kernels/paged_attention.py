@@ -153,7 +153,8 @@ def _attn_table_chunks(
     entries at a time into registers (``TABLE_CHUNK`` > 0).  Each tile's block ids are
     then a register gather, not a load, so no load in the inner loop feeds another and
     Triton's pipeliner keeps ``num_stages - 1`` K/V tiles in flight; with a per-tile
-    block-id load it keeps one, whatever ``num_stages`` is (the loads are indirect).
+    block-id load it keeps one for decode programs (16-row ``mma.sync`` tiles, whose
+    operands go through registers), whatever ``num_stages`` is.
     ``CHUNK * BLOCK_SIZE`` must be a multiple of ``TILE_N``."""
     CHUNK_TILES: tl.constexpr = CHUNK * BLOCK_SIZE // TILE_N
     num_blocks = tl.cdiv(kv_end, BLOCK_SIZE)
