@@ -52,20 +52,17 @@ def variants() -> dict[str, tuple[bool, bool, Callable]]:
     block_size, dim]``) behind the usual ``[2, blocks, block_size, kv_heads, dim]``
     view: the kernels address the cache through its strides."""
 
-    def mixed(dec_tile: int | None = None, warps: int | None = None,
-              maxnreg: int | None = None, pre_tile: int | None = None,
+    def mixed(dec_tile: int | None = None, pre_tile: int | None = None,
               pre_stages: int | None = None, dec_stages: int | None = None,
               table: int | None = None) -> Callable:
         def run(q, cache, tables, sl, qsl, n, mql, out):
             dec, pre = _plans(n, mql)
             dec = replace(dec, tile_n=dec_tile or dec.tile_n,
-                          num_warps=warps or dec.num_warps,
                           num_stages=dec_stages or dec.num_stages,
                           table_chunk=dec.table_chunk if table is None else table)
             pre = replace(pre, tile_n=pre_tile or pre.tile_n,
                           num_stages=pre_stages or pre.num_stages)
-            pa._mixed_launch(q, cache, tables, sl, qsl, n, DIM ** -0.5, out, pre, dec,
-                             maxnreg=maxnreg)
+            pa._mixed_launch(q, cache, tables, sl, qsl, n, DIM ** -0.5, out, pre, dec)
         return run
 
     def two(q, cache, tables, sl, qsl, n, mql, out):

@@ -193,23 +193,13 @@ def _attn_table_chunks(
 
 @triton.jit
 def _attn_tiles(
-    tile_lo, tile_hi, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
+    first, tile_hi, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
     v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
-    kv_pos0, kv_ok0, block0,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, F32_DOT: tl.constexpr,
-    WHILE_LOOP: tl.constexpr, DECODE: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    WHILE_LOOP: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
-    """The KV loop over tiles ``[tile_lo, tile_hi)``, each tile's block ids loaded from
-    the block table; with ``DECODE`` the first tile's (``kv_pos0``, ``kv_ok0``,
-    ``block0``) were loaded before the PDL wait."""
-    first = tile_lo
-    if DECODE:  # the first tile, with its prefetched block ids
-        if tile_lo < tile_hi:
-            m_i, l_i, acc = _attn_tile_blocks(
-                q, q_pos, m_i, l_i, acc, kv_pos0, kv_ok0, block0, kv_head_off,
-                k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok,
-                BLOCK_SIZE, F32_DOT)
-        first = tile_lo + 1
+    """The KV loop over tiles ``[first, tile_hi)``, each tile's block ids loaded from
+    the block table."""
     if WHILE_LOOP:
         # The interpreter cannot use loaded scalars as range() bounds (numpy 2 refuses
         # int() of their shape-(1,) arrays); on the GPU the for-loop is kept because
@@ -326,9 +316,6 @@ def _attn_program(
     offs_n = tl.arange(0, TILE_N)
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
     kv_head_off = kv_head.to(tl.int64) * stride_ch
-    kv_pos0 = offs_n  # the first tile's positions and block ids, prefetched (DECODE)
-    kv_ok0 = offs_n < 0
-    block0 = offs_n.to(tl.int64)
     if DECODE and TABLE_CHUNK == 0:
         kv_pos0, kv_ok0, block0 = _tile_blocks(tile_lo, kv_end, bt_row, offs_n, BLOCK_SIZE,
                                                TILE_N)
@@ -347,11 +334,18 @@ def _attn_program(
             stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n, BLOCK_SIZE, TILE_N,
             TABLE_CHUNK, F32_DOT, WHILE_LOOP, LOOP_STAGES)
     else:
+        first = tile_lo
+        if DECODE:  # the first tile, with its prefetched block ids
+            if tile_lo < tile_hi:
+                m_i, l_i, acc = _attn_tile_blocks(
+                    q, q_pos, m_i, l_i, acc, kv_pos0, kv_ok0, block0, kv_head_off,
+                    k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, scale_log2, dims,
+                    dim_ok, BLOCK_SIZE, F32_DOT)
+            first = tile_lo + 1
         m_i, l_i, acc = _attn_tiles(
-            tile_lo, tile_hi, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off,
+            first, tile_hi, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off,
             k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
-            kv_pos0, kv_ok0, block0, BLOCK_SIZE, TILE_N, F32_DOT, WHILE_LOOP, DECODE,
-            LOOP_STAGES)
+            BLOCK_SIZE, TILE_N, F32_DOT, WHILE_LOOP, LOOP_STAGES)
 
     if SPLIT:
         # Partials: acc [T, H, S, D] fp32 (unnormalised), m/l [T, H, S]; empty splits
@@ -566,10 +560,10 @@ def plan_attention(
             num_stages = 3
             if head_dim > 128:  # not measured at larger heads: keep the split tiles
                 tile_n, num_stages = split_tile_n, 2
-            elif _TABLE_CHUNK > 0 and _TABLE_CHUNK * block_size % max(64, block_size) == 0:
+            elif _TABLE_CHUNK > 0 and _TABLE_CHUNK * block_size % split_tile_n == 0:
                 # Block ids from registers: two 64-position K/V tiles in flight per
                 # program in 72 KB of shared memory (PAGEDLLM_ATTN_TABLE_CHUNK).
-                tile_n, num_stages, table_chunk = max(64, block_size), 3, _TABLE_CHUNK
+                tile_n, num_stages, table_chunk = split_tile_n, 3, _TABLE_CHUNK
     else:
         block_m = max(64, triton.next_power_of_2(gqa))
         # TILE_N 32 for prompt chunks: W1's first step (13 prompts, 8,192 tokens) took
@@ -665,12 +659,11 @@ def paged_attention(
 def _mixed_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int,
                   scale: float, out: torch.Tensor, pre: AttentionLaunch,
-                  dec: AttentionLaunch, maxnreg: int | None = None) -> None:
+                  dec: AttentionLaunch) -> None:
     """A mixed batch's one launch: prompt programs with plan ``pre``, then decode
     programs with plan ``dec`` (neither splits).  The prompt part has the upper-bound
     count of query tiles ``num_tokens // block_q + num_reqs``, the decode part one
-    program per request (host ints only).  ``maxnreg`` caps registers per thread (for
-    tuning runs: more programs per multiprocessor)."""
+    program per request (host ints only)."""
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     gqa = num_heads // num_kv_heads
@@ -691,8 +684,7 @@ def _mixed_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         D_TILE_N=dec.tile_n, D_STAGES=dec.num_stages, D_TABLE_CHUNK=dec.table_chunk,
         F32_DOT=_interpreting() or query.dtype == torch.float32,
         WHILE_LOOP=_interpreting(), num_warps=max(pre.num_warps, dec.num_warps),
-        num_stages=max(pre.num_stages, dec.num_stages),
-        **({} if maxnreg is None else {"maxnreg": maxnreg}), **pdl_launch_args(query.device))
+        num_stages=max(pre.num_stages, dec.num_stages), **pdl_launch_args(query.device))
 
 
 def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

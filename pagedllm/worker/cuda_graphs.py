@@ -18,14 +18,15 @@ Two families of graphs share one memory pool:
   newly arrived prompt (most of W2's slow steps) -- captured for 8 ... 2048 tokens (up to
   ``max_cudagraph_capture_size``), each with room for ``min(T, max_num_seqs)`` requests.
 
-A size whose graph replay (timed at capture) is clearly slower than the next larger one's
-is dropped (``keep_graph``): its steps pad up to the larger graph.
   Eagerly such a step costs 15-65 ms of host time for ~330 kernel launches on a
   Llama-3-8B shape (65 ms measured under W2 for 1,035 tokens, whose GPU time is ~25 ms);
   replayed it costs the GPU time alone.  Larger steps run eagerly: on that shape their
   GPU time outgrows the host's from ~3,000 tokens.  A small model's GPU time does not
   (SmolLM2-135M's 8,192-token W1 steps: ~7 ms of GPU work, ~65 ms apart under the
   profiler), which is what a larger ``max_cudagraph_capture_size`` is for.
+
+A size whose graph replay (timed at capture) is clearly slower than the next larger one's
+is dropped (``keep_graph``): its steps pad up to the larger graph.
 
 This works because the attention backend's launch grids depend only on host ints (the
 number of tokens, the number of requests, whether the step is decode-only), never on
