@@ -167,8 +167,16 @@ def main() -> None:
     ap.add_argument("--blas", action="store_true",
                     help="only compare cuBLAS, cuBLASLt and TunableOp-tuned GEMMs on the "
                     "layer sweep at W1's step sizes, then exit")
+    ap.add_argument("--rows", default=None,
+                    help="comma-separated row counts: run only the layer sweep at these")
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name()}
+    if a.rows:
+        res["layer_sweep"] = layer_sweep([int(m) for m in a.rows.split(",")])
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     if a.blas:
         res["blas"] = blas_variants([64, 128, 192, 256, 384, 512, 1024, 4096, 8192])
         if a.out:

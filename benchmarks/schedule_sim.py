@@ -63,7 +63,8 @@ def decode_att_ms(batch: int, ctx_tokens: int) -> float:
 
 
 def simulate(policy: str, budget: int = 8192, num_prompts: int = 256,
-             fill: bool = True, batches: bool = False) -> list[dict]:
+             fill: bool = True, batches: bool = False,
+             num_blocks: int = 256 * 2048 // 16 + 1) -> list[dict]:
     """W1's steps under ``policy``; ``fill``: the scheduler knows the chunk-graph sizes
     (as the engine tells it with CUDA graphs on).  ``batches``: each step also lists its
     requests as ``[query_len, seq_len]`` pairs in the scheduler's order (what attention
@@ -74,7 +75,7 @@ def simulate(policy: str, budget: int = 8192, num_prompts: int = 256,
                                   max_model_len=max_len, async_scheduling=True,
                                   policy=policy),  # type: ignore[arg-type]
                   CacheConfig(block_size=16, enable_prefix_caching=True),
-                  num_blocks=256 * 2048 // 16 + 1,
+                  num_blocks=num_blocks,
                   padded_step_sizes=chunk_capture_sizes(budget, max_len) if fill else ())
     for i, r in enumerate(reqs):
         sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
