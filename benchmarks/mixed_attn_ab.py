@@ -53,13 +53,11 @@ def variants() -> dict[str, tuple[bool, bool, Callable]]:
     view: the kernels address the cache through its strides."""
 
     def mixed(dec_tile: int | None = None, pre_tile: int | None = None,
-              pre_stages: int | None = None, dec_stages: int | None = None,
-              table: int | None = None) -> Callable:
+              pre_stages: int | None = None, dec_stages: int | None = None) -> Callable:
         def run(q, cache, tables, sl, qsl, n, mql, out):
             dec, pre = _plans(n, mql)
             dec = replace(dec, tile_n=dec_tile or dec.tile_n,
-                          num_stages=dec_stages or dec.num_stages,
-                          table_chunk=dec.table_chunk if table is None else table)
+                          num_stages=dec_stages or dec.num_stages)
             pre = replace(pre, tile_n=pre_tile or pre.tile_n,
                           num_stages=pre_stages or pre.num_stages)
             pa._mixed_launch(q, cache, tables, sl, qsl, n, DIM ** -0.5, out, pre, dec)
@@ -86,13 +84,6 @@ def variants() -> dict[str, tuple[bool, bool, Callable]]:
     out["sorted, head-major"] = (True, True, mixed())
     out["decodes alone, sorted"] = (True, False, alone(1))
     out["decodes alone, sorted, head-major"] = (True, True, alone(1))
-    # Block ids from registers (PAGEDLLM_ATTN_TABLE_CHUNK): 64-position tiles, 2 or 3
-    # in flight per program.
-    for st in (3, 4):
-        out[f"table chunks, decode 64 x {st} stages"] = (
-            False, False, mixed(dec_tile=64, dec_stages=st, table=64))
-        out[f"decodes alone, table chunks, 64 x {st} stages"] = (
-            False, False, alone(1, tile_n=64, num_stages=st, table_chunk=64))
     return out
 
 

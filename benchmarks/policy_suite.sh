@@ -6,8 +6,7 @@
 # policy (PDL off, so kernel durations exclude PDL waits).  Results under $OUT.
 # Usage (on the GPU machine, repo root; .whl carried): bash benchmarks/policy_suite.sh
 # SKIP_TESTS=1 skips the correctness part; GPU_CHECK=1 adds benchmarks/gpu_check.py; TEST_K picks the attention tests (-k);
-# TWO_LAUNCH_AB=1 runs the second throughput-policy W1 with the two-launch attention;
-# TABLE_AB=1 runs it with PAGEDLLM_ATTN_TABLE_CHUNK=64 (block ids from registers).
+# TWO_LAUNCH_AB=1 runs the second throughput-policy W1 with the two-launch attention.
 set -uo pipefail
 source benchmarks/device_env.sh
 {
@@ -24,9 +23,6 @@ step $W1 --scheduling-policy throughput --output-json "$OUT/w1_throughput.json"
 if [ -n "${TWO_LAUNCH_AB:-}" ]; then
   PAGEDLLM_ATTN_TWO_LAUNCHES=1 step $W1 --scheduling-policy throughput \
     --output-json "$OUT/w1_throughput_2launch.json"
-elif [ -n "${TABLE_AB:-}" ]; then
-  PAGEDLLM_ATTN_TABLE_CHUNK=64 step $W1 --scheduling-policy throughput \
-    --output-json "$OUT/w1_throughput_table.json"
 else
   step $W1 --scheduling-policy throughput --output-json "$OUT/w1_throughput_b.json"
 fi

@@ -128,105 +128,6 @@ def _attn_tile_blocks(
 
 
 @triton.jit
-def _attn_table_tile(
-    t, base, table, q, q_pos, m_i, l_i, acc, kv_end, kv_head_off, k_cache_ptr,
-    v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, F32_DOT: tl.constexpr,
-):
-    """Tile ``t`` of the table chunk that starts at position ``base``: its block ids
-    are gathered from ``table`` (registers), not loaded."""
-    local = t * TILE_N + offs_n
-    return _attn_tile_blocks(
-        q, q_pos, m_i, l_i, acc, base + local, base + local < kv_end,
-        tl.gather(table, local // BLOCK_SIZE, 0), kv_head_off, k_cache_ptr, v_cache_ptr,
-        stride_cb, stride_cs, scale_log2, dims, dim_ok, BLOCK_SIZE, F32_DOT)
-
-
-@triton.jit
-def _attn_table_chunks(
-    q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr, v_cache_ptr,
-    stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, CHUNK: tl.constexpr,
-    F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, LOOP_STAGES: tl.constexpr,
-):
-    """The KV loop over positions ``[0, kv_end)`` with the block table read ``CHUNK``
-    entries at a time into registers (``TABLE_CHUNK`` > 0).  Each tile's block ids are
-    then a register gather, not a load, so no load in the inner loop feeds another and
-    Triton's pipeliner keeps ``num_stages - 1`` K/V tiles in flight; with a per-tile
-    block-id load it keeps one for decode programs (16-row ``mma.sync`` tiles, whose
-    operands go through registers), whatever ``num_stages`` is.
-    ``CHUNK * BLOCK_SIZE`` must be a multiple of ``TILE_N``."""
-    CHUNK_TILES: tl.constexpr = CHUNK * BLOCK_SIZE // TILE_N
-    num_blocks = tl.cdiv(kv_end, BLOCK_SIZE)
-    num_tiles = tl.cdiv(kv_end, TILE_N)
-    ids = tl.arange(0, CHUNK)
-    c = 0
-    while c * CHUNK < num_blocks:
-        first = c * CHUNK
-        table = tl.load(bt_row + first + ids, mask=first + ids < num_blocks,
-                        other=0).to(tl.int64)
-        n = tl.minimum(num_tiles - c * CHUNK_TILES, CHUNK_TILES)
-        base = first * BLOCK_SIZE
-        if WHILE_LOOP:  # the interpreter (see _attn_tiles)
-            t = 0
-            while t < n:
-                m_i, l_i, acc = _attn_table_tile(
-                    t, base, table, q, q_pos, m_i, l_i, acc, kv_end, kv_head_off,
-                    k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, scale_log2, dims,
-                    dim_ok, offs_n, BLOCK_SIZE, TILE_N, F32_DOT)
-                t += 1
-        elif LOOP_STAGES > 0:
-            for t in tl.range(0, n, num_stages=LOOP_STAGES):
-                m_i, l_i, acc = _attn_table_tile(
-                    t, base, table, q, q_pos, m_i, l_i, acc, kv_end, kv_head_off,
-                    k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, scale_log2, dims,
-                    dim_ok, offs_n, BLOCK_SIZE, TILE_N, F32_DOT)
-        else:
-            for t in range(0, n):
-                m_i, l_i, acc = _attn_table_tile(
-                    t, base, table, q, q_pos, m_i, l_i, acc, kv_end, kv_head_off,
-                    k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, scale_log2, dims,
-                    dim_ok, offs_n, BLOCK_SIZE, TILE_N, F32_DOT)
-        c += 1
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _attn_tiles(
-    first, tile_hi, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
-    v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, F32_DOT: tl.constexpr,
-    WHILE_LOOP: tl.constexpr, LOOP_STAGES: tl.constexpr,
-):
-    """The KV loop over tiles ``[first, tile_hi)``, each tile's block ids loaded from
-    the block table."""
-    if WHILE_LOOP:
-        # The interpreter cannot use loaded scalars as range() bounds (numpy 2 refuses
-        # int() of their shape-(1,) arrays); on the GPU the for-loop is kept because
-        # only scf.for loops are software-pipelined (num_stages).
-        t = first
-        while t < tile_hi:
-            m_i, l_i, acc = _attn_tile(
-                t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
-                v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
-                BLOCK_SIZE, TILE_N, F32_DOT)
-            t += 1
-    elif LOOP_STAGES > 0:
-        for t in tl.range(first, tile_hi, num_stages=LOOP_STAGES):
-            m_i, l_i, acc = _attn_tile(
-                t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
-                v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
-                BLOCK_SIZE, TILE_N, F32_DOT)
-    else:
-        for t in range(first, tile_hi):
-            m_i, l_i, acc = _attn_tile(
-                t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
-                v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
-                BLOCK_SIZE, TILE_N, F32_DOT)
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _attn_program(
     tile_idx, kv_head, split,
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
@@ -238,13 +139,11 @@ def _attn_program(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
     Q_FILTER: tl.constexpr, DECODE: tl.constexpr, USE_PDL: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, TABLE_CHUNK: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     """One program: query tile ``tile_idx`` of KV head ``kv_head`` (split ``split``).
     ``LOOP_STAGES`` > 0 pipelines the KV loop that deep (a kernel holding two kinds of
-    programs, ``_mixed_attn_kernel``); 0 takes the kernel's ``num_stages``.
-    ``TABLE_CHUNK`` > 0 (unsplit programs only) reads the block table in register
-    chunks of that many entries (``_attn_table_chunks``)."""
+    programs, ``_mixed_attn_kernel``); 0 takes the kernel's ``num_stages``."""
 
     if DECODE:
         # Decode-only batch: request r's one token is row r (padded empty requests come
@@ -316,11 +215,9 @@ def _attn_program(
     offs_n = tl.arange(0, TILE_N)
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
     kv_head_off = kv_head.to(tl.int64) * stride_ch
-    if DECODE and TABLE_CHUNK == 0:
+    if DECODE:
         kv_pos0, kv_ok0, block0 = _tile_blocks(tile_lo, kv_end, bt_row, offs_n, BLOCK_SIZE,
                                                TILE_N)
-        pdl_wait(USE_PDL)
-    elif DECODE:
         pdl_wait(USE_PDL)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
@@ -328,24 +225,37 @@ def _attn_program(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_P2], dtype=tl.float32)
-    if TABLE_CHUNK > 0:
-        m_i, l_i, acc = _attn_table_chunks(
-            q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr, v_cache_ptr,
-            stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n, BLOCK_SIZE, TILE_N,
-            TABLE_CHUNK, F32_DOT, WHILE_LOOP, LOOP_STAGES)
+    first = tile_lo
+    if DECODE:  # the first tile, with its prefetched block ids
+        if tile_lo < tile_hi:
+            m_i, l_i, acc = _attn_tile_blocks(
+                q, q_pos, m_i, l_i, acc, kv_pos0, kv_ok0, block0, kv_head_off,
+                k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok,
+                BLOCK_SIZE, F32_DOT)
+        first = tile_lo + 1
+    if WHILE_LOOP:
+        # The interpreter cannot use loaded scalars as range() bounds (numpy 2 refuses
+        # int() of their shape-(1,) arrays); on the GPU the for-loop is kept because
+        # only scf.for loops are software-pipelined (num_stages).
+        t = first
+        while t < tile_hi:
+            m_i, l_i, acc = _attn_tile(
+                t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
+                v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
+                BLOCK_SIZE, TILE_N, F32_DOT)
+            t += 1
+    elif LOOP_STAGES > 0:
+        for t in tl.range(first, tile_hi, num_stages=LOOP_STAGES):
+            m_i, l_i, acc = _attn_tile(
+                t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
+                v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
+                BLOCK_SIZE, TILE_N, F32_DOT)
     else:
-        first = tile_lo
-        if DECODE:  # the first tile, with its prefetched block ids
-            if tile_lo < tile_hi:
-                m_i, l_i, acc = _attn_tile_blocks(
-                    q, q_pos, m_i, l_i, acc, kv_pos0, kv_ok0, block0, kv_head_off,
-                    k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, scale_log2, dims,
-                    dim_ok, BLOCK_SIZE, F32_DOT)
-            first = tile_lo + 1
-        m_i, l_i, acc = _attn_tiles(
-            first, tile_hi, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off,
-            k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
-            BLOCK_SIZE, TILE_N, F32_DOT, WHILE_LOOP, LOOP_STAGES)
+        for t in range(first, tile_hi):
+            m_i, l_i, acc = _attn_tile(
+                t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
+                v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
+                BLOCK_SIZE, TILE_N, F32_DOT)
 
     if SPLIT:
         # Partials: acc [T, H, S, D] fp32 (unnormalised), m/l [T, H, S]; empty splits
@@ -373,7 +283,6 @@ def _paged_attn_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
     Q_FILTER: tl.constexpr, DECODE: tl.constexpr, USE_PDL: tl.constexpr,
-    TABLE_CHUNK: tl.constexpr,
 ):
     pdl_trigger(USE_PDL)
     _attn_program(
@@ -382,7 +291,7 @@ def _paged_attn_kernel(
         block_tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2, num_reqs, num_heads, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
         GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, SPLIT, F32_DOT,
-        WHILE_LOOP, Q_FILTER, DECODE, USE_PDL, 0, TABLE_CHUNK)
+        WHILE_LOOP, Q_FILTER, DECODE, USE_PDL, 0)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_pre_tiles", "stride_bt"])
@@ -399,7 +308,6 @@ def _mixed_attn_kernel(
     D_BLOCK_M: tl.constexpr, D_BLOCK_Q: tl.constexpr, D_TILE_N: tl.constexpr,
     D_STAGES: tl.constexpr,
     F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, USE_PDL: tl.constexpr,
-    D_TABLE_CHUNK: tl.constexpr,
 ):
     """A mixed batch in one launch: prompt-chunk programs (``num_pre_tiles`` query tiles
     x KV heads, the prompt plan's tiles) come first on the 1-D grid, then the decode
@@ -417,7 +325,7 @@ def _mixed_attn_kernel(
             block_tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2, num_reqs, num_heads, 1,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
             stride_bt, GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, P_BLOCK_M, P_BLOCK_Q, P_TILE_N,
-            False, F32_DOT, WHILE_LOOP, 2, False, USE_PDL, P_STAGES, 0)
+            False, F32_DOT, WHILE_LOOP, 2, False, USE_PDL, P_STAGES)
     else:
         d = pid - num_pre
         _attn_program(
@@ -426,7 +334,7 @@ def _mixed_attn_kernel(
             block_tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2, num_reqs, num_heads, 1,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
             stride_bt, GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, D_BLOCK_M, D_BLOCK_Q, D_TILE_N,
-            False, F32_DOT, WHILE_LOOP, 3, False, USE_PDL, D_STAGES, D_TABLE_CHUNK)
+            False, F32_DOT, WHILE_LOOP, 3, False, USE_PDL, D_STAGES)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
@@ -472,17 +380,9 @@ class AttentionLaunch:
     num_splits: int  # 1 = single pass; > 1 = split-KV + reduce
     num_warps: int = 4
     num_stages: int = 2
-    # > 0: read the block table that many entries at a time into registers, so the KV
-    # loop pipelines num_stages - 1 tiles deep (_attn_table_chunks); unsplit plans only.
-    table_chunk: int = 0
 
 
 _TWO_LAUNCHES = os.environ.get("PAGEDLLM_ATTN_TWO_LAUNCHES", "0") == "1"
-# Experimental, off by default: unsplit decode programs read the block table in register
-# chunks of this many entries and pipeline 64-position KV tiles two deep
-# (``_attn_table_chunks``).  Not yet timed on a GPU: ``benchmarks/mixed_attn_ab.py`` has
-# the variants to measure before it can become the default.
-_TABLE_CHUNK = int(os.environ.get("PAGEDLLM_ATTN_TABLE_CHUNK", "0"))
 
 
 def _interpreting() -> bool:
@@ -545,7 +445,6 @@ def plan_attention(
                 tiles = math.ceil(max_seq_len / split_tile_n)
                 num_splits = max(1, min(num_splits, tiles // 4))
     num_stages = 2
-    table_chunk = 0
     if decode:
         block_m = max(16, triton.next_power_of_2(gqa))
         if num_splits > 1:  # few programs, each a slice of a context
@@ -555,15 +454,16 @@ def plan_attention(
             # pipeline of larger tiles keeps more bytes in flight per program.  On an
             # H200 at W1's decode batches (attn_tune --w1, 2026-11-30) TILE_N 128 with 3
             # stages took 50 us against 62-65 us at 27 requests, 125 against 130 at 112,
-            # and tied at 256.
+            # and tied at 256.  (Triton's pipeliner keeps one such tile in flight, as
+            # each tile's block ids are a load.  Reading the block table into registers
+            # in chunks instead, so that 64-position tiles went two deep in 153
+            # registers, won 6% in mixed_attn_ab.py's replay but ran W1 2% slower in the
+            # engine: 8,715 and 8,726 against 8,905 and 8,878 tok/s, one lease,
+            # 2026-12-01.  Removed; docs/benchmarks.md run 12.)
             tile_n = max(128, block_size)
             num_stages = 3
             if head_dim > 128:  # not measured at larger heads: keep the split tiles
                 tile_n, num_stages = split_tile_n, 2
-            elif _TABLE_CHUNK > 0 and _TABLE_CHUNK * block_size % split_tile_n == 0:
-                # Block ids from registers: two 64-position K/V tiles in flight per
-                # program in 72 KB of shared memory (PAGEDLLM_ATTN_TABLE_CHUNK).
-                tile_n, num_stages, table_chunk = split_tile_n, 3, _TABLE_CHUNK
     else:
         block_m = max(64, triton.next_power_of_2(gqa))
         # TILE_N 32 for prompt chunks: W1's first step (13 prompts, 8,192 tokens) took
@@ -583,7 +483,7 @@ def plan_attention(
     block_q = max(1, block_m // gqa)
     return AttentionLaunch(block_m=block_m, block_q=block_q, tile_n=tile_n,
                            num_splits=max(1, num_splits), num_warps=num_warps,
-                           num_stages=num_stages, table_chunk=table_chunk)
+                           num_stages=num_stages)
 
 
 def paged_attention(
@@ -668,7 +568,6 @@ def _mixed_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     gqa = num_heads // num_kv_heads
     assert pre.num_splits == 1 and dec.num_splits == 1, (pre, dec)
-    assert pre.table_chunk == 0 and dec.table_chunk * block_size % dec.tile_n == 0, dec
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     pre_tiles = num_tokens // pre.block_q + num_reqs
     dec_tiles = num_reqs
@@ -681,7 +580,7 @@ def _mixed_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads,
         P_BLOCK_M=pre.block_m, P_BLOCK_Q=pre.block_q, P_TILE_N=pre.tile_n,
         P_STAGES=pre.num_stages, D_BLOCK_M=dec.block_m, D_BLOCK_Q=dec.block_q,
-        D_TILE_N=dec.tile_n, D_STAGES=dec.num_stages, D_TABLE_CHUNK=dec.table_chunk,
+        D_TILE_N=dec.tile_n, D_STAGES=dec.num_stages,
         F32_DOT=_interpreting() or query.dtype == torch.float32,
         WHILE_LOOP=_interpreting(), num_warps=max(pre.num_warps, dec.num_warps),
         num_stages=max(pre.num_stages, dec.num_stages), **pdl_launch_args(query.device))
@@ -699,9 +598,6 @@ def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     gqa = num_heads // num_kv_heads
     assert launch.block_q * gqa <= launch.block_m, launch
-    assert launch.table_chunk == 0 or (
-        launch.num_splits == 1 and launch.table_chunk * block_size % launch.tile_n == 0
-    ), launch
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     f32_dot = _interpreting() or query.dtype == torch.float32
     dim_p2 = triton.next_power_of_2(head_dim)
@@ -715,8 +611,7 @@ def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
         GQA=gqa, HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_SIZE=block_size,
         BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q, TILE_N=launch.tile_n,
         SPLIT=splits > 1, F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), Q_FILTER=q_filter,
-        DECODE=decode and q_filter == 0, TABLE_CHUNK=launch.table_chunk,
-        num_warps=launch.num_warps,
+        DECODE=decode and q_filter == 0, num_warps=launch.num_warps,
         num_stages=launch.num_stages, **pdl,
     )
     # num_splits is a runtime argument (only "split or not" is compiled in), so batch

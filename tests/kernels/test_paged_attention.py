@@ -144,47 +144,6 @@ def test_decode_only_unsplit_default_plan(block_size: int) -> None:
     _check(batch, _run(batch, 0.125), 0.125, torch.float32, seed)
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_block_table_in_register_chunks(block_size: int) -> None:
-    """``table_chunk`` > 0: the KV loop reads the block table two entries at a time into
-    registers (``_attn_table_chunks``); contexts straddle chunk and tile ends, and one
-    request is shorter than a chunk."""
-    seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
-    ctx = torch.randint(1, 200, (5,), generator=gen).tolist()
-    ctx[:3] = [0, 2 * block_size - 1, 2 * block_size]  # seq_len 1, one chunk, one chunk + 1
-    batch = make_paged_batch([1] * 5, ctx, num_heads=8, num_kv_heads=2, head_dim=64,
-                             block_size=block_size, dtype=torch.float32, device=DEVICE,
-                             pad_tokens=1, gen=gen)
-    launch = AttentionLaunch(block_m=16, block_q=4, tile_n=block_size, num_splits=1,
-                             num_stages=3, table_chunk=2)
-    _check(batch, _run(batch, 0.125, launch=launch), 0.125, torch.float32, seed)
-
-
-def test_block_table_chunks_in_mixed_and_decode_plans(monkeypatch: pytest.MonkeyPatch,
-                                                      ) -> None:
-    """With ``PAGEDLLM_ATTN_TABLE_CHUNK`` set, the default plans' unsplit decodes (alone,
-    and beside prompt chunks in the one-launch mixed kernel) read the table in chunks."""
-    from pagedllm.kernels import paged_attention as pa
-
-    monkeypatch.setattr(pa, "_TABLE_CHUNK", 4)  # 4 blocks of 16 = one 64-position tile
-    plan = plan_attention(num_reqs=34, max_query_len=1, num_heads=8, num_kv_heads=4,
-                          block_size=16, sm_count=132, head_dim=64)
-    assert plan.table_chunk == 4 and plan.tile_n == 64 and plan.num_splits == 1
-    seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
-    ctx = torch.randint(1, 200, (34,), generator=gen).tolist()
-    ctx[:3] = [0, 63, 64]
-    decodes = make_paged_batch([1] * 34, ctx, num_heads=8, num_kv_heads=4, head_dim=64,
-                               block_size=16, dtype=torch.float32, device=DEVICE,
-                               pad_tokens=2, gen=gen)
-    _check(decodes, _run(decodes, 0.125), 0.125, torch.float32, seed)
-    mixed = make_paged_batch([1, 9, 1, 1], [130, 23, 0, 65], num_heads=8, num_kv_heads=4,
-                             head_dim=64, block_size=16, dtype=torch.float32, device=DEVICE,
-                             pad_tokens=1, gen=gen)
-    _check(mixed, _run(mixed, 0.125), 0.125, torch.float32, seed)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_kv_write(block_size: int, dtype: torch.dtype) -> None:
@@ -220,30 +179,6 @@ def test_gpu_grid(head_dim: int, gqa: int, block_size: int, dtype: torch.dtype) 
     scale = 3 * head_dim ** -0.5  # peaky enough that outputs stay well above atol
     for splits in (1, 7, None):
         _check(batch, _run(batch, scale, num_splits=splits), scale, dtype, seed)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("head_dim,gqa", [(64, 3), (128, 4)])
-def test_gpu_block_table_chunks(head_dim: int, gqa: int, block_size: int,
-                                dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``PAGEDLLM_ATTN_TABLE_CHUNK`` at real sizes: a decode batch of a whole wave and a
-    mixed batch, contexts to 3,000 (several 64-entry chunks at block size 16)."""
-    from pagedllm.kernels import paged_attention as pa
-
-    monkeypatch.setattr(pa, "_TABLE_CHUNK", 64)
-    seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
-    ctx = torch.randint(0, 3000, (48,), generator=gen).tolist()
-    for q_lens, ctx_lens in (([1] * 48, ctx),
-                             random_mixed_lens(gen, num_decodes=40, num_chunks=4,
-                                               max_ctx=3000, max_chunk=300)):
-        batch = make_paged_batch(q_lens, ctx_lens, num_heads=4 * gqa, num_kv_heads=4,
-                                 head_dim=head_dim, block_size=block_size, dtype=dtype,
-                                 device=DEVICE, pad_tokens=5, gen=gen)
-        scale = 3 * head_dim ** -0.5
-        _check(batch, _run(batch, scale), scale, dtype, seed)
 
 
 @pytest.mark.gpu
