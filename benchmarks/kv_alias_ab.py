@@ -28,7 +28,7 @@ import math
 
 import torch
 import triton.testing
-from mixed_attn_ab import BS, DIM, HEADS, KV_HEADS, LAYERS, _plans
+from mixed_attn_ab import BS, DIM, KV_HEADS, LAYERS, _plans, step_tensors
 from schedule_sim import simulate
 
 from pagedllm.kernels import paged_attention as pa
@@ -57,19 +57,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     for st in sample:
         batch = st["batch"]
-        n = len(batch)
-        q_lens = [b[0] for b in batch]
-        blocks = [math.ceil(b[1] / BS) for b in batch]
-        ids = (torch.randperm(used - 1, generator=g)[:sum(blocks)] + 1).to(torch.int32)
-        tables = torch.zeros(n, max(blocks), dtype=torch.int32)
-        off = 0
-        for r, nb in enumerate(blocks):
-            tables[r, :nb] = ids[off:off + nb]
-            off += nb
-        qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-        sl = torch.tensor([b[1] for b in batch], dtype=torch.int32)
-        q = torch.randn(sum(q_lens), HEADS, DIM, dtype=torch.bfloat16)
-        batches.append((q.to(dev), tables.to(dev), sl.to(dev), qsl.to(dev), n, max(q_lens)))
+        ids = torch.randperm(used - 1, generator=g) + 1  # the first blocks, as allocated
+        batches.append((*step_tensors(batch, ids, dev), len(batch),
+                        max(b[0] for b in batch)))
     rows = []
     for layout in a.layouts.split(","):
         for nb in (int(x) for x in a.blocks.split(",")):

@@ -45,6 +45,26 @@ def _plans(num_reqs: int, mql: int, beside_decodes: bool = True,
                                    beside_decodes=beside_decodes) for m in (1, mql))
 
 
+def step_tensors(batch: list[list[int]], ids: torch.Tensor, dev: torch.device,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One replayed step's ``(q, block_tables, seq_lens, query_start_loc)`` on ``dev``:
+    ``batch`` is its ``[query_len, seq_len]`` pairs, ``ids`` the block ids to hand out
+    in order (each request takes the next ``ceil(seq_len / BS)``); q is random bf16."""
+    q_lens = [b[0] for b in batch]
+    blocks = [math.ceil(b[1] / BS) for b in batch]
+    ids = ids.to(dev, torch.int32)
+    tables = torch.zeros(len(batch), max(blocks), dtype=torch.int32, device=dev)
+    off = 0
+    for r, nb in enumerate(blocks):
+        tables[r, :nb] = ids[off:off + nb]
+        off += nb
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32,
+                       device=dev)
+    sl = torch.tensor([b[1] for b in batch], dtype=torch.int32, device=dev)
+    q = torch.randn(sum(q_lens), HEADS, DIM, device=dev, dtype=torch.bfloat16)
+    return q, tables, sl, qsl
+
+
 def variants() -> dict[str, tuple[bool, bool, Callable]]:
     """name -> (sort the batch longest context first, head-major cache, launch(q, cache,
     tables, sl, qsl, num_reqs, mql, out)).  A head-major cache holds each block's
@@ -110,17 +130,8 @@ def main() -> None:
             batch = sorted(st["batch"], key=lambda b: -b[1]) if srt else st["batch"]
             n = len(batch)
             q_lens = [b[0] for b in batch]
-            blocks = [math.ceil(b[1] / BS) for b in batch]
-            ids = torch.randperm(cache.shape[1], device=dev)[:sum(blocks)].to(torch.int32)
-            tables = torch.zeros(n, max(blocks), dtype=torch.int32, device=dev)
-            off = 0
-            for r, nb in enumerate(blocks):
-                tables[r, :nb] = ids[off:off + nb]
-                off += nb
-            qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(),
-                               dtype=torch.int32, device=dev)
-            sl = torch.tensor([b[1] for b in batch], dtype=torch.int32, device=dev)
-            q = torch.randn(sum(q_lens), HEADS, DIM, device=dev, dtype=dt)
+            q, tables, sl, qsl = step_tensors(
+                batch, torch.randperm(cache.shape[1], device=dev), dev)
             is_dec = torch.tensor([ql == 1 for ql in q_lens for _ in range(ql)], device=dev)
             kv_bytes += sum(b[1] for b in batch) * KV_HEADS * DIM * 2 * 2 if srt else 0
             ref = torch.empty_like(q)
