@@ -34,8 +34,10 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _check(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, seed: int) -> None:
     assert not got.isnan().any(), f"NaN/unwritten (seed={seed})"
-    # bf16: four ulps (2**-8 each) relative, over a floor for products near zero.
-    rel = {torch.bfloat16: 1.6e-2 if ON_GPU else 4e-2, torch.float16: 4e-3}[dtype]
+    # bf16: a few ulps (2**-8 each) relative, over a floor for products near zero.  At
+    # Llama sizes (millions of outputs) a gate one ulp off, through silu and the product,
+    # reaches 5 ulps (0.020 seen on an H200); wrong data would be off by O(1).
+    rel = {torch.bfloat16: 3e-2 if ON_GPU else 4e-2, torch.float16: 4e-3}[dtype]
     err = (got.float() - ref.float()).abs() / (ref.float().abs() + 0.05)
     assert err.max().item() <= rel, f"max rel err {err.max().item()} (seed={seed})"
 
