@@ -44,14 +44,6 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.shape[0] > 1 and self.gate_up_proj.bias is None:
-            from pagedllm.kernels.gemm_silu import gate_up_silu, gate_up_silu_plan
-
-            plan = gate_up_silu_plan(x, self.gate_up_proj.weight)
-            if plan is not None:
-                # GPU, 2..MAX_FUSED_ROWS rows: one kernel projects and applies the
-                # activation, so the [T, 2I] projection never goes through memory.
-                return self.down_proj(gate_up_silu(x, self.gate_up_proj.weight, plan))
         gate_up = self.gate_up_proj(x)
         if gemv_applies(gate_up, self.down_proj.weight):
             # Batch-1 decode: the activation runs inside down_proj's GEMV.

@@ -9,7 +9,6 @@ activation peak.  The plan is logged once at start-up.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -142,12 +141,8 @@ class Worker:
         shape = (2, num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim)
         # Zeroed, not empty: attention gathers whole blocks and masks the tail, and
         # garbage NaNs would survive a zero attention weight.
-        if os.environ.get("PAGEDLLM_KV_ONE_TENSOR") == "1":  # A/B experiment (run 13)
-            whole = torch.zeros((mc.num_layers, *shape), dtype=self.dtype, device=self.device)
-            self.kv_caches = list(whole.unbind(0))
-        else:
-            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                              for _ in range(mc.num_layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(mc.num_layers)]
         self.model.bind_kv_caches(self.kv_caches)
         if self.config.scheduler_config.preemption_mode == "swap":
             per_block = mc.kv_bytes_per_token() * cc.block_size
