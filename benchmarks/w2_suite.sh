@@ -15,7 +15,8 @@
 # Also times each start -> /health OK, records the engine core's step trace
 # (PAGEDLLM_STEP_TRACE) and the CPU time of the API and core processes per rate, and
 # splits the slowest first tokens (benchmarks/w2_tail.py).  Results under $OUT.
-# Usage (repo root; fastapi/uvicorn/pydantic/pyzmq wheels in .whl):
+# Usage (repo root; fastapi/uvicorn/pydantic/pyzmq wheels in .whl, with fastapi 0.165's
+# opentelemetry-api and anyio's sniffio, which the device lacks):
 #   [SAME_SERVER=1] [RATES="20"] bash benchmarks/w2_suite.sh
 set -uo pipefail
 source benchmarks/device_env.sh

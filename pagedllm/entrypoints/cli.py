@@ -109,11 +109,27 @@ def _add_chat(sub) -> None:
 def _add_serve(sub) -> None:
     try:
         from pagedllm.entrypoints.openai import api_server, cli_args
-    except ImportError:
+    except ImportError as e:
+        # Keep the command, so that `pagedllm serve` says what is missing instead of
+        # argparse's "invalid choice: 'serve'".
+        missing = e.name or str(e)
+        p = sub.add_parser("serve", help="Start the OpenAI-compatible HTTP server "
+                           f"(unavailable here: {missing} is not installed).",
+                           add_help=False, prefix_chars="\0")
+        p.add_argument("rest", nargs="*")  # every flag is a plain word here
+        p.set_defaults(func=lambda _args: _serve_unavailable(missing))
         return
     p = sub.add_parser("serve", help="Start the OpenAI-compatible HTTP server.")
     cli_args.add_serve_args(p)
     p.set_defaults(func=api_server.run_server)
+
+
+def _serve_unavailable(missing: str) -> int:
+    # Often a dependency of a dependency (fastapi 0.165 imports opentelemetry), so name
+    # the module that failed rather than guess the package.
+    print(f"error: pagedllm serve is unavailable: its server stack cannot import module "
+          f"{missing!r}; install it (or reinstall pagedllm's dependencies)", file=sys.stderr)
+    return 1
 
 
 def _add_bench(sub) -> None:

@@ -152,3 +152,24 @@ def test_cli_errors_are_one_line():
     r = _cli("generate", "hi", "--model", "/nonexistent.gguf")
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "model" in r.stderr.strip().splitlines()[-1]
+
+
+def test_cli_serve_without_server_dependencies():
+    """Where uvicorn is not installed (emulated by refusing its import), ``pagedllm
+    serve`` still exists and says in one line what is missing, instead of argparse's
+    "invalid choice"."""
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'uvicorn':\n"
+        "            raise ModuleNotFoundError(\"No module named 'uvicorn'\", name='uvicorn')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from pagedllm.entrypoints.cli import main\n"
+        "sys.exit(main(['serve', '--model', 'whatever', '--port', '1']))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and "invalid choice" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: pagedllm serve") and "uvicorn" in last
