@@ -114,7 +114,7 @@ def _add_serve(sub) -> None:
         # argparse's "invalid choice: 'serve'".
         missing = e.name or str(e)
         p = sub.add_parser("serve", help="Start the OpenAI-compatible HTTP server "
-                           f"(unavailable here: {missing} is not installed).",
+                           f"(unavailable here: cannot import {missing}).",
                            add_help=False, prefix_chars="\0")
         p.add_argument("rest", nargs="*")  # every flag is a plain word here
         p.set_defaults(func=lambda _args: _serve_unavailable(missing))
