@@ -146,16 +146,17 @@ def per_step(prof, trace_path: str, skip: int, out_dir: str) -> None:
         busy, cur_s, cur_e = 0.0, None, None
         by: dict[str, float] = {}
         t = trace[i] if i < len(trace) else {}
-        # A mixed step of several requests runs attention as two launches per layer,
-        # decodes first, then prompt chunks (kernels/paged_attention.py).
+        # Under PAGEDLLM_ATTN_TWO_LAUNCHES=1 a mixed step of several requests runs
+        # attention as two _paged_attn_kernel launches per layer, decodes first, then
+        # prompt chunks; by default it is one _mixed_attn_kernel launch (not split here).
         two_launches = bool(t.get("chunks")) and (t.get("reqs") or 0) > 1
         n_attn = 0
         for s0, e0, name in st:
             c = category(name)
             if c == "attention" and "paged_attn" in name:
                 if two_launches:
-                    by["attn_dec" if n_attn % 2 == 0 else "attn_pre"] = by.get(
-                        "attn_dec" if n_attn % 2 == 0 else "attn_pre", 0.0) + (e0 - s0)
+                    part = "attn_dec" if n_attn % 2 == 0 else "attn_pre"
+                    by[part] = by.get(part, 0.0) + (e0 - s0)
                 n_attn += 1
             by[c] = by.get(c, 0.0) + (e0 - s0)
             if cur_e is None or s0 > cur_e:
