@@ -28,7 +28,8 @@ def main() -> None:
                      "eager": {"async_scheduling": False, "enforce_eager": True},
                      "pdl_off": {"async_scheduling": True}}.items():
         os.environ["PAGEDLLM_PDL"] = "0" if name == "pdl_off" else "1"
-        llm = LLM(d, load_format="dummy", skip_tokenizer_init=True, max_model_len=1024,
+        llm = LLM(d, load_format="dummy", model_loader_extra_config={"dummy_init": "normal"},
+                  skip_tokenizer_init=True, max_model_len=1024,
                   kv_cache_memory_bytes=2 << 30, **kw)
         outs = llm.generate(prompts, params, use_tqdm=False)
         results[name] = [o.outputs[0].token_ids for o in outs]

@@ -32,6 +32,8 @@ class ModelConfig:
     served_model_name: str
     skip_tokenizer_init: bool
     trust_remote_code: bool
+    # How load_format="dummy" draws weights (EngineArgs.model_loader_extra_config).
+    dummy_init: str = "uniform"
 
     @property
     def vocab_size(self) -> int:
@@ -123,6 +125,24 @@ def _positive_int(name: str, value: object, minimum: int = 1) -> int:
     return value
 
 
+DUMMY_INITS = ("uniform", "normal")
+
+
+def _dummy_init(extra: Any) -> str:
+    """``model_loader_extra_config`` -> the dummy-weight distribution (ValueError naming
+    the parameter for anything else)."""
+    if extra is None:
+        return "uniform"
+    if not isinstance(extra, dict) or set(extra) - {"dummy_init"}:
+        raise ValueError('model_loader_extra_config supports only {"dummy_init": ...}, '
+                         f"got {extra!r}")
+    init = extra.get("dummy_init", "uniform")
+    if init not in DUMMY_INITS:
+        raise ValueError(f"model_loader_extra_config: dummy_init must be one of "
+                         f"{', '.join(DUMMY_INITS)}, got {init!r}")
+    return str(init)
+
+
 @dataclass
 class EngineArgs:
     """User-facing engine arguments, named as in vLLM."""
@@ -133,6 +153,8 @@ class EngineArgs:
     dtype: str = "auto"
     max_model_len: int | None = None
     load_format: str = "auto"  # "auto" | "safetensors" | "gguf" | "dummy"
+    # vLLM's name.  One key: {"dummy_init": "uniform" | "normal"} (load_format "dummy").
+    model_loader_extra_config: dict[str, Any] | None = None
     seed: int = 0
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
@@ -162,6 +184,7 @@ class EngineArgs:
             raise ValueError(
                 "load_format must be one of auto, safetensors, gguf, dummy, "
                 f"got {self.load_format!r}")
+        dummy_init = _dummy_init(self.model_loader_extra_config)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], got "
                              f"{self.block_size!r}")
@@ -220,7 +243,7 @@ class EngineArgs:
             max_model_len=max_model_len, load_format=resolved.load_format, seed=self.seed,
             served_model_name=self.served_model_name or resolved.display_name,
             skip_tokenizer_init=self.skip_tokenizer_init,
-            trust_remote_code=self.trust_remote_code)
+            trust_remote_code=self.trust_remote_code, dummy_init=dummy_init)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(

@@ -118,9 +118,11 @@ def main(args: argparse.Namespace) -> int:
     for name, reqs in groups:
         n_out = sum(r.output_len for r in reqs)
         n_in = sum(len(r.prompt_token_ids) for r in reqs)
-        ours = statistics.median(_run_pagedllm(llm, reqs) for _ in range(args.repeats))
+        runs = [_run_pagedllm(llm, reqs) for _ in range(args.repeats)]
+        ours = statistics.median(runs)
         row: dict[str, Any] = {"config": name, "requests": len(reqs), "prompt_tokens": n_in,
                                "output_tokens": n_out, "pagedllm_s": ours,
+                               "pagedllm_runs_s": runs,
                                "pagedllm_out_tok_s": n_out / ours,
                                "pagedllm_total_tok_s": (n_in + n_out) / ours}
         if hf_model is not None:

@@ -4,8 +4,22 @@ serve, bench), named as in vLLM, and their conversion to ``EngineArgs``."""
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
 
 from pagedllm.config import DTYPES, EngineArgs
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """argparse type: a JSON object (argparse turns the ValueError into a one-line
+    usage error naming the flag)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -26,6 +40,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "safetensors", "gguf", "dummy"],
                    help="How to load weights; 'dummy' = random weights from the config "
                         "alone (benchmarks).")
+    g.add_argument("--model-loader-extra-config", type=_json_object, default=None,
+                   metavar="JSON",
+                   help='Loader options as a JSON object.  One key: {"dummy_init": '
+                        '"uniform"} (the default with --load-format dummy: vLLM\'s '
+                        'uniform(-1e-3, 1e-3) on every weight) or "normal" '
+                        '(normal(0, 0.02), norm weights 1: well-separated logits).')
     g.add_argument("--seed", type=int, default=0,
                    help="Seed for dummy weights and for unseeded random sampling.")
     g.add_argument("--block-size", type=int, default=16,
@@ -88,6 +108,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
         max_model_len=args.max_model_len, load_format=args.load_format, seed=args.seed,
+        model_loader_extra_config=getattr(args, "model_loader_extra_config", None),
         block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -55,10 +55,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """``[N, hidden] -> [N, vocab]`` float32 logits."""
+        """``[N, hidden] -> [N, vocab]`` logits in the weight's dtype (the sampler casts
+        to float32 where it needs to: a greedy argmax does not, as bf16 -> fp32 is exact)."""
         logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             torch.distributed.all_gather(parts, logits)
             logits = torch.cat(parts, dim=-1)
-        return logits.float()
+        return logits

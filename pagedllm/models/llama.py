@@ -174,7 +174,8 @@ class LlamaForCausalLM(nn.Module):
     """The model interface the model runner uses (identical for every architecture):
 
     * ``forward(input_ids [T] long, positions [T] long, meta) -> hidden [T, hidden]``
-    * ``compute_logits(hidden [N, hidden]) -> [N, vocab] float32`` (only the rows given)
+    * ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` in the model's dtype (only the
+      rows given)
     * ``bind_kv_caches(list of per-layer caches, layer order)``
     * ``load_weights(iterable of (HF name, tensor))``
     """

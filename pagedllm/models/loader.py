@@ -6,8 +6,15 @@
   streamed tensor by tensor; ``tie_word_embeddings`` is handled by the model.
 * ``gguf`` -- llama.cpp names mapped to HF names, tensors dequantised to float32 with
   ``gguf.quants.dequantize``; Llama's q/k rows are un-permuted (see ``_unpermute``).
-* ``dummy`` -- ``normal(0, 0.02)`` (norm weights 1) generated on the target device:
-  a GPU never waits on CPU random numbers, so an 8B shape builds in seconds.
+* ``dummy`` -- random weights generated on the target device (a GPU never waits on CPU
+  random numbers, so an 8B shape builds in seconds).  ``dummy_init`` "uniform" (the
+  default) is vLLM's ``initialize_dummy_weights``: every parameter, norms included,
+  ``uniform(-1e-3, 1e-3)``, so benchmarks run both engines on the same weights.  That
+  matters on a GPU at its power cap: W1 runs at the H200's 700 W limit, where the
+  weights' values change the clock (normal(0, 0.02) ran W1 ~0.8% slower,
+  docs/benchmarks.md run 14).  "normal" is ``normal(0, 0.02)`` with norm weights 1:
+  logits far enough apart that bf16 greedy tokens are comparable across code paths
+  (the GPU checks that compare graphs, eager and async runs use it).
 
 Missing or corrupt files raise ``ValueError`` with a one-line reason naming the file.
 """
@@ -59,7 +66,8 @@ def load_model(model_config: Any, device: torch.device,
     fmt = model_config.load_format
     resolved = model_config.resolved
     if fmt == "dummy":
-        _init_dummy(model, device, int(getattr(model_config, "seed", 0)))
+        _init_dummy(model, device, int(getattr(model_config, "seed", 0)),
+                    getattr(model_config, "dummy_init", "uniform"))
     elif fmt == "safetensors":
         model.load_weights(iter_safetensors(resolved.directory))  # type: ignore[operator]
     elif fmt == "gguf":
@@ -72,12 +80,15 @@ def load_model(model_config: Any, device: torch.device,
     return model.eval()
 
 
-def _init_dummy(model: nn.Module, device: torch.device, seed: int) -> None:
+def _init_dummy(model: nn.Module, device: torch.device, seed: int, init: str) -> None:
+    """Fill every parameter per ``init`` ("uniform" or "normal", see the module doc)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if init == "uniform":
+                p.uniform_(-1e-3, 1e-3, generator=gen)
+            elif name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)

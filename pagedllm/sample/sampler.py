@@ -175,6 +175,13 @@ class Sampler(nn.Module):
     """
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if (meta.all_greedy and meta.max_num_logprobs is None and meta.logit_bias is None
+                and meta.min_tokens_mask is None and meta.penalties is None):
+            # Plain greedy: the argmax of the logits as they come (bf16 on a GPU).  Every
+            # bf16/fp16 value is exact in fp32, so this is the token the fp32 path would
+            # pick (first maximum on ties), without writing and re-reading an fp32 copy
+            # of [N, vocab] (~50 us per step at 250 rows of a 128k vocabulary).
+            return SamplerOutput(sampled_token_ids=_argmax(logits), logprobs=None)
         logits = logits.float()
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if meta.max_num_logprobs is not None else None)

@@ -35,8 +35,10 @@ LENGTHS = [2, 7, 8, 9, 63, 100, 255, 257, 512, 600, 1024, 1300, 2048, 2300]
 
 def _run(graphs: bool, prompts: list[list[int]], alone: bool,
          max_capture: int = 2048) -> list[tuple[list[int], list[dict]]]:
+    # "normal" dummy weights: logits far enough apart for bf16 tokens to compare.
     llm = LLM(write_dummy_model("smollm2-135m"), load_format="dummy",
-              skip_tokenizer_init=True, max_model_len=4096, kv_cache_memory_bytes=1 << 30,
+              model_loader_extra_config={"dummy_init": "normal"}, skip_tokenizer_init=True,
+              max_model_len=4096, kv_cache_memory_bytes=1 << 30,
               enforce_eager=not graphs, seed=0, max_cudagraph_capture_size=max_capture,
               max_num_batched_tokens=None if alone else 512)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)

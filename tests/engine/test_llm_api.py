@@ -152,6 +152,9 @@ def test_cli_errors_are_one_line():
     r = _cli("generate", "hi", "--model", "/nonexistent.gguf")
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "model" in r.stderr.strip().splitlines()[-1]
+    r = _cli("generate", "hi", "--model-loader-extra-config", "{bad")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--model-loader-extra-config" in r.stderr.strip().splitlines()[-1]
 
 
 def test_cli_serve_without_server_dependencies():

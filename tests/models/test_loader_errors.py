@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -28,8 +29,9 @@ def _save_tiny(path: str) -> str:
     return path
 
 
-def _load(path: str, load_format: str = "auto") -> torch.nn.Module:
-    cfg = EngineArgs(model=path, device="cpu", load_format=load_format).create_engine_config()
+def _load(path: str, load_format: str = "auto", **kw: Any) -> torch.nn.Module:
+    cfg = EngineArgs(model=path, device="cpu", load_format=load_format,
+                     **kw).create_engine_config()
     return load_model(cfg.model_config, torch.device("cpu"), TorchReferenceBackend())
 
 
@@ -121,3 +123,26 @@ def test_dummy_load_runs(tmp_path) -> None:
     logits = s.step({0: [1, 2, 3, 4, 5]})[0]
     assert logits.shape == (5, 128) and torch.isfinite(logits).all()
     assert logits.std() > 0
+
+
+def test_dummy_init_uniform_default_and_normal(tmp_path) -> None:
+    """Dummy weights: vLLM's uniform(-1e-3, 1e-3) on every parameter by default;
+    ``{"dummy_init": "normal"}`` gives normal(0, 0.02) with norm weights 1."""
+    path = _save_tiny(str(tmp_path / "m"))
+    uni = _load(path, load_format="dummy")
+    norm = _load(path, load_format="dummy",
+                 model_loader_extra_config={"dummy_init": "normal"})
+    for name, p in uni.named_parameters():
+        assert p.abs().max() <= 1e-3 and p.std() > 1e-4, name
+    params = dict(norm.named_parameters())
+    assert all(bool((p == 1).all()) for n, p in params.items() if n.endswith("norm.weight"))
+    w = params["model.layers.0.mlp.down_proj.weight"]
+    assert 0.015 < float(w.std()) < 0.025
+
+
+@pytest.mark.parametrize("extra", [{"dummy_init": "zeros"}, {"other": 1}, "normal"])
+def test_model_loader_extra_config_rejected(tmp_path, extra) -> None:
+    path = _save_tiny(str(tmp_path / "m"))
+    with pytest.raises(ValueError, match="model_loader_extra_config"):
+        EngineArgs(model=path, device="cpu", load_format="dummy",
+                   model_loader_extra_config=extra).create_engine_config()
