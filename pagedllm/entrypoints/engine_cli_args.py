@@ -11,8 +11,8 @@ from pagedllm.config import DTYPES, EngineArgs
 
 
 def _json_object(text: str) -> dict[str, Any]:
-    """argparse type: a JSON object (argparse turns the ValueError into a one-line
-    usage error naming the flag)."""
+    """argparse type: a JSON object (argparse turns ArgumentTypeError into a one-line
+    usage error naming the flag, exit status 2)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:

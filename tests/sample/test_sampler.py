@@ -28,6 +28,24 @@ def test_all_greedy_is_argmax() -> None:
     assert out.logprobs is None
 
 
+def test_greedy_on_bf16_logits_is_the_fp32_argmax() -> None:
+    """A plain greedy batch takes the argmax of bf16 logits as they are (no fp32 copy):
+    the same tokens as the fp32 path, first index on ties; with logprobs asked, the
+    logprobs are still computed in fp32."""
+    logits = rand_logits(8, 512).to(torch.bfloat16)
+    logits[3, 10] = logits[3, 400] = 30.0  # a tie: the first index wins
+    greedy = [Req(SamplingParams(temperature=0.0)) for _ in range(8)]
+    out = sample(logits, greedy)
+    assert torch.equal(out.sampled_token_ids, logits.float().argmax(-1))
+    assert int(out.sampled_token_ids[3]) == 10
+    with_lp = sample(logits, [Req(SamplingParams(temperature=0.0, logprobs=2))
+                              for _ in range(8)])
+    assert torch.equal(with_lp.sampled_token_ids, out.sampled_token_ids)
+    assert with_lp.logprobs is not None and with_lp.logprobs.logprobs.dtype == torch.float32
+    want = torch.log_softmax(logits.float(), -1).gather(1, out.sampled_token_ids[:, None])
+    assert torch.allclose(with_lp.logprobs.logprobs[:, :1], want)
+
+
 def test_greedy_rows_in_mixed_batch_are_argmax() -> None:
     logits = rand_logits(6)
     reqs = [Req(SamplingParams(temperature=0.0 if i % 2 else 1.5, top_k=5 if i % 2 == 0
