@@ -10,7 +10,9 @@ SAME_SERVER=1 RATES="10 20" bash benchmarks/w2_suite.sh > /dev/null 2>&1
 grep -E "ready to serve|rc=" "$OUT/same_w2.log"
 for f in "$OUT"/same_w2_rate*.json; do
   python3 -c "
-import json,sys; d=json.load(open('$f'))
-print('$f'.split('/')[-1], {k: round(v, 2) for k, v in d.items() if isinstance(v, (int, float))
-      and any(s in k for s in ('ttft', 'tpot', 'failed', 'output_throughput'))})"
+import json, sys
+d = json.load(open(sys.argv[1]))
+ms = {k: f\"{d[k + '_s']['p50'] * 1e3:.1f} / {d[k + '_s']['p99'] * 1e3:.1f}\" for k in ('ttft', 'tpot')}
+print(sys.argv[1].split('/')[-1], 'TTFT p50/p99', ms['ttft'], 'TPOT p50/p99', ms['tpot'],
+      'ms; failed', d['failed'])" "$f"
 done
