@@ -5,6 +5,11 @@ Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) are the same graph with flag
 
   ids -> embed -> [ norm(+res) -> qkv -> (qk-norm) -> rope -> paged attn -> o
                     -> norm(+res) -> gate_up -> silu*mul -> down ] x L -> norm -> hidden
+
+With ``last_only`` the last layer keeps, after its attention, only each request's last
+token: the other rows' KV is already written, and nothing downstream reads their hidden
+states, so the last o_proj, MLP and final norm run on ``num_reqs`` rows, not on every
+prompt token (about 1/L of a prompt's GEMM work).
 """
 
 from __future__ import annotations
@@ -86,9 +91,11 @@ class LlamaAttention(nn.Module):
 
         return qkv_rope_supported(self.head_dim, rope.cos_sin_cache.shape[-1])
 
-    def forward(self, rope: RopeInputs, x: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """``rope``: this step's inputs from ``RotaryEmbedding.inputs``."""
+    def forward(self, rope: RopeInputs, x: torch.Tensor, meta: AttentionMetadata,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``rope``: this step's inputs from ``RotaryEmbedding.inputs``.  ``rows``: the
+        token rows to keep after attention (the output has one row per index, in that
+        order); None keeps every row.  q, k, v and the KV write always cover every row."""
         t = x.shape[0]
         if self._fused_qkv_rope(x, rope):
             # Batch-1 decode: one kernel projects, rotates q and k and writes k/v into
@@ -100,7 +107,7 @@ class LlamaAttention(nn.Module):
                 rope.cos_sin_cache, self.attn.kv_cache, meta.slot_mapping,
                 num_heads=self.qkv_proj.num_heads, num_kv_heads=self.qkv_proj.num_kv_heads,
                 head_dim=self.head_dim)
-            return self.o_proj(self.attn.attend_cached(qkv[:, :self.q_size], meta))
+            return self._out(self.attn.attend_cached(qkv[:, :self.q_size], meta), rows)
         qkv = self.qkv_proj(x)
         q_end = self.q_size
         k_end = q_end + self.kv_size
@@ -111,7 +118,7 @@ class LlamaAttention(nn.Module):
         else:
             q, k = qkv[:, :q_end], qkv[:, q_end:k_end]
         if self.attn.backend.fuses_rope:  # one kernel rotates and writes the KV cache
-            return self.o_proj(self.attn(q, k, v, meta, rope))
+            return self._out(self.attn(q, k, v, meta, rope), rows)
         if self.qk_norm:
             q, k = rope.rotate(q), rope.rotate(k)
         else:
@@ -119,7 +126,12 @@ class LlamaAttention(nn.Module):
             # pass over a [T, Hq + Hk, D] view, then take views of the result.
             qk = rope.rotate(qkv[:, :k_end].view(t, -1, self.head_dim))
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        return self.o_proj(self.attn(q, k, v, meta))
+        return self._out(self.attn(q, k, v, meta), rows)
+
+    def _out(self, attn_out: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        if rows is not None:
+            attn_out = attn_out.index_select(0, rows)
+        return self.o_proj(attn_out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -132,16 +144,20 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, rope: RopeInputs, hidden: torch.Tensor,
-                residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                residual: torch.Tensor | None, meta: AttentionMetadata,
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's residual convention: the residual stream is carried separately and
-        added inside the next norm, so each layer returns ``(mlp_out, residual)``."""
+        added inside the next norm, so each layer returns ``(mlp_out, residual)``.
+        ``rows``: keep only those token rows from the attention output on (see
+        ``LlamaAttention.forward``)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)  # type: ignore[assignment]
         else:
             hidden, residual = self.input_layernorm(hidden, residual)  # type: ignore[misc]
-        hidden = self.self_attn(rope, hidden, meta)
+        hidden = self.self_attn(rope, hidden, meta, rows)
+        if rows is not None:
+            residual = residual.index_select(0, rows)
         hidden, residual = self.post_attention_layernorm(hidden, residual)  # type: ignore
         return self.mlp(hidden), residual
 
@@ -160,12 +176,16 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, last_only: bool = False) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb.inputs(positions, hidden.dtype)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden, residual = layer(rope, hidden, residual, meta)
+        # A decode-only step (max_query_len 1) has one row per request already.
+        rows = meta.query_start_loc[1:] - 1 if last_only and meta.max_query_len > 1 \
+            else None
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(rope, hidden, residual, meta, rows if i == last else None)
         hidden, _ = self.norm(hidden, residual)  # type: ignore[misc]
         return hidden
 
@@ -173,7 +193,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The model interface the model runner uses (identical for every architecture):
 
-    * ``forward(input_ids [T] long, positions [T] long, meta) -> hidden [T, hidden]``
+    * ``forward(input_ids [T] long, positions [T] long, meta) -> hidden [T, hidden]``;
+      with ``last_only=True``, ``[meta.num_reqs, hidden]``: row i is request i's last
+      token (``meta.query_start_loc[i + 1] - 1``), the only rows logits are sampled from
     * ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` in the model's dtype (only the
       rows given)
     * ``bind_kv_caches(list of per-layer caches, layer order)``
@@ -211,8 +233,8 @@ class LlamaForCausalLM(nn.Module):
         return LlamaAttention(config, backend, qkv_bias=bias, o_bias=bias)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+                meta: AttentionMetadata, last_only: bool = False) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, last_only)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -7,7 +7,8 @@ step's inputs copied into static buffers.
                                     ──► chunk graph of the smallest size T >= t
    static buffers[:t] <- inputs          static buffers[t:T] <- padding
    (ids 0, positions 0, slot -1 = no write; padded requests own no token)
-   graph.replay()  ──► hidden[:t]
+   graph.replay()  ──► hidden[:t]  (a chunk graph captured last_only: hidden[:n], the
+                                     n requests' last tokens)
 ```
 
 Two families of graphs share one memory pool:
@@ -141,8 +142,12 @@ class CudaGraphRunner:
                  max_blocks_per_req: int, block_size: int, max_model_len: int,
                  max_num_batched_tokens: int,
                  max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE,
-                 memory_margin: int = GRAPH_MEMORY_MARGIN) -> None:
+                 memory_margin: int = GRAPH_MEMORY_MARGIN, last_only: bool = False) -> None:
+        """``last_only``: chunk graphs run the model's ``last_only`` forward and return one
+        row per request slot (each request's last token); decode graphs return one row per
+        token either way (a decode token is its request's last)."""
         self.model = model
+        self.last_only = last_only
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -215,12 +220,14 @@ class CudaGraphRunner:
                 self.chunk_qsl[0] = 0
                 self.seq_lens[0] = tokens
             meta = self._meta(shape)
+            last = self.last_only and not shape.decode
             for _ in range(2):  # warm up (Triton autotune/compile) outside the graph
-                self.model(self.input_ids[:tokens], self.positions[:tokens], meta)
+                self.model(self.input_ids[:tokens], self.positions[:tokens], meta, last)
             torch.cuda.synchronize(self.device)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                out = self.model(self.input_ids[:tokens], self.positions[:tokens], meta)
+                out = self.model(self.input_ids[:tokens], self.positions[:tokens], meta,
+                                 last)
             if self.pool is None:
                 self.pool = g.pool()
             # Time two replays (GPU time: an eager forward's time is mostly its host's
@@ -270,7 +277,8 @@ class CudaGraphRunner:
             ) -> torch.Tensor:
         """Replay the graph captured for ``shape`` on this step's ``t <= tokens`` tokens
         of ``n <= reqs`` requests; ``fix`` patches the device input ids (in-flight
-        tokens) before the replay."""
+        tokens) before the replay.  Returns the hidden states of the ``t`` tokens, or of
+        the ``n`` requests' last tokens for a chunk graph captured ``last_only``."""
         reqs, tokens = shape.reqs, shape.tokens
         t, n = len(inp.input_ids), len(inp.seq_lens)
         nb = inp.block_tables.shape[1]
@@ -300,4 +308,4 @@ class CudaGraphRunner:
         if fix is not None:
             fix(self.input_ids[:t])
         self.graphs[shape].replay()
-        return self.outputs[shape][:t]
+        return self.outputs[shape][:n if self.last_only and not shape.decode else t]

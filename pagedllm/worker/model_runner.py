@@ -7,6 +7,7 @@ bottom; the only device->host sync is the wait in ``_finish`` (one per step).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,6 +128,9 @@ class ModelRunner:
         self._prompt_lp_ids: set[str] = set()
         # Swap and copy-on-write moves on the KV tensors (set by the worker).
         self.block_ops: BlockOps | None = None
+        # The model's last layer runs past attention only on the rows logits come from
+        # (models/llama.py); PAGEDLLM_PRUNE_LAST_LAYER=0 runs it on every row (for A/B).
+        self.last_only = os.environ.get("PAGEDLLM_PRUNE_LAST_LAYER", "1") != "0"
 
     @staticmethod
     def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -158,7 +162,8 @@ class ModelRunner:
             self.model, self.device, self.config.scheduler_config.max_num_seqs,
             self.batch.block_table.shape[1], self.block_size, mc.max_model_len,
             self.config.scheduler_config.max_num_batched_tokens,
-            self.config.device_config.max_cudagraph_capture_size, memory_margin)
+            self.config.device_config.max_cudagraph_capture_size, memory_margin,
+            last_only=self.last_only)
         self.graphs.capture()
 
     # -- 1. apply the scheduler's diffs ------------------------------------------------
@@ -209,21 +214,23 @@ class ModelRunner:
             seq_lens_cpu=torch.from_numpy(inp.seq_lens), block_size=self.block_size)
 
     def _forward(self, inp: StepInputs, fix: Callable[[torch.Tensor], None] | None,
-                 ) -> torch.Tensor:
-        """Hidden states of every scheduled token: a CUDA-graph replay when the step fits
-        a captured shape (``worker/cuda_graphs.py``), an eager forward otherwise.  ``fix``
+                 last_only: bool) -> torch.Tensor:
+        """Hidden states of every scheduled token, or with ``last_only`` of each
+        request's last one (row i: request i): a CUDA-graph replay when the step fits a
+        captured shape (``worker/cuda_graphs.py``), an eager forward otherwise.  ``fix``
         patches the device input ids (tokens still in flight) before the model reads them."""
         num_reqs = len(inp.seq_lens)
         if self.graphs is not None:
             shape = self.graphs.padded_shape(len(inp.input_ids), num_reqs,
                                              inp.max_query_len)
-            if shape is not None:
+            # A chunk graph returns what it was captured for: every row, or the last ones.
+            if shape is not None and (shape.decode or last_only == self.graphs.last_only):
                 return self.graphs.run(inp, shape, fix, self.h2d.parity)
         meta = self._metadata(inp)
         ids = self.h2d("ids", inp.input_ids)
         if fix is not None:
             fix(ids)
-        return self.model(ids, self.h2d("pos", inp.positions), meta)
+        return self.model(ids, self.h2d("pos", inp.positions), meta, last_only)
 
     def _pending_fix(self, order: list[str], inp: StepInputs,
                      ) -> tuple[np.ndarray, Callable[[torch.Tensor], None] | None]:
@@ -266,7 +273,9 @@ class ModelRunner:
         num_computed = np.fromiter((computed[r] for r in order), np.int64, len(order))
         inp = self.batch.prepare(rows, num_computed, num_new)
         pending, fix = self._pending_fix(order, inp)
-        hidden = self._forward(inp, fix)
+        # Prompt logprobs read the hidden state of every prompt token.
+        last_only = self.last_only and not (self._prompt_lp_ids and inp.max_query_len > 1)
+        hidden = self._forward(inp, fix, last_only)
 
         # Sample only requests whose known tokens (incl. one still in flight) are all
         # computed after this step.
@@ -276,7 +285,8 @@ class ModelRunner:
         handle = StepHandle(self, ModelRunnerOutput(
             req_ids=order, sampled_token_ids=[[] for _ in order]), states, sample_idx)
         if len(sample_idx):
-            logits_idx = self.h2d("logits_idx", inp.query_start_loc[1:][sample_idx] - 1)
+            rows = sample_idx if last_only else inp.query_start_loc[1:][sample_idx] - 1
+            logits_idx = self.h2d("logits_idx", rows)
             logits = self.model.compute_logits(hidden[logits_idx])
             # A request's in-flight token counts towards min_tokens already.
             smeta = SamplingMetadata.build(states, self.device, self.vocab_size,

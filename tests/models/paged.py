@@ -61,9 +61,11 @@ class PagedSession:
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
 
-    def step(self, new_tokens: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+    def step(self, new_tokens: dict[int, list[int]],
+             last_only: bool = False) -> dict[int, torch.Tensor]:
         """Process ``new_tokens[req]`` for each request; returns each request's logits for
-        all its new tokens (``[q, vocab]`` float32)."""
+        all its new tokens (``[q, vocab]`` float32), or with ``last_only`` (the model's
+        forward flag) for its last new token only (``[1, vocab]``)."""
         reqs = list(new_tokens)
         ctx, qlens = [], []
         for r in reqs:
@@ -79,11 +81,12 @@ class PagedSession:
         ids = torch.tensor([t for r in reqs for t in new_tokens[r]], dtype=torch.long,
                            device=self.device)
         with torch.inference_mode():
-            hidden = self.model(ids, positions_for(ctx, qlens).to(self.device), meta)
+            hidden = self.model(ids, positions_for(ctx, qlens).to(self.device), meta,
+                                last_only=last_only)
             logits = self.model.compute_logits(hidden)  # type: ignore[operator]
         out, start = {}, 0
-        for r, c, q in zip(reqs, ctx, qlens):
-            out[r] = logits[start:start + q]
+        for i, (r, c, q) in enumerate(zip(reqs, ctx, qlens)):
+            out[r] = logits[i:i + 1] if last_only else logits[start:start + q]
             start += q
             self.lens[r] = c + q
         return out

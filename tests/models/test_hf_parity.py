@@ -140,6 +140,29 @@ def test_mixed_batch(pair, backend: str) -> None:
                                    rtol=0)
 
 
+def test_last_only_keeps_each_requests_last_token(pair) -> None:
+    """``last_only``: the last layer runs past attention only on each request's last
+    token; those rows' logits still equal HF's, and the KV the skipped rows wrote is the
+    full forward's (a later decode over it matches too)."""
+    prompts = {r: _prompt(n, seed=20 + r) for r, n in enumerate([26, 1, 14])}
+    s = _session(pair, seed=4)
+    steps = [{0: (0, 10), 1: (0, 1), 2: (0, 14)}, {0: (10, 26), 1: (1, 1)}]
+    got: dict[int, torch.Tensor] = {}
+    for step in steps:
+        todo = {r: prompts[r][a:b] for r, (a, b) in step.items() if b > a}
+        for r, logits in s.step(todo, last_only=True).items():
+            assert logits.shape[0] == 1
+            got[r] = logits[0]
+    for r, ids in prompts.items():
+        torch.testing.assert_close(got[r], _hf_logits(pair[1], ids)[-1], atol=ATOL, rtol=0)
+    # One decode token each on top (max_query_len 1: no rows dropped).
+    nxt = {r: [int(got[r].argmax())] for r in prompts}
+    out = s.step(nxt, last_only=True)
+    for r, ids in prompts.items():
+        ref = _hf_logits(pair[1], ids + nxt[r])[-1]
+        torch.testing.assert_close(out[r][0], ref, atol=ATOL, rtol=0)
+
+
 def test_batch1_decodes_on_the_gemv_path(pair, monkeypatch) -> None:
     """Batch-1 decode steps through the GEMV kernels (``kernels/gemv.py``, interpreted on
     CPU): every projection, and down_proj with SiLU-and-mul fused into its input read.
