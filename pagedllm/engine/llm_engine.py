@@ -10,6 +10,7 @@ from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core_client import InprocClient
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
+from pagedllm.gc_heap import freeze_gc_heap
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -32,6 +33,8 @@ class LLMEngine:
             config.model_config, self.tokenizer, self.client.max_tokens_per_request,
             max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # The core runs in this process: keep its start-up heap out of full collections.
+        freeze_gc_heap("LLM engine")
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

@@ -84,3 +84,35 @@ def profile_run(worker: Worker) -> int:
     worker.model.bind_kv_caches([None] * mc.num_layers)  # type: ignore[list-item]
     torch.cuda.empty_cache()
     return int(peak)
+
+
+@torch.inference_mode()
+def warm_logits_and_sampling(worker: Worker) -> None:
+    """Run, once at start-up, what a step does outside its CUDA graph at every batch size
+    it can have: the lm_head GEMM at each row count 1 .. ``max_num_seqs``, then greedy and
+    random sampling at ``max_num_seqs`` rows.
+
+    * cuBLAS picks its kernel by row count, and CUDA loads a kernel's module on its first
+      launch (lazy loading, the default).  Unwarmed, a first W1 run on an H200 met 25
+      such first launches as its batch grew, each stalling its step's launch 20-35 ms
+      (a second run had none).  The graphs' GEMMs were loaded at capture.
+    * The caching allocator then holds blocks for the largest logits and sampling
+      tensors, which smaller steps split, so no step waits on a cudaMalloc.
+
+    Run after the CUDA graphs are captured (their memory pool is separate); the memory
+    plan's profile already counted these tensors.
+    """
+    mc, sc = worker.config.model_config, worker.config.scheduler_config
+    dev = worker.device
+    rows = sc.max_num_seqs
+    hidden = torch.zeros(rows, mc.hf_config.hidden_size, dtype=worker.dtype, device=dev)
+    for m in range(1, rows):
+        worker.model.compute_logits(hidden[:m])
+    logits = worker.model.compute_logits(hidden)
+    sampler = Sampler()
+    for params in (SamplingParams(temperature=0.0, max_tokens=1),
+                   SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=1)):
+        states = [_DummyReq(params, [1]) for _ in range(rows)]
+        sampler(logits, SamplingMetadata.build(states, dev, mc.vocab_size))
+    torch.cuda.synchronize(dev)
+    del hidden, logits

@@ -9,6 +9,7 @@ activation peak.  The plan is logged once at start-up.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -24,7 +25,7 @@ from pagedllm.worker.cuda_graphs import (
     graph_memory_margin,
 )
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
-from pagedllm.worker.profile import profile_run, profile_tokens
+from pagedllm.worker.profile import profile_run, profile_tokens, warm_logits_and_sampling
 
 logger = logging.getLogger("pagedllm")
 
@@ -155,6 +156,11 @@ class Worker:
         self.runner.block_ops = BlockOps(self.kv_caches, self.swap_caches)
         if self.device.type == "cuda" and not self.config.device_config.enforce_eager:
             self.runner.capture_cuda_graphs(self.graph_margin)
+        if self.device.type == "cuda" and os.environ.get("PAGEDLLM_WARM_LOGITS", "1") != "0":
+            t0 = time.perf_counter()
+            warm_logits_and_sampling(self)
+            logger.info("warmed lm_head at 1-%d rows and the sampler in %.2f s",
+                        self.config.scheduler_config.max_num_seqs, time.perf_counter() - t0)
         tokens = (num_blocks - 1) * cc.block_size
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency at "
