@@ -4,6 +4,9 @@ One forward of ``max_num_batched_tokens`` tokens spread over ``min(max_num_seqs,
 requests (all prefill, so attention does its largest work), logits for every request and
 a full random-sampling pass, against a temporary KV cache just big enough for it.  The
 peak of ``torch.cuda.max_memory_allocated`` is what the KV cache must leave room for.
+
+``warm_logits_and_sampling`` runs the same logits and sampling work once more after the
+graphs are captured, at every batch size, so no serving step pays a first launch.
 """
 
 from __future__ import annotations
@@ -92,10 +95,11 @@ def warm_logits_and_sampling(worker: Worker) -> None:
     it can have: the lm_head GEMM at each row count 1 .. ``max_num_seqs``, then greedy and
     random sampling at ``max_num_seqs`` rows.
 
-    * cuBLAS picks its kernel by row count, and CUDA loads a kernel's module on its first
-      launch (lazy loading, the default).  Unwarmed, a first W1 run on an H200 met 25
-      such first launches as its batch grew, each stalling its step's launch 20-35 ms
-      (a second run had none).  The graphs' GEMMs were loaded at capture.
+    * cuBLAS picks its kernel by row count, and each kernel's first launch is slow,
+      most likely because CUDA loads modules lazily (the default).  Without this warm-up
+      a first W1 run on an H200 had 25 step launches of 20-35 ms as its batch grew, one
+      every ~8 rows, and a second run had none.  The graphs' GEMMs were first launched
+      at capture.
     * The caching allocator then holds blocks for the largest logits and sampling
       tensors, which smaller steps split, so no step waits on a cudaMalloc.
 
