@@ -15,10 +15,7 @@ import time
 
 import torch
 
-from pagedllm import LLM
 from pagedllm.benchmarks import throughput as tp
-from pagedllm.benchmarks.workloads import BenchRequest, write_dummy_model
-from pagedllm.entrypoints.engine_cli_args import engine_args_from_cli
 from pagedllm.kernels import compile_stats
 
 _gc = {"n2": 0, "s": 0.0, "t0": 0.0, "max": 0.0, "n01": 0, "s01": 0.0, "max01": 0.0}
@@ -39,17 +36,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     tp.add_args(p)
     args = p.parse_args()
-    args.model, args.load_format = write_dummy_model(args.dummy), "dummy"
-    args.skip_tokenizer_init = True
-    eargs = engine_args_from_cli(args)
-    llm = LLM(eargs.model, **{k: v for k, v in vars(eargs).items()
-                              if k not in ("model", "extra")})
+    llm = tp.build_llm(args)
     reqs = tp._requests(args, llm)
     gc.callbacks.append(_gc_cb)
     keys = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+    mem = torch.cuda.memory_stats if torch.cuda.is_available() else dict
     for i in range(args.repeats + 1):
-        run = reqs if i else [BenchRequest(r.prompt_token_ids, 8) for r in reqs[-8:]]
-        mem = torch.cuda.memory_stats if torch.cuda.is_available() else dict
+        run = reqs if i else tp.warmup_requests(reqs)
         m0 = mem()
         c0 = compile_stats.snapshot()
         g0 = dict(_gc)

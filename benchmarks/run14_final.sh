@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Run 14's closing call: W1 on the final code (3 repeats, clocks and power logged),
-# W1-small, then W2 at 10 and 20 req/s on one server (SAME_SERVER protocol).
+# W4 too when W4=1 (run 15's closing call), W1-small, then W2 at 10 and 20 req/s on one
+# server (SAME_SERVER protocol).
 set -uo pipefail
 source benchmarks/device_env.sh
 REPEATS=3 VARIANTS="final=" bash benchmarks/env_ab.sh 1
+if [ "${W4:-0}" = 1 ]; then
+  python -m pagedllm bench latency --dummy llama3-8b --output-json "$OUT/w4.json" 2>&1 \
+    | grep -E "TPOT|TTFT"
+fi
 python -m pagedllm bench throughput --workload W1-small --dummy smollm2-135m --no-hf \
   --scheduling-policy throughput --output-json "$OUT/w1small.json" 2>&1 | grep -E "^W1-small"
 SAME_SERVER=1 RATES="10 20" bash benchmarks/w2_suite.sh > /dev/null 2>&1

@@ -83,9 +83,8 @@ def _run_pagedllm(llm: Any, reqs: list[BenchRequest]) -> float:
     return dt
 
 
-def main(args: argparse.Namespace) -> int:
-    import torch
-
+def build_llm(args: argparse.Namespace) -> Any:
+    """The ``LLM`` the parsed flags describe (``--dummy``: that shape, dummy weights)."""
     from pagedllm import LLM
 
     if args.dummy:
@@ -95,16 +94,27 @@ def main(args: argparse.Namespace) -> int:
         args.skip_tokenizer_init = True
     eargs = engine_args_from_cli(args)
     kwargs = {k: v for k, v in vars(eargs).items() if k not in ("model", "extra")}
-    llm = LLM(eargs.model, **kwargs)
+    return LLM(eargs.model, **kwargs)
+
+
+def warmup_requests(reqs: list[BenchRequest]) -> list[BenchRequest]:
+    """8 of the workload's prompts at full length, 8 tokens each."""
+    return [BenchRequest(r.prompt_token_ids, 8) for r in reqs[-8:]]
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    llm = build_llm(args)
     all_reqs = _requests(args, llm)
     if args.workload in ("C1", "custom"):
         groups = [(f"batch {b}", all_reqs[:b]) for b in
                   (int(x) for x in args.batch_sizes.split(","))]
     else:
         groups = [(args.workload, all_reqs)]
-    # Warm-up: 8 of the workload's prompts at full length, 8 tokens each (allocator,
-    # kernels and cuBLAS for prefill-sized steps; decode graphs are captured at start).
-    _run_pagedllm(llm, [BenchRequest(r.prompt_token_ids, 8) for r in all_reqs[-8:]])
+    # Warm-up (allocator, kernels and cuBLAS for prefill-sized steps; decode graphs are
+    # captured at start).
+    _run_pagedllm(llm, warmup_requests(all_reqs))
 
     hf_model = None
     if args.hf:

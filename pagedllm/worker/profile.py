@@ -35,6 +35,15 @@ class _DummyReq:
         self.eos_token_id = None
 
 
+# Random sampling with every truncation on: the sampler's largest working set.
+_RANDOM = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=1)
+
+
+def _sample_every_row(logits: torch.Tensor, params: SamplingParams, vocab_size: int) -> None:
+    states = [_DummyReq(params, [1]) for _ in range(logits.shape[0])]
+    Sampler()(logits, SamplingMetadata.build(states, logits.device, vocab_size))
+
+
 def profile_tokens(sc: SchedulerConfig, max_model_len: int) -> int:
     """Tokens of the maximal step ``profile_run`` profiles."""
     return min(sc.max_num_batched_tokens, sc.max_num_seqs * max_model_len)
@@ -78,9 +87,7 @@ def profile_run(worker: Worker) -> int:
         seq_lens_cpu=torch.from_numpy(inp.seq_lens), block_size=bs)
     hidden = worker.model(d(inp.input_ids), d(inp.positions), meta)
     logits = worker.model.compute_logits(hidden[d(inp.query_start_loc[1:] - 1).long()])
-    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=1)
-    states = [_DummyReq(params, [1]) for _ in range(reqs)]
-    Sampler()(logits, SamplingMetadata.build(states, dev, mc.vocab_size))
+    _sample_every_row(logits, _RANDOM, mc.vocab_size)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev)
     del hidden, logits, caches
@@ -113,10 +120,7 @@ def warm_logits_and_sampling(worker: Worker) -> None:
     for m in range(1, rows):
         worker.model.compute_logits(hidden[:m])
     logits = worker.model.compute_logits(hidden)
-    sampler = Sampler()
-    for params in (SamplingParams(temperature=0.0, max_tokens=1),
-                   SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=1)):
-        states = [_DummyReq(params, [1]) for _ in range(rows)]
-        sampler(logits, SamplingMetadata.build(states, dev, mc.vocab_size))
+    for params in (SamplingParams(temperature=0.0, max_tokens=1), _RANDOM):
+        _sample_every_row(logits, params, mc.vocab_size)
     torch.cuda.synchronize(dev)
     del hidden, logits
