@@ -34,6 +34,9 @@ class ModelConfig:
     trust_remote_code: bool
     # How load_format="dummy" draws weights (EngineArgs.model_loader_extra_config).
     dummy_init: str = "uniform"
+    # The linear layers' quantisation method (layers/quantization/), None = the dtype
+    # above; resolved from quantization= and the checkpoint.
+    quantization: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -155,6 +158,9 @@ class EngineArgs:
     load_format: str = "auto"  # "auto" | "safetensors" | "gguf" | "dummy"
     # vLLM's name.  One key: {"dummy_init": "uniform" | "normal"} (load_format "dummy").
     model_loader_extra_config: dict[str, Any] | None = None
+    # None: detect from the checkpoint (quantization_config / GGUF tensor types);
+    # a method name quantises or checks; "none" keeps unquantised weights.
+    quantization: str | None = None
     seed: int = 0
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
@@ -210,9 +216,14 @@ class EngineArgs:
         if isinstance(sw, bool) or not isinstance(sw, (int, float)) or not 0 <= sw <= 1024:
             raise ValueError(f"swap_space must be a number of GiB in [0, 1024], got {sw!r}")
 
+        from pagedllm.layers.quantization import resolve_quantization
+
+        if self.quantization is not None and not isinstance(self.quantization, str):
+            raise ValueError(f"quantization must be a string, got {self.quantization!r}")
         resolved = resolve_model(self.model, self.tokenizer, self.load_format)
         if hf_config is None:
             hf_config = resolved.load_hf_config(self.trust_remote_code)
+        quantization = resolve_quantization(self.quantization, hf_config)
 
         device = self.device
         if device == "auto":
@@ -243,7 +254,8 @@ class EngineArgs:
             max_model_len=max_model_len, load_format=resolved.load_format, seed=self.seed,
             served_model_name=self.served_model_name or resolved.display_name,
             skip_tokenizer_init=self.skip_tokenizer_init,
-            trust_remote_code=self.trust_remote_code, dummy_init=dummy_init)
+            trust_remote_code=self.trust_remote_code, dummy_init=dummy_init,
+            quantization=quantization)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from pagedllm.config import DTYPES, EngineArgs
+from pagedllm.layers.quantization import quantization_names
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -46,6 +47,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '"uniform"} (the default with --load-format dummy: vLLM\'s '
                         'uniform(-1e-3, 1e-3) on every weight) or "normal" '
                         '(normal(0, 0.02), norm weights 1: well-separated logits).')
+    g.add_argument("--quantization", "-q", default=None,
+                   help="Quantisation method of the linear layers. Default: detected "
+                        "from the checkpoint (config.json's quantization_config, GGUF "
+                        "tensor types); a method name quantises an unquantised checkpoint "
+                        "at load where the method can; 'none' keeps unquantised weights. "
+                        "Choices: " + ", ".join(quantization_names()) + ".")
     g.add_argument("--seed", type=int, default=0,
                    help="Seed for dummy weights and for unseeded random sampling.")
     g.add_argument("--block-size", type=int, default=16,
@@ -108,6 +115,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
         max_model_len=args.max_model_len, load_format=args.load_format, seed=args.seed,
+        quantization=getattr(args, "quantization", None),
         model_loader_extra_config=getattr(args, "model_loader_extra_config", None),
         block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,

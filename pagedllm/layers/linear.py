@@ -13,6 +13,13 @@ Every parameter carries a ``weight_loader(param, loaded_weight, shard_id=None)``
 attribute: the model's ``load_weights`` hands it the *full* checkpoint tensor (HF layout)
 and the loader copies this rank's slice into the right place of the fused parameter.
 Fusing q/k/v and gate/up into one matmul each is also what makes the CPU path fast.
+
+How the weight is stored and multiplied is the layer's ``quant_method``
+(``layers/quantization/``): unquantised by default, or the method the model's
+``QuantizationConfig`` picks for the layer's ``prefix``.  The method registers the
+parameters; the layer shards any of them from their ``output_dim`` / ``input_dim`` /
+``packed_dim`` / ``per_shard`` attributes (``layers/quantization/base.py``), so one
+loader serves plain, FP8, INT4-packed and grouped-scale tensors alike.
 """
 
 from __future__ import annotations
@@ -24,12 +31,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
+from pagedllm.layers.quantization.unquantized import UNQUANTIZED, UnquantizedLinearMethod
 
-def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x W^T`` runs as the batch-1 Triton GEMV (``kernels/gemv.py``): one row on
-    CUDA in bf16/fp16.  For thin layers it reads the weight faster than cuBLAS's split-K
-    kernels (H200 figures in docs/benchmarks.md).  The choice depends only on the row
-    count, so a CUDA graph and an eager run of one batch size agree."""
+
+def gemv_applies(x: torch.Tensor, layer: LinearBase) -> bool:
+    """Whether ``layer(x)`` runs as the batch-1 Triton GEMV (``kernels/gemv.py``): one row
+    on CUDA in bf16/fp16, unquantised weights only.  For thin layers it reads the weight
+    faster than cuBLAS's split-K kernels (H200 figures in docs/benchmarks.md).  The
+    choice depends only on the row count, so a CUDA graph and an eager run of one batch
+    size agree."""
+    weight = layer.unquantized_weight
+    return _gemv_shape(x, weight) if weight is not None else False
+
+
+def _gemv_shape(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
             and weight.dtype in (torch.bfloat16, torch.float16) and _gemv_enabled())
 
@@ -48,7 +64,7 @@ _GEMV: bool | None = None
 def _matmul(x: torch.Tensor, weight: torch.Tensor,
             bias: torch.Tensor | None) -> torch.Tensor:
     """``x W^T + b``: the GEMV where :func:`gemv_applies`, cuBLAS otherwise."""
-    if gemv_applies(x, weight):
+    if _gemv_shape(x, weight):
         from pagedllm.kernels.gemv import gemv
 
         return gemv(x, weight, bias)
@@ -64,37 +80,56 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 
 def _copy_shard(dst: torch.Tensor, loaded: torch.Tensor, dim: int, rank: int,
-                full: int, what: str) -> None:
-    """Copy rank ``rank``'s slice (along ``dim``) of the full checkpoint tensor ``loaded``,
-    which must be ``full`` long on ``dim`` and match ``dst`` elsewhere."""
+                n_ranks: int, what: str) -> None:
+    """Copy rank ``rank``'s slice (along ``dim``, ``dst.shape[dim]`` long) of the full
+    checkpoint tensor ``loaded``, which must be exactly ``n_ranks`` such slices long on
+    ``dim`` and match ``dst`` elsewhere."""
     size = dst.shape[dim]
     expect = list(dst.shape)
-    expect[dim] = full
+    expect[dim] = size * n_ranks
     if list(loaded.shape) != expect:
-        raise ValueError(f"shape mismatch for {what}: expected checkpoint shape "
-                         f"{tuple(expect)}, got {tuple(loaded.shape)}")
+        raise ValueError(f"shape mismatch for {what}: parameter shard {tuple(dst.shape)} "
+                         f"(rank {rank}, dim {dim}) vs checkpoint {tuple(loaded.shape)}")
     dst.copy_(loaded.narrow(dim, rank * size, size))
 
 
-class LinearBase(nn.Module):
-    """``y = x W^T + b`` with ``W: [output_size_per_partition, input_size_per_partition]``.
+def _packed(param: torch.Tensor, dim: int, n: int) -> int:
+    """``n`` logical elements along ``dim`` in stored elements of ``param``."""
+    if getattr(param, "packed_dim", None) == dim:
+        return n // int(param.packed_factor)  # type: ignore[attr-defined]
+    return n
 
-    Parameters are created with ``torch.empty`` in the ambient default dtype/device (the
-    loader builds the model under ``torch.device(...)`` and a default-dtype context), so
-    building an 8B model on a GPU allocates directly there.
+
+class LinearBase(nn.Module):
+    """``y = x W^T + b`` with ``W`` logically ``[output_size_per_partition,
+    input_size_per_partition]``, stored as ``quant_method`` decides.
+
+    Parameters are created in the ambient default dtype/device (the loader builds the
+    model under ``torch.device(...)`` and a default-dtype context), so building an 8B
+    model on a GPU allocates directly there.  ``prefix`` is the layer's module name in
+    the HF checkpoint (``model.layers.0.mlp.gate_up_proj``): quantisation configs pick a
+    method (or none, for ignored layers) by it.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool,
-                 tp_size: int = 1, tp_rank: int = 0) -> None:
+                 tp_size: int = 1, tp_rank: int = 0,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.tp_size, self.tp_rank = tp_size, tp_rank
-        self.weight = nn.Parameter(torch.empty(self.out_per_partition, self.in_per_partition),
-                                   requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.prefix = prefix
+        method = quant_config.get_linear_method(self, prefix) if quant_config else None
+        self.quant_method: LinearMethodBase = method or UNQUANTIZED
+        self.quant_method.create_weights(
+            self, self.in_per_partition, self.output_partition_sizes, input_size,
+            output_size, torch.get_default_dtype())
+        for p in self.parameters(recurse=False):
+            if not hasattr(p, "weight_loader"):
+                p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
             self.bias: nn.Parameter | None = nn.Parameter(
                 torch.empty(self.out_per_partition), requires_grad=False)
+            self.bias.output_dim = 0  # type: ignore[attr-defined]
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.bias = None
@@ -107,12 +142,28 @@ class LinearBase(nn.Module):
     def in_per_partition(self) -> int:
         return self.input_size
 
+    @property
+    def output_partition_sizes(self) -> list[int]:
+        """This rank's rows of each fused shard, in order."""
+        return [self.out_per_partition]
+
+    @property
+    def unquantized_weight(self) -> torch.Tensor | None:
+        """The plain ``[out, in]`` weight, or None when a quantisation method stores it
+        (fused fast paths that read the weight themselves check this)."""
+        if isinstance(self.quant_method, UnquantizedLinearMethod):
+            return self.weight
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _matmul(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
         default_weight_loader(param, loaded)
+
+    def _shard_index(self, shard_id: int | str) -> int:
+        return int(shard_id)
 
 
 class ReplicatedLinear(LinearBase):
@@ -123,10 +174,12 @@ class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; the output stays sharded (no communication)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp_size: int = 1, tp_rank: int = 0) -> None:
+                 tp_size: int = 1, tp_rank: int = 0,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         if output_size % tp_size:
             raise ValueError(f"output size {output_size} not divisible by tp_size {tp_size}")
-        super().__init__(input_size, output_size, bias, tp_size, tp_rank)
+        super().__init__(input_size, output_size, bias, tp_size, tp_rank, quant_config,
+                         prefix)
 
     @property
     def out_per_partition(self) -> int:
@@ -134,7 +187,30 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
-        _copy_shard(param.data, loaded, 0, self.tp_rank, self.output_size, "column shard")
+        dim = getattr(param, "output_dim", None)
+        if shard_id is not None:
+            self._load_fused_shard(param, loaded, shard_id, dim)
+        elif dim is None:
+            default_weight_loader(param, loaded)
+        else:
+            _copy_shard(param.data, loaded, dim, self.tp_rank, self.tp_size, "column shard")
+
+    def _shard_range(self, shard_id: int | str) -> tuple[int, int, int, int]:
+        """``(offset, size, source rank, source ranks)`` of a fused shard in this rank's
+        output rows (logical rows; the caller converts for packing)."""
+        raise ValueError(f"{type(self).__name__} has no fused shards (got {shard_id!r})")
+
+    def _load_fused_shard(self, param: nn.Parameter, loaded: torch.Tensor,
+                          shard_id: int | str, dim: int | None) -> None:
+        if getattr(param, "per_shard", False):  # one entry per fused shard
+            param.data[self._shard_index(shard_id)].copy_(loaded.reshape(()))
+            return
+        if dim is None:  # replicated, identical for every shard (e.g. GPTQ's g_idx)
+            default_weight_loader(param, loaded)
+            return
+        offset, size, rank, n_ranks = self._shard_range(shard_id)
+        dst = param.data.narrow(dim, _packed(param, dim, offset), _packed(param, dim, size))
+        _copy_shard(dst, loaded, dim, rank, n_ranks, f"shard {shard_id!r}")
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -144,20 +220,23 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     rank r holds ``[gate_r; up_r]``."""
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False,
-                 tp_size: int = 1, tp_rank: int = 0) -> None:
+                 tp_size: int = 1, tp_rank: int = 0,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(self.output_sizes), bias, tp_size, tp_rank)
+        super().__init__(input_size, sum(self.output_sizes), bias, tp_size, tp_rank,
+                         quant_config, prefix)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: int | str | None = None) -> None:
-        if shard_id is None:  # an already-fused checkpoint tensor
-            super().weight_loader(param, loaded)
-            return
+    @property
+    def output_partition_sizes(self) -> list[int]:
+        return [s // self.tp_size for s in self.output_sizes]
+
+    def _shard_range(self, shard_id: int | str) -> tuple[int, int, int, int]:
         idx = int(shard_id)
-        size = self.output_sizes[idx] // self.tp_size
-        offset = sum(self.output_sizes[:idx]) // self.tp_size
-        _copy_shard(param.data.narrow(0, offset, size), loaded, 0, self.tp_rank,
-                    self.output_sizes[idx], f"merged shard {idx}")
+        if not 0 <= idx < len(self.output_sizes):
+            raise ValueError(f"merged shard_id must be in [0, {len(self.output_sizes)}), "
+                             f"got {shard_id!r}")
+        sizes = self.output_partition_sizes
+        return sum(sizes[:idx]), sizes[idx], self.tp_rank, self.tp_size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -168,7 +247,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool = False, tp_size: int = 1,
-                 tp_rank: int = 0) -> None:
+                 tp_rank: int = 0, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         if total_num_heads % tp_size:
             raise ValueError(f"num_attention_heads {total_num_heads} not divisible by "
                              f"tp_size {tp_size}")
@@ -177,7 +257,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = max(1, total_num_kv_heads // tp_size)
         self.kv_replicas = max(1, tp_size // total_num_kv_heads)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
-        super().__init__(hidden_size, out, bias, tp_size, tp_rank)
+        super().__init__(hidden_size, out, bias, tp_size, tp_rank, quant_config, prefix)
 
     @property
     def q_size(self) -> int:
@@ -187,22 +267,21 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: int | str | None = None) -> None:
-        if shard_id is None:
-            super().weight_loader(param, loaded)
-            return
-        if shard_id == "q":
-            offset, size, rank = 0, self.q_size, self.tp_rank
-            full = self.q_size * self.tp_size
-        elif shard_id in ("k", "v"):
-            offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
-            size, rank = self.kv_size, self.tp_rank // self.kv_replicas
-            full = self.kv_size * (self.tp_size // self.kv_replicas)
-        else:
+    @property
+    def output_partition_sizes(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def _shard_index(self, shard_id: int | str) -> int:
+        if shard_id not in ("q", "k", "v"):
             raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        _copy_shard(param.data.narrow(0, offset, size), loaded, 0, rank, full,
-                    f"{shard_id}_proj")
+        return "qkv".index(str(shard_id))
+
+    def _shard_range(self, shard_id: int | str) -> tuple[int, int, int, int]:
+        idx = self._shard_index(shard_id)
+        if idx == 0:
+            return 0, self.q_size, self.tp_rank, self.tp_size
+        return self.q_size + (idx - 1) * self.kv_size, self.kv_size, \
+            self.tp_rank // self.kv_replicas, self.tp_size // self.kv_replicas
 
 
 class RowParallelLinear(LinearBase):
@@ -210,22 +289,24 @@ class RowParallelLinear(LinearBase):
     bias is added once, after the reduction."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp_size: int = 1, tp_rank: int = 0) -> None:
+                 tp_size: int = 1, tp_rank: int = 0,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         if input_size % tp_size:
             raise ValueError(f"input size {input_size} not divisible by tp_size {tp_size}")
-        super().__init__(input_size, output_size, bias, tp_size, tp_rank)
+        super().__init__(input_size, output_size, bias, tp_size, tp_rank, quant_config,
+                         prefix)
 
     @property
     def in_per_partition(self) -> int:
         return self.input_size // self.tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(_matmul(x, self.weight, self._local_bias))
+        return self._reduce(self.quant_method.apply(self, x, self._local_bias))
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``forward(silu(gate) * up)`` for ``gate_up = [gate | up]``, with the activation
         fused into the GEMV's read of its input (one kernel instead of two).  Only where
-        ``gemv_applies(gate_up, self.weight)``."""
+        ``gemv_applies(gate_up, self)``."""
         from pagedllm.kernels.gemv import gemv
 
         return self._reduce(gemv(gate_up, self.weight, self._local_bias, silu_mul=True))
@@ -245,7 +326,8 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
-        if param.dim() == 1:  # bias: replicated
+        dim = getattr(param, "input_dim", None)
+        if dim is None:  # bias, per-tensor scales: replicated
             default_weight_loader(param, loaded)
             return
-        _copy_shard(param.data, loaded, 1, self.tp_rank, self.input_size, "row shard")
+        _copy_shard(param.data, loaded, dim, self.tp_rank, self.tp_size, "row shard")

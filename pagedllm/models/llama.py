@@ -33,6 +33,7 @@ from pagedllm.layers.linear import (
     gemv_applies,
 )
 from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.layers.rotary import RopeInputs, RotaryEmbedding, rope_parameters
 
 
@@ -42,15 +43,20 @@ def head_dim_of(config: Any) -> int:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [intermediate] * 2, bias, quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias,
+                                           quant_config=quant_config,
+                                           prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if gemv_applies(gate_up, self.down_proj.weight):
+        if gemv_applies(gate_up, self.down_proj):
             # Batch-1 decode: the activation runs inside down_proj's GEMV.
             return self.down_proj.forward_silu_mul(gate_up)
         return self.down_proj(self.act_fn(gate_up))
@@ -62,15 +68,19 @@ class LlamaAttention(nn.Module):
     RMSNorm on q and k (applied before RoPE)."""
 
     def __init__(self, config: Any, backend: AttentionBackend, *, qkv_bias: bool,
-                 o_bias: bool, qk_norm: bool = False) -> None:
+                 o_bias: bool, qk_norm: bool = False,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads,
-                                          self.num_kv_heads, bias=qkv_bias)
+                                          self.num_kv_heads, bias=qkv_bias,
+                                          quant_config=quant_config,
+                                          prefix=f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
-                                        bias=o_bias)
+                                        bias=o_bias, quant_config=quant_config,
+                                        prefix=f"{prefix}.o_proj")
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
         self.qk_norm = qk_norm
@@ -85,7 +95,7 @@ class LlamaAttention(nn.Module):
         fused in.  Like ``gemv_applies`` it depends only on shapes and types, never on
         data, so graph capture and eager runs of one batch size take the same path."""
         if self.qk_norm or not self.attn.backend.fuses_rope \
-                or not gemv_applies(x, self.qkv_proj.weight):
+                or not gemv_applies(x, self.qkv_proj):
             return False
         from pagedllm.kernels.gemv_rope import qkv_rope_supported
 
@@ -135,11 +145,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, attention: LlamaAttention) -> None:
+    def __init__(self, config: Any, attention: LlamaAttention,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.self_attn = attention
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
-                            bool(getattr(config, "mlp_bias", False)))
+                            bool(getattr(config, "mlp_bias", False)), quant_config,
+                            f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -163,16 +175,20 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, backend: AttentionBackend,
-                 make_attention: Any) -> None:
+    def __init__(self, config: Any, backend: AttentionBackend, make_attention: Any,
+                 quant_config: QuantizationConfig | None = None,
+                 prefix: str = "model") -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table for all layers, gathered once per step in forward().
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
                                           rope_parameters(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, make_attention(config, backend))
-            for _ in range(config.num_hidden_layers))
+            LlamaDecoderLayer(
+                config, make_attention(config, backend, quant_config,
+                                       f"{prefix}.layers.{i}.self_attn"),
+                quant_config, f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -200,6 +216,9 @@ class LlamaForCausalLM(nn.Module):
       rows given)
     * ``bind_kv_caches(list of per-layer caches, layer order)``
     * ``load_weights(iterable of (HF name, tensor))``
+
+    ``quant_config`` (``layers/quantization/``) picks each linear layer's weight format by
+    its HF module name; the embedding and lm_head stay in the model dtype.
     """
 
     # (fused parameter, checkpoint name, shard id)
@@ -208,11 +227,12 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
     ]
 
-    def __init__(self, hf_config: Any, backend: AttentionBackend) -> None:
+    def __init__(self, hf_config: Any, backend: AttentionBackend,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = hf_config
         self.check_config(hf_config)
-        self.model = LlamaModel(hf_config, backend, self.make_attention)
+        self.model = LlamaModel(hf_config, backend, self.make_attention, quant_config)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tied:
@@ -228,9 +248,12 @@ class LlamaForCausalLM(nn.Module):
                              "attention); use a checkpoint without sliding window")
 
     @staticmethod
-    def make_attention(config: Any, backend: AttentionBackend) -> LlamaAttention:
+    def make_attention(config: Any, backend: AttentionBackend,
+                       quant_config: QuantizationConfig | None = None,
+                       prefix: str = "") -> LlamaAttention:
         bias = bool(getattr(config, "attention_bias", False))
-        return LlamaAttention(config, backend, qkv_bias=bias, o_bias=bias)
+        return LlamaAttention(config, backend, qkv_bias=bias, o_bias=bias,
+                              quant_config=quant_config, prefix=prefix)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, last_only: bool = False) -> torch.Tensor:

@@ -32,6 +32,9 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
+from pagedllm.layers.linear import LinearBase
+from pagedllm.layers.quantization import get_quantization_config_class
+from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.models.registry import get_model_class
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,16 +56,31 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+def make_quant_config(model_config: Any, device: torch.device) -> QuantizationConfig | None:
+    """The model's ``QuantizationConfig`` (None when unquantised), checked against the
+    device and dtype it will run on."""
+    name = getattr(model_config, "quantization", None)
+    if name is None:
+        return None
+    cls = get_quantization_config_class(name)
+    qc = cls.from_config(model_config.hf_config, model_config)
+    qc.check_device(device.type, model_config.dtype)
+    return qc
+
+
 def load_model(model_config: Any, device: torch.device,
                backend: AttentionBackend) -> nn.Module:
     """The model for ``model_config`` (a ``pagedllm.config.ModelConfig``) on ``device``,
-    in ``model_config.dtype``, in eval mode, weights loaded per ``load_format``."""
+    in ``model_config.dtype``, in eval mode, weights loaded per ``load_format`` and
+    stored as its quantisation method decides (``layers/quantization/``)."""
     hf_config = model_config.hf_config
     cls = get_model_class(hf_config)
     dtype = _DTYPES[model_config.dtype]
     device = torch.device(device)
+    quant_config = make_quant_config(model_config, device)
     with _default_dtype(dtype), device:
-        model = cls(hf_config, backend)
+        model = cls(hf_config, backend, quant_config) if quant_config is not None \
+            else cls(hf_config, backend)
     fmt = model_config.load_format
     resolved = model_config.resolved
     if fmt == "dummy":
@@ -77,7 +95,23 @@ def load_model(model_config: Any, device: torch.device,
         model.load_weights(iter_gguf(path, hf_config))  # type: ignore[operator]
     else:
         raise ValueError(f"load_format must be safetensors, gguf or dummy, got {fmt!r}")
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LinearBase):
+                module.quant_method.process_weights_after_loading(module)
     return model.eval()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as stored (tied tensors counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
 
 
 def _init_dummy(model: nn.Module, device: torch.device, seed: int, init: str) -> None:
@@ -85,7 +119,14 @@ def _init_dummy(model: nn.Module, device: torch.device, seed: int, init: str) ->
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     with torch.no_grad():
+        owned: set[int] = set()  # parameters a quantisation method filled itself
+        for module in model.modules():
+            if isinstance(module, LinearBase) and module.quant_method.dummy_init(
+                    module, gen, init):
+                owned.update(id(p) for p in module.parameters(recurse=False))
         for name, p in model.named_parameters():
+            if id(p) in owned or not p.is_floating_point():
+                continue
             if init == "uniform":
                 p.uniform_(-1e-3, 1e-3, generator=gen)
             elif name.endswith("norm.weight"):

@@ -7,11 +7,15 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.attention.backend import AttentionBackend
+from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @staticmethod
-    def make_attention(config: Any, backend: AttentionBackend) -> LlamaAttention:
+    def make_attention(config: Any, backend: AttentionBackend,
+                       quant_config: QuantizationConfig | None = None,
+                       prefix: str = "") -> LlamaAttention:
         bias = bool(getattr(config, "attention_bias", False))
-        return LlamaAttention(config, backend, qkv_bias=bias, o_bias=bias, qk_norm=True)
+        return LlamaAttention(config, backend, qkv_bias=bias, o_bias=bias, qk_norm=True,
+                              quant_config=quant_config, prefix=prefix)

@@ -17,7 +17,7 @@ import torch
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
-from pagedllm.models.loader import load_model
+from pagedllm.models.loader import load_model, weight_bytes
 from pagedllm.worker.block_ops import BlockOps, allocate_swap_space
 from pagedllm.worker.cuda_graphs import (
     GRAPH_MEMORY_MARGIN,
@@ -79,8 +79,11 @@ class Worker:
             # Weights must be final before any kernel runs: PDL kernels read weights
             # before waiting for their predecessor (kernels/pdl.py).
             torch.cuda.synchronize(self.device)
-        logger.info("loaded %s (%s, %s) in %.1f s", self.config.model_config.served_model_name,
-                    self.config.model_config.dtype, self.device, time.perf_counter() - t0)
+        mc = self.config.model_config
+        quant = "unquantised" if mc.quantization is None else mc.quantization
+        logger.info("loaded %s (%s, %s, weights %s: %.1f MiB) in %.1f s",
+                    mc.served_model_name, mc.dtype, self.device, quant,
+                    weight_bytes(self.model) / (1 << 20), time.perf_counter() - t0)
 
     def determine_num_blocks(self) -> int:
         mc, cc, sc = self.config.model_config, self.config.cache_config, \

@@ -181,10 +181,10 @@ def test_batch1_decodes_on_the_gemv_path(pair, monkeypatch) -> None:
         calls["silu_mul" if kw.get("silu_mul") else "plain"] += 1
         return real_gemv(*args, **kw)
 
-    def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    def one_row(x: torch.Tensor, weight_or_layer: object) -> bool:
         return x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
 
-    monkeypatch.setattr(linear, "gemv_applies", one_row)
+    monkeypatch.setattr(linear, "_gemv_shape", one_row)
     monkeypatch.setattr(llama, "gemv_applies", one_row)
     monkeypatch.setattr(gemv_mod, "gemv", counting_gemv)
     ids = _prompt(30, seed=6)
