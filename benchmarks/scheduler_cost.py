@@ -31,8 +31,8 @@ from pagedllm.benchmarks.workloads import w1
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.engine.messages import EngineCoreOutputs
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.messages import EngineCoreOutputs
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 

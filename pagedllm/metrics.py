@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pagedllm.engine.messages import EngineCoreOutputs, FinishReason, SchedulerStats
+from pagedllm.messages import EngineCoreOutputs, FinishReason, SchedulerStats
 
 # Buckets as in vLLM (seconds).
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 
-from pagedllm.engine.messages import EngineCoreRequest, FinishReason
+from pagedllm.messages import EngineCoreRequest, FinishReason
 from pagedllm.sampling_params import SamplingParams
 
 

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.layers.rotary import RopeInputs
+from pagedllm.attention.rope import RopeInputs
 
 
 class AttentionBackend(ABC):

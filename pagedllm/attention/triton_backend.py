@@ -17,10 +17,10 @@ import torch
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.rope import RopeInputs
 from pagedllm.kernels.kv_write import write_kv_cache
 from pagedllm.kernels.paged_attention import paged_attention
 from pagedllm.kernels.rotary import rotary_and_write_kv
-from pagedllm.layers.rotary import RopeInputs
 
 
 class TritonAttentionBackend(AttentionBackend):

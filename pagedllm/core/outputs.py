@@ -83,7 +83,7 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class LogprobsLists:
-    """Host-side logprobs of a step: row i = i-th sampled request (see engine.messages)."""
+    """Host-side logprobs of a step: row i = i-th sampled request (see pagedllm.messages)."""
 
     token_ids: list[list[int]]
     logprobs: list[list[float]]

@@ -50,7 +50,7 @@ from pagedllm.core.outputs import (
     SchedulerOutput,
 )
 from pagedllm.core.request_queue import LongestFirstQueue, make_queue
-from pagedllm.engine.messages import (
+from pagedllm.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,

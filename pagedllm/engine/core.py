@@ -14,8 +14,8 @@ import time
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.engine.step_trace import StepTrace
+from pagedllm.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.request import Request
 from pagedllm.worker.model_runner import StepHandle
 from pagedllm.worker.worker import Worker

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.messages import EngineCoreOutputs, EngineCoreRequest
 
 
 class EngineCoreClient(ABC):

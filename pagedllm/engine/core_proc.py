@@ -44,14 +44,14 @@ from typing import Any
 import msgspec
 import zmq
 
-from pagedllm.engine.messages import (
+from pagedllm.gc_heap import freeze_gc_heap
+from pagedllm.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
     SchedulerStats,
 )
-from pagedllm.gc_heap import freeze_gc_heap
 
 logger = logging.getLogger("pagedllm.engine.core_proc")
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pagedllm.config import ModelConfig
-from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.messages import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = str | Sequence[int] | Mapping[str, Any]

@@ -37,7 +37,7 @@ from pagedllm.engine.core_proc import (
     EngineCoreReady,
     run_engine_core,
 )
-from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.messages import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, decode_token
 from pagedllm.engine.input_processor import child_request_id
-from pagedllm.engine.messages import EngineCoreOutputs, FinishReason, LogprobsLists
+from pagedllm.messages import EngineCoreOutputs, FinishReason, LogprobsLists
 from pagedllm.outputs import (
     CompletionOutput,
     Logprob,

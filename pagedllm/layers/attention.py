@@ -7,7 +7,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.layers.rotary import RopeInputs
+from pagedllm.attention.rope import RopeInputs
 
 
 class Attention(nn.Module):

@@ -24,51 +24,25 @@ loader serves plain, FP8, INT4-packed and grouped-scale tensors alike.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
-from pagedllm.layers.quantization.unquantized import UNQUANTIZED, UnquantizedLinearMethod
+from pagedllm.layers.quantization.unquantized import (
+    UNQUANTIZED,
+    UnquantizedLinearMethod,
+    gemv_shape,
+)
 
 
 def gemv_applies(x: torch.Tensor, layer: LinearBase) -> bool:
-    """Whether ``layer(x)`` runs as the batch-1 Triton GEMV (``kernels/gemv.py``): one row
-    on CUDA in bf16/fp16, unquantised weights only.  For thin layers it reads the weight
-    faster than cuBLAS's split-K kernels (H200 figures in docs/benchmarks.md).  The
-    choice depends only on the row count, so a CUDA graph and an eager run of one batch
-    size agree."""
+    """Whether ``layer(x)`` runs as the batch-1 Triton GEMV (``kernels/gemv.py``; see
+    ``quantization.unquantized.gemv_shape``): unquantised weights only, so fused paths
+    that read the weight themselves (GEMV + SiLU, GEMV + RoPE) see a plain tensor."""
     weight = layer.unquantized_weight
-    return _gemv_shape(x, weight) if weight is not None else False
-
-
-def _gemv_shape(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
-            and weight.dtype in (torch.bfloat16, torch.float16) and _gemv_enabled())
-
-
-def _gemv_enabled() -> bool:
-    """``PAGEDLLM_GEMV=0`` turns the GEMV off (cuBLAS everywhere), for A/B benchmarks."""
-    global _GEMV
-    if _GEMV is None:
-        _GEMV = os.environ.get("PAGEDLLM_GEMV", "1") != "0"
-    return _GEMV
-
-
-_GEMV: bool | None = None
-
-
-def _matmul(x: torch.Tensor, weight: torch.Tensor,
-            bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + b``: the GEMV where :func:`gemv_applies`, cuBLAS otherwise."""
-    if _gemv_shape(x, weight):
-        from pagedllm.kernels.gemv import gemv
-
-        return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return gemv_shape(x, weight) if weight is not None else False
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:

@@ -13,11 +13,12 @@ and gathered by ``positions`` each step; supported scalings: ``default``, ``line
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from pagedllm.attention.rope import RopeInputs
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -61,35 +62,6 @@ def _inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
         return torch.where(medium, smoothed, scaled)
     raise ValueError(f"rope_type {kind!r} is not supported (supported: default, linear, "
                      "llama3)")
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x: [T, H, D]`` (any strides) by ``cos``/``sin: [T, 1, D/2]``; new tensor."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-@dataclass
-class RopeInputs:
-    """One step's rotary inputs, shared by every layer.
-
-    Two ways to use it: ``rotate(x)`` (torch; the cos/sin gather and dtype cast happen
-    once per step, on first use), or hand ``positions`` and ``cos_sin_cache`` to a kernel
-    that rotates while it writes the KV cache (``AttentionBackend.fuses_rope``).
-    """
-
-    positions: torch.Tensor  # [T] int
-    cos_sin_cache: torch.Tensor  # [max_position, head_dim] float32: cat(cos, sin)
-    dtype: torch.dtype  # the activations' dtype
-    _cos: torch.Tensor | None = None
-    _sin: torch.Tensor | None = None
-
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """``x: [T, H, D]`` (any strides) rotated, as a new tensor."""
-        if self._cos is None or self._sin is None:
-            cos_sin = self.cos_sin_cache.index_select(0, self.positions).to(self.dtype)
-            self._cos, self._sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
-        return apply_rotary(x, self._cos, self._sin)
 
 
 class RotaryEmbedding(nn.Module):

@@ -22,6 +22,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.rope import RopeInputs
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -34,7 +35,7 @@ from pagedllm.layers.linear import (
 )
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.quantization.base import QuantizationConfig
-from pagedllm.layers.rotary import RopeInputs, RotaryEmbedding, rope_parameters
+from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
 
 
 def head_dim_of(config: Any) -> int:

@@ -11,7 +11,7 @@ graphs are captured, at every batch size, so no serving step pays a first launch
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -22,8 +22,17 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
-    from pagedllm.config import SchedulerConfig
-    from pagedllm.worker.worker import Worker
+    from pagedllm.config import EngineConfig, SchedulerConfig
+
+
+class Worker(Protocol):
+    """What profiling reads from ``worker.worker.Worker`` (a protocol, so this module
+    does not import the worker that calls it)."""
+
+    config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype
+    model: Any  # the loaded model: forward, compute_logits, bind_kv_caches
 
 
 class _DummyReq:

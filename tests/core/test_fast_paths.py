@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.engine.messages import EngineCoreOutput
+from pagedllm.messages import EngineCoreOutput
 from pagedllm.request import Request
 from tests.core.fake_runner import FakeRunner
 from tests.core.test_memory_sharing import make, req

@@ -171,7 +171,7 @@ def test_batch1_decodes_on_the_gemv_path(pair, monkeypatch) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs the Triton kernels on CPU tensors: needs TRITON_INTERPRET=1")
     from pagedllm.kernels import gemv as gemv_mod
-    from pagedllm.layers import linear
+    from pagedllm.layers.quantization import unquantized
     from pagedllm.models import llama
 
     calls = {"plain": 0, "silu_mul": 0}
@@ -184,7 +184,7 @@ def test_batch1_decodes_on_the_gemv_path(pair, monkeypatch) -> None:
     def one_row(x: torch.Tensor, weight_or_layer: object) -> bool:
         return x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
 
-    monkeypatch.setattr(linear, "_gemv_shape", one_row)
+    monkeypatch.setattr(unquantized, "gemv_shape", one_row)
     monkeypatch.setattr(llama, "gemv_applies", one_row)
     monkeypatch.setattr(gemv_mod, "gemv", counting_gemv)
     ids = _prompt(30, seed=6)

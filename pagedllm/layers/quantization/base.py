@@ -31,13 +31,14 @@ grouped scales (``[out, in / group]``) shard with the weight they scale.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from pagedllm.layers.linear import LinearBase
+# ``layer`` below is a ``layers.linear.LinearBase`` (typed as nn.Module: the linear layer
+# imports this interface, not the other way round).
+LinearBase = nn.Module
 
 
 def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:

@@ -2,15 +2,43 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.quantization.base import LinearMethodBase, set_weight_attrs
+from pagedllm.layers.quantization.base import LinearBase, LinearMethodBase, set_weight_attrs
 
-if TYPE_CHECKING:
-    from pagedllm.layers.linear import LinearBase
+
+def gemv_enabled() -> bool:
+    """``PAGEDLLM_GEMV=0`` turns the GEMV off (cuBLAS everywhere), for A/B benchmarks."""
+    global _GEMV
+    if _GEMV is None:
+        _GEMV = os.environ.get("PAGEDLLM_GEMV", "1") != "0"
+    return _GEMV
+
+
+_GEMV: bool | None = None
+
+
+def gemv_shape(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x W^T`` runs as the batch-1 Triton GEMV (``kernels/gemv.py``): one row on
+    CUDA in bf16/fp16.  For thin layers it reads the weight faster than cuBLAS's split-K
+    kernels (H200 figures in docs/benchmarks.md).  The choice depends only on the row
+    count, so a CUDA graph and an eager run of one batch size agree."""
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
+            and weight.dtype in (torch.bfloat16, torch.float16) and gemv_enabled())
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b``: the GEMV where :func:`gemv_shape`, cuBLAS otherwise."""
+    if gemv_shape(x, weight):
+        from pagedllm.kernels.gemv import gemv
+
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
@@ -28,9 +56,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer: LinearBase, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
-        from pagedllm.layers.linear import _matmul
-
-        return _matmul(x, layer.weight, bias)
+        return matmul(x, layer.weight, bias)
 
 
 UNQUANTIZED = UnquantizedLinearMethod()
