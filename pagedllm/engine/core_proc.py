@@ -262,25 +262,26 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
 
         t1 = time.perf_counter()
         logger.info("imported torch and the engine in %.1f s", t1 - t0)
-        built = not isinstance(config, EngineArgs)
         try:
-            if not built:  # spawned before the parent built its copy of the config
+            if isinstance(config, EngineArgs):  # spawned before the parent built its copy
                 config = config.create_engine_config()
-                built = True
                 logger.info("built the engine config in %.1f s", time.perf_counter() - t1)
             if warmup is not None:  # its CUDA context must be gone before the memory plan
                 warmup.wait()
                 warmup = None
             core = EngineCore(config)
         except Exception as e:  # report why start-up failed, in one line
-            if isinstance(e, ValueError) and not built:
-                pass  # bad arguments: the parent builds the same config and says why
-            elif isinstance(e, ValueError):  # a user error (flags, model file): no traceback
-                logger.error("engine core failed to start: %s", first_line(e))
+            reason = first_line(e)
+            if isinstance(e, ValueError):
+                # A user error (flags, model file, too little memory), said once: the API
+                # server prints this line as its reason (and if the config itself was
+                # bad, its own copy of the same error first).  No traceback.
+                lines = str(e).strip().splitlines()
+                reason = lines[0] if lines else reason
             else:
                 logger.exception("engine core failed to start")
             proc = EngineCoreProc(None, input_addr, output_addr, parent_pid, keys=keys)
-            proc.send_ready(EngineCoreReady(pid=os.getpid(), error=first_line(e)))
+            proc.send_ready(EngineCoreReady(pid=os.getpid(), error=reason))
             return
         proc = EngineCoreProc(core, input_addr, output_addr, parent_pid, heartbeat_interval,
                               keys)

@@ -385,6 +385,7 @@ def _load_chat_template(value: str | None) -> str | None:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    from pagedllm.config import check_dtype_on_device
     from pagedllm.entrypoints.engine_cli_args import engine_args_from_cli
 
     names: list[str] | None = args.served_model_name
@@ -400,6 +401,8 @@ async def _serve(args: argparse.Namespace) -> int:
     except OSError as e:
         raise ValueError(f"port: cannot listen on {args.host}:{args.port}: "
                          f"{e.strerror or e}") from None
+    # Before spawning the engine core: an impossible dtype is refused at once.
+    check_dtype_on_device(engine_args.dtype, engine_args.device)
     max_pending = (None if args.max_num_queued_requests is None
                    else args.max_num_seqs + args.max_num_queued_requests)
     try:
