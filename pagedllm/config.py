@@ -216,6 +216,12 @@ class EngineArgs:
         if isinstance(sw, bool) or not isinstance(sw, (int, float)) or not 0 <= sw <= 1024:
             raise ValueError(f"swap_space must be a number of GiB in [0, 1024], got {sw!r}")
 
+        device = self.device
+        if device == "auto":
+            device = _cuda_available() and "cuda" or "cpu"
+        dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        check_dtype_on_device(self.dtype, device)
+
         from pagedllm.layers.quantization import resolve_quantization
 
         if self.quantization is not None and not isinstance(self.quantization, str):
@@ -225,10 +231,6 @@ class EngineArgs:
             hf_config = resolved.load_hf_config(self.trust_remote_code)
         quantization = resolve_quantization(self.quantization, hf_config)
 
-        device = self.device
-        if device == "auto":
-            device = _cuda_available() and "cuda" or "cpu"
-        dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         if dtype == "auto":
             # fp32 on CPU (the parity reference); the checkpoint's half type on GPU.
             cfg_dtype = str(getattr(hf_config, "torch_dtype", None) or
@@ -276,6 +278,18 @@ class EngineArgs:
                 max_cudagraph_capture_size=_positive_int(
                     "max_cudagraph_capture_size", self.max_cudagraph_capture_size, 0)),
         )
+
+
+def check_dtype_on_device(dtype: str, device: str) -> None:
+    """Raise ``ValueError`` naming ``dtype`` when the device cannot run it: float16 on
+    the CPU (its matmuls are unusably slow there: a server never got ready).  Costs
+    nothing unless float16 is asked for with device ``auto`` (then torch says whether
+    CUDA is there), so a server may call it before spawning its engine core."""
+    if _DTYPE_ALIASES.get(dtype, dtype) != "float16":
+        return
+    if device == "cpu" or (device == "auto" and not _cuda_available()):
+        raise ValueError(f"dtype: {dtype} is not supported on the CPU (--dtype); use "
+                         "float32 (the CPU default, 'auto') or bfloat16, or run on a GPU")
 
 
 def _cuda_available() -> bool:

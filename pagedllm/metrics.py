@@ -37,6 +37,7 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 FINISH_REASONS = ("stop", "length", "abort")
+TRANSPORT_REJECT_REASONS = ("handshake", "malformed")  # engine/transport_auth.py
 
 
 @dataclass
@@ -93,6 +94,10 @@ class EngineMetrics:
         self.requests_rejected = counter(
             "requests_rejected", "Requests refused by admission control or draining.",
             ("reason",))
+        self.engine_transport_rejected = counter(
+            "engine_transport_rejected",
+            "Peers or messages the engine transport refused: failed handshakes "
+            "(unauthenticated peers) and malformed messages.", ("reason",))
         self.ttft = hist("time_to_first_token_seconds",
                          "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds",
@@ -108,6 +113,8 @@ class EngineMetrics:
             self.request_success.labels(m, reason)
         for reason in ("queue_full", "draining"):
             self.requests_rejected.labels(m, reason)
+        for reason in TRANSPORT_REJECT_REASONS:
+            self.engine_transport_rejected.labels(m, reason)
         for c in (self.prompt_tokens, self.generation_tokens, self.num_preemptions,
                   self.prefix_cache_queries, self.prefix_cache_hits):
             c.labels(m)
@@ -138,6 +145,9 @@ class EngineMetrics:
 
     def record_rejected(self, reason: str) -> None:
         self.requests_rejected.labels(self.model_name, reason).inc()
+
+    def record_transport_rejected(self, reason: str, count: int = 1) -> None:
+        self.engine_transport_rejected.labels(self.model_name, reason).inc(count)
 
     # ------------------------------------------------------------------ per sequence
 

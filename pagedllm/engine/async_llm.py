@@ -130,7 +130,9 @@ class AsyncLLM:
         self.config = config
         self.client = client
         self.tokenizer = tokenizer
-        self.metrics = metrics
+        self.metrics: EngineMetrics | None = None
+        if metrics is not None:
+            self.attach_metrics(metrics)
         self.ready = client.ready
         self.max_pending_seqs = max_pending_seqs
         self.input_processor = InputProcessor(
@@ -178,6 +180,9 @@ class AsyncLLM:
         """Record into ``metrics`` from now on (the server builds them once it knows the
         served model name, i.e. after :meth:`create`)."""
         self.metrics = metrics
+        for reason, count in self.client.rejected.items():  # refused before this call
+            metrics.record_transport_rejected(reason, count)
+        self.client.on_rejected = metrics.record_transport_rejected
 
     # ------------------------------------------------------------------ health
 

@@ -18,6 +18,7 @@ from pagedllm.engine.step_trace import StepTrace
 from pagedllm.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.request import Request
 from pagedllm.worker.model_runner import StepHandle
+from pagedllm.worker.startup_memory import out_of_memory_hint
 from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger("pagedllm")
@@ -27,9 +28,12 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
         self.worker = Worker(config)
-        self.worker.load_model()
-        self.num_blocks = self.worker.determine_num_blocks()
-        self.worker.initialize_cache(self.num_blocks)
+        # Out of memory in either phase: one line naming the flags to change.
+        with out_of_memory_hint("model", config):
+            self.worker.load_model()
+        with out_of_memory_hint("kv", config):
+            self.num_blocks = self.worker.determine_num_blocks()
+            self.worker.initialize_cache(self.num_blocks)
         self.config = config.with_num_blocks(self.num_blocks)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
                                    self.num_blocks, self.worker.num_cpu_blocks,

@@ -44,6 +44,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from pagedllm.engine.transport_auth import CoreKeys
 from pagedllm.gc_heap import freeze_gc_heap
 from pagedllm.messages import (
     EngineCoreOutput,
@@ -93,18 +94,22 @@ class EngineCoreProc:
     """Runs one ``EngineCore`` and its sockets; see the module doc for the protocol."""
 
     def __init__(self, core: Any, input_addr: str, output_addr: str, parent_pid: int,
-                 heartbeat_interval: float = 0.5) -> None:
+                 heartbeat_interval: float = 0.5, keys: CoreKeys | None = None) -> None:
         self.core = core
         self.parent_pid = parent_pid
         self.heartbeat_interval = heartbeat_interval
         self.ctx = zmq.Context(io_threads=1)
         self.input = self.ctx.socket(zmq.PULL)
         self.input.setsockopt(zmq.LINGER, 0)
-        self.input.connect(input_addr)
         self.output = self.ctx.socket(zmq.PUSH)
         # Outputs must survive until the client reads them, even on exit (error frames).
         self.output.setsockopt(zmq.LINGER, 5000)
+        if keys is not None:  # CURVE client of the API server (transport_auth.py)
+            keys.secure(self.input)
+            keys.secure(self.output)
+        self.input.connect(input_addr)
         self.output.connect(output_addr)
+        self.num_malformed = 0
         self.encoder = msgspec.msgpack.Encoder()
         self.add_decoder = msgspec.msgpack.Decoder(list[EngineCoreRequest])
         self.abort_decoder = msgspec.msgpack.Decoder(list[str])
@@ -127,11 +132,21 @@ class EngineCoreProc:
     # ------------------------------------------------------------------ receiving
 
     def _handle(self, frames: list[bytes]) -> bool:
-        """Apply one input message; returns True if it was an abort (stats changed)."""
-        kind = frames[0]
+        """Apply one input message; returns True if it was an abort (stats changed).
+        A malformed message is logged and dropped, never fatal."""
+        try:
+            return self._apply(frames)
+        except (ValueError, msgspec.DecodeError) as e:  # wrong frame count, bad payload
+            self.num_malformed += 1
+            logger.warning("dropped a malformed input message (%s; %d so far)",
+                           first_line(e), self.num_malformed)
+            return False
+
+    def _apply(self, frames: list[bytes]) -> bool:
+        kind, payload = frames
         if kind == KIND_ADD:
             rejected: list[EngineCoreOutput] = []
-            for req in self.add_decoder.decode(frames[1]):
+            for req in self.add_decoder.decode(payload):
                 try:
                     self.core.add_request(req)
                 except ValueError as e:
@@ -146,13 +161,12 @@ class EngineCoreProc:
                 self.publish(EngineCoreOutputs(outputs=rejected))
             return False
         if kind == KIND_ABORT:
-            self.core.abort_requests(self.abort_decoder.decode(frames[1]))
+            self.core.abort_requests(self.abort_decoder.decode(payload))
             return True
         if kind == KIND_SHUTDOWN:
             self.stop = True
             return False
-        logger.error("unknown message kind %r ignored", kind)
-        return False
+        raise ValueError(f"unknown message kind {kind[:8]!r}")
 
     def drain_inputs(self, timeout_ms: int) -> bool:
         """Handle every queued input; wait up to ``timeout_ms`` for the first one.
@@ -216,7 +230,7 @@ def _setup_logging() -> None:
 
 
 def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: int,
-                    heartbeat_interval: float = 0.5) -> None:
+                    heartbeat_interval: float = 0.5, keys: CoreKeys | None = None) -> None:
     """Process entry point (multiprocessing spawn target).  ``config`` is an
     ``EngineConfig``, or the ``EngineArgs`` to build it from here (so that the parent
     need not build it before spawning).  Exits 0 on a requested shutdown, 1 on a
@@ -248,27 +262,29 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
 
         t1 = time.perf_counter()
         logger.info("imported torch and the engine in %.1f s", t1 - t0)
-        built = not isinstance(config, EngineArgs)
         try:
-            if not built:  # spawned before the parent built its copy of the config
+            if isinstance(config, EngineArgs):  # spawned before the parent built its copy
                 config = config.create_engine_config()
-                built = True
                 logger.info("built the engine config in %.1f s", time.perf_counter() - t1)
             if warmup is not None:  # its CUDA context must be gone before the memory plan
                 warmup.wait()
                 warmup = None
             core = EngineCore(config)
         except Exception as e:  # report why start-up failed, in one line
-            if isinstance(e, ValueError) and not built:
-                pass  # bad arguments: the parent builds the same config and says why
-            elif isinstance(e, ValueError):  # a user error (flags, model file): no traceback
-                logger.error("engine core failed to start: %s", first_line(e))
+            reason = first_line(e)
+            if isinstance(e, ValueError):
+                # A user error (flags, model file, too little memory), said once: the API
+                # server prints this line as its reason (and if the config itself was
+                # bad, its own copy of the same error first).  No traceback.
+                lines = str(e).strip().splitlines()
+                reason = lines[0] if lines else reason
             else:
                 logger.exception("engine core failed to start")
-            proc = EngineCoreProc(None, input_addr, output_addr, parent_pid)
-            proc.send_ready(EngineCoreReady(pid=os.getpid(), error=first_line(e)))
+            proc = EngineCoreProc(None, input_addr, output_addr, parent_pid, keys=keys)
+            proc.send_ready(EngineCoreReady(pid=os.getpid(), error=reason))
             return
-        proc = EngineCoreProc(core, input_addr, output_addr, parent_pid, heartbeat_interval)
+        proc = EngineCoreProc(core, input_addr, output_addr, parent_pid, heartbeat_interval,
+                              keys)
         freeze_gc_heap("engine core")
         cc = getattr(core, "config", config)
         proc.send_ready(EngineCoreReady(

@@ -16,12 +16,13 @@ Death detection (RELIABILITY: "the API server notices within seconds"):
 
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing
 import os
 import shutil
-import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -36,6 +37,14 @@ from pagedllm.engine.core_proc import (
     KIND_SHUTDOWN,
     EngineCoreReady,
     run_engine_core,
+)
+from pagedllm.engine.socket_dirs import make_socket_dir
+from pagedllm.engine.transport_auth import (
+    Authenticator,
+    PeerMonitor,
+    TransportKeys,
+    curve_available,
+    start_authenticator,
 )
 from pagedllm.messages import EngineCoreOutputs, EngineCoreRequest
 
@@ -61,8 +70,12 @@ class AsyncMPClient:
     """
 
     def __init__(self, config: Any, *, transport: str = "ipc",
-                 heartbeat_interval: float = 0.5, poll_interval: float = 0.2) -> None:
+                 heartbeat_interval: float = 0.5, poll_interval: float = 0.2,
+                 authenticate: bool = True) -> None:
+        if transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         self.config = config
+        self.transport = transport
         self.heartbeat_interval = heartbeat_interval
         self.poll_interval = poll_interval
         self.ctx = zmq.asyncio.Context(io_threads=1)
@@ -71,21 +84,22 @@ class AsyncMPClient:
         self.output = self.ctx.socket(zmq.PULL)
         for s in (self.input, self.output):
             s.setsockopt(zmq.LINGER, 0)
-        if transport == "ipc":
-            # A private 0700 directory: other local users cannot connect to the sockets.
-            self._tmpdir = tempfile.mkdtemp(prefix="pagedllm-")
-            self.input_addr = f"ipc://{self._tmpdir}/input"
-            self.output_addr = f"ipc://{self._tmpdir}/output"
-            self.input.bind(self.input_addr)
-            self.output.bind(self.output_addr)
-        elif transport == "tcp":
-            # Loopback only; ports chosen by the OS (no hard-coded ports).
-            port_in = self.input.bind_to_random_port("tcp://127.0.0.1")
-            port_out = self.output.bind_to_random_port("tcp://127.0.0.1")
-            self.input_addr = f"tcp://127.0.0.1:{port_in}"
-            self.output_addr = f"tcp://127.0.0.1:{port_out}"
-        else:
-            raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+        # CURVE keys for this launch (transport_auth.py); None: unauthenticated channel.
+        self.keys: TransportKeys | None = None
+        if authenticate and curve_available():
+            self.keys = TransportKeys.generate()
+            for s in (self.input, self.output):
+                self.keys.secure(s)
+        elif authenticate:
+            logger.warning("libzmq has no CURVE support: the engine transport is not "
+                           "authenticated")
+        self._auth: Authenticator | None = None
+        self._monitor: PeerMonitor | None = None
+        # Frames refused (failed handshakes, malformed frames) by reason; ``on_rejected``
+        # (the server's Prometheus counter) is called for each.
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self.on_rejected: Callable[[str], None] | None = None
+        self.input_addr = self.output_addr = ""
         self.encoder = msgspec.msgpack.Encoder()
         self.outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self.ready_decoder = msgspec.msgpack.Decoder(EngineCoreReady)
@@ -95,6 +109,55 @@ class AsyncMPClient:
         self.dead: EngineDeadError | None = None
         self._closed = False
 
+    def _bind(self) -> None:
+        """Start the ZAP handler and the peer monitor, then bind (no peer may connect
+        before the handler runs)."""
+        if self.keys is not None:
+            self._auth = start_authenticator(self.ctx, self.keys)
+        self._monitor = PeerMonitor({"input": self.input, "output": self.output},
+                                    self._reject)
+        if self.transport == "ipc":
+            # A private 0700 directory: other local users cannot connect to the sockets.
+            # Named after this process so a later start can remove it if we are
+            # SIGKILLed (socket_dirs.py).
+            self._tmpdir = make_socket_dir()
+            self.input_addr = f"ipc://{self._tmpdir}/input"
+            self.output_addr = f"ipc://{self._tmpdir}/output"
+            self.input.bind(self.input_addr)
+            self.output.bind(self.output_addr)
+        else:
+            # Loopback only; ports chosen by the OS (no hard-coded ports).
+            port_in = self.input.bind_to_random_port("tcp://127.0.0.1")
+            port_out = self.output.bind_to_random_port("tcp://127.0.0.1")
+            self.input_addr = f"tcp://127.0.0.1:{port_in}"
+            self.output_addr = f"tcp://127.0.0.1:{port_out}"
+        logger.info("engine transport: input %s, output %s (%s)", self.input_addr,
+                    self.output_addr, "CURVE, core key only" if self.keys is not None
+                    else "unauthenticated")
+
+    def _reject(self, reason: str) -> None:
+        self.rejected[reason] += 1
+        if self.on_rejected is not None:
+            self.on_rejected(reason)
+
+    def _decode(self, frames: list[bytes]) -> EngineCoreOutputs | EngineCoreReady | None:
+        """One message from the core, or None (logged and counted) if it is malformed:
+        no frame can kill the server."""
+        try:
+            kind, payload = frames
+            if kind == KIND_OUTPUTS:
+                return self.outputs_decoder.decode(payload)
+            if kind == KIND_READY:
+                return self.ready_decoder.decode(payload)
+            problem = f"unknown kind {kind[:8]!r}"
+        except msgspec.DecodeError as e:  # ValidationError included
+            problem = f"undecodable payload ({str(e)[:80]})"
+        except ValueError:  # not two frames (DecodeError is a ValueError too)
+            problem = f"{len(frames)} frames"
+        logger.warning("engine transport: dropped a malformed message (%s)", problem)
+        self._reject("malformed")
+        return None
+
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self, timeout: float = 900.0) -> EngineCoreReady:
@@ -102,19 +165,19 @@ class AsyncMPClient:
 
         Raises ``EngineStartupError`` with the core's one-line reason if it fails to start
         or exits before being ready."""
+        self._bind()
         mp = multiprocessing.get_context("spawn")
         self.proc = mp.Process(
             target=run_engine_core, name="pagedllm-engine-core",
             args=(self.config, self.input_addr, self.output_addr, os.getpid(),
-                  self.heartbeat_interval))
+                  self.heartbeat_interval, self.keys.core if self.keys else None))
         self.proc.start()
         deadline = time.monotonic() + timeout
         while True:
             if await self.output.poll(int(self.poll_interval * 1000)):
-                kind, payload = await self.output.recv_multipart()
-                if kind != KIND_READY:
+                ready = self._decode(await self.output.recv_multipart())
+                if not isinstance(ready, EngineCoreReady):
                     continue
-                ready = self.ready_decoder.decode(payload)
                 if not ready.ok:
                     self._join(5.0)
                     raise EngineStartupError(ready.error or "engine core failed to start")
@@ -164,6 +227,10 @@ class AsyncMPClient:
             except zmq.ZMQError:
                 pass
             self._join(timeout)
+        if self._monitor is not None:
+            self._monitor.stop()
+        if self._auth is not None:
+            self._auth.stop()
         self.input.close(linger=0)
         self.output.close(linger=0)
         self.ctx.term()
@@ -194,11 +261,10 @@ class AsyncMPClient:
         assert self.proc is not None
         while True:
             if await self.output.poll(int(self.poll_interval * 1000)):
-                kind, payload = await self.output.recv_multipart()
+                outputs = self._decode(await self.output.recv_multipart())
+                if not isinstance(outputs, EngineCoreOutputs):
+                    continue  # malformed (dropped) or a stray READY
                 self.last_message = time.monotonic()
-                if kind != KIND_OUTPUTS:
-                    continue
-                outputs = self.outputs_decoder.decode(payload)
                 if outputs.engine_error is not None:
                     logger.error("engine core failed: %s", outputs.engine_error)
                     self.dead = EngineDeadError(

@@ -26,6 +26,7 @@ from pagedllm.worker.cuda_graphs import (
 )
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
 from pagedllm.worker.profile import profile_run, profile_tokens, warm_logits_and_sampling
+from pagedllm.worker.startup_memory import check_cpu_kv_fits
 
 logger = logging.getLogger("pagedllm")
 
@@ -100,13 +101,30 @@ class Worker:
         num_blocks = int(budget // per_block)
         need = -(-mc.max_model_len // cc.block_size) + 1  # +1: the reserved null block
         if num_blocks < need:
-            fits = max(0, (num_blocks - 1) * cc.block_size)
-            raise ValueError(
-                f"kv_cache_memory_bytes: {max(budget, 0)} bytes hold "
-                f"{max(num_blocks - 1, 0)} KV blocks ({fits} tokens), fewer than one "
-                f"request of max_model_len ({mc.max_model_len}); lower max_model_len to "
-                f"{fits} or give the KV cache more memory")
+            raise ValueError(self._too_small_message(max(budget, 0), num_blocks, need))
+        if self.device.type == "cpu":  # before torch.zeros touches it page by page
+            check_cpu_kv_fits(num_blocks * per_block, self.config)
         return num_blocks
+
+    def _too_small_message(self, budget: int, num_blocks: int, need: int) -> str:
+        """Why a KV budget cannot hold one max_model_len request, and what to change."""
+        mc, cc = self.config.model_config, self.config.cache_config
+        per_block = mc.kv_bytes_per_token() * cc.block_size
+        fits = max(0, (num_blocks - 1) * cc.block_size)
+        if cc.kv_cache_memory_bytes is not None:
+            source = f"{budget} bytes"
+            fix = f"raise --kv-cache-memory-bytes to at least {need * per_block}"
+        elif self.device.type == "cuda":
+            source = f"the memory plan's {budget} bytes"
+            fix = "raise --gpu-memory-utilization or free device memory"
+        else:
+            source = f"the default {budget} bytes"
+            fix = f"set --kv-cache-memory-bytes to at least {need * per_block}"
+        if fits > 0:
+            fix += f", or lower --max-model-len to {fits}"
+        return (f"kv_cache_memory_bytes: {source} hold {max(num_blocks - 1, 0)} KV blocks "
+                f"({fits} tokens), fewer than one request of max_model_len "
+                f"({mc.max_model_len}) needs ({need - 1} blocks): {fix}")
 
     def _gpu_kv_budget(self) -> int:
         """Memory plan: ``gpu_memory_utilization`` x total, minus weights, the profiled

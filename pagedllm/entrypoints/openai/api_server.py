@@ -42,6 +42,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.mp_client import EngineDeadError, EngineStartupError
+from pagedllm.entrypoints.openai import leak_hook
 from pagedllm.entrypoints.openai.errors import error_body, error_response, install_error_handlers
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -385,6 +386,7 @@ def _load_chat_template(value: str | None) -> str | None:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    from pagedllm.config import check_dtype_on_device
     from pagedllm.entrypoints.engine_cli_args import engine_args_from_cli
 
     names: list[str] | None = args.served_model_name
@@ -400,6 +402,8 @@ async def _serve(args: argparse.Namespace) -> int:
     except OSError as e:
         raise ValueError(f"port: cannot listen on {args.host}:{args.port}: "
                          f"{e.strerror or e}") from None
+    # Before spawning the engine core: an impossible dtype is refused at once.
+    check_dtype_on_device(engine_args.dtype, engine_args.device)
     max_pending = (None if args.max_num_queued_requests is None
                    else args.max_num_seqs + args.max_num_queued_requests)
     try:
@@ -428,6 +432,7 @@ async def _serve(args: argparse.Namespace) -> int:
         chat_template=chat_template, heartbeat_timeout=args.health_heartbeat_timeout)
     app = build_app(state, api_keys=api_keys, allowed_origins=args.allowed_origins,
                     max_body_bytes=args.max_request_body_bytes)
+    app = leak_hook.wrap(app)  # unchanged unless a test sets its env var
     # h11 even where httptools is installed: h11 bounds the request head (16 KiB; a huge
     # header gets a 400), httptools does not, and it measured no faster here.
     uv_config = uvicorn.Config(app, http="h11", log_level=args.uvicorn_log_level,

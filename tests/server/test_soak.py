@@ -1,0 +1,77 @@
+"""``pagedllm bench soak``: a short real soak passes, and its detectors catch a
+deliberate memory leak (the API server's test-only leak hook) and KV blocks still in use
+after the drain (a long request the test keeps running)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+
+import httpx
+
+from pagedllm.entrypoints.openai.leak_hook import LEAK_ENV
+from tests.server.harness import running_server
+
+SOAK = [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "soak"]
+
+
+def _soak(*args: str) -> tuple[int, dict, str]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        p = subprocess.run([*SOAK, *args, "--output", out.name], capture_output=True,
+                           text=True, timeout=600)
+        with open(out.name, encoding="utf-8") as f:
+            summary = json.load(f) if p.returncode in (0, 1) else {}
+    return p.returncode, summary, p.stdout + p.stderr
+
+
+def test_short_soak_passes() -> None:
+    """The CI soak: the command starts its own server and every check holds."""
+    rc, summary, text = _soak("--duration", "45", "--seed", "0", "--concurrency", "4",
+                              "--warmup", "10")
+    assert rc == 0, text
+    assert summary["passed"] and not summary["failures"], text
+    assert summary["server_exit_status"] == 0
+    assert {"valid", "invalid"} <= set(summary["by_kind"]), text
+    assert summary["requests"] >= 5
+    assert set(summary["rss"]) >= {"api_server", "engine_core"}, summary["rss"]
+    kv = summary["kv_after_drain"]
+    assert kv["kv_cache_usage_perc"] == 0 and kv["num_requests_running"] == 0
+    assert "PASSED" in text
+
+
+def test_soak_catches_a_memory_leak_and_blocks_in_use() -> None:
+    with running_server(env={LEAK_ENV: str(50 << 20)},
+                        base_args=["--max-model-len", "1024", "--max-num-seqs", "8"]) as s:
+        held = threading.Event()
+        release = threading.Event()
+
+        def hold_a_long_request() -> None:
+            body = {"prompt": "Once", "max_tokens": 1000, "ignore_eos": True,
+                    "stream": True}
+            with httpx.Client(base_url=s.url, timeout=600) as c, \
+                    c.stream("POST", "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        held.set()
+                        break
+                release.wait(600)  # leaving the block disconnects: the server aborts it
+
+        t = threading.Thread(target=hold_a_long_request)
+        t.start()
+        try:
+            assert held.wait(120)
+            rc, summary, text = _soak("--base-url", s.url, "--pid", str(s.pid),
+                                      "--duration", "30", "--warmup", "5",
+                                      "--concurrency", "2", "--drain-timeout", "3")
+        finally:
+            release.set()
+            t.join(60)
+    assert rc == 1, text
+    assert not summary["passed"] and not summary["failures"], text
+    reasons = " ".join(summary["reasons"])
+    assert "RSS grew" in reasons and summary["rss_growth_mb"] > 100, text
+    assert "not idle" in reasons and summary["kv_after_drain"]["kv_cache_usage_perc"] > 0
+    assert "FAILED" in text
