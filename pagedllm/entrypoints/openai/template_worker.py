@@ -15,7 +15,8 @@ Bounds, each turned into an error reply while the worker lives on:
   compile to Python bytecode, so the signal lands between two template steps);
 * memory: ``RLIMIT_AS`` caps the address space at what the worker uses once started plus
   ``PAGEDLLM_TEMPLATE_MEMORY_BYTES`` (``MemoryError`` instead of swapping the host);
-* size: a rendered prompt longer than ``max_chars`` characters is refused.
+* size: a rendered prompt longer than ``max_chars`` characters is refused;
+* CPU share: the worker runs at nice 10, below the API server.
 
 The parent kills and replaces the worker if a reply is late anyway (a hang in C code).
 The render itself is transformers' own (``render_jinja_template``: Jinja's
@@ -86,6 +87,8 @@ def render_one(req: dict[str, Any], render: Any) -> dict[str, Any]:
 def main() -> None:
     from transformers.utils.chat_template_utils import render_jinja_template
 
+    # A burning template must not take CPU from the API server it protects.
+    os.nice(10)
     signal.signal(signal.SIGALRM, _on_alarm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _limit_memory(int(os.environ.get("PAGEDLLM_TEMPLATE_MEMORY_BYTES", str(1 << 30))))
