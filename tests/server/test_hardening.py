@@ -216,8 +216,12 @@ def test_request_templates_render_in_a_bounded_sandbox(hard: ServerProcess) -> N
                      "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
                      "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}"):
         out: dict[str, Any] = {}
-        t = threading.Thread(target=lambda: out.update(r=_post(
-            hard, "/v1/chat/completions", {**CHAT, "chat_template": template})))
+
+        def call(out: dict[str, Any] = out, template: str = template) -> None:
+            out["r"] = _post(hard, "/v1/chat/completions",
+                             {**CHAT, "chat_template": template})
+
+        t = threading.Thread(target=call)
         t.start()
         health = []
         with hard.client(timeout=30) as c:

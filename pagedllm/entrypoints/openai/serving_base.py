@@ -74,6 +74,13 @@ class ServingState:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
+    def sandbox(self) -> TemplateSandbox:
+        """The sandbox for request chat templates (made at first use unless the server
+        made it at start-up)."""
+        if self.template_sandbox is None:
+            self.template_sandbox = TemplateSandbox()
+        return self.template_sandbox
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
             raise RequestError(f"The model `{model}` does not exist.", "model", status=404,

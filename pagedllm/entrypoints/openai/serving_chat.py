@@ -66,9 +66,9 @@ class OpenAIServingChat(ServingHandler):
         extra = check_template_kwargs(body.chat_template_kwargs)
         ip = st.engine.input_processor
         messages = body.template_messages()
-        if body.chat_template is not None and st.template_sandbox is not None:
+        if body.chat_template is not None:
             special = dict(getattr(self.tokenizer, "special_tokens_map", None) or {})
-            text = await st.template_sandbox.render(
+            text = await st.sandbox().render(
                 body.chat_template,
                 # As apply_chat_template does: keys whose value is None are dropped.
                 [{k: v for k, v in m.items() if v is not None} for m in messages],

@@ -53,7 +53,8 @@ class TemplateSandbox:
 
     ``max_chars`` bounds the rendered text; ``timeout`` the render time."""
 
-    def __init__(self, max_chars: int, timeout: float = RENDER_TIMEOUT_S) -> None:
+    def __init__(self, max_chars: int = 16 * 1024 * 1024,
+                 timeout: float = RENDER_TIMEOUT_S) -> None:
         self.max_chars = max_chars
         self.timeout = timeout
         self._proc: asyncio.subprocess.Process | None = None
