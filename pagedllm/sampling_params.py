@@ -11,6 +11,15 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 _SAMPLING_EPS = 1e-5
+# ``seed`` is an int64, as in vLLM (torch generators and int64 seed tensors carry it).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of parallel sample ``index`` of a request seeded with ``seed``:
+    ``seed + index`` wrapped into the int64 range, so ``SEED_MAX`` with ``n=2`` stays a
+    valid seed instead of overflowing the generator in the engine core."""
+    return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
 
 
 class SamplingType(IntEnum):
@@ -128,8 +137,9 @@ class SamplingParams:
         mp = _check_number("min_p", self.min_p)
         if not 0.0 <= mp <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {mp}")
-        if self.seed is not None:
-            _check_int("seed", self.seed)
+        if self.seed is not None and not SEED_MIN <= _check_int("seed", self.seed) <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (int64), got "
+                             f"{self.seed}")
         if self.max_tokens is not None and _check_int("max_tokens", self.max_tokens) < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         mt = _check_int("min_tokens", self.min_tokens)

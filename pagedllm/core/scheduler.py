@@ -58,7 +58,7 @@ from pagedllm.messages import (
     SchedulerStats,
 )
 from pagedllm.request import Request, RequestStatus
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, child_seed
 
 
 def _needs_sync(req: Request) -> bool:
@@ -284,11 +284,12 @@ class Scheduler:
 
     def _fork_samples(self, parent: Request) -> None:
         """n > 1: the prompt is computed but for its last token; sample i (``fork_ids[i
-        - 1]``) continues from here with ``seed + i``."""
+        - 1]``) continues from here with ``seed + i`` (wrapped into int64: ``child_seed``)."""
         sp = parent.sampling_params
         for i, cid in enumerate(parent.fork_ids, 1):
             self._fork(parent, cid, sp.clone(
-                n=1, seed=None if sp.seed is None else sp.seed + i, prompt_logprobs=None))
+                n=1, seed=None if sp.seed is None else child_seed(sp.seed, i),
+                prompt_logprobs=None))
         self._reserved -= parent.reserved_slots
         parent.reserved_slots = 0
         parent.fork_ids = []

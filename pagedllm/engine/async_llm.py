@@ -273,6 +273,16 @@ class AsyncLLM:
             finished=True))
         return True
 
+    def fail(self, request_id: str, error: BaseException) -> bool:
+        """End a request's stream with ``error`` (raised to its consumer, after the
+        outputs already queued); the request is then aborted in the core.  Returns False
+        if no such request is in flight."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        stream.sink.put(error)
+        return True
+
     def request_ids(self) -> list[str]:
         return list(self._streams)
 

@@ -67,7 +67,7 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise ValueError("prompt: text prompts need a tokenizer "
                                  "(skip_tokenizer_init is set); pass token ids")
-            return prompt, list(self.tokenizer(prompt).input_ids)
+            return prompt, self.encode_text(prompt, add_special_tokens=True)
         if isinstance(prompt, Sequence):
             return None, self._check_ids(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got "
@@ -109,7 +109,21 @@ class InputProcessor:
                 add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # jinja errors, missing template, bad roles
             raise ValueError(f"messages: cannot apply the chat template: {e}") from e
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return self.encode_text(text)
+
+    def encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; ``ValueError`` naming ``prompt`` if the tokenizer
+        refuses it (e.g. text that is not valid Unicode).  Thread-safe: the server calls
+        it from worker threads so big prompts do not stall its event loop."""
+        if self.tokenizer is None:
+            raise ValueError("prompt: text prompts need a tokenizer "
+                             "(skip_tokenizer_init is set); pass token ids")
+        try:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)
+                        .input_ids)
+        except (UnicodeError, TypeError, ValueError) as e:
+            raise ValueError(f"prompt: the tokenizer cannot encode it "
+                             f"({type(e).__name__})") from None
 
     # -- requests ------------------------------------------------------------------
     def check_params(self, num_prompt: int, params: SamplingParams) -> SamplingParams:
@@ -125,7 +139,12 @@ class InputProcessor:
             max_tokens = min(mml, self.max_tokens_per_request) - num_prompt
             changes["max_tokens"] = max_tokens
             if params.min_tokens > max_tokens:
-                changes["min_tokens"] = max_tokens
+                # Not clamped: a min_tokens that cannot be met is a client error (clamping
+                # 1e30 forced a whole-context generation).
+                raise ContextLengthError(
+                    f"min_tokens ({params.min_tokens}) is more than the {max_tokens} tokens "
+                    f"left in the context (maximum context length {mml}, the prompt has "
+                    f"{num_prompt} tokens)", "min_tokens", num_prompt, mml)
         elif num_prompt + max_tokens > mml:
             raise ContextLengthError(
                 f"This model's maximum context length is {mml} tokens; the prompt has "

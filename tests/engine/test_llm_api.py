@@ -28,10 +28,26 @@ PROMPT = "The three most popular programming languages are"
     ({"presence_penalty": 3.0}, "presence_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"stop": [""]}, "stop"),
+    ({"seed": 2**64 - 1}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
 ])
 def test_sampling_params_validate(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
+
+
+def test_child_seeds_stay_int64():
+    """Sample i of an n > 1 request is seeded seed + i, wrapped into int64 (2^63 - 1
+    with n=2 overflowed the core's generator before)."""
+    from pagedllm.sampling_params import SEED_MAX, SEED_MIN, child_seed
+
+    assert child_seed(5, 3) == 8
+    assert child_seed(SEED_MAX, 1) == SEED_MIN
+    assert child_seed(SEED_MIN, 0) == SEED_MIN
+    for seed in (SEED_MIN, -1, 0, SEED_MAX):
+        for i in range(4):
+            assert SEED_MIN <= child_seed(seed, i) <= SEED_MAX
+            SamplingParams(seed=child_seed(seed, i))
 
 
 def test_bad_requests_raise_and_queue_nothing(llm):

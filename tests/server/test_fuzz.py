@@ -1,5 +1,6 @@
 """Fuzz every operation of ``/openapi.json`` with schemathesis (valid and invalid bodies,
-headers, paths): the server never answers 5xx and stays healthy.
+headers, paths): the server never answers 5xx and ``/health`` is 200 after every case.
+The explicit hostile cases of issue 28 are in ``test_hardening.py``.
 
 The fuzzed server has a 16-token context, so whatever ``max_tokens`` the fuzzer picks a
 generation stays cheap on a CPU.
@@ -39,6 +40,7 @@ def test_no_5xx(fuzz_server: ServerProcess, mode: str) -> None:
     assert any(op.path == "/v1/chat/completions" for op in ops)
     gen_mode = GenerationMode.POSITIVE if mode == "positive" else GenerationMode.NEGATIVE
     checked: list[str] = []
+    health = httpx.Client(base_url=fuzz_server.url, timeout=30)
     for op in ops:
         strategy = op.as_strategy(generation_mode=gen_mode)
 
@@ -56,6 +58,9 @@ def test_no_5xx(fuzz_server: ServerProcess, mode: str) -> None:
                 err = response.json().get("error")
                 assert err and set(err) == {"message", "type", "param", "code"}, \
                     response.text
+            # Engine alive after every case, not only at the end.
+            assert health.get("/health").status_code == 200, (case.method, case.path,
+                                                              case.body)
 
         try:
             run()
@@ -66,6 +71,7 @@ def test_no_5xx(fuzz_server: ServerProcess, mode: str) -> None:
                 continue
             raise
         checked.append(f"{op.method} {op.path}")
+    health.close()
     assert len(checked) >= 4, checked
 
 

@@ -78,6 +78,7 @@ def test_sigterm_drains_then_aborts() -> None:
             assert wait_until(lambda: c.get("/health").status_code == 503, timeout=10)
             r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
             assert r.status_code == 503 and r.json()["error"]["message"]
+            assert r.headers["retry-after"]
         short_t.join(60)
         long_t.join(60)
         assert _finish_reasons(short["events"])[-1] == "length"
@@ -87,6 +88,42 @@ def test_sigterm_drains_then_aborts() -> None:
         assert 9 < time.monotonic() - t0 < 40
         assert wait_until(lambda: _gone(engine_pid), timeout=15)
         assert not s.descendants()
+
+
+def test_second_sigterm_ends_requests_with_errors_at_once() -> None:
+    """A second SIGTERM while draining stops at once: a stream in flight gets an SSE
+    error event and [DONE], a non-streaming request a JSON 503 (not a text/plain 500
+    after ~6 s), exit 0."""
+    with running_server("--shutdown-timeout", "120", base_args=[
+            "--max-model-len", "1024", "--max-num-seqs", "2"]) as s:
+        stream_t, stream = _stream_in_thread(s, 1000)
+        plain: dict[str, Any] = {}
+
+        def non_streaming() -> None:
+            plain["r"] = httpx.post(s.url + "/v1/completions", timeout=120, json={
+                "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True})
+
+        plain_t = threading.Thread(target=non_streaming)
+        plain_t.start()
+        assert wait_until(lambda: s.metrics().get("pagedllm:num_requests_running") == 2,
+                          timeout=60)
+        s.proc.send_signal(signal.SIGTERM)
+        with s.client() as c:
+            assert wait_until(lambda: c.get("/health").status_code == 503, timeout=10)
+            assert c.get("/health").headers["retry-after"]
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        stream_t.join(30)
+        plain_t.join(30)
+        assert time.monotonic() - t0 < 4
+        events = stream["events"]
+        assert events[-1] == "[DONE]", events[-3:]
+        assert events[-2]["error"]["type"] == "service_unavailable_error", events[-3:]
+        r = plain["r"]
+        assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+        assert r.json()["error"]["message"] == "the server is shutting down"
+        assert r.headers["retry-after"]
+        assert s.proc.wait(30) == 0
 
 
 def test_health_follows_heartbeat_then_engine_core_killed() -> None:

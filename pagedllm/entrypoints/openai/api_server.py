@@ -9,8 +9,10 @@ Request path (outermost first)::
            └ FastAPI routes   400 envelopes for every validation failure (errors.py)
 
 Life cycle: bind the socket first (a taken port fails fast), start the engine core (model
-load), then serve.  SIGTERM drains: new requests get 503, ``/health`` 503, in-flight ones
-get ``--shutdown-timeout`` seconds, the rest are aborted, exit 0.  If the engine core dies,
+load), then serve.  SIGTERM drains: new requests get 503 with ``Retry-After``, ``/health``
+503, in-flight ones get ``--shutdown-timeout`` seconds, the rest are aborted, exit 0.
+SIGINT or a second SIGTERM stops at once: in-flight requests end with a 503 error (an SSE
+error event and ``[DONE]`` on streams), exit 0.  If the engine core dies,
 in-flight requests get an error, ``/health`` turns 503 and the server exits with status 1
 about a second later.
 """
@@ -44,6 +46,12 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.mp_client import EngineDeadError, EngineStartupError
 from pagedllm.entrypoints.openai import leak_hook
 from pagedllm.entrypoints.openai.errors import error_body, error_response, install_error_handlers
+from pagedllm.entrypoints.openai.http_limits import (
+    HTTPLimits,
+    default_max_connections,
+    limited_h11_protocol,
+    raise_fd_limit,
+)
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -55,9 +63,14 @@ from pagedllm.entrypoints.openai.protocol import (
     RequestError,
     TokenizeRequest,
 )
-from pagedllm.entrypoints.openai.serving_base import ServingState, engine_error_response
+from pagedllm.entrypoints.openai.serving_base import (
+    RETRY_AFTER_S,
+    ServingState,
+    engine_error_response,
+)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.template_sandbox import TemplateSandbox
 from pagedllm.gc_heap import freeze_gc_heap
 from pagedllm.metrics import EngineMetrics
 
@@ -205,7 +218,8 @@ def build_app(state: ServingState, *, api_keys: list[str] | None = None,
     async def health() -> Response:
         """200 while the engine loop makes progress (heartbeat), 503 otherwise."""
         if state.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
+            return JSONResponse({"status": "draining"}, status_code=503,
+                                headers={"Retry-After": RETRY_AFTER_S})
         if not state.engine.is_healthy(state.heartbeat_timeout):
             return JSONResponse({"status": "unhealthy"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -257,14 +271,16 @@ def build_app(state: ServingState, *, api_keys: list[str] | None = None,
             tok = state.engine.tokenizer
             if tok is None:
                 raise RequestError("this server has no tokenizer", "prompt")
+            # Off the event loop: a big input must not stall other requests.
             if body.messages is not None:
-                ids = ip.apply_chat_template(
+                ids = await state.off_loop(
+                    ip.apply_chat_template,
                     [{**(m.model_extra or {}), "role": m.role, "content": m.text()}
                      for m in body.messages], chat_template=state.chat_template,
                     add_generation_prompt=body.add_generation_prompt)
             else:
-                ids = list(tok(body.prompt,
-                               add_special_tokens=body.add_special_tokens).input_ids)
+                ids = await state.off_loop(ip.encode_text, body.prompt,
+                                           add_special_tokens=body.add_special_tokens)
         except Exception as e:
             return engine_error_response(e)
         return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len,
@@ -282,9 +298,10 @@ def build_app(state: ServingState, *, api_keys: list[str] | None = None,
             tok = state.engine.tokenizer
             if tok is None:
                 raise RequestError("this server has no tokenizer", "tokens")
+            text = await state.off_loop(tok.decode, body.tokens)
         except Exception as e:
             return engine_error_response(e)
-        return JSONResponse({"prompt": tok.decode(body.tokens)})
+        return JSONResponse({"prompt": text})
 
     # Added innermost first: the last one added runs first.
     app.add_middleware(BodySizeLimitMiddleware, limit=max_body_bytes)
@@ -311,17 +328,39 @@ class _Server(uvicorn.Server):
         self.state = state
         self.shutdown_timeout = shutdown_timeout
         self.exit_code = 0
+        self._stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Unlike uvicorn we do not re-raise the signal after shutdown: our exit status
         # is the contract (0 after a drain, 1 after an engine failure).
-        if sig == signal.SIGTERM and not self.state.draining and self.loop is not None:
+        if self.loop is None:
+            self.should_exit = True
+            return
+        if sig == signal.SIGTERM and not self.state.draining:
             self.loop.call_soon_threadsafe(self._spawn, self._drain())
             return
-        if self.should_exit:
-            self.force_exit = True
+        if self._stopping:  # a third signal: stop waiting for anything
+            self.force_exit = self.should_exit = True
+            return
+        self._stopping = True
+        self.loop.call_soon_threadsafe(self._spawn, self._stop_now())
+
+    async def _stop_now(self) -> None:
+        """SIGINT, or a second SIGTERM: end every in-flight request at once with a 503
+        error (streams get an SSE error event and ``[DONE]``, others a JSON envelope),
+        give the handlers a moment to send it, then shut down."""
+        st = self.state
+        st.draining = True
+        count = st.fail_all(RequestError(
+            "the server is shutting down", status=503, err_type="service_unavailable_error",
+            headers={"Retry-After": RETRY_AFTER_S}))
+        logger.warning("stopping now: ended %d in-flight request(s)", count)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2.0
+        while st.active_requests and loop.time() < deadline:
+            await asyncio.sleep(0.02)
         self.should_exit = True
 
     def _spawn(self, coro: Any) -> None:
@@ -430,12 +469,26 @@ async def _serve(args: argparse.Namespace) -> int:
         max_logprobs=args.max_logprobs, allow_unknown_fields=args.allow_unknown_fields,
         trust_request_chat_template=args.trust_request_chat_template,
         chat_template=chat_template, heartbeat_timeout=args.health_heartbeat_timeout)
+    if args.trust_request_chat_template:
+        # Client templates render in a bounded child process; start it now (~1 s).
+        state.template_sandbox = TemplateSandbox(max_chars=args.max_request_body_bytes)
+        await state.template_sandbox.start()
     app = build_app(state, api_keys=api_keys, allowed_origins=args.allowed_origins,
                     max_body_bytes=args.max_request_body_bytes)
     app = leak_hook.wrap(app)  # unchanged unless a test sets its env var
-    # h11 even where httptools is installed: h11 bounds the request head (16 KiB; a huge
-    # header gets a 400), httptools does not, and it measured no faster here.
-    uv_config = uvicorn.Config(app, http="h11", log_level=args.uvicorn_log_level,
+    fd_limit = raise_fd_limit()
+    limits = HTTPLimits(
+        max_header_bytes=args.h11_max_incomplete_event_size,
+        max_header_count=args.h11_max_header_count,
+        header_timeout=args.header_read_timeout,
+        max_connections=args.max_connections or default_max_connections(fd_limit))
+    # h11 even where httptools is installed: h11 (with http_limits on top) bounds the
+    # request head, httptools does not, and it measured no faster here.  h11's own
+    # buffer limit sits above ours so that ours answers first (431, not h11's 400).
+    uv_config = uvicorn.Config(app, http=limited_h11_protocol(limits),
+                               h11_max_incomplete_event_size=limits.max_header_bytes + 65536,
+                               timeout_keep_alive=args.timeout_keep_alive,  # type: ignore[arg-type]
+                               log_level=args.uvicorn_log_level,
                                timeout_graceful_shutdown=5, lifespan="off",
                                access_log=args.uvicorn_log_level in ("info", "debug",
                                                                      "trace"))
@@ -460,9 +513,15 @@ async def _serve(args: argparse.Namespace) -> int:
     freeze_gc_heap("API server")
     url_host = f"[{host}]" if ":" in host else host
     logger.info("Serving on http://%s:%d (Ctrl-C to stop)", url_host, port)
+    logger.info("HTTP limits: head %d bytes / %d fields, header read %.0f s, keep-alive "
+                "%.0f s, %d connections (open-files limit %d)", limits.max_header_bytes,
+                limits.max_header_count, limits.header_timeout, args.timeout_keep_alive,
+                limits.max_connections, fd_limit)
     try:
         await server.serve(sockets=[sock])
     finally:
+        if state.template_sandbox is not None:
+            await state.template_sandbox.close()
         await engine.shutdown()
         sock.close()
     logger.info("server stopped (exit status %d)", server.exit_code)

@@ -18,6 +18,13 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return v
+
+
 def _non_negative_int(text: str) -> int:
     v = int(text)
     if v < 0:
@@ -73,6 +80,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="How the API server talks to the engine-core process: ipc "
                         "(a private Unix socket directory) or tcp (127.0.0.1, random "
                         "ports).")
+    # Connection-level limits (http_limits.py; docs/server.md, "Limits").
+    g.add_argument("--h11-max-incomplete-event-size", type=_positive_int, default=16 * 1024,
+                   help="Largest request head (request line + headers) in bytes; a "
+                        "larger one gets 431 at once.")
+    g.add_argument("--h11-max-header-count", type=_positive_int, default=256,
+                   help="Most header fields in a request; more get 431.")
+    g.add_argument("--header-read-timeout", type=_positive_float, default=10.0,
+                   help="Seconds a client has to send a complete request head (from "
+                        "connecting, or from its first byte on a kept-alive connection); "
+                        "then 408 and close (bounds slowloris clients).")
+    g.add_argument("--timeout-keep-alive", type=_positive_float, default=5.0,
+                   help="Seconds an idle kept-alive connection stays open.")
+    g.add_argument("--max-connections", type=_positive_int, default=None,
+                   help="Most open client connections. A new one beyond it evicts the "
+                        "oldest connection not serving a request (idle, or still sending "
+                        "its head), else gets 503. Default: the open-files limit (raised "
+                        "to its hard limit at start-up) minus 256.")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (access logs at 'info').")

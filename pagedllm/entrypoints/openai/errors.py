@@ -46,7 +46,7 @@ def error_response(message: str, *, status: int = 400, err_type: str | None = No
 
 def request_error_response(e: RequestError) -> JSONResponse:
     return error_response(e.message, status=e.status, err_type=e.err_type, param=e.param,
-                          code=e.code)
+                          code=e.code, headers=e.headers)
 
 
 def _loc_param(loc: tuple[Any, ...]) -> str | None:
@@ -66,6 +66,9 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     etype = first.get("type", "")
     if etype == "json_invalid":
         return error_response("request body is not valid JSON", param=None)
+    if etype == "unpaired_surrogate":  # raised on the whole body; ctx names the field
+        param = str((first.get("ctx") or {}).get("param") or "body")
+        return error_response(str(first.get("msg")), param=param)
     param = _loc_param(tuple(first.get("loc", ())))
     if param is None:
         if etype == "missing":

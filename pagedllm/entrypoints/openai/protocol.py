@@ -17,10 +17,12 @@ Contract:
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
+from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -31,8 +33,10 @@ class RequestError(ValueError):
     """A client error found after schema validation: becomes an HTTP 4xx envelope."""
 
     def __init__(self, message: str, param: str | None = None, *, status: int = 400,
-                 code: str | None = None, err_type: str = "invalid_request_error") -> None:
+                 code: str | None = None, err_type: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers
         self.message = message
         self.param = param
         self.status = status
@@ -52,7 +56,12 @@ def _number(v: object) -> object:
     return v
 
 
-Int = Annotated[int, Strict()]
+# JSON integers are unbounded; every integer field is held to int64 (what vLLM accepts for
+# ``seed``, and what torch, msgspec and the engine can carry) so no value overflows later.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int = Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)]
+# No "yes"/"true"/1 for booleans: the rest of the API is strict about types too.
+Bool = Annotated[bool, Strict()]
 Num = Annotated[float, BeforeValidator(_number)]
 Temperature = Annotated[Num, Field(ge=0.0, le=2.0)]
 TopP = Annotated[Num, Field(gt=0.0, le=1.0)]
@@ -66,13 +75,58 @@ class _Base(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
+def _surrogate_path(value: Any) -> str | None:
+    """The dotted path of the first string (value or key) in ``value`` holding a lone
+    UTF-16 surrogate (JSON may escape one, ``"\\ud800"``; it is no Unicode text and
+    would fail the tokenizer or the response encoder later), or None.  Iterative, with
+    C-speed fast paths for ASCII strings and lists of numbers (token ids)."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii() and _SURROGATE.search(v):
+                return path or None
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                sub = f"{path}.{k}" if path else str(k)
+                if isinstance(k, str) and not k.isascii() and _SURROGATE.search(k):
+                    return path or "body"  # a key: name the object holding it
+                stack.append((sub, item))
+        elif isinstance(v, list):
+            if set(map(type, v)) <= _SCALARS:
+                continue
+            stack.extend((f"{path}.{i}" if path else str(i), item)
+                         for i, item in enumerate(v))
+    return None
+
+
+class _RequestBody(_Base):
+    """A top-level request body: refuses lone surrogates anywhere in it (400 naming the
+    field, see ``errors.validation_error_response``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_surrogates(cls, data: Any) -> Any:
+        path = _surrogate_path(data)
+        if path is not None:
+            raise PydanticCustomError(
+                "unpaired_surrogate",
+                "{param} contains a lone UTF-16 surrogate (not valid Unicode text)",
+                {"param": path})
+        return data
+
+
 class StreamOptions(_Base):
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False
+    include_usage: Bool | None = False
+    continuous_usage_stats: Bool | None = False
 
 
 # Sampling fields shared by both endpoints, OpenAI's and vLLM's extras.
-class _SamplingFields(_Base):
+class _SamplingFields(_RequestBody):
     model: str | None = None
     frequency_penalty: Penalty | None = 0.0
     presence_penalty: Penalty | None = 0.0
@@ -80,7 +134,7 @@ class _SamplingFields(_Base):
     n: Int | None = Field(default=1)
     seed: Int | None = None
     stop: str | list[str] | None = None
-    stream: bool | None = False
+    stream: Bool | None = False
     stream_options: StreamOptions | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
@@ -90,11 +144,11 @@ class _SamplingFields(_Base):
     min_p: Annotated[Num, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[Num, Field(gt=0.0, le=10.0)] | None = None
     min_tokens: Annotated[Int, Field(ge=0)] = 0
-    ignore_eos: bool = False
+    ignore_eos: Bool = False
     stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: Bool = False
+    skip_special_tokens: Bool = True
+    spaces_between_special_tokens: Bool = True
     priority: Int = 0
     request_id: str | None = None
 
@@ -189,16 +243,16 @@ class CompletionRequest(_SamplingFields):
 
     prompt: PromptType
     best_of: Int | None = None
-    echo: bool = False
+    echo: Bool = False
     logprobs: Int | None = None
     max_tokens: Int | None = None
     suffix: str | None = None
     # vLLM extras.
-    add_special_tokens: bool = True
+    add_special_tokens: Bool = True
     prompt_logprobs: Int | None = None
     # Each choice also carries its generated ``token_ids`` (streaming: the chunk's new
     # ones) and ``prompt_token_ids`` (streaming: in its first chunk), as in vLLM.
-    return_token_ids: bool = False
+    return_token_ids: Bool = False
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of single prompts (text or token ids), 400 if empty."""
@@ -277,15 +331,15 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool | None = False
+    logprobs: Bool | None = False
     top_logprobs: Int | None = None
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
     # OpenAI fields accepted and ignored (see IGNORED_CHAT_FIELDS) ...
-    store: bool | None = None
+    store: Bool | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: Bool | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     reasoning_effort: str | None = None
@@ -301,9 +355,9 @@ class ChatCompletionRequest(_SamplingFields):
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
     # vLLM extras.
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    add_special_tokens: Bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -355,17 +409,17 @@ class ChatCompletionRequest(_SamplingFields):
 # ----------------------------------------------------------------------------- tokenize
 
 
-class TokenizeRequest(_Base):
+class TokenizeRequest(_RequestBody):
     """``POST /tokenize``: either ``prompt`` or ``messages``."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: Bool = True
+    add_generation_prompt: Bool = True
 
 
-class DetokenizeRequest(_Base):
+class DetokenizeRequest(_RequestBody):
     model: str | None = None
     tokens: list[Annotated[Int, Field(ge=0)]]
 

@@ -11,9 +11,11 @@ prompts): ``ServingState.public_ids`` maps the public id to them, so
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +32,7 @@ from pagedllm.engine.async_llm import (
 from pagedllm.engine.input_processor import ContextLengthError, PromptType
 from pagedllm.entrypoints.openai.errors import error_response, request_error_response
 from pagedllm.entrypoints.openai.protocol import RequestError
+from pagedllm.entrypoints.openai.template_sandbox import TemplateSandbox
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
@@ -57,6 +60,11 @@ class ServingState:
     # HTTP requests currently generating (the SIGTERM drain waits for them).
     active_requests: int = 0
     public_ids: dict[str, list[str]] = field(default_factory=dict)
+    # Renders client-supplied chat templates (only with --trust-request-chat-template).
+    template_sandbox: TemplateSandbox | None = None
+    tokenizer_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        1, thread_name_prefix="pagedllm-tokenizer"))
+    _admission: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     @property
     def vocab_size(self) -> int:
@@ -65,6 +73,13 @@ class ServingState:
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    def sandbox(self) -> TemplateSandbox:
+        """The sandbox for request chat templates (made at first use unless the server
+        made it at start-up)."""
+        if self.template_sandbox is None:
+            self.template_sandbox = TemplateSandbox()
+        return self.template_sandbox
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
@@ -85,7 +100,8 @@ class ServingState:
         if self.draining:
             self.metrics.record_rejected("draining")
             raise RequestError("the server is shutting down", status=503,
-                               err_type="service_unavailable_error")
+                               err_type="service_unavailable_error",
+                               headers={"Retry-After": RETRY_AFTER_S})
         if self.engine.dead is not None:
             raise RequestError("the engine is not running", status=503,
                                err_type="service_unavailable_error")
@@ -99,25 +115,52 @@ class ServingState:
             raise RequestError(f"request id {pid!r} is already in use", "request_id")
         return pid
 
-    async def start(self, public_id: str, prompts: list[PromptType], params: SamplingParams,
-                    priority: int) -> list[RequestStream]:
-        """Validate, admit and queue one engine request per prompt (all or none)."""
+    def _check_capacity(self, need: int) -> None:
         engine = self.engine
-        need = len(prompts) * params.n
         if (engine.max_pending_seqs is not None
                 and engine.num_pending_seqs + need > engine.max_pending_seqs):
             self.metrics.record_rejected("queue_full")
             raise EngineOverloadedError("the server is at capacity; retry later")
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on the tokenizer thread (one thread: HF tokenizers
+        are not safe to call concurrently), so the event loop keeps serving."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_pool,
+                                          functools.partial(fn, *args, **kwargs))
+
+    async def _prepare(self, prompt: PromptType, add_special_tokens: bool) -> PromptType:
+        """Text prompts tokenised off the event loop (a 10 MB prompt takes seconds)."""
+        if isinstance(prompt, str) and prompt and self.engine.tokenizer is not None:
+            ids = await self.off_loop(self.engine.input_processor.encode_text, prompt,
+                                      add_special_tokens=add_special_tokens)
+            return {"prompt": prompt, "prompt_token_ids": ids}
+        return prompt
+
+    async def start(self, public_id: str, prompts: list[PromptType], params: SamplingParams,
+                    priority: int, add_special_tokens: bool = True) -> list[RequestStream]:
+        """Tokenise, validate, admit and queue one engine request per prompt.
+
+        Admission is all or nothing for the whole request (every prompt times ``n``):
+        checked before tokenising (a full server refuses at once) and again, atomically
+        with queueing every prompt, under ``_admission``."""
+        need = len(prompts) * params.n
+        self._check_capacity(need)
+        ready = [await self._prepare(p, add_special_tokens) for p in prompts]
         ids = [public_id] if len(prompts) == 1 else [f"{public_id}-{i}"
                                                       for i in range(len(prompts))]
         streams: list[RequestStream] = []
-        try:
-            for rid, prompt in zip(ids, prompts):
-                streams.append(await engine.add_request(prompt, params, rid, priority))
-        except BaseException:
-            for s in streams:
-                s.close()
-            raise
+        async with self._admission:
+            self.check_admitting()  # the server may have started draining meanwhile
+            self._check_capacity(need)
+            try:
+                for rid, prompt in zip(ids, ready):
+                    streams.append(await self.engine.add_request(prompt, params, rid,
+                                                                 priority))
+            except BaseException:
+                for s in streams:
+                    s.close()
+                raise
         self.public_ids[public_id] = ids
         self.active_requests += 1
         return streams
@@ -128,6 +171,16 @@ class ServingState:
             s.close()
         if self.public_ids.pop(public_id, None) is not None:
             self.active_requests -= 1
+
+    def fail_all(self, error: BaseException) -> int:
+        """End every in-flight request with ``error`` (streams: an SSE error event, then
+        ``[DONE]``; others: the error's JSON envelope).  Returns how many."""
+        count = 0
+        for ids in list(self.public_ids.values()):
+            count += 1
+            for rid in ids:
+                self.engine.fail(rid, error)
+        return count
 
     def cancel(self, public_id: str) -> bool:
         ids = self.public_ids.get(public_id)

@@ -3,8 +3,8 @@
 first (one ``{"role": "assistant", "content": ""}`` chunk per choice, then content).
 
 A per-request ``chat_template`` is refused unless the operator started the server with
-``--trust-request-chat-template``: templates are code (Jinja), rendered by transformers in
-its sandboxed environment, but an untrusted one can still burn CPU.
+``--trust-request-chat-template``: templates are code (Jinja); an allowed one renders in
+a separate process bounded in time, memory and output size (``template_sandbox``).
 """
 
 from __future__ import annotations
@@ -31,13 +31,8 @@ from pagedllm.entrypoints.openai.serving_base import (
     usage,
     with_cancellation,
 )
+from pagedllm.entrypoints.openai.template_sandbox import check_template_kwargs
 from pagedllm.outputs import CompletionOutput
-
-# apply_chat_template parameters a client must not set through chat_template_kwargs.
-_RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 @dataclass
@@ -57,23 +52,36 @@ class _Choice:
 
 
 class OpenAIServingChat(ServingHandler):
-    def render(self, body: ChatCompletionRequest) -> list[int]:
-        """The prompt token ids of ``body.messages`` (400 on template errors)."""
+    async def render(self, body: ChatCompletionRequest) -> list[int]:
+        """The prompt token ids of ``body.messages`` (400 on template errors).
+
+        Rendering and tokenising run off the event loop: the server's own template in a
+        worker thread, a request's own template in the sandbox process
+        (``template_sandbox``), so big or hostile inputs never stall other requests."""
         st = self.state
         if body.chat_template is not None and not st.trust_request_chat_template:
             raise RequestError("chat_template in a request is not allowed on this server "
                                "(start it with --trust-request-chat-template)",
                                "chat_template")
-        extra = dict(body.chat_template_kwargs or {})
-        bad = sorted(set(extra) & _RESERVED_TEMPLATE_KWARGS)
-        if bad:
-            raise RequestError(f"chat_template_kwargs may not set {', '.join(bad)}",
-                               "chat_template_kwargs")
-        if body.continue_final_message:
-            extra["continue_final_message"] = True
-        ids = st.engine.input_processor.apply_chat_template(
-            body.template_messages(), chat_template=body.chat_template or st.chat_template,
-            add_generation_prompt=body.add_generation_prompt, **extra)
+        extra = check_template_kwargs(body.chat_template_kwargs)
+        ip = st.engine.input_processor
+        messages = body.template_messages()
+        if body.chat_template is not None:
+            special = dict(getattr(self.tokenizer, "special_tokens_map", None) or {})
+            text = await st.sandbox().render(
+                body.chat_template,
+                # As apply_chat_template does: keys whose value is None are dropped.
+                [{k: v for k, v in m.items() if v is not None} for m in messages],
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                kwargs={**special, **extra})
+            ids = await st.off_loop(ip.encode_text, text)
+        else:
+            if body.continue_final_message:
+                extra["continue_final_message"] = True
+            ids = await st.off_loop(
+                ip.apply_chat_template, messages, chat_template=st.chat_template,
+                add_generation_prompt=body.add_generation_prompt, **extra)
         if body.add_special_tokens and self.tokenizer is not None:
             bos = getattr(self.tokenizer, "bos_token_id", None)
             if bos is not None and (not ids or ids[0] != bos):
@@ -90,7 +98,7 @@ class OpenAIServingChat(ServingHandler):
             params = body.to_sampling_params(st.vocab_size)
             st.check_admitting()
             public_id = st.public_id(raw_request, "chatcmpl", body.request_id)
-            prompt_ids = self.render(body)
+            prompt_ids = await self.render(body)
             streams = await st.start(public_id, [{"prompt_token_ids": prompt_ids}], params,
                                      body.priority)
         except Exception as e:

@@ -62,9 +62,8 @@ class OpenAIServingCompletion(ServingHandler):
             params = body.to_sampling_params(st.vocab_size)
             st.check_admitting()
             public_id = st.public_id(raw_request, "cmpl", body.request_id)
-            engine_prompts: list[Any] = [self._engine_prompt(p, body.add_special_tokens)
-                                         for p in prompts]
-            streams = await st.start(public_id, engine_prompts, params, body.priority)
+            streams = await st.start(public_id, list(prompts), params, body.priority,
+                                     add_special_tokens=body.add_special_tokens)
         except Exception as e:
             return engine_error_response(e)
         created = int(time.time())
@@ -76,12 +75,6 @@ class OpenAIServingCompletion(ServingHandler):
                 media_type="text/event-stream")
         return await with_cancellation(raw_request, lambda: self._full(
             body, public_id, streams, n, created, model))
-
-    def _engine_prompt(self, prompt: str | list[int], add_special_tokens: bool) -> Any:
-        if isinstance(prompt, str) and not add_special_tokens and self.tokenizer is not None:
-            ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
-            return {"prompt": prompt, "prompt_token_ids": list(ids)}
-        return prompt
 
     # ------------------------------------------------------------------ conversion
 
