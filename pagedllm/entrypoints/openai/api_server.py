@@ -58,7 +58,7 @@ from pagedllm.entrypoints.openai.serving_base import ServingState, engine_error_
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.gc_heap import freeze_gc_heap
-from pagedllm.metrics import EngineMetrics
+from pagedllm.metrics import EngineMetrics, cache_config_labels
 
 logger = logging.getLogger("pagedllm.api_server")
 
@@ -416,10 +416,12 @@ async def _serve(args: argparse.Namespace) -> int:
     config = engine.config
     mc = config.model_config
     names = names or [mc.served_model_name]
-    metrics = EngineMetrics(names[0])
+    ready = engine.ready
+    metrics = EngineMetrics(names[0], max_model_len=ready.max_model_len or mc.max_model_len,
+                            cache_info=cache_config_labels(config.cache_config,
+                                                           ready.num_blocks))
     engine.attach_metrics(metrics)
     metrics.set_engine_alive(True)
-    ready = engine.ready
     state = ServingState(
         engine=engine, metrics=metrics, served_model_names=names,
         max_model_len=ready.max_model_len or mc.max_model_len, max_n=args.max_n,
