@@ -4,7 +4,8 @@ engine core runs in its own process.
 Request path (outermost first)::
 
     CORS (only with --allowed-origins; answers preflights itself, so they need no key)
-     └ APIKeyMiddleware   401 unless "Authorization: Bearer KEY" (public: /health, /version)
+     └ APIKeyMiddleware   401 unless "Authorization: Bearer KEY" (public: /health, /version,
+                          the chat page's static files)
         └ BodySizeLimitMiddleware   413 before buffering an oversized body
            └ FastAPI routes   400 envelopes for every validation failure (errors.py)
 
@@ -54,6 +55,7 @@ from pagedllm.entrypoints.openai.protocol import (
     RequestError,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.chat_ui import UI_PATHS, add_chat_ui
 from pagedllm.entrypoints.openai.serving_base import ServingState, engine_error_response
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -62,7 +64,8 @@ from pagedllm.metrics import EngineMetrics, cache_config_labels
 
 logger = logging.getLogger("pagedllm.api_server")
 
-PUBLIC_PATHS = frozenset({"/health", "/version"})
+# The chat page's static files are a shell without data; what it does needs the key.
+PUBLIC_PATHS = frozenset({"/health", "/version", *UI_PATHS})
 
 
 def _version() -> str:
@@ -192,8 +195,9 @@ class BodySizeLimitMiddleware:
 
 def build_app(state: ServingState, *, api_keys: list[str] | None = None,
               allowed_origins: list[str] | None = None,
-              max_body_bytes: int = 16 * 1024 * 1024) -> FastAPI:
-    """The FastAPI application over ``state`` (routes, error handlers, middleware)."""
+              max_body_bytes: int = 16 * 1024 * 1024, ui: bool = True) -> FastAPI:
+    """The FastAPI application over ``state`` (routes, error handlers, middleware);
+    ``ui`` adds the chat page at ``/`` (chat_ui.py)."""
     app = FastAPI(title="pagedllm OpenAI-compatible API", version=_version())
     app.state.serving = state
     install_error_handlers(app)
@@ -285,6 +289,8 @@ def build_app(state: ServingState, *, api_keys: list[str] | None = None,
             return engine_error_response(e)
         return JSONResponse({"prompt": tok.decode(body.tokens)})
 
+    if ui:
+        add_chat_ui(app)
     # Added innermost first: the last one added runs first.
     app.add_middleware(BodySizeLimitMiddleware, limit=max_body_bytes)
     if api_keys:
@@ -429,7 +435,7 @@ async def _serve(args: argparse.Namespace) -> int:
         trust_request_chat_template=args.trust_request_chat_template,
         chat_template=chat_template, heartbeat_timeout=args.health_heartbeat_timeout)
     app = build_app(state, api_keys=api_keys, allowed_origins=args.allowed_origins,
-                    max_body_bytes=args.max_request_body_bytes)
+                    max_body_bytes=args.max_request_body_bytes, ui=not args.no_ui)
     # h11 even where httptools is installed: h11 bounds the request head (16 KiB; a huge
     # header gets a 400), httptools does not, and it measured no faster here.
     uv_config = uvicorn.Config(app, http="h11", log_level=args.uvicorn_log_level,
