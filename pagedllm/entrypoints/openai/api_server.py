@@ -43,6 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.mp_client import EngineDeadError, EngineStartupError
+from pagedllm.entrypoints.openai.chat_ui import UI_PATHS, add_chat_ui
 from pagedllm.entrypoints.openai.errors import error_body, error_response, install_error_handlers
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -55,10 +56,10 @@ from pagedllm.entrypoints.openai.protocol import (
     RequestError,
     TokenizeRequest,
 )
-from pagedllm.entrypoints.openai.chat_ui import UI_PATHS, add_chat_ui
 from pagedllm.entrypoints.openai.serving_base import ServingState, engine_error_response
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.tokenizer_info import tokenizer_info
 from pagedllm.gc_heap import freeze_gc_heap
 from pagedllm.metrics import EngineMetrics, cache_config_labels
 
@@ -221,6 +222,25 @@ def build_app(state: ServingState, *, api_keys: list[str] | None = None,
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=name, root=name, max_model_len=state.max_model_len)
                                for name in state.served_model_names])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        """One served model (OpenAI's retrieve); 404 naming it when it is not served."""
+        try:
+            state.check_model(model_id)
+        except Exception as e:
+            return engine_error_response(e)
+        return JSONResponse(ModelCard(id=model_id, root=model_id,
+                                      max_model_len=state.max_model_len).model_dump())
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info() -> Response:
+        """The tokenizer's configuration in vLLM's shape (tokenizer_info.py)."""
+        if state.engine.tokenizer is None:
+            return error_response("this server has no tokenizer", status=404,
+                                  code="tokenizer_not_found")
+        return JSONResponse(tokenizer_info(state.engine.tokenizer, state.chat_template,
+                                           state.max_model_len))
 
     @app.get("/metrics")
     async def metrics() -> Response:
