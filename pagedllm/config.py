@@ -219,6 +219,8 @@ class EngineArgs:
         device = self.device
         if device == "auto":
             device = _cuda_available() and "cuda" or "cpu"
+        elif device == "cuda" and not _cuda_available():
+            raise ValueError(_no_cuda_reason())
         dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         check_dtype_on_device(self.dtype, device)
 
@@ -233,8 +235,10 @@ class EngineArgs:
 
         if dtype == "auto":
             # fp32 on CPU (the parity reference); the checkpoint's half type on GPU.
-            cfg_dtype = str(getattr(hf_config, "torch_dtype", None) or
-                            getattr(hf_config, "dtype", None) or "bfloat16")
+            # transformers 5 calls it ``dtype`` (reading ``torch_dtype`` warns that it is
+            # deprecated); 4.x only has ``torch_dtype``.
+            cfg_dtype = str((hf_config.dtype if hasattr(hf_config, "dtype") else
+                             getattr(hf_config, "torch_dtype", None)) or "bfloat16")
             cfg_dtype = cfg_dtype.replace("torch.", "")
             if cfg_dtype not in ("bfloat16", "float16"):
                 cfg_dtype = "bfloat16"
@@ -290,6 +294,14 @@ def check_dtype_on_device(dtype: str, device: str) -> None:
     if device == "cpu" or (device == "auto" and not _cuda_available()):
         raise ValueError(f"dtype: {dtype} is not supported on the CPU (--dtype); use "
                          "float32 (the CPU default, 'auto') or bfloat16, or run on a GPU")
+
+
+def _no_cuda_reason() -> str:
+    import torch
+
+    why = ("this torch build has no CUDA support (a CPU-only wheel)"
+           if torch.version.cuda is None else "torch sees no CUDA device")
+    return f"device: 'cuda' was asked for but {why} (torch {torch.__version__}); use cpu"
 
 
 def _cuda_available() -> bool:

@@ -81,6 +81,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_hits: int = 0  # tokens found this step
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    # Tokens computed by the step this snapshot follows (0 for idle/heartbeat snapshots).
+    num_scheduled_tokens: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

@@ -598,8 +598,9 @@ class Scheduler:
             outputs.append(eo)
         for group in beam_ready.values():
             outputs.extend(self._advance_beams(group))
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(),
-                                 timestamp=time.time())
+        stats = self.make_stats()
+        stats.num_scheduled_tokens = sched.total_num_scheduled_tokens
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
 
     def _advance_beams(self, group: BeamGroup) -> list[EngineCoreOutput]:
         """Apply one beam step: keep/fork/drop beams, or report the finished group."""

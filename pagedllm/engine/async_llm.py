@@ -220,8 +220,7 @@ class AsyncLLM:
         self.num_pending_seqs += n
         if self.metrics is not None:
             for r in core_reqs:
-                for sid in (r.request_id, *r.fork_ids):
-                    self.metrics.add_request(sid, arrival, len(ids))
+                self.metrics.add_request(r)
         try:
             await self.client.add_requests(core_reqs)
         except BaseException:

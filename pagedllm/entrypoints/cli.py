@@ -9,12 +9,25 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from pagedllm.entrypoints.engine_cli_args import (
     add_engine_args,
     add_sampling_args,
     engine_args_from_cli,
 )
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each flag's default, except where the help text already says it
+    or there is nothing to show (``None``, a switch that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.default in (None, False, argparse.SUPPRESS) or "default" in text.lower()
+                or "%(default)" in text):
+            return text
+        return super()._get_help_string(action) or text
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -87,7 +100,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="Complete a prompt and print the result.",
-                       description=cmd_generate.__doc__)
+                       description=cmd_generate.__doc__, formatter_class=HelpFormatter)
     p.add_argument("prompt", help="The prompt text.")
     p.add_argument("--chat", action="store_true",
                    help="Wrap the prompt as a user message with the chat template.")
@@ -98,7 +111,7 @@ def _add_generate(sub) -> None:
 
 def _add_chat(sub) -> None:
     p = sub.add_parser("chat", help="Interactive chat in the terminal.",
-                       description=cmd_chat.__doc__)
+                       description=cmd_chat.__doc__, formatter_class=HelpFormatter)
     p.add_argument("--system", default=None, help="An optional system message.")
     add_sampling_args(p)
     p.set_defaults(max_tokens=512)
@@ -119,9 +132,29 @@ def _add_serve(sub) -> None:
         p.add_argument("rest", nargs="*")  # every flag is a plain word here
         p.set_defaults(func=lambda _args: _serve_unavailable(missing))
         return
-    p = sub.add_parser("serve", help="Start the OpenAI-compatible HTTP server.")
+    p = sub.add_parser("serve", help="Start the OpenAI-compatible HTTP server.",
+                       formatter_class=HelpFormatter)
+    # vLLM's positional form, `pagedllm serve MODEL`, besides --model.
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                   help="The model to serve (same as --model).")
     cli_args.add_serve_args(p)
-    p.set_defaults(func=api_server.run_server)
+    p.set_defaults(func=partial(_serve, api_server.run_server))
+
+
+def _serve(run_server: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    merge_model_tag(args)
+    return int(run_server(args) or 0)
+
+
+def merge_model_tag(args: argparse.Namespace) -> None:
+    """``serve MODEL`` sets ``--model``; both, naming different models, is an error."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and args.model != tag:
+        raise ValueError(f"model: given twice, as MODEL ({tag!r}) and --model "
+                         f"({args.model!r}); give one")
+    args.model = tag
 
 
 def _serve_unavailable(missing: str) -> int:
@@ -133,7 +166,8 @@ def _serve_unavailable(missing: str) -> int:
 
 
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="Benchmarks (throughput, latency, serve, soak).")
+    p = sub.add_parser("bench", help="Benchmarks (throughput, latency, serve, soak).",
+                       formatter_class=HelpFormatter)
     bsub = p.add_subparsers(dest="bench_cmd", required=True)
     for name, module in (("throughput", "pagedllm.benchmarks.throughput"),
                          ("latency", "pagedllm.benchmarks.latency"),
@@ -143,14 +177,16 @@ def _add_bench(sub) -> None:
             mod = __import__(module, fromlist=["add_args", "main"])
         except ImportError:
             continue
-        bp = bsub.add_parser(name, help=(mod.__doc__ or name).strip().splitlines()[0])
+        bp = bsub.add_parser(name, help=(mod.__doc__ or name).strip().splitlines()[0],
+                             formatter_class=HelpFormatter)
         mod.add_args(bp)
         bp.set_defaults(func=mod.main)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pagedllm", description="pagedllm: a paged-KV-cache LLM inference engine.")
+        prog="pagedllm", description="pagedllm: a paged-KV-cache LLM inference engine.",
+        formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     adders: Sequence[Callable] = (_add_serve, _add_generate, _add_chat, _add_bench)
     for add in adders:

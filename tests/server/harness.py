@@ -120,7 +120,7 @@ class ServerProcess:
         return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 120.0), **kw)
 
     def metrics(self) -> dict[str, float]:
-        """``/metrics`` as {series (name + labels minus model_name): value}."""
+        """``/metrics`` as {series (name + labels minus model_name and engine): value}."""
         text = httpx.get(self.url + "/metrics", timeout=30,
                          headers=getattr(self, "auth_headers", None)).text
         out: dict[str, float] = {}
@@ -128,7 +128,7 @@ class ServerProcess:
             if line.startswith("#") or not line.strip():
                 continue
             key, _, value = line.rpartition(" ")
-            key = re.sub(r',?model_name="[^"]*"', "", key).replace("{,", "{")
+            key = re.sub(r',?(model_name|engine)="[^"]*"', "", key).replace("{,", "{")
             key = key.replace("{}", "")
             out[key] = float(value)
         return out
@@ -155,8 +155,8 @@ def wait_until(pred, timeout: float = 30.0, interval: float = 0.1) -> bool:  # t
 
 def kv_idle(s: ServerProcess) -> bool:
     m = s.metrics()
-    return (m.get("pagedllm:num_requests_running") == 0
-            and m.get("pagedllm:num_requests_waiting") == 0
-            and m.get("pagedllm:kv_cache_usage_perc") == 0
+    return (m.get("vllm:num_requests_running") == 0
+            and m.get("vllm:num_requests_waiting") == 0
+            and m.get("vllm:kv_cache_usage_perc") == 0
             and m.get("pagedllm:kv_cache_free_blocks") == m.get(
                 "pagedllm:kv_cache_total_blocks"))

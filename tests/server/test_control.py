@@ -17,7 +17,7 @@ from tests.server.harness import ServerProcess, kv_idle, running_server, wait_un
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
         "temperature": 0}
-ABORTS = 'pagedllm:request_success_total{finished_reason="abort"}'
+ABORTS = 'vllm:request_success_total{finished_reason="abort"}'
 
 
 def _data_events(lines: Iterator[str]) -> Iterator[dict[str, Any] | str]:
@@ -35,8 +35,8 @@ def test_stream_disconnect_aborts_and_frees_blocks(server: ServerProcess) -> Non
             first = next(events)
             assert isinstance(first, dict) and first["choices"][0]["text"] is not None
             m = server.metrics()
-            assert m["pagedllm:num_requests_running"] >= 1
-            assert m["pagedllm:kv_cache_usage_perc"] > 0
+            assert m["vllm:num_requests_running"] >= 1
+            assert m["vllm:kv_cache_usage_perc"] > 0
         # Leaving the block closes the connection mid-stream.
     assert wait_until(lambda: kv_idle(server) and server.metrics()[ABORTS] == before + 1,
                       timeout=30), server.metrics()

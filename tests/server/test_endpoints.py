@@ -243,9 +243,9 @@ def test_metrics_names(server: ServerProcess, client: openai.OpenAI, model: str)
                  "num_preemptions_total", "time_to_first_token_seconds_count",
                  "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
                  "request_queue_time_seconds_count"):
-        assert f"pagedllm:{name}" in m, name
-    assert m["pagedllm:generation_tokens_total"] >= 2
-    assert m['pagedllm:request_success_total{finished_reason="length"}'] >= 1
+        assert f"vllm:{name}" in m, name
+    assert m["vllm:generation_tokens_total"] >= 2
+    assert m['vllm:request_success_total{finished_reason="length"}'] >= 1
     text = httpx.get(server.url + "/metrics").text
     assert 'model_name="SmolLM2-135M-Instruct"' in text
 

@@ -4,7 +4,8 @@ engine core runs in its own process.
 Request path (outermost first)::
 
     CORS (only with --allowed-origins; answers preflights itself, so they need no key)
-     └ APIKeyMiddleware   401 unless "Authorization: Bearer KEY" (public: /health, /version)
+     └ APIKeyMiddleware   401 unless "Authorization: Bearer KEY" (public: /health, /version,
+                          the chat page's static files)
         └ BodySizeLimitMiddleware   413 before buffering an oversized body
            └ FastAPI routes   400 envelopes for every validation failure (errors.py)
 
@@ -45,6 +46,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.mp_client import EngineDeadError, EngineStartupError
 from pagedllm.entrypoints.openai import leak_hook
+from pagedllm.entrypoints.openai.chat_ui import UI_PATHS, add_chat_ui
 from pagedllm.entrypoints.openai.errors import error_body, error_response, install_error_handlers
 from pagedllm.entrypoints.openai.http_limits import (
     HTTPLimits,
@@ -71,12 +73,14 @@ from pagedllm.entrypoints.openai.serving_base import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.template_sandbox import TemplateSandbox
+from pagedllm.entrypoints.openai.tokenizer_info import tokenizer_info
 from pagedllm.gc_heap import freeze_gc_heap
-from pagedllm.metrics import EngineMetrics
+from pagedllm.metrics import EngineMetrics, cache_config_labels
 
 logger = logging.getLogger("pagedllm.api_server")
 
-PUBLIC_PATHS = frozenset({"/health", "/version"})
+# The chat page's static files are a shell without data; what it does needs the key.
+PUBLIC_PATHS = frozenset({"/health", "/version", *UI_PATHS})
 
 
 def _version() -> str:
@@ -206,8 +210,9 @@ class BodySizeLimitMiddleware:
 
 def build_app(state: ServingState, *, api_keys: list[str] | None = None,
               allowed_origins: list[str] | None = None,
-              max_body_bytes: int = 16 * 1024 * 1024) -> FastAPI:
-    """The FastAPI application over ``state`` (routes, error handlers, middleware)."""
+              max_body_bytes: int = 16 * 1024 * 1024, ui: bool = True) -> FastAPI:
+    """The FastAPI application over ``state`` (routes, error handlers, middleware);
+    ``ui`` adds the chat page at ``/`` (chat_ui.py)."""
     app = FastAPI(title="pagedllm OpenAI-compatible API", version=_version())
     app.state.serving = state
     install_error_handlers(app)
@@ -232,6 +237,25 @@ def build_app(state: ServingState, *, api_keys: list[str] | None = None,
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=name, root=name, max_model_len=state.max_model_len)
                                for name in state.served_model_names])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        """One served model (OpenAI's retrieve); 404 naming it when it is not served."""
+        try:
+            state.check_model(model_id)
+        except Exception as e:
+            return engine_error_response(e)
+        return JSONResponse(ModelCard(id=model_id, root=model_id,
+                                      max_model_len=state.max_model_len).model_dump())
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info() -> Response:
+        """The tokenizer's configuration in vLLM's shape (tokenizer_info.py)."""
+        if state.engine.tokenizer is None:
+            return error_response("this server has no tokenizer", status=404,
+                                  code="tokenizer_not_found")
+        return JSONResponse(tokenizer_info(state.engine.tokenizer, state.chat_template,
+                                           state.max_model_len))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -303,6 +327,8 @@ def build_app(state: ServingState, *, api_keys: list[str] | None = None,
             return engine_error_response(e)
         return JSONResponse({"prompt": text})
 
+    if ui:
+        add_chat_ui(app)
     # Added innermost first: the last one added runs first.
     app.add_middleware(BodySizeLimitMiddleware, limit=max_body_bytes)
     if api_keys:
@@ -459,10 +485,12 @@ async def _serve(args: argparse.Namespace) -> int:
     config = engine.config
     mc = config.model_config
     names = names or [mc.served_model_name]
-    metrics = EngineMetrics(names[0])
+    ready = engine.ready
+    metrics = EngineMetrics(names[0], max_model_len=ready.max_model_len or mc.max_model_len,
+                            cache_info=cache_config_labels(config.cache_config,
+                                                           ready.num_blocks))
     engine.attach_metrics(metrics)
     metrics.set_engine_alive(True)
-    ready = engine.ready
     state = ServingState(
         engine=engine, metrics=metrics, served_model_names=names,
         max_model_len=ready.max_model_len or mc.max_model_len, max_n=args.max_n,
@@ -474,7 +502,7 @@ async def _serve(args: argparse.Namespace) -> int:
         state.template_sandbox = TemplateSandbox(max_chars=args.max_request_body_bytes)
         await state.template_sandbox.start()
     app = build_app(state, api_keys=api_keys, allowed_origins=args.allowed_origins,
-                    max_body_bytes=args.max_request_body_bytes)
+                    max_body_bytes=args.max_request_body_bytes, ui=not args.no_ui)
     app = leak_hook.wrap(app)  # unchanged unless a test sets its env var
     fd_limit = raise_fd_limit()
     limits = HTTPLimits(

@@ -100,6 +100,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (access logs at 'info').")
+    g.add_argument("--no-ui", action="store_true",
+                   help="Do not serve the chat page at / (it is on by default).")
     add_engine_args(parser)
 
 

@@ -135,6 +135,15 @@ class OpenAIServingCompletion(ServingHandler):
             ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
         return delta, lp_start
 
+    def _prompt_logprobs_json(self, token_ids: list[int], logprobs: PromptLogprobs,
+                              ) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's ``choices[i].prompt_logprobs``: per prompt token (the first is null), the
+        token itself and the top ``prompt_logprobs`` alternatives, keyed by token id."""
+        return [None if lps is None else {
+            str(t): {"logprob": logprob_value(lp.logprob), "rank": lp.rank,
+                     "decoded_token": token_text(lp, t, self.tokenizer)}
+            for t, lp in lps.items()} for _, lps in zip(token_ids, logprobs)]
+
     @staticmethod
     def _logprobs_json(ch: _Choice, start: int) -> dict[str, Any]:
         return {"text_offset": ch.text_offset[start:],
@@ -148,9 +157,14 @@ class OpenAIServingCompletion(ServingHandler):
                     model: str) -> Response:
         choices = [_Choice() for _ in range(len(streams) * n)]
         num_prompt = [0] * len(streams)
+        prompt_lps: list[list[dict[str, dict[str, Any]] | None] | None] = [None] * len(streams)
         try:
             async for p, out in merge_streams(streams):
                 num_prompt[p] = num_prompt[p] or len(out.prompt_token_ids)
+                if body.prompt_logprobs is not None and prompt_lps[p] is None \
+                        and out.prompt_logprobs is not None:
+                    prompt_lps[p] = self._prompt_logprobs_json(out.prompt_token_ids,
+                                                               out.prompt_logprobs)
                 for c in out.outputs:
                     ch = choices[p * n + c.index]
                     if ch.finish_reason is None:
@@ -171,6 +185,8 @@ class OpenAIServingCompletion(ServingHandler):
                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
                 **({"token_ids": ch.token_ids, "prompt_token_ids": ch.prompt_token_ids}
                    if body.return_token_ids else {}),
+                **({"prompt_logprobs": prompt_lps[i // n]}
+                   if body.prompt_logprobs is not None else {}),
             } for i, ch in enumerate(choices)],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
