@@ -152,6 +152,9 @@ class ServingState:
         streams: list[RequestStream] = []
         async with self._admission:
             self.check_admitting()  # the server may have started draining meanwhile
+            if public_id in self.public_ids:  # taken while this one was tokenising
+                raise RequestError(f"request id {public_id!r} is already in use",
+                                   "request_id")
             self._check_capacity(need)
             try:
                 for rid, prompt in zip(ids, ready):
