@@ -44,19 +44,19 @@ def test_short_soak_passes() -> None:
 
 def test_soak_catches_a_memory_leak_and_blocks_in_use() -> None:
     with running_server(env={LEAK_ENV: str(50 << 20)},
-                        base_args=["--max-model-len", "1024", "--max-num-seqs", "8"]) as s:
+                        base_args=["--max-model-len", "4096", "--max-num-seqs", "8"]) as s:
         held = threading.Event()
         release = threading.Event()
 
         def hold_a_long_request() -> None:
-            body = {"prompt": "Once", "max_tokens": 1000, "ignore_eos": True,
+            body = {"prompt": "Once", "max_tokens": 4000, "ignore_eos": True,
                     "stream": True}
             with httpx.Client(base_url=s.url, timeout=600) as c, \
                     c.stream("POST", "/v1/completions", json=body) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        held.set()
-                        break
+                lines = r.iter_lines()  # kept open: closing it would disconnect
+                while not next(lines).startswith("data: "):
+                    pass
+                held.set()
                 release.wait(600)  # leaving the block disconnects: the server aborts it
 
         t = threading.Thread(target=hold_a_long_request)
@@ -64,7 +64,7 @@ def test_soak_catches_a_memory_leak_and_blocks_in_use() -> None:
         try:
             assert held.wait(120)
             rc, summary, text = _soak("--base-url", s.url, "--pid", str(s.pid),
-                                      "--duration", "30", "--warmup", "5",
+                                      "--duration", "20", "--warmup", "5",
                                       "--concurrency", "2", "--drain-timeout", "3")
         finally:
             release.set()
