@@ -144,14 +144,21 @@ class LlamaAttention(nn.Module):
         return self.o_proj(attn_out)
 
 
+def make_llama_mlp(config: Any, layer: int, quant_config: QuantizationConfig | None,
+                   prefix: str) -> nn.Module:
+    """The dense SwiGLU MLP of every Llama layer (MoE models pass their own factory)."""
+    return LlamaMLP(config.hidden_size, config.intermediate_size,
+                    bool(getattr(config, "mlp_bias", False)), quant_config, prefix)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, attention: LlamaAttention,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+                 quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = attention
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
-                            bool(getattr(config, "mlp_bias", False)), quant_config,
-                            f"{prefix}.mlp")
+        self.mlp = mlp if mlp is not None else make_llama_mlp(config, 0, quant_config,
+                                                              f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -177,7 +184,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, backend: AttentionBackend, make_attention: Any,
                  quant_config: QuantizationConfig | None = None,
-                 prefix: str = "model") -> None:
+                 prefix: str = "model", make_mlp: Any = make_llama_mlp) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table for all layers, gathered once per step in forward().
@@ -187,7 +194,8 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(
                 config, make_attention(config, backend, quant_config,
                                        f"{prefix}.layers.{i}.self_attn"),
-                quant_config, f"{prefix}.layers.{i}")
+                quant_config, f"{prefix}.layers.{i}",
+                make_mlp(config, i, quant_config, f"{prefix}.layers.{i}.mlp"))
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -232,7 +240,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         self.check_config(hf_config)
-        self.model = LlamaModel(hf_config, backend, self.make_attention, quant_config)
+        self.model = LlamaModel(hf_config, backend, self.make_attention, quant_config,
+                                make_mlp=self.make_mlp)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tied:
@@ -254,6 +263,8 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return LlamaAttention(config, backend, qkv_bias=bias, o_bias=bias,
                               quant_config=quant_config, prefix=prefix)
+
+    make_mlp = staticmethod(make_llama_mlp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, last_only: bool = False) -> torch.Tensor:
@@ -279,12 +290,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tied:
                 continue  # the head is the embedding
-            target = name
-            shard: int | str | None = None
-            for fused, part, shard_id in self.stacked_params_mapping:
-                if f".{part}." in name:
-                    target, shard = name.replace(f".{part}.", f".{fused}."), shard_id
-                    break
+            target, shard_args = self.weight_target(name)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
@@ -294,10 +300,8 @@ class LlamaForCausalLM(nn.Module):
                 with torch.no_grad():
                     if loader is None:
                         default_weight_loader(param, tensor)
-                    elif shard is None:
-                        loader(param, tensor)
                     else:
-                        loader(param, tensor, shard)
+                        loader(param, tensor, *shard_args)
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
             loaded.add(target)
@@ -305,6 +309,15 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} parameter(s): {shown}")
+
+
+    def weight_target(self, name: str) -> tuple[str, tuple[Any, ...]]:
+        """``(parameter name, extra weight_loader args)`` of checkpoint tensor ``name``:
+        q/k/v and gate/up go into their fused parameters with a shard id."""
+        for fused, part, shard_id in self.stacked_params_mapping:
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}."), (shard_id,)
+        return name, ()
 
 
 class MistralForCausalLM(LlamaForCausalLM):

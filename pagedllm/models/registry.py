@@ -7,19 +7,26 @@ from typing import Any
 from torch import nn
 
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM
+from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
+from pagedllm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 # Configs built from GGUF by transformers carry no `architectures`; fall back on model_type.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def supported_architectures() -> list[str]:

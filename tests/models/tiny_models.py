@@ -1,0 +1,64 @@
+"""Tiny random checkpoints of the architectures beyond Llama/Qwen2/Qwen3, built offline by
+transformers from a config and saved as safetensors (no downloads).
+
+Every config is 2 layers, hidden 64, a 320-token vocabulary; each exercises its family's
+distinctive parts (noted per entry).  ``build(arch, path)`` returns the HF model (fp32,
+eval, every weight randomised so a weight loaded into the wrong place changes logits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import transformers
+
+VOCAB = 320
+COMMON: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                              num_hidden_layers=2, max_position_embeddings=256,
+                              rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+CONFIGS: dict[str, Callable[[], Any]] = {
+    # 4 experts, top-2, always renormalised; GQA 2:1.
+    "mixtral": lambda: transformers.MixtralConfig(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, architectures=["MixtralForCausalLM"]),
+    # Shared expert + sigmoid gate, top-2 without renormalisation, q/k/v bias; layer 1
+    # is a dense MLP (mlp_only_layers).
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, num_experts=6,
+        num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1],
+        architectures=["Qwen2MoeForCausalLM"]),
+    # q/k norm, top-3 of 8 renormalised, head_dim 32 != 64 / 4.
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+        num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
+        architectures=["Qwen3MoeForCausalLM"]),
+}
+HF_CLASSES: dict[str, Any] = {
+    "mixtral": transformers.MixtralForCausalLM,
+    "qwen2_moe": transformers.Qwen2MoeForCausalLM,
+    "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+}
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """HF zero-inits biases and one-inits norms; randomise everything."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.08)
+
+
+def build(arch: str, path: str) -> torch.nn.Module:
+    """Save a random ``arch`` checkpoint to ``path``; return the HF model."""
+    torch.manual_seed(0)
+    hf = HF_CLASSES[arch](CONFIGS[arch]()).eval()
+    randomize(hf, seed=len(arch))
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf
