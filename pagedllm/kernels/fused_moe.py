@@ -17,7 +17,8 @@ kernel 1's epilogue (gate and up tiles accumulate side by side) and the routing 
 into kernel 2's.  Experts with no tokens own no blocks; blocks past the padded total
 exit at once, so the grid depends only on ``T``, ``k`` and ``E`` (no host sync: the
 padded total stays on the device).  Shapes (``H``, ``I``, ``k``) are compile-time
-constants: fixed per model, and loop bounds the interpreter can run.  The oracle is ``layers/fused_moe/torch_ref.py``.
+constants: fixed per model, and loop bounds the interpreter can run.  The oracle is
+``layers/fused_moe/torch_ref.py``.
 """
 
 from __future__ import annotations
