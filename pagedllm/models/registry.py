@@ -8,6 +8,7 @@ from torch import nn
 
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
+from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
 from pagedllm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -20,13 +21,14 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 # Configs built from GGUF by transformers carry no `architectures`; fall back on model_type.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM"}
+                "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:

@@ -36,11 +36,28 @@ CONFIGS: dict[str, Callable[[], Any]] = {
         **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
         num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
         architectures=["Qwen3MoeForCausalLM"]),
+    # Fused qkv / gate_up checkpoint tensors, LongRoPE with partial rotary (12 of 16
+    # features), prompts within the original context (see layers/rotary.py).
+    "phi3": lambda: transformers.Phi3Config(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, partial_rotary_factor=0.75,
+        original_max_position_embeddings=128,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                      "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0]},
+        architectures=["Phi3ForCausalLM"]),
+    # YaRN scaling (original context 64 < prompt positions), q/k/v bias.
+    "qwen2_yarn": lambda: transformers.Qwen2Config(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64},
+        architectures=["Qwen2ForCausalLM"]),
 }
 HF_CLASSES: dict[str, Any] = {
     "mixtral": transformers.MixtralForCausalLM,
     "qwen2_moe": transformers.Qwen2MoeForCausalLM,
     "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+    "phi3": transformers.Phi3ForCausalLM,
+    "qwen2_yarn": transformers.Qwen2ForCausalLM,
 }
 
 
