@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.kinds import FULL, AttentionKind
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kernels.kv_write import write_kv_cache
 from pagedllm.kernels.paged_attention import paged_attention
@@ -44,7 +45,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def attend(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-        scale: float,
+        scale: float, kind: AttentionKind = FULL,
     ) -> torch.Tensor:
         return paged_attention(
             query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
@@ -55,8 +56,9 @@ class TritonAttentionBackend(AttentionBackend):
     def forward_rope(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, rope: RopeInputs,
+        kind: AttentionKind = FULL,
     ) -> torch.Tensor:
         # Query rotated in place; rotated keys and the values go straight into the cache.
         rotary_and_write_kv(rope.positions, query, key, value, query.shape[-1],
                             rope.cos_sin_cache, kv_cache, meta.slot_mapping)
-        return self.attend(query, kv_cache, meta, scale)
+        return self.attend(query, kv_cache, meta, scale, kind)

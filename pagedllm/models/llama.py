@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.kinds import AttentionKind
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
@@ -35,6 +36,22 @@ from pagedllm.layers.linear import (
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.layers.rotary import RopeInputs, RotaryEmbedding, rope_parameters
+
+
+def attention_kind(config: Any, layer: int) -> AttentionKind:
+    """Layer ``layer``'s attention as transformers runs it: with ``layer_types`` (Qwen2,
+    Gemma), a sliding window on ``"sliding_attention"`` layers; without (Mistral,
+    Mixtral, Phi-3), on every layer when ``sliding_window`` is set."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None and types[layer] != "sliding_attention":
+        window = None
+    return AttentionKind(sliding_window=int(window) if window else None)
+
+
+def layer_index(prefix: str) -> int:
+    """The layer number in an HF module name (``model.layers.3.self_attn`` -> 3)."""
+    return int(prefix.split("layers.")[1].split(".")[0]) if "layers." in prefix else 0
 
 
 def head_dim_of(config: Any) -> int:
@@ -88,7 +105,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
-                              self.num_kv_heads, backend)
+                              self.num_kv_heads, backend,
+                              attention_kind(config, layer_index(prefix)))
 
     def _fused_qkv_rope(self, x: torch.Tensor, rope: RopeInputs) -> bool:
         """Whether this step's QKV runs as the batch-1 GEMV with rotary and the KV write
@@ -249,12 +267,8 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def check_config(config: Any) -> None:
-        window = getattr(config, "sliding_window", None)
-        max_pos = getattr(config, "max_position_embeddings", 0)
-        if getattr(config, "use_sliding_window", window is not None) and window \
-                and window < max_pos:
-            raise ValueError(f"sliding_window={window} is not supported (only full "
-                             "attention); use a checkpoint without sliding window")
+        """Reject a config this class cannot run exactly (``ValueError`` naming the
+        field); every Llama-family config is runnable today."""
 
     @staticmethod
     def make_attention(config: Any, backend: AttentionBackend,
@@ -321,4 +335,4 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral is Llama's graph; a sliding window (v0.1) is rejected by ``check_config``."""
+    """Mistral is Llama's graph; ``sliding_window`` (v0.1) windows every layer."""

@@ -51,6 +51,26 @@ CONFIGS: dict[str, Callable[[], Any]] = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 64},
         architectures=["Qwen2ForCausalLM"]),
+    # Sliding window 16 on every layer (prompts run past it).
+    "mistral_sw": lambda: transformers.MistralConfig(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=16,
+        architectures=["MistralForCausalLM"]),
+    # Local (window 16) / global layers, attention and final logit soft-caps small enough
+    # to bite, query_pre_attn_scalar != head_dim, tied embeddings.
+    "gemma2": lambda: transformers.Gemma2Config(
+        **{**COMMON, "tie_word_embeddings": True}, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+        architectures=["Gemma2ForCausalLM"]),
+    # Local (window 16, base 10k) then global (base 1M, linear x2) layers, q/k norm.
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **{**COMMON, "tie_word_embeddings": True}, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
+                                            "factor": 2.0}},
+        architectures=["Gemma3ForCausalLM"]),
 }
 HF_CLASSES: dict[str, Any] = {
     "mixtral": transformers.MixtralForCausalLM,
@@ -58,6 +78,9 @@ HF_CLASSES: dict[str, Any] = {
     "qwen3_moe": transformers.Qwen3MoeForCausalLM,
     "phi3": transformers.Phi3ForCausalLM,
     "qwen2_yarn": transformers.Qwen2ForCausalLM,
+    "mistral_sw": transformers.MistralForCausalLM,
+    "gemma2": transformers.Gemma2ForCausalLM,
+    "gemma3": transformers.Gemma3ForCausalLM,
 }
 
 
