@@ -37,6 +37,9 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, force_num_splits: int | None = None) -> None:
         self.force_num_splits = force_num_splits
 
+    def supports(self, kind: AttentionKind) -> bool:
+        return True  # full, sliding window and soft-cap: kernel constexpr flags
+
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -50,7 +53,8 @@ class TritonAttentionBackend(AttentionBackend):
         return paged_attention(
             query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             num_reqs=meta.num_reqs, max_query_len=meta.max_query_len, scale=scale,
-            num_splits=self.force_num_splits,
+            num_splits=self.force_num_splits, sliding_window=kind.sliding_window,
+            soft_cap=kind.logits_soft_cap,
         )
 
     def forward_rope(
