@@ -35,7 +35,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
     padded length: ``P + min(P, E) * (block_m - 1)`` rounded up to ``block_m``."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     p = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads the max id on the host (a sync, and no
+    # CUDA-graph capture).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded

@@ -35,7 +35,12 @@ def _hf_greedy(hf: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]
     return out
 
 
-@pytest.mark.parametrize("arch", sorted(CONFIGS))
+# Every architecture (RoPE-scaling variants of an architecture are covered by the
+# logit tests).
+ARCHS = sorted(a for a in CONFIGS if a != "qwen2_yarn")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_batched_chunked_preempted_prefix_cached(arch: str, tmp_path) -> None:
     hf = build(arch, str(tmp_path))
     prompts = _prompts()
