@@ -14,6 +14,7 @@ to free blocks that have left every sliding layer's window.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -40,3 +41,23 @@ class AttentionKind:
 
 
 FULL = AttentionKind()
+
+
+def layer_sliding_windows(hf_config: Any) -> list[int | None]:
+    """Each layer's sliding window as transformers applies it (None = full): with
+    ``layer_types`` (Qwen2, Gemma) on ``"sliding_attention"`` layers; without (Mistral,
+    Mixtral, Phi-3) on every layer when ``sliding_window`` is set."""
+    window = getattr(hf_config, "sliding_window", None)
+    window = int(window) if window else None
+    n = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    types = getattr(hf_config, "layer_types", None)
+    if types is None:
+        return [window] * n
+    return [window if t == "sliding_attention" else None for t in types[:n]]
+
+
+def uniform_sliding_window(hf_config: Any) -> int | None:
+    """The window when every layer slides with the same one (the KV manager can then
+    free blocks behind it), else None."""
+    windows = set(layer_sliding_windows(hf_config))
+    return windows.pop() if len(windows) == 1 else None

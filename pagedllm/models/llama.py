@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
-from pagedllm.attention.kinds import AttentionKind
+from pagedllm.attention.kinds import AttentionKind, layer_sliding_windows
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
@@ -42,11 +42,7 @@ def attention_kind(config: Any, layer: int) -> AttentionKind:
     """Layer ``layer``'s attention as transformers runs it: with ``layer_types`` (Qwen2,
     Gemma), a sliding window on ``"sliding_attention"`` layers; without (Mistral,
     Mixtral, Phi-3), on every layer when ``sliding_window`` is set."""
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if types is not None and types[layer] != "sliding_attention":
-        window = None
-    return AttentionKind(sliding_window=int(window) if window else None)
+    return AttentionKind(sliding_window=layer_sliding_windows(config)[layer])
 
 
 def layer_index(prefix: str) -> int:

@@ -2,7 +2,8 @@
 architecture of ``tests/models/tiny_models.py``, through the whole engine (``LLM``):
 batched with a small token budget (chunked prefill), a KV pool small enough that requests
 are preempted and recomputed, and prefix caching on -- the prompts share a 40-token
-prefix, and the second pass is served from cached blocks."""
+prefix, and the second pass is served from cached blocks.  For a model whose every layer
+slides (``mistral_sw``), the KV manager frees the blocks behind the window meanwhile."""
 
 from __future__ import annotations
 
@@ -62,5 +63,7 @@ def test_greedy_batched_chunked_preempted_prefix_cached(arch: str, tmp_path) -> 
     assert cached[1] > 0
     sched = llm.llm_engine.client.core.scheduler
     assert sched.total_preemptions > 0
+    # Every layer slides (Mistral): blocks behind the window were freed as it moved.
+    assert sched.kv.sliding_window == (16 if arch == "mistral_sw" else None)
     pool = sched.kv.pool
     assert pool.num_free_blocks == pool.num_usable_blocks
