@@ -116,3 +116,21 @@ def test_triton_backend_serves_every_attention_kind(pair) -> None:
     got = torch.cat([s.step({0: ids[:18]})[0], s.step({0: ids[18:22]})[0]]
                     + [s.step({0: [t]})[0] for t in ids[22:]])
     torch.testing.assert_close(got, _hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_triton_matches_transformers(pair) -> None:
+    """On the GPU with the Triton backend (fused MoE, windowed / soft-capped attention
+    kernels) in bf16: logits loosely equal HF's fp32 ones."""
+    import dataclasses
+
+    from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+    _, hf, cfg = pair
+    mc = dataclasses.replace(cfg.model_config, dtype="bfloat16")
+    ours = load_model(mc, torch.device("cuda"), TritonAttentionBackend())
+    ids = _prompt(40, seed=5)
+    s = PagedSession(ours, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks=16,
+                     dtype=torch.bfloat16, device="cuda")
+    got = torch.cat([s.step({0: ids[:25]})[0]] + [s.step({0: [t]})[0] for t in ids[25:]])
+    torch.testing.assert_close(got.float().cpu(), _hf_logits(hf, ids), atol=0.15, rtol=0)
