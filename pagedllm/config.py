@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pagedllm.attention.kinds import uniform_sliding_window
 from pagedllm.models.resolve import ResolvedModel, resolve_model
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
@@ -76,6 +77,9 @@ class CacheConfig:
     swap_space_bytes: int = 4 << 30
     # Filled in by the engine once memory is planned.
     num_blocks: int | None = None
+    # Every layer's attention window when all layers slide with one (Mistral v0.1): KV
+    # blocks behind it are freed (core/kv_cache_manager.py).  Set from the model config.
+    sliding_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -268,7 +272,8 @@ class EngineArgs:
                 block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=float(g),
                 enable_prefix_caching=self.enable_prefix_caching,
-                swap_space_bytes=int(sw * (1 << 30))),
+                swap_space_bytes=int(sw * (1 << 30)),
+                sliding_window=uniform_sliding_window(model_config.hf_config)),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len, policy=self.scheduling_policy,  # type: ignore

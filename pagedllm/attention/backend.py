@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from pagedllm.attention.kinds import FULL, AttentionKind
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.rope import RopeInputs
 
@@ -29,6 +30,11 @@ class AttentionBackend(ABC):
     name: str = "abstract"
     fuses_rope: bool = False
 
+    def supports(self, kind: AttentionKind) -> bool:
+        """Whether ``attend`` implements ``kind`` (``attention/kinds.py``); plain causal
+        attention only, unless a backend says more."""
+        return kind.is_full
+
     @abstractmethod
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -39,21 +45,23 @@ class AttentionBackend(ABC):
     @abstractmethod
     def attend(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-        scale: float,
+        scale: float, kind: AttentionKind = FULL,
     ) -> torch.Tensor:
         """query: ``[num_tokens, num_heads, head_dim]`` -> same shape."""
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        kind: AttentionKind = FULL,
     ) -> torch.Tensor:
         self.write_kv(key, value, kv_cache, meta)
-        return self.attend(query, kv_cache, meta, scale)
+        return self.attend(query, kv_cache, meta, scale, kind)
 
     def forward_rope(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, rope: RopeInputs,
+        kind: AttentionKind = FULL,
     ) -> torch.Tensor:
         """``forward`` on unrotated ``query``/``key``: rotate both, then attend."""
         return self.forward(rope.rotate(query), rope.rotate(key), value, kv_cache, meta,
-                            scale)
+                            scale, kind)

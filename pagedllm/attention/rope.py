@@ -15,7 +15,11 @@ import torch
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x: [T, H, D]`` (any strides) by ``cos``/``sin: [T, 1, D/2]``; new tensor."""
+    """Rotate ``x: [T, H, D]`` (any strides) by ``cos``/``sin: [T, 1, R/2]`` on its first
+    ``R`` features (the rest pass through: partial rotary, Phi); new tensor."""
+    rot = 2 * cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

@@ -15,6 +15,12 @@ request's keys in position order (position p lives at block ``p // bs``, offset
 (never an additive ``-inf`` row: every valid query sees at least key 0, so no softmax row
 is empty and nothing becomes NaN).
 
+Attention kinds (``attention/kinds.py``): a sliding window narrows the boolean mask
+(``key > query - W``; blocks outside the window may be the null block, as masked
+keys are never read into the softmax); a logit
+soft-cap replaces SDPA by the explicit ``softmax(c * tanh(q k^T * scale / c))`` in the
+same order of operations as transformers' eager attention.
+
 Sizes come from the ``*_cpu`` metadata, so the backend never syncs the device; it works
 for float32, bfloat16 and float16 on CPU and CUDA.  The batch's structure (which requests
 decode, their sizes, the decode mask) is worked out once per step and reused by every
@@ -30,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.kinds import FULL, AttentionKind
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -46,6 +53,32 @@ class _Plan:
     decode_blocks: int  # blocks to gather per decode request
     decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool, True = attend
     chunks: list[tuple[int, int, int, int]]  # (row, start, end, seq_len), query_len > 1
+    decode_seq: torch.Tensor | None = None  # device [B] seq_len of each decode
+    window_masks: dict[int, torch.Tensor] | None = None  # sliding window -> decode mask
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float, kind: AttentionKind, causal: bool = False,
+               gqa: bool = False) -> torch.Tensor:
+    """SDPA, or with a logit soft-cap the explicit computation (transformers' eager
+    order: scores * scale, cap, mask, float32 softmax, P @ V).  ``q [.., Hq, Lq, D]``,
+    ``k/v [.., Hk, Lk, D]``; ``mask`` True = attend."""
+    cap = kind.logits_soft_cap
+    if cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              scale=scale, enable_gqa=gqa)
+    if gqa and q.shape[-3] != k.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if causal:
+        lq, lk = q.shape[-2], k.shape[-2]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -108,22 +141,25 @@ class TorchReferenceBackend(AttentionBackend):
         for r in torch.nonzero(query_lens > 1).flatten().tolist():
             chunks.append((r, int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])))
         plan = _Plan(qsl.clone(), seq_lens.clone(), num_decodes, all_decode, rows, tokens,
-                     nblk, mask, chunks)
+                     nblk, mask, chunks, dev_seq if num_decodes else None, {})
         self._meta, self._plan_cache = meta, plan
         return plan
 
+    def supports(self, kind: AttentionKind) -> bool:
+        return True  # full, sliding window, soft-capped
+
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, kind: AttentionKind = FULL) -> torch.Tensor:
         if meta.num_reqs == 0 or meta.num_actual_tokens == 0:
             return torch.empty_like(query)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         bs = kv_cache.shape[2]
         plan = self._plan(meta, bs, query.device)
         if plan.all_decode and plan.num_decodes == query.shape[0]:
-            return self._decodes(query, k_cache, v_cache, meta, plan, scale)  # no copy
+            return self._decodes(query, k_cache, v_cache, meta, plan, scale, kind)  # no copy
         out = torch.empty_like(query)
         if plan.num_decodes:
-            o = self._decodes(query, k_cache, v_cache, meta, plan, scale)
+            o = self._decodes(query, k_cache, v_cache, meta, plan, scale, kind)
             if plan.decode_tokens is None:
                 out[:plan.num_decodes] = o
             else:
@@ -137,21 +173,39 @@ class TorchReferenceBackend(AttentionBackend):
             v = v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             q = query[start:end].transpose(0, 1).unsqueeze(0)
-            if ctx == 0:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                   enable_gqa=gqa)
+            window = kind.sliding_window
+            if ctx == 0 and (window is None or window >= seq_len):
+                o = _attention(q, k, v, None, scale, kind, causal=True, gqa=gqa)
             else:
-                # Query i sits at position ctx + i and sees keys 0..ctx + i.
+                # Query i sits at position ctx + i and sees keys 0..ctx + i (the last W
+                # of them with a sliding window).
                 qpos = torch.arange(ctx, seq_len, device=query.device).unsqueeze(1)
                 kpos = torch.arange(seq_len, device=query.device).unsqueeze(0)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=kpos <= qpos,
-                                                   scale=scale, enable_gqa=gqa)
+                mask = kpos <= qpos
+                if window is not None:
+                    mask &= kpos > qpos - window
+                o = _attention(q, k, v, mask, scale, kind, gqa=gqa)
             out[start:end] = o[0].transpose(0, 1)
         return out
 
     @staticmethod
+    def _decode_mask(plan: _Plan, kind: AttentionKind, length: int) -> torch.Tensor | None:
+        """The decode mask for ``kind``: keys ``< seq_len``, and with a window ``W`` also
+        ``>= seq_len - W`` (the query is at ``seq_len - 1``); cached per window."""
+        window = kind.sliding_window
+        if window is None or plan.decode_seq is None or plan.window_masks is None:
+            return plan.decode_mask
+        if window not in plan.window_masks:
+            kpos = torch.arange(length, device=plan.decode_seq.device)
+            seq = plan.decode_seq.unsqueeze(1)
+            plan.window_masks[window] = ((kpos < seq) & (kpos >= seq - window))[:, None,
+                                                                               None, :]
+        return plan.window_masks[window]
+
+    @staticmethod
     def _decodes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata, plan: _Plan, scale: float) -> torch.Tensor:
+                 meta: AttentionMetadata, plan: _Plan, scale: float,
+                 kind: AttentionKind = FULL) -> torch.Tensor:
         """All single-token queries at once: ``[B, Hk, G, D]`` against ``[B, Hk, L, D]``;
         returns ``[B, H, D]`` in decode order."""
         b = plan.num_decodes
@@ -172,6 +226,6 @@ class TorchReferenceBackend(AttentionBackend):
         # GQA without expanding K/V: the G query heads sharing a KV head become G "query
         # rows" of that head (HF's repeat_kv maps query head h to KV head h // G).
         group = q.shape[1] // h_kv
-        o = F.scaled_dot_product_attention(q.view(b, h_kv, group, d), k, v,
-                                           attn_mask=plan.decode_mask, scale=scale)
+        mask = TorchReferenceBackend._decode_mask(plan, kind, length)
+        o = _attention(q.view(b, h_kv, group, d), k, v, mask, scale, kind)
         return o.reshape(b, h_kv * group, d)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.kinds import FULL, AttentionKind
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.rope import RopeInputs
 from pagedllm.kernels.kv_write import write_kv_cache
@@ -36,6 +37,9 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, force_num_splits: int | None = None) -> None:
         self.force_num_splits = force_num_splits
 
+    def supports(self, kind: AttentionKind) -> bool:
+        return True  # full, sliding window and soft-cap: kernel constexpr flags
+
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -44,19 +48,21 @@ class TritonAttentionBackend(AttentionBackend):
 
     def attend(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-        scale: float,
+        scale: float, kind: AttentionKind = FULL,
     ) -> torch.Tensor:
         return paged_attention(
             query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             num_reqs=meta.num_reqs, max_query_len=meta.max_query_len, scale=scale,
-            num_splits=self.force_num_splits,
+            num_splits=self.force_num_splits, sliding_window=kind.sliding_window,
+            soft_cap=kind.logits_soft_cap,
         )
 
     def forward_rope(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, rope: RopeInputs,
+        kind: AttentionKind = FULL,
     ) -> torch.Tensor:
         # Query rotated in place; rotated keys and the values go straight into the cache.
         rotary_and_write_kv(rope.positions, query, key, value, query.shape[-1],
                             rope.cos_sin_cache, kv_cache, meta.slot_mapping)
-        return self.attend(query, kv_cache, meta, scale)
+        return self.attend(query, kv_cache, meta, scale, kind)

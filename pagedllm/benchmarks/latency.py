@@ -11,7 +11,7 @@ import statistics
 import time
 from typing import Any
 
-from pagedllm.benchmarks.workloads import w4
+from pagedllm.benchmarks.workloads import DUMMY_CONFIGS, w4
 from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_from_cli
 
 
@@ -23,7 +23,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-hi", type=int, default=None,
                    help="Upper bound of random token ids (default: min(vocab, 128000)).")
     p.add_argument("--output-json", default=None, help="Write the results here as JSON.")
-    p.add_argument("--dummy", default=None, choices=["llama3-8b", "smollm2-135m"],
+    p.add_argument("--dummy", default=None, choices=sorted(DUMMY_CONFIGS),
                    help="Benchmark a named model shape with random weights (writes its "
                         "config.json to a temp dir; implies --load-format dummy).")
     add_engine_args(p)

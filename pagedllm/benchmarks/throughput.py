@@ -15,7 +15,7 @@ import statistics
 import time
 from typing import Any
 
-from pagedllm.benchmarks.workloads import BenchRequest, c1_messages, w1, w3
+from pagedllm.benchmarks.workloads import DUMMY_CONFIGS, BenchRequest, c1_messages, w1, w3
 from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_from_cli
 
 
@@ -43,7 +43,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Time HF on only the first N requests of each configuration (HF "
                         "is slow; its tok/s is still comparable).")
     p.add_argument("--output-json", default=None, help="Write the results here as JSON.")
-    p.add_argument("--dummy", default=None, choices=["llama3-8b", "smollm2-135m"],
+    p.add_argument("--dummy", default=None, choices=sorted(DUMMY_CONFIGS),
                    help="Benchmark a named model shape with random weights (writes its "
                         "config.json to a temp dir; implies --load-format dummy).")
     add_engine_args(p)

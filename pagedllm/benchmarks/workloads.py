@@ -85,6 +85,40 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
         "rope_theta": 100000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": True,
         "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2},
+    # MoE: 128 experts, top-8 (issue 23's target shape).
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "bos_token_id": 151643, "eos_token_id": 151645},
+    # MoE: 8 experts, top-2.
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "vocab_size": 32000, "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-05, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
+        "eos_token_id": 2},
+    # Hybrid attention: 5 sliding (window 1024) : 1 global, head_dim 256.
+    "gemma-3-12b": {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+        "query_pre_attn_scalar": 256, "sliding_window": 1024,
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                        for i in range(48)],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0,
+                               "factor": 8.0}},
+        "vocab_size": 262208, "max_position_embeddings": 131072, "rms_norm_eps": 1e-06,
+        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": 1},
 }
 
 

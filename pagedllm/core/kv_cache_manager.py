@@ -25,6 +25,21 @@ first such position is the only one that can be shared (later ones are new), so
 ``allocate_slots`` checks that one block: shared (``ref_cnt > 1``) -> copy on write.
 Full blocks are never written again, so prefix-cache sharing never needs a copy.
 
+Sliding window (every layer attends to the last ``W`` keys only, e.g. Mistral v0.1):
+a block whose positions are all below ``first_position - W + 1`` of the step being
+allocated is never read again, so it goes back to the pool (cached hash kept, as for any
+freed block) and its table entry becomes the null block::
+
+ W = 20, bs = 16, step writes position 70:   [null][null][ 9 ][ 4 ][ 6 ]
+                                             keys 51..70 live in blocks 3..4 -- and 2,
+                                             the block of position 51 - 16 < 48: kept
+
+Attention masks keys outside the window, so the null entries are never read into a
+softmax (the runner's copy of the table may keep the old ids: masked too).  Stream
+order makes an in-flight step's reads finish before a later step reuses the block.
+Models mixing sliding and full layers (Gemma) need a second block table per request
+(vLLM's hybrid allocator); they run with whole-context tables for now.
+
 Swap: ``swap_out`` releases a request's GPU blocks (their ids are returned for the copy to
 CPU) but keeps its hashes; ``swap_in`` allocates fresh blocks for the copy back.
 """
@@ -49,8 +64,12 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...],
 class KVCacheManager:
     """Owns request -> blocks and request -> block hashes; the scheduler asks, never edits."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        # Leading table entries already returned for having left the window.
+        self.num_windowed: dict[str, int] = {}
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -144,6 +163,8 @@ class KVCacheManager:
             if (total <= len(blocks) * bs and blocks[num_computed // bs].ref_cnt == 1
                     and (not self.enable_caching or self.num_cached_blocks.get(rid, 0)
                          >= min(total, request.num_tokens) // bs)):
+                if self.sliding_window is not None:
+                    self._free_outside_window(rid, blocks, num_computed)
                 return []
         return self._allocate_slots(request, num_new_tokens, new_computed_blocks or [])
 
@@ -178,7 +199,23 @@ class KVCacheManager:
         if self.enable_caching:
             # Register the blocks this step fills completely with known tokens.
             self._cache_full_blocks(request, min(total, request.num_tokens))
+        if self.sliding_window is not None:
+            self._free_outside_window(rid, blocks, num_computed)
         return computed + new if computed else new
+
+    def _free_outside_window(self, rid: str, blocks: list[KVCacheBlock],
+                             first_position: int) -> None:
+        """Return the blocks no query from ``first_position`` on can see (module doc)."""
+        assert self.sliding_window is not None
+        keep_from = max(0, first_position - self.sliding_window + 1) // self.block_size
+        start = self.num_windowed.get(rid, 0)
+        if keep_from <= start:
+            return
+        null = self.pool.null_block
+        dead = [b for b in blocks[start:keep_from] if b is not null]
+        blocks[start:keep_from] = [null] * (keep_from - start)
+        self.pool.free_blocks(reversed(dead))
+        self.num_windowed[rid] = keep_from
 
     def take_cow(self, request_id: str) -> list[tuple[int, int, int]]:
         """The copy-on-write replacements made for a request since the last call:
@@ -190,9 +227,11 @@ class KVCacheManager:
         """Give ``child`` (same tokens as ``parent`` so far) all of the parent's blocks,
         shared by reference count; nothing is copied until one of them writes."""
         blocks = self.req_to_blocks.get(parent.request_id, [])
-        self.pool.touch(blocks)
+        self.pool.touch(b for b in blocks if b is not self.pool.null_block)
         cid = child.request_id
         self.req_to_blocks[cid] = list(blocks)
+        if parent.request_id in self.num_windowed:
+            self.num_windowed[cid] = self.num_windowed[parent.request_id]
         if parent.request_id in self.req_to_hashes:
             self.req_to_hashes[cid] = list(self.req_to_hashes[parent.request_id])
         if parent.request_id in self.num_cached_blocks:
@@ -218,6 +257,7 @@ class KVCacheManager:
         blocks = self.pool.get_new_blocks(need)
         self.req_to_blocks[request.request_id] = blocks
         self.num_cached_blocks[request.request_id] = 0
+        self.num_windowed.pop(request.request_id, None)
         if self.enable_caching:
             self._cache_full_blocks(request, min(total, request.num_tokens))
         return blocks
@@ -231,7 +271,8 @@ class KVCacheManager:
         hashes = self._block_hashes(request, num_full)
         blocks = self.req_to_blocks[rid]
         for i in range(done, num_full):
-            self.pool.cache_block(blocks[i], hashes[i])
+            if blocks[i] is not self.pool.null_block:  # left the window uncached
+                self.pool.cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[rid] = num_full
 
     def free(self, request: Request) -> None:
@@ -243,6 +284,7 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self.req_to_blocks.pop(rid, None)
         num_cached = self.num_cached_blocks.pop(rid, 0)
+        self.num_windowed.pop(rid, None)
         self._cow.pop(rid, None)
         if not keep_hashes:
             self.req_to_hashes.pop(rid, None)
@@ -253,7 +295,8 @@ class KVCacheManager:
         for b in blocks[request.num_computed_tokens // self.block_size:num_cached]:
             if b.block_hash is not None and b.ref_cnt == 1:
                 self.pool.evict_hash(b)
-        self.pool.free_blocks(reversed(blocks))
+        null = self.pool.null_block
+        self.pool.free_blocks(b for b in reversed(blocks) if b is not null)
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (a lookup whose request could not be

@@ -87,7 +87,8 @@ class Scheduler:
         self._max_model_len = scheduler_config.max_model_len  # read per request per step
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching)
+                                 cache_config.enable_prefix_caching,
+                                 getattr(cache_config, "sliding_window", None))
         self.requests: dict[str, Request] = {}
         # The live requests whose sampling parameters may make ``requires_sync`` true,
         # so that it need not look at every request every step (usually none).

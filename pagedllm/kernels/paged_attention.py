@@ -94,12 +94,13 @@ def _attn_tile(
     t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr, v_cache_ptr,
     stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, F32_DOT: tl.constexpr,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     """One KV tile of the online softmax: returns the updated (m, l, acc)."""
     kv_pos, kv_ok, block_id = _tile_blocks(t, kv_end, bt_row, offs_n, BLOCK_SIZE, TILE_N)
     return _attn_tile_blocks(q, q_pos, m_i, l_i, acc, kv_pos, kv_ok, block_id, kv_head_off,
                              k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, scale_log2,
-                             dims, dim_ok, BLOCK_SIZE, F32_DOT)
+                             dims, dim_ok, BLOCK_SIZE, F32_DOT, WINDOW, SOFTCAP)
 
 
 @triton.jit
@@ -107,8 +108,11 @@ def _attn_tile_blocks(
     q, q_pos, m_i, l_i, acc, kv_pos, kv_ok, block_id, kv_head_off, k_cache_ptr,
     v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok,
     BLOCK_SIZE: tl.constexpr, F32_DOT: tl.constexpr,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
-    """``_attn_tile`` with the tile's block ids already loaded."""
+    """``_attn_tile`` with the tile's block ids already loaded.  ``WINDOW`` > 0: keys
+    more than WINDOW - 1 positions behind the query are masked; ``SOFTCAP`` > 0: scores
+    (scaled) become ``SOFTCAP * tanh(score / SOFTCAP)`` (attention/kinds.py)."""
     kv_off = block_id * stride_cb + (kv_pos % BLOCK_SIZE).to(tl.int64) * stride_cs
     kv_off += kv_head_off
     k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None],
@@ -116,7 +120,14 @@ def _attn_tile_blocks(
     v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :],
                 mask=kv_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, DIM]
     s = _mma(q, k, F32_DOT) * scale_log2
-    s = tl.where((kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :], s, float("-inf"))
+    if SOFTCAP > 0:
+        # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits +-1 for large |x|.
+        x = s * (1.0 / (1.4426950408889634 * SOFTCAP))
+        s = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (SOFTCAP * 1.4426950408889634)
+    visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+    if WINDOW > 0:
+        visible = visible & (kv_pos[None, :] > q_pos[:, None] - WINDOW)
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -139,7 +150,7 @@ def _attn_program(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
     Q_FILTER: tl.constexpr, DECODE: tl.constexpr, USE_PDL: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     """One program: query tile ``tile_idx`` of KV head ``kv_head`` (split ``split``).
     ``LOOP_STAGES`` > 0 pipelines the KV loop that deep (a kernel holding two kinds of
@@ -210,12 +221,15 @@ def _attn_program(
     # Keys this tile needs: positions [0, kv_end), kv_end = last query position + 1.
     kv_end = ctx_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, TILE_N)
+    tile_start = 0
+    if WINDOW > 0:  # tiles wholly behind the tile's first query's window are skipped
+        tile_start = tl.maximum(ctx_len + q_tile * BLOCK_Q - WINDOW + 1, 0) // TILE_N
     if SPLIT:
-        per_split = tl.cdiv(num_tiles, num_splits)
-        tile_lo = split * per_split
+        per_split = tl.cdiv(num_tiles - tile_start, num_splits)
+        tile_lo = tile_start + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
     else:
-        tile_lo = 0
+        tile_lo = tile_start
         tile_hi = num_tiles
     offs_n = tl.arange(0, TILE_N)
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
@@ -236,7 +250,7 @@ def _attn_program(
             m_i, l_i, acc = _attn_tile_blocks(
                 q, q_pos, m_i, l_i, acc, kv_pos0, kv_ok0, block0, kv_head_off,
                 k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok,
-                BLOCK_SIZE, F32_DOT)
+                BLOCK_SIZE, F32_DOT, WINDOW, SOFTCAP)
         first = tile_lo + 1
     if WHILE_LOOP:
         # The interpreter cannot use loaded scalars as range() bounds (numpy 2 refuses
@@ -247,20 +261,20 @@ def _attn_program(
             m_i, l_i, acc = _attn_tile(
                 t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
                 v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
-                BLOCK_SIZE, TILE_N, F32_DOT)
+                BLOCK_SIZE, TILE_N, F32_DOT, WINDOW, SOFTCAP)
             t += 1
     elif LOOP_STAGES > 0:
         for t in tl.range(first, tile_hi, num_stages=LOOP_STAGES):
             m_i, l_i, acc = _attn_tile(
                 t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
                 v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
-                BLOCK_SIZE, TILE_N, F32_DOT)
+                BLOCK_SIZE, TILE_N, F32_DOT, WINDOW, SOFTCAP)
     else:
         for t in range(first, tile_hi):
             m_i, l_i, acc = _attn_tile(
                 t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
                 v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
-                BLOCK_SIZE, TILE_N, F32_DOT)
+                BLOCK_SIZE, TILE_N, F32_DOT, WINDOW, SOFTCAP)
 
     if SPLIT:
         # Partials: acc [T, H, S, D] fp32 (unnormalised), m/l [T, H, S]; empty splits
@@ -288,6 +302,7 @@ def _paged_attn_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
     Q_FILTER: tl.constexpr, DECODE: tl.constexpr, USE_PDL: tl.constexpr,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     pdl_trigger(USE_PDL)
     _attn_program(
@@ -296,7 +311,7 @@ def _paged_attn_kernel(
         block_tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2, num_reqs, num_heads, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
         GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, SPLIT, F32_DOT,
-        WHILE_LOOP, Q_FILTER, DECODE, USE_PDL, 0)
+        WHILE_LOOP, Q_FILTER, DECODE, USE_PDL, 0, WINDOW, SOFTCAP)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_pre_tiles", "stride_bt"])
@@ -313,6 +328,7 @@ def _mixed_attn_kernel(
     D_BLOCK_M: tl.constexpr, D_BLOCK_Q: tl.constexpr, D_TILE_N: tl.constexpr,
     D_STAGES: tl.constexpr,
     F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, USE_PDL: tl.constexpr,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     """A mixed batch in one launch: prompt-chunk programs (``num_pre_tiles`` query tiles
     x KV heads, the prompt plan's tiles) come first on the 1-D grid, then the decode
@@ -330,7 +346,7 @@ def _mixed_attn_kernel(
             block_tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2, num_reqs, num_heads, 1,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
             stride_bt, GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, P_BLOCK_M, P_BLOCK_Q, P_TILE_N,
-            False, F32_DOT, WHILE_LOOP, 2, False, USE_PDL, P_STAGES)
+            False, F32_DOT, WHILE_LOOP, 2, False, USE_PDL, P_STAGES, WINDOW, SOFTCAP)
     else:
         d = pid - num_pre
         _attn_program(
@@ -339,7 +355,7 @@ def _mixed_attn_kernel(
             block_tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2, num_reqs, num_heads, 1,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
             stride_bt, GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, D_BLOCK_M, D_BLOCK_Q, D_TILE_N,
-            False, F32_DOT, WHILE_LOOP, 3, False, USE_PDL, D_STAGES)
+            False, F32_DOT, WHILE_LOOP, 3, False, USE_PDL, D_STAGES, WINDOW, SOFTCAP)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
@@ -496,7 +512,8 @@ def paged_attention(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, num_reqs: int,
     max_query_len: int, scale: float, out: torch.Tensor | None = None,
     num_splits: int | None = None, launch: AttentionLaunch | None = None,
-    max_seq_len: int | None = None,
+    max_seq_len: int | None = None, sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a mixed batch; returns ``[num_tokens, num_heads,
     head_dim]`` in ``query``'s dtype (written into ``out`` if given).
@@ -513,7 +530,11 @@ def paged_attention(
       launch: a full launch plan (overrides ``num_splits``).
       max_seq_len: optional host int to let the heuristic skip splitting short
         contexts; leave None under CUDA-graph capture.
+      sliding_window, soft_cap: the layer's ``AttentionKind`` (attention/kinds.py), as
+        compile-time constants (one variant per distinct value, i.e. at most two per
+        model).
     """
+    kind = dict(WINDOW=int(sliding_window or 0), SOFTCAP=float(soft_cap or 0.0))
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -545,10 +566,10 @@ def paged_attention(
         if _TWO_LAUNCHES:
             for q_filter, plan in ((1, dec), (2, pre)):
                 _launch(query, kv_cache, block_tables, seq_lens, query_start_loc, num_reqs,
-                        scale, out, plan, q_filter)
+                        scale, out, plan, q_filter, kind=kind)
         else:
             _mixed_launch(query, kv_cache, block_tables, seq_lens, query_start_loc,
-                          num_reqs, scale, out, pre, dec)
+                          num_reqs, scale, out, pre, dec, kind)
         return out
     if launch is None:
         launch = plan_attention(
@@ -557,14 +578,14 @@ def paged_attention(
             sm_count=device_sm_count(query.device), num_splits=num_splits,
             max_seq_len=max_seq_len, head_dim=head_dim)
     _launch(query, kv_cache, block_tables, seq_lens, query_start_loc, num_reqs, scale, out,
-            launch, 0, decode=max_query_len <= 1)
+            launch, 0, decode=max_query_len <= 1, kind=kind)
     return out
 
 
 def _mixed_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int,
                   scale: float, out: torch.Tensor, pre: AttentionLaunch,
-                  dec: AttentionLaunch) -> None:
+                  dec: AttentionLaunch, kind: dict[str, float] | None = None) -> None:
     """A mixed batch's one launch: prompt programs with plan ``pre``, then decode
     programs with plan ``dec`` (neither splits).  The prompt part has the upper-bound
     count of query tiles ``num_tokens // block_q + num_reqs``, the decode part one
@@ -588,13 +609,14 @@ def _mixed_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         D_TILE_N=dec.tile_n, D_STAGES=dec.num_stages,
         F32_DOT=_interpreting() or query.dtype == torch.float32,
         WHILE_LOOP=_interpreting(), num_warps=max(pre.num_warps, dec.num_warps),
-        num_stages=max(pre.num_stages, dec.num_stages), **pdl_launch_args(query.device))
+        num_stages=max(pre.num_stages, dec.num_stages), **pdl_launch_args(query.device),
+        **(kind or {}))
 
 
 def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int,
             scale: float, out: torch.Tensor, launch: AttentionLaunch, q_filter: int,
-            decode: bool = False) -> None:
+            decode: bool = False, kind: dict[str, float] | None = None) -> None:
     """One launch of the kernel (plus the split merge) with plan ``launch``; ``q_filter``:
     0 every request, 1 only single-token ones, 2 only multi-token ones.  ``decode``: every
     request has one new token (row r is request r's; empty padded requests last), so
@@ -617,7 +639,7 @@ def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
         BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q, TILE_N=launch.tile_n,
         SPLIT=splits > 1, F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), Q_FILTER=q_filter,
         DECODE=decode and q_filter == 0, num_warps=launch.num_warps,
-        num_stages=launch.num_stages, **pdl,
+        num_stages=launch.num_stages, **pdl, **(kind or {}),
     )
     # num_splits is a runtime argument (only "split or not" is compiled in), so batch
     # sizes that pick different split counts share one compiled kernel.

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.kinds import FULL, AttentionKind
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.rope import RopeInputs
 
@@ -20,11 +21,15 @@ class Attention(nn.Module):
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, kind: AttentionKind = FULL) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
                              f"num_key_value_heads ({num_kv_heads})")
+        if not backend.supports(kind):
+            raise ValueError(f"attention backend {backend.name!r} does not support "
+                             f"{kind.describe()} attention")
+        self.kind = kind
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -46,9 +51,11 @@ class Attention(nn.Module):
         k3 = k.view(t, self.num_kv_heads, self.head_dim)
         v3 = v.view(t, self.num_kv_heads, self.head_dim)
         if rope is not None:
-            out = self.backend.forward_rope(q3, k3, v3, self.kv_cache, meta, self.scale, rope)
+            out = self.backend.forward_rope(q3, k3, v3, self.kv_cache, meta, self.scale, rope,
+                                            self.kind)
         else:
-            out = self.backend.forward(q3, k3, v3, self.kv_cache, meta, self.scale)
+            out = self.backend.forward(q3, k3, v3, self.kv_cache, meta, self.scale,
+                                       self.kind)
         return out.reshape(t, self.num_heads * self.head_dim)
 
     def attend_cached(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -57,5 +64,5 @@ class Attention(nn.Module):
         ``q: [T, num_heads * head_dim]`` -> same shape."""
         t = q.shape[0]
         out = self.backend.attend(q.view(t, self.num_heads, self.head_dim), self.kv_cache,
-                                  meta, self.scale)
+                                  meta, self.scale, self.kind)
         return out.reshape(t, self.num_heads * self.head_dim)

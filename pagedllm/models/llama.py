@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.kinds import AttentionKind, layer_sliding_windows
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.rope import RopeInputs
 from pagedllm.layers.activation import SiluAndMul
@@ -36,6 +37,18 @@ from pagedllm.layers.linear import (
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+def attention_kind(config: Any, layer: int) -> AttentionKind:
+    """Layer ``layer``'s attention as transformers runs it: with ``layer_types`` (Qwen2,
+    Gemma), a sliding window on ``"sliding_attention"`` layers; without (Mistral,
+    Mixtral, Phi-3), on every layer when ``sliding_window`` is set."""
+    return AttentionKind(sliding_window=layer_sliding_windows(config)[layer])
+
+
+def layer_index(prefix: str) -> int:
+    """The layer number in an HF module name (``model.layers.3.self_attn`` -> 3)."""
+    return int(prefix.split("layers.")[1].split(".")[0]) if "layers." in prefix else 0
 
 
 def head_dim_of(config: Any) -> int:
@@ -89,7 +102,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
-                              self.num_kv_heads, backend)
+                              self.num_kv_heads, backend,
+                              attention_kind(config, layer_index(prefix)))
 
     def _fused_qkv_rope(self, x: torch.Tensor, rope: RopeInputs) -> bool:
         """Whether this step's QKV runs as the batch-1 GEMV with rotary and the KV write
@@ -145,14 +159,21 @@ class LlamaAttention(nn.Module):
         return self.o_proj(attn_out)
 
 
+def make_llama_mlp(config: Any, layer: int, quant_config: QuantizationConfig | None,
+                   prefix: str) -> nn.Module:
+    """The dense SwiGLU MLP of every Llama layer (MoE models pass their own factory)."""
+    return LlamaMLP(config.hidden_size, config.intermediate_size,
+                    bool(getattr(config, "mlp_bias", False)), quant_config, prefix)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, attention: LlamaAttention,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+                 quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = attention
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
-                            bool(getattr(config, "mlp_bias", False)), quant_config,
-                            f"{prefix}.mlp")
+        self.mlp = mlp if mlp is not None else make_llama_mlp(config, 0, quant_config,
+                                                              f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -178,7 +199,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, backend: AttentionBackend, make_attention: Any,
                  quant_config: QuantizationConfig | None = None,
-                 prefix: str = "model") -> None:
+                 prefix: str = "model", make_mlp: Any = make_llama_mlp) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table for all layers, gathered once per step in forward().
@@ -188,7 +209,8 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(
                 config, make_attention(config, backend, quant_config,
                                        f"{prefix}.layers.{i}.self_attn"),
-                quant_config, f"{prefix}.layers.{i}")
+                quant_config, f"{prefix}.layers.{i}",
+                make_mlp(config, i, quant_config, f"{prefix}.layers.{i}.mlp"))
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -233,7 +255,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         self.check_config(hf_config)
-        self.model = LlamaModel(hf_config, backend, self.make_attention, quant_config)
+        self.model = LlamaModel(hf_config, backend, self.make_attention, quant_config,
+                                make_mlp=self.make_mlp)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tied:
@@ -241,12 +264,8 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def check_config(config: Any) -> None:
-        window = getattr(config, "sliding_window", None)
-        max_pos = getattr(config, "max_position_embeddings", 0)
-        if getattr(config, "use_sliding_window", window is not None) and window \
-                and window < max_pos:
-            raise ValueError(f"sliding_window={window} is not supported (only full "
-                             "attention); use a checkpoint without sliding window")
+        """Reject a config this class cannot run exactly (``ValueError`` naming the
+        field); every Llama-family config is runnable today."""
 
     @staticmethod
     def make_attention(config: Any, backend: AttentionBackend,
@@ -255,6 +274,8 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return LlamaAttention(config, backend, qkv_bias=bias, o_bias=bias,
                               quant_config=quant_config, prefix=prefix)
+
+    make_mlp = staticmethod(make_llama_mlp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, last_only: bool = False) -> torch.Tensor:
@@ -280,12 +301,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tied:
                 continue  # the head is the embedding
-            target = name
-            shard: int | str | None = None
-            for fused, part, shard_id in self.stacked_params_mapping:
-                if f".{part}." in name:
-                    target, shard = name.replace(f".{part}.", f".{fused}."), shard_id
-                    break
+            target, shard_args = self.weight_target(name)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
@@ -295,10 +311,8 @@ class LlamaForCausalLM(nn.Module):
                 with torch.no_grad():
                     if loader is None:
                         default_weight_loader(param, tensor)
-                    elif shard is None:
-                        loader(param, tensor)
                     else:
-                        loader(param, tensor, shard)
+                        loader(param, tensor, *shard_args)
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
             loaded.add(target)
@@ -308,5 +322,14 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} parameter(s): {shown}")
 
 
+    def weight_target(self, name: str) -> tuple[str, tuple[Any, ...]]:
+        """``(parameter name, extra weight_loader args)`` of checkpoint tensor ``name``:
+        q/k/v and gate/up go into their fused parameters with a shard id."""
+        for fused, part, shard_id in self.stacked_params_mapping:
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}."), (shard_id,)
+        return name, ()
+
+
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral is Llama's graph; a sliding window (v0.1) is rejected by ``check_config``."""
+    """Mistral is Llama's graph; ``sliding_window`` (v0.1) windows every layer."""

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
+from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization import get_quantization_config_class
 from pagedllm.layers.quantization.base import QuantizationConfig
@@ -97,8 +98,8 @@ def load_model(model_config: Any, device: torch.device,
         raise ValueError(f"load_format must be safetensors, gguf or dummy, got {fmt!r}")
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, LinearBase):
-                module.quant_method.process_weights_after_loading(module)
+            if isinstance(module, (LinearBase, FusedMoE)):
+                module.quant_method.process_weights_after_loading(module)  # type: ignore
     return model.eval()
 
 

@@ -2,28 +2,89 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
+from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM
+from pagedllm.models.mixtral import MixtralForCausalLM
+from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
+from pagedllm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+
+@dataclass(frozen=True)
+class ArchitectureInfo:
+    """What an architecture supports, as listed in ``docs/models.md``.
+
+    ``quantization``: which layers take the ``--quantization`` method (every linear
+    layer; MoE experts only with methods that provide ``get_moe_method``).
+    ``tensor_parallel``: the layers are tensor-parallel shaped (column/row sharded, MoE
+    experts by their intermediate dimension); ``prefix_caching`` and ``cuda_graphs``: the
+    engine features that apply unchanged.  ``attention``: the attention kinds its layers
+    use (``attention/kinds.py``), all served by the torch and Triton backends."""
+
+    cls: type[nn.Module]
+    family: str
+    attention: str = "full"
+    moe: bool = False
+    quantization: str = "linear layers"
+    tensor_parallel: bool = True
+    prefix_caching: bool = True
+    cuda_graphs: bool = True
+
+
+_MOE_QUANT = "linear layers; experts need a method with MoE support (others refused)"
+
+ARCHITECTURES: dict[str, ArchitectureInfo] = {
+    "LlamaForCausalLM": ArchitectureInfo(LlamaForCausalLM, "Llama 2/3, SmolLM2"),
+    "MistralForCausalLM": ArchitectureInfo(MistralForCausalLM, "Mistral",
+                                           "full or sliding window"),
+    "Qwen2ForCausalLM": ArchitectureInfo(Qwen2ForCausalLM, "Qwen2, Qwen2.5",
+                                         "full or sliding window (layer_types)"),
+    "Qwen3ForCausalLM": ArchitectureInfo(Qwen3ForCausalLM, "Qwen3"),
+    "MixtralForCausalLM": ArchitectureInfo(MixtralForCausalLM, "Mixtral 8x7B / 8x22B",
+                                           "full or sliding window", moe=True,
+                                           quantization=_MOE_QUANT),
+    "Qwen2MoeForCausalLM": ArchitectureInfo(Qwen2MoeForCausalLM, "Qwen1.5-MoE, Qwen2-MoE",
+                                            moe=True, quantization=_MOE_QUANT),
+    "Qwen3MoeForCausalLM": ArchitectureInfo(Qwen3MoeForCausalLM, "Qwen3-30B-A3B, 235B-A22B",
+                                            moe=True, quantization=_MOE_QUANT),
+    "Phi3ForCausalLM": ArchitectureInfo(Phi3ForCausalLM, "Phi-3, Phi-3.5, Phi-4",
+                                        "full or sliding window"),
+    "Gemma2ForCausalLM": ArchitectureInfo(Gemma2ForCausalLM, "Gemma 2",
+                                          "sliding/global alternating, logit soft-cap"),
+    "Gemma3ForCausalLM": ArchitectureInfo(Gemma3ForCausalLM, "Gemma 3 (text)",
+                                          "5 sliding : 1 global"),
 }
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {a: i.cls for a, i in ARCHITECTURES.items()}
 
 # Configs built from GGUF by transformers carry no `architectures`; fall back on model_type.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
+                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
+
+
+def architectures_table() -> str:
+    """The Markdown table of ``docs/models.md``: one row per architecture."""
+    rows = ["| Architecture | Models | Attention | MoE | Quantisation | TP | Prefix caching "
+            "| CUDA graphs |", "|---|---|---|---|---|---|---|---|"]
+    yes = {True: "yes", False: "no"}
+    for arch in supported_architectures():
+        i = ARCHITECTURES[arch]
+        rows.append(f"| `{arch}` | {i.family} | {i.attention} | {yes[i.moe]} | "
+                    f"{i.quantization} | {yes[i.tensor_parallel]} | "
+                    f"{yes[i.prefix_caching]} | {yes[i.cuda_graphs]} |")
+    return "\n".join(rows)
 
 
 def get_model_class(hf_config: Any) -> type[nn.Module]:

@@ -1,0 +1,27 @@
+"""Top-k routing: which experts each token goes to, and with what weight.
+
+``softmax(router_logits)`` in float32, the ``top_k`` largest probabilities per token,
+optionally renormalised to sum to one (Mixtral always; Qwen2-MoE / Qwen3-MoE per
+``norm_topk_prob``) -- the same order of operations as transformers' routers, so the
+chosen experts agree bit for bit in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int,
+                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``router_logits [T, E]`` -> ``(topk_weights [T, k] float32, topk_ids [T, k] int64)``.
+
+    Rows of ``topk_ids`` are in descending probability order (``torch.topk``); the
+    expert kernels do not depend on that order."""
+    if not 0 < top_k <= router_logits.shape[-1]:
+        raise ValueError(f"num_experts_per_tok must be in [1, {router_logits.shape[-1]}], "
+                         f"got {top_k}")
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids

@@ -1,0 +1,163 @@
+"""BERT and XLM-RoBERTa encoders (``BertModel``, ``XLMRobertaModel``: E5, BGE) over a
+flattened batch, with the poolers of ``layers/pooler.py``.
+
+```
+ ids -> word + position + token_type(0) embeddings -> LayerNorm
+     -> [ LN(x + o(attn(qkv(x))))  ->  LN(x + down(gelu(up(x)))) ] x L -> hidden [T, H]
+```
+
+Attention is bidirectional within each sequence (no KV cache): one SDPA per sequence of
+the batch, from ``query_start_loc``.  XLM-RoBERTa differs only in its position ids,
+which start after the padding index (``padding_idx + 1``).  Linear layers take
+``quant_config`` and their HF module names as ``prefix``, like the decoders.
+
+The encoder runs standalone (``embed``); serving it through the scheduler without a KV
+cache (``LLM.embed``, ``/v1/embeddings``) is not wired yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from pagedllm.layers.pooler import PoolingType, pool
+from pagedllm.layers.quantization.base import QuantizationConfig
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config: Any, quant_config: QuantizationConfig | None,
+                 prefix: str) -> None:
+        super().__init__()
+        h, heads = config.hidden_size, config.num_attention_heads
+        self.num_heads, self.head_dim = heads, h // heads
+        self.qkv = QKVParallelLinear(h, self.head_dim, heads, heads, bias=True,
+                                     quant_config=quant_config,
+                                     prefix=f"{prefix}.attention.self.qkv")
+        self.attn_out = RowParallelLinear(h, h, bias=True, quant_config=quant_config,
+                                          prefix=f"{prefix}.attention.output.dense")
+        self.attn_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.up = ColumnParallelLinear(h, config.intermediate_size, bias=True,
+                                       quant_config=quant_config,
+                                       prefix=f"{prefix}.intermediate.dense")
+        self.down = RowParallelLinear(config.intermediate_size, h, bias=True,
+                                      quant_config=quant_config,
+                                      prefix=f"{prefix}.output.dense")
+        self.out_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        if config.hidden_act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported")
+        self.approximate = "none" if config.hidden_act == "gelu" else "tanh"
+
+    def forward(self, x: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
+        attn = torch.empty(t, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        for start, end in bounds:  # one SDPA per sequence (bidirectional)
+            o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1),
+                                               k[start:end].transpose(0, 1),
+                                               v[start:end].transpose(0, 1))
+            attn[start:end] = o.transpose(0, 1)
+        x = self.attn_norm(x + self.attn_out(attn.view(t, -1)))
+        return self.out_norm(x + self.down(F.gelu(self.up(x), approximate=self.approximate)))
+
+
+class BertModel(nn.Module):
+    """``embed(input_ids [T], query_start_loc [R + 1], pooling, normalize) -> [R, H]``;
+    ``forward`` returns the last hidden states ``[T, H]``."""
+
+    position_offset = 0  # XLM-RoBERTa: padding_idx + 1
+
+    def __init__(self, hf_config: Any, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
+        super().__init__()
+        c = hf_config
+        self.config = c
+        self.word_embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size)
+        self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        self.emb_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        pre = f"{prefix}." if prefix else ""
+        self.layers = nn.ModuleList(BertLayer(c, quant_config, f"{pre}encoder.layer.{i}")
+                                    for i in range(c.num_hidden_layers))
+
+    def positions(self, query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        starts = query_start_loc[:-1].long()
+        lens = query_start_loc[1:].long() - starts
+        first = torch.repeat_interleave(starts, lens)
+        return torch.arange(num_tokens, device=first.device) - first + self.position_offset
+
+    def forward(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+        pos = self.positions(query_start_loc, input_ids.shape[0])
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings.weight[0]
+        x = self.emb_norm(x + self.position_embeddings(pos))
+        qsl = query_start_loc.tolist()  # host bounds of the per-sequence attention
+        bounds = list(zip(qsl[:-1], qsl[1:]))
+        for layer in self.layers:
+            x = layer(x, bounds)
+        return x
+
+    def embed(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor,
+              pooling: PoolingType = "mean", normalize: bool = True) -> torch.Tensor:
+        return pool(self(input_ids, query_start_loc), query_start_loc, pooling, normalize)
+
+    _RENAMES = (
+        ("embeddings.word_embeddings.", "word_embeddings."),
+        ("embeddings.position_embeddings.", "position_embeddings."),
+        ("embeddings.token_type_embeddings.", "token_type_embeddings."),
+        ("embeddings.LayerNorm.", "emb_norm."),
+        ("encoder.layer.", "layers."),
+        (".attention.output.dense.", ".attn_out."),
+        (".attention.output.LayerNorm.", ".attn_norm."),
+        (".intermediate.dense.", ".up."),
+        (".output.dense.", ".down."),
+        (".output.LayerNorm.", ".out_norm."),
+    )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF names (optionally under ``bert.``/``roberta.``); the pooler head and
+        position-id buffers are skipped.  ``ValueError`` naming a tensor on an unknown
+        name or shape, or listing parameters the checkpoint did not provide."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("bert.").removeprefix("roberta.")
+            if name.startswith(("pooler.", "cls.", "lm_head.", "classifier.")) \
+                    or name.endswith("position_ids"):
+                continue
+            shard: tuple[str, ...] = ()
+            for part, sid in (("query", "q"), ("key", "k"), ("value", "v")):
+                if f".attention.self.{part}." in name:
+                    name, shard = name.replace(f".attention.self.{part}.", ".qkv."), (sid,)
+            for old, new in self._RENAMES:
+                name = name.replace(old, new)
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
+                                 f"{type(self).__name__}")
+            loader = getattr(param, "weight_loader", None)
+            with torch.no_grad():
+                if loader is None:
+                    default_weight_loader(param, tensor)
+                else:
+                    loader(param, tensor, *shard)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} parameter(s): "
+                             f"{', '.join(missing[:5])}")
+
+
+class XLMRobertaModel(BertModel):
+    def __init__(self, hf_config: Any, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
+        super().__init__(hf_config, quant_config, prefix)
+        self.position_offset = int(hf_config.pad_token_id) + 1
