@@ -23,6 +23,7 @@ import shutil
 import socket
 import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -96,6 +97,8 @@ class MultiprocExecutor(Executor):
         init_method = f"tcp://127.0.0.1:{free_port()}"
         mp = multiprocessing.get_context("spawn")
         self.procs: list[multiprocessing.process.BaseProcess] = []
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.ctx,
+                                           [self.bcast, self.results], self._tmpdir)
         self._launched = 0
         self._received = 0
         self._pending: dict[int, _Pending] = {}
@@ -217,6 +220,8 @@ class MultiprocExecutor(Executor):
         return handle
 
     def shutdown(self) -> None:
+        """Ask every rank to stop, then terminate/kill what is left (idempotent; also
+        run when the executor is garbage-collected or the interpreter exits)."""
         if self._closed:
             return
         self._closed = True
@@ -224,17 +229,24 @@ class MultiprocExecutor(Executor):
             self.bcast.send_multipart([KIND_SHUTDOWN, b""], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
-        deadline = time.monotonic() + 5.0
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(2.0)
-            if p.is_alive():
-                p.kill()
-                p.join(2.0)
-        self.bcast.close(linger=0)
-        self.results.close(linger=0)
-        self.ctx.term()
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self._finalizer()
+
+
+def _stop(procs: list[multiprocessing.process.BaseProcess], ctx: zmq.Context,
+          sockets: list[zmq.Socket], tmpdir: str) -> None:
+    """Join the ranks for a few seconds, then terminate and kill the rest; close the
+    sockets.  Holds no reference to the executor (a ``weakref.finalize`` callback)."""
+    deadline = time.monotonic() + 5.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+    for s in sockets:
+        s.close(linger=0)
+    ctx.term()
+    shutil.rmtree(tmpdir, ignore_errors=True)
