@@ -210,6 +210,15 @@ def init_parallel_state(tp_size: int, pp_size: int, rank: int, init_method: str,
         # device_group None: the default (world) group.
         world=GroupCoordinator(tuple(range(world)), rank, None, world_cpu))
     state.world.barrier(timeout_s, "the start-up barrier")
+    if backend == "nccl":
+        # Create the NCCL communicators now, eagerly: a CUDA graph may capture a
+        # collective only once its communicator exists (graphs are captured later).
+        one = torch.ones(1, device=torch.device("cuda", torch.cuda.current_device()))
+        state.tp.all_reduce(one)
+        if pp_size > 1:
+            state.pp.all_reduce(one)
+            state.world.all_reduce(one)
+        torch.cuda.synchronize()
     return state
 
 

@@ -26,7 +26,7 @@ NEW = 10
 MAX_LEN = 64
 # SmolLM2-135M in fp32: 30 layers x 2 x 3 KV heads x 64 x 4 B per token, 16 per block.
 BLOCK_BYTES = 16 * 46080
-POOL_BLOCKS = 9  # four ~8-token prompts + 10 new tokens need 8+: forces preemption
+POOL_BLOCKS = 6  # four ~7-token prompts + 10 new tokens need 2 blocks each: preemption
 
 
 def _pool_bytes(tp: int, pp: int) -> int:
