@@ -77,9 +77,11 @@ class Worker:
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
         threads = config.device_config.num_threads
-        if threads is None and pc.world_size > 1:
-            # Ranks on one host share its cores: one slice each, not all of them each.
-            threads = max(1, (os.cpu_count() or 1) // pc.world_size)
+        ranks_here = pc.world_size * pc.data_parallel_size
+        if threads is None and ranks_here > 1:
+            # Ranks (of every data-parallel engine) on one host share its cores: one
+            # slice each, not all of them each.
+            threads = max(1, (os.cpu_count() or 1) // ranks_here)
         if threads and self.device.type == "cpu":
             torch.set_num_threads(threads)
         self.dtype = torch_dtype(config.model_config.dtype)
