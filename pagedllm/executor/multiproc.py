@@ -175,6 +175,16 @@ class MultiprocExecutor(Executor):
             if self.results.poll(int(POLL_INTERVAL * 1000)):
                 frames = self.results.recv_multipart()
                 if frames[0] == KIND_FAILURE:
+                    # A rank's collective fails when a peer is killed: name the killed
+                    # peer (the cause) if there is one, else the failing rank and why
+                    # (failing ranks exit with status 1 by themselves).
+                    deadline = time.monotonic() + 1.0
+                    while time.monotonic() < deadline:
+                        for rank, p in enumerate(self.procs):
+                            if p.exitcode is not None and p.exitcode < 0:
+                                raise self._fail(f"worker rank {rank} (pid {p.pid}) died "
+                                                 f"(exit code {p.exitcode})")
+                        time.sleep(0.05)
                     raise self._fail(f"rank {int(frames[1])} failed: "
                                      f"{frames[2].decode(errors='replace')}")
                 return frames

@@ -93,7 +93,9 @@ def test_async_scheduling_then_dead_and_hung_ranks_are_reported(reference) -> No
         assert _greedy(llm) == reference
         os.kill(pids[1], signal.SIGSTOP)  # alive but silent: its collectives never finish
         t0 = time.monotonic()
-        with pytest.raises(ExecutorError, match="rank 0 returned no output within 10 s"):
+        # Either the executor's wait or rank 0's own collective times out first.
+        with pytest.raises(ExecutorError, match=r"rank 0 (returned no output within 10 s|"
+                                                r"failed: .*[Tt]imed out)"):
             llm.generate(PROMPTS[:1], params, use_tqdm=False)
         assert time.monotonic() - t0 < 30
     finally:
