@@ -24,7 +24,9 @@ def run(tp: int, n: int, input_len: int, output_len: int) -> dict[str, float]:
 
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
-    llm = LLM(tensor_parallel_size=tp, quantization="none", max_model_len=256,
+    cores = os.cpu_count() or 1
+    llm = LLM(tensor_parallel_size=tp, num_threads=cores // tp, quantization="none",
+              max_model_len=256,
               max_num_seqs=n, max_num_batched_tokens=2048, enable_prefix_caching=False,
               kv_cache_memory_bytes=256 << 20)
     startup = time.perf_counter() - t0
