@@ -120,6 +120,7 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
+    parallel_config: ParallelConfig = field(default_factory=lambda: ParallelConfig())
 
     def with_num_blocks(self, num_blocks: int) -> EngineConfig:
         return dataclasses.replace(
@@ -182,6 +183,12 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
     num_threads: int | None = None
+    # Parallelism (executor/, distributed/): ranks per engine and engines per server.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: chosen (ParallelConfig)
+    distributed_timeout_seconds: float = 60.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self, hf_config: Any = None) -> EngineConfig:
@@ -228,6 +235,10 @@ class EngineArgs:
         dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         check_dtype_on_device(self.dtype, device)
 
+        parallel = make_parallel_config(
+            self.tensor_parallel_size, self.pipeline_parallel_size,
+            self.data_parallel_size, self.distributed_executor_backend,
+            self.distributed_timeout_seconds)
         from pagedllm.layers.quantization import resolve_quantization
 
         if self.quantization is not None and not isinstance(self.quantization, str):
@@ -236,6 +247,7 @@ class EngineArgs:
         if hf_config is None:
             hf_config = resolved.load_hf_config(self.trust_remote_code)
         quantization = resolve_quantization(self.quantization, hf_config)
+        check_parallel_shapes(hf_config, parallel)
 
         if dtype == "auto":
             # fp32 on CPU (the parity reference); the checkpoint's half type on GPU.
@@ -286,6 +298,7 @@ class EngineArgs:
                 device=device, enforce_eager=self.enforce_eager, num_threads=self.num_threads,
                 max_cudagraph_capture_size=_positive_int(
                     "max_cudagraph_capture_size", self.max_cudagraph_capture_size, 0)),
+            parallel_config=parallel,
         )
 
 
@@ -315,3 +328,78 @@ def _cuda_available() -> bool:
     except ImportError:  # pragma: no cover
         return False
     return bool(torch.cuda.is_available())
+
+
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one engine is spread over ranks, and how many engines serve (data parallel).
+
+    ``world_size = tensor_parallel_size * pipeline_parallel_size`` ranks per engine;
+    ``data_parallel_size`` engines behind one API server.  ``distributed_executor_backend``
+    is resolved once here (``executor/``): "uni" for one rank, else "ray" inside a Ray
+    session, else "mp" (vLLM's rule, with the host's processes standing in for its GPUs).
+    ``distributed_timeout_seconds`` bounds every start-up collective and every step's
+    wait for the workers."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+    distributed_timeout_seconds: float = 60.0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def _ray_session_active() -> bool:
+    import sys
+
+    ray = sys.modules.get("ray")  # never import Ray just to ask
+    return bool(ray is not None and ray.is_initialized())
+
+
+def make_parallel_config(tp: object, pp: object, dp: object, backend: object,
+                         timeout: object) -> ParallelConfig:
+    """Validate the parallel arguments (``ValueError`` naming the parameter) and pick the
+    executor backend when it is not given."""
+    tp = _positive_int("tensor_parallel_size", tp)
+    pp = _positive_int("pipeline_parallel_size", pp)
+    dp = _positive_int("data_parallel_size", dp)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"distributed_timeout_seconds must be a positive number, got "
+                         f"{timeout!r}")
+    if backend is None:
+        backend = "uni" if tp * pp == 1 else ("ray" if _ray_session_active() else "mp")
+    if backend not in EXECUTOR_BACKENDS:
+        raise ValueError(f"distributed_executor_backend must be one of "
+                         f"{', '.join(EXECUTOR_BACKENDS)}, got {backend!r}")
+    if backend == "uni" and tp * pp > 1:
+        raise ValueError(f"distributed_executor_backend 'uni' runs one rank, but "
+                         f"tensor_parallel_size x pipeline_parallel_size = {tp * pp}")
+    return ParallelConfig(tp, pp, dp, str(backend), float(timeout))
+
+
+def check_parallel_shapes(hf_config: Any, parallel: ParallelConfig) -> None:
+    """``ValueError`` naming the parallel size the model's shapes cannot be split by
+    (attention splits by whole KV-head groups: ``layers/linear.head_partition``)."""
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    layers = int(getattr(hf_config, "num_hidden_layers", 1))
+    if pp > layers:
+        raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {layers} layers")
+    if tp == 1:
+        return
+    heads = int(hf_config.num_attention_heads)
+    kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    inter = int(getattr(hf_config, "intermediate_size", 0) or 0)
+    vocab = int(hf_config.vocab_size)
+    if kv < tp and (tp % kv or heads % tp):
+        raise ValueError(f"tensor_parallel_size {tp} must divide num_attention_heads "
+                         f"({heads}) and be a multiple of num_key_value_heads ({kv})")
+    for name, n in (("intermediate_size", inter), ("vocab_size", vocab)):
+        if n % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide the model's "
+                             f"{name} ({n})")

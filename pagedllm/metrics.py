@@ -261,6 +261,28 @@ class EngineMetrics:
         if stats.num_scheduled_tokens:
             self.iteration_tokens.labels(*m).observe(stats.num_scheduled_tokens)
 
+    def track_engines(self, stats: list[SchedulerStats], assigned: list[int]) -> None:
+        """Data parallelism (``engine/dp_client.py``): per-engine gauges labelled
+        ``engine``, read at scrape time from ``stats`` and ``assigned`` (sequences sent
+        to each engine so far), lists the DP client keeps current; the ``vllm:`` gauges
+        (whose ``engine`` label stays "0") are the totals."""
+        lbl = ["model_name", "engine"]
+        specs = (("engine_num_requests_running", "Requests running, per engine.",
+                  "num_running_reqs"),
+                 ("engine_num_requests_waiting", "Requests waiting, per engine.",
+                  "num_waiting_reqs"),
+                 ("engine_kv_cache_usage_perc", "KV-cache usage, per engine.",
+                  "kv_cache_usage"))
+        for name, doc, attr in specs:
+            g = Gauge(f"pagedllm:{name}", doc, lbl, registry=self.registry)
+            for i in range(len(stats)):
+                g.labels(self.model_name, str(i)).set_function(
+                    lambda i=i, a=attr: float(getattr(stats[i], a)))
+        g = Gauge("pagedllm:engine_requests_assigned", "Sequences sent to each engine.",
+                  lbl, registry=self.registry)
+        for i in range(len(assigned)):
+            g.labels(self.model_name, str(i)).set_function(lambda i=i: float(assigned[i]))
+
     def set_engine_alive(self, alive: bool) -> None:
         self.engine_alive.labels(*self._lbl).set(1 if alive else 0)
 

@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.engine.dp_client import DPClient
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.llm_engine import load_tokenizer
 from pagedllm.engine.mp_client import AsyncMPClient, EngineDeadError
@@ -123,7 +124,8 @@ class RequestStream:
 class AsyncLLM:
     """See the module doc.  Build with ``await AsyncLLM.create(...)``."""
 
-    def __init__(self, config: EngineConfig, client: AsyncMPClient, tokenizer: Any | None,
+    def __init__(self, config: EngineConfig, client: AsyncMPClient | DPClient,
+                 tokenizer: Any | None,
                  metrics: EngineMetrics | None = None, max_pending_seqs: int | None = None,
                  max_logprobs: int = 20) -> None:
         assert client.ready is not None, "start the client first"
@@ -162,7 +164,10 @@ class AsyncLLM:
         Raises ``ValueError`` for bad arguments and ``EngineStartupError`` (one-line reason)
         if the core cannot start."""
         loop = asyncio.get_running_loop()
-        client = AsyncMPClient(engine_args, transport=transport)
+        dp = engine_args.parallel_config.data_parallel_size if isinstance(
+            engine_args, EngineConfig) else engine_args.data_parallel_size
+        client: AsyncMPClient | DPClient = AsyncMPClient(engine_args, transport=transport) \
+            if dp == 1 else DPClient(engine_args, int(dp), transport=transport)
         started = loop.create_task(client.start())
         try:
             config = engine_args if isinstance(engine_args, EngineConfig) else \
@@ -183,6 +188,8 @@ class AsyncLLM:
         for reason, count in self.client.rejected.items():  # refused before this call
             metrics.record_transport_rejected(reason, count)
         self.client.on_rejected = metrics.record_transport_rejected
+        if isinstance(self.client, DPClient):  # per-engine gauges beside the totals
+            metrics.track_engines(self.client.engine_stats, self.client.assigned)
 
     # ------------------------------------------------------------------ health
 

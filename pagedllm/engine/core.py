@@ -15,11 +15,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.step_trace import StepTrace
+from pagedllm.executor.base import StepResult, make_executor
 from pagedllm.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.request import Request
-from pagedllm.worker.model_runner import StepHandle
-from pagedllm.worker.startup_memory import out_of_memory_hint
-from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger("pagedllm")
 
@@ -27,20 +25,16 @@ logger = logging.getLogger("pagedllm")
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
-        self.worker = Worker(config)
-        # Out of memory in either phase: one line naming the flags to change.
-        with out_of_memory_hint("model", config):
-            self.worker.load_model()
-        with out_of_memory_hint("kv", config):
-            self.num_blocks = self.worker.determine_num_blocks()
-            self.worker.initialize_cache(self.num_blocks)
-        self.config = config.with_num_blocks(self.num_blocks)
+        # The ranks (one in process, or processes / Ray actors): executor/base.py.
+        self.executor = make_executor(config)
+        self.num_blocks = self.executor.num_blocks
+        self.config = self.executor.config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
-                                   self.num_blocks, self.worker.num_cpu_blocks,
-                                   self.worker.padded_step_sizes())
+                                   self.num_blocks, self.executor.num_cpu_blocks,
+                                   self.executor.padded_step_sizes)
         self.max_model_len = config.model_config.max_model_len
         self.async_scheduling = config.scheduler_config.async_scheduling
-        self._inflight: tuple[SchedulerOutput, StepHandle] | None = None
+        self._inflight: tuple[SchedulerOutput, StepResult] | None = None
         self.trace = StepTrace.from_env()  # PAGEDLLM_STEP_TRACE: per-step timings
         sc = config.scheduler_config
         logger.info("engine ready in %.1f s: max_num_seqs=%d, max_num_batched_tokens=%d, "
@@ -78,7 +72,7 @@ class EngineCore:
             t_wall, t0 = time.time(), time.perf_counter()
             sched = self.scheduler.schedule()
             t1 = time.perf_counter()
-            result = self.worker.execute_model(sched)
+            result = self.executor.execute_model(sched)
             t2 = time.perf_counter()
             outputs = self.scheduler.update_from_output(sched, result)
             if self.trace is not None:  # synchronous: "launch" includes the device time
@@ -90,7 +84,7 @@ class EngineCore:
         t_wall, t0 = time.time(), time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
-        handle = self.worker.execute_model_async(sched)
+        handle = self.executor.execute_model_async(sched)
         if sync:
             return self.scheduler.update_from_output(sched, handle.result())
         prev, self._inflight = self._inflight, (sched, handle)
@@ -120,4 +114,4 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.trace is not None:
             self.trace.close()
-        self.worker.kv_caches.clear()
+        self.executor.shutdown()

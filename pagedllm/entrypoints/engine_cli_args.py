@@ -109,6 +109,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "ids with empty text.")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="Allow model repositories to run their own code (off by default).")
+    add_parallel_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="Ranks each layer is split across (column/row-parallel linears, "
+                        "vocabulary-parallel embedding and LM head).")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="Pipeline stages, each running a contiguous range of layers.")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="Engine cores behind one API server, requests balanced by load.")
+    g.add_argument("--distributed-executor-backend", default=None,
+                   choices=["uni", "mp", "ray"],
+                   help="How ranks run: in process (uni), one process each on this host "
+                        "(mp) or Ray actors across nodes (ray).  Default: uni for one "
+                        "rank, ray inside a Ray session, else mp.")
+    g.add_argument("--distributed-timeout-seconds", type=float, default=60.0,
+                   help="Start-up collectives and each step's wait for the ranks time "
+                        "out after this long, naming the rank.")
 
 
 def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
@@ -128,7 +148,12 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
         preemption_mode=args.preemption_mode, swap_space=args.swap_space,
         trust_remote_code=args.trust_remote_code,
         served_model_name=getattr(args, "served_model_name", None),
-        skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False))
+        skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+        distributed_timeout_seconds=args.distributed_timeout_seconds)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

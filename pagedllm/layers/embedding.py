@@ -2,7 +2,8 @@
 
 Rank r owns vocabulary rows ``[r*V/tp, (r+1)*V/tp)``.  The embedding looks up only its
 own ids (others give zero) and all-reduces; the head computes its slice of the logits
-and all-gathers.  At ``tp_size=1`` both are a plain lookup / matmul.
+and all-gathers.  The group is the TP group of the parallel context the model is built
+in (``distributed/parallel_state.py``).  At ``tp_size=1`` both are a plain lookup / matmul.
 """
 
 from __future__ import annotations
@@ -11,15 +12,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.linear import tp_group
+
 
 class VocabParallelEmbedding(nn.Module):
     """``[T] long -> [T, hidden]``.  ``weight: [vocab_per_partition, hidden]``."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp_size: int = 1,
-                 tp_rank: int = 0) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp_size: int | None = None,
+                 tp_rank: int | None = None) -> None:
         super().__init__()
+        self.tp_group = tp_group(tp_size, tp_rank)
+        tp_size, tp_rank = self.tp_group.world_size, self.tp_group.rank_in_group
         if vocab_size % tp_size:
-            raise ValueError(f"vocab_size {vocab_size} not divisible by tp_size {tp_size}")
+            raise ValueError(f"vocab_size {vocab_size} not divisible by "
+                             f"tensor_parallel_size {tp_size}")
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.tp_size, self.tp_rank = tp_size, tp_rank
         self.per_partition = vocab_size // tp_size
@@ -42,8 +48,7 @@ class VocabParallelEmbedding(nn.Module):
         mine = (local >= 0) & (local < self.per_partition)
         out = F.embedding(local.clamp(0, self.per_partition - 1), self.weight)
         out = out * mine.unsqueeze(-1).to(out.dtype)
-        torch.distributed.all_reduce(out)
-        return out
+        return self.tp_group.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -57,9 +62,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``[N, hidden] -> [N, vocab]`` logits in the weight's dtype (the sampler casts
         to float32 where it needs to: a greedy argmax does not, as bf16 -> fp32 is exact)."""
-        logits = F.linear(hidden, self.weight)
-        if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(parts, logits)
-            logits = torch.cat(parts, dim=-1)
-        return logits
+        # Every rank gets the whole logits and samples the same tokens (vLLM V1's
+        # all-gather): no broadcast of the sampled ids is then needed within a stage.
+        return self.tp_group.all_gather(F.linear(hidden, self.weight), dim=-1)

@@ -1,4 +1,4 @@
-"""Linear layers shaped for tensor parallelism (Megatron style), run at ``tp_size=1`` today.
+"""Linear layers shaped for tensor parallelism (Megatron style).
 
 ```
  ColumnParallelLinear   W [out, in]  split on out:  rank r holds rows  [r*out/tp, (r+1)*out/tp)
@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import GroupCoordinator, current_parallel_state
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from pagedllm.layers.quantization.unquantized import (
     UNQUANTIZED,
@@ -53,18 +54,62 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-def _copy_shard(dst: torch.Tensor, loaded: torch.Tensor, dim: int, rank: int,
-                n_ranks: int, what: str) -> None:
-    """Copy rank ``rank``'s slice (along ``dim``, ``dst.shape[dim]`` long) of the full
-    checkpoint tensor ``loaded``, which must be exactly ``n_ranks`` such slices long on
-    ``dim`` and match ``dst`` elsewhere."""
+def _copy_shard(dst: torch.Tensor, loaded: torch.Tensor, dim: int, start: int,
+                total: int, what: str) -> None:
+    """Copy ``loaded[start : start + dst.shape[dim]]`` along ``dim`` into ``dst``: this
+    rank's slice of the full checkpoint tensor, which must be ``total`` long on ``dim``
+    and match ``dst`` elsewhere (all in stored elements)."""
     size = dst.shape[dim]
     expect = list(dst.shape)
-    expect[dim] = size * n_ranks
+    expect[dim] = total
     if list(loaded.shape) != expect:
         raise ValueError(f"shape mismatch for {what}: parameter shard {tuple(dst.shape)} "
-                         f"(rank {rank}, dim {dim}) vs checkpoint {tuple(loaded.shape)}")
-    dst.copy_(loaded.narrow(dim, rank * size, size))
+                         f"(offset {start}, dim {dim}) vs checkpoint "
+                         f"{tuple(loaded.shape)}")
+    dst.copy_(loaded.narrow(dim, start, size))
+
+
+def _scaled(n: int, stored: int, logical: int, what: str) -> int:
+    """``n`` logical elements in a parameter that stores ``stored`` elements for
+    ``logical`` ones (packing, grouped scales)."""
+    if (n * stored) % logical:
+        raise ValueError(f"{what}: a shard boundary at {n} of {logical} features falls "
+                         f"inside a packed element or a scale group")
+    return n * stored // logical
+
+
+def balanced_split(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` contiguous sizes differing by at most one, the
+    larger ones first."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if r < extra else 0) for r in range(parts)]
+
+
+def head_partition(total_heads: int, total_kv_heads: int, tp_size: int,
+                   ) -> list[tuple[int, int, int, int]]:
+    """Per rank ``(q_start, num_heads, kv_start, num_kv_heads)``, in heads.
+
+    Attention is split by KV head, each rank taking whole GQA groups (its KV heads and
+    the query heads that read them), as evenly as possible: SmolLM2's 3 KV heads of 3
+    queries each give ranks 6 and 3 query heads at ``tp_size=2``.  With fewer KV heads
+    than ranks each KV head is replicated on ``tp_size / total_kv_heads`` ranks, which
+    split its query heads."""
+    if total_heads % total_kv_heads:
+        raise ValueError(f"num_attention_heads ({total_heads}) must be a multiple of "
+                         f"num_key_value_heads ({total_kv_heads})")
+    group = total_heads // total_kv_heads
+    if total_kv_heads >= tp_size:
+        out, kv = [], 0
+        for n in balanced_split(total_kv_heads, tp_size):
+            out.append((kv * group, n * group, kv, n))
+            kv += n
+        return out
+    if tp_size % total_kv_heads or total_heads % tp_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} must divide num_attention_heads "
+                         f"({total_heads}) and be a multiple of num_key_value_heads "
+                         f"({total_kv_heads})")
+    per, replicas = total_heads // tp_size, tp_size // total_kv_heads
+    return [(r * per, per, r // replicas, 1) for r in range(tp_size)]
 
 
 def _packed(param: torch.Tensor, dim: int, n: int) -> int:
@@ -72,6 +117,19 @@ def _packed(param: torch.Tensor, dim: int, n: int) -> int:
     if getattr(param, "packed_dim", None) == dim:
         return n // int(param.packed_factor)  # type: ignore[attr-defined]
     return n
+
+
+def tp_group(tp_size: int | None, tp_rank: int | None) -> GroupCoordinator:
+    """The layer's tensor-parallel group: the one of the parallel context it is built in
+    (``distributed/parallel_state.py``), or, when ``tp_size``/``tp_rank`` are given
+    outright (tests of the sharded loader), a group of that shape on the default
+    process group."""
+    if tp_size is None and tp_rank is None:
+        return current_parallel_state().tp
+    size, rank = tp_size or 1, tp_rank or 0
+    if not 0 <= rank < size:
+        raise ValueError(f"tp_rank {rank} out of range for tp_size {size}")
+    return GroupCoordinator(tuple(range(size)), rank)
 
 
 class LinearBase(nn.Module):
@@ -86,11 +144,12 @@ class LinearBase(nn.Module):
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool,
-                 tp_size: int = 1, tp_rank: int = 0,
+                 tp_size: int | None = None, tp_rank: int | None = None,
                  quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
-        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.tp_group = tp_group(tp_size, tp_rank)
+        self.tp_size, self.tp_rank = self.tp_group.world_size, self.tp_group.rank_in_group
         self.prefix = prefix
         method = quant_config.get_linear_method(self, prefix) if quant_config else None
         self.quant_method: LinearMethodBase = method or UNQUANTIZED
@@ -148,10 +207,11 @@ class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; the output stays sharded (no communication)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp_size: int = 1, tp_rank: int = 0,
+                 tp_size: int | None = None, tp_rank: int | None = None,
                  quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
-        if output_size % tp_size:
-            raise ValueError(f"output size {output_size} not divisible by tp_size {tp_size}")
+        n = tp_group(tp_size, tp_rank).world_size
+        if output_size % n:
+            raise ValueError(f"output size {output_size} not divisible by tp_size {n}")
         super().__init__(input_size, output_size, bias, tp_size, tp_rank, quant_config,
                          prefix)
 
@@ -167,11 +227,15 @@ class ColumnParallelLinear(LinearBase):
         elif dim is None:
             default_weight_loader(param, loaded)
         else:
-            _copy_shard(param.data, loaded, dim, self.tp_rank, self.tp_size, "column shard")
+            size = param.data.shape[dim]
+            _copy_shard(param.data, loaded, dim, self.tp_rank * size, size * self.tp_size,
+                        "column shard")
 
     def _shard_range(self, shard_id: int | str) -> tuple[int, int, int, int]:
-        """``(offset, size, source rank, source ranks)`` of a fused shard in this rank's
-        output rows (logical rows; the caller converts for packing)."""
+        """``(offset, size, source offset, source size)`` of a fused shard: where this
+        rank's rows of it sit in the parameter, and where they come from in the
+        checkpoint tensor of that shard (logical rows; the caller converts for
+        packing)."""
         raise ValueError(f"{type(self).__name__} has no fused shards (got {shard_id!r})")
 
     def _load_fused_shard(self, param: nn.Parameter, loaded: torch.Tensor,
@@ -182,9 +246,10 @@ class ColumnParallelLinear(LinearBase):
         if dim is None:  # replicated, identical for every shard (e.g. GPTQ's g_idx)
             default_weight_loader(param, loaded)
             return
-        offset, size, rank, n_ranks = self._shard_range(shard_id)
+        offset, size, src, total = self._shard_range(shard_id)
         dst = param.data.narrow(dim, _packed(param, dim, offset), _packed(param, dim, size))
-        _copy_shard(dst, loaded, dim, rank, n_ranks, f"shard {shard_id!r}")
+        _copy_shard(dst, loaded, dim, _packed(param, dim, src), _packed(param, dim, total),
+                    f"shard {shard_id!r}")
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -194,9 +259,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     rank r holds ``[gate_r; up_r]``."""
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False,
-                 tp_size: int = 1, tp_rank: int = 0,
+                 tp_size: int | None = None, tp_rank: int | None = None,
                  quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         self.output_sizes = list(output_sizes)
+        n = tp_group(tp_size, tp_rank).world_size
+        if any(s % n for s in self.output_sizes):
+            raise ValueError(f"output sizes {self.output_sizes} not divisible by "
+                             f"tp_size {n}")
         super().__init__(input_size, sum(self.output_sizes), bias, tp_size, tp_rank,
                          quant_config, prefix)
 
@@ -210,28 +279,34 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise ValueError(f"merged shard_id must be in [0, {len(self.output_sizes)}), "
                              f"got {shard_id!r}")
         sizes = self.output_partition_sizes
-        return sum(sizes[:idx]), sizes[idx], self.tp_rank, self.tp_size
+        return sum(sizes[:idx]), sizes[idx], self.tp_rank * sizes[idx], \
+            self.output_sizes[idx]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q_proj, k_proj and v_proj fused: output ``[q | k | v]`` with
-    ``num_heads * head_dim`` then twice ``num_kv_heads * head_dim`` features (per rank).
-    ``shard_id`` is ``"q"``, ``"k"`` or ``"v"``.  KV heads are replicated when there are
-    fewer of them than ranks."""
+    """q_proj, k_proj and v_proj fused: output ``[q | k | v]`` with this rank's
+    ``num_heads * head_dim`` then twice ``num_kv_heads * head_dim`` features.
+    ``shard_id`` is ``"q"``, ``"k"`` or ``"v"``.  Heads are split by whole GQA groups,
+    unevenly when the KV heads do not divide by the ranks, and KV heads are replicated
+    when there are fewer of them than ranks (``head_partition``)."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
-                 total_num_kv_heads: int, bias: bool = False, tp_size: int = 1,
-                 tp_rank: int = 0, quant_config: QuantizationConfig | None = None,
+                 total_num_kv_heads: int, bias: bool = False, tp_size: int | None = None,
+                 tp_rank: int | None = None, quant_config: QuantizationConfig | None = None,
                  prefix: str = "") -> None:
-        if total_num_heads % tp_size:
-            raise ValueError(f"num_attention_heads {total_num_heads} not divisible by "
-                             f"tp_size {tp_size}")
+        g = tp_group(tp_size, tp_rank)
         self.head_dim = head_dim
-        self.num_heads = total_num_heads // tp_size
-        self.num_kv_heads = max(1, total_num_kv_heads // tp_size)
-        self.kv_replicas = max(1, tp_size // total_num_kv_heads)
-        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
-        super().__init__(hidden_size, out, bias, tp_size, tp_rank, quant_config, prefix)
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
+        self.partition = head_partition(total_num_heads, total_num_kv_heads, g.world_size)
+        self.q_start, self.num_heads, self.kv_start, self.num_kv_heads = \
+            self.partition[g.rank_in_group]
+        out = (total_num_heads + 2 * total_num_kv_heads) * head_dim
+        LinearBase.__init__(self, hidden_size, out, bias, tp_size, tp_rank, quant_config,
+                            prefix)
+
+    @property
+    def out_per_partition(self) -> int:
+        return self.q_size + 2 * self.kv_size
 
     @property
     def q_size(self) -> int:
@@ -252,27 +327,38 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def _shard_range(self, shard_id: int | str) -> tuple[int, int, int, int]:
         idx = self._shard_index(shard_id)
+        d = self.head_dim
         if idx == 0:
-            return 0, self.q_size, self.tp_rank, self.tp_size
-        return self.q_size + (idx - 1) * self.kv_size, self.kv_size, \
-            self.tp_rank // self.kv_replicas, self.tp_size // self.kv_replicas
+            return 0, self.q_size, self.q_start * d, self.total_num_heads * d
+        return self.q_size + (idx - 1) * self.kv_size, self.kv_size, self.kv_start * d, \
+            self.total_num_kv_heads * d
 
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are summed (all-reduce) and the
-    bias is added once, after the reduction."""
+    bias is added once, after the reduction.  ``input_sizes``: each rank's share of the
+    input features when they are not split evenly (the attention output projection
+    follows ``QKVParallelLinear``'s head partition)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp_size: int = 1, tp_rank: int = 0,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
-        if input_size % tp_size:
-            raise ValueError(f"input size {input_size} not divisible by tp_size {tp_size}")
+                 tp_size: int | None = None, tp_rank: int | None = None,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 input_sizes: Sequence[int] | None = None) -> None:
+        n = tp_group(tp_size, tp_rank).world_size
+        if input_sizes is None:
+            if input_size % n:
+                raise ValueError(f"input size {input_size} not divisible by tp_size {n}")
+            input_sizes = [input_size // n] * n
+        if len(input_sizes) != n or sum(input_sizes) != input_size:
+            raise ValueError(f"input_sizes {list(input_sizes)} must be {n} shares of "
+                             f"{input_size}")
+        self.input_sizes = list(input_sizes)
         super().__init__(input_size, output_size, bias, tp_size, tp_rank, quant_config,
                          prefix)
 
     @property
     def in_per_partition(self) -> int:
-        return self.input_size // self.tp_size
+        return self.input_sizes[self.tp_rank]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._reduce(self.quant_method.apply(self, x, self._local_bias))
@@ -295,7 +381,7 @@ class RowParallelLinear(LinearBase):
         """Sum the ranks' partial outputs (and add the bias once)."""
         if self.tp_size == 1:
             return y
-        torch.distributed.all_reduce(y)
+        self.tp_group.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
@@ -304,4 +390,9 @@ class RowParallelLinear(LinearBase):
         if dim is None:  # bias, per-tensor scales: replicated
             default_weight_loader(param, loaded)
             return
-        _copy_shard(param.data, loaded, dim, self.tp_rank, self.tp_size, "row shard")
+        # The parameter's own size on ``dim`` per logical input feature (packing,
+        # grouped scales) converts this rank's feature offset.
+        stored, local = param.data.shape[dim], self.in_per_partition
+        start = _scaled(sum(self.input_sizes[:self.tp_rank]), stored, local, "row shard")
+        total = _scaled(self.input_size, stored, local, "row shard")
+        _copy_shard(param.data, loaded, dim, start, total, "row shard")

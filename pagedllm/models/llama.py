@@ -24,6 +24,7 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.kinds import AttentionKind, layer_sliding_windows
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.rope import RopeInputs
+from pagedllm.distributed.parallel_state import current_parallel_state, layer_range
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -92,9 +93,14 @@ class LlamaAttention(nn.Module):
                                           self.num_kv_heads, bias=qkv_bias,
                                           quant_config=quant_config,
                                           prefix=f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
-                                        bias=o_bias, quant_config=quant_config,
-                                        prefix=f"{prefix}.o_proj")
+        # From here on heads are this rank's (all of them without tensor parallelism);
+        # o_proj's input follows the QKV head partition.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, \
+            self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            self.qkv_proj.total_num_heads * self.head_dim, config.hidden_size, bias=o_bias,
+            quant_config=quant_config, prefix=f"{prefix}.o_proj",
+            input_sizes=[n * self.head_dim for _, n, _, _ in self.qkv_proj.partition])
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
         self.qk_norm = qk_norm
@@ -196,12 +202,30 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class PPMissingLayer(nn.Identity):
+    """Stands in for a module another pipeline stage owns (keeps layer indices global)."""
+
+
 class LlamaModel(nn.Module):
+    """The decoder stack of this rank's pipeline stage (``distributed/parallel_state``):
+    decoder layers ``[start_layer, end_layer)`` (others are ``PPMissingLayer``), the
+    embedding on the first stage, the final norm on the last.  A stage that is not the
+    last returns ``(hidden, residual)`` for the next one, which passes them back in as
+    ``intermediate``."""
+
     def __init__(self, config: Any, backend: AttentionBackend, make_attention: Any,
                  quant_config: QuantizationConfig | None = None,
                  prefix: str = "model", make_mlp: Any = make_llama_mlp) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        pp = current_parallel_state().pp
+        self.is_first, self.is_last = pp.is_first, pp.is_last
+        n = config.num_hidden_layers
+        self.start_layer, self.end_layer = layer_range(n, pp.world_size, pp.rank_in_group)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        # A tied last stage keeps the embedding too: it is its LM head.
+        self.embed_tokens: nn.Module = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size) if self.is_first or (
+            tied and self.is_last) else PPMissingLayer()
         # One cos/sin table for all layers, gathered once per step in forward().
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
                                           rope_parameters(config))
@@ -211,20 +235,31 @@ class LlamaModel(nn.Module):
                                        f"{prefix}.layers.{i}.self_attn"),
                 quant_config, f"{prefix}.layers.{i}",
                 make_mlp(config, i, quant_config, f"{prefix}.layers.{i}.mlp"))
-            for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            for i in range(n))
+        self.norm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps) \
+            if self.is_last else PPMissingLayer()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, last_only: bool = False) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        rope = self.rotary_emb.inputs(positions, hidden.dtype)
+                meta: AttentionMetadata, last_only: bool = False,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         residual: torch.Tensor | None = None
+        if intermediate is None:
+            hidden = self.embed_tokens(input_ids)
+        else:
+            hidden, residual = intermediate
+        rope = self.rotary_emb.inputs(positions, hidden.dtype)
         # A decode-only step (max_query_len 1) has one row per request already.
         rows = meta.query_start_loc[1:] - 1 if last_only and meta.max_query_len > 1 \
             else None
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            hidden, residual = layer(rope, hidden, residual, meta, rows if i == last else None)
+        for i in range(self.start_layer, self.end_layer):
+            hidden, residual = self.layers[i](rope, hidden, residual, meta,
+                                              rows if i == last else None)
+        if not self.is_last:
+            assert residual is not None
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)  # type: ignore[misc]
         return hidden
 
@@ -257,10 +292,12 @@ class LlamaForCausalLM(nn.Module):
         self.check_config(hf_config)
         self.model = LlamaModel(hf_config, backend, self.make_attention, quant_config,
                                 make_mlp=self.make_mlp)
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.lm_head: nn.Module = PPMissingLayer()
+        if self.model.is_last:
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+            if self.tied:
+                self.lm_head.tie_to(self.model.embed_tokens)
 
     @staticmethod
     def check_config(config: Any) -> None:
@@ -278,14 +315,16 @@ class LlamaForCausalLM(nn.Module):
     make_mlp = staticmethod(make_llama_mlp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, last_only: bool = False) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, last_only)
+                meta: AttentionMetadata, last_only: bool = False,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.model(input_ids, positions, meta, last_only, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        layers = self.model.layers
+        layers = self.model.layers[self.model.start_layer:self.model.end_layer]
         if len(kv_caches) != len(layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(layers)} layers")
         for layer, cache in zip(layers, kv_caches):
@@ -301,6 +340,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tied:
                 continue  # the head is the embedding
+            if self._on_other_stage(name):
+                continue
             target, shard_args = self.weight_target(name)
             param = params.get(target)
             if param is None:
@@ -329,6 +370,18 @@ class LlamaForCausalLM(nn.Module):
             if f".{part}." in name:
                 return name.replace(f".{part}.", f".{fused}."), (shard_id,)
         return name, ()
+
+    def _on_other_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to another pipeline stage."""
+        m = self.model
+        if name.startswith("model.layers."):
+            i = int(name.split(".", 3)[2])
+            return not m.start_layer <= i < m.end_layer
+        if name.startswith("model.embed_tokens."):
+            return isinstance(m.embed_tokens, PPMissingLayer)
+        if name.startswith("model.norm."):
+            return not m.is_last
+        return name.startswith("lm_head.") and not m.is_last
 
 
 class MistralForCausalLM(LlamaForCausalLM):

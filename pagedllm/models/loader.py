@@ -25,7 +25,7 @@ import contextlib
 import glob
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -84,16 +84,19 @@ def load_model(model_config: Any, device: torch.device,
             else cls(hf_config, backend)
     fmt = model_config.load_format
     resolved = model_config.resolved
+    # A pipeline stage reads (and dequantises) only its own tensors (models/llama.py).
+    other_stage = getattr(model, "_on_other_stage", None)
+    keep = None if other_stage is None else (lambda name: not other_stage(name))
     if fmt == "dummy":
         _init_dummy(model, device, int(getattr(model_config, "seed", 0)),
                     getattr(model_config, "dummy_init", "uniform"))
     elif fmt == "safetensors":
-        model.load_weights(iter_safetensors(resolved.directory))  # type: ignore[operator]
+        model.load_weights(iter_safetensors(resolved.directory, keep))  # type: ignore
     elif fmt == "gguf":
         path = resolved.gguf_path
         if path is None:
             raise ValueError(f"load_format: 'gguf' but {resolved.directory} holds no .gguf")
-        model.load_weights(iter_gguf(path, hf_config))  # type: ignore[operator]
+        model.load_weights(iter_gguf(path, hf_config, keep))  # type: ignore[operator]
     else:
         raise ValueError(f"load_format must be safetensors, gguf or dummy, got {fmt!r}")
     with torch.no_grad():
@@ -138,8 +141,10 @@ def _init_dummy(model: nn.Module, device: torch.device, seed: int, init: str) ->
 
 # -- safetensors ----------------------------------------------------------------------
 
-def iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for every tensor of every ``*.safetensors`` in ``directory``."""
+def iter_safetensors(directory: str, keep: Callable[[str], bool] | None = None,
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of every ``*.safetensors`` in ``directory``
+    (only names ``keep`` accepts are read, when given)."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
@@ -153,7 +158,8 @@ def iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
             with safe_open(path, framework="pt", device="cpu") as f:
                 names = list(f.keys())
                 for name in names:
-                    yield name, f.get_tensor(name)
+                    if keep is None or keep(name):
+                        yield name, f.get_tensor(name)
         except ValueError:
             raise
         except Exception as e:  # safetensors raises its own error types
@@ -208,8 +214,10 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iter_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantised float32 ``(HF name, tensor)`` pairs from a GGUF file."""
+def iter_gguf(path: str, hf_config: Any, keep: Callable[[str], bool] | None = None,
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantised float32 ``(HF name, tensor)`` pairs from a GGUF file (only HF names
+    ``keep`` accepts are dequantised, when given)."""
     from gguf.quants import dequantize
 
     from pagedllm.models.gguf_file import GGUFFile
@@ -225,6 +233,8 @@ def iter_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
         if hf_name is None:
             raise ValueError(f"{path}: unexpected GGUF tensor {info.name!r} "
                              f"(architecture {arch!r})")
+        if keep is not None and not keep(hf_name):
+            continue
         try:
             arr = dequantize(f.raw(info), info.ggml_type)
         except (NotImplementedError, ValueError) as e:

@@ -24,12 +24,14 @@ from pagedllm.core.outputs import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.block_ops import BlockOps
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.input_batch import InputBatch, StepInputs
+from pagedllm.worker.pipeline import PipelineStage
 
 
 class HostToDevice:
@@ -105,10 +107,17 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device,
+                 parallel: ParallelState = SINGLE_RANK) -> None:
         self.config = config
         self.model = model
         self.device = device
+        # Pipeline parallelism: this rank's stage of the forward (worker/pipeline.py).
+        self.stage: PipelineStage | None = None
+        if parallel.pp_size > 1:
+            self.stage = PipelineStage(parallel, int(config.model_config.hf_config
+                                                     .hidden_size),
+                                       next(model.parameters()).dtype, device)
         mc, sc = config.model_config, config.scheduler_config
         self.vocab_size = mc.vocab_size
         self.block_size = config.cache_config.block_size
@@ -214,10 +223,11 @@ class ModelRunner:
             seq_lens_cpu=torch.from_numpy(inp.seq_lens), block_size=self.block_size)
 
     def _forward(self, inp: StepInputs, fix: Callable[[torch.Tensor], None] | None,
-                 last_only: bool) -> torch.Tensor:
+                 last_only: bool) -> torch.Tensor | None:
         """Hidden states of every scheduled token, or with ``last_only`` of each
         request's last one (row i: request i): a CUDA-graph replay when the step fits a
-        captured shape (``worker/cuda_graphs.py``), an eager forward otherwise.  ``fix``
+        captured shape (``worker/cuda_graphs.py``), an eager forward otherwise; None on
+        a pipeline stage before the last (``worker/pipeline.py``).  ``fix``
         patches the device input ids (tokens still in flight) before the model reads them."""
         num_reqs = len(inp.seq_lens)
         if self.graphs is not None:
@@ -230,6 +240,9 @@ class ModelRunner:
         ids = self.h2d("ids", inp.input_ids)
         if fix is not None:
             fix(ids)
+        if self.stage is not None:
+            return self.stage.forward(self.model, ids, self.h2d("pos", inp.positions), meta,
+                                      last_only)
         return self.model(ids, self.h2d("pos", inp.positions), meta, last_only)
 
     def _pending_fix(self, order: list[str], inp: StepInputs,
@@ -285,21 +298,26 @@ class ModelRunner:
         handle = StepHandle(self, ModelRunnerOutput(
             req_ids=order, sampled_token_ids=[[] for _ in order]), states, sample_idx)
         if len(sample_idx):
-            rows = sample_idx if last_only else inp.query_start_loc[1:][sample_idx] - 1
-            logits_idx = self.h2d("logits_idx", rows)
-            logits = self.model.compute_logits(hidden[logits_idx])
-            # A request's in-flight token counts towards min_tokens already.
-            smeta = SamplingMetadata.build(states, self.device, self.vocab_size,
-                                           num_in_flight=pending[sample_idx])
-            sampled = self.sampler(logits, smeta)
-            ids = sampled.sampled_token_ids
+            ids, logprobs = None, None
+            if hidden is not None:  # None: a pipeline stage before the last
+                rows = sample_idx if last_only else inp.query_start_loc[1:][sample_idx] - 1
+                logits_idx = self.h2d("logits_idx", rows)
+                logits = self.model.compute_logits(hidden[logits_idx])
+                # A request's in-flight token counts towards min_tokens already.
+                smeta = SamplingMetadata.build(states, self.device, self.vocab_size,
+                                               num_in_flight=pending[sample_idx])
+                sampled = self.sampler(logits, smeta)
+                ids, logprobs = sampled.sampled_token_ids, sampled.logprobs
+            if self.stage is not None:
+                ids = self.stage.share_sampled(ids, len(states))
+            assert ids is not None
             self._last_sampled = ids
             self._pending = {st.req_id: j for j, st in enumerate(states)}
             self._pending_owner = handle
-            handle.logprobs = sampled.logprobs
+            handle.logprobs = logprobs
             if self.device.type == "cuda":
-                if sampled.logprobs is not None:  # to host with the tokens, not after
-                    handle.logprobs = _to_pinned_host(sampled.logprobs)
+                if logprobs is not None:  # to host with the tokens, not after
+                    handle.logprobs = _to_pinned_host(logprobs)
                 buf = self._tokens_host[self.h2d.parity]
                 if buf.numel() < len(states):
                     buf = torch.empty(max(len(states), 1024), dtype=torch.int64,
@@ -313,7 +331,7 @@ class ModelRunner:
                 handle.tokens_host = ids
         else:
             self._pending, self._pending_owner = {}, None
-        if self._prompt_lp_ids:  # usually none: skip the per-request scan
+        if self._prompt_lp_ids and hidden is not None:  # usually none: skip the scan
             self._prompt_logprobs(sched, order, inp, hidden, num_computed, handle.out)
         return handle
 

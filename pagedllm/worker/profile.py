@@ -71,8 +71,9 @@ def profile_run(worker: Worker) -> int:
     bs = cc.block_size
     blocks_per_req = int(-(-per.max() // bs))
     num_blocks = reqs * blocks_per_req + 1
-    shape = (2, num_blocks, bs, mc.num_kv_heads, mc.head_dim)
-    caches = [torch.zeros(shape, dtype=worker.dtype, device=dev) for _ in range(mc.num_layers)]
+    shape = (2, num_blocks, bs, worker.num_local_kv_heads, mc.head_dim)
+    start, end = worker.local_layers  # this rank's share (tensor / pipeline parallel)
+    caches = [torch.zeros(shape, dtype=worker.dtype, device=dev) for _ in range(start, end)]
     worker.model.bind_kv_caches(caches)
     batch = InputBatch(reqs, int(per.max()) + 1, bs)
     rng = np.random.default_rng(0)
@@ -94,13 +95,21 @@ def profile_run(worker: Worker) -> int:
         slot_mapping=d(inp.slot_mapping),
         query_start_loc_cpu=torch.from_numpy(inp.query_start_loc),
         seq_lens_cpu=torch.from_numpy(inp.seq_lens), block_size=bs)
-    hidden = worker.model(d(inp.input_ids), d(inp.positions), meta)
-    logits = worker.model.compute_logits(hidden[d(inp.query_start_loc[1:] - 1).long()])
-    _sample_every_row(logits, _RANDOM, mc.vocab_size)
+    inter = None
+    if worker.parallel.pp_size > 1 and not worker.parallel.pp.is_first:
+        h = torch.zeros(total, int(mc.hf_config.hidden_size), dtype=worker.dtype,
+                        device=dev)
+        inter = (h, h.clone())
+    hidden = worker.model(d(inp.input_ids), d(inp.positions), meta, False, inter) \
+        if inter is not None else worker.model(d(inp.input_ids), d(inp.positions), meta)
+    logits = None
+    if worker.parallel.pp_size == 1 or worker.parallel.pp.is_last:
+        logits = worker.model.compute_logits(hidden[d(inp.query_start_loc[1:] - 1).long()])
+        _sample_every_row(logits, _RANDOM, mc.vocab_size)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev)
     del hidden, logits, caches
-    worker.model.bind_kv_caches([None] * mc.num_layers)  # type: ignore[list-item]
+    worker.model.bind_kv_caches([None] * (end - start))  # type: ignore[list-item]
     torch.cuda.empty_cache()
     return int(peak)
 

@@ -17,6 +17,15 @@ import torch
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.parallel_state import (
+    SINGLE_RANK,
+    ParallelState,
+    destroy_parallel_state,
+    init_parallel_state,
+    layer_range,
+    parallel_context,
+)
+from pagedllm.layers.linear import head_partition
 from pagedllm.models.loader import load_model, weight_bytes
 from pagedllm.worker.block_ops import BlockOps, allocate_swap_space
 from pagedllm.worker.cuda_graphs import (
@@ -53,12 +62,31 @@ def make_backend(device: torch.device) -> AttentionBackend:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    """One rank.  ``rank`` in its engine's world (``distributed/parallel_state.py``),
+    ``local_rank`` its device index on this host, ``distributed_init_method`` the
+    rendezvous (``tcp://host:port``) when the world has more than one rank.  It never
+    knows which executor started it (``executor/``)."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0,
+                 distributed_init_method: str | None = None) -> None:
         self.config = config
+        self.rank, self.local_rank = rank, local_rank
+        self.init_method = distributed_init_method
+        pc = config.parallel_config
         self.device = torch.device(config.device_config.device)
-        if config.device_config.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.device_config.num_threads)
+        if self.device.type == "cuda" and pc.world_size > 1:
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+        threads = config.device_config.num_threads
+        ranks_here = pc.world_size * pc.data_parallel_size
+        if threads is None and ranks_here > 1:
+            # Ranks (of every data-parallel engine) on one host share its cores: one
+            # slice each, not all of them each.
+            threads = max(1, (os.cpu_count() or 1) // ranks_here)
+        if threads and self.device.type == "cpu":
+            torch.set_num_threads(threads)
         self.dtype = torch_dtype(config.model_config.dtype)
+        self.parallel: ParallelState = SINGLE_RANK
         self.runner: ModelRunner | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.swap_caches: list[torch.Tensor] = []
@@ -66,6 +94,23 @@ class Worker:
         # The memory plan's share for CUDA graphs (the fixed margin when the KV cache
         # size is given outright).
         self.graph_margin = GRAPH_MEMORY_MARGIN
+
+    def init_device(self) -> None:
+        """Join the engine's world (every collective of it times out after
+        ``distributed_timeout_seconds``, naming this rank)."""
+        pc = self.config.parallel_config
+        if pc.world_size == 1:
+            return
+        if self.init_method is None:
+            raise ValueError("a multi-rank worker needs distributed_init_method")
+        t0 = time.perf_counter()
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.parallel = init_parallel_state(
+            pc.tensor_parallel_size, pc.pipeline_parallel_size, self.rank,
+            self.init_method, backend, pc.distributed_timeout_seconds)
+        logger.info("rank %d joined the %d-rank world (%s; tp rank %d, pp rank %d) in "
+                    "%.2f s", self.rank, pc.world_size, backend, self.parallel.tp_rank,
+                    self.parallel.pp_rank, time.perf_counter() - t0)
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
@@ -75,7 +120,8 @@ class Worker:
 
             compile_stats.install()
         self.backend = make_backend(self.device)
-        self.model = load_model(self.config.model_config, self.device, self.backend)
+        with parallel_context(self.parallel):  # layers take their groups from it
+            self.model = load_model(self.config.model_config, self.device, self.backend)
         if self.device.type == "cuda":
             # Weights must be final before any kernel runs: PDL kernels read weights
             # before waiting for their predecessor (kernels/pdl.py).
@@ -86,17 +132,39 @@ class Worker:
                     mc.served_model_name, mc.dtype, self.device, quant,
                     weight_bytes(self.model) / (1 << 20), time.perf_counter() - t0)
 
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank stores (``head_partition``: its share, or one replica)."""
+        mc = self.config.model_config
+        heads = int(mc.hf_config.num_attention_heads)
+        return head_partition(heads, mc.num_kv_heads, self.parallel.tp_size)[
+            self.parallel.tp_rank][3]
+
+    @property
+    def local_layers(self) -> tuple[int, int]:
+        """``[start, end)`` of the decoder layers this rank's pipeline stage runs."""
+        return layer_range(self.config.model_config.num_layers, self.parallel.pp_size,
+                           self.parallel.pp_rank)
+
+    def kv_bytes_per_token(self) -> int:
+        """This rank's KV bytes per token: its layers and its KV heads."""
+        mc = self.config.model_config
+        start, end = self.local_layers
+        return 2 * (end - start) * self.num_local_kv_heads * mc.head_dim * mc.dtype_bytes
+
     def determine_num_blocks(self) -> int:
+        """How many KV blocks this rank's memory holds (the executor takes the minimum
+        over ranks: one block table serves them all)."""
         mc, cc, sc = self.config.model_config, self.config.cache_config, \
             self.config.scheduler_config
-        per_block = mc.kv_bytes_per_token() * cc.block_size
+        per_block = self.kv_bytes_per_token() * cc.block_size
         budget = cc.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
                 budget = self._gpu_kv_budget()
             else:
                 want = (sc.max_num_seqs * mc.max_model_len + cc.block_size) * \
-                    mc.kv_bytes_per_token()
+                    self.kv_bytes_per_token()
                 budget = min(DEFAULT_CPU_KV_BYTES, want)
         num_blocks = int(budget // per_block)
         need = -(-mc.max_model_len // cc.block_size) + 1  # +1: the reserved null block
@@ -160,24 +228,29 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         mc, cc = self.config.model_config, self.config.cache_config
         self.config = self.config.with_num_blocks(num_blocks)
-        shape = (2, num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (2, num_blocks, cc.block_size, self.num_local_kv_heads, mc.head_dim)
+        start, end = self.local_layers
         # Zeroed, not empty: attention gathers whole blocks and masks the tail, and
         # garbage NaNs would survive a zero attention weight.
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(mc.num_layers)]
+                          for _ in range(start, end)]
         self.model.bind_kv_caches(self.kv_caches)
         if self.config.scheduler_config.preemption_mode == "swap":
+            # The whole model's block size: the same CPU block count on every rank.
             per_block = mc.kv_bytes_per_token() * cc.block_size
             self.num_cpu_blocks = cc.swap_space_bytes // per_block
             self.swap_caches = allocate_swap_space(self.num_cpu_blocks, self.kv_caches[0],
-                                                   mc.num_layers)
+                                                   end - start)
             logger.info("swap space: %d CPU blocks (%.2f GiB)", self.num_cpu_blocks,
                         self.num_cpu_blocks * per_block / 2**30)
-        self.runner = ModelRunner(self.config, self.model, self.device)
+        self.runner = ModelRunner(self.config, self.model, self.device, self.parallel)
         self.runner.block_ops = BlockOps(self.kv_caches, self.swap_caches)
-        if self.device.type == "cuda" and not self.config.device_config.enforce_eager:
+        # Pipeline stages exchange hidden states between graph replays: run them eagerly.
+        if self.device.type == "cuda" and not self.config.device_config.enforce_eager \
+                and self.parallel.pp_size == 1:
             self.runner.capture_cuda_graphs(self.graph_margin)
-        if self.device.type == "cuda" and os.environ.get("PAGEDLLM_WARM_LOGITS", "1") != "0":
+        if self.device.type == "cuda" and os.environ.get("PAGEDLLM_WARM_LOGITS", "1") != "0" \
+                and self.parallel.pp.is_last:  # only the last stage has an LM head
             t0 = time.perf_counter()
             warm_logits_and_sampling(self)
             logger.info("warmed lm_head at 1-%d rows and the sampler in %.2f s",
@@ -186,7 +259,7 @@ class Worker:
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency at "
             "max_model_len %d: %.2fx", num_blocks - 1, cc.block_size, tokens,
-            num_blocks * cc.block_size * mc.kv_bytes_per_token() / 2**30,
+            num_blocks * cc.block_size * self.kv_bytes_per_token() / 2**30,
             mc.max_model_len, tokens / mc.max_model_len)
         if self.device.type == "cuda":
             from pagedllm.kernels.compile_stats import snapshot
@@ -208,3 +281,9 @@ class Worker:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_cache first"
         return self.runner.execute_model(sched)
+
+    def shutdown(self) -> None:
+        """Free the KV cache and leave the world."""
+        self.kv_caches.clear()
+        if self.parallel.world_size > 1:
+            destroy_parallel_state()

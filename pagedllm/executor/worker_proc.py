@@ -1,0 +1,135 @@
+"""A worker rank in its own process (the ``mp`` executor's ranks).
+
+Wire protocol (msgpack via msgspec; no pickle crosses a socket)::
+
+    engine core                                  worker rank r (one per process)
+    XPUB (binds) ── [kind, payload] broadcast ─► SUB   C: init cache (num_blocks)
+                                                       E: execute (SchedulerOutput)
+                                                       S: shut down
+    PULL (binds) ◄── [kind, rank, payload] ──── PUSH  R: ready (WorkerReady)
+                                                       K: cache ready (WorkerCacheReady)
+                                                       O: ModelRunnerOutput (output rank)
+                                                       F: failure (one line), then exit 1
+
+Start-up: connect, join the world (``Worker.init_device``: a rendezvous and a barrier
+that time out naming the rank), load the model, size the KV cache -> ``R``; wait for
+``C`` with the minimum over ranks -> allocate -> ``K``; then serve ``E`` until ``S``.
+A worker exits when its parent (the engine core) is gone, so killing the core never
+leaves ranks behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import msgspec
+import zmq
+
+from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("pagedllm")
+
+KIND_INIT_CACHE = b"C"
+KIND_EXECUTE = b"E"
+KIND_SHUTDOWN = b"S"
+KIND_READY = b"R"
+KIND_CACHE_READY = b"K"
+KIND_OUTPUT = b"O"
+KIND_FAILURE = b"F"
+
+
+class WorkerReady(msgspec.Struct):
+    pid: int
+    num_blocks: int
+
+
+class WorkerCacheReady(msgspec.Struct):
+    num_cpu_blocks: int
+    padded_step_sizes: list[int]
+
+
+ENCODER = msgspec.msgpack.Encoder()
+SCHED_DECODER = msgspec.msgpack.Decoder(SchedulerOutput)
+OUTPUT_DECODER = msgspec.msgpack.Decoder(ModelRunnerOutput)
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def run_worker(config: Any, rank: int, local_rank: int, init_method: str,
+               broadcast_addr: str, result_addr: str, parent_pid: int,
+               is_output_rank: bool) -> None:
+    """Process entry point (multiprocessing spawn target); never returns."""
+    logging.basicConfig(level=os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO"),
+                        format=f"%(levelname)s %(asctime)s [rank {rank} pid={os.getpid()}]"
+                        " %(message)s", stream=sys.stderr)
+    # Ctrl-C reaches the whole process group: the engine core decides when ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context(io_threads=1)
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(broadcast_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 5000)  # a failure report must reach the core
+    push.connect(result_addr)
+    me = str(rank).encode()
+    status = 1
+    try:
+        status = _serve(config, rank, local_rank, init_method, sub, push, me, parent_pid,
+                        is_output_rank)
+    except Exception as e:  # report in one line, log the traceback here
+        logger.exception("rank %d failed", rank)
+        push.send_multipart([KIND_FAILURE, me, first_line(e).encode()])
+    finally:
+        sub.close(linger=0)
+        push.close()
+        ctx.term()
+        logging.shutdown()
+        os._exit(status)
+
+
+def _recv(sub: zmq.Socket, parent_pid: int) -> list[bytes]:
+    """The next broadcast; exits the process if the engine core is gone."""
+    while not sub.poll(1000):
+        if os.getppid() != parent_pid:
+            logger.error("engine core process %d is gone; worker exiting", parent_pid)
+            os._exit(1)
+    return sub.recv_multipart()
+
+
+def _serve(config: Any, rank: int, local_rank: int, init_method: str, sub: zmq.Socket,
+           push: zmq.Socket, me: bytes, parent_pid: int, is_output_rank: bool) -> int:
+    from pagedllm.worker.worker import Worker
+
+    worker = Worker(config, rank, local_rank, init_method)
+    worker.init_device()
+    worker.load_model()
+    push.send_multipart([KIND_READY, me, ENCODER.encode(
+        WorkerReady(os.getpid(), worker.determine_num_blocks()))])
+    while True:
+        kind, payload = _recv(sub, parent_pid)
+        if kind == KIND_SHUTDOWN:
+            worker.shutdown()
+            return 0
+        if kind == KIND_INIT_CACHE:
+            worker.initialize_cache(msgspec.msgpack.decode(payload, type=int))
+            push.send_multipart([KIND_CACHE_READY, me, ENCODER.encode(WorkerCacheReady(
+                worker.num_cpu_blocks, worker.padded_step_sizes()))])
+            break
+    while True:
+        kind, payload = _recv(sub, parent_pid)
+        if kind == KIND_EXECUTE:
+            out = worker.execute_model(SCHED_DECODER.decode(payload))
+            if is_output_rank:  # only it answers: the others' tokens are identical
+                push.send_multipart([KIND_OUTPUT, me, ENCODER.encode(out)])
+        elif kind == KIND_SHUTDOWN:
+            worker.shutdown()
+            return 0
