@@ -12,7 +12,9 @@
 Wire format: every message is two frames, ``[kind, payload]``; payloads are msgpack via
 msgspec (``EngineCoreRequest`` list, ``list[str]`` of ids, ``EngineCoreOutputs``,
 ``EngineCoreReady``).  No pickle crosses a socket.  Addresses are ``ipc://`` paths in a
-private temp dir or ``tcp://127.0.0.1``: the client binds, the core connects.
+private temp dir or ``tcp://127.0.0.1``: the client binds, the core connects, as a
+CURVE client holding the per-launch key that the client's ZAP handler alone admits
+(``transport_auth.py``).  A malformed input message is logged and dropped, never fatal.
 
 The loop (``EngineCoreProc.run``):
 

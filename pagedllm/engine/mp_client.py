@@ -3,7 +3,9 @@
 ``AsyncMPClient`` starts ``run_engine_core`` in a *spawned* process (a fresh interpreter:
 no forked CUDA/torch state, no inherited sockets), binds the two sockets in a private
 temporary directory (``ipc://``) or on ``tcp://127.0.0.1`` and waits for the core's
-``EngineCoreReady``.
+``EngineCoreReady``.  Both sockets are CURVE servers whose ZAP handler admits only the
+core's per-launch key (``transport_auth.py``); a malformed message from the core is
+dropped, logged and counted in ``rejected`` (``on_rejected`` feeds ``/metrics``).
 
 Death detection (RELIABILITY: "the API server notices within seconds"):
 
