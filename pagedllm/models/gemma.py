@@ -29,6 +29,7 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.kinds import AttentionKind
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.rope import RopeInputs
+from pagedllm.distributed.parallel_state import current_parallel_state
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -98,9 +99,16 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaModel(nn.Module):
+    """Gemma's decoder stack, always one pipeline stage (every layer, first and last)."""
+
     def __init__(self, config: Any, backend: AttentionBackend, qk_norm: bool,
                  quant_config: QuantizationConfig | None, prefix: str = "model") -> None:
         super().__init__()
+        if current_parallel_state().pp.world_size > 1:
+            raise ValueError("pipeline_parallel_size > 1 is not supported for Gemma 2/3 "
+                             "(use tensor_parallel_size)")
+        self.start_layer, self.end_layer = 0, config.num_hidden_layers
+        self.is_first = self.is_last = True
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.normalizer = float(config.hidden_size) ** 0.5
         hd, max_pos = head_dim_of(config), config.max_position_embeddings
@@ -116,7 +124,9 @@ class GemmaModel(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, last_only: bool = False) -> torch.Tensor:
+                meta: AttentionMetadata, last_only: bool = False,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         # HF multiplies by the normaliser cast to the activation dtype.
         hidden = hidden * torch.tensor(self.normalizer, dtype=hidden.dtype)
