@@ -223,7 +223,9 @@ class EngineArgs:
         resolved = resolve_model(self.model, self.tokenizer, self.load_format)
         if hf_config is None:
             hf_config = resolved.load_hf_config(self.trust_remote_code)
-        quantization = resolve_quantization(self.quantization, hf_config)
+        quantization = resolve_quantization(
+            self.quantization, hf_config,
+            resolved.gguf_path if resolved.load_format == "gguf" else None)
 
         device = self.device
         if device == "auto":

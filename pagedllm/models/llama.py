@@ -179,7 +179,9 @@ class LlamaModel(nn.Module):
                  quant_config: QuantizationConfig | None = None,
                  prefix: str = "model") -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   quant_config=quant_config,
+                                                   prefix=f"{prefix}.embed_tokens")
         # One cos/sin table for all layers, gathered once per step in forward().
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
                                           rope_parameters(config))
@@ -218,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
     * ``load_weights(iterable of (HF name, tensor))``
 
     ``quant_config`` (``layers/quantization/``) picks each linear layer's weight format by
-    its HF module name; the embedding and lm_head stay in the model dtype.
+    its HF module name, and may store the embedding and lm_head compactly too.
     """
 
     # (fused parameter, checkpoint name, shard id)
@@ -233,8 +235,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         self.check_config(hf_config)
         self.model = LlamaModel(hf_config, backend, self.make_attention, quant_config)
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
+                                      quant_config=None if self.tied else quant_config,
+                                      prefix="lm_head")
         if self.tied:
             self.lm_head.tie_to(self.model.embed_tokens)
 
