@@ -37,7 +37,13 @@ from pagedllm.layers.quantization.base import (
     QuantizationConfig,
     set_weight_attrs,
 )
-from pagedllm.layers.quantization.int4pack import PackedInt4, cpu_kernel_available, mm_parts
+from pagedllm.layers.quantization.int4pack import (
+    PackedInt4,
+    cpu_kernel_available,
+    gatherable,
+    mm_parts,
+    packable,
+)
 
 if TYPE_CHECKING:
     from pagedllm.layers.embedding import VocabParallelEmbedding
@@ -135,7 +141,8 @@ class GGUFLinearMethod(LinearMethodBase):
             while j + 1 < n_shards and _kind(shards[j + 1]) == _kind(shards[i]):
                 j += 1
             run, name = shards[i:j + 1], f"gguf_seg{len(segments)}"
-            if _kind(shards[i]):
+            rows = sum(s.data.shape[0] for s in run)
+            if _kind(shards[i]) and packable(rows, k, device):
                 segments.append((1, _pack(layer, name, run, k, device, layer.prefix)))
             else:
                 w = torch.cat([_dense(s, k, layer.gguf_params_dtype, layer.prefix)  # type: ignore
@@ -182,7 +189,8 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
         k, device = layer.hidden_size, layer.weight.device
         layer.gguf_types = [shard.qtype]  # type: ignore[assignment]
         layer.gguf_parts = None  # type: ignore[assignment]
-        if _kind(shard) and device.type == "cpu":
+        n = layer.vocab_size
+        if _kind(shard) and packable(n, k, device) and gatherable(n, device):
             layer.gguf_parts = _pack(layer, "gguf", [shard], k, device, "embedding")
             a, b, off = gb.exact_affine(shard.data, shard.qtype, k, "embedding")
             layer.gguf_affine = (_register(layer, "gguf_a", a),  # type: ignore[assignment]
@@ -190,7 +198,7 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
         else:  # a dense table (also on CUDA, where the packed layout is opaque)
             w = _dense(shard, k, layer.gguf_params_dtype, "embedding")  # type: ignore
             layer.gguf_dense = _register(layer, "gguf_weight", w.to(device))
-            if _kind(shard):  # the head still multiplies by packed parts
+            if _kind(shard) and packable(n, k, device):  # the head multiplies packed parts
                 layer.gguf_parts = _pack(layer, "gguf", [shard], k, device, "embedding")
         layer.gguf_shards = {}  # type: ignore[assignment]
 

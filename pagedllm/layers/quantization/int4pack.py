@@ -44,7 +44,9 @@ class PackedInt4:
                 v.to(torch.int32).contiguous(), 2)
         else:
             pairs = (v[:, 0::2] << 4 | v[:, 1::2]).to(torch.uint8).contiguous()
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs.to(self.device), 8)
+            tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs.to(self.device),
+                                                                     tiles)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, K]`` bf16 -> ``[M, N]`` bf16."""
@@ -78,6 +80,17 @@ def mm_parts(x: torch.Tensor, parts: list[PackedInt4]) -> torch.Tensor:
     for p in parts[1:]:
         acc += p.mm(xb)
     return acc.to(x.dtype)
+
+
+def packable(n: int, k: int, device: torch.device) -> bool:
+    """Whether an ``[n, k]`` weight fits the kernels' shape rules (CPU: N % 16; CUDA:
+    N % 8; both K % 32)."""
+    return k % 32 == 0 and n % (16 if torch.device(device).type == "cpu" else 8) == 0
+
+
+def gatherable(n: int, device: torch.device) -> bool:
+    """Whether ``gather_rows`` can read this part's rows."""
+    return torch.device(device).type == "cpu" and n % _TILE_N == 0
 
 
 def cpu_kernel_available() -> bool:
