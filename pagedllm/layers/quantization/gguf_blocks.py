@@ -20,7 +20,7 @@ A GGUF weight row of ``K`` values is ``K / block`` blocks of bytes (``gguf.const
 | Q4_1 | 32 | ``d * q + m`` | ``(q, d, m + 8d)`` |
 | Q8_0 | 32 | ``d * q``, q int8 | ``(lo, d, 8d)``, ``(hi, 16d, 0)`` of ``q + 128`` |
 | Q4_K | 256 (8 x 32) | ``d*sc * q - dmin*m`` | ``(q, s, 8s - dm)`` |
-| Q5_K | 256 (8 x 32) | ``d*sc * q - dmin*m``, q 5-bit | ``(lo, s, 8s - dm)``, ``(hi + 8, 16s, 0)`` |
+| Q5_K | 256 (8 x 32) | same, q 5-bit | ``(lo, s, 8s - dm)``, ``(hi + 8, 16s, 0)`` |
 | Q6_K | 256 (16 x 16) | ``d*sc * (q - 32)`` | none: 16-value groups have no int4 kernel |
 
 Raises ``ValueError`` on a row of the wrong byte length or a non-finite block scale
