@@ -55,13 +55,13 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         wb = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
-        r = {"bf16_us": _bench(lambda: torch.nn.functional.linear(x, wb))}
+        r = {"bf16_us": _bench(lambda x=x, wb=wb: torch.nn.functional.linear(x, wb))}
         for g in (32, 128):
             v = torch.randint(0, 16, (n, k), dtype=torch.uint8)
             s = torch.rand(n, k // g) * 0.01
             z = torch.zeros(n, k // g)
             p = PackedInt4(v, s, z, g, dev)
-            r[f"w4g{g}_us"] = _bench(lambda: p.mm(x))
+            r[f"w4g{g}_us"] = _bench(lambda p=p, x=x: p.mm(x))
         rows[name] = r
     out["gemm_batch1"] = rows
     for key in ("bf16_us", "w4g32_us", "w4g128_us"):

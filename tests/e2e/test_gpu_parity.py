@@ -83,3 +83,25 @@ def test_gpu_bf16_greedy_matches_cpu_fp32(default_model_path: str, cpu_reference
     print(report)
     assert all(a and b for _, _, a, b in flips), report
     assert statistics.median(diffs) < 0.05 and max(diffs) < 0.5, report
+
+
+def test_gpu_gguf_quantised_greedy_close_to_cpu_fp32(default_model_path: str,
+                                                     cpu_reference: tuple) -> None:
+    """The default on the GPU: the GGUF kept quantised (int4 tinygemm kernels, a dense
+    bf16 embedding table, the packed tied lm_head).  Where greedy paths part, each
+    token must be in the other's top 5."""
+    prompts, ref = cpu_reference
+    gpu = LLM(default_model_path, device="cuda", dtype="bfloat16", max_model_len=512,
+              gpu_memory_utilization=0.3)
+    try:
+        assert gpu.llm_engine.config.model_config.quantization == "gguf"
+        got = _run(gpu, prompts)
+    finally:
+        del gpu
+        gc.collect()
+        torch.cuda.empty_cache()
+    identical, diffs, flips = compare_greedy(got, ref)
+    report = (f"{identical}/{len(prompts)} identical for {NEW_TOKENS} tokens; first "
+              f"differences: {flips}; largest logprob diffs {sorted(diffs)[-5:]}")
+    print(report)
+    assert all(a and b for _, _, a, b in flips), report
