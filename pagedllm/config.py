@@ -246,7 +246,14 @@ class EngineArgs:
         resolved = resolve_model(self.model, self.tokenizer, self.load_format)
         if hf_config is None:
             hf_config = resolved.load_hf_config(self.trust_remote_code)
-        quantization = resolve_quantization(self.quantization, hf_config)
+        quantization = resolve_quantization(
+            self.quantization, hf_config,
+            resolved.gguf_path if resolved.load_format == "gguf" else None, device)
+        if quantization == "gguf" and parallel.tensor_parallel_size > 1:
+            if self.quantization == "gguf":
+                raise ValueError("quantization='gguf' (kept-quantised GGUF) runs on one rank "
+                                 "only; use tensor_parallel_size 1 or quantization='none'")
+            quantization = None  # detected, not asked for: dequantise, as before
         check_parallel_shapes(hf_config, parallel)
 
         if dtype == "auto":

@@ -51,5 +51,7 @@ def llm(default_model_path):
     """One engine on the default model for the whole session (start-up is the slow part)."""
     from pagedllm import LLM
 
+    # quantization="none": the float32 dequantised GGUF, the HF-parity path (the
+    # default keeps the GGUF quantised; tests/models/test_gguf_quantised.py).
     return LLM(kv_cache_memory_bytes=64 << 20, max_model_len=1024,
-               max_num_batched_tokens=256)
+               max_num_batched_tokens=256, quantization="none")

@@ -224,7 +224,8 @@ class LlamaModel(nn.Module):
         tied = bool(getattr(config, "tie_word_embeddings", False))
         # A tied last stage keeps the embedding too: it is its LM head.
         self.embed_tokens: nn.Module = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size) if self.is_first or (
+            config.vocab_size, config.hidden_size, quant_config=quant_config,
+            prefix=f"{prefix}.embed_tokens") if self.is_first or (
             tied and self.is_last) else PPMissingLayer()
         # One cos/sin table for all layers, gathered once per step in forward().
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
@@ -276,7 +277,7 @@ class LlamaForCausalLM(nn.Module):
     * ``load_weights(iterable of (HF name, tensor))``
 
     ``quant_config`` (``layers/quantization/``) picks each linear layer's weight format by
-    its HF module name; the embedding and lm_head stay in the model dtype.
+    its HF module name, and may store the embedding and lm_head compactly too.
     """
 
     # (fused parameter, checkpoint name, shard id)
@@ -295,7 +296,9 @@ class LlamaForCausalLM(nn.Module):
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head: nn.Module = PPMissingLayer()
         if self.model.is_last:
-            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
+                                          quant_config=None if self.tied else quant_config,
+                                          prefix="lm_head")
             if self.tied:
                 self.lm_head.tie_to(self.model.embed_tokens)
 

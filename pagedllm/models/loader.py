@@ -6,6 +6,9 @@
   streamed tensor by tensor; ``tie_word_embeddings`` is handled by the model.
 * ``gguf`` -- llama.cpp names mapped to HF names, tensors dequantised to float32 with
   ``gguf.quants.dequantize``; Llama's q/k rows are un-permuted (see ``_unpermute``).
+  Under the ``gguf`` quantisation method (the default for a quantised GGUF) supported
+  quantised tensors are handed over as raw blocks instead (``layers/quantization/
+  gguf.py``).
 * ``dummy`` -- random weights generated on the target device (a GPU never waits on CPU
   random numbers, so an 8B shape builds in seconds).  ``dummy_init`` "uniform" (the
   default) is vLLM's ``initialize_dummy_weights``: every parameter, norms included,
@@ -32,6 +35,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
+from pagedllm.layers.embedding import VocabParallelEmbedding
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization import get_quantization_config_class
@@ -82,6 +86,7 @@ def load_model(model_config: Any, device: torch.device,
     with _default_dtype(dtype), device:
         model = cls(hf_config, backend, quant_config) if quant_config is not None \
             else cls(hf_config, backend)
+    model.quant_config = quant_config  # for the start-up log (worker.py)
     fmt = model_config.load_format
     resolved = model_config.resolved
     # A pipeline stage reads (and dequantises) only its own tensors (models/llama.py).
@@ -96,13 +101,17 @@ def load_model(model_config: Any, device: torch.device,
         path = resolved.gguf_path
         if path is None:
             raise ValueError(f"load_format: 'gguf' but {resolved.directory} holds no .gguf")
-        model.load_weights(iter_gguf(path, hf_config, keep))  # type: ignore[operator]
+        model.load_weights(iter_gguf(  # type: ignore[operator]
+            path, hf_config, keep,
+            keep_quantized=bool(getattr(quant_config, "gguf_raw", False))))
     else:
         raise ValueError(f"load_format must be safetensors, gguf or dummy, got {fmt!r}")
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, (LinearBase, FusedMoE)):
                 module.quant_method.process_weights_after_loading(module)  # type: ignore
+            elif isinstance(module, VocabParallelEmbedding) and module.quant_method:
+                module.quant_method.process_weights_after_loading(module)
     return model.eval()
 
 
@@ -215,11 +224,16 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def iter_gguf(path: str, hf_config: Any, keep: Callable[[str], bool] | None = None,
-              ) -> Iterator[tuple[str, torch.Tensor]]:
+              keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantised float32 ``(HF name, tensor)`` pairs from a GGUF file (only HF names
-    ``keep`` accepts are dequantised, when given)."""
+    ``keep`` accepts, when given: a pipeline stage's or a rank's own tensors).
+
+    ``keep_quantized``: tensors of a type in ``gguf_blocks.SUPPORTED`` come instead as
+    their raw block bytes, uint8 ``[rows, row_bytes]`` (a copy, not the memmap), with
+    the type in a ``ggml_type`` attribute; other types are dequantised as usual."""
     from gguf.quants import dequantize
 
+    from pagedllm.layers.quantization.gguf_blocks import SUPPORTED
     from pagedllm.models.gguf_file import GGUFFile
 
     f = GGUFFile(path)
@@ -235,15 +249,21 @@ def iter_gguf(path: str, hf_config: Any, keep: Callable[[str], bool] | None = No
                              f"(architecture {arch!r})")
         if keep is not None and not keep(hf_name):
             continue
-        try:
-            arr = dequantize(f.raw(info), info.ggml_type)
-        except (NotImplementedError, ValueError) as e:
-            raise ValueError(f"{path}: cannot dequantise {info.name}: {e}") from e
-        if not arr.flags.writeable:  # float32 tensors come back as views of the memmap
-            arr = arr.copy()
-        t = torch.from_numpy(arr.reshape(info.shape))
+        raw_blocks = keep_quantized and info.ggml_type in SUPPORTED and len(info.shape) == 2
+        if raw_blocks:
+            t = torch.from_numpy(f.raw(info).copy())
+        else:
+            try:
+                arr = dequantize(f.raw(info), info.ggml_type)
+            except (NotImplementedError, ValueError) as e:
+                raise ValueError(f"{path}: cannot dequantise {info.name}: {e}") from e
+            if not arr.flags.writeable:  # float32 tensors come back as views of the memmap
+                arr = arr.copy()
+            t = torch.from_numpy(arr.reshape(info.shape))
         if permute and ".attn_q." in info.name:
             t = _unpermute(t, n_head)
         elif permute and ".attn_k." in info.name:
             t = _unpermute(t, n_kv)
+        if raw_blocks:  # rows are whole blocks, so the row permutation applies as is
+            t.ggml_type = int(info.ggml_type)  # type: ignore[attr-defined]
         yield hf_name, t

@@ -127,7 +127,9 @@ class Worker:
             # before waiting for their predecessor (kernels/pdl.py).
             torch.cuda.synchronize(self.device)
         mc = self.config.model_config
-        quant = "unquantised" if mc.quantization is None else mc.quantization
+        qc = getattr(self.model, "quant_config", None)
+        quant = "unquantised" if mc.quantization is None else \
+            (qc.describe() if qc is not None else mc.quantization)
         logger.info("loaded %s (%s, %s, weights %s: %.1f MiB) in %.1f s",
                     mc.served_model_name, mc.dtype, self.device, quant,
                     weight_bytes(self.model) / (1 << 20), time.perf_counter() - t0)

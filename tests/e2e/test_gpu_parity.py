@@ -50,7 +50,8 @@ def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[dict]
 
 @pytest.fixture(scope="module")
 def cpu_reference(default_model_path: str) -> tuple[list[list[int]], list]:
-    cpu = LLM(default_model_path, device="cpu", dtype="float32", max_model_len=512,
+    cpu = LLM(default_model_path, device="cpu", dtype="float32", quantization="none",
+              max_model_len=512,
               kv_cache_memory_bytes=256 << 20)
     prompts = [cpu.llm_engine.input_processor.apply_chat_template(
         [{"role": "user", "content": c}]) for c in CHAT]
@@ -65,7 +66,8 @@ def test_gpu_bf16_greedy_matches_cpu_fp32(default_model_path: str, cpu_reference
     prompt-chunk CUDA graph and every decode step is batch 1 and runs the batch-1 GEMV
     kernels (``kernels/gemv.py``) instead of cuBLAS."""
     prompts, ref = cpu_reference
-    gpu = LLM(default_model_path, device="cuda", dtype="bfloat16", max_model_len=512,
+    gpu = LLM(default_model_path, device="cuda", dtype="bfloat16", quantization="none",
+              max_model_len=512,
               gpu_memory_utilization=0.3)
     try:
         got = [r for p in prompts for r in _run(gpu, [p])] if alone else _run(gpu, prompts)
@@ -81,3 +83,25 @@ def test_gpu_bf16_greedy_matches_cpu_fp32(default_model_path: str, cpu_reference
     print(report)
     assert all(a and b for _, _, a, b in flips), report
     assert statistics.median(diffs) < 0.05 and max(diffs) < 0.5, report
+
+
+def test_gpu_gguf_quantised_greedy_close_to_cpu_fp32(default_model_path: str,
+                                                     cpu_reference: tuple) -> None:
+    """The default on the GPU: the GGUF kept quantised (int4 tinygemm kernels, a dense
+    bf16 embedding table, the packed tied lm_head).  Where greedy paths part, each
+    token must be in the other's top 5."""
+    prompts, ref = cpu_reference
+    gpu = LLM(default_model_path, device="cuda", dtype="bfloat16", max_model_len=512,
+              gpu_memory_utilization=0.3)
+    try:
+        assert gpu.llm_engine.config.model_config.quantization == "gguf"
+        got = _run(gpu, prompts)
+    finally:
+        del gpu
+        gc.collect()
+        torch.cuda.empty_cache()
+    identical, diffs, flips = compare_greedy(got, ref)
+    report = (f"{identical}/{len(prompts)} identical for {NEW_TOKENS} tokens; first "
+              f"differences: {flips}; largest logprob diffs {sorted(diffs)[-5:]}")
+    print(report)
+    assert all(a and b for _, _, a, b in flips), report

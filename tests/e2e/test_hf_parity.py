@@ -76,7 +76,8 @@ def test_batched_with_staggered_lengths(llm, prompts, hf_reference):
 def test_preempted_equals_not_preempted(default_model_path, prompts, hf_reference):
     # 24 blocks of 16 tokens: far fewer than 8 requests of 50-90 tokens need at once.
     mc_bytes_per_block = 16 * 2 * 30 * 3 * 64 * 4
-    small = LLM(kv_cache_memory_bytes=24 * mc_bytes_per_block, max_model_len=256)
+    small = LLM(kv_cache_memory_bytes=24 * mc_bytes_per_block, max_model_len=256,
+                quantization="none")
     outs = small.generate(prompts, _greedy(NEW_TOKENS), use_tqdm=False)
     assert small.llm_engine.client.core.scheduler.total_preemptions > 0
     assert _ids(outs) == hf_reference

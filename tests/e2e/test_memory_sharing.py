@@ -23,7 +23,7 @@ BLOCK_BYTES = 16 * 46080  # SmolLM2-135M, fp32: 30 layers x 2 x 3 heads x 64 x 4
 def tiny(**kw) -> LLM:
     # 7 usable blocks (112 tokens): four ~28-token prompts + 12 new tokens need 12.
     return LLM(kv_cache_memory_bytes=8 * BLOCK_BYTES, max_model_len=96,
-               max_num_batched_tokens=128, **kw)
+               max_num_batched_tokens=128, quantization="none", **kw)
 
 
 @pytest.fixture(scope="module")

@@ -148,7 +148,8 @@ def test_throughput_policy_gives_fcfs_greedy_outputs(llm):
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
               for m in (4, 16, 8, 12)]
     thr = LLM(kv_cache_memory_bytes=16 << 20, max_model_len=256,
-              max_num_batched_tokens=256, scheduling_policy="throughput")
+              max_num_batched_tokens=256, scheduling_policy="throughput",
+              quantization="none")
     assert thr.llm_engine.config.scheduler_config.policy == "throughput"
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in thr.generate(prompts, params, use_tqdm=False)]

@@ -26,7 +26,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engine_config():
-    return EngineArgs(device="cpu", dtype="float32").create_engine_config()
+    return EngineArgs(device="cpu", dtype="float32",
+                      quantization="none").create_engine_config()
 
 
 @pytest.fixture(scope="module")

@@ -110,7 +110,8 @@ def test_synthetic_gguf_roundtrip(arch: str, tmp_path) -> None:
     path = str(tmp_path / f"tiny-{arch}.gguf")
     _write_gguf(path, arch, hf)
 
-    ec = EngineArgs(model=path, device="cpu", dtype="float32").create_engine_config()
+    ec = EngineArgs(model=path, device="cpu", dtype="float32",
+                    quantization="none").create_engine_config()
     mc = ec.model_config
     assert mc.hf_config.architectures == [model_cls.__name__]
     assert mc.head_dim == hf.config.head_dim

@@ -18,7 +18,9 @@ import importlib
 from typing import Any
 
 # name -> "module:Class" (lazy; the module imports torch).
-QUANTIZATION_METHODS: dict[str, str] = {}
+QUANTIZATION_METHODS: dict[str, str] = {
+    "gguf": "pagedllm.layers.quantization.gguf:GGUFConfig",
+}
 
 
 def quantization_names() -> list[str]:
@@ -38,17 +40,39 @@ def checkpoint_quant_method(hf_config: Any) -> str | None:
     return str(method).lower() if method else None
 
 
-def resolve_quantization(requested: str | None, hf_config: Any) -> str | None:
+def gguf_is_quantised(gguf_path: str) -> bool:
+    """Whether a GGUF file holds any quantised 2-D tensor (not F32/F16/BF16)."""
+    from pagedllm.models.gguf_file import GGUFFile
+
+    return any(len(t.shape) == 2 and t.ggml_type not in (0, 1, 30)
+               for t in GGUFFile(gguf_path).tensors)
+
+
+def resolve_quantization(requested: str | None, hf_config: Any,
+                         gguf_path: str | None = None, device: str = "cpu") -> str | None:
     """The method name to use, or None for unquantised weights.
 
     ``requested``: the user's ``quantization`` (None = detect).  A checkpoint that is
     quantised can only run with its own method (or one its method declares compatible,
     see ``QuantizationConfig.override_for``); anything else is a ``ValueError`` naming
-    the parameter and the choices."""
+    the parameter and the choices.  ``gguf_path``: the GGUF file being loaded, if any: one
+    with quantised tensors runs as ``"gguf"`` (kept quantised) unless ``"none"`` asks for
+    the float dequantised weights.  On ``device="cuda"`` the kept-quantised GGUF path is
+    opt-in (``quantization="gguf"``): it has not yet been validated end to end on a GPU,
+    so a GPU run of a GGUF dequantises as before unless asked."""
     names = quantization_names()
     if requested is not None and requested not in names:
         raise ValueError(f"quantization must be one of {', '.join(names)}, "
                          f"got {requested!r}")
+    if gguf_path is not None:
+        if requested not in (None, "none", "gguf"):
+            raise ValueError(f"quantization={requested!r} but the checkpoint is a GGUF file; "
+                             "omit quantization, or pass 'gguf' or 'none'")
+        if requested is None:
+            return "gguf" if device == "cpu" and gguf_is_quantised(gguf_path) else None
+        return None if requested == "none" else "gguf"
+    if requested == "gguf":
+        raise ValueError("quantization='gguf' needs a GGUF checkpoint (a .gguf file)")
     found = checkpoint_quant_method(hf_config)
     if found is not None and found not in QUANTIZATION_METHODS:
         raise ValueError(f"the checkpoint's quantization_config.quant_method {found!r} is "

@@ -84,6 +84,27 @@ class LinearMethodBase(ABC):
         return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))
 
 
+class EmbeddingMethodBase(ABC):
+    """How a token embedding (and the LM head that reads the same kind of table) stores
+    its ``[vocab, hidden]`` table.  ``create_weights`` registers ``weight`` (with its
+    ``weight_loader``); a tied head calls ``logits`` on the embedding's own storage."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, params_dtype: torch.dtype) -> None:
+        """Register the table's parameters on ``layer`` (a ``VocabParallelEmbedding``)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027
+        """Repack once the table is loaded."""
+
+    @abstractmethod
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """``[T] long -> [T, hidden]`` in the model dtype."""
+
+    @abstractmethod
+    def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden] -> [N, vocab]`` in ``hidden``'s dtype."""
+
+
 class QuantizationConfig(ABC):
     """One model's quantisation: which layers use which ``LinearMethodBase``."""
 
@@ -99,6 +120,13 @@ class QuantizationConfig(ABC):
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
         """The method for the linear layer named ``prefix``; None keeps it unquantised
         (layers the checkpoint lists as ignored, lm_head, ...)."""
+
+    def get_embedding_method(self, layer: nn.Module,
+                             prefix: str) -> EmbeddingMethodBase | None:
+        """The method for the embedding or LM head named ``prefix``
+        (``model.embed_tokens``, ``lm_head``); None (the default) keeps it in the model
+        dtype."""
+        return None
 
     def check_device(self, device: str, dtype: str) -> None:  # noqa: B027
         """``ValueError`` naming ``quantization`` when this method cannot run on

@@ -1,0 +1,97 @@
+"""torch's packed-int4 weight kernels, on CPU and CUDA: pack, multiply, read rows back.
+
+``w[n, k] = (v[n, k] - 8) * scale[n, k // g] + zero[n, k // g]``, ``v`` in [0, 15], group
+``g`` in {32, 64, 128, 256}.  The kernels take ``x`` and the scale/zero pairs in bf16 (on
+the CPU, bf16 is the dtype with a vectorised kernel: fp32 and fp16 run a scalar
+reference path, ~30x slower at batch 1 on this machine) and accumulate in fp32:
+
+* CPU: ``aten._convert_weight_to_int4pack_for_cpu`` / ``aten._weight_int4pack_mm_for_cpu``;
+* CUDA: ``aten._convert_weight_to_int4pack`` / ``aten._weight_int4pack_mm`` (tinygemm).
+
+A weight may be a sum of parts (a code wider than 4 bits split into nibbles,
+``gguf_blocks.int4_parts``): ``x W^T = sum_p x W_p^T``.
+
+The CPU packed layout (``[N, K/2]`` bytes, read off torch's packing): rows in tiles of
+64; inside tile ``t`` byte ``(k // 2) * 64 + (k % 2) * 32 + n % 32`` of the tile holds
+``v[64 t + n, k]`` in its low nibble for ``n % 64 < 32``, high nibble otherwise.
+``gather_rows`` uses it so that an embedding can share its tied lm_head's storage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ACT_DTYPE = torch.bfloat16
+_TILE_N = 64
+
+
+class PackedInt4:
+    """One int4 part on one device: ``packed`` (the kernel's layout) and ``scale_zero``
+    ``[K/g, N, 2]`` bf16."""
+
+    def __init__(self, v: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 group: int, device: torch.device) -> None:
+        n, k = v.shape
+        if k % group or group not in (32, 64, 128, 256):
+            raise ValueError(f"int4 group {group} must be 32, 64, 128 or 256 and divide "
+                             f"K={k}")
+        self.n, self.k, self.group = n, k, group
+        self.device = torch.device(device)
+        self.scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(
+            device=self.device, dtype=ACT_DTYPE)
+        if self.device.type == "cpu":
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                v.to(torch.int32).contiguous(), 2)
+        else:
+            pairs = (v[:, 0::2] << 4 | v[:, 1::2]).to(torch.uint8).contiguous()
+            tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs.to(self.device),
+                                                                     tiles)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, K]`` bf16 -> ``[M, N]`` bf16."""
+        if self.device.type == "cpu":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
+                                                              self.scale_zero)
+        return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group, self.scale_zero)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed, self.scale_zero]
+
+    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The codes ``v[ids]`` as uint8 ``[T, K]`` (CPU layout only; module doc)."""
+        if self.device.type != "cpu" or self.n % _TILE_N:
+            raise ValueError("gather_rows needs the CPU layout and N % 64 == 0")
+        tiles = self.packed.view(self.n // _TILE_N, self.k // 2, 2, 32)
+        r = ids % _TILE_N
+        b = tiles[ids // _TILE_N, :, :, r % 32]  # [T, K/2, 2] -> k = 2 * (k//2) + k%2
+        shift = ((r >= 32).to(torch.uint8) * 4).view(-1, 1)
+        return (b.reshape(ids.shape[0], self.k) >> shift) & 0x0F
+
+
+def mm_parts(x: torch.Tensor, parts: list[PackedInt4]) -> torch.Tensor:
+    """``sum_p x W_p^T`` in ``x``'s dtype (``x`` goes in as bf16; parts are summed in
+    fp32)."""
+    xb = x.to(ACT_DTYPE)
+    y = parts[0].mm(xb)
+    if len(parts) == 1:
+        return y.to(x.dtype)
+    acc = y.float()
+    for p in parts[1:]:
+        acc += p.mm(xb)
+    return acc.to(x.dtype)
+
+
+def packable(n: int, k: int, device: torch.device) -> bool:
+    """Whether an ``[n, k]`` weight fits the kernels' shape rules (CPU: N % 16; CUDA:
+    N % 8; both K % 32)."""
+    return k % 32 == 0 and n % (16 if torch.device(device).type == "cpu" else 8) == 0
+
+
+def gatherable(n: int, device: torch.device) -> bool:
+    """Whether ``gather_rows`` can read this part's rows."""
+    return torch.device(device).type == "cpu" and n % _TILE_N == 0
+
+
+def cpu_kernel_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
