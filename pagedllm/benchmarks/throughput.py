@@ -22,7 +22,11 @@ from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_fr
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="C1",
                    choices=["C1", "W1", "W1-small", "W3", "custom"],
-                   help="Which workload of BENCHMARKS.md to run.")
+                   help="Which seeded workload to run (docs/benchmarks.md, 'Workloads'): "
+                        "C1 = 64 chat prompts on the default model; W1 = 256 random "
+                        "token prompts of 128-1024 tokens, 32-512 output tokens; "
+                        "W1-small = W1 for 49k-vocabulary models; W3 = a 2,048-token "
+                        "shared prefix; custom = --input-len/--output-len.")
     p.add_argument("--batch-sizes", default="1,64",
                    help="C1/custom: comma-separated batch sizes (requests submitted "
                         "together; C1 takes the first N prompts).")
