@@ -45,6 +45,7 @@ import msgspec
 import zmq
 
 from pagedllm.gc_heap import freeze_gc_heap
+from pagedllm.logger import DATE_FORMAT
 from pagedllm.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -212,6 +213,7 @@ def _setup_logging() -> None:
     logging.basicConfig(
         level=os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO"),
         format=f"%(levelname)s %(asctime)s [EngineCore pid={os.getpid()}] %(message)s",
+        datefmt=DATE_FORMAT,
         stream=sys.stderr)
 
 
@@ -259,10 +261,11 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
                 warmup = None
             core = EngineCore(config)
         except Exception as e:  # report why start-up failed, in one line
-            if isinstance(e, ValueError) and not built:
-                pass  # bad arguments: the parent builds the same config and says why
-            elif isinstance(e, ValueError):  # a user error (flags, model file): no traceback
-                logger.error("engine core failed to start: %s", first_line(e))
+            if isinstance(e, ValueError):
+                # A user error (flags, model file, too little KV memory): the parent
+                # prints the one-line reason of the ready message (and, for bad
+                # arguments, builds the same config and says why); no second report here.
+                pass
             else:
                 logger.exception("engine core failed to start")
             proc = EngineCoreProc(None, input_addr, output_addr, parent_pid)

@@ -98,11 +98,14 @@ class Worker:
         need = -(-mc.max_model_len // cc.block_size) + 1  # +1: the reserved null block
         if num_blocks < need:
             fits = max(0, (num_blocks - 1) * cc.block_size)
+            one_request = need * per_block
+            advice = (f"lower max_model_len to {fits} or give the KV cache at least "
+                      f"{one_request} bytes" if fits > 0 else
+                      f"give the KV cache at least {one_request} bytes")
             raise ValueError(
                 f"kv_cache_memory_bytes: {max(budget, 0)} bytes hold "
                 f"{max(num_blocks - 1, 0)} KV blocks ({fits} tokens), fewer than one "
-                f"request of max_model_len ({mc.max_model_len}); lower max_model_len to "
-                f"{fits} or give the KV cache more memory")
+                f"request of max_model_len ({mc.max_model_len}); {advice}")
         return num_blocks
 
     def _gpu_kv_budget(self) -> int:

@@ -61,6 +61,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.tokenizer_info import tokenizer_info
 from pagedllm.gc_heap import freeze_gc_heap
+from pagedllm.logger import uvicorn_log_config
 from pagedllm.metrics import EngineMetrics, cache_config_labels
 
 logger = logging.getLogger("pagedllm.api_server")
@@ -458,10 +459,14 @@ async def _serve(args: argparse.Namespace) -> int:
                     max_body_bytes=args.max_request_body_bytes, ui=not args.no_ui)
     # h11 even where httptools is installed: h11 bounds the request head (16 KiB; a huge
     # header gets a 400), httptools does not, and it measured no faster here.
-    uv_config = uvicorn.Config(app, http="h11", log_level=args.uvicorn_log_level,
+    access_log = not args.disable_uvicorn_access_log
+    # log_level=None: the log config sets the levels (uvicorn would otherwise set its
+    # access logger to --uvicorn-log-level, silencing it below "info").
+    uv_config = uvicorn.Config(app, http="h11", log_level=None,
                                timeout_graceful_shutdown=5, lifespan="off",
-                               access_log=args.uvicorn_log_level in ("info", "debug",
-                                                                     "trace"))
+                               access_log=access_log,
+                               log_config=uvicorn_log_config(args.uvicorn_log_level,
+                                                             access_log))
     server = _Server(uv_config, state, args.shutdown_timeout)
     engine.on_dead.append(server.engine_died)
     kv_tokens = max(ready.num_blocks - 1, 0) * ready.block_size
