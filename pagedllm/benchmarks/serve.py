@@ -72,6 +72,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Cap on requests in flight (default: none, pure open loop).")
     p.add_argument("--timeout", type=float, default=600.0, help="Per-request timeout (s).")
     p.add_argument("--output-json", default=None, help="Write the results here as JSON.")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="Also draw the latency percentiles and the TTFT and ITL "
+                        "distributions into this PNG (matplotlib; keeps the per-request "
+                        "lists of --save-detailed in the results).")
     p.add_argument("--save-detailed", action="store_true",
                    help="Also write per-request lists to the JSON (as vLLM's benchmark: "
                         "input_lens, output_lens, ttfts, itls, errors; plus start_times, "
@@ -265,7 +269,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "errors": [asdict(r) | {"itl": None} for r in results if not r.ok][:5],
         "args": {k: v for k, v in vars(args).items() if k != "func"},
     }
-    if args.save_detailed:
+    if args.save_detailed or args.plot:
         summary |= {"start_times": [r.start for r in results],
                     "input_lens": [r.prompt_len for r in results],
                     "output_lens": [r.output_tokens for r in results],
@@ -295,10 +299,17 @@ def print_table(s: dict[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pagedllm.benchmarks.plot import check_plot_path
+
+    check_plot_path(args.plot)
     if args.num_prompts < 1 or not args.request_rate > 0:
         raise ValueError("num-prompts must be >= 1 and request-rate > 0")
     summary = asyncio.run(run(args))
     print_table(summary)
+    if args.plot:
+        from pagedllm.benchmarks.plot import plot_serve
+
+        plot_serve(summary, args.plot)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(summary, f, indent=2)

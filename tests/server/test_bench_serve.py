@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import httpx
+import matplotlib.image
 
 from pagedllm.entrypoints.openai.api_server import _bind
 from tests.server.harness import ServerProcess
@@ -20,7 +21,7 @@ def test_bench_serve_reports_every_request(server: ServerProcess, tmp_path) -> N
     cmd = [sys.executable, "-m", "pagedllm", "bench", "serve", "--base-url", server.url,
            "--num-prompts", "6", "--request-rate", "50",
            "--input-len-range", "8", "24", "--output-len-range", "4", "8",
-           "--output-json", str(out), "--save-detailed"]
+           "--output-json", str(out), "--save-detailed", "--plot", str(tmp_path / "w2.png")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "TTFT" in done.stdout and "Client CPU" in done.stdout
@@ -36,6 +37,8 @@ def test_bench_serve_reports_every_request(server: ServerProcess, tmp_path) -> N
     assert s["start_times"] == sorted(s["start_times"])  # open loop: sent in order
     assert all(len(itl) == n - 1 for itl, n in zip(s["itls"], s["output_lens"]))
     assert 0 < s["ttft_s"]["p50"] <= s["ttft_s"]["p99"] < s["e2e_s"]["p99"]
+    image = matplotlib.image.imread(tmp_path / "w2.png")  # a real PNG, drawn
+    assert image.shape[0] > 300 and image.shape[1] > 1000 and image.std() > 0
 
 
 def test_bench_serve_unreachable_server_is_one_line_error() -> None:
