@@ -113,5 +113,5 @@ def plot_serve(s: dict[str, Any], path: str) -> None:
         ax.set_ylabel("count")
         ax.set_title(f"{name} distribution ({len(values)} samples)")
     fig.suptitle(f"pagedllm bench serve: {s['model']} @ {s['request_rate']} req/s, "
-                 f"{s['completed']} requests, {s['output_throughput']:.0f} output tok/s")
+                 f"{s['completed']} requests, {s['output_throughput']:.1f} output tok/s")
     _save(fig, path)
