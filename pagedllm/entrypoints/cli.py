@@ -10,13 +10,16 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pagedllm.entrypoints.engine_cli_args import (
     add_engine_args,
     add_sampling_args,
     engine_args_from_cli,
 )
+
+if TYPE_CHECKING:
+    from pagedllm.outputs import CompletionOutput
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -69,7 +72,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def finish_notes(c: Any, max_tokens: int | None, chat: bool,
+def finish_notes(c: CompletionOutput, max_tokens: int | None, chat: bool,
                  has_chat_template: bool) -> list[str]:
     """What ``generate`` says on stderr when its output is empty or cut short: the
     ``finish_reason`` and why, and for a chat model run without ``--chat`` that the chat
