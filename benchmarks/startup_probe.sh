@@ -10,7 +10,7 @@ M=$(python -c "from pagedllm.benchmarks.workloads import write_dummy_model as w;
 for i in $(seq "${1:-1}"); do
   t0=$(date +%s.%N)
   python -m pagedllm serve --model "$M" --load-format dummy --skip-tokenizer-init \
-    --port $PORT > "$OUT/startup_$i.log" 2>&1 &
+    --port $PORT --disable-uvicorn-access-log > "$OUT/startup_$i.log" 2>&1 &
   SP=$!
   echo -n "start $i: "; wait_healthy $PORT $SP "$OUT/startup_$i.log" "$t0"
   grep -E "process started|imported|built the engine|loaded|memory plan|captured|Triton:|engine ready|Serving on" \

@@ -27,7 +27,8 @@ cpu() { awk '{printf "%.2f", ($14 + $15) / 100}' "/proc/$1/stat"; }
 start_server() {  # $1: name for the log and trace files
   local t0; t0=$(date +%s.%N)
   PAGEDLLM_STEP_TRACE="$OUT/${TAG}trace_$1.jsonl" python -m pagedllm serve --model "$M" \
-    --load-format dummy --skip-tokenizer-init --port $PORT ${SERVE_ARGS:-} \
+    --load-format dummy --skip-tokenizer-init --port $PORT --disable-uvicorn-access-log \
+    ${SERVE_ARGS:-} \
     > "$OUT/${TAG}server_$1.log" 2>&1 &
   SP=$!
   wait_healthy $PORT $SP "$OUT/${TAG}server_$1.log" "$t0"

@@ -23,6 +23,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-hi", type=int, default=None,
                    help="Upper bound of random token ids (default: min(vocab, 128000)).")
     p.add_argument("--output-json", default=None, help="Write the results here as JSON.")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="Also draw every prompt's TTFT and TPOT into this PNG (matplotlib).")
     p.add_argument("--dummy", default=None, choices=sorted(DUMMY_CONFIGS),
                    help="Benchmark a named model shape with random weights (writes its "
                         "config.json to a temp dir; implies --load-format dummy).")
@@ -43,6 +45,9 @@ def _timed(llm: Any, prompt: list[int], n: int) -> float:
 
 def main(args: argparse.Namespace) -> int:
     from pagedllm import LLM
+    from pagedllm.benchmarks.plot import check_plot_path
+
+    check_plot_path(args.plot)
 
     if args.dummy:
         from pagedllm.benchmarks.workloads import write_dummy_model
@@ -70,6 +75,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"{'metric':<10}{'median ms':>12}")
     print(f"{'TTFT':<10}{res['ttft_ms']:>12.2f}")
     print(f"{'TPOT':<10}{res['tpot_ms']:>12.2f}")
+    if args.plot:
+        from pagedllm.benchmarks.plot import plot_latency
+
+        plot_latency(res, args.plot)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(res, f, indent=2)

@@ -10,9 +10,10 @@ sees its queue grow, as in production.  Every request streams
 * ITL: every gap between streamed chunks that carry tokens, pooled over requests;
 * E2E: request sent -> last byte; output tok/s = completion tokens / benchmark duration.
 
-W2 exactly (BENCHMARKS.md): ``--num-prompts 400 --request-rate 10|20|40`` with the W1
-generator (seed 0) as token-id prompts, ``max_tokens = min_tokens = olen``,
-``ignore_eos``, greedy.  For the 49k-vocabulary default model pass ``--vocab-hi 49000``;
+W2 exactly (docs/benchmarks.md, 'Workloads'): ``--num-prompts 400 --request-rate
+10|20|40`` with the W1 generator (seed 0) as token-id prompts, ``max_tokens = min_tokens = olen``,
+``ignore_eos``, greedy.  Token ids stay below the served tokenizer's vocabulary
+(``/tokenizer_info``; W2's 128000 at most) unless ``--vocab-hi`` says otherwise;
 ``--input-len-range``/``--output-len-range`` shrink the requests for CPU runs (the
 draw order -- plen, olen, prompt -- is kept).
 """
@@ -57,9 +58,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Poisson arrival rate in requests/s ('inf' sends all at once).")
     p.add_argument("--seed", type=int, default=0, help="Workload seed (W1 generator).")
     p.add_argument("--arrival-seed", type=int, default=1, help="Seed of the arrival times.")
-    p.add_argument("--vocab-hi", type=int, default=128000,
-                   help="Upper bound of random prompt token ids (W2: 128000; use 49000 "
-                        "for the SmolLM2 default model).")
+    p.add_argument("--vocab-hi", type=int, default=None,
+                   help="Upper bound of random prompt token ids. Default: 128000 (W2), "
+                        "or the served tokenizer's vocabulary if smaller "
+                        "(/tokenizer_info), e.g. 49152 for the default model.")
     p.add_argument("--input-len-range", type=int, nargs=2, default=[128, 1024],
                    metavar=("MIN", "MAX"), help="Prompt lengths drawn uniformly (W1).")
     p.add_argument("--output-len-range", type=int, nargs=2, default=[32, 512],
@@ -70,6 +72,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Cap on requests in flight (default: none, pure open loop).")
     p.add_argument("--timeout", type=float, default=600.0, help="Per-request timeout (s).")
     p.add_argument("--output-json", default=None, help="Write the results here as JSON.")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="Also draw the latency percentiles and the TTFT and ITL "
+                        "distributions into this PNG (matplotlib; keeps the per-request "
+                        "lists of --save-detailed in the results).")
     p.add_argument("--save-detailed", action="store_true",
                    help="Also write per-request lists to the JSON (as vLLM's benchmark: "
                         "input_lens, output_lens, ttfts, itls, errors; plus start_times, "
@@ -163,6 +169,33 @@ def _pcts(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(s), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99)}
 
 
+async def _fit_to_model(client: aiohttp.ClientSession, args: argparse.Namespace,
+                        card: dict[str, Any]) -> argparse.Namespace:
+    """The arguments with ``vocab_hi`` taken from the served tokenizer when not given
+    (W2's 128000 at most); a ``ValueError`` when the longest request cannot fit the
+    model's ``max_model_len``."""
+    import aiohttp
+
+    vocab_hi = args.vocab_hi
+    if vocab_hi is None:
+        vocab_hi = 128000
+        try:
+            async with client.get("/tokenizer_info") as r:
+                if r.status == 200:
+                    size = (await r.json()).get("vocab_size")
+                    if isinstance(size, int) and size > 1000:
+                        vocab_hi = min(vocab_hi, size)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            pass  # a server without /tokenizer_info (vLLM by default): W2's range
+    max_len = card.get("max_model_len")
+    longest = args.input_len_range[1] + args.output_len_range[1]
+    if isinstance(max_len, int) and longest > max_len:
+        raise ValueError(f"input-len-range/output-len-range: the longest request "
+                         f"({args.input_len_range[1]} + {args.output_len_range[1]} tokens) "
+                         f"exceeds the served model's max_model_len {max_len}")
+    return argparse.Namespace(**{**vars(args), "vocab_hi": vocab_hi})
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     # Imported here: the CLI builds every subcommand's parser, so a module-level import
     # would cost `pagedllm serve` ~0.3 s of start-up for a client it does not use.
@@ -175,16 +208,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             base_url=args.base_url, headers=headers, read_bufsize=1 << 20,
             timeout=aiohttp.ClientTimeout(total=args.timeout),
             connector=aiohttp.TCPConnector(limit=0)) as client:
-        if args.model:
-            model = args.model
-        else:
-            try:
-                async with client.get("/v1/models") as r:
-                    r.raise_for_status()
-                    model = (await r.json())["data"][0]["id"]
-            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError) as e:
-                raise ValueError(f"base-url: cannot list the models of {args.base_url} "
-                                 f"({type(e).__name__}: {e})") from None
+        try:
+            async with client.get("/v1/models") as r:
+                r.raise_for_status()
+                cards = (await r.json())["data"]
+                model = args.model or cards[0]["id"]
+        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError) as e:
+            raise ValueError(f"base-url: cannot list the models of {args.base_url} "
+                             f"({type(e).__name__}: {e})") from None
+        args = await _fit_to_model(client, args, next(
+            (c for c in cards if c.get("id") == model), {}))
         reqs = make_requests(args)
         arrivals = random.Random(args.arrival_seed)
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
@@ -236,7 +269,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "errors": [asdict(r) | {"itl": None} for r in results if not r.ok][:5],
         "args": {k: v for k, v in vars(args).items() if k != "func"},
     }
-    if args.save_detailed:
+    if args.save_detailed or args.plot:
         summary |= {"start_times": [r.start for r in results],
                     "input_lens": [r.prompt_len for r in results],
                     "output_lens": [r.output_tokens for r in results],
@@ -266,10 +299,17 @@ def print_table(s: dict[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pagedllm.benchmarks.plot import check_plot_path
+
+    check_plot_path(args.plot)
     if args.num_prompts < 1 or not args.request_rate > 0:
         raise ValueError("num-prompts must be >= 1 and request-rate > 0")
     summary = asyncio.run(run(args))
     print_table(summary)
+    if args.plot:
+        from pagedllm.benchmarks.plot import plot_serve
+
+        plot_serve(summary, args.plot)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(summary, f, indent=2)

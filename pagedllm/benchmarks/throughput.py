@@ -22,7 +22,14 @@ from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_fr
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="C1",
                    choices=["C1", "W1", "W1-small", "W3", "custom"],
-                   help="Which workload of BENCHMARKS.md to run.")
+                   help="Which seeded workload to run (docs/benchmarks.md, 'Workloads'): "
+                        "C1 = 64 chat prompts on the default model; W1 = 256 random "
+                        "token prompts of 128-1024 tokens, 32-512 output tokens; "
+                        "W1-small = W1 for 49k-vocabulary models; W3 = a 2,048-token "
+                        "shared prefix; custom = --input-len/--output-len.")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="Also draw output tokens/s per configuration into this PNG "
+                        "(matplotlib).")
     p.add_argument("--batch-sizes", default="1,64",
                    help="C1/custom: comma-separated batch sizes (requests submitted "
                         "together; C1 takes the first N prompts).")
@@ -105,6 +112,10 @@ def warmup_requests(reqs: list[BenchRequest]) -> list[BenchRequest]:
 def main(args: argparse.Namespace) -> int:
     import torch
 
+    from pagedllm.benchmarks.plot import check_plot_path
+
+    check_plot_path(args.plot)
+
     llm = build_llm(args)
     all_reqs = _requests(args, llm)
     if args.workload in ("C1", "custom"):
@@ -149,6 +160,10 @@ def main(args: argparse.Namespace) -> int:
                        ratio=(n_out / ours) / hf_tps)
         rows.append(row)
     _print_table(rows)
+    if args.plot:
+        from pagedllm.benchmarks.plot import plot_throughput
+
+        plot_throughput(rows, args.plot, f"pagedllm bench throughput: {args.workload}")
     if args.output_json:
         meta = {"workload": args.workload, "device": llm.llm_engine.config.device_config.device,
                 "dtype": llm.llm_engine.config.model_config.dtype,

@@ -48,6 +48,7 @@ import zmq
 
 from pagedllm.engine.transport_auth import CoreKeys
 from pagedllm.gc_heap import freeze_gc_heap
+from pagedllm.logger import DATE_FORMAT
 from pagedllm.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -228,6 +229,7 @@ def _setup_logging() -> None:
     logging.basicConfig(
         level=os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO"),
         format=f"%(levelname)s %(asctime)s [EngineCore pid={os.getpid()}] %(message)s",
+        datefmt=DATE_FORMAT,
         stream=sys.stderr)
 
 

@@ -10,12 +10,16 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import TYPE_CHECKING
 
 from pagedllm.entrypoints.engine_cli_args import (
     add_engine_args,
     add_sampling_args,
     engine_args_from_cli,
 )
+
+if TYPE_CHECKING:
+    from pagedllm.outputs import CompletionOutput
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -56,11 +60,41 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = {"prompt_token_ids": engine.input_processor.apply_chat_template(
             [{"role": "user", "content": args.prompt}])}
     engine.add_request("0", prompt, params)  # type: ignore[arg-type]
+    tokenizer = engine.input_processor.tokenizer
+    has_template = bool(getattr(tokenizer, "chat_template", None))
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 print(out.outputs[0].text)
+                for note in finish_notes(out.outputs[0], params.max_tokens, args.chat,
+                                         has_template):
+                    print(note, file=sys.stderr)
     return 0
+
+
+def finish_notes(c: CompletionOutput, max_tokens: int | None, chat: bool,
+                 has_chat_template: bool) -> list[str]:
+    """What ``generate`` says on stderr when its output is empty or cut short: the
+    ``finish_reason`` and why, and for a chat model run without ``--chat`` that the chat
+    template exists.  Nothing for a complete, non-empty answer."""
+    notes = []
+    empty = not c.text.strip()
+    if c.finish_reason == "length":
+        if max_tokens is not None and len(c.token_ids) >= max_tokens:
+            notes.append(f"note: output cut at --max-tokens {max_tokens} "
+                         "(finish_reason=length); raise it for a longer answer")
+        else:
+            notes.append(f"note: output cut after {len(c.token_ids)} tokens: the context "
+                         "is full (finish_reason=length; see --max-model-len)")
+    elif empty:
+        why = (f"it hit the stop string {c.stop_reason!r}" if isinstance(c.stop_reason, str)
+               else f"stop token {c.stop_reason}" if c.stop_reason is not None
+               else "the model ended its answer at once (end-of-sequence token)")
+        notes.append(f"note: the output is empty (finish_reason={c.finish_reason}: {why})")
+    if notes and not chat and has_chat_template:
+        notes.append("hint: this model has a chat template; --chat sends the prompt as a "
+                     "user message, which instruct models answer better")
+    return notes
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

@@ -75,6 +75,7 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.template_sandbox import TemplateSandbox
 from pagedllm.entrypoints.openai.tokenizer_info import tokenizer_info
 from pagedllm.gc_heap import freeze_gc_heap
+from pagedllm.logger import uvicorn_log_config
 from pagedllm.metrics import EngineMetrics, cache_config_labels
 
 logger = logging.getLogger("pagedllm.api_server")
@@ -510,16 +511,20 @@ async def _serve(args: argparse.Namespace) -> int:
         max_header_count=args.h11_max_header_count,
         header_timeout=args.header_read_timeout,
         max_connections=args.max_connections or default_max_connections(fd_limit))
+    access_log = not args.disable_uvicorn_access_log
     # h11 even where httptools is installed: h11 (with http_limits on top) bounds the
     # request head, httptools does not, and it measured no faster here.  h11's own
     # buffer limit sits above ours so that ours answers first (431, not h11's 400).
+    # log_level=None: the log config sets the levels (uvicorn would otherwise set its
+    # access logger to --uvicorn-log-level, silencing it below "info").
     uv_config = uvicorn.Config(app, http=limited_h11_protocol(limits),
                                h11_max_incomplete_event_size=limits.max_header_bytes + 65536,
                                timeout_keep_alive=args.timeout_keep_alive,  # type: ignore[arg-type]
-                               log_level=args.uvicorn_log_level,
+                               log_level=None,
                                timeout_graceful_shutdown=5, lifespan="off",
-                               access_log=args.uvicorn_log_level in ("info", "debug",
-                                                                     "trace"))
+                               access_log=access_log,
+                               log_config=uvicorn_log_config(args.uvicorn_log_level,
+                                                             access_log))
     server = _Server(uv_config, state, args.shutdown_timeout)
     engine.on_dead.append(server.engine_died)
     kv_tokens = max(ready.num_blocks - 1, 0) * ready.block_size

@@ -99,7 +99,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "to its hard limit at start-up) minus 256.")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="uvicorn's log level (access logs at 'info').")
+                   help="uvicorn's log level (its errors and warnings).")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="Do not log one line per HTTP request (client, request line, "
+                        "status); the access log is on by default, as in vLLM.")
     g.add_argument("--no-ui", action="store_true",
                    help="Do not serve the chat page at / (it is on by default).")
     add_engine_args(parser)

@@ -4,10 +4,11 @@ Clients that tokenize on the server (lm-evaluation-harness's ``tokenizer_backend
 read the special tokens and the chat template here and then call ``/tokenize`` and
 ``/detokenize``.  The body is the tokenizer's ``init_kwargs`` made JSON-safe, plus
 ``tokenizer_class``, the special tokens as strings, ``model_max_length`` (the server's
-``max_model_len``) and ``chat_template`` (the server's ``--chat-template`` if given, else
-the model's).  Unlike vLLM (``--enable-tokenizer-info-endpoint``) it is always served:
-it tells nothing that ``/tokenize`` and the chat template's effect do not already show,
-and it needs the API key like every other route.
+``max_model_len``), ``vocab_size`` (``len(tokenizer)``) and ``chat_template`` (the
+server's ``--chat-template`` if given, else the model's).  Unlike vLLM
+(``--enable-tokenizer-info-endpoint``) it is always served: it tells nothing that
+``/tokenize`` and the chat template's effect do not already show, and it needs the API
+key like every other route.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def tokenizer_info(tokenizer: Any, chat_template: str | None,
         info[name] = token if isinstance(token, str) or token is None else str(token)
     info["tokenizer_class"] = type(tokenizer).__name__
     info["model_max_length"] = max_model_len
+    info["vocab_size"] = len(tokenizer)  # ids below it are tokens (load generators use it)
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if isinstance(template, str):
         info["chat_template"] = template

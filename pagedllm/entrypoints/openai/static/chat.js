@@ -58,6 +58,11 @@ async function loadModels() {
     option.textContent = m.max_model_len ? `${m.id} (${m.max_model_len} tokens)` : m.id;
     return option;
   }));
+  // A max_tokens that leaves no room for the prompt would be refused: halve the context.
+  const limit = body.data.length ? body.data[0].max_model_len : null;
+  if (limit && Number($("max-tokens").value) >= limit) {
+    $("max-tokens").value = Math.max(1, Math.floor(limit / 2));
+  }
   $("key-box").hidden = true;
   setStatus("ready");
 }
