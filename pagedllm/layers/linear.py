@@ -4,10 +4,14 @@
  ColumnParallelLinear   W [out, in]  split on out:  rank r holds rows  [r*out/tp, (r+1)*out/tp)
                         y_r = x @ W_r^T            (outputs stay sharded)
  RowParallelLinear      W [out, in]  split on in:   rank r holds cols  [r*in/tp, (r+1)*in/tp)
-                        y = all_reduce(x_r @ W_r^T) (+ bias once)
+                        y = all_reduce(x_r @ W_r^T) (+ bias once)    (or input_sizes shares)
  MergedColumnParallel   [gate; up] stacked on out, each shard split separately
- QKVParallelLinear      [q; k; v]  stacked on out, heads split per rank
+ QKVParallelLinear      [q; k; v]  stacked on out, whole KV-head groups per rank
+                        (head_partition: uneven shares, or replicated KV heads)
 ```
+
+The tensor-parallel group is the one of the parallel context the layer is built in
+(``distributed/parallel_state.py``); models never pass ``tp_size``/``tp_rank``.
 
 Every parameter carries a ``weight_loader(param, loaded_weight, shard_id=None)``
 attribute: the model's ``load_weights`` hands it the *full* checkpoint tensor (HF layout)

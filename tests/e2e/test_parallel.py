@@ -56,7 +56,7 @@ def _worker_pids(llm: LLM) -> list[int]:
     return [p.pid for p in llm.llm_engine.client.core.executor.procs]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # shared with test_parallel_ray.py
 def reference() -> list[list[int]]:
     llm = _engine()
     try:
