@@ -76,6 +76,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (access logs at 'info').")
+    t = parser.add_argument_group("tools and reasoning")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="Allow tool_choice 'auto' (the default when a request has tools): "
+                        "the --tool-call-parser finds tool calls in the output.")
+    t.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral"],
+                   help="How tool calls look in this model's output: hermes (Qwen, "
+                        "<tool_call> blocks), llama3_json, mistral ([TOOL_CALLS]).")
+    t.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="Split <think> reasoning into 'reasoning_content' (structured "
+                        "outputs then apply after the reasoning).")
     add_engine_args(parser)
 
 

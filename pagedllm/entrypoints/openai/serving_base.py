@@ -57,6 +57,25 @@ class ServingState:
     # HTTP requests currently generating (the SIGTERM drain waits for them).
     active_requests: int = 0
     public_ids: dict[str, list[str]] = field(default_factory=dict)
+    # Tools and reasoning (--enable-auto-tool-choice, --tool-call-parser,
+    # --reasoning-parser; entrypoints/openai/chat_tools.py).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def tool_parser_obj(self) -> Any:
+        if self.tool_call_parser is None:
+            return None
+        from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
+
+        return get_tool_parser(self.tool_call_parser)
+
+    def reasoning_parser_obj(self) -> Any:
+        if self.reasoning_parser is None:
+            return None
+        from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+
+        return get_reasoning_parser(self.reasoning_parser)
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,144 @@
+"""Structured outputs and the sampling extras through the offline ``LLM`` API, on the
+default SmolLM2 GGUF model: outputs are checked with ``json``/``jsonschema``/``re``
+(the formats' own libraries), and greedy grammar-constrained outputs must be identical
+under async scheduling, recompute preemption (a tiny KV pool) and batching."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.structured_output.params import StructuredOutputsParams as SO
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+PROMPTS = ["Describe a person as JSON:", "A user record in JSON:", "JSON for a student:",
+           "Write a JSON object about a cat owner:"]
+
+
+def _greedy(so: SO | None, max_tokens: int = 48, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so,
+                          **kw)
+
+
+def test_json_schema_regex_choice_grammar(llm: LLM) -> None:
+    outs = llm.generate(PROMPTS, _greedy(SO(json=PERSON)), use_tqdm=False)
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
+    [o] = llm.generate(["Call me at"], _greedy(SO(regex=r"\d{3}-\d{4}")), use_tqdm=False)
+    assert re.fullmatch(r"\d{3}-\d{4}", o.outputs[0].text)
+    [o] = llm.generate(["Pick a colour"], SamplingParams(
+        n=4, temperature=1.0, seed=3, max_tokens=8,
+        structured_outputs=SO(choice=["red", "green", "blue"])), use_tqdm=False)
+    assert {c.text for c in o.outputs} <= {"red", "green", "blue"}
+    ebnf = 'root ::= "answer: " ("yes" | "no") "."'
+    [o] = llm.generate(["Is water wet?"], _greedy(SO(grammar=ebnf)), use_tqdm=False)
+    assert re.fullmatch(r"answer: (yes|no)\.", o.outputs[0].text)
+    [o] = llm.generate(["Some JSON:"], _greedy(SO(json_object=True), max_tokens=64,
+                                               ), use_tqdm=False)
+    if o.outputs[0].finish_reason == "stop":
+        assert isinstance(json.loads(o.outputs[0].text), dict)
+    else:  # truncated by max_tokens: still a prefix of an object
+        assert o.outputs[0].text.lstrip().startswith("{")
+
+
+def test_unconstrained_rows_unchanged_by_constrained_neighbours(llm: LLM) -> None:
+    plain = _greedy(None, max_tokens=16)
+    alone = llm.generate(PROMPTS[:2], plain, use_tqdm=False)
+    mixed = llm.generate(PROMPTS[:2] + PROMPTS[:2],
+                         [plain, plain, _greedy(SO(json=PERSON)), _greedy(SO(regex="[a-z]+"))],
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in alone] == \
+        [o.outputs[0].token_ids for o in mixed[:2]]
+
+
+def test_async_scheduling_and_preemption_give_the_same_tokens(llm: LLM) -> None:
+    params = [_greedy(SO(json=PERSON)), _greedy(SO(regex=r"[A-Z][a-z]{2,8} [0-9]{2}")),
+              _greedy(SO(json=PERSON)), _greedy(None, max_tokens=24)]
+    ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    # 6 blocks of 16 tokens for four requests of 2 blocks each: they preempt each other.
+    small = LLM(kv_cache_memory_bytes=5_600_000, max_model_len=96, async_scheduling=True,
+                enable_prefix_caching=True)
+    try:
+        outs = small.generate(PROMPTS, params, use_tqdm=False)
+        stats = small.llm_engine.client.core.scheduler.total_preemptions
+        again = small.generate(PROMPTS, params, use_tqdm=False)  # prefix-cache hits
+    finally:
+        small.llm_engine.shutdown()
+    assert stats > 0
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert [o.outputs[0].token_ids for o in again] == ref
+
+
+@pytest.mark.parametrize("so, needle", [
+    (SO(json='{"type": "nonsense"}'), "Unsupported type"),
+    (SO(json='{"type": '), "not valid JSON"),
+    (SO(regex="(ab"), "parenthesis"),
+    (SO(grammar="root ::= undefined_rule"), "not defined"),
+])
+def test_bad_constraints_raise_value_error_naming_the_field(llm: LLM, so: SO,
+                                                            needle: str) -> None:
+    with pytest.raises(ValueError, match=needle) as e:
+        llm.generate(["x"], _greedy(so), use_tqdm=False)
+    assert str(e.value).startswith("structured_outputs")
+    assert "/project" not in str(e.value)  # no C++ source paths
+    [ok] = llm.generate(["x"], _greedy(SO(choice=["fine"])), use_tqdm=False)
+    assert ok.outputs[0].text == "fine"
+
+
+def test_structured_outputs_params_validation() -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        SO()
+    with pytest.raises(ValueError, match="exactly one"):
+        SO(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="choice"):
+        SO(choice=[])
+    with pytest.raises(ValueError, match="beam"):
+        SamplingParams(temperature=0, use_beam_search=True, n=2,
+                       structured_outputs=SO(regex="a"))
+    # clone keeps it as a StructuredOutputsParams
+    p = SamplingParams(structured_outputs=SO(json=PERSON)).clone(max_tokens=3)
+    assert isinstance(p.structured_outputs, SO) and p.structured_outputs.json == PERSON
+
+
+def test_allowed_token_ids_bad_words_and_logits_processors(llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    allowed = tok(" yes no maybe", add_special_tokens=False).input_ids
+    [o] = llm.generate(["Say something:"], _greedy(None, max_tokens=6,
+                                                   allowed_token_ids=allowed),
+                       use_tqdm=False)
+    assert set(o.outputs[0].token_ids) <= set(allowed)
+
+    [base] = llm.generate(["The capital of France is"], _greedy(None, max_tokens=8),
+                          use_tqdm=False)
+    word = base.outputs[0].text.split()[0]
+    [o] = llm.generate(["The capital of France is"],
+                       _greedy(None, max_tokens=8, bad_words=[word]), use_tqdm=False)
+    banned = {tuple(tok(t, add_special_tokens=False).input_ids)
+              for t in (word, " " + word)}
+    ids = o.outputs[0].token_ids
+    for b in banned:
+        assert not any(tuple(ids[i:i + len(b)]) == b for i in range(len(ids)))
+
+    seen: list[int] = []
+    target = tok(" banana", add_special_tokens=False).input_ids[0]
+
+    def force(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        seen.append(len(output_ids))
+        logits = logits.clone()
+        logits[target] = 1e4
+        return logits
+
+    [o] = llm.generate(["Fruit:"], _greedy(None, max_tokens=4, logits_processors=[force]),
+                       use_tqdm=False)
+    assert o.outputs[0].token_ids == [target] * 4
+    assert seen == [0, 1, 2, 3]  # each call sees the output so far
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate(["x"], _greedy(None, allowed_token_ids=[10**7]), use_tqdm=False)
