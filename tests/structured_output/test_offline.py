@@ -22,13 +22,13 @@ PROMPTS = ["Describe a person as JSON:", "A user record in JSON:", "JSON for a s
            "Write a JSON object about a cat owner:"]
 
 
-def _greedy(so: SO | None, max_tokens: int = 48, **kw: object) -> SamplingParams:
+def _greedy(so: SO | None, max_tokens: int = 32, **kw: object) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so,
                           **kw)
 
 
 def test_json_schema_regex_choice_grammar(llm: LLM) -> None:
-    outs = llm.generate(PROMPTS, _greedy(SO(json=PERSON)), use_tqdm=False)
+    outs = llm.generate(PROMPTS[:2], _greedy(SO(json=PERSON)), use_tqdm=False)
     for o in outs:
         assert o.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
@@ -41,8 +41,8 @@ def test_json_schema_regex_choice_grammar(llm: LLM) -> None:
     ebnf = 'root ::= "answer: " ("yes" | "no") "."'
     [o] = llm.generate(["Is water wet?"], _greedy(SO(grammar=ebnf)), use_tqdm=False)
     assert re.fullmatch(r"answer: (yes|no)\.", o.outputs[0].text)
-    [o] = llm.generate(["Some JSON:"], _greedy(SO(json_object=True), max_tokens=64,
-                                               ), use_tqdm=False)
+    [o] = llm.generate(["Some JSON:"], _greedy(SO(json_object=True), max_tokens=24),
+                       use_tqdm=False)
     if o.outputs[0].finish_reason == "stop":
         assert isinstance(json.loads(o.outputs[0].text), dict)
     else:  # truncated by max_tokens: still a prefix of an object
@@ -50,10 +50,11 @@ def test_json_schema_regex_choice_grammar(llm: LLM) -> None:
 
 
 def test_unconstrained_rows_unchanged_by_constrained_neighbours(llm: LLM) -> None:
-    plain = _greedy(None, max_tokens=16)
+    plain = _greedy(None, max_tokens=8)
     alone = llm.generate(PROMPTS[:2], plain, use_tqdm=False)
     mixed = llm.generate(PROMPTS[:2] + PROMPTS[:2],
-                         [plain, plain, _greedy(SO(json=PERSON)), _greedy(SO(regex="[a-z]+"))],
+                         [plain, plain, _greedy(SO(json=PERSON), max_tokens=8),
+                          _greedy(SO(regex="[a-z]+"), max_tokens=8)],
                          use_tqdm=False)
     assert [o.outputs[0].token_ids for o in alone] == \
         [o.outputs[0].token_ids for o in mixed[:2]]
@@ -61,7 +62,7 @@ def test_unconstrained_rows_unchanged_by_constrained_neighbours(llm: LLM) -> Non
 
 def test_async_scheduling_and_preemption_give_the_same_tokens(llm: LLM) -> None:
     params = [_greedy(SO(json=PERSON)), _greedy(SO(regex=r"[A-Z][a-z]{2,8} [0-9]{2}")),
-              _greedy(SO(json=PERSON)), _greedy(None, max_tokens=24)]
+              _greedy(SO(json=PERSON)), _greedy(None, max_tokens=20)]
     ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     # 6 blocks of 16 tokens for four requests of 2 blocks each: they preempt each other.
     small = LLM(kv_cache_memory_bytes=5_600_000, max_model_len=96, async_scheduling=True,
@@ -111,16 +112,16 @@ def test_structured_outputs_params_validation() -> None:
 def test_allowed_token_ids_bad_words_and_logits_processors(llm: LLM) -> None:
     tok = llm.get_tokenizer()
     allowed = tok(" yes no maybe", add_special_tokens=False).input_ids
-    [o] = llm.generate(["Say something:"], _greedy(None, max_tokens=6,
+    [o] = llm.generate(["Say something:"], _greedy(None, max_tokens=4,
                                                    allowed_token_ids=allowed),
                        use_tqdm=False)
     assert set(o.outputs[0].token_ids) <= set(allowed)
 
-    [base] = llm.generate(["The capital of France is"], _greedy(None, max_tokens=8),
+    [base] = llm.generate(["The capital of France is"], _greedy(None, max_tokens=4),
                           use_tqdm=False)
     word = base.outputs[0].text.split()[0]
     [o] = llm.generate(["The capital of France is"],
-                       _greedy(None, max_tokens=8, bad_words=[word]), use_tqdm=False)
+                       _greedy(None, max_tokens=4, bad_words=[word]), use_tqdm=False)
     banned = {tuple(tok(t, add_special_tokens=False).input_ids)
               for t in (word, " " + word)}
     ids = o.outputs[0].token_ids
@@ -142,3 +143,19 @@ def test_allowed_token_ids_bad_words_and_logits_processors(llm: LLM) -> None:
     assert seen == [0, 1, 2, 3]  # each call sees the output so far
     with pytest.raises(ValueError, match="allowed_token_ids"):
         llm.generate(["x"], _greedy(None, allowed_token_ids=[10**7]), use_tqdm=False)
+
+
+def test_structured_params_cross_the_wire() -> None:
+    """The core process gets them through msgpack (engine/messages.py), intact."""
+    import msgspec
+
+    from pagedllm.engine.messages import EngineCoreRequest
+
+    sp = SamplingParams(structured_outputs=SO(json=PERSON, reasoning_end_token_ids=[7]),
+                        bad_words_token_ids=[[3, 4]], allowed_token_ids=[1, 2])
+    wire = msgspec.msgpack.encode([EngineCoreRequest("r", [1], sp, 0.0)])
+    [back] = msgspec.msgpack.Decoder(list[EngineCoreRequest]).decode(wire)
+    got = back.sampling_params
+    assert got.structured_outputs == sp.structured_outputs
+    assert got.structured_outputs.key() == sp.structured_outputs.key()
+    assert got.bad_words_token_ids == [[3, 4]] and got.needs_output_tokens

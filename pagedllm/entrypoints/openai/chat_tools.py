@@ -66,7 +66,8 @@ class ToolMode:
 def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any,
               parallel_tool_calls: bool | None, auto_enabled: bool) -> ToolMode:
     fns = function_tools(tools)
-    if tool_choice is None:
+    implicit = tool_choice is None
+    if implicit:
         tool_choice = "auto" if fns else "none"
     if tool_choice == "none":
         return ToolMode()
@@ -74,8 +75,11 @@ def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any,
         raise RequestError("tool_choice needs tools", "tool_choice")
     if tool_choice == "auto":
         if not auto_enabled:
-            raise RequestError('"auto" tool choice requires --enable-auto-tool-choice '
-                               "and --tool-call-parser to be set", "tool_choice")
+            # Named after what the client sent: tools alone imply "auto".
+            raise RequestError('"auto" tool choice is not supported by this server '
+                               "unless it runs with --enable-auto-tool-choice and "
+                               '--tool-call-parser (use "required", a named function '
+                               'or "none")', "tools" if implicit else "tool_choice")
         return ToolMode("auto")
     if tool_choice == "required":
         item = {"anyOf": [{
