@@ -137,6 +137,9 @@ class ModelRunner:
         # structured_output.backend.GrammarCompiler, set by the engine core on its first
         # structured-output request (its grammars are compiled before the request runs).
         self.grammar_compiler: Any = None
+        # Live requests with token constraints (grammar, allowed/bad tokens, logits
+        # processors): while there are none, a step does not look for them.
+        self._constrained: set[str] = set()
 
     def _grammar(self, params: SamplingParams, eos_token_id: int | None) -> Any:
         """A new matcher for a structured-output request (None for the others)."""
@@ -193,6 +196,8 @@ class ModelRunner:
             p.eos_token_id, gen,
             p.grammar.fork(p.output_token_ids) if p.grammar is not None else None)
         self.batch.fork(f.parent_req_id, f.child_req_id)
+        if f.parent_req_id in self._constrained:
+            self._constrained.add(f.child_req_id)
         if params.prompt_logprobs is not None:
             self._prompt_lp_ids.add(f.child_req_id)
 
@@ -217,6 +222,7 @@ class ModelRunner:
             if rid not in sched.preempted_req_ids:
                 self.requests.pop(rid, None)
                 self._prompt_lp_ids.discard(rid)
+                self._constrained.discard(rid)
         computed: dict[str, int] = {}
         for nr in sched.new_reqs:
             st = self.requests.get(nr.req_id)
@@ -229,6 +235,8 @@ class ModelRunner:
                 self.requests[nr.req_id] = st
                 if nr.sampling_params.prompt_logprobs is not None:
                     self._prompt_lp_ids.add(nr.req_id)
+                if self._has_constraints([st]):
+                    self._constrained.add(nr.req_id)
             else:  # resumed after a recompute preemption: same tokens, same generator
                 st.output_token_ids = list(nr.output_token_ids)
                 if st.grammar is not None:
@@ -336,7 +344,7 @@ class ModelRunner:
             # A request's in-flight token counts towards min_tokens already.
             smeta = SamplingMetadata.build(states, self.device, self.vocab_size,
                                            num_in_flight=pending[sample_idx])
-            if self._has_constraints(states):
+            if self._constrained and self._has_constraints(states):
                 smeta = dataclasses.replace(
                     smeta, constraints=self._constraints(states, pending[sample_idx]))
             sampled = self.sampler(logits, smeta)

@@ -109,7 +109,8 @@ def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any,
 def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
     from pagedllm.structured_output.backend import validate
 
-    so = StructuredOutputsParams(json=schema)
+    # Compact JSON: a small model given free whitespace can spend its tokens on it.
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     try:
         validate(so, "tools")
     except ValueError as e:
