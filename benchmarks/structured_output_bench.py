@@ -10,7 +10,8 @@ properties, enums, bounded strings and arrays) on the default model's tokenizer,
 the same schema again (the cache), and the median of 20 distinct schemas (cold).
 ``mask``: for ``--rows`` requests mid-way through a JSON document, the host time to
 fill the bitmask (``fill_bitmask``), to advance every matcher by one token, and to
-apply the mask to ``[rows, V]`` logits (``apply_bitmask``; GPU timed with events).
+apply the mask to ``[rows, V]`` logits (``apply_bitmask_``, xgrammar's kernel; GPU
+timed with events).
 ``engine``: ``--num-prompts`` (64) concurrent requests on the dummy Llama-3-8B shape
 (``write_dummy_model``, tokenizer: the default model's, padded to the 128k vocabulary),
 ``--output-len`` tokens each, unconstrained vs one shared schema that cannot finish
@@ -91,7 +92,7 @@ def bench_compile(vocab: int | None) -> None:
 
 def bench_mask(rows: int, vocab: int | None, device: str) -> None:
     from pagedllm.structured_output.backend import GrammarCompiler
-    from pagedllm.structured_output.matcher import GrammarState, apply_bitmask, fill_bitmask
+    from pagedllm.structured_output.matcher import GrammarState, apply_bitmask_, fill_bitmask
     from pagedllm.structured_output.params import StructuredOutputsParams as SO
 
     tok = _tokenizer()
@@ -115,20 +116,19 @@ def bench_mask(rows: int, vocab: int | None, device: str) -> None:
         adv.append(_ms(t0))
     dev = torch.device(device)
     logits = torch.randn(rows, v, device=dev)
-    rows_t = torch.arange(rows, device=dev)
     m = mask.to(dev)
     times = []
     for _ in range(30):
         if dev.type == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            apply_bitmask(logits, m, rows_t)
+            apply_bitmask_(logits, m)
             b.record()
             b.synchronize()
             times.append(a.elapsed_time(b))
         else:
             t0 = time.perf_counter()
-            apply_bitmask(logits, m, rows_t)
+            apply_bitmask_(logits, m)
             times.append(_ms(t0))
     print(f"{rows} rows, vocab {v}: fill_bitmask median {statistics.median(fill[5:]):.3f} ms, "
           f"advance (accept_token x{rows}) {statistics.median(adv[5:]):.3f} ms, "

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from pagedllm.sample.metadata import SamplingRequestView, SparseLogitUpdate, _to_device
-from pagedllm.structured_output.matcher import apply_bitmask
+from pagedllm.structured_output.matcher import apply_bitmask_
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,7 @@ class LogitsProcessorCall:
 
 @dataclass(frozen=True)
 class TokenConstraints:
-    grammar_bitmask: torch.Tensor | None  # [G, ceil(V/32)] int32 (device)
-    grammar_rows: torch.Tensor | None  # [G] int64: the logits row of each bitmask row
+    grammar_bitmask: torch.Tensor | None  # [N, ceil(V/32)] int32 (device), row per row
     allowed_rows: torch.Tensor | None  # [R] int64: rows restricted to allowed_token_ids
     allowed_mask: torch.Tensor | None  # [R, V] bool: True where the token is allowed
     banned: SparseLogitUpdate | None  # (row, token) pairs set to -inf (bad words)
@@ -60,10 +59,10 @@ def _banned_by_bad_words(requests: Sequence[SamplingRequestView], vocab_size: in
 
 
 def build(requests: Sequence[SamplingRequestView], device: torch.device, vocab_size: int,
-          grammar_bitmask: torch.Tensor | None = None,
-          grammar_rows: Sequence[int] = ()) -> TokenConstraints | None:
-    """The step's constraints (``None`` when no row has any).  ``grammar_bitmask`` is the
-    bitmask of the rows ``grammar_rows`` (filled by the runner; host or device)."""
+          grammar_bitmask: torch.Tensor | None = None) -> TokenConstraints | None:
+    """The step's constraints (``None`` when no row has any).  ``grammar_bitmask`` has
+    one row per request (filled by the runner, host or device; all ones for rows
+    without a grammar)."""
     restricted = [i for i, r in enumerate(requests) if r.params.allowed_token_ids]
     bad_rows, bad_toks = _banned_by_bad_words(requests, vocab_size)
     calls = [LogitsProcessorCall(i, r.params.logits_processors, r.prompt_token_ids,
@@ -83,12 +82,11 @@ def build(requests: Sequence[SamplingRequestView], device: torch.device, vocab_s
     if bad_rows:
         banned = SparseLogitUpdate(rows=_to_device(bad_rows, torch.int64, device),
                                    token_ids=_to_device(bad_toks, torch.int64, device))
-    g_mask = g_rows = None
+    g_mask = None
     if grammar_bitmask is not None:
         g_mask = grammar_bitmask if grammar_bitmask.device == device else _to_device(
             grammar_bitmask, torch.int32, device)
-        g_rows = _to_device(list(grammar_rows), torch.int64, device)
-    return TokenConstraints(g_mask, g_rows, allowed_rows, allowed_mask, banned, calls)
+    return TokenConstraints(g_mask, allowed_rows, allowed_mask, banned, calls)
 
 
 def _call(fn: Callable[..., torch.Tensor], call: LogitsProcessorCall,
@@ -120,8 +118,9 @@ def apply(logits: torch.Tensor, tc: TokenConstraints) -> torch.Tensor:
         logits = logits.index_put((tc.banned.rows, tc.banned.token_ids),
                                   logits.new_full((), float("-inf")))
     if tc.grammar_bitmask is not None:
-        assert tc.grammar_rows is not None
-        logits = apply_bitmask(logits, tc.grammar_bitmask, tc.grammar_rows)
+        if not (tc.processors or tc.allowed_rows is not None or tc.banned is not None):
+            logits = logits.clone()  # the stages above made no copy yet
+        apply_bitmask_(logits, tc.grammar_bitmask)
     return logits
 
 

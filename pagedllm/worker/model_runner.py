@@ -164,17 +164,17 @@ class ModelRunner:
         while the host advances the matchers and fills the bitmask."""
         from pagedllm.sample import token_constraints
 
-        g_idx = [j for j, st in enumerate(states) if st.grammar is not None]
         bitmask = None
-        if g_idx:
+        if any(st.grammar is not None for st in states):
             if pending.any() and self._pending_owner is not None:
                 self._pending_owner.result()
             from pagedllm.structured_output.matcher import fill_bitmask
 
-            host = fill_bitmask([states[j].grammar for j in g_idx], self.vocab_size)
+            # One row per sampled row (all-ones for rows without a grammar), so the
+            # kernel needs no row indices.
+            host = fill_bitmask([st.grammar for st in states], self.vocab_size)
             bitmask = self.h2d("grammar_bitmask", host.numpy())
-        return token_constraints.build(states, self.device, self.vocab_size, bitmask,
-                                       g_idx)
+        return token_constraints.build(states, self.device, self.vocab_size, bitmask)
 
     @staticmethod
     def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

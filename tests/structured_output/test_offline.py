@@ -160,3 +160,15 @@ def test_structured_params_cross_the_wire() -> None:
     assert got.structured_outputs == sp.structured_outputs
     assert got.structured_outputs.key() == sp.structured_outputs.key()
     assert got.bad_words_token_ids == [[3, 4]] and got.needs_output_tokens
+
+
+def test_bitmask_kernel_matches_the_torch_reference() -> None:
+    from pagedllm.structured_output.matcher import apply_bitmask, apply_bitmask_
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 1000, generator=g)
+    mask = torch.randint(-2**31, 2**31 - 1, (5, 32), dtype=torch.int32, generator=g)
+    ref = apply_bitmask(logits, mask, torch.arange(5))
+    got = logits.clone()
+    apply_bitmask_(got, mask)
+    assert torch.equal(got, ref)
