@@ -28,6 +28,8 @@ import xgrammar as xgr
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+# Longest run of optional whitespace a JSON-schema grammar allows (room for indentation).
+MAX_WHITESPACE = 16
 
 
 def clean_error(e: BaseException) -> str:
@@ -56,9 +58,12 @@ def _grammar(p: StructuredOutputsParams) -> xgr.Grammar:
     kind = p.kind
     if kind == "json":
         assert p.json is not None
+        # Whitespace runs are bounded: a small model given free whitespace can spend
+        # its whole budget on newlines (seen with SmolLM2 on an array schema).
         return xgr.Grammar.from_json_schema(
             _schema_text(p.json), any_whitespace=not p.disable_any_whitespace,
-            strict_mode=True)
+            strict_mode=True,
+            max_whitespace_cnt=None if p.disable_any_whitespace else MAX_WHITESPACE)
     if kind == "json_object":
         return xgr.Grammar.builtin_json_grammar()
     if kind == "regex":

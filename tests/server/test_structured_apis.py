@@ -298,7 +298,8 @@ def test_anthropic_messages(srv: ServerProcess) -> None:
     assert n.input_tokens == m.usage.input_tokens
     tool = {"name": "get_weather", "description": "weather",
             "input_schema": WEATHER_TOOL["function"]["parameters"]}
-    t = client.messages.create(model=kw["model"], max_tokens=40, temperature=0.0,
+    t = client.messages.create(model=kw["model"], max_tokens=40,
+                               extra_body={"temperature": 0.0},
                                messages=[{"role": "user", "content": "Weather in Rome?"}],
                                tools=[tool], tool_choice={"type": "tool",
                                                           "name": "get_weather"})
@@ -342,4 +343,4 @@ def test_openai_responses(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         oai.responses.create(model=model, input="x", previous_response_id="resp_nope")
     assert e.value.body["param"] == "previous_response_id"
-    assert httpx.get(oai.base_url.join(f"responses/{r.id}"), timeout=30).json()["id"] == r.id
+    assert httpx.get(f"{oai.base_url}responses/{r.id}", timeout=30).json()["id"] == r.id
