@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any
+
+from pagedllm.structured_output.params import StructuredOutputsParams, coerce
 
 _SAMPLING_EPS = 1e-5
 # ``seed`` is an int64, as in vLLM (torch generators and int64 seed tensors carry it).
@@ -93,6 +96,17 @@ class SamplingParams:
     length_penalty: float = 1.0
     # Prefix caching: requests only share cached KV blocks when their salts are equal.
     cache_salt: str | None = None
+    # Output constraints (structured_output/): JSON schema, regex, choice, grammar.
+    structured_outputs: StructuredOutputsParams | None = None
+    # Words never to generate (the input processor fills ``bad_words_token_ids``).
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    # Only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Offline API only (they cannot cross a socket): callables
+    # ``fn(output_token_ids, logits) -> logits`` or ``fn(prompt_token_ids,
+    # output_token_ids, logits) -> logits`` over the row's ``[V]`` fp32 logits.
+    logits_processors: list[Any] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -104,6 +118,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
             self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        self.structured_outputs = coerce(self.structured_outputs)
+        if self.bad_words is not None:
+            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) \
+                else list(self.bad_words)
         if self.top_k == 0 and not isinstance(self.top_k, bool):
             self.top_k = -1  # vLLM (and HF) also spell "disabled" as 0
         self._verify()
@@ -167,9 +185,34 @@ class SamplingParams:
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {self.cache_salt!r}")
         _check_number("length_penalty", self.length_penalty)
+        self._verify_extras()
         if self.use_beam_search and self.temperature > _SAMPLING_EPS:
             # vLLM's rule: beam search is deterministic.
             raise ValueError("temperature must be 0 when use_beam_search is set")
+
+    def _verify_extras(self) -> None:
+        for w in self.bad_words or []:
+            if not isinstance(w, str) or not w:
+                raise ValueError(f"bad_words must contain non-empty strings, got {w!r}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            for t in self.allowed_token_ids:
+                if _check_int("allowed_token_ids", t) < 0:
+                    raise ValueError(f"allowed_token_ids must be >= 0, got {t}")
+        if self.logits_processors is not None:
+            if not isinstance(self.logits_processors, list) or not all(
+                    callable(f) for f in self.logits_processors):
+                raise ValueError("logits_processors must be a list of callables")
+        if self.structured_outputs is not None and self.use_beam_search:
+            raise ValueError("structured_outputs is not supported with use_beam_search")
+
+    @property
+    def needs_output_tokens(self) -> bool:
+        """Whether sampling this request reads its output so far (bad words of
+        several tokens, logits processors), so each step must see the previous one's."""
+        return bool(self.logits_processors) or any(
+            len(ids) > 1 for ids in self.bad_words_token_ids or [])
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -179,8 +222,17 @@ class SamplingParams:
 
     def clone(self, **changes: object) -> SamplingParams:
         """A copy with ``changes`` applied (re-validated)."""
-        from dataclasses import asdict
+        from dataclasses import asdict, fields
 
-        d = asdict(self)
+        # Not ``asdict(self)`` whole: it would deep-copy the logits processors.
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.structured_outputs is not None:
+            d["structured_outputs"] = asdict(self.structured_outputs)
+        for name in ("stop", "stop_token_ids", "bad_words", "allowed_token_ids",
+                     "logits_processors"):
+            if isinstance(d[name], list):
+                d[name] = list(d[name])
+        if self.logit_bias is not None:
+            d["logit_bias"] = dict(self.logit_bias)
         d.update(changes)
         return SamplingParams(**d)  # type: ignore[arg-type]

@@ -63,10 +63,12 @@ from pagedllm.sampling_params import SamplingParams, child_seed
 
 def _needs_sync(req: Request) -> bool:
     """Whether ``req`` keeps the engine synchronous (see ``Scheduler.requires_sync``):
-    it still has to fork, asked for prompt logprobs, or uses penalties."""
+    it still has to fork, asked for prompt logprobs, uses penalties, or reads its
+    output while sampling (bad words, logits processors)."""
     sp = req.sampling_params
     return bool(req.fork_ids or sp.prompt_logprobs is not None or sp.presence_penalty
-                or sp.frequency_penalty or sp.repetition_penalty != 1.0)
+                or sp.frequency_penalty or sp.repetition_penalty != 1.0
+                or sp.needs_output_tokens)
 
 
 class Scheduler:

@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.step_trace import StepTrace
 from pagedllm.executor.base import StepResult, make_executor
-from pagedllm.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
 from pagedllm.request import Request
 
 logger = logging.getLogger("pagedllm")
@@ -36,6 +42,10 @@ class EngineCore:
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._inflight: tuple[SchedulerOutput, StepResult] | None = None
         self.trace = StepTrace.from_env()  # PAGEDLLM_STEP_TRACE: per-step timings
+        # Structured outputs: requests wait here while their grammar compiles (built on
+        # the first such request, so that plain serving never imports xgrammar).
+        self._grammar_gate: Any = None
+        self._engine_config = config
         sc = config.scheduler_config
         logger.info("engine ready in %.1f s: max_num_seqs=%d, max_num_batched_tokens=%d, "
                     "policy=%s, async_scheduling=%s", time.perf_counter() - t0,
@@ -48,21 +58,70 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Raises ValueError if the request could never fit the KV pool."""
-        self.scheduler.add_request(Request.from_engine_core_request(req))
+        request = Request.from_engine_core_request(req)
+        if req.sampling_params.structured_outputs is None:
+            self.scheduler.add_request(request)
+            return
+        self._gate().add(request)
+
+    def _gate(self) -> Any:
+        if self._grammar_gate is None:
+            from pagedllm.engine.llm_engine import load_tokenizer
+            from pagedllm.structured_output.gate import GrammarGate
+
+            config = self._engine_config
+            self._grammar_gate = GrammarGate(lambda: load_tokenizer(config),
+                                             config.model_config.vocab_size)
+            self.worker.set_grammar_compiler(self._grammar_gate.compiler)
+        return self._grammar_gate
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Move requests whose grammar is compiled into the scheduler; abort the rest."""
+        ready, failed = self._grammar_gate.ready()
+        for request in ready:
+            try:
+                self.scheduler.add_request(request)
+            except ValueError as e:  # the frontend checks sizes first; a backstop
+                logger.warning("request %s rejected: %s", request.request_id, e)
+                failed.append(request)
+        return [EngineCoreOutput(request_id=sid, new_token_ids=[],
+                                 finish_reason=FinishReason.ABORT)
+                for r in failed for sid in (r.request_id, *r.fork_ids)]
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        if self._grammar_gate is not None:
+            self._grammar_gate.abort(request_ids)
         self.scheduler.finish_requests(request_ids)
         if self._inflight is not None and not self.scheduler.has_unfinished_requests():
             self._finish_inflight()  # it serves only aborted requests now
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._inflight is not None
+        return (self.scheduler.has_unfinished_requests() or self._inflight is not None
+                or bool(self._grammar_gate))
+
+    def step(self) -> EngineCoreOutputs:
+        """One engine step (``_step``), after admitting requests whose grammar has
+        compiled meanwhile.  With only compiling requests left, it waits briefly for one."""
+        if not self._grammar_gate:
+            return self._step()
+        failed = self._admit_compiled()
+        if not self.scheduler.has_unfinished_requests() and self._inflight is None:
+            if not failed:
+                self._grammar_gate.wait(0.05)
+                failed = self._admit_compiled()
+            if not self.scheduler.has_unfinished_requests():
+                return EngineCoreOutputs(outputs=failed,
+                                         scheduler_stats=self.scheduler.make_stats(),
+                                         timestamp=time.time())
+        out = self._step()
+        out.outputs.extend(failed)
+        return out
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; False (nothing done) while requests hold blocks."""
         return self.scheduler.reset_prefix_cache()
 
-    def step(self) -> EngineCoreOutputs:
+    def _step(self) -> EngineCoreOutputs:
         """One engine step.  With async scheduling, step N+1 is scheduled and launched
         before step N's tokens are read back, so the host's work (updating requests,
         scheduling, building inputs) overlaps the device's; the outputs returned are
@@ -112,6 +171,8 @@ class EngineCore:
         return self.scheduler.update_from_output(sched, handle.result())
 
     def shutdown(self) -> None:
+        if self._grammar_gate is not None:
+            self._grammar_gate.shutdown()
         if self.trace is not None:
             self.trace.close()
         self.executor.shutdown()

@@ -27,8 +27,8 @@ import logging
 from typing import Any
 
 from pagedllm.engine.core_proc import EngineCoreReady
-from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.engine.mp_client import AsyncMPClient, EngineDeadError
+from pagedllm.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 logger = logging.getLogger(__name__)
 

@@ -163,11 +163,36 @@ class InputProcessor:
             if tid >= self.vocab_size:
                 raise ValueError(f"token id {tid} (in logit_bias or stop_token_ids) is out "
                                  f"of vocabulary ({self.vocab_size})")
+        changes.update(self._check_constraints(params))
         if self.extra_eos_ids and not params.ignore_eos:
             missing = [t for t in self.extra_eos_ids if t not in (params.stop_token_ids or [])]
             if missing:
                 changes["stop_token_ids"] = list(params.stop_token_ids or []) + missing
         return params.clone(**changes) if changes else params
+
+    def _check_constraints(self, params: SamplingParams) -> dict[str, Any]:
+        """Structured outputs, bad words and allowed token ids (ValueError naming them);
+        returns the changes to make (bad words as token ids)."""
+        if params.structured_outputs is not None:
+            from pagedllm.structured_output.backend import validate
+
+            validate(params.structured_outputs)
+        for t in params.allowed_token_ids or []:
+            if t >= self.vocab_size:
+                raise ValueError(f"allowed_token_ids: token id {t} is out of vocabulary "
+                                 f"({self.vocab_size})")
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return {}
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer (skip_tokenizer_init is set)")
+        ids: list[list[int]] = []
+        for word in params.bad_words:
+            # As vLLM: the word alone and after a space (how it appears mid-sentence).
+            for text in (word, " " + word.lstrip()):
+                tok = list(self.tokenizer(text, add_special_tokens=False).input_ids)
+                if tok and tok not in ids:
+                    ids.append(tok)
+        return {"bad_words_token_ids": ids}
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 arrival_time: float | None = None, priority: int = 0,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -111,6 +111,9 @@ class SamplingMetadata:
     logit_bias: SparseLogitUpdate | None
     min_tokens_mask: SparseLogitUpdate | None  # (row, token) pairs to set to -inf
     penalties: PenaltyTensors | None
+    # Grammar bitmasks, allowed_token_ids, bad_words, logits processors
+    # (sample/token_constraints.py); None when no row uses any of them.
+    constraints: Any = None
 
     @classmethod
     def build(cls, requests: Sequence[SamplingRequestView], device: torch.device,

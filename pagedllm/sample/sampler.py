@@ -176,7 +176,8 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         if (meta.all_greedy and meta.max_num_logprobs is None and meta.logit_bias is None
-                and meta.min_tokens_mask is None and meta.penalties is None):
+                and meta.min_tokens_mask is None and meta.penalties is None
+                and meta.constraints is None):
             # Plain greedy: the argmax of the logits as they come (bf16 on a GPU).  Every
             # bf16/fp16 value is exact in fp32, so this is the token the fp32 path would
             # pick (first maximum on ties), without writing and re-reading an fp32 copy
@@ -205,7 +206,8 @@ class Sampler(nn.Module):
 
     @staticmethod
     def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """logit_bias, then the min_tokens mask, then penalties (out of place)."""
+        """logit_bias, the min_tokens mask, penalties, then the token constraints
+        (out of place)."""
         if meta.logit_bias is not None:
             b = meta.logit_bias
             assert b.values is not None
@@ -216,6 +218,10 @@ class Sampler(nn.Module):
                                       logits.new_full((), float("-inf")))
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
+        if meta.constraints is not None:  # grammars, allowed/bad tokens, processors
+            from pagedllm.sample import token_constraints
+
+            logits = token_constraints.apply(logits, meta.constraints)
         return logits
 
     @staticmethod

@@ -7,6 +7,7 @@ bottom; the only device->host sync is the wait in ``_finish`` (one per step).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -83,6 +84,8 @@ class CachedRequestState:
     params: SamplingParams
     eos_token_id: int | None
     generator: torch.Generator | None = None
+    # Structured outputs: the request's grammar matcher (structured_output/matcher.py).
+    grammar: Any = None
 
 
 @dataclass
@@ -140,6 +143,47 @@ class ModelRunner:
         # The model's last layer runs past attention only on the rows logits come from
         # (models/llama.py); PAGEDLLM_PRUNE_LAST_LAYER=0 runs it on every row (for A/B).
         self.last_only = os.environ.get("PAGEDLLM_PRUNE_LAST_LAYER", "1") != "0"
+        # structured_output.backend.GrammarCompiler, set by the engine core on its first
+        # structured-output request (its grammars are compiled before the request runs).
+        self.grammar_compiler: Any = None
+        # Live requests with token constraints (grammar, allowed/bad tokens, logits
+        # processors): while there are none, a step does not look for them.
+        self._constrained: set[str] = set()
+
+    def _grammar(self, params: SamplingParams, eos_token_id: int | None) -> Any:
+        """A new matcher for a structured-output request (None for the others)."""
+        so = params.structured_outputs
+        if so is None:
+            return None
+        from pagedllm.structured_output.matcher import GrammarState
+
+        assert self.grammar_compiler is not None, "structured output without a compiler"
+        stops = list(params.stop_token_ids or [])
+        if eos_token_id is not None and not params.ignore_eos:
+            stops.append(eos_token_id)
+        return GrammarState(self.grammar_compiler.compile(so), stops,
+                            so.reasoning_end_token_ids)
+
+    def _constraints(self, states: list[CachedRequestState], pending: np.ndarray) -> Any:
+        """The step's token constraints (``sample/token_constraints.py``), or None.
+
+        A grammar row's next-token mask needs every token before it, so when the
+        previous step's tokens are still in flight (async scheduling) this waits for
+        them here: after this step's forward was launched, so the device stays busy
+        while the host advances the matchers and fills the bitmask."""
+        from pagedllm.sample import token_constraints
+
+        bitmask = None
+        if any(st.grammar is not None for st in states):
+            if pending.any() and self._pending_owner is not None:
+                self._pending_owner.result()
+            from pagedllm.structured_output.matcher import fill_bitmask
+
+            # One row per sampled row (all-ones for rows without a grammar), so the
+            # kernel needs no row indices.
+            host = fill_bitmask([st.grammar for st in states], self.vocab_size)
+            bitmask = self.h2d("grammar_bitmask", host.numpy())
+        return token_constraints.build(states, self.device, self.vocab_size, bitmask)
 
     @staticmethod
     def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -158,8 +202,11 @@ class ModelRunner:
         gen = self._generator(params, self.device) if f.sampling_params else None
         self.requests[f.child_req_id] = CachedRequestState(
             f.child_req_id, p.prompt_token_ids, list(p.output_token_ids), params,
-            p.eos_token_id, gen)
+            p.eos_token_id, gen,
+            p.grammar.fork(p.output_token_ids) if p.grammar is not None else None)
         self.batch.fork(f.parent_req_id, f.child_req_id)
+        if f.parent_req_id in self._constrained:
+            self._constrained.add(f.child_req_id)
         if params.prompt_logprobs is not None:
             self._prompt_lp_ids.add(f.child_req_id)
 
@@ -184,6 +231,7 @@ class ModelRunner:
             if rid not in sched.preempted_req_ids:
                 self.requests.pop(rid, None)
                 self._prompt_lp_ids.discard(rid)
+                self._constrained.discard(rid)
         computed: dict[str, int] = {}
         for nr in sched.new_reqs:
             st = self.requests.get(nr.req_id)
@@ -191,12 +239,17 @@ class ModelRunner:
                 st = CachedRequestState(nr.req_id, nr.prompt_token_ids,
                                         list(nr.output_token_ids), nr.sampling_params,
                                         nr.eos_token_id,
-                                        self._generator(nr.sampling_params, self.device))
+                                        self._generator(nr.sampling_params, self.device),
+                                        self._grammar(nr.sampling_params, nr.eos_token_id))
                 self.requests[nr.req_id] = st
                 if nr.sampling_params.prompt_logprobs is not None:
                     self._prompt_lp_ids.add(nr.req_id)
+                if self._has_constraints([st]):
+                    self._constrained.add(nr.req_id)
             else:  # resumed after a recompute preemption: same tokens, same generator
                 st.output_token_ids = list(nr.output_token_ids)
+                if st.grammar is not None:
+                    st.grammar.sync(st.output_token_ids)
             self.batch.add(nr.req_id, st.prompt_token_ids + st.output_token_ids, nr.block_ids)
             computed[nr.req_id] = nr.num_computed_tokens
         for c in sched.cached_reqs:
@@ -306,6 +359,9 @@ class ModelRunner:
                 # A request's in-flight token counts towards min_tokens already.
                 smeta = SamplingMetadata.build(states, self.device, self.vocab_size,
                                                num_in_flight=pending[sample_idx])
+                if self._constrained and self._has_constraints(states):
+                    smeta = dataclasses.replace(
+                        smeta, constraints=self._constraints(states, pending[sample_idx]))
                 sampled = self.sampler(logits, smeta)
                 ids, logprobs = sampled.sampled_token_ids, sampled.logprobs
             if self.stage is not None:
@@ -335,6 +391,12 @@ class ModelRunner:
             self._prompt_logprobs(sched, order, inp, hidden, num_computed, handle.out)
         return handle
 
+    @staticmethod
+    def _has_constraints(states: list[CachedRequestState]) -> bool:
+        return any(st.grammar is not None or st.params.allowed_token_ids
+                   or st.params.bad_words_token_ids or st.params.logits_processors
+                   for st in states)
+
     def _finish(self, handle: StepHandle) -> None:
         """The step's one device->host wait: record its sampled tokens (the requests'
         rows may have moved since, or gone: finished or preempted)."""
@@ -351,6 +413,8 @@ class ModelRunner:
         assert handle.sample_idx is not None
         for j, (i, st) in enumerate(zip(handle.sample_idx, handle.states)):
             st.output_token_ids.append(tokens[j])
+            if st.grammar is not None:
+                st.grammar.advance(tokens[j])
             out.sampled_token_ids[i] = [tokens[j]]
             row = self.batch.row_of.get(st.req_id)
             if row is not None:

@@ -276,6 +276,11 @@ class Worker:
         graphs = self.runner.graphs if self.runner is not None else None
         return list(graphs.chunk_sizes) if graphs is not None else []
 
+    def set_grammar_compiler(self, compiler: object) -> None:
+        """Where the runner finds structured-output grammars (the core's compiler)."""
+        assert self.runner is not None, "initialize_cache first"
+        self.runner.grammar_compiler = compiler
+
     def execute_model_async(self, sched: SchedulerOutput) -> StepHandle:
         assert self.runner is not None, "initialize_cache first"
         return self.runner.execute_model_async(sched)

@@ -219,6 +219,10 @@ def build_app(state: ServingState, *, api_keys: list[str] | None = None,
     install_error_handlers(app)
     completion = OpenAIServingCompletion(state)
     chat = OpenAIServingChat(state)
+    # /v1/messages (Anthropic) and /v1/responses (OpenAI Responses).
+    from pagedllm.entrypoints.openai.extra_routes import add_extra_routes
+
+    add_extra_routes(app, state, chat)
 
     @app.get("/health")
     async def health() -> Response:
@@ -497,7 +501,10 @@ async def _serve(args: argparse.Namespace) -> int:
         max_model_len=ready.max_model_len or mc.max_model_len, max_n=args.max_n,
         max_logprobs=args.max_logprobs, allow_unknown_fields=args.allow_unknown_fields,
         trust_request_chat_template=args.trust_request_chat_template,
-        chat_template=chat_template, heartbeat_timeout=args.health_heartbeat_timeout)
+        chat_template=chat_template, heartbeat_timeout=args.health_heartbeat_timeout,
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None))
     if args.trust_request_chat_template:
         # Client templates render in a bounded child process; start it now (~1 s).
         state.template_sandbox = TemplateSandbox(max_chars=args.max_request_body_bytes)
@@ -568,6 +575,9 @@ def run_server(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.prefetch import prefetch_startup_files
     from pagedllm.logger import init_logger
 
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
+                         "(hermes, llama3_json or mistral)")
     prefetch_startup_files()  # first thing: both processes are about to import torch
     init_logger()
     return asyncio.run(_serve(args))

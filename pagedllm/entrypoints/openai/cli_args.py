@@ -105,6 +105,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "status); the access log is on by default, as in vLLM.")
     g.add_argument("--no-ui", action="store_true",
                    help="Do not serve the chat page at / (it is on by default).")
+    t = parser.add_argument_group("tools and reasoning")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="Allow tool_choice 'auto' (the default when a request has tools): "
+                        "the --tool-call-parser finds tool calls in the output.")
+    t.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral"],
+                   help="How tool calls look in this model's output: hermes (Qwen, "
+                        "<tool_call> blocks), llama3_json, mistral ([TOOL_CALLS]).")
+    t.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="Split <think> reasoning into 'reasoning_content' (structured "
+                        "outputs then apply after the reasoning).")
     add_engine_args(parser)
 
 

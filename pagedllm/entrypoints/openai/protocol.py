@@ -4,8 +4,8 @@ Contract:
 
 * Every field of OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` request bodies
   is *accepted*.  Fields that change nothing here (``user``, ``store``, ``metadata`` ...)
-  are ignored; fields we do not implement yet (``tools``, ``response_format`` with a
-  schema, ``suffix`` ...) are refused with a 400 saying so (``RequestError``).
+  are ignored; fields we do not implement yet (``functions``, ``audio``, ``suffix``
+  ...) are refused with a 400 saying so (``RequestError``).
 * vLLM's documented extra sampling fields are accepted (``VLLM_EXTRAS``).
 * Anything else lands in ``model_extra`` (models use ``extra="allow"``) and the server
   refuses it with a 400 naming the fields unless ``--allow-unknown-fields`` is set: vLLM
@@ -151,6 +151,14 @@ class _SamplingFields(_RequestBody):
     spaces_between_special_tokens: Bool = True
     priority: Int = 0
     request_id: str | None = None
+    # Output constraints (entrypoints/openai/structured.py) and token restrictions.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[Annotated[Int, Field(ge=0)]] | None = None
 
     def check_common(self, max_n: int) -> None:
         """Cross-field checks shared by both endpoints (400 each)."""
@@ -213,6 +221,16 @@ class _SamplingFields(_RequestBody):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=self.logit_bias_ids(vocab_size),
         )
+        from pagedllm.entrypoints.openai.structured import structured_outputs_of
+
+        kw["structured_outputs"] = structured_outputs_of(self)
+        if self.bad_words:
+            kw["bad_words"] = self.bad_words
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids or max(self.allowed_token_ids) >= vocab_size:
+                raise RequestError(f"allowed_token_ids must be a non-empty list of ids "
+                                   f"in [0, {vocab_size})", "allowed_token_ids")
+            kw["allowed_token_ids"] = self.allowed_token_ids
         return kw
 
 
@@ -250,6 +268,7 @@ class CompletionRequest(_SamplingFields):
     # vLLM extras.
     add_special_tokens: Bool = True
     prompt_logprobs: Int | None = None
+    response_format: dict[str, Any] | None = None
     # Each choice also carries its generated ``token_ids`` (streaming: the chunk's new
     # ones) and ``prompt_token_ids`` (streaming: in its first chunk), as in vLLM.
     return_token_ids: Bool = False
@@ -373,10 +392,8 @@ class ChatCompletionRequest(_SamplingFields):
                 raise RequestError(f"top_logprobs must be between 0 and {max_logprobs}, "
                                    f"got {self.top_logprobs}", "top_logprobs")
         unsupported = {
-            "tools": bool(self.tools), "functions": bool(self.functions),
+            "functions": bool(self.functions),
             "function_call": self.function_call not in (None, "none", "auto"),
-            "tool_choice": self.tool_choice not in (None, "none", "auto"),
-            "response_format": (self.response_format or {}).get("type", "text") != "text",
             "audio": self.audio is not None,
             "modalities": bool(self.modalities) and self.modalities != ["text"],
             "prediction": self.prediction is not None,

@@ -65,6 +65,25 @@ class ServingState:
     tokenizer_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         1, thread_name_prefix="pagedllm-tokenizer"))
     _admission: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    # Tools and reasoning (--enable-auto-tool-choice, --tool-call-parser,
+    # --reasoning-parser; entrypoints/openai/chat_tools.py).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def tool_parser_obj(self) -> Any:
+        if self.tool_call_parser is None:
+            return None
+        from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
+
+        return get_tool_parser(self.tool_call_parser)
+
+    def reasoning_parser_obj(self) -> Any:
+        if self.reasoning_parser is None:
+            return None
+        from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+
+        return get_reasoning_parser(self.reasoning_parser)
 
     @property
     def vocab_size(self) -> int:

@@ -9,15 +9,17 @@ a separate process bounded in time, memory and output size (``template_sandbox``
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.async_llm import RequestStream
+from pagedllm.entrypoints.openai.chat_tools import ChoiceShaper, ToolMode
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, RequestError
 from pagedllm.entrypoints.openai.serving_base import (
     SSE_DONE,
@@ -42,6 +44,8 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     role_sent: bool = False
+    # Tools and reasoning: how the text becomes the message (chat_tools.py).
+    shaper: ChoiceShaper = field(default_factory=ChoiceShaper)
 
     def absorb(self, c: CompletionOutput) -> None:
         """Add one streamed delta of this choice."""
@@ -65,7 +69,7 @@ class OpenAIServingChat(ServingHandler):
                                "chat_template")
         extra = check_template_kwargs(body.chat_template_kwargs)
         ip = st.engine.input_processor
-        messages = body.template_messages()
+        messages = template_messages(body)
         if body.chat_template is not None:
             special = dict(getattr(self.tokenizer, "special_tokens_map", None) or {})
             text = await st.sandbox().render(
@@ -79,6 +83,8 @@ class OpenAIServingChat(ServingHandler):
         else:
             if body.continue_final_message:
                 extra["continue_final_message"] = True
+            if body.tools:
+                extra["tools"] = body.tools
             ids = await st.off_loop(
                 ip.apply_chat_template, messages, chat_template=st.chat_template,
                 add_generation_prompt=body.add_generation_prompt, **extra)
@@ -96,6 +102,7 @@ class OpenAIServingChat(ServingHandler):
             st.check_model(body.model)
             body.validate_request(st.max_n, st.max_logprobs)
             params = body.to_sampling_params(st.vocab_size)
+            mode, params = chat_extensions(st, body, params)
             st.check_admitting()
             public_id = st.public_id(raw_request, "chatcmpl", body.request_id)
             prompt_ids = await self.render(body)
@@ -110,10 +117,16 @@ class OpenAIServingChat(ServingHandler):
         if body.stream:
             return StreamingResponse(
                 self._stream(body, public_id, streams[0], params.n, created, model,
-                             len(prompt_ids)),
+                             len(prompt_ids), mode),
                 media_type="text/event-stream")
         return await with_cancellation(raw_request, lambda: self._full(
-            body, public_id, streams[0], params.n, created, model, len(prompt_ids)))
+            body, public_id, streams[0], params.n, created, model, len(prompt_ids), mode))
+
+    def _choices(self, n: int, mode: ToolMode) -> list[_Choice]:
+        st = self.state
+        return [_Choice(shaper=ChoiceShaper(mode, st.tool_parser_obj(),
+                                            st.reasoning_parser_obj()))
+                for _ in range(n)]
 
     # ------------------------------------------------------------------ conversion
 
@@ -144,8 +157,8 @@ class OpenAIServingChat(ServingHandler):
 
     async def _full(self, body: ChatCompletionRequest, public_id: str,
                     stream: RequestStream, n: int, created: int, model: str,
-                    num_prompt: int) -> Response:
-        choices = [_Choice() for _ in range(n)]
+                    num_prompt: int, mode: ToolMode) -> Response:
+        choices = self._choices(n, mode)
         logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
         try:
             async for _, out in merge_streams([stream]):
@@ -161,13 +174,17 @@ class OpenAIServingChat(ServingHandler):
             return engine_error_response(e)
         finally:
             self.state.finish(public_id, [stream])
+        messages = [ch.shaper.message(ch.text) if not ch.shaper.plain
+                    else ({"role": "assistant", "content": ch.text}, False)
+                    for ch in choices]
         return JSONResponse({
             "id": public_id, "object": "chat.completion", "created": created,
             "model": model,
             "choices": [{
-                "index": i, "message": {"role": "assistant", "content": ch.text},
+                "index": i, "message": messages[i][0],
                 "logprobs": {"content": logprobs[i]} if body.logprobs else None,
-                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
+                "finish_reason": _finish_reason(ch, messages[i][1], mode),
+                "stop_reason": ch.stop_reason,
             } for i, ch in enumerate(choices)],
             "usage": _usage(num_prompt, choices),
         })
@@ -176,8 +193,8 @@ class OpenAIServingChat(ServingHandler):
 
     async def _stream(self, body: ChatCompletionRequest, public_id: str,
                       stream: RequestStream, n: int, created: int, model: str,
-                      num_prompt: int) -> AsyncIterator[bytes]:
-        choices = [_Choice() for _ in range(n)]
+                      num_prompt: int, mode: ToolMode) -> AsyncIterator[bytes]:
+        choices = self._choices(n, mode)
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts and opts.continuous_usage_stats)
@@ -203,10 +220,17 @@ class OpenAIServingChat(ServingHandler):
                     ch.absorb(c)
                     if not c.text and not c.token_ids and ch.finish_reason is None:
                         continue
-                    yield chunk({"index": c.index,
-                                 "delta": {"content": c.text} if c.text else {},
+                    done = ch.finish_reason is not None
+                    if ch.shaper.plain:
+                        delta, calls = ({"content": c.text} if c.text else {}), False
+                    else:
+                        delta, calls = ch.shaper.delta(c.text, final=done)
+                        if not delta and not done and not body.logprobs:
+                            continue  # held back (a marker may be starting)
+                    yield chunk({"index": c.index, "delta": delta,
                                  "logprobs": self._logprobs(body, c),
-                                 "finish_reason": ch.finish_reason,
+                                 "finish_reason": _finish_reason(ch, calls, mode)
+                                 if done else None,
                                  "stop_reason": ch.stop_reason})
             if include_usage:
                 yield sse({"id": public_id, "object": "chat.completion.chunk",
@@ -217,6 +241,59 @@ class OpenAIServingChat(ServingHandler):
         finally:
             self.state.finish(public_id, [stream])
         yield SSE_DONE
+
+
+def _finish_reason(ch: _Choice, has_calls: bool, mode: ToolMode) -> str | None:
+    # OpenAI: "tool_calls" when the model chose to call (auto, required); a named
+    # tool_choice finishes with "stop".
+    if has_calls and ch.finish_reason == "stop" and mode.kind in ("auto", "required"):
+        return "tool_calls"
+    return ch.finish_reason
+
+
+def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages for the template; assistant ``tool_calls`` arguments decoded from
+    their JSON strings (chat templates print them as objects)."""
+    out = body.template_messages()
+    for m in out:
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except json.JSONDecodeError:
+                    pass
+    return out
+
+
+def chat_extensions(st: Any, body: ChatCompletionRequest, params: Any) -> tuple[ToolMode,
+                                                                           Any]:
+    """The request's tool mode, and its params with the tool grammar (required or
+    named tool choice) and the reasoning end marker applied."""
+    from dataclasses import asdict
+
+    from pagedllm.entrypoints.openai.chat_tools import reasoning_end_ids, tool_mode
+
+    mode = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls,
+                     st.enable_auto_tool_choice and st.tool_call_parser is not None)
+    changes: dict[str, Any] = {}
+    so = params.structured_outputs
+    if mode.constraint is not None:
+        if so is not None:
+            raise RequestError("tool_choice \"required\" or a named function cannot be "
+                               "combined with response_format or structured_outputs",
+                               "tool_choice")
+        so = mode.constraint
+    parser = st.tool_parser_obj()
+    if mode.kind == "auto" and parser is not None and parser.needs_special_tokens:
+        changes["skip_special_tokens"] = False
+    if so is not None and st.reasoning_parser is not None:
+        d = asdict(so)
+        d["reasoning_end_token_ids"] = reasoning_end_ids(st.engine.tokenizer)
+        changes["structured_outputs"] = d
+    elif so is not params.structured_outputs:
+        changes["structured_outputs"] = asdict(so)
+    return mode, (params.clone(**changes) if changes else params)
 
 
 def _usage(prompt_tokens: int, choices: list[_Choice]) -> dict[str, int]:

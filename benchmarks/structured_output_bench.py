@@ -1,0 +1,191 @@
+"""What structured outputs cost: grammar compile time, the per-step bitmask work, and
+(on a GPU) TPOT with and without one shared JSON schema.
+
+    python benchmarks/structured_output_bench.py compile        # CPU is fine
+    python benchmarks/structured_output_bench.py mask --rows 64  # CPU or GPU
+    python benchmarks/structured_output_bench.py engine          # the H200 target
+
+``compile``: the first compile of a typical schema (a tool-call-like object with nested
+properties, enums, bounded strings and arrays) on the default model's tokenizer, then
+the same schema again (the cache), and the median of 20 distinct schemas (cold).
+``mask``: for ``--rows`` requests mid-way through a JSON document, the host time to
+fill the bitmask (``fill_bitmask``), to advance every matcher by one token, and to
+apply the mask to ``[rows, V]`` logits (``apply_bitmask_``, xgrammar's kernel; GPU
+timed with events).
+``engine``: ``--num-prompts`` (64) concurrent requests on the dummy Llama-3-8B shape
+(``write_dummy_model``, tokenizer: the default model's, padded to the 128k vocabulary),
+``--output-len`` tokens each, unconstrained vs one shared schema that cannot finish
+early (an array of at least 1,000 integers); TPOT = (T(output_len) - T(1)) /
+(output_len - 1).  Target (issue 24): the schema costs <= 10% TPOT, cached compile <= 5 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+SCHEMA: dict[str, Any] = {
+    "type": "object", "additionalProperties": False,
+    "required": ["name", "arguments"],
+    "properties": {
+        "name": {"enum": ["get_weather", "get_time", "search"]},
+        "arguments": {"type": "object", "additionalProperties": False,
+                      "required": ["city", "unit", "days"], "properties": {
+                          "city": {"type": "string", "maxLength": 32},
+                          "unit": {"enum": ["celsius", "fahrenheit"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                          "tags": {"type": "array", "items": {"type": "string",
+                                                              "maxLength": 12},
+                                   "maxItems": 4}}}}}
+LONG = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
+        "minItems": 1000}
+
+
+def _tokenizer() -> Any:
+    import os
+
+    from transformers import AutoTokenizer
+
+    from pagedllm.models.resolve import default_model_path
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                         gguf_file=os.path.basename(path))
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1e3
+
+
+def bench_compile(vocab: int | None) -> None:
+    from pagedllm.structured_output.backend import GrammarCompiler
+    from pagedllm.structured_output.params import StructuredOutputsParams as SO
+
+    tok = _tokenizer()
+    comp = GrammarCompiler(lambda: tok, vocab or len(tok))
+    t0 = time.perf_counter()
+    comp.compile(SO(json_object=True))  # builds the TokenizerInfo once
+    print(f"tokenizer info + json_object grammar: {_ms(t0):.1f} ms")
+    t0 = time.perf_counter()
+    comp.compile(SO(json=SCHEMA))
+    first = _ms(t0)
+    hits = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        comp.compile(SO(json=dict(SCHEMA)))  # an equal schema, a new object: cache key
+        hits.append(_ms(t0))
+    cold = []
+    for i in range(20):
+        s = {**SCHEMA, "properties": {**SCHEMA["properties"],
+                                      f"extra{i}": {"type": "integer"}}}
+        t0 = time.perf_counter()
+        comp.compile(SO(json=s))
+        cold.append(_ms(t0))
+    print(f"typical schema: first compile {first:.1f} ms; cached median "
+          f"{statistics.median(hits):.3f} ms (max {max(hits):.3f}); 20 distinct schemas "
+          f"median {statistics.median(cold):.1f} ms")
+
+
+def bench_mask(rows: int, vocab: int | None, device: str) -> None:
+    from pagedllm.structured_output.backend import GrammarCompiler
+    from pagedllm.structured_output.matcher import GrammarState, apply_bitmask_, fill_bitmask
+    from pagedllm.structured_output.params import StructuredOutputsParams as SO
+
+    tok = _tokenizer()
+    v = vocab or len(tok)
+    compiled = GrammarCompiler(lambda: tok, v).compile(SO(json=LONG))
+    prefix = tok("[1, 22, 333, 4", add_special_tokens=False).input_ids
+    states = [GrammarState(compiled, [tok.eos_token_id]) for _ in range(rows)]
+    for st in states:
+        for t in prefix:
+            st.advance(t)
+    comma = tok(",", add_special_tokens=False).input_ids[0]
+    digit = tok("5", add_special_tokens=False).input_ids[0]
+    fill, adv = [], []
+    for i in range(30):
+        t0 = time.perf_counter()
+        mask = fill_bitmask(states, v)
+        fill.append(_ms(t0))
+        t0 = time.perf_counter()
+        for st in states:
+            st.advance(comma if i % 2 == 0 else digit)
+        adv.append(_ms(t0))
+    dev = torch.device(device)
+    logits = torch.randn(rows, v, device=dev)
+    m = mask.to(dev)
+    times = []
+    for _ in range(30):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            apply_bitmask_(logits, m)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            apply_bitmask_(logits, m)
+            times.append(_ms(t0))
+    print(f"{rows} rows, vocab {v}: fill_bitmask median {statistics.median(fill[5:]):.3f} ms, "
+          f"advance (accept_token x{rows}) {statistics.median(adv[5:]):.3f} ms, "
+          f"apply_bitmask on {device} {statistics.median(times[5:]):.3f} ms")
+
+
+def bench_engine(num_prompts: int, input_len: int, output_len: int) -> None:
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.benchmarks.workloads import write_dummy_model
+    from pagedllm.models.resolve import default_model_path
+    from pagedllm.structured_output.params import StructuredOutputsParams as SO
+
+    llm = LLM(write_dummy_model("llama3-8b"), load_format="dummy",
+              tokenizer=default_model_path())
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 40000, (input_len,), generator=g).tolist()
+               for _ in range(num_prompts)]
+
+    def run(n: int, so: SO | None) -> float:
+        p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False,
+                           structured_outputs=so)
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        llm.generate(prompts, p, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    for so in (None, SO(json=LONG)):  # warm-up, and the schema's first compile
+        run(4, so)
+    res = {}
+    for name, so in (("plain", None), ("schema", SO(json=LONG))):
+        t1 = min(run(1, so) for _ in range(2))
+        tn = min(run(output_len, so) for _ in range(2))
+        res[name] = (tn - t1) / (output_len - 1) * 1e3
+        print(f"{name}: T(1) {t1:.3f} s, T({output_len}) {tn:.3f} s, TPOT "
+              f"{res[name]:.2f} ms")
+    print(f"structured output TPOT cost at {num_prompts} concurrent: "
+          f"{(res['schema'] / res['plain'] - 1) * 100:+.1f}%")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("part", choices=["compile", "mask", "engine"])
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=None,
+                    help="pad the tokenizer's vocabulary to this size (128256: Llama 3)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    a = ap.parse_args()
+    if a.part == "compile":
+        bench_compile(a.vocab)
+    elif a.part == "mask":
+        bench_mask(a.rows, a.vocab, a.device)
+    else:
+        bench_engine(a.num_prompts, a.input_len, a.output_len)
+
+
+if __name__ == "__main__":
+    main()

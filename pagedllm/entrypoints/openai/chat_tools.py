@@ -1,0 +1,212 @@
+"""Tools, tool choice and reasoning for ``/v1/chat/completions``.
+
+``tool_choice`` (``tools`` given):
+
+* ``"none"``: the tools are shown to the template, the output is text;
+* ``"auto"`` (the default with tools): needs ``--enable-auto-tool-choice`` and a
+  ``--tool-call-parser``; the parser finds calls in the output, text stays content;
+* ``"required"``: a grammar forces a JSON array of ``{"name", "parameters"}`` objects
+  (one of the tools each, its parameters schema; one item when
+  ``parallel_tool_calls`` is false);
+* ``{"type": "function", "function": {"name": N}}``: a grammar forces the arguments
+  object of tool N.
+
+:class:`ChoiceShaper` turns one choice's raw text into the message (``content``,
+``reasoning_content``, ``tool_calls``) and, streaming, into OpenAI's deltas.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.entrypoints.openai.protocol import RequestError
+from pagedllm.entrypoints.openai.reasoning_parsers import (
+    END,
+    ReasoningParser,
+    ReasoningStream,
+)
+from pagedllm.entrypoints.openai.tool_parsers import ToolCallStream, ToolParser
+from pagedllm.entrypoints.openai.tool_parsers.parsers import tool_call
+from pagedllm.structured_output.params import StructuredOutputsParams
+
+
+def function_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The ``function`` objects of ``tools`` (400 naming ``tools`` when malformed)."""
+    out = []
+    for t in tools or []:
+        fn = t.get("function") if isinstance(t, dict) else None
+        if t.get("type", "function") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RequestError("tools must be objects {\"type\": \"function\", "
+                               "\"function\": {\"name\", \"parameters\"}}", "tools")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise RequestError(f"tools: parameters of {fn['name']!r} must be a JSON "
+                               "schema object", "tools")
+        out.append(fn)
+    return out
+
+
+def _params_schema(fn: dict[str, Any]) -> dict[str, Any]:
+    return fn.get("parameters") or {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """How a request's output is read: ``kind`` is ``none`` (text), ``auto``,
+    ``required`` or ``named`` (``name`` set)."""
+
+    kind: str = "none"
+    name: str | None = None
+    constraint: StructuredOutputsParams | None = None
+
+
+def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any,
+              parallel_tool_calls: bool | None, auto_enabled: bool) -> ToolMode:
+    fns = function_tools(tools)
+    implicit = tool_choice is None
+    if implicit:
+        tool_choice = "auto" if fns else "none"
+    if tool_choice == "none":
+        return ToolMode()
+    if not fns:
+        raise RequestError("tool_choice needs tools", "tool_choice")
+    if tool_choice == "auto":
+        if not auto_enabled:
+            # Named after what the client sent: tools alone imply "auto".
+            raise RequestError('"auto" tool choice is not supported by this server '
+                               "unless it runs with --enable-auto-tool-choice and "
+                               '--tool-call-parser (use "required", a named function '
+                               'or "none")', "tools" if implicit else "tool_choice")
+        return ToolMode("auto")
+    if tool_choice == "required":
+        item = {"anyOf": [{
+            "type": "object", "additionalProperties": False,
+            "required": ["name", "parameters"],
+            "properties": {"name": {"type": "string", "enum": [f["name"]]},
+                           "parameters": _params_schema(f)}} for f in fns]}
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": item}
+        if parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return ToolMode("required", None, _constraint(schema))
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        if tool_choice.get("type") != "function" or not isinstance(name, str):
+            raise RequestError('tool_choice must be "none", "auto", "required" or '
+                               '{"type": "function", "function": {"name": ...}}',
+                               "tool_choice")
+        match = [f for f in fns if f["name"] == name]
+        if not match:
+            raise RequestError(f"tool_choice names the function {name!r}, which is not "
+                               "in tools", "tool_choice")
+        return ToolMode("named", name, _constraint(_params_schema(match[0])))
+    raise RequestError('tool_choice must be "none", "auto", "required" or a named '
+                       "function", "tool_choice")
+
+
+def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
+    from pagedllm.structured_output.backend import validate
+
+    # Compact JSON: a small model given free whitespace can spend its tokens on it.
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    try:
+        validate(so, "tools")
+    except ValueError as e:
+        raise RequestError(str(e).splitlines()[0], "tools") from None
+    return so
+
+
+def _forced_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
+    """The calls of a grammar-forced output (None if it is incomplete: cut by length)."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if mode.kind == "named":
+        assert mode.name is not None
+        return [tool_call(mode.name, obj)]
+    return [tool_call(c["name"], c.get("parameters", {})) for c in obj]
+
+
+@dataclass
+class ChoiceShaper:
+    """One choice's text -> message fields (and streamed deltas)."""
+
+    mode: ToolMode = field(default_factory=ToolMode)
+    tool_parser: ToolParser | None = None
+    reasoning_parser: ReasoningParser | None = None
+    _reasoning: ReasoningStream | None = None
+    _tools: ToolCallStream | None = None
+    _text: str = ""
+    _num_calls: int = 0
+
+    def __post_init__(self) -> None:
+        if self.reasoning_parser is not None:
+            self._reasoning = ReasoningStream(self.reasoning_parser)
+        if self.mode.kind == "auto" and self.tool_parser is not None:
+            self._tools = ToolCallStream(self.tool_parser)
+
+    @property
+    def plain(self) -> bool:
+        return self.mode.kind == "none" and self.reasoning_parser is None
+
+    def message(self, text: str) -> tuple[dict[str, Any], bool]:
+        """(assistant message, whether it holds tool calls)."""
+        reasoning, content = None, text
+        if self.reasoning_parser is not None:
+            reasoning, content = self.reasoning_parser.extract(text)
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.reasoning_parser is not None:
+            msg["reasoning_content"] = reasoning
+        calls: list[dict[str, Any]] | None = []
+        if self.mode.kind in ("required", "named"):
+            calls = _forced_calls(self.mode, content or "")
+            if calls:
+                msg["content"] = None
+        elif self.mode.kind == "auto" and self.tool_parser is not None:
+            msg["content"], calls = self.tool_parser.extract(content or "")
+        if calls:
+            msg["tool_calls"] = calls
+        elif msg["content"] is None and self.mode.kind == "none" and reasoning is None:
+            msg["content"] = ""
+        return msg, bool(calls)
+
+    def delta(self, text: str, final: bool = False) -> tuple[dict[str, Any], bool]:
+        """The delta for new ``text`` (and, with ``final``, whatever was held back)."""
+        d: dict[str, Any] = {}
+        content = text
+        if self._reasoning is not None:
+            r, content = (self._reasoning.feed(text) if not final
+                          else _join(self._reasoning.feed(text), self._reasoning.finish()))
+            if r:
+                d["reasoning_content"] = r
+        calls: list[dict[str, Any]] = []
+        if self._tools is not None:
+            content, calls = (self._tools.feed(content) if not final
+                              else _join(self._tools.feed(content), self._tools.finish()))
+        elif self.mode.kind in ("required", "named"):
+            self._text += content
+            content = ""
+            if final:
+                calls = _forced_calls(self.mode, self._text) or []
+                if not calls:
+                    content = self._text
+        if content:
+            d["content"] = content
+        if calls:
+            d["tool_calls"] = []
+            for c in calls:
+                d["tool_calls"].append({"index": self._num_calls, **c})
+                self._num_calls += 1
+        return d, self._num_calls > 0
+
+
+def _join(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
+    return a[0] + b[0], a[1] + b[1]
+
+
+def reasoning_end_ids(tokenizer: Any) -> list[int]:
+    """Token ids of ``</think>`` (where a reasoning model's constrained part starts)."""
+    return list(tokenizer(END, add_special_tokens=False).input_ids)

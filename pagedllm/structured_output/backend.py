@@ -1,0 +1,137 @@
+"""The grammar backend (xgrammar): validate a constraint, compile it, match tokens.
+
+Two halves, used by different processes:
+
+* :func:`validate` (frontend): parses the constraint into an ``xgrammar.Grammar``
+  (cheap, tokenizer-free) so a bad schema, regex or grammar is a ``ValueError`` naming
+  the field before the request reaches the core;
+* :class:`GrammarCompiler` (engine core): compiles against the tokenizer's vocabulary
+  on a worker thread (never on the engine loop) and keeps each compiled grammar in a
+  bounded LRU keyed by :meth:`StructuredOutputsParams.key`, so a repeated schema is
+  compiled once.
+
+xgrammar's messages start with a C++ source location (``[time] /project/cpp/x.cc:94:``);
+:func:`clean_error` strips it so no path reaches a client.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import xgrammar as xgr
+
+from pagedllm.structured_output.params import StructuredOutputsParams
+
+_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+# Longest run of optional whitespace a JSON-schema grammar allows (room for indentation).
+MAX_WHITESPACE = 16
+
+
+def clean_error(e: BaseException) -> str:
+    """xgrammar's message, first meaningful line, without its C++ source location."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    msg = _LOCATION.sub("", lines[0]) if lines else type(e).__name__
+    return msg.replace("Check failed: (error.empty()) is false: ", "")
+
+
+def _choice_ebnf(choices: list[str]) -> str:
+    # JSON string escapes (\" \\ \n \uXXXX) are valid in xgrammar's EBNF literals.
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def _schema_text(schema: str | dict[str, Any]) -> str:
+    if isinstance(schema, dict):
+        return json.dumps(schema)
+    try:
+        json.loads(schema)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"structured_outputs.json is not valid JSON: {e.msg}") from None
+    return schema
+
+
+def _grammar(p: StructuredOutputsParams) -> xgr.Grammar:
+    kind = p.kind
+    if kind == "json":
+        assert p.json is not None
+        # Whitespace runs are bounded: a small model given free whitespace can spend
+        # its whole budget on newlines (seen with SmolLM2 on an array schema).
+        return xgr.Grammar.from_json_schema(
+            _schema_text(p.json), any_whitespace=not p.disable_any_whitespace,
+            strict_mode=True,
+            max_whitespace_cnt=None if p.disable_any_whitespace else MAX_WHITESPACE)
+    if kind == "json_object":
+        return xgr.Grammar.builtin_json_grammar()
+    if kind == "regex":
+        assert p.regex is not None
+        return xgr.Grammar.from_regex(p.regex)
+    if kind == "choice":
+        assert p.choice is not None
+        return xgr.Grammar.from_ebnf(_choice_ebnf(p.choice))
+    assert p.grammar is not None
+    return xgr.Grammar.from_ebnf(p.grammar)
+
+
+def validate(p: StructuredOutputsParams, field: str = "structured_outputs") -> None:
+    """``ValueError`` whose message starts with ``field`` when ``p`` does not parse."""
+    try:
+        _grammar(p)
+    except ValueError as e:
+        raise ValueError(f"{field}: {e}") from None
+    except Exception as e:  # xgrammar raises RuntimeError for every parse failure
+        raise ValueError(f"{field}: invalid {p.kind}: {clean_error(e)}") from None
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer, off the caller's thread, with an LRU.
+
+    ``submit`` returns a future of the ``xgrammar.CompiledGrammar``; the first call
+    builds the ``TokenizerInfo`` (``load_tokenizer`` is called then, on the worker
+    thread).  Thread-safe.
+    """
+
+    def __init__(self, load_tokenizer: Any, vocab_size: int, max_cached: int = 256,
+                 max_workers: int = 1) -> None:
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        self._max_cached = max_cached
+        self._pool = ThreadPoolExecutor(max_workers=max_workers,
+                                        thread_name_prefix="grammar-compile")
+
+    def _xgr_compiler(self) -> xgr.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(),
+                                                          vocab_size=self.vocab_size)
+                # xgrammar's own cache off: ours is bounded and keyed the same way.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1,
+                                                     cache_enabled=False)
+            return self._compiler
+
+    def compile(self, p: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """Compile now (the calling thread), or return the cached result."""
+        key = p.key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        compiled = self._xgr_compiler().compile_grammar(_grammar(p))
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self._max_cached:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def submit(self, p: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
+        return self._pool.submit(self.compile, p)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

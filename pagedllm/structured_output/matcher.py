@@ -1,0 +1,137 @@
+"""Per-request grammar state in the model runner, and the step's token bitmask.
+
+::
+
+    output tokens ──accept──► GrammarMatcher ──fill──► bitmask row (host, int32 words)
+                                                          │ one copy per step
+                                                          ▼
+                                          Sampler: logits[row, t] = -inf where bit t is 0
+
+A :class:`GrammarState` lives as long as its request does in the runner (also across a
+recompute preemption).  It is told every token the request appends
+(:meth:`GrammarState.advance`), and re-synchronised when the scheduler hands the
+request back with fewer output tokens than it has seen (:meth:`GrammarState.sync`:
+xgrammar rolls back without limit).  With a reasoning parser the constraint switches on
+only after the reasoning's end marker appears in the output.
+
+A row whose grammar has ended (or could not follow a token it was given) allows only
+its stop tokens, so it ends instead of sampling garbage; a grammar that allows nothing
+at all (an unsatisfiable regex) does the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+
+class GrammarState:
+    """One request's matcher.  ``stop_token_ids``: the tokens that end the request (EOS
+    and its ``stop_token_ids``); the grammar allows them once it is complete."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: Sequence[int],
+                 reasoning_end: Sequence[int] | None = None) -> None:
+        self.compiled = compiled
+        self.stop_token_ids = sorted(set(stop_token_ids))
+        self.matcher = xgr.GrammarMatcher(
+            compiled, override_stop_tokens=self.stop_token_ids or None)
+        self.reasoning_end = list(reasoning_end or [])
+        self.active = not self.reasoning_end
+        self.failed = False
+        self.num_seen = 0  # output tokens advanced over (accepted or pre-activation)
+        self.num_accepted = 0
+        self._tail: list[int] = []  # last tokens before activation (end-marker search)
+
+    def fork(self, output_token_ids: Sequence[int]) -> GrammarState:
+        """A fresh state for a sequence continuing with ``output_token_ids`` (n > 1)."""
+        st = GrammarState(self.compiled, self.stop_token_ids, self.reasoning_end)
+        for t in output_token_ids:
+            st.advance(t)
+        return st
+
+    def advance(self, token: int) -> None:
+        self.num_seen += 1
+        if not self.active:
+            n = len(self.reasoning_end)
+            self._tail = (self._tail + [token])[-n:]
+            self.active = self._tail == self.reasoning_end
+            return
+        if self.failed or self.matcher.is_terminated():
+            return  # a token sampled after the end (async step in flight): dropped
+        if self.matcher.accept_token(token):
+            self.num_accepted += 1
+        else:
+            self.failed = True
+
+    def sync(self, output_token_ids: Sequence[int]) -> None:
+        """Match the scheduler's view of the output after a preemption (it may hold
+        fewer tokens than the runner saw: a step in flight was dropped)."""
+        if len(output_token_ids) == self.num_seen:
+            return
+        self.matcher.reset()
+        self.active, self.failed = not self.reasoning_end, False
+        self.num_seen = self.num_accepted = 0
+        self._tail = []
+        for t in output_token_ids:
+            self.advance(t)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write this request's allowed next tokens into ``bitmask[row]``."""
+        if not self.active:
+            bitmask[row].fill_(-1)
+        elif self.failed or self.matcher.is_terminated():
+            _only(bitmask[row], self.stop_token_ids)
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def _only(words: torch.Tensor, token_ids: Sequence[int]) -> None:
+    words.zero_()
+    arr = words.numpy().view(np.uint32)
+    for t in token_ids:
+        if t // 32 < len(arr):
+            arr[t // 32] |= np.uint32(1 << (t % 32))
+
+
+def fill_bitmask(states: Sequence[GrammarState | None], vocab_size: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[len(states), ceil(V / 32)]`` int32 host bitmask, one row per state (a ``None``
+    state -- a request without a grammar -- allows every token).
+
+    ``out`` (e.g. a pinned buffer with at least that many rows) is filled in place.
+    A row that allows no token at all is given its stop tokens instead."""
+    rows, width = len(states), xgr.get_bitmask_shape(1, vocab_size)[1]
+    mask = out[:rows] if out is not None else torch.empty(rows, width, dtype=torch.int32)
+    for i, st in enumerate(states):
+        if st is None:
+            mask[i].fill_(-1)
+        else:
+            st.fill(mask, i)
+    empty = np.flatnonzero(~mask.numpy().any(axis=1))
+    for i in empty:
+        st = states[int(i)]
+        assert st is not None
+        _only(mask[int(i)], st.stop_token_ids)
+    return mask
+
+
+def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: ``-inf`` where ``bitmask`` (one row per logits row) forbids a token.
+    xgrammar's kernel (CPU, or CUDA/Triton on the device; no host sync)."""
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
+
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
+                  rows: torch.Tensor) -> torch.Tensor:
+    """Reference for :func:`apply_bitmask_` in plain torch: ``logits`` with ``-inf`` at
+    the tokens ``bitmask`` forbids in ``rows`` (out of place; ``bitmask[i]`` belongs to
+    logits row ``rows[i]``).  About 3x slower than xgrammar's CPU kernel."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab]
+    sub = logits.index_select(0, rows).masked_fill(allowed == 0, float("-inf"))
+    return logits.index_copy(0, rows, sub)
