@@ -40,7 +40,7 @@ def test_default_is_quantised_and_compact(quantised: LLM, default_model_path: st
     mc = quantised.llm_engine.config.model_config
     assert mc.quantization == "gguf"
     size = os.path.getsize(mc.resolved.gguf_path)
-    model = quantised.llm_engine.client.core.worker.model
+    model = quantised.llm_engine.client.core.executor.worker.model
     assert weight_bytes(model) <= 1.3 * size
 
 
