@@ -18,7 +18,11 @@ import importlib
 from typing import Any
 
 # name -> "module:Class" (lazy; the module imports torch).
-QUANTIZATION_METHODS: dict[str, str] = {}
+QUANTIZATION_METHODS: dict[str, str] = {
+    "compressed-tensors":
+        "pagedllm.layers.quantization.compressed_tensors:CompressedTensorsConfig",
+    "fp8": "pagedllm.layers.quantization.fp8:Fp8Config",
+}
 
 
 def quantization_names() -> list[str]:
