@@ -133,11 +133,12 @@ def _serve_unavailable(missing: str) -> int:
 
 
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="Benchmarks (throughput, latency, serve).")
+    p = sub.add_parser("bench", help="Benchmarks (throughput, latency, serve, perplexity).")
     bsub = p.add_subparsers(dest="bench_cmd", required=True)
     for name, module in (("throughput", "pagedllm.benchmarks.throughput"),
                          ("latency", "pagedllm.benchmarks.latency"),
-                         ("serve", "pagedllm.benchmarks.serve")):
+                         ("serve", "pagedllm.benchmarks.serve"),
+                         ("perplexity", "pagedllm.benchmarks.perplexity")):
         try:
             mod = __import__(module, fromlist=["add_args", "main"])
         except ImportError:

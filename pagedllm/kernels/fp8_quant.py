@@ -19,22 +19,44 @@ from pagedllm.layers.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX
 
 
 @triton.jit
-def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, n_cols, stride_x, stride_q, min_scale,
-                            FP8_MAX_C: tl.constexpr, BLOCK: tl.constexpr):
+def round_e4m3(y):
+    """fp32 ``y`` -> the nearest e4m3 value (round half to even, saturated at +-448), still
+    in fp32, so that the cast to fp8 that follows is exact.  Done by hand because the
+    Triton interpreter's fp32 -> fp8 cast rounds wrongly (ties away from even, and
+    mantissa carries lost: 0.494 became 0.25 in triton 3.6); on the GPU it equals the
+    hardware's ``cvt.rn.satfinite``, so CPU tests and the GPU run one rounding."""
+    y = tl.clamp(y, -448.0, 448.0)
+    u = y.to(tl.uint32, bitcast=True)
+    # Normal e4m3 numbers keep 3 of fp32's 23 mantissa bits: round the low 20 bits off.
+    normal = (((u + 0x7FFFF + ((u >> 20) & 1)) >> 20) << 20).to(tl.float32, bitcast=True)
+    # Subnormals (|y| < 2^-6) are multiples of 2^-9: adding 1.5 * 2^14 puts |y| where the
+    # fp32 spacing is 2^-9, so the addition itself rounds (half to even); the sign is
+    # put back from y's sign bit (tiny negatives become -0, as in torch).
+    a = tl.abs(y)
+    sub = (a + 24576.0) - 24576.0
+    sub = tl.where((u >> 31) == 1, -sub, sub)
+    return tl.where(a < 0.015625, sub, normal)
+
+
+@triton.jit
+def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, min_scale,
+                            N_COLS: tl.constexpr, FP8_MAX_C: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    # N_COLS is compiled in: a model has a handful of linear input widths.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK):
+    for start in range(0, N_COLS, BLOCK):
         c = start + cols
-        x = tl.load(x_ptr + row * stride_x + c, mask=c < n_cols, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_x + c, mask=c < N_COLS, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
     scale = tl.maximum(tl.max(amax, 0) / FP8_MAX_C, min_scale)
     tl.store(s_ptr + row, scale)
-    for start in range(0, n_cols, BLOCK):
+    for start in range(0, N_COLS, BLOCK):
         c = start + cols
-        x = tl.load(x_ptr + row * stride_x + c, mask=c < n_cols, other=0.0).to(tl.float32)
-        q = tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C)
-        tl.store(q_ptr + row * stride_q + c, q.to(q_ptr.dtype.element_ty), mask=c < n_cols)
+        x = tl.load(x_ptr + row * stride_x + c, mask=c < N_COLS, other=0.0).to(tl.float32)
+        q = round_e4m3(x / scale)
+        tl.store(q_ptr + row * stride_q + c, q.to(q_ptr.dtype.element_ty), mask=c < N_COLS)
 
 
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +68,7 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if t == 0:
         return q, s
     block = min(4096, triton.next_power_of_2(c))
-    _per_token_quant_kernel[(t,)](x, q, s, c, x.stride(0), q.stride(0), _MIN_SCALE,
-                                  FP8_MAX_C=FP8_MAX, BLOCK=block,
+    _per_token_quant_kernel[(t,)](x, q, s, x.stride(0), q.stride(0), _MIN_SCALE,
+                                  N_COLS=c, FP8_MAX_C=FP8_MAX, BLOCK=block,
                                   num_warps=8 if block >= 2048 else 4)
     return q, s

@@ -63,7 +63,8 @@ def profile_run(worker: Worker) -> int:
     blocks_per_req = int(-(-per.max() // bs))
     num_blocks = reqs * blocks_per_req + 1
     shape = (2, num_blocks, bs, mc.num_kv_heads, mc.head_dim)
-    caches = [torch.zeros(shape, dtype=worker.dtype, device=dev) for _ in range(mc.num_layers)]
+    caches = [torch.zeros(shape, dtype=worker.kv_dtype, device=dev)
+              for _ in range(mc.num_layers)]
     worker.model.bind_kv_caches(caches)
     batch = InputBatch(reqs, int(per.max()) + 1, bs)
     rng = np.random.default_rng(0)
