@@ -50,12 +50,12 @@ def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, min_scale,
         c = start + cols
         x = tl.load(x_ptr + row * stride_x + c, mask=c < N_COLS, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0) / FP8_MAX_C, min_scale)
+    scale = tl.maximum(tl.div_rn(tl.max(amax, 0), FP8_MAX_C), min_scale)
     tl.store(s_ptr + row, scale)
     for start in range(0, N_COLS, BLOCK):
         c = start + cols
         x = tl.load(x_ptr + row * stride_x + c, mask=c < N_COLS, other=0.0).to(tl.float32)
-        q = round_e4m3(x / scale)
+        q = round_e4m3(tl.div_rn(x, scale))  # IEEE division, as torch divides
         tl.store(q_ptr + row * stride_q + c, q.to(q_ptr.dtype.element_ty), mask=c < N_COLS)
 
 

@@ -31,7 +31,9 @@ def to_cache(x, scale, cache_ptr, FP8: tl.constexpr):
     """``x`` as the cache stores it: ``x / scale`` saturated and rounded to e4m3 for an
     fp8 cache (``kv_cache_dtype.quantize_kv``), else converted to the cache's type."""
     if FP8:
-        return round_e4m3(x.to(tl.float32) / scale).to(cache_ptr.dtype.element_ty)
+        # div_rn: IEEE division, as torch divides (the GPU default is approximate).
+        return round_e4m3(tl.div_rn(x.to(tl.float32), scale)).to(
+            cache_ptr.dtype.element_ty)
     else:
         return x.to(cache_ptr.dtype.element_ty)
 

@@ -72,3 +72,22 @@ def test_scaled_mm_linear_llama3_shapes(tokens: int) -> None:
     static.copy_(h)
     graph.replay()
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n,k", [(48, 64), (40, 1000)])
+def test_fp8_gemv_matches_reference(n: int, k: int) -> None:
+    """Batch-1 W8A8 through the GEMV (e4m3 x and W, per-token and per-channel scales)."""
+    from pagedllm.kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
+    wq, ws = quantize_fp8_rows(w)
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    xq, xs = quantize_fp8_rows(x)
+    wq, ws, xq, xs = (t.to(DEVICE) for t in (wq, ws.view(-1), xq, xs))
+    y = gemv(xq, wq, bias.to(DEVICE), out=torch.empty(1, n, dtype=torch.bfloat16,
+                                                       device=DEVICE), x_scale=xs,
+             w_scale=ws)
+    ref = fp8_linear_reference(xq, xs, wq, ws, bias.to(DEVICE), torch.float32)
+    torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2)

@@ -91,6 +91,12 @@ def check_fp8_capability(capability: tuple[int, int], device_name: str = "GPU") 
             f"({', '.join(n for n in quantization_names() if n != 'fp8')}) or run on CPU")
 
 
+def _gemv_enabled() -> bool:
+    from pagedllm.layers.linear import _gemv_enabled as enabled
+
+    return enabled()
+
+
 def _scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, layer: LinearBase,
                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """cuBLASLt FP8 GEMM with row-wise scales (per token x per channel).  Row-wise
@@ -211,7 +217,15 @@ class Fp8LinearMethod(LinearMethodBase):
             x_q, x_s = quantize_fp8_per_token(x2)
         else:
             x_q, x_s = quantize_fp8_rows(x2)
-        if x2.is_cuda:
+        if x2.is_cuda and x2.shape[0] == 1 and _gemv_enabled():
+            # Batch-1 decode: one read of the e4m3 weight (kernels/gemv.py), where
+            # cuBLASLt's FP8 GEMM at M = 1 ran W4 slower than the bf16 GEMV.
+            from pagedllm.kernels.gemv import gemv
+
+            y = gemv(x_q, layer.weight, bias, out=torch.empty(
+                1, layer.weight.shape[0], dtype=x.dtype, device=x.device),
+                x_scale=x_s, w_scale=layer.weight_scale)
+        elif x2.is_cuda:
             y = _scaled_mm(x_q, x_s, layer, bias, x.dtype)
         else:
             y = fp8_linear_reference(x_q, x_s, layer.weight, layer.weight_scale, bias,
