@@ -9,7 +9,7 @@ CONFIGS=("bf16=" "fp8=--quantization fp8" "fp8kv=--quantization fp8 --kv-cache-d
 if [ "${PART:-1}" = 3 ]; then  # the GPU tests, then W4 fp8 and W5 for all three
   step python -m pytest -q -m gpu tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_quant.py \
     2>&1 | grep -E "^E  |passed|failed" | head -8
-  for c in "${CONFIGS[@]:1}"; do
+  for c in "${CONFIGS[@]:1:1}"; do
     name=${c%%=*}; flags=${c#*=}
     step python -m pagedllm bench latency --dummy llama3-8b $flags \
       --output-json "$OUT/w4_$name.json" 2>&1 | grep -E "TPOT|TTFT|Error|error"

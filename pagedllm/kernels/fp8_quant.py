@@ -11,21 +11,27 @@ int): CUDA-graph safe, no host sync.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from pagedllm.layers.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX
 
+# The interpreter's fp32 -> fp8 cast rounds wrongly (ties away from even, and mantissa
+# carries lost: 0.494 became 0.25 in triton 3.6), so under TRITON_INTERPRET the kernels
+# round by hand; on the GPU the cast is the hardware's cvt.rn.satfinite (torch's rounding).
+_ROUND_BY_HAND = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
 
 @triton.jit
 def round_e4m3(y):
-    """fp32 ``y`` -> the nearest e4m3 value (round half to even, saturated at +-448), still
-    in fp32, so that the cast to fp8 that follows is exact.  Done by hand because the
-    Triton interpreter's fp32 -> fp8 cast rounds wrongly (ties away from even, and
-    mantissa carries lost: 0.494 became 0.25 in triton 3.6); on the GPU it equals the
-    hardware's ``cvt.rn.satfinite``, so CPU tests and the GPU run one rounding."""
+    """fp32 ``y`` -> the nearest e4m3 value (round half to even, saturated at +-448), in
+    fp32 (exactly representable: the cast to fp8 that follows is exact)."""
     y = tl.clamp(y, -448.0, 448.0)
+    if not _ROUND_BY_HAND:
+        return y  # the hardware cast rounds
     u = y.to(tl.uint32, bitcast=True)
     # Normal e4m3 numbers keep 3 of fp32's 23 mantissa bits: round the low 20 bits off.
     normal = (((u + 0x7FFFF + ((u >> 20) & 1)) >> 20) << 20).to(tl.float32, bitcast=True)
