@@ -179,3 +179,39 @@ def test_online_fp8_and_dummy(tmp_path) -> None:
                               load_format="dummy")
     assert model.model.layers[0].self_attn.o_proj.weight.dtype == FP8_DTYPE
     assert all(torch.isfinite(d).all() for d in dummy)
+
+
+def test_kv_cache_dtype_validation_and_planner(tmp_path) -> None:
+    from pagedllm.worker.worker import Worker
+
+    tiny_llama().save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, fp8, "
+                                         r"fp8_e4m3, got 'int8'"):
+        EngineArgs(model=str(tmp_path), kv_cache_dtype="int8").create_engine_config()
+    blocks = {}
+    for kv in ("auto", "fp8", "fp8_e4m3"):
+        cfg = EngineArgs(model=str(tmp_path), device="cpu", dtype="bfloat16",
+                         kv_cache_dtype=kv, kv_cache_memory_bytes=8 << 20,
+                         max_model_len=256).create_engine_config()
+        blocks[kv] = Worker(cfg).determine_num_blocks()
+    assert blocks["fp8"] == blocks["fp8_e4m3"] == 2 * blocks["auto"]  # 1 byte vs 2
+
+
+def test_compressed_tensors_int_scheme_dispatch() -> None:
+    """Int schemes go to compressed_tensors_int.make_int_method; without that module the
+    error names the scheme and what is supported."""
+    import importlib.util
+
+    from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsConfig
+
+    group = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+                                                "strategy": "group", "group_size": 128}}
+    hf = type("Cfg", (), {"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"group_0": group}, "ignore": ["lm_head"]}})()
+    if importlib.util.find_spec("pagedllm.layers.quantization.compressed_tensors_int"):
+        CompressedTensorsConfig.from_config(hf, None)  # the int helper's method
+        return
+    with pytest.raises(ValueError, match=r"scheme weights int4/group is not supported; "
+                                         r"supported: float 8-bit"):
+        CompressedTensorsConfig.from_config(hf, None)
