@@ -62,9 +62,11 @@ class ModelConfig:
     def dtype_bytes(self) -> int:
         return 4 if self.dtype == "float32" else 2
 
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V, all layers, for one token."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+    def kv_bytes_per_token(self, cache_dtype: str = "auto") -> int:
+        """Bytes of K and V, all layers, for one token, in a KV cache of ``cache_dtype``
+        (``CacheConfig.cache_dtype``: "auto" = the model dtype, "fp8" = 1 byte)."""
+        elem = 1 if cache_dtype == "fp8" else self.dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,9 @@ class CacheConfig:
     # Every layer's attention window when all layers slide with one (Mistral v0.1): KV
     # blocks behind it are freed (core/kv_cache_manager.py).  Set from the model config.
     sliding_window: int | None = None
+    # The KV cache's element type: "auto" (the model dtype) or "fp8" (e4m3 with
+    # per-tensor k/v scales, attention/kv_cache_dtype.py).
+    cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,8 @@ def _positive_int(name: str, value: object, minimum: int = 1) -> int:
 
 
 DUMMY_INITS = ("uniform", "normal")
+# vLLM's names; "fp8" and "fp8_e4m3" are the same e4m3 cache.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 def _dummy_init(extra: Any) -> str:
@@ -166,6 +173,7 @@ class EngineArgs:
     # None: detect from the checkpoint (quantization_config / GGUF tensor types);
     # a method name quantises or checks; "none" keeps unquantised weights.
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # "auto" | "fp8" | "fp8_e4m3"
     seed: int = 0
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
@@ -239,6 +247,12 @@ class EngineArgs:
             self.tensor_parallel_size, self.pipeline_parallel_size,
             self.data_parallel_size, self.distributed_executor_backend,
             self.distributed_timeout_seconds)
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        cache_dtype = "auto" if self.kv_cache_dtype == "auto" else "fp8"
+
         from pagedllm.layers.quantization import resolve_quantization
 
         if self.quantization is not None and not isinstance(self.quantization, str):
@@ -291,14 +305,14 @@ class EngineArgs:
                 block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=float(g),
                 enable_prefix_caching=self.enable_prefix_caching,
-                swap_space_bytes=int(sw * (1 << 30)),
+                swap_space_bytes=int(sw * (1 << 30)), cache_dtype=cache_dtype,
                 sliding_window=uniform_sliding_window(model_config.hf_config)),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len, policy=self.scheduling_policy,  # type: ignore
                 preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
                 max_swap_blocks_per_step=max(1, SWAP_BYTES_PER_STEP // (
-                    model_config.kv_bytes_per_token() * self.block_size)),
+                    model_config.kv_bytes_per_token(cache_dtype) * self.block_size)),
                 async_scheduling=(device == "cuda" if self.async_scheduling is None
                                   else bool(self.async_scheduling))),
             device_config=DeviceConfig(

@@ -10,6 +10,11 @@ A backend owns two operations over the paged KV cache (layout in ``metadata.py``
 Both are called by ``layers.attention.Attention`` once per layer per step.  A backend
 with ``fuses_rope = True`` also applies rotary embeddings itself (``forward_rope``), so
 the model hands it unrotated queries and keys and one kernel rotates and stores them.
+
+KV element types (``attention/kv_cache_dtype.py``): a backend lists the
+``kv_cache_dtype`` values it serves in ``kv_cache_dtypes``; with an fp8 cache every
+method receives the layer's per-tensor ``k_scale`` / ``v_scale`` (host floats fixed at
+load time; ignored for a cache in the model dtype).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
     fuses_rope: bool = False
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
 
     def supports(self, kind: AttentionKind) -> bool:
         """Whether ``attend`` implements ``kind`` (``attention/kinds.py``); plain causal
@@ -38,30 +44,31 @@ class AttentionBackend(ABC):
     @abstractmethod
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> None:
         """key/value: ``[num_tokens, num_kv_heads, head_dim]``; kv_cache: one layer's."""
 
     @abstractmethod
     def attend(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-        scale: float, kind: AttentionKind = FULL,
+        scale: float, kind: AttentionKind = FULL, k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """query: ``[num_tokens, num_heads, head_dim]`` -> same shape."""
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-        kind: AttentionKind = FULL,
+        kind: AttentionKind = FULL, k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> torch.Tensor:
-        self.write_kv(key, value, kv_cache, meta)
-        return self.attend(query, kv_cache, meta, scale, kind)
+        self.write_kv(key, value, kv_cache, meta, k_scale, v_scale)
+        return self.attend(query, kv_cache, meta, scale, kind, k_scale, v_scale)
 
     def forward_rope(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, rope: RopeInputs,
-        kind: AttentionKind = FULL,
+        kind: AttentionKind = FULL, k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> torch.Tensor:
         """``forward`` on unrotated ``query``/``key``: rotate both, then attend."""
         return self.forward(rope.rotate(query), rope.rotate(key), value, kv_cache, meta,
-                            scale, kind)
+                            scale, kind, k_scale, v_scale)

@@ -21,6 +21,9 @@ keys are never read into the softmax); a logit
 soft-cap replaces SDPA by the explicit ``softmax(c * tanh(q k^T * scale / c))`` in the
 same order of operations as transformers' eager attention.
 
+An fp8 cache (``attention/kv_cache_dtype.py``) stores ``k / k_scale`` and ``v / v_scale``
+in e4m3; the gathered blocks are upcast and rescaled to the query's dtype before SDPA.
+
 Sizes come from the ``*_cpu`` metadata, so the backend never syncs the device; it works
 for float32, bfloat16 and float16 on CPU and CUDA.  The batch's structure (which requests
 decode, their sizes, the decode mask) is worked out once per step and reused by every
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.kinds import FULL, AttentionKind
+from pagedllm.attention.kv_cache_dtype import is_fp8, quantize_kv
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -81,6 +85,22 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     return torch.matmul(probs, v)
 
 
+class _Dequant:
+    """One layer's key (or value) cache as attention reads it: gathered blocks in the
+    query's dtype, rescaled when the cache is fp8."""
+
+    def __init__(self, cache: torch.Tensor, scale: float, dtype: torch.dtype) -> None:
+        self.cache, self.scale, self.dtype = cache, scale, dtype
+        self.shape = cache.shape
+
+    def gather(self, blocks: torch.Tensor) -> torch.Tensor:
+        x = self.cache.index_select(0, blocks)
+        if is_fp8(self.cache):
+            x = x.to(self.dtype) if self.scale == 1.0 else (x.float() * self.scale).to(
+                self.dtype)
+        return x
+
+
 class TorchReferenceBackend(AttentionBackend):
     """Paged attention in plain PyTorch (``scaled_dot_product_attention``).
 
@@ -90,13 +110,14 @@ class TorchReferenceBackend(AttentionBackend):
     """
 
     name = "torch"
+    kv_cache_dtypes = ("auto", "fp8")
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
         self._plan_cache: _Plan | None = None
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
+                 meta: AttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         n = meta.num_actual_tokens
         if n == 0:
             return
@@ -109,8 +130,13 @@ class TorchReferenceBackend(AttentionBackend):
         if kv_cache.device.type != "cpu" or not bool(valid.all()):
             slots, key, value = slots[valid], key[valid], value[valid]
         kv = kv_cache.view(2, nb * bs, h, d)
-        kv[0].index_copy_(0, slots, key.to(kv_cache.dtype))
-        kv[1].index_copy_(0, slots, value.to(kv_cache.dtype))
+        if is_fp8(kv_cache):
+            # index_copy_ has no fp8 kernel on the CPU: copy the bytes.
+            kv = kv.view(torch.uint8)
+            key = quantize_kv(key, k_scale).view(torch.uint8)
+            value = quantize_kv(value, v_scale).view(torch.uint8)
+        kv[0].index_copy_(0, slots, key.to(kv.dtype))
+        kv[1].index_copy_(0, slots, value.to(kv.dtype))
 
     def _plan(self, meta: AttentionMetadata, block_size: int,
               device: torch.device) -> _Plan:
@@ -149,10 +175,12 @@ class TorchReferenceBackend(AttentionBackend):
         return True  # full, sliding window, soft-capped
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, kind: AttentionKind = FULL) -> torch.Tensor:
+               scale: float, kind: AttentionKind = FULL, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
         if meta.num_reqs == 0 or meta.num_actual_tokens == 0:
             return torch.empty_like(query)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache = _Dequant(kv_cache[0], k_scale, query.dtype)
+        v_cache = _Dequant(kv_cache[1], v_scale, query.dtype)
         bs = kv_cache.shape[2]
         plan = self._plan(meta, bs, query.device)
         if plan.all_decode and plan.num_decodes == query.shape[0]:
@@ -169,8 +197,8 @@ class TorchReferenceBackend(AttentionBackend):
             ctx = seq_len - (end - start)
             blocks = meta.block_tables[r, :-(-seq_len // bs)]
             # [nblk, bs, H, D] -> [1, H, seq_len, D]
-            k = k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
-            v = v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+            k = k_cache.gather(blocks).flatten(0, 1)[:seq_len]
+            v = v_cache.gather(blocks).flatten(0, 1)[:seq_len]
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             q = query[start:end].transpose(0, 1).unsqueeze(0)
             window = kind.sliding_window
@@ -203,7 +231,7 @@ class TorchReferenceBackend(AttentionBackend):
         return plan.window_masks[window]
 
     @staticmethod
-    def _decodes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def _decodes(query: torch.Tensor, k_cache: _Dequant, v_cache: _Dequant,
                  meta: AttentionMetadata, plan: _Plan, scale: float,
                  kind: AttentionKind = FULL) -> torch.Tensor:
         """All single-token queries at once: ``[B, Hk, G, D]`` against ``[B, Hk, L, D]``;
@@ -221,8 +249,8 @@ class TorchReferenceBackend(AttentionBackend):
         # index_select over the flattened table is a row memcpy; ``k_cache[tables]`` with a
         # 2-D index goes through the generic (several times slower) index kernel.
         flat = tables.reshape(-1)
-        k = k_cache.index_select(0, flat).view(b, length, h_kv, d).transpose(1, 2)
-        v = v_cache.index_select(0, flat).view(b, length, h_kv, d).transpose(1, 2)
+        k = k_cache.gather(flat).view(b, length, h_kv, d).transpose(1, 2)
+        v = v_cache.gather(flat).view(b, length, h_kv, d).transpose(1, 2)
         # GQA without expanding K/V: the G query heads sharing a KV head become G "query
         # rows" of that head (HF's repeat_kv maps query head h to KV head h // G).
         group = q.shape[1] // h_kv

@@ -33,6 +33,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     fuses_rope = True  # rotary + KV write in one launch per layer
+    kv_cache_dtypes = ("auto", "fp8")  # fp8: (de)quantised in the kernels' registers
 
     def __init__(self, force_num_splits: int | None = None) -> None:
         self.force_num_splits = force_num_splits
@@ -42,27 +43,29 @@ class TritonAttentionBackend(AttentionBackend):
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> None:
-        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
 
     def attend(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-        scale: float, kind: AttentionKind = FULL,
+        scale: float, kind: AttentionKind = FULL, k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         return paged_attention(
             query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             num_reqs=meta.num_reqs, max_query_len=meta.max_query_len, scale=scale,
             num_splits=self.force_num_splits, sliding_window=kind.sliding_window,
-            soft_cap=kind.logits_soft_cap,
+            soft_cap=kind.logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
         )
 
     def forward_rope(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, rope: RopeInputs,
-        kind: AttentionKind = FULL,
+        kind: AttentionKind = FULL, k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> torch.Tensor:
         # Query rotated in place; rotated keys and the values go straight into the cache.
         rotary_and_write_kv(rope.positions, query, key, value, query.shape[-1],
-                            rope.cos_sin_cache, kv_cache, meta.slot_mapping)
-        return self.attend(query, kv_cache, meta, scale, kind)
+                            rope.cos_sin_cache, kv_cache, meta.slot_mapping,
+                            k_scale=k_scale, v_scale=v_scale)
+        return self.attend(query, kv_cache, meta, scale, kind, k_scale, v_scale)

@@ -11,7 +11,7 @@ import statistics
 import time
 from typing import Any
 
-from pagedllm.benchmarks.workloads import DUMMY_CONFIGS, w4
+from pagedllm.benchmarks.workloads import DUMMY_CONFIGS, engine_summary, summary_line, w4
 from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_from_cli
 
 
@@ -71,7 +71,8 @@ def main(args: argparse.Namespace) -> int:
            "ttft_all_ms": [1000 * x for x in ttft], "tpot_all_ms": [1000 * x for x in tpot],
            "input_len": args.input_len, "output_len": args.output_len,
            "device": llm.llm_engine.config.device_config.device,
-           "date": time.strftime("%Y-%m-%d")}
+           "date": time.strftime("%Y-%m-%d"), **engine_summary(llm)}
+    print(summary_line(res))
     print(f"{'metric':<10}{'median ms':>12}")
     print(f"{'TTFT':<10}{res['ttft_ms']:>12.2f}")
     print(f"{'TPOT':<10}{res['tpot_ms']:>12.2f}")

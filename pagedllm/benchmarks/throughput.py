@@ -2,6 +2,7 @@
 
 Workloads (BENCHMARKS.md): C1 (CPU, default model, 64 chat prompts, 128 tokens each, at
 the batch sizes given), W1 / W1-small (256 random token-id prompts), W3 (shared prefix),
+W5 (384 long prompts),
 or ``custom`` (``--input-len``/``--output-len``/``--num-prompts``).  Prints a table and
 writes JSON with ``--output-json``.
 """
@@ -15,18 +16,28 @@ import statistics
 import time
 from typing import Any
 
-from pagedllm.benchmarks.workloads import DUMMY_CONFIGS, BenchRequest, c1_messages, w1, w3
+from pagedllm.benchmarks.workloads import (
+    DUMMY_CONFIGS,
+    BenchRequest,
+    c1_messages,
+    engine_summary,
+    summary_line,
+    w1,
+    w3,
+    w5,
+)
 from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_from_cli
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="C1",
-                   choices=["C1", "W1", "W1-small", "W3", "custom"],
+                   choices=["C1", "W1", "W1-small", "W3", "W5", "custom"],
                    help="Which seeded workload to run (docs/benchmarks.md, 'Workloads'): "
                         "C1 = 64 chat prompts on the default model; W1 = 256 random "
                         "token prompts of 128-1024 tokens, 32-512 output tokens; "
                         "W1-small = W1 for 49k-vocabulary models; W3 = a 2,048-token "
-                        "shared prefix; custom = --input-len/--output-len.")
+                        "shared prefix; W5 = 384 long prompts (64-2048 tokens, "
+                        "16-768 out); custom = --input-len/--output-len.")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="Also draw output tokens/s per configuration into this PNG "
                         "(matplotlib).")
@@ -64,6 +75,8 @@ def _requests(args: argparse.Namespace, llm: Any) -> list[BenchRequest]:
     if args.workload in ("W1", "W1-small"):
         return w1(args.num_prompts or 256, vocab_hi=49000 if args.workload == "W1-small"
                   else 128000)
+    if args.workload == "W5":
+        return w5(args.num_prompts or 384)
     if args.workload == "W3":
         vocab = llm.llm_engine.config.model_config.vocab_size
         return w3(args.num_prompts or 256, prefix_len=args.prefix_len,
@@ -159,6 +172,8 @@ def main(args: argparse.Namespace) -> int:
             row.update(hf_requests=len(hf_reqs), hf_s=hf_s, hf_out_tok_s=hf_tps,
                        ratio=(n_out / ours) / hf_tps)
         rows.append(row)
+    summary = engine_summary(llm)
+    print(summary_line(summary))
     _print_table(rows)
     if args.plot:
         from pagedllm.benchmarks.plot import plot_throughput
@@ -166,7 +181,7 @@ def main(args: argparse.Namespace) -> int:
         plot_throughput(rows, args.plot, f"pagedllm bench throughput: {args.workload}")
     if args.output_json:
         meta = {"workload": args.workload, "device": llm.llm_engine.config.device_config.device,
-                "dtype": llm.llm_engine.config.model_config.dtype,
+                **summary,
                 "threads": torch.get_num_threads(), "machine": platform.processor() or
                 platform.machine(), "date": time.strftime("%Y-%m-%d")}
         with open(args.output_json, "w") as f:

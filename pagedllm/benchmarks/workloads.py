@@ -14,15 +14,22 @@ class BenchRequest:
     output_len: int
 
 
-def w1(num_requests: int = 256, seed: int = 0, vocab_hi: int = 128000) -> list[BenchRequest]:
+def w1(num_requests: int = 256, seed: int = 0, vocab_hi: int = 128000,
+       plen_range: tuple[int, int] = (128, 1024),
+       olen_range: tuple[int, int] = (32, 512)) -> list[BenchRequest]:
     """W1 (and W2, W1-small with ``vocab_hi=49000``): plen 128..1024, olen 32..512."""
     rng = random.Random(seed)
     out = []
     for _ in range(num_requests):
-        plen = rng.randint(128, 1024)
-        olen = rng.randint(32, 512)
+        plen = rng.randint(*plen_range)
+        olen = rng.randint(*olen_range)
         out.append(BenchRequest([rng.randrange(1000, vocab_hi) for _ in range(plen)], olen))
     return out
+
+
+def w5(num_requests: int = 384) -> list[BenchRequest]:
+    """W5 (long prompts): the W1 generator, seed 7, plen 64..2048, olen 16..768."""
+    return w1(num_requests, seed=7, plen_range=(64, 2048), olen_range=(16, 768))
 
 
 def w3(num_requests: int = 256, prefix_len: int = 2048, vocab_hi: int = 128000,
@@ -135,3 +142,22 @@ def write_dummy_model(name: str, directory: str | None = None) -> str:
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(DUMMY_CONFIGS[name], f)
     return d
+
+
+def engine_summary(llm: Any) -> dict[str, Any]:
+    """What ran, for a benchmark's header and JSON: the weights' quantisation, the KV
+    cache's element type and blocks."""
+    cfg = llm.llm_engine.config
+    core = getattr(getattr(llm.llm_engine, "client", None), "core", None)
+    blocks = getattr(core, "num_blocks", None) or cfg.cache_config.num_blocks
+    return {"dtype": cfg.model_config.dtype,
+            "quantization": cfg.model_config.quantization or "none",
+            "kv_cache_dtype": cfg.cache_config.cache_dtype,
+            "kv_blocks": blocks}
+
+
+def summary_line(s: dict[str, Any]) -> str:
+    blocks = f", {s['kv_blocks'] - 1} KV blocks" if s.get("kv_blocks") else ""
+    return (f"dtype {s['dtype']}, quantization {s['quantization']}, kv_cache_dtype "
+            f"{s['kv_cache_dtype']}{blocks}")
+

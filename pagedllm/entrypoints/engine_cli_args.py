@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from pagedllm.config import DTYPES, EngineArgs
+from pagedllm.config import DTYPES, KV_CACHE_DTYPES, EngineArgs
 from pagedllm.layers.quantization import quantization_names
 
 
@@ -53,6 +53,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tensor types); a method name quantises an unquantised checkpoint "
                         "at load where the method can; 'none' keeps unquantised weights. "
                         "Choices: " + ", ".join(quantization_names()) + ".")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache element type: 'auto' (the model dtype) or 'fp8' / "
+                        "'fp8_e4m3' (e4m3 with per-tensor k/v scales from the checkpoint, "
+                        "1.0 by default: twice the blocks of a bf16 cache).")
     g.add_argument("--seed", type=int, default=0,
                    help="Seed for dummy weights and for unseeded random sampling.")
     g.add_argument("--block-size", type=int, default=16,
@@ -136,6 +140,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
         max_model_len=args.max_model_len, load_format=args.load_format, seed=args.seed,
         quantization=getattr(args, "quantization", None),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         model_loader_extra_config=getattr(args, "model_loader_extra_config", None),
         block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,

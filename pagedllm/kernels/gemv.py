@@ -19,6 +19,11 @@ The sum is ordered differently from cuBLAS's, so outputs differ from ``F.linear`
 fp32 accumulation error, then one rounding to the output dtype.  Whether a layer uses this
 kernel depends only on its row count (a host int), never on data: CUDA-graph capture and
 eager runs of the same batch size take the same path.
+
+FP8 (``layers/quantization/fp8.py`` at batch 1): with e4m3 ``x`` and ``W`` and their
+scales (``x_scale [1, 1]``, ``w_scale [N]``) the kernel computes the W8A8 product
+``(x_q . W_q[n]) * x_scale * w_scale[n] (+ b)``, the same operands as the batched
+``torch._scaled_mm`` path, reading one byte per weight.
 """
 
 from __future__ import annotations
@@ -78,9 +83,10 @@ def _row_dots(x_ptr, w_rows, w0, rk, K: tl.constexpr, SILU_MUL: tl.constexpr,
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, N, stride_wn,
                  K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+                 SCALED: tl.constexpr = False):
     pdl_trigger(USE_PDL)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,6 +102,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn,
     w0 = _load_w(w_rows, rk, K, BLOCK_K)
     pdl_wait(USE_PDL)
     out = _row_dots(x_ptr, w_rows, w0, rk, K, SILU_MUL, BLOCK_N, BLOCK_K)
+    if SCALED:  # fp8: per-token x scale times per-channel w scales
+        out = out * tl.load(xs_ptr) * tl.load(ws_ptr + rn_safe)
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_mask)
@@ -112,10 +120,13 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          out: torch.Tensor | None = None, silu_mul: bool = False,
-         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+         config: tuple[int, int, int] | None = None, x_scale: torch.Tensor | None = None,
+         w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x: [1, K]`` (``[1, 2K]`` = ``[gate | up]`` when ``silu_mul``; contiguous),
     ``weight: [N, K]`` with contiguous rows, ``bias: [N]`` or None -> ``[1, N]`` in
-    ``x``'s dtype.  ``config`` overrides :func:`gemv_config` (for tuning)."""
+    ``x``'s dtype (``out``'s when given).  ``config`` overrides :func:`gemv_config` (for
+    tuning).  ``x_scale`` ``[1, 1]`` / ``w_scale`` ``[N]`` (fp32): the scales of e4m3
+    ``x`` and ``weight`` (see the module doc); pass ``out`` in the model dtype."""
     n, k = weight.shape
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv takes exactly one row, got x of shape {tuple(x.shape)}")
@@ -126,8 +137,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = config or gemv_config(n, k)
+    scaled = x_scale is not None
+    assert scaled == (w_scale is not None), "x_scale and w_scale go together"
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out, n, weight.stride(0), K=k,
+        x, weight, bias if bias is not None else weight, out,
+        x_scale if scaled else out, w_scale if scaled else out, n, weight.stride(0), K=k,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, **pdl_launch_args(x.device))
+        SCALED=scaled, num_warps=warps, **pdl_launch_args(x.device))
     return out

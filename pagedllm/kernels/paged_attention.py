@@ -32,6 +32,11 @@ width TILE_N is independent of the cache's block size.  Every offset that involv
 block id or a token index is int64 (``block_id * block_stride`` passes 2**31 with ~65k
 blocks of 16 x 8 x 128 elements, let alone more).
 
+An fp8 cache (``attention/kv_cache_dtype.py``) is dequantised in registers: K and V tiles
+are upcast to the query's dtype as they are loaded, ``k_scale`` is folded into the
+softmax scale on the host and ``v_scale`` multiplies the accumulator once before it is
+stored (the split partials are linear in V, so the merge needs no scale).
+
 The split decision is made on the host from ints that a CUDA graph keeps fixed (number of
 requests, max query length, heads, SM count), never from device tensors; the kernel
 itself adapts the split ranges to each request's actual ``seq_len``.
@@ -115,10 +120,11 @@ def _attn_tile_blocks(
     (scaled) become ``SOFTCAP * tanh(score / SOFTCAP)`` (attention/kinds.py)."""
     kv_off = block_id * stride_cb + (kv_pos % BLOCK_SIZE).to(tl.int64) * stride_cs
     kv_off += kv_head_off
+    # .to(q.dtype): a no-op for a cache in the model dtype, the dequantisation of fp8.
     k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None],
-                mask=dim_ok[:, None] & kv_ok[None, :], other=0.0)  # [DIM, TILE_N]
+                mask=dim_ok[:, None] & kv_ok[None, :], other=0.0).to(q.dtype)  # [DIM, TILE_N]
     v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :],
-                mask=kv_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, DIM]
+                mask=kv_ok[:, None] & dim_ok[None, :], other=0.0).to(q.dtype)  # [TILE_N, DIM]
     s = _mma(q, k, F32_DOT) * scale_log2
     if SOFTCAP > 0:
         # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits +-1 for large |x|.
@@ -145,12 +151,13 @@ def _attn_program(
     block_tables_ptr, seq_lens_ptr, qsl_ptr,
     scale_log2, num_reqs, num_heads, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_cb, stride_cs, stride_ch, stride_bt, v_scale,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
     Q_FILTER: tl.constexpr, DECODE: tl.constexpr, USE_PDL: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+    LOOP_STAGES: tl.constexpr, KV_FP8: tl.constexpr, WINDOW: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     """One program: query tile ``tile_idx`` of KV head ``kv_head`` (split ``split``).
     ``LOOP_STAGES`` > 0 pipelines the KV loop that deep (a kernel holding two kinds of
@@ -276,6 +283,8 @@ def _attn_program(
                 v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
                 BLOCK_SIZE, TILE_N, F32_DOT, WINDOW, SOFTCAP)
 
+    if KV_FP8:
+        acc = acc * v_scale  # the fp8 cache holds v / v_scale
     if SPLIT:
         # Partials: acc [T, H, S, D] fp32 (unnormalised), m/l [T, H, S]; empty splits
         # store m = -inf, l = 0 so the reduce weighs them 0.
@@ -297,12 +306,12 @@ def _paged_attn_kernel(
     block_tables_ptr, seq_lens_ptr, qsl_ptr,
     scale_log2, num_reqs, num_heads, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_cb, stride_cs, stride_ch, stride_bt, v_scale,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
     Q_FILTER: tl.constexpr, DECODE: tl.constexpr, USE_PDL: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+    KV_FP8: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     pdl_trigger(USE_PDL)
     _attn_program(
@@ -310,8 +319,8 @@ def _paged_attn_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
         block_tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2, num_reqs, num_heads, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-        GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, SPLIT, F32_DOT,
-        WHILE_LOOP, Q_FILTER, DECODE, USE_PDL, 0, WINDOW, SOFTCAP)
+        v_scale, GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, SPLIT, F32_DOT,
+        WHILE_LOOP, Q_FILTER, DECODE, USE_PDL, 0, KV_FP8, WINDOW, SOFTCAP)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_pre_tiles", "stride_bt"])
@@ -320,7 +329,7 @@ def _mixed_attn_kernel(
     block_tables_ptr, seq_lens_ptr, qsl_ptr,
     scale_log2, num_reqs, num_heads, num_pre_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_cb, stride_cs, stride_ch, stride_bt, v_scale,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     P_BLOCK_M: tl.constexpr, P_BLOCK_Q: tl.constexpr, P_TILE_N: tl.constexpr,
@@ -328,7 +337,7 @@ def _mixed_attn_kernel(
     D_BLOCK_M: tl.constexpr, D_BLOCK_Q: tl.constexpr, D_TILE_N: tl.constexpr,
     D_STAGES: tl.constexpr,
     F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, USE_PDL: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+    KV_FP8: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     """A mixed batch in one launch: prompt-chunk programs (``num_pre_tiles`` query tiles
     x KV heads, the prompt plan's tiles) come first on the 1-D grid, then the decode
@@ -345,8 +354,9 @@ def _mixed_attn_kernel(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, out_ptr, out_ptr,
             block_tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2, num_reqs, num_heads, 1,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
-            stride_bt, GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, P_BLOCK_M, P_BLOCK_Q, P_TILE_N,
-            False, F32_DOT, WHILE_LOOP, 2, False, USE_PDL, P_STAGES, WINDOW, SOFTCAP)
+            stride_bt, v_scale, GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, P_BLOCK_M, P_BLOCK_Q,
+            P_TILE_N, False, F32_DOT, WHILE_LOOP, 2, False, USE_PDL, P_STAGES, KV_FP8, WINDOW,
+            SOFTCAP)
     else:
         d = pid - num_pre
         _attn_program(
@@ -354,8 +364,9 @@ def _mixed_attn_kernel(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, out_ptr, out_ptr,
             block_tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2, num_reqs, num_heads, 1,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
-            stride_bt, GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, D_BLOCK_M, D_BLOCK_Q, D_TILE_N,
-            False, F32_DOT, WHILE_LOOP, 3, False, USE_PDL, D_STAGES, WINDOW, SOFTCAP)
+            stride_bt, v_scale, GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, D_BLOCK_M, D_BLOCK_Q,
+            D_TILE_N, False, F32_DOT, WHILE_LOOP, 3, False, USE_PDL, D_STAGES, KV_FP8, WINDOW,
+            SOFTCAP)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
@@ -513,7 +524,7 @@ def paged_attention(
     max_query_len: int, scale: float, out: torch.Tensor | None = None,
     num_splits: int | None = None, launch: AttentionLaunch | None = None,
     max_seq_len: int | None = None, sliding_window: int | None = None,
-    soft_cap: float | None = None,
+    soft_cap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal paged attention for a mixed batch; returns ``[num_tokens, num_heads,
     head_dim]`` in ``query``'s dtype (written into ``out`` if given).
@@ -533,6 +544,7 @@ def paged_attention(
       sliding_window, soft_cap: the layer's ``AttentionKind`` (attention/kinds.py), as
         compile-time constants (one variant per distinct value, i.e. at most two per
         model).
+      k_scale, v_scale: per-tensor scales of an fp8 ``kv_cache`` (ignored otherwise).
     """
     kind = dict(WINDOW=int(sliding_window or 0), SOFTCAP=float(soft_cap or 0.0))
     num_tokens, num_heads, head_dim = query.shape
@@ -544,6 +556,8 @@ def paged_attention(
     assert out.shape == query.shape and out.stride(2) == 1
     if num_tokens == 0 or num_reqs == 0:
         return out
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    kv = _KVScales(float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0, fp8)
     if launch is None and num_splits is None and max_query_len > 1 and num_reqs > 1:
         # A mixed batch runs its decodes with the decode plan's small tiles (BLOCK_M =
         # the GQA group of one token) and its prompt chunks with 64-row tiles: 64-row
@@ -566,10 +580,10 @@ def paged_attention(
         if _TWO_LAUNCHES:
             for q_filter, plan in ((1, dec), (2, pre)):
                 _launch(query, kv_cache, block_tables, seq_lens, query_start_loc, num_reqs,
-                        scale, out, plan, q_filter, kind=kind)
+                        scale, out, plan, q_filter, kind=kind, kv=kv)
         else:
             _mixed_launch(query, kv_cache, block_tables, seq_lens, query_start_loc,
-                          num_reqs, scale, out, pre, dec, kind)
+                          num_reqs, scale, out, pre, dec, kv, kind)
         return out
     if launch is None:
         launch = plan_attention(
@@ -578,14 +592,24 @@ def paged_attention(
             sm_count=device_sm_count(query.device), num_splits=num_splits,
             max_seq_len=max_seq_len, head_dim=head_dim)
     _launch(query, kv_cache, block_tables, seq_lens, query_start_loc, num_reqs, scale, out,
-            launch, 0, decode=max_query_len <= 1, kind=kind)
+            launch, 0, decode=max_query_len <= 1, kind=kind, kv=kv)
     return out
+
+
+@dataclass(frozen=True)
+class _KVScales:
+    """An fp8 cache's scales as the kernels take them (1.0 and False for other caches)."""
+
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    fp8: bool = False
 
 
 def _mixed_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int,
                   scale: float, out: torch.Tensor, pre: AttentionLaunch,
-                  dec: AttentionLaunch, kind: dict[str, float] | None = None) -> None:
+                  dec: AttentionLaunch, kv: _KVScales,
+                  kind: dict[str, float] | None = None) -> None:
     """A mixed batch's one launch: prompt programs with plan ``pre``, then decode
     programs with plan ``dec`` (neither splits).  The prompt part has the upper-bound
     count of query tiles ``num_tokens // block_q + num_reqs``, the decode part one
@@ -599,16 +623,17 @@ def _mixed_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     dec_tiles = num_reqs
     _mixed_attn_kernel[((pre_tiles + dec_tiles) * num_kv_heads,)](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        scale * _LOG2E, num_reqs, num_heads, pre_tiles,
+        scale * kv.k_scale * _LOG2E, num_reqs, num_heads, pre_tiles,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GQA=gqa, HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim),
+        kv.v_scale, GQA=gqa, HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads,
         P_BLOCK_M=pre.block_m, P_BLOCK_Q=pre.block_q, P_TILE_N=pre.tile_n,
         P_STAGES=pre.num_stages, D_BLOCK_M=dec.block_m, D_BLOCK_Q=dec.block_q,
         D_TILE_N=dec.tile_n, D_STAGES=dec.num_stages,
         F32_DOT=_interpreting() or query.dtype == torch.float32,
-        WHILE_LOOP=_interpreting(), num_warps=max(pre.num_warps, dec.num_warps),
+        WHILE_LOOP=_interpreting(), KV_FP8=kv.fp8,
+        num_warps=max(pre.num_warps, dec.num_warps),
         num_stages=max(pre.num_stages, dec.num_stages), **pdl_launch_args(query.device),
         **(kind or {}))
 
@@ -616,7 +641,8 @@ def _mixed_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
 def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int,
             scale: float, out: torch.Tensor, launch: AttentionLaunch, q_filter: int,
-            decode: bool = False, kind: dict[str, float] | None = None) -> None:
+            decode: bool = False, kind: dict[str, float] | None = None,
+            kv: _KVScales = _KVScales()) -> None:
     """One launch of the kernel (plus the split merge) with plan ``launch``; ``q_filter``:
     0 every request, 1 only single-token ones, 2 only multi-token ones.  ``decode``: every
     request has one new token (row r is request r's; empty padded requests last), so
@@ -638,15 +664,15 @@ def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
         GQA=gqa, HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_SIZE=block_size,
         BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q, TILE_N=launch.tile_n,
         SPLIT=splits > 1, F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), Q_FILTER=q_filter,
-        DECODE=decode and q_filter == 0, num_warps=launch.num_warps,
+        DECODE=decode and q_filter == 0, KV_FP8=kv.fp8, num_warps=launch.num_warps,
         num_stages=launch.num_stages, **pdl, **(kind or {}),
     )
     # num_splits is a runtime argument (only "split or not" is compiled in), so batch
     # sizes that pick different split counts share one compiled kernel.
-    args = (block_tables, seq_lens, query_start_loc, scale * _LOG2E, num_reqs, num_heads,
-            splits, query.stride(0), query.stride(1))
+    args = (block_tables, seq_lens, query_start_loc, scale * kv.k_scale * _LOG2E, num_reqs,
+            num_heads, splits, query.stride(0), query.stride(1))
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                     block_tables.stride(0))
+                     block_tables.stride(0), kv.v_scale)
     if splits == 1:
         _paged_attn_kernel[grid](
             query, k_cache, v_cache, out, out, out, *args, out.stride(0), out.stride(1),

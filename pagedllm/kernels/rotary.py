@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.kv_write import to_cache
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
 
 
@@ -101,10 +102,11 @@ def _rotary_kernel(
 def _rotary_kv_write_kernel(
     pos_ptr, q_ptr, k_ptr, v_ptr, cache_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
-    stride_cb, stride_cs, stride_ch, num_q_heads,
+    stride_cb, stride_cs, stride_ch, num_q_heads, k_scale, v_scale,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HALF: tl.constexpr, HALF_P2: tl.constexpr, QH_P2: tl.constexpr, KH_P2: tl.constexpr,
     DIM_P2: tl.constexpr, IS_NEOX: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     pdl_start(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
@@ -126,16 +128,18 @@ def _rotary_kv_write_kernel(
     y1, y2 = _rope(tl.load(src + off1[None, :], mask=pair_ok, other=0.0),
                    tl.load(src + off2[None, :], mask=pair_ok, other=0.0), cos, sin)
     kdst = k_cache_ptr + dst + kh[:, None] * stride_ch
-    tl.store(kdst + off1[None, :], y1.to(k_cache_ptr.dtype.element_ty), mask=pair_ok)
-    tl.store(kdst + off2[None, :], y2.to(k_cache_ptr.dtype.element_ty), mask=pair_ok)
+    tl.store(kdst + off1[None, :], to_cache(y1, k_scale, k_cache_ptr, FP8), mask=pair_ok)
+    tl.store(kdst + off2[None, :], to_cache(y2, k_scale, k_cache_ptr, FP8), mask=pair_ok)
     dims = tl.arange(0, DIM_P2)
     if 2 * HALF < HEAD_DIM:  # partial rotary: the tail of each key head is copied as is
         tail_ok = head_ok & (dims[None, :] >= 2 * HALF) & (dims[None, :] < HEAD_DIM)
         tail = tl.load(src + dims[None, :], mask=tail_ok, other=0.0)
-        tl.store(kdst + dims[None, :], tail, mask=tail_ok)
+        tl.store(kdst + dims[None, :], to_cache(tail, k_scale, k_cache_ptr, FP8),
+                 mask=tail_ok)
     v_ok = head_ok & (dims[None, :] < HEAD_DIM)
     v = tl.load(v_ptr + tok * stride_vt + kh[:, None] * stride_vh + dims[None, :], mask=v_ok)
-    tl.store(v_cache_ptr + dst + kh[:, None] * stride_ch + dims[None, :], v, mask=v_ok)
+    tl.store(v_cache_ptr + dst + kh[:, None] * stride_ch + dims[None, :],
+             to_cache(v, v_scale, v_cache_ptr, FP8), mask=v_ok)
 
 
 def _as_heads(x: torch.Tensor, head_size: int) -> torch.Tensor:
@@ -177,10 +181,12 @@ def apply_rotary(
 def rotary_and_write_kv(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     head_size: int, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, is_neox: bool = True,
+    slot_mapping: torch.Tensor, is_neox: bool = True, k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """One launch per layer: rotate ``query`` in place, and store the rotated ``key`` and
-    the ``value`` into ``kv_cache`` at ``slot_mapping`` (-1 = skip, CUDA-graph padding).
+    the ``value`` into ``kv_cache`` at ``slot_mapping`` (-1 = skip, CUDA-graph padding);
+    an fp8 cache stores them divided by ``k_scale`` / ``v_scale`` (``kv_write.to_cache``).
 
     Equivalent to ``apply_rotary(positions, query, key, ...)`` followed by
     ``pagedllm.kernels.kv_write.write_kv_cache(key, value, kv_cache, slot_mapping)``,
@@ -206,10 +212,11 @@ def rotary_and_write_kv(
         positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        q.shape[1],
+        q.shape[1], float(k_scale), float(v_scale),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_size, BLOCK_SIZE=kv_cache.shape[2],
         HALF=half, HALF_P2=triton.next_power_of_2(half),
         QH_P2=triton.next_power_of_2(q.shape[1]), KH_P2=triton.next_power_of_2(num_kv_heads),
         DIM_P2=triton.next_power_of_2(head_size), IS_NEOX=is_neox,
+        FP8=kv_cache.dtype == torch.float8_e4m3fn,
         num_warps=4 if q.shape[1] * half >= 1024 else 1, **pdl_launch_args(q.device),
     )

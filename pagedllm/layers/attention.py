@@ -36,6 +36,10 @@ class Attention(nn.Module):
         self.scale = scale
         self.backend = backend
         self.kv_cache = torch.empty(0)
+        # Per-tensor scales of an fp8 KV cache (attention/kv_cache_dtype.py): host floats
+        # set at load from the checkpoint's k_scale / v_scale, 1.0 otherwise.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, rope: RopeInputs | None = None) -> torch.Tensor:
@@ -52,10 +56,10 @@ class Attention(nn.Module):
         v3 = v.view(t, self.num_kv_heads, self.head_dim)
         if rope is not None:
             out = self.backend.forward_rope(q3, k3, v3, self.kv_cache, meta, self.scale, rope,
-                                            self.kind)
+                                            self.kind, self.k_scale, self.v_scale)
         else:
             out = self.backend.forward(q3, k3, v3, self.kv_cache, meta, self.scale,
-                                       self.kind)
+                                       self.kind, self.k_scale, self.v_scale)
         return out.reshape(t, self.num_heads * self.head_dim)
 
     def attend_cached(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -64,5 +68,5 @@ class Attention(nn.Module):
         ``q: [T, num_heads * head_dim]`` -> same shape."""
         t = q.shape[0]
         out = self.backend.attend(q.view(t, self.num_heads, self.head_dim), self.kv_cache,
-                                  meta, self.scale, self.kind)
+                                  meta, self.scale, self.kind, self.k_scale, self.v_scale)
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -116,7 +116,8 @@ class LlamaAttention(nn.Module):
         fused in.  Like ``gemv_applies`` it depends only on shapes and types, never on
         data, so graph capture and eager runs of one batch size take the same path."""
         if self.qk_norm or not self.attn.backend.fuses_rope \
-                or not gemv_applies(x, self.qkv_proj):
+                or not gemv_applies(x, self.qkv_proj) \
+                or self.attn.kv_cache.dtype == torch.float8_e4m3fn:  # it stores no fp8
             return False
         from pagedllm.kernels.gemv_rope import qkv_rope_supported
 

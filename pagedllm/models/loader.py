@@ -86,7 +86,8 @@ def load_model(model_config: Any, device: torch.device,
     with _default_dtype(dtype), device:
         model = cls(hf_config, backend, quant_config) if quant_config is not None \
             else cls(hf_config, backend)
-    model.quant_config = quant_config  # for the start-up log (worker.py)
+    # For the start-up log (worker.py): the method and its layout in one line.
+    model.quant_description = quant_config.describe() if quant_config is not None else None
     fmt = model_config.load_format
     resolved = model_config.resolved
     # A pipeline stage reads (and dequantises) only its own tensors (models/llama.py).
@@ -96,7 +97,8 @@ def load_model(model_config: Any, device: torch.device,
         _init_dummy(model, device, int(getattr(model_config, "seed", 0)),
                     getattr(model_config, "dummy_init", "uniform"))
     elif fmt == "safetensors":
-        model.load_weights(iter_safetensors(resolved.directory, keep))  # type: ignore
+        model.load_weights(  # type: ignore[operator]
+            take_kv_scales(model, iter_safetensors(resolved.directory, keep)))
     elif fmt == "gguf":
         path = resolved.gguf_path
         if path is None:
@@ -115,15 +117,43 @@ def load_model(model_config: Any, device: torch.device,
     return model.eval()
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's weights as stored (tied tensors counted once)."""
+_KV_SCALE = re.compile(r"^(.*\.self_attn)\.([kv])_scale$")
+
+
+def take_kv_scales(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass ``weights`` through, except a checkpoint's per-layer KV-cache scales
+    (``model.layers.N.self_attn.k_scale`` / ``v_scale``, compressed-tensors'
+    ``kv_cache_scheme``): those become the layer's ``Attention.k_scale`` / ``v_scale``
+    host floats, used by an fp8 KV cache (``attention/kv_cache_dtype.py``)."""
+    modules = dict(model.named_modules())
+    for name, tensor in weights:
+        m = _KV_SCALE.match(name)
+        attn = modules.get(f"{m.group(1)}.attn") if m else None
+        if attn is None:
+            yield name, tensor
+            continue
+        value = float(tensor.float().reshape(-1).max())
+        if not value > 0.0:
+            raise ValueError(f"checkpoint tensor {name!r}: KV scale must be positive, "
+                             f"got {value}")
+        setattr(attn, f"{m.group(2)}_scale", value)
+
+
+def weight_bytes(model: nn.Module, as_dtype_bytes: int | None = None) -> int:
+    """Bytes of the model's weights as stored (tied tensors counted once); with
+    ``as_dtype_bytes``, what they would take unquantised at that element size (packed
+    elements unpacked, quantisation scales not counted)."""
     seen: set[int] = set()
     total = 0
-    for t in [*model.parameters(), *model.buffers()]:
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
+        if as_dtype_bytes is None:
+            total += t.numel() * t.element_size()
+        elif "scale" not in name.rsplit(".", 1)[-1] and "zero" not in name.rsplit(".", 1)[-1]:
+            total += t.numel() * int(getattr(t, "packed_factor", 1)) * as_dtype_bytes
     return total
 
 

@@ -46,6 +46,9 @@ def move_blocks(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
             # Swap-in reads pinned CPU memory, so this copy is asynchronous on CUDA;
             # swap-out lands in pageable memory first and is then scattered.
             blocks = blocks.to(d.device, non_blocking=blocks.is_pinned())
+        if d.element_size() == 1 and d.is_floating_point():
+            # fp8 caches: index_copy_ has no fp8 kernel on the CPU; move the bytes.
+            d, blocks = d.view(torch.uint8), blocks.view(torch.uint8)
         d.index_copy_(1, d_idx, blocks)
 
 

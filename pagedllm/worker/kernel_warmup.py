@@ -43,7 +43,8 @@ logger = logging.getLogger("pagedllm")
 
 # Engine arguments the helper takes over (those that decide shapes and code paths).
 _ARGS = ("model", "dtype", "max_model_len", "block_size", "max_num_seqs",
-         "max_num_batched_tokens", "enforce_eager", "max_cudagraph_capture_size", "device")
+         "max_num_batched_tokens", "enforce_eager", "max_cudagraph_capture_size", "device",
+         "quantization", "kv_cache_dtype")
 # Defaults for keys a config.json may omit (LlamaConfig's).
 _CONFIG_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
                     "rope_theta": 10000.0, "tie_word_embeddings": False,

@@ -32,6 +32,9 @@ class Worker(Protocol):
     config: EngineConfig
     device: torch.device
     dtype: torch.dtype
+    kv_dtype: torch.dtype  # the KV cache's element type (fp8 with kv_cache_dtype="fp8")
+    num_local_kv_heads: int  # this rank's KV heads (tensor parallel)
+    local_layers: tuple[int, int]  # this rank's layer range (pipeline parallel)
     model: Any  # the loaded model: forward, compute_logits, bind_kv_caches
 
 
@@ -73,7 +76,8 @@ def profile_run(worker: Worker) -> int:
     num_blocks = reqs * blocks_per_req + 1
     shape = (2, num_blocks, bs, worker.num_local_kv_heads, mc.head_dim)
     start, end = worker.local_layers  # this rank's share (tensor / pipeline parallel)
-    caches = [torch.zeros(shape, dtype=worker.dtype, device=dev) for _ in range(start, end)]
+    caches = [torch.zeros(shape, dtype=worker.kv_dtype, device=dev)
+              for _ in range(start, end)]
     worker.model.bind_kv_caches(caches)
     batch = InputBatch(reqs, int(per.max()) + 1, bs)
     rng = np.random.default_rng(0)

@@ -1,9 +1,10 @@
 """The worker: pick the device, load the model, size and allocate the KV cache.
 
-KV sizing: ``kv_cache_memory_bytes`` when given; otherwise on CPU a default of
-``DEFAULT_CPU_KV_BYTES`` (capped at what ``max_num_seqs`` full-length requests could use),
-and on GPU ``gpu_memory_utilization`` of the device minus the weights and the profiled
-activation peak.  The plan is logged once at start-up.
+KV sizing (in the cache's element type: ``kv_cache_dtype="fp8"`` is 1 byte per element,
+twice the blocks of a bf16 cache): ``kv_cache_memory_bytes`` when given; otherwise on
+CPU a default of ``DEFAULT_CPU_KV_BYTES`` (capped at what ``max_num_seqs`` full-length
+requests could use), and on GPU ``gpu_memory_utilization`` of the device minus the
+weights and the profiled activation peak.  The plan is logged once at start-up.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 import torch
 
 from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.kv_cache_dtype import check_backend, kv_torch_dtype
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import (
@@ -87,6 +89,7 @@ class Worker:
             torch.set_num_threads(threads)
         self.dtype = torch_dtype(config.model_config.dtype)
         self.parallel: ParallelState = SINGLE_RANK
+        self.kv_dtype = kv_torch_dtype(config.cache_config.cache_dtype, self.dtype)
         self.runner: ModelRunner | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.swap_caches: list[torch.Tensor] = []
@@ -120,6 +123,7 @@ class Worker:
 
             compile_stats.install()
         self.backend = make_backend(self.device)
+        check_backend(self.backend, self.config.cache_config.cache_dtype)
         with parallel_context(self.parallel):  # layers take their groups from it
             self.model = load_model(self.config.model_config, self.device, self.backend)
         if self.device.type == "cuda":
@@ -127,12 +131,15 @@ class Worker:
             # before waiting for their predecessor (kernels/pdl.py).
             torch.cuda.synchronize(self.device)
         mc = self.config.model_config
-        qc = getattr(self.model, "quant_config", None)
-        quant = "unquantised" if mc.quantization is None else \
-            (qc.describe() if qc is not None else mc.quantization)
-        logger.info("loaded %s (%s, %s, weights %s: %.1f MiB) in %.1f s",
+        quant = getattr(self.model, "quant_description", None) or "unquantised"
+        stored = weight_bytes(self.model)
+        saved = ""
+        if mc.quantization is not None:
+            full = weight_bytes(self.model, as_dtype_bytes=self.dtype.itemsize)
+            saved = f", {(full - stored) / (1 << 20):.1f} MiB less than {mc.dtype}"
+        logger.info("loaded %s (%s, %s, weights %s: %.1f MiB%s) in %.1f s",
                     mc.served_model_name, mc.dtype, self.device, quant,
-                    weight_bytes(self.model) / (1 << 20), time.perf_counter() - t0)
+                    stored / (1 << 20), saved, time.perf_counter() - t0)
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -149,10 +156,12 @@ class Worker:
                            self.parallel.pp_rank)
 
     def kv_bytes_per_token(self) -> int:
-        """This rank's KV bytes per token: its layers and its KV heads."""
+        """This rank's KV bytes per token: its layers and its KV heads, in the cache's
+        element type (``CacheConfig.cache_dtype``: fp8 is one byte)."""
         mc = self.config.model_config
         start, end = self.local_layers
-        return 2 * (end - start) * self.num_local_kv_heads * mc.head_dim * mc.dtype_bytes
+        elem = 1 if self.config.cache_config.cache_dtype == "fp8" else mc.dtype_bytes
+        return 2 * (end - start) * self.num_local_kv_heads * mc.head_dim * elem
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks this rank's memory holds (the executor takes the minimum
@@ -234,12 +243,12 @@ class Worker:
         start, end = self.local_layers
         # Zeroed, not empty: attention gathers whole blocks and masks the tail, and
         # garbage NaNs would survive a zero attention weight.
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(start, end)]
         self.model.bind_kv_caches(self.kv_caches)
         if self.config.scheduler_config.preemption_mode == "swap":
             # The whole model's block size: the same CPU block count on every rank.
-            per_block = mc.kv_bytes_per_token() * cc.block_size
+            per_block = mc.kv_bytes_per_token(cc.cache_dtype) * cc.block_size
             self.num_cpu_blocks = cc.swap_space_bytes // per_block
             self.swap_caches = allocate_swap_space(self.num_cpu_blocks, self.kv_caches[0],
                                                    end - start)
@@ -258,10 +267,16 @@ class Worker:
             logger.info("warmed lm_head at 1-%d rows and the sampler in %.2f s",
                         self.config.scheduler_config.max_num_seqs, time.perf_counter() - t0)
         tokens = (num_blocks - 1) * cc.block_size
+        kv_bytes = mc.kv_bytes_per_token(cc.cache_dtype)
+        gained = ""
+        if cc.cache_dtype != "auto":  # what the same memory would hold in the model dtype
+            auto_blocks = num_blocks * kv_bytes // mc.kv_bytes_per_token()
+            gained = f", {num_blocks - auto_blocks} more than {mc.dtype} ({auto_blocks - 1})"
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency at "
-            "max_model_len %d: %.2fx", num_blocks - 1, cc.block_size, tokens,
-            num_blocks * cc.block_size * self.kv_bytes_per_token() / 2**30,
+            "KV cache (%s): %d blocks of %d tokens (%d tokens, %.2f GiB%s); max concurrency "
+            "at max_model_len %d: %.2fx", str(self.kv_dtype).replace("torch.", ""),
+            num_blocks - 1, cc.block_size, tokens,
+            num_blocks * cc.block_size * self.kv_bytes_per_token() / 2**30, gained,
             mc.max_model_len, tokens / mc.max_model_len)
         if self.device.type == "cuda":
             from pagedllm.kernels.compile_stats import snapshot

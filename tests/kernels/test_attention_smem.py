@@ -94,8 +94,9 @@ _SCRIPT = textwrap.dedent(_BUILD + """
                   "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch",
                   "stride_bt"):
             sig[k] = "i32"
+        sig["v_scale"] = "fp32"
         consts = dict(GQA=h // kvh, HEAD_DIM=d, DIM_P2=triton.next_power_of_2(d),
-                      BLOCK_SIZE=16, BLOCK_M=p.block_m, BLOCK_Q=p.block_q,
+                      BLOCK_SIZE=16, KV_FP8=False, BLOCK_M=p.block_m, BLOCK_Q=p.block_q,
                       TILE_N=p.tile_n, SPLIT=split, F32_DOT=False, WHILE_LOOP=False,
                       Q_FILTER=q_filter, DECODE=mql == 1 and q_filter == 0, USE_PDL=True)
         st = build(_paged_attn_kernel, sig, consts, h,
@@ -142,14 +143,17 @@ _MIXED_SCRIPT = textwrap.dedent(_BUILD + """
                                    num_kv_heads=kvh, block_size=16, sm_count=132,
                                    num_splits=1, head_dim=d, beside_decodes=True)
                     for mql in (1, 512))
-        sig = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+        fp8 = name.endswith("fp8 KV")
+        cache = "*fp8e4nv" if fp8 else "*bf16"
+        sig = {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache,
                "out_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
                "qsl_ptr": "*i32", "scale_log2": "fp32"}
         for k in ("num_reqs", "num_heads", "num_pre_tiles", "stride_qt", "stride_qh",
                   "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch",
                   "stride_bt"):
             sig[k] = "i32"
-        consts = dict(GQA=h // kvh, HEAD_DIM=d, DIM_P2=triton.next_power_of_2(d),
+        sig["v_scale"] = "fp32"
+        consts = dict(GQA=h // kvh, HEAD_DIM=d, DIM_P2=triton.next_power_of_2(d), KV_FP8=fp8,
                       BLOCK_SIZE=16, NUM_KV_HEADS=kvh, P_BLOCK_M=pre.block_m,
                       P_BLOCK_Q=pre.block_q, P_TILE_N=pre.tile_n, P_STAGES=pre.num_stages,
                       D_BLOCK_M=dec.block_m, D_BLOCK_Q=dec.block_q, D_TILE_N=dec.tile_n,
@@ -166,7 +170,8 @@ def test_mixed_kernel_compiles_for_sm90_within_shared_memory(tmp_path) -> None:
     """The one-launch mixed-batch kernel holds both plans' programs: its two KV loops'
     buffers share shared memory (the Llama-3-8B shape needs 82 KB, little more than the
     decode plan's 74 KB alone), so two programs still fit on a multiprocessor."""
-    cases = [("llama", 128, 32, 8), ("smollm", 64, 9, 3), ("head_dim 256", 256, 16, 8)]
+    cases = [("llama", 128, 32, 8), ("smollm", 64, 9, 3), ("head_dim 256", 256, 16, 8),
+             ("llama fp8 KV", 128, 32, 8)]
     for r in _compile(_MIXED_SCRIPT, cases, tmp_path):
         _check(r, 100 * 1024)
 

@@ -1,0 +1,80 @@
+"""Per-token e4m3 quantisation of activations for the FP8 GEMM, in one launch.
+
+For each row ``x[t, :]``: ``scale[t] = max(amax(|x[t]|) / 448, min_scale)`` and
+``q[t, :] = clamp(x[t] / scale[t], -448, 448)`` rounded to e4m3 -- exactly
+``layers/quantization/fp8.quantize_fp8_rows`` (the oracle).  One program per row
+reads the row twice (amax, then quantise); the second read hits L2 for the activation
+widths of these models (<= 28 KB per row), so the kernel costs about one pass over
+``x`` where the torch version takes five launches.  The grid is the row count (a host
+int): CUDA-graph safe, no host sync.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.layers.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX
+
+# The interpreter's fp32 -> fp8 cast rounds wrongly (ties away from even, and mantissa
+# carries lost: 0.494 became 0.25 in triton 3.6), so under TRITON_INTERPRET the kernels
+# round by hand; on the GPU the cast is the hardware's cvt.rn.satfinite (torch's rounding).
+_ROUND_BY_HAND = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def round_e4m3(y):
+    """fp32 ``y`` -> the nearest e4m3 value (round half to even, saturated at +-448), in
+    fp32 (exactly representable: the cast to fp8 that follows is exact)."""
+    y = tl.clamp(y, -448.0, 448.0)
+    if not _ROUND_BY_HAND:
+        return y  # the hardware cast rounds
+    u = y.to(tl.uint32, bitcast=True)
+    # Normal e4m3 numbers keep 3 of fp32's 23 mantissa bits: round the low 20 bits off.
+    normal = (((u + 0x7FFFF + ((u >> 20) & 1)) >> 20) << 20).to(tl.float32, bitcast=True)
+    # Subnormals (|y| < 2^-6) are multiples of 2^-9: adding 1.5 * 2^14 puts |y| where the
+    # fp32 spacing is 2^-9, so the addition itself rounds (half to even); the sign is
+    # put back from y's sign bit (tiny negatives become -0, as in torch).
+    a = tl.abs(y)
+    sub = (a + 24576.0) - 24576.0
+    sub = tl.where((u >> 31) == 1, -sub, sub)
+    return tl.where(a < 0.015625, sub, normal)
+
+
+@triton.jit
+def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, min_scale,
+                            N_COLS: tl.constexpr, FP8_MAX_C: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    # N_COLS is compiled in: a model has a handful of linear input widths.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, N_COLS, BLOCK):
+        c = start + cols
+        x = tl.load(x_ptr + row * stride_x + c, mask=c < N_COLS, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.div_rn(tl.max(amax, 0), FP8_MAX_C), min_scale)
+    tl.store(s_ptr + row, scale)
+    for start in range(0, N_COLS, BLOCK):
+        c = start + cols
+        x = tl.load(x_ptr + row * stride_x + c, mask=c < N_COLS, other=0.0).to(tl.float32)
+        q = round_e4m3(tl.div_rn(x, scale))  # IEEE division, as torch divides
+        tl.store(q_ptr + row * stride_q + c, q.to(q_ptr.dtype.element_ty), mask=c < N_COLS)
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, C]`` (last dim contiguous) -> ``(q [T, C] e4m3, scale [T, 1] fp32)``."""
+    assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
+    t, c = x.shape
+    q = torch.empty((t, c), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((t, 1), dtype=torch.float32, device=x.device)
+    if t == 0:
+        return q, s
+    block = min(4096, triton.next_power_of_2(c))
+    _per_token_quant_kernel[(t,)](x, q, s, x.stride(0), q.stride(0), _MIN_SCALE,
+                                  N_COLS=c, FP8_MAX_C=FP8_MAX, BLOCK=block,
+                                  num_warps=8 if block >= 2048 else 4)
+    return q, s

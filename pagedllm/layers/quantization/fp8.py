@@ -1,0 +1,351 @@
+"""FP8 W8A8 linear layers: e4m3 weights with per-output-channel scales, activations
+quantised per token on the fly.
+
+```
+ weight      [out, in]  float8_e4m3fn      w ~= weight * weight_scale[:, None]
+ weight_scale [out]     float32            (a per-tensor scale is stored broadcast)
+ x  [T, in]  --per-token amax / 448-->  x_q [T, in] e4m3, x_scale [T, 1] fp32
+ y = (x_q @ weight^T) * x_scale * weight_scale + bias        in the model dtype
+```
+
+Where the weights come from (``Fp8Config.from_config``):
+
+* an unquantised (bf16 / fp16 / fp32) checkpoint with ``quantization="fp8"``: the layer
+  registers a plain weight, the loader (or ``load_format="dummy"``) fills it, and
+  ``process_weights_after_loading`` quantises it (per output channel by default; per
+  tensor with ``Fp8Config(weight_per_tensor=True)``), as vLLM does at load time;
+* a Hugging Face FP8 checkpoint (``quantization_config.quant_method == "fp8"``):
+  ``weight`` is e4m3 with ``weight_scale`` (per tensor or per channel) or
+  ``weight_scale_inv`` (``weight_block_size`` blocks, transformers' fine-grained FP8).
+  Block scales are folded at load into per-channel ones (dequantise, requantise: one
+  more rounding, and one GEMM kernel for every layout);
+* compressed-tensors ``float-quantized`` checkpoints, through ``compressed_tensors.py``,
+  which hands the same ``Fp8LinearMethod`` its per-channel or per-tensor scales.
+
+The GEMM is ``torch._scaled_mm`` (cuBLASLt, row-wise scales) on CUDA GPUs of compute
+capability >= 8.9; on the CPU (and as every GPU path's oracle) the reference upcasts the
+stored e4m3 values and multiplies in float32 -- the same quantised operands, so the two
+differ only by accumulation order.  Embeddings and lm_head are never quantised.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from pagedllm.layers.quantization.base import (
+    LinearMethodBase,
+    QuantizationConfig,
+    set_weight_attrs,
+)
+
+if TYPE_CHECKING:
+    from pagedllm.layers.linear import LinearBase
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# Smallest scale: an all-zero row quantises to zeros instead of dividing by zero.
+_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+# (major, minor) compute capability from which cuBLASLt has FP8 GEMMs (Ada, Hopper).
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (per-token / per-output-channel) e4m3 quantisation of a 2-D tensor:
+    ``(q [R, C] e4m3, scale [R, 1] fp32)`` with ``q * scale ~= x``; values saturate at
+    +-448 times the scale, so nothing overflows to NaN."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_fp8_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor e4m3 quantisation: ``(q, scale [] fp32)``."""
+    scale = (x.abs().amax().float() / FP8_MAX).clamp(min=_MIN_SCALE)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def fp8_linear_reference(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
+                         w_scale: torch.Tensor, bias: torch.Tensor | None,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    """``(x_q @ w_q^T) * x_scale * w_scale + bias`` by upcasting to float32 (the CPU path
+    and the oracle of ``torch._scaled_mm``).  ``x_scale: [T, 1]``, ``w_scale: [out]``."""
+    y = (x_q.float() @ w_q.float().t()) * x_scale * w_scale.float().view(1, -1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def check_fp8_capability(capability: tuple[int, int], device_name: str = "GPU") -> None:
+    """``ValueError`` naming ``quantization`` if a GPU of ``capability`` has no FP8 GEMMs."""
+    if tuple(capability) < FP8_MIN_CAPABILITY:
+        from pagedllm.layers.quantization import quantization_names
+
+        raise ValueError(
+            f"quantization='fp8' needs a GPU of compute capability >= "
+            f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} (Ada, Hopper); {device_name} "
+            f"is {capability[0]}.{capability[1]}; choose another quantization "
+            f"({', '.join(n for n in quantization_names() if n != 'fp8')}) or run on CPU")
+
+
+def _gemv_enabled() -> bool:
+    from pagedllm.layers.linear import _gemv_enabled as enabled
+
+    return enabled()
+
+
+def _scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, layer: LinearBase,
+               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """cuBLASLt FP8 GEMM with row-wise scales (per token x per channel).  Row-wise
+    scaling needs a bf16 output; other dtypes are cast afterwards."""
+    y = torch._scaled_mm(x_q, layer.weight.t(), scale_a=x_scale,
+                         scale_b=layer.weight_scale_row, out_dtype=torch.bfloat16,
+                         bias=None if bias is None else bias.to(torch.bfloat16))
+    return y if out_dtype == torch.bfloat16 else y.to(out_dtype)
+
+
+class Fp8LinearMethod(LinearMethodBase):
+    """W8A8 FP8 for one linear layer (see the module doc for the storage contract).
+
+    ``serialized``: the checkpoint holds e4m3 weights (else a float weight is loaded and
+    quantised after loading).  ``block_size``: the checkpoint's ``weight_block_size``
+    (``weight_scale_inv`` of ``[ceil(out / bo), ceil(in / bi)]``), None for per-tensor /
+    per-channel ``weight_scale``.  ``input_scale``: the checkpoint also holds static
+    per-tensor activation scales (one per fused shard; their max is used, as vLLM does);
+    otherwise activations are quantised per token.  ``block_scale_name``: the block
+    scales' tensor name (compressed-tensors calls them ``weight_scale``)."""
+
+    def __init__(self, serialized: bool = False, weight_per_tensor: bool = False,
+                 block_size: tuple[int, int] | None = None,
+                 input_scale: bool = False,
+                 block_scale_name: str = "weight_scale_inv") -> None:
+        self.serialized = serialized
+        self.block_scale_name = block_scale_name
+        self.weight_per_tensor = weight_per_tensor
+        self.block_size = block_size
+        self.input_scale = input_scale
+
+    def create_weights(self, layer: LinearBase, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int,
+                       output_size: int, params_dtype: torch.dtype) -> None:
+        out = sum(output_partition_sizes)
+        wdtype = FP8_DTYPE if self.serialized else params_dtype
+        weight = nn.Parameter(torch.empty(out, input_size_per_partition, dtype=wdtype),
+                              requires_grad=False)
+        set_weight_attrs(weight, {"output_dim": 0, "input_dim": 1})
+        layer.register_parameter("weight", weight)
+        if not self.serialized:
+            return
+        if self.block_size is not None:
+            bo, bi = self.block_size
+            inv = nn.Parameter(torch.empty(-(-out // bo), -(-input_size_per_partition // bi),
+                                           dtype=torch.float32), requires_grad=False)
+            # Fused shards (q/k/v, gate/up) start at multiples of the block: offsets in
+            # rows divide by ``bo`` exactly as packed elements do.
+            set_weight_attrs(inv, {"output_dim": 0, "input_dim": 1, "packed_dim": 0,
+                                   "packed_factor": bo})
+            layer.register_parameter(self.block_scale_name, inv)
+        else:
+            scale = nn.Parameter(torch.empty(out, dtype=torch.float32), requires_grad=False)
+            set_weight_attrs(scale, {"output_dim": 0,
+                                     "weight_loader": _scale_loader(layer)})
+            layer.register_parameter("weight_scale", scale)
+        if self.input_scale:
+            n = len(output_partition_sizes)
+            inp = nn.Parameter(torch.ones(n, dtype=torch.float32), requires_grad=False)
+            set_weight_attrs(inp, {"weight_loader": _input_scale_loader(layer)})
+            layer.register_parameter("input_scale", inp)
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        w = layer.weight.data
+        if not self.serialized:
+            if self.weight_per_tensor:
+                q, s = quantize_fp8_tensor(w)
+                s = s.expand(w.shape[0]).contiguous()
+            else:
+                q, s = quantize_fp8_rows(w)
+        elif self.block_size is not None:
+            bo, bi = self.block_size
+            inv = getattr(layer, self.block_scale_name).data
+            full = inv.repeat_interleave(bo, 0)[:w.shape[0]].repeat_interleave(bi, 1)
+            q, s = quantize_fp8_rows(w.float() * full[:, :w.shape[1]])
+            delattr(layer, self.block_scale_name)
+        else:
+            q, s = w, layer.weight_scale.data
+        layer.weight = nn.Parameter(q.contiguous(), requires_grad=False)
+        layer.weight_scale = nn.Parameter(s.reshape(-1).float().contiguous(),
+                                          requires_grad=False)
+        # The [1, out] view _scaled_mm wants (a view: no extra memory).
+        layer.weight_scale_row = layer.weight_scale.data.view(1, -1)
+        if self.input_scale:
+            layer.input_scale_max = layer.input_scale.data.max().reshape(1, 1)
+
+    def dummy_init(self, layer: LinearBase, generator: torch.Generator, init: str) -> bool:
+        if not self.serialized:
+            return False  # the loader fills the float weight; quantised after
+        # An FP8 checkpoint's layout with dummy values: weights drawn in float, then
+        # stored e4m3 (uniform(-1e-3, 1e-3) is below e4m3's subnormals at scale 1, so
+        # the scale is the tensor's, as a real checkpoint's would be).
+        w = torch.empty(layer.weight.shape, device=layer.weight.device)
+        if init == "uniform":
+            w.uniform_(-1e-3, 1e-3, generator=generator)
+        else:
+            w.normal_(0.0, 0.02, generator=generator)
+        q, s = quantize_fp8_tensor(w)
+        layer.weight.data.copy_(q)
+        if self.block_size is not None:
+            getattr(layer, self.block_scale_name).data.fill_(float(s))
+        else:
+            layer.weight_scale.data.fill_(float(s))
+        if self.input_scale:
+            layer.input_scale.data.fill_(1.0)
+        return True
+
+    def apply(self, layer: LinearBase, x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.input_scale:  # static: one checkpoint scale for every token
+            x_s = layer.input_scale_max.expand(x2.shape[0], 1).contiguous()
+            x_q = (x2.float() / x_s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        elif x2.is_cuda:
+            from pagedllm.kernels.fp8_quant import quantize_fp8_per_token
+
+            x_q, x_s = quantize_fp8_per_token(x2)
+        else:
+            x_q, x_s = quantize_fp8_rows(x2)
+        if x2.is_cuda and x2.shape[0] == 1 and _gemv_enabled():
+            # Batch-1 decode: one read of the e4m3 weight (kernels/gemv.py), where
+            # cuBLASLt's FP8 GEMM at M = 1 ran W4 slower than the bf16 GEMV.
+            from pagedllm.kernels.gemv import gemv
+
+            y = gemv(x_q, layer.weight, bias, out=torch.empty(
+                1, layer.weight.shape[0], dtype=x.dtype, device=x.device),
+                x_scale=x_s, w_scale=layer.weight_scale)
+        elif x2.is_cuda:
+            y = _scaled_mm(x_q, x_s, layer, bias, x.dtype)
+        else:
+            y = fp8_linear_reference(x_q, x_s, layer.weight, layer.weight_scale, bias,
+                                     x.dtype)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def _scale_loader(layer: LinearBase) -> Any:
+    """Loader of a ``[out]`` per-channel ``weight_scale`` that also takes a checkpoint's
+    per-tensor scalar (broadcast over the shard's rows) and ``[out, 1]`` columns."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor,
+             shard_id: int | str | None = None) -> None:
+        loaded = loaded.float()
+        if shard_id is None:
+            rows = param.data
+        else:
+            offset, size, _, _ = layer._shard_range(shard_id)  # type: ignore[attr-defined]
+            rows = param.data.narrow(0, offset, size)
+        if loaded.numel() == 1:
+            rows.fill_(float(loaded.reshape(())))
+            return
+        loaded = loaded.reshape(-1)
+        tp, rank = layer.tp_size, layer.tp_rank
+        if shard_id is not None:
+            _, _, rank, tp = layer._shard_range(shard_id)  # type: ignore[attr-defined]
+        if getattr(layer, "in_per_partition", None) != layer.input_size:
+            tp, rank = 1, 0  # row-parallel: output channels are not split
+        if loaded.numel() != rows.numel() * tp:
+            raise ValueError(f"weight_scale has {loaded.numel()} entries, expected "
+                             f"{rows.numel() * tp} (one per output channel) or 1")
+        rows.copy_(loaded.narrow(0, rank * rows.numel(), rows.numel()))
+
+    return load
+
+
+def _input_scale_loader(layer: LinearBase) -> Any:
+    """Loader of a static per-tensor ``input_scale`` (one entry per fused shard)."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor,
+             shard_id: int | str | None = None) -> None:
+        idx = 0 if shard_id is None else layer._shard_index(shard_id)
+        param.data[idx].copy_(loaded.float().reshape(-1)[0])
+
+    return load
+
+
+def _name_matches(prefix: str, patterns: list[str]) -> bool:
+    """Whether layer ``prefix`` is one of the checkpoint's ignored modules (by name, by a
+    fused layer's parts, or by a ``re:`` pattern as compressed-tensors writes them)."""
+    import re
+
+    parts = [prefix]
+    for fused, pieces in (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                          ("gate_up_proj", ("gate_proj", "up_proj"))):
+        if prefix.endswith(fused):
+            parts = [prefix[:-len(fused)] + p for p in pieces]
+    for pat in patterns:
+        for p in parts:
+            if pat.startswith("re:"):
+                if re.match(pat[3:], p):
+                    return True
+            elif p == pat or p.endswith("." + pat):
+                return True
+    return False
+
+
+class Fp8Config(QuantizationConfig):
+    """``quantization="fp8"``: quantise at load, or run an HF FP8 checkpoint.
+
+    ``ignored``: HF module names kept unquantised (``ignored_layers`` /
+    ``modules_to_not_convert`` of the checkpoint); lm_head always is."""
+
+    name = "fp8"
+
+    def __init__(self, serialized: bool = False, weight_per_tensor: bool = False,
+                 block_size: tuple[int, int] | None = None,
+                 ignored: list[str] | None = None, input_scale: bool = False) -> None:
+        self.method = Fp8LinearMethod(serialized, weight_per_tensor, block_size,
+                                      input_scale)
+        self.ignored = list(ignored or [])
+
+    @classmethod
+    def from_config(cls, hf_config: Any, model_config: Any) -> Fp8Config:
+        qc = getattr(hf_config, "quantization_config", None)
+        if qc is None:
+            return cls()
+        if not isinstance(qc, dict):
+            qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+        fmt = qc.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"quantization_config.fmt {fmt!r} is not supported; "
+                             f"supported: e4m3")
+        block = qc.get("weight_block_size")
+        if block is not None:
+            if len(block) != 2:
+                raise ValueError(f"quantization_config.weight_block_size must be [rows, "
+                                 f"cols], got {block!r}")
+            block = (int(block[0]), int(block[1]))
+        ignored = list(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [])
+        static = qc.get("activation_scheme", "dynamic") == "static"
+        return cls(serialized=True, block_size=block, ignored=ignored, input_scale=static)
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
+        if prefix.endswith("lm_head") or _name_matches(prefix, self.ignored):
+            return None
+        return self.method
+
+    def check_device(self, device: str, dtype: str) -> None:
+        if device != "cuda":
+            return
+        idx = torch.cuda.current_device()
+        check_fp8_capability(torch.cuda.get_device_capability(idx),
+                             torch.cuda.get_device_name(idx))
+
+    def describe(self) -> str:
+        m = self.method
+        if not m.serialized:
+            gran = "per-tensor" if m.weight_per_tensor else "per-channel"
+            return f"fp8 (e4m3 W8A8, quantised at load, {gran} weight scales, per-token " \
+                   f"activations)"
+        src = f"block {m.block_size} scales" if m.block_size else "weight_scale"
+        return f"fp8 (e4m3 W8A8 checkpoint, {src}, per-token activations)"
