@@ -98,7 +98,8 @@ _SCRIPT = textwrap.dedent(_BUILD + """
         consts = dict(GQA=h // kvh, HEAD_DIM=d, DIM_P2=triton.next_power_of_2(d),
                       BLOCK_SIZE=16, KV_FP8=False, BLOCK_M=p.block_m, BLOCK_Q=p.block_q,
                       TILE_N=p.tile_n, SPLIT=split, F32_DOT=False, WHILE_LOOP=False,
-                      Q_FILTER=q_filter, DECODE=mql == 1 and q_filter == 0, USE_PDL=True)
+                      Q_FILTER=q_filter, DECODE=mql == 1 and q_filter == 0, USE_PDL=True,
+                      WINDOW=0, SOFTCAP=0.0)
         st = build(_paged_attn_kernel, sig, consts, h,
                    {"num_warps": p.num_warps, "num_stages": p.num_stages})
         out.append({"name": name, "plan": repr(p), **st})
@@ -158,7 +159,7 @@ _MIXED_SCRIPT = textwrap.dedent(_BUILD + """
                       P_BLOCK_Q=pre.block_q, P_TILE_N=pre.tile_n, P_STAGES=pre.num_stages,
                       D_BLOCK_M=dec.block_m, D_BLOCK_Q=dec.block_q, D_TILE_N=dec.tile_n,
                       D_STAGES=dec.num_stages, F32_DOT=False, WHILE_LOOP=False,
-                      USE_PDL=True)
+                      USE_PDL=True, WINDOW=0, SOFTCAP=0.0)
         st = build(_mixed_attn_kernel, sig, consts, h, {
             "num_warps": 4, "num_stages": max(pre.num_stages, dec.num_stages)})
         out.append({"name": name, **st})

@@ -95,9 +95,9 @@ def test_attention_over_fp8_cache(case: str, dtype: torch.dtype) -> None:
     ref_cache = cache.clone()
     splits = 4 if case == "split" else None
     out = TritonAttentionBackend(force_num_splits=splits).forward(
-        batch.query, batch.key, batch.value, cache, meta, 0.125, ks, vs)
+        batch.query, batch.key, batch.value, cache, meta, 0.125, k_scale=ks, v_scale=vs)
     ref = TorchReferenceBackend().forward(batch.query, batch.key, batch.value, ref_cache,
-                                          meta, 0.125, ks, vs)
+                                          meta, 0.125, k_scale=ks, v_scale=vs)
     assert torch.equal(cache.float(), ref_cache.float())
     assert_close(out[:n], ref[:n], dtype, seed, scale=2.0)
 
@@ -114,7 +114,7 @@ def test_reference_round_trip_equals_dequantised_cache() -> None:
     meta = AttentionMetadata(**{f: (getattr(meta, f).cpu() if torch.is_tensor(
         getattr(meta, f)) else getattr(meta, f)) for f in meta.__dataclass_fields__})
     fp8 = torch.zeros(batch.kv_cache.shape, dtype=FP8_KV_DTYPE)
-    out = TorchReferenceBackend().forward(q, k, v, fp8, meta, 0.125, 0.1, 0.2)
+    out = TorchReferenceBackend().forward(q, k, v, fp8, meta, 0.125, k_scale=0.1, v_scale=0.2)
     deq = torch.stack([fp8[0].float() * 0.1, fp8[1].float() * 0.2])
     again = TorchReferenceBackend().attend(q, deq, meta, 0.125)
     torch.testing.assert_close(out[:n], again[:n], rtol=0, atol=0)
@@ -145,9 +145,9 @@ def test_fp8_cache_llama3_shape_gpu() -> None:
     cache = torch.zeros(batch.kv_cache.shape, dtype=FP8_KV_DTYPE, device=DEVICE)
     ref_cache = cache.clone()
     out = TritonAttentionBackend().forward(batch.query, batch.key, batch.value, cache,
-                                           meta, 0.088, 0.3, 0.7)
+                                           meta, 0.088, k_scale=0.3, v_scale=0.7)
     ref = TorchReferenceBackend().forward(batch.query, batch.key, batch.value, ref_cache,
-                                          meta, 0.088, 0.3, 0.7)
+                                          meta, 0.088, k_scale=0.3, v_scale=0.7)
     bad = (cache.view(torch.uint8) != ref_cache.view(torch.uint8)).nonzero()
     got = torch.stack([cache[tuple(i)].float() for i in bad.tolist()]) if len(bad) else None
     # Triton 3.6's fp32 -> e4m3 cast on sm_90 stores the smallest normal, +-2^-6, as the

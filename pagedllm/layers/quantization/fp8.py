@@ -242,22 +242,20 @@ def _scale_loader(layer: LinearBase) -> Any:
         loaded = loaded.float()
         if shard_id is None:
             rows = param.data
-        else:
-            offset, size, _, _ = layer._shard_range(shard_id)  # type: ignore[attr-defined]
+            src, total = layer.tp_rank * rows.numel(), rows.numel() * layer.tp_size
+        else:  # where this rank's rows sit, and where they come from in the shard
+            offset, size, src, total = layer._shard_range(shard_id)  # type: ignore[attr-defined]
             rows = param.data.narrow(0, offset, size)
         if loaded.numel() == 1:
             rows.fill_(float(loaded.reshape(())))
             return
         loaded = loaded.reshape(-1)
-        tp, rank = layer.tp_size, layer.tp_rank
-        if shard_id is not None:
-            _, _, rank, tp = layer._shard_range(shard_id)  # type: ignore[attr-defined]
         if getattr(layer, "in_per_partition", None) != layer.input_size:
-            tp, rank = 1, 0  # row-parallel: output channels are not split
-        if loaded.numel() != rows.numel() * tp:
+            src, total = 0, rows.numel()  # row-parallel: output channels are not split
+        if loaded.numel() != total:
             raise ValueError(f"weight_scale has {loaded.numel()} entries, expected "
-                             f"{rows.numel() * tp} (one per output channel) or 1")
-        rows.copy_(loaded.narrow(0, rank * rows.numel(), rows.numel()))
+                             f"{total} (one per output channel) or 1")
+        rows.copy_(loaded.narrow(0, src, rows.numel()))
 
     return load
 
