@@ -19,7 +19,9 @@ from pagedllm.config import EngineArgs
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    base = EngineArgs(device="cpu", max_model_len=1024, kv_cache_memory_bytes=64 << 20)
+    # The float32 dequantised GGUF is the unquantised reference (not the int4 default).
+    base = EngineArgs(device="cpu", max_model_len=1024, kv_cache_memory_bytes=64 << 20,
+                      quantization="none")
     res = run(base, [{"quantization": "fp8"}, {"kv_cache_dtype": "fp8"}], num_tokens=1024,
               window=512, num_prompts=8, prompt_len=32, gen_len=16)
     return {v["variant"]: v for v in res["variants"]} | {"baseline": res["baseline"]}

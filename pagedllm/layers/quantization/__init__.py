@@ -26,6 +26,10 @@ QUANTIZATION_METHODS: dict[str, str] = {
 }
 
 
+# Methods that quantise a float checkpoint while it loads (so also a dequantised GGUF).
+QUANTIZE_AT_LOAD = ("fp8",)
+
+
 def quantization_names() -> list[str]:
     """Every accepted ``quantization=`` value (``"none"`` keeps the checkpoint's dtype)."""
     return ["none", *sorted(QUANTIZATION_METHODS)]
@@ -68,9 +72,12 @@ def resolve_quantization(requested: str | None, hf_config: Any,
         raise ValueError(f"quantization must be one of {', '.join(names)}, "
                          f"got {requested!r}")
     if gguf_path is not None:
+        if requested in QUANTIZE_AT_LOAD:  # from the dequantised GGUF weights
+            return requested
         if requested not in (None, "none", "gguf"):
             raise ValueError(f"quantization={requested!r} but the checkpoint is a GGUF file; "
-                             "omit quantization, or pass 'gguf' or 'none'")
+                             "omit quantization, or pass 'gguf', 'none' or one of "
+                             f"{', '.join(QUANTIZE_AT_LOAD)} (quantised at load)")
         if requested is None:
             return "gguf" if device == "cpu" and gguf_is_quantised(gguf_path) else None
         return None if requested == "none" else "gguf"
