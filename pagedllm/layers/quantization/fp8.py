@@ -40,6 +40,7 @@ from pagedllm.layers.quantization.base import (
     QuantizationConfig,
     set_weight_attrs,
 )
+from pagedllm.layers.quantization.unquantized import gemv_enabled
 
 if TYPE_CHECKING:
     from pagedllm.layers.linear import LinearBase
@@ -89,12 +90,6 @@ def check_fp8_capability(capability: tuple[int, int], device_name: str = "GPU") 
             f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} (Ada, Hopper); {device_name} "
             f"is {capability[0]}.{capability[1]}; choose another quantization "
             f"({', '.join(n for n in quantization_names() if n != 'fp8')}) or run on CPU")
-
-
-def _gemv_enabled() -> bool:
-    from pagedllm.layers.linear import _gemv_enabled as enabled
-
-    return enabled()
 
 
 def _scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, layer: LinearBase,
@@ -217,7 +212,7 @@ class Fp8LinearMethod(LinearMethodBase):
             x_q, x_s = quantize_fp8_per_token(x2)
         else:
             x_q, x_s = quantize_fp8_rows(x2)
-        if x2.is_cuda and x2.shape[0] == 1 and _gemv_enabled():
+        if x2.is_cuda and x2.shape[0] == 1 and gemv_enabled():
             # Batch-1 decode: one read of the e4m3 weight (kernels/gemv.py), where
             # cuBLASLt's FP8 GEMM at M = 1 ran W4 slower than the bf16 GEMV.
             from pagedllm.kernels.gemv import gemv
