@@ -11,6 +11,7 @@
 #   w1       offline throughput, throughput policy (pagedllm bench throughput --workload W1)
 #   w1fcfs   W1 under the default FCFS policy
 #   w1small  W1-small on the SmolLM2-135M shape (host overhead)
+#   w5       long prompts (W5: 384 requests, 64-2048 in, 16-768 out), default policy
 #   w2       online serving at 10 and 20 req/s (benchmarks/w2_suite.sh; RATES to change)
 #   w3       shared prefix, prefix caching on vs off (benchmarks/w3_suite.sh gpu)
 #   startup  cold then warm server start to the first /health 200 (startup_probe.sh)
@@ -21,8 +22,11 @@
 # A/B variants, same lease, interleaved (for w4 / w1 / w1fcfs / w1small):
 #   VARIANTS="base= pdl_off=PAGEDLLM_PDL=0 gemv_off=PAGEDLLM_GEMV=0" ROUNDS=2 \
 #     bash benchmarks/gpu_suite.sh w1 w4
-# Each variant is NAME=ENV (ENV empty, or VAR=VALUE[,VAR=VALUE]); results are
-# $OUT/<part>_<name>_<round>.json.  EXTRA_ARGS adds engine flags to every run (e.g.
+# Each variant is NAME=SPEC, SPEC a comma-separated list of environment settings
+# (VAR=VALUE) and engine flags (from the first --flag on), e.g. FP8 against bf16:
+#   VARIANTS="bf16= fp8=--quantization,fp8 fp8kv=--quantization,fp8,--kv-cache-dtype,fp8" \
+#     bash benchmarks/gpu_suite.sh w1fcfs w4 w5
+# Results are $OUT/<part>_<name>_<round>.json.  EXTRA_ARGS adds engine flags to every run (e.g.
 # "--max-num-batched-tokens 8192"); REPEATS sets W1's repeats per process (default 2).
 # CLOCKS=1 logs the GPU's SM clock, power and throttle reasons every 200 ms and prints
 # their medians per run (W1 runs at the H200's power cap: docs/benchmarks.md, run 14).
@@ -75,11 +79,17 @@ ab() {
   local part=$1; shift
   for r in $(seq "$ROUNDS"); do
     for v in $VARIANTS; do
-      local name=${v%%=*} envs=${v#*=} t0
+      local name=${v%%=*} spec=${v#*=} t0 item
+      local -a envs=() flags=()
+      IFS=, read -ra items <<< "$spec"
+      for item in "${items[@]}"; do  # VAR=VALUE until the first --flag, then flags
+        if [[ $item == --* || ${#flags[@]} -gt 0 ]]; then flags+=("$item")
+        elif [[ -n $item ]]; then envs+=("$item"); fi
+      done
       t0=$(date +%s.%N)
-      echo "=== $part $name round $r: ${envs:-defaults}"
-      env ${envs//,/ } "$@" ${EXTRA_ARGS:-} --output-json "$OUT/${part}_${name}_$r.json" 2>&1 \
-        | grep -vE "^(INFO|DEBUG)"
+      echo "=== $part $name round $r: ${spec:-defaults}"
+      env "${envs[@]}" "$@" "${flags[@]}" ${EXTRA_ARGS:-} \
+        --output-json "$OUT/${part}_${name}_$r.json" 2>&1 | grep -vE "^(INFO|DEBUG)"
       echo "${part}_${name}_$r $t0 $(date +%s.%N)" >> "$OUT/windows.txt"
     done
   done
@@ -99,6 +109,8 @@ for part in $PARTS; do
     w1fcfs) ab w1fcfs $W1 ;;
     w1small) ab w1small python -m pagedllm bench throughput --workload W1-small \
       --dummy smollm2-135m --no-hf --scheduling-policy throughput ;;
+    w5) ab w5 python -m pagedllm bench throughput --workload W5 --dummy llama3-8b --no-hf \
+      --repeats "${REPEATS:-1}" ;;
     w2) step env RATES="${RATES:-10 20}" bash benchmarks/w2_suite.sh ;;
     w3) step bash benchmarks/w3_suite.sh gpu ;;
     startup) step bash benchmarks/startup_probe.sh 2 ;;
