@@ -70,9 +70,9 @@ class EngineCore:
             from pagedllm.structured_output.gate import GrammarGate
 
             config = self._engine_config
-            self._grammar_gate = GrammarGate(lambda: load_tokenizer(config),
-                                             config.model_config.vocab_size)
-            self.worker.set_grammar_compiler(self._grammar_gate.compiler)
+            gate = GrammarGate(lambda: load_tokenizer(config), config.model_config.vocab_size)
+            self.executor.set_grammar_compiler(gate.compiler)  # ValueError: not here
+            self._grammar_gate = gate
         return self._grammar_gate
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:

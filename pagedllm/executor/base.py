@@ -58,6 +58,13 @@ class Executor(ABC):
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(sched).result()
 
+    def set_grammar_compiler(self, compiler: object) -> None:
+        """Give the ranks' runners the core's structured-output grammar compiler.  Only
+        the in-process executor can: compiled grammars live in the core's process."""
+        raise ValueError("structured_outputs: not supported with tensor or pipeline "
+                         "parallelism yet (grammars are compiled in the engine core's "
+                         "process); use tensor_parallel_size=1 and pipeline_parallel_size=1")
+
     def check_health(self) -> None:  # noqa: B027
         """``ExecutorError`` when a rank is gone (cheap: no message to the ranks)."""
 

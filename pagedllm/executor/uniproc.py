@@ -26,6 +26,9 @@ class UniProcExecutor(Executor):
         self.num_cpu_blocks = self.worker.num_cpu_blocks
         self.padded_step_sizes = self.worker.padded_step_sizes()
 
+    def set_grammar_compiler(self, compiler: object) -> None:
+        self.worker.set_grammar_compiler(compiler)
+
     def execute_model_async(self, sched: SchedulerOutput) -> StepHandle:
         return self.worker.execute_model_async(sched)
 
