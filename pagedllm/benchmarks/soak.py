@@ -152,7 +152,8 @@ async def _kv(session: Any) -> dict[str, float]:
         text = await r.text()
     out: dict[str, float] = {}
     for line in text.splitlines():
-        m = re.match(r"pagedllm:(\w+)\{[^}]*\} (\S+)$", line)
+        # vLLM's names for the scheduler gauges, ours (pagedllm:) for the block counts.
+        m = re.match(r"(?:vllm|pagedllm):(\w+)\{[^}]*\} (\S+)$", line)
         if m and m.group(1) in _KV_SERIES:
             out[m.group(1)] = float(m.group(2))
     return out

@@ -185,9 +185,13 @@ class AsyncLLM:
         """Record into ``metrics`` from now on (the server builds them once it knows the
         served model name, i.e. after :meth:`create`)."""
         self.metrics = metrics
-        for reason, count in self.client.rejected.items():  # refused before this call
-            metrics.record_transport_rejected(reason, count)
-        self.client.on_rejected = metrics.record_transport_rejected
+        # Each engine's transport (one, or one per data-parallel engine) counts the
+        # peers and frames it refused; those refused before this call are added now.
+        clients = self.client.clients if isinstance(self.client, DPClient) else [self.client]
+        for c in clients:
+            for reason, count in c.rejected.items():
+                metrics.record_transport_rejected(reason, count)
+            c.on_rejected = metrics.record_transport_rejected
         if isinstance(self.client, DPClient):  # per-engine gauges beside the totals
             metrics.track_engines(self.client.engine_stats, self.client.assigned)
 

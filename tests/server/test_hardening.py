@@ -158,7 +158,7 @@ def test_multi_prompt_admission_all_or_nothing(hard: ServerProcess) -> None:
             assert len(r.json()["choices"]) == 2
             assert all(c["finish_reason"] == "length" for c in r.json()["choices"])
     m = hard.metrics()
-    assert m.get("pagedllm:num_requests_running", 0) <= 2
+    assert m.get("vllm:num_requests_running", 0) <= 2
 
 
 # ----------------------------------------------------------------------------- big inputs

@@ -105,7 +105,7 @@ def test_second_sigterm_ends_requests_with_errors_at_once() -> None:
 
         plain_t = threading.Thread(target=non_streaming)
         plain_t.start()
-        assert wait_until(lambda: s.metrics().get("pagedllm:num_requests_running") == 2,
+        assert wait_until(lambda: s.metrics().get("vllm:num_requests_running") == 2,
                           timeout=60)
         s.proc.send_signal(signal.SIGTERM)
         with s.client() as c:

@@ -33,5 +33,5 @@ def test_startup_failure_is_reported_once(default_model_path: str) -> None:
     finally:
         s.close()
     assert log.count("kv_cache_memory_bytes: 1000 bytes") == 1, log
-    assert "give the KV cache at least" in log and "max_model_len to 0" not in log
+    assert "--kv-cache-memory-bytes to at least" in log and "max_model_len to 0" not in log
     assert "Traceback" not in log

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 
 import httpx
 import jinja2
@@ -20,7 +21,7 @@ import openai
 import pytest
 import torch
 
-from tests.server.harness import ServerProcess
+from tests.server.harness import ServerProcess, running_server
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
@@ -67,12 +68,20 @@ def test_models_retrieve(server: ServerProcess) -> None:
         client.models.retrieve("no-such-model")
 
 
-def test_completion_prompt_logprobs_match_transformers(server: ServerProcess,
+@pytest.fixture(scope="module")
+def fp32_server() -> Iterator[ServerProcess]:
+    """The default model on its float32 dequantised weights (``--quantization none``):
+    what transformers computes too, so logprobs can be compared to 2e-3."""
+    with running_server("--quantization", "none") as s:
+        yield s
+
+
+def test_completion_prompt_logprobs_match_transformers(fp32_server: ServerProcess,
                                                        default_model_path: str,
                                                        hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
-    r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+    r = httpx.post(fp32_server.url + "/v1/completions", timeout=120, json={
         "model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0,
         "prompt_logprobs": 2})
     assert r.status_code == 200, r.text

@@ -73,7 +73,7 @@ async def start_chat(chat: OpenAIServingChat, body: ChatCompletionRequest,
     st.check_admitting()
     public_id = st.public_id(raw_request, prefix, body.request_id)
     try:
-        ids = chat.render(body)
+        ids = await chat.render(body)
     except ValueError as e:
         if isinstance(e, RequestError):
             raise

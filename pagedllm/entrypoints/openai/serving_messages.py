@@ -260,7 +260,7 @@ class AnthropicServingMessages:
                 body.pop("stream", None)
             req = to_chat_request(body)
             self.chat.state.check_model(req.model)
-            ids = self.chat.render(req)
+            ids = await self.chat.render(req)
         except Exception as e:
             if isinstance(e, ValueError) and not isinstance(e, RequestError):
                 e = RequestError(str(e).splitlines()[0], "messages")
