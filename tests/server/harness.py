@@ -120,7 +120,8 @@ class ServerProcess:
         return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 120.0), **kw)
 
     def metrics(self) -> dict[str, float]:
-        """``/metrics`` as {series (name + labels minus model_name and engine): value}."""
+        """``/metrics`` as {series (name + labels minus model_name and engine, except on
+        the per-engine DP gauges): value}."""
         text = httpx.get(self.url + "/metrics", timeout=30,
                          headers=getattr(self, "auth_headers", None)).text
         out: dict[str, float] = {}
@@ -128,10 +129,16 @@ class ServerProcess:
             if line.startswith("#") or not line.strip():
                 continue
             key, _, value = line.rpartition(" ")
-            key = re.sub(r',?(model_name|engine)="[^"]*"', "", key).replace("{,", "{")
+            # The data-parallel per-engine gauges keep their engine label.
+            labels = "model_name" if key.split("{")[0] in _PER_ENGINE else "model_name|engine"
+            key = re.sub(rf',?({labels})="[^"]*"', "", key).replace("{,", "{")
             key = key.replace("{}", "")
             out[key] = float(value)
         return out
+
+
+_PER_ENGINE = {f"pagedllm:engine_{n}" for n in (
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "requests_assigned")}
 
 
 @contextlib.contextmanager

@@ -64,7 +64,7 @@ def test_soak_catches_a_memory_leak_and_blocks_in_use() -> None:
         try:
             assert held.wait(120)
             rc, summary, text = _soak("--base-url", s.url, "--pid", str(s.pid),
-                                      "--duration", "20", "--warmup", "5",
+                                      "--duration", "30", "--warmup", "3",
                                       "--concurrency", "2", "--drain-timeout", "3")
         finally:
             release.set()
