@@ -102,8 +102,13 @@ def test_detection_and_overrides(tmp_path, monkeypatch: pytest.MonkeyPatch) -> N
     assert EngineArgs(model=quant, device="cpu").create_engine_config(
     ).model_config.quantization == "gguf"
     monkeypatch.setitem(QUANTIZATION_METHODS, "fp8", "x:y")
-    with pytest.raises(ValueError, match="quantization='fp8' but the checkpoint is a GGUF"):
-        EngineArgs(model=quant, device="cpu", quantization="fp8").create_engine_config()
+    # fp8 quantises the dequantised weights at load; a checkpoint format is refused.
+    assert EngineArgs(model=quant, device="cpu", quantization="fp8"
+                      ).create_engine_config().model_config.quantization == "fp8"
+    with pytest.raises(ValueError,
+                       match="quantization='compressed-tensors' but the checkpoint is a GGUF"):
+        EngineArgs(model=quant, device="cpu",
+                   quantization="compressed-tensors").create_engine_config()
 
 
 def test_truncated_quantised_tensor_is_a_load_error(tmp_path) -> None:
