@@ -90,3 +90,18 @@ class PagedSession:
             start += q
             self.lens[r] = c + q
         return out
+
+
+def session_for(pair, block_size: int = 16, seed: int = 0) -> PagedSession:  # type: ignore[no-untyped-def]
+    """A ``PagedSession`` (48 blocks) on ``pair = (our model, hf model, engine config)``,
+    the fixture shape the HF-parity tests share."""
+    ours, _, cfg = pair
+    mc = cfg.model_config
+    return PagedSession(ours, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks=48,
+                        block_size=block_size, seed=seed)
+
+
+def hf_logits_of(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """Transformers' float32 logits of one unbatched prompt."""
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()

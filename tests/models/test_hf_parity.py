@@ -17,7 +17,7 @@ import transformers
 from pagedllm.attention.torch_ref import TorchReferenceBackend
 from pagedllm.config import EngineArgs
 from pagedllm.models.loader import load_model
-from tests.models.paged import PagedSession
+from tests.models.paged import PagedSession, hf_logits_of, session_for
 
 ATOL = 1e-4
 
@@ -73,35 +73,23 @@ def pair(request, tmp_path_factory):
     return ours, hf, cfg
 
 
-def _session(pair, block_size: int = 16, seed: int = 0) -> PagedSession:
-    ours, _, cfg = pair
-    mc = cfg.model_config
-    return PagedSession(ours, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks=48,
-                        block_size=block_size, seed=seed)
-
-
-def _hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
-
-
 def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_whole_prompt(pair) -> None:
     ids = _prompt(70, seed=1)
-    got = _session(pair).step({0: ids})[0]
-    torch.testing.assert_close(got, _hf_logits(pair[1], ids), atol=ATOL, rtol=0)
+    got = session_for(pair).step({0: ids})[0]
+    torch.testing.assert_close(got, hf_logits_of(pair[1], ids), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_chunks_then_decodes(pair, block_size: int) -> None:
     ids = _prompt(45, seed=2)
-    s = _session(pair, block_size=block_size, seed=block_size)
+    s = session_for(pair, block_size=block_size, seed=block_size)
     parts = [s.step({7: ids[:13]})[7], s.step({7: ids[13:30]})[7]]
     parts += [s.step({7: [t]})[7] for t in ids[30:]]
-    torch.testing.assert_close(torch.cat(parts), _hf_logits(pair[1], ids), atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat(parts), hf_logits_of(pair[1], ids), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -122,7 +110,7 @@ def test_mixed_batch(pair, backend: str) -> None:
         s = PagedSession(ours, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks=48,
                          seed=3)
     else:
-        s = _session(pair, seed=3)
+        s = session_for(pair, seed=3)
     got: dict[int, list[torch.Tensor]] = {r: [] for r in prompts}
     schedule = [
         {0: (0, 33), 1: (0, 7), 2: (0, 1)},
@@ -136,7 +124,7 @@ def test_mixed_batch(pair, backend: str) -> None:
         for r, logits in out.items():
             got[r].append(logits)
     for r, ids in prompts.items():
-        torch.testing.assert_close(torch.cat(got[r]), _hf_logits(pair[1], ids), atol=ATOL,
+        torch.testing.assert_close(torch.cat(got[r]), hf_logits_of(pair[1], ids), atol=ATOL,
                                    rtol=0)
 
 
@@ -145,7 +133,7 @@ def test_last_only_keeps_each_requests_last_token(pair) -> None:
     token; those rows' logits still equal HF's, and the KV the skipped rows wrote is the
     full forward's (a later decode over it matches too)."""
     prompts = {r: _prompt(n, seed=20 + r) for r, n in enumerate([26, 1, 14])}
-    s = _session(pair, seed=4)
+    s = session_for(pair, seed=4)
     steps = [{0: (0, 10), 1: (0, 1), 2: (0, 14)}, {0: (10, 26), 1: (1, 1)}]
     got: dict[int, torch.Tensor] = {}
     for step in steps:
@@ -154,12 +142,12 @@ def test_last_only_keeps_each_requests_last_token(pair) -> None:
             assert logits.shape[0] == 1
             got[r] = logits[0]
     for r, ids in prompts.items():
-        torch.testing.assert_close(got[r], _hf_logits(pair[1], ids)[-1], atol=ATOL, rtol=0)
+        torch.testing.assert_close(got[r], hf_logits_of(pair[1], ids)[-1], atol=ATOL, rtol=0)
     # One decode token each on top (max_query_len 1: no rows dropped).
     nxt = {r: [int(got[r].argmax())] for r in prompts}
     out = s.step(nxt, last_only=True)
     for r, ids in prompts.items():
-        ref = _hf_logits(pair[1], ids + nxt[r])[-1]
+        ref = hf_logits_of(pair[1], ids + nxt[r])[-1]
         torch.testing.assert_close(out[r][0], ref, atol=ATOL, rtol=0)
 
 
@@ -188,9 +176,9 @@ def test_batch1_decodes_on_the_gemv_path(pair, monkeypatch) -> None:
     monkeypatch.setattr(llama, "gemv_applies", one_row)
     monkeypatch.setattr(gemv_mod, "gemv", counting_gemv)
     ids = _prompt(30, seed=6)
-    s = _session(pair, seed=6)
+    s = session_for(pair, seed=6)
     parts = [s.step({5: ids[:24]})[5]] + [s.step({5: [t]})[5] for t in ids[24:]]
-    torch.testing.assert_close(torch.cat(parts), _hf_logits(pair[1], ids), atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat(parts), hf_logits_of(pair[1], ids), atol=ATOL, rtol=0)
     layers = pair[2].model_config.num_layers
     assert calls == {"plain": 6 * layers * 3, "silu_mul": 6 * layers}, calls
 
@@ -218,7 +206,7 @@ def test_cuda_matches_transformers(pair, dtype: str) -> None:
     s = PagedSession(ours, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks=16,
                      dtype=torch_dtype, device="cuda")
     got = torch.cat([s.step({0: ids[:25]})[0]] + [s.step({0: [t]})[0] for t in ids[25:]])
-    ref = _hf_logits(hf, ids)
+    ref = hf_logits_of(hf, ids)
     tol = 1e-3 if dtype == "float32" else 0.15
     torch.testing.assert_close(got.cpu(), ref, atol=tol, rtol=0)
 

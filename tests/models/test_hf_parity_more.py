@@ -14,7 +14,7 @@ import torch
 from pagedllm.attention.torch_ref import TorchReferenceBackend
 from pagedllm.config import EngineArgs
 from pagedllm.models.loader import load_model
-from tests.models.paged import PagedSession
+from tests.models.paged import PagedSession, hf_logits_of, session_for
 from tests.models.tiny_models import CONFIGS, VOCAB, build
 
 ATOL = 1e-4
@@ -30,39 +30,27 @@ def pair(request, tmp_path_factory):
     return ours, hf, cfg
 
 
-def _session(pair, block_size: int = 16, seed: int = 0) -> PagedSession:
-    ours, _, cfg = pair
-    mc = cfg.model_config
-    return PagedSession(ours, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks=48,
-                        block_size=block_size, seed=seed)
-
-
-def _hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
-
-
 def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_whole_prompt(pair) -> None:
     ids = _prompt(70, seed=1)
-    got = _session(pair).step({0: ids})[0]
-    torch.testing.assert_close(got, _hf_logits(pair[1], ids), atol=ATOL, rtol=0)
+    got = session_for(pair).step({0: ids})[0]
+    torch.testing.assert_close(got, hf_logits_of(pair[1], ids), atol=ATOL, rtol=0)
 
 
 def test_chunks_then_decodes(pair) -> None:
     ids = _prompt(45, seed=2)
-    s = _session(pair, block_size=4, seed=4)
+    s = session_for(pair, block_size=4, seed=4)
     parts = [s.step({7: ids[:13]})[7], s.step({7: ids[13:30]})[7]]
     parts += [s.step({7: [t]})[7] for t in ids[30:]]
-    torch.testing.assert_close(torch.cat(parts), _hf_logits(pair[1], ids), atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat(parts), hf_logits_of(pair[1], ids), atol=ATOL, rtol=0)
 
 
 def test_mixed_batch(pair) -> None:
     prompts = {r: _prompt(n, seed=10 + r) for r, n in enumerate([33, 20, 9])}
-    s = _session(pair, seed=3)
+    s = session_for(pair, seed=3)
     got: dict[int, list[torch.Tensor]] = {r: [] for r in prompts}
     schedule = [{0: (0, 33), 1: (0, 7), 2: (0, 1)}, {1: (7, 19), 2: (1, 2)},
                 {1: (19, 20), 2: (2, 9)}]
@@ -70,7 +58,7 @@ def test_mixed_batch(pair) -> None:
         for r, logits in s.step({r: prompts[r][a:b] for r, (a, b) in step.items()}).items():
             got[r].append(logits)
     for r, ids in prompts.items():
-        torch.testing.assert_close(torch.cat(got[r]), _hf_logits(pair[1], ids), atol=ATOL,
+        torch.testing.assert_close(torch.cat(got[r]), hf_logits_of(pair[1], ids), atol=ATOL,
                                    rtol=0)
 
 
@@ -88,12 +76,12 @@ def test_moe_triton_kernel_in_the_model(pair) -> None:
     for m in moes:
         m.use_triton = True
     try:
-        s = _session(pair, seed=5)
+        s = session_for(pair, seed=5)
         got = torch.cat([s.step({0: ids[:17]})[0]] + [s.step({0: [t]})[0] for t in ids[17:]])
     finally:
         for m in moes:
             m.use_triton = False
-    torch.testing.assert_close(got, _hf_logits(pair[1], ids), atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, hf_logits_of(pair[1], ids), atol=ATOL, rtol=0)
 
 
 def test_triton_backend_serves_every_attention_kind(pair) -> None:
@@ -115,7 +103,7 @@ def test_triton_backend_serves_every_attention_kind(pair) -> None:
     ids = _prompt(24, seed=6)  # window 16
     got = torch.cat([s.step({0: ids[:18]})[0], s.step({0: ids[18:22]})[0]]
                     + [s.step({0: [t]})[0] for t in ids[22:]])
-    torch.testing.assert_close(got, _hf_logits(hf, ids), atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, hf_logits_of(hf, ids), atol=ATOL, rtol=0)
 
 
 @pytest.mark.gpu
@@ -133,4 +121,4 @@ def test_cuda_bf16_triton_matches_transformers(pair) -> None:
     s = PagedSession(ours, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks=16,
                      dtype=torch.bfloat16, device="cuda")
     got = torch.cat([s.step({0: ids[:25]})[0]] + [s.step({0: [t]})[0] for t in ids[25:]])
-    torch.testing.assert_close(got.float().cpu(), _hf_logits(hf, ids), atol=0.15, rtol=0)
+    torch.testing.assert_close(got.float().cpu(), hf_logits_of(hf, ids), atol=0.15, rtol=0)
