@@ -19,7 +19,6 @@ import importlib.util
 import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 # Packages whose shared libraries start-up loads.
 _LIBRARY_PACKAGES = ("torch", "nvidia", "triton")
@@ -76,11 +75,39 @@ def _advise(path: str) -> None:
         os.close(fd)
 
 
+def _advise_all(paths: list[str]) -> None:
+    """Advise ``paths`` from ``_THREADS`` daemon threads and wait for them.
+
+    Plain daemon threads, not a ``ThreadPoolExecutor``: its workers are joined at
+    interpreter exit and it refuses new work once shutdown starts, so a server that exits
+    during start-up (a one-line refusal) would print that thread's traceback after its
+    error line, or wait for the readahead to finish."""
+    lock = threading.Lock()
+    it = iter(paths)
+
+    def work() -> None:
+        while True:
+            with lock:
+                path = next(it, None)
+            if path is None:
+                return
+            _advise(path)
+
+    threads = [threading.Thread(target=work, name="pagedllm-prefetch", daemon=True)
+               for _ in range(_THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def _prefetch() -> None:
-    with ThreadPoolExecutor(_THREADS, thread_name_prefix="pagedllm-prefetch") as pool:
+    try:
         # Libraries first: each is one large sequential read.  Then the bytecode.
         for paths in _startup_files():
-            list(pool.map(_advise, paths, chunksize=16))
+            _advise_all(paths)
+    except BaseException:  # a hint, never a requirement (and never a traceback at exit)
+        return
 
 
 def prefetch_startup_files() -> threading.Thread | None:

@@ -43,7 +43,7 @@ def test_short_soak_passes() -> None:
 
 
 def test_soak_catches_a_memory_leak_and_blocks_in_use() -> None:
-    with running_server(env={LEAK_ENV: str(50 << 20)},
+    with running_server(env={LEAK_ENV: str(12 << 20)},
                         base_args=["--max-model-len", "4096", "--max-num-seqs", "8"]) as s:
         held = threading.Event()
         release = threading.Event()
