@@ -43,11 +43,18 @@ activation quantiser live in ``kernels/int8_gemm.py``.
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
+
+# W8A8-INT8 lives in its own module; re-exported so that one import serves both.
+from pagedllm.kernels.int8_gemm import (  # noqa: F401
+    int8_gemm,
+    quant_per_token_int8,
+    split_k_chunk,
+    target_programs,
+)
 
 SUPPORTED_BITS = (4, 8)
 SMALL_M = 16  # rows up to which the decode configurations are used
@@ -271,15 +278,6 @@ WNA16Config = tuple[int, int, int, int, int, int]  # block_m, block_n, block_k, 
 # stages, split_k
 
 
-@lru_cache(maxsize=None)
-def _target_programs(device: torch.device) -> int:
-    """Programs that fill the device: two per SM (a small fixed number in the
-    interpreter, where every program costs time)."""
-    if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
-
-
 def wna16_config(m: int, n: int, k: int, bits: int, group_size: int,
                  device: torch.device) -> WNA16Config:
     """``(block_m, block_n, block_k, num_warps, num_stages, split_k)`` by row count.
@@ -300,7 +298,7 @@ def wna16_config(m: int, n: int, k: int, bits: int, group_size: int,
         bm, bn, bk, warps, stages = 64, 128, 64, 8, 3
     programs = -(-m // bm) * -(-n // bn)
     k_tiles = -(-k // bk)
-    split = max(1, min(_target_programs(device) // programs, k_tiles, 16))
+    split = max(1, min(target_programs(device) // programs, k_tiles, 16))
     return bm, bn, bk, warps, stages, split
 
 
@@ -331,8 +329,7 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                                                               x.device)
     if bk % (32 // bits) or bk & (bk - 1):
         raise ValueError(f"config: block_k={bk} must be a power of two >= {32 // bits}")
-    k_chunk = -(-(-(-k // bk)) // split) * bk  # whole K tiles per split
-    split = -(-k // k_chunk)  # no empty splits
+    k_chunk, split = split_k_chunk(k, bk, split)
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32,
                                                 device=x.device)
     grid = (-(-m // bm) * -(-n // bn), split)
@@ -343,7 +340,8 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         zeros.stride(0) if zeros is not None else 0, n, m * n if split > 1 else 0,
         BITS=bits, GROUP=group_size, HAS_ZERO=zeros is not None,
         HAS_GIDX=g_idx is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_CHUNK=k_chunk,
-        IEEE=x.dtype == torch.float32 or (_INTERPRET and x.dtype == torch.bfloat16), num_warps=warps, num_stages=stages)
+        IEEE=x.dtype == torch.float32 or (_INTERPRET and x.dtype == torch.bfloat16),
+        num_warps=warps, num_stages=stages)
     if split > 1:
         out.copy_(target.sum(0))  # fixed order: deterministic
     return out.reshape(*lead, n)
