@@ -11,6 +11,9 @@ Sections (each checks correctness before timing, and records the error):
 * mixed: prefill chunks (with cached context) + decodes in one launch vs per-request
   SDPA with a bottom-right causal mask, and ``flash_attn_varlen_func`` when importable.
 * elementwise: KV write, fused add+RMSNorm, rotary, SiLU-and-mul, sampling vs eager torch.
+* quant (``--sections quant``): INT4/INT8 weight GEMMs (W4A16 group 128, W8A8-INT8) at
+  the Llama-3-8B projections vs bf16, with the weight-read floor
+  (``benchmarks/quant_gemm_bench.py``).
 * sweep (``--sweep``): launch-plan grid (tile_n, warps, stages, splits) on a few decode
   and prefill shapes, to retune ``plan_attention``'s defaults.
 
@@ -365,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer decode shapes")
     ap.add_argument("--sweep", action="store_true", help="also sweep launch plans")
     ap.add_argument("--sections", default="decode,mixed,elementwise,graph",
-                    help="comma list of: decode, mixed, elementwise, graph, sweep")
+                    help="comma list of: decode, mixed, elementwise, graph, sweep, quant")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("kernel_bench needs a CUDA device")
@@ -387,8 +390,15 @@ def main(argv: list[str] | None = None) -> None:
         peers=dict(flash_attn=_try_import("flash_attn") is not None,
                    flashinfer=_try_import("flashinfer") is not None),
         date=time.strftime("%Y-%m-%d %H:%M:%S"))
-    setup = PagedSetup(max(batches) * max(ctxs) + 8192 * 2, device)
     t0 = time.time()
+    if "quant" in sections:  # first: it needs the memory the paged KV setup takes
+        from pagedllm.benchmarks.quant_gemm_bench import bench_quant
+
+        print("quantised GEMMs (us; GB/s of weight + activation traffic):")
+        result["quant"] = bench_quant(device, print_row=_print_row)
+    # The paged KV setup (GBs) only for the sections that read it.
+    if sections & {"graph", "decode", "mixed", "sweep"}:
+        setup = PagedSetup(max(batches) * max(ctxs) + 8192 * 2, device)
     if "graph" in sections:
         result["cuda_graph"] = check_cuda_graph(setup)
     if "decode" in sections:

@@ -66,8 +66,9 @@ def quant_per_token_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def int8_gemm_ref(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
                   w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """The oracle: exact int32 (here int64) dot products, fp32 scaling, one rounding."""
-    acc = (x_q.to(torch.int64) @ w_q.to(torch.int64).T).float()
+    """The oracle: exact integer dot products (in fp64, exact below 2**53: CUDA has no
+    integer matmul), fp32 scaling, one rounding."""
+    acc = (x_q.double() @ w_q.double().T).float()
     return (acc * x_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)
             ).to(out_dtype)
 

@@ -25,21 +25,26 @@ EPS_OUT = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16:
 
 def _operands(m: int, n: int, k: int, dtype: torch.dtype, gen: torch.Generator
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    x = (torch.randn(m, k, generator=gen) * torch.logspace(-2, 2, m)[:, None]).to(dtype)
-    x_q, x_s = quant_per_token_int8_ref(x)
-    w_q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
-    w_s = torch.rand(n, generator=gen) * 1e-3 + 1e-4
-    return x_q.to(DEVICE), x_s.to(DEVICE), w_q.to(DEVICE), w_s.to(DEVICE)
+    """Per-token quantised activations (rows of very different sizes), random int8
+    weights and per-channel scales, on ``gen``'s device."""
+    dev = gen.device
+    x = torch.randn(m, k, generator=gen, device=dev) \
+        * torch.logspace(-2, 2, m, device=dev)[:, None]
+    x_q, x_s = quant_per_token_int8_ref(x.to(dtype))
+    w_q = torch.randint(-128, 128, (n, k), generator=gen, device=dev, dtype=torch.int8)
+    w_s = torch.rand(n, generator=gen, device=dev) * 1e-3 + 1e-4
+    return x_q, x_s, w_q, w_s
 
 
 def _check(got: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor,
            w_s: torch.Tensor, dtype: torch.dtype, seed: int) -> None:
     assert got.dtype == dtype and got.shape == (x_q.shape[0], w_q.shape[0])
-    acc = x_q.cpu().double() @ w_q.cpu().double().T  # exact integers
-    scale = x_s.cpu().double().reshape(-1, 1) * w_s.cpu().double().reshape(1, -1)
+    # fp64 on the tensors' device: the integer sums are exact (< 2**53).
+    acc = x_q.double() @ w_q.double().T
+    scale = x_s.double().reshape(-1, 1) * w_s.double().reshape(1, -1)
     ref = acc * scale
-    abs_sum = (x_q.cpu().double().abs() @ w_q.cpu().double().abs().T) * scale
-    got = got.cpu().double()
+    abs_sum = (x_q.double().abs() @ w_q.double().abs().T) * scale
+    got = got.double()
     assert not got.isnan().any(), f"unwritten outputs (seed={seed})"
     # fp32 scaling (and split-K partial sums), then one rounding to dtype.
     bound = 1e-6 * abs_sum + EPS_OUT[dtype] * ref.abs() + 1e-9
@@ -69,7 +74,7 @@ def test_quant_per_token_int8_matches_reference(shape: tuple[int, int],
 @pytest.mark.parametrize("m", [1, 3, 17, 64])
 def test_int8_gemm_triton_matches_reference(m: int) -> None:
     seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(DEVICE).manual_seed(seed)
     for dtype, (n, k) in zip([torch.float32, torch.float16, torch.bfloat16],
                              [(48, 200), (40, 256), (24, 136)]):
         ops = _operands(m, n, k, dtype, gen)
@@ -85,7 +90,7 @@ def test_int8_gemm_triton_matches_reference(m: int) -> None:
 def test_int8_gemm_int_mm_path_matches_reference(dtype: torch.dtype) -> None:
     """``torch._int_mm`` runs on the CPU too, so its epilogue is tested here."""
     seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(DEVICE).manual_seed(seed)
     ops = _operands(24, 40, 64, dtype, gen)
     _check(int8_gemm_int_mm(*ops, dtype), *ops, dtype, seed)
     # The public entry point picks a path by shape; on the CPU it is the Triton kernel
@@ -97,7 +102,7 @@ def test_int8_gemm_int_mm_path_matches_reference(dtype: torch.dtype) -> None:
 
 
 def test_int8_gemm_rejects_bad_arguments() -> None:
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(DEVICE).manual_seed(0)
     x_q, x_s, w_q, w_s = _operands(4, 16, 32, torch.float32, gen)
     cases = [
         ((x_q.float(), x_s, w_q, w_s, torch.float32), "x_q"),
@@ -121,14 +126,14 @@ LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 @pytest.mark.parametrize("n,k", LLAMA3_8B)
 def test_gpu_int8_gemm_llama3_shapes(n: int, k: int, m: int) -> None:
     seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(DEVICE).manual_seed(seed)
     x_q, x_s, w_q, w_s = _operands(m, n, k, torch.bfloat16, gen)
     assert int_mm_applies(x_q, w_q) == (m > 16)
     _check(int8_gemm(x_q, x_s, w_q, w_s, torch.bfloat16), x_q, x_s, w_q, w_s,
            torch.bfloat16, seed)
     _check(int8_gemm_triton(x_q, x_s, w_q, w_s, torch.bfloat16), x_q, x_s, w_q, w_s,
            torch.bfloat16, seed)
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    x = torch.randn(m, k, generator=gen, device=DEVICE).to(torch.bfloat16)
     q, s = quant_per_token_int8(x)
     rq, rs = quant_per_token_int8_ref(x)
     torch.testing.assert_close(s, rs, rtol=1e-6, atol=0)

@@ -31,23 +31,25 @@ EPS_OUT = {torch.float32: 0.0, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 **
 
 
 def make_weight(n: int, k: int, bits: int, group_size: int, *, zeros: bool, act_order: bool,
-                dtype: torch.dtype, gen: torch.Generator, device: str = DEVICE
+                dtype: torch.dtype, gen: torch.Generator
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                            torch.Tensor | None]:
     """Random codes, scales (~1/sqrt(k) per code step), zero points in code units and an
-    act-order ``g_idx`` in the canonical layout."""
+    act-order ``g_idx`` in the canonical layout, made on ``gen``'s device."""
+    dev = gen.device
     g = k if group_size == -1 else group_size
     groups = -(-k // g)
-    codes = torch.randint(0, 1 << bits, (n, k), generator=gen)
-    scales = (torch.rand(n, groups, generator=gen) + 0.5) * (2.0 / (1 << bits)) / k ** 0.5
+    codes = torch.randint(0, 1 << bits, (n, k), generator=gen, device=dev)
+    scales = (torch.rand(n, groups, generator=gen, device=dev) + 0.5) \
+        * (2.0 / (1 << bits)) / k ** 0.5
     zp = None
     if zeros:
-        zp = torch.randint(0, 1 << bits, (n, groups), generator=gen).float()
+        zp = torch.randint(0, 1 << bits, (n, groups), generator=gen, device=dev).float()
     g_idx = None
     if act_order:  # GPTQ act-order: group k // G of a permutation of the inputs
-        g_idx = (torch.argsort(torch.randperm(k, generator=gen)) // g).to(torch.int32)
-    return (pack_codes(codes, bits).to(device), scales.to(dtype).to(device),
-            None if zp is None else zp.to(device), None if g_idx is None else g_idx.to(device))
+        perm = torch.randperm(k, generator=gen, device=dev)
+        g_idx = (torch.argsort(perm) // g).to(torch.int32)
+    return pack_codes(codes, bits), scales.to(dtype), zp, g_idx
 
 
 def check_against_reference(x: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor,
@@ -57,20 +59,19 @@ def check_against_reference(x: torch.Tensor, qw: torch.Tensor, scales: torch.Ten
     k = x.shape[-1]
     got = wna16_gemm(x, qw, scales, zeros, g_idx, bits, group_size, config=config)
     assert got.dtype == x.dtype and got.shape == (*x.shape[:-1], qw.shape[0])
-    w = dequantize(qw, scales, zeros, g_idx, bits, group_size, k).cpu().double()
-    xd = x.cpu().double()
+    # fp64 on the tensors' device (a GPU does the 2048-row products in milliseconds).
+    w = dequantize(qw, scales, zeros, g_idx, bits, group_size, k).double()
+    xd = x.double()
     ref = xd @ w.T
     abs_sum = xd.abs() @ w.abs().T
-    got = got.cpu().double()
+    got = got.double()
     assert not got.isnan().any(), f"NaN / unwritten outputs (seed={seed})"
     bound = (2e-5 + EPS_W[x.dtype]) * abs_sum + EPS_OUT[x.dtype] * ref.abs() + 1e-6
     excess = ((got - ref).abs() - bound).max().item()
     assert excess <= 0, (f"max abs err {(got - ref).abs().max().item():.3g} exceeds the "
                          f"bound by {excess:.3g} (seed={seed}, config={config})")
     # The public reference agrees with the fp64 product the same way.
-    ref_fn = wna16_ref(x.cpu().float(), qw.cpu(), scales.cpu(), None if zeros is None
-                       else zeros.cpu(), None if g_idx is None else g_idx.cpu(), bits,
-                       group_size).double()
+    ref_fn = wna16_ref(x.float(), qw, scales, zeros, g_idx, bits, group_size).double()
     assert ((ref_fn - ref).abs() <= 2e-6 * abs_sum + 1e-6).all()
 
 
@@ -84,7 +85,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 @pytest.mark.parametrize("bits", [4, 8])
 def test_wna16_matches_reference(bits: int, m: int) -> None:
     seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(DEVICE).manual_seed(seed)
     # Every (zeros, act-order) pair, dtypes and shapes in turn (over the parameters,
     # each dtype meets each pair and each shape; all of them would triple the time).
     for i, (zeros, act_order) in enumerate(itertools.product([False, True], repeat=2)):
@@ -92,7 +93,7 @@ def test_wna16_matches_reference(bits: int, m: int) -> None:
         n, k, g = SHAPES[(i + m // 2) % len(SHAPES)]
         qw, s, z, gi = make_weight(n, k, bits, g, zeros=zeros, act_order=act_order,
                                    dtype=dtype, gen=gen)
-        x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
+        x = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
         check_against_reference(x, qw, s, z, gi, bits, g, seed)
 
 
@@ -103,10 +104,10 @@ def test_wna16_matches_reference(bits: int, m: int) -> None:
 ])
 def test_wna16_launch_variants(config: tuple[int, ...]) -> None:
     seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(DEVICE).manual_seed(seed)
     qw, s, z, gi = make_weight(40, 200, 4, 40, zeros=True, act_order=True,
                                dtype=torch.float16, gen=gen)
-    x = torch.randn(2, 1, 200, generator=gen).to(torch.float16).to(DEVICE)  # 3-D x
+    x = torch.randn(2, 1, 200, generator=gen, device=DEVICE).to(torch.float16)  # 3-D x
     check_against_reference(x, qw, s, z, gi, 4, 40, seed, config=config)
 
 
@@ -154,7 +155,7 @@ def test_reference_dequantises_a_round_to_nearest_weight(bits: int, zeros: bool)
 
 
 def test_wna16_rejects_bad_arguments() -> None:
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(DEVICE).manual_seed(0)
     qw, s, z, gi = make_weight(16, 64, 4, 32, zeros=True, act_order=True,
                                dtype=torch.float32, gen=gen)
     x = torch.randn(2, 64, device=DEVICE)
@@ -189,11 +190,11 @@ LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 @pytest.mark.parametrize("n,k", LLAMA3_8B)
 def test_gpu_wna16_llama3_shapes(n: int, k: int, m: int) -> None:
     seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(DEVICE).manual_seed(seed)
     for bits, zeros, act_order in [(4, False, False), (4, True, True), (8, False, True)]:
         qw, s, z, gi = make_weight(n, k, bits, 128, zeros=zeros, act_order=act_order,
                                    dtype=torch.bfloat16, gen=gen)
-        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+        x = torch.randn(m, k, generator=gen, device=DEVICE).to(torch.bfloat16)
         check_against_reference(x, qw, s, z, gi, bits, 128, seed)
 
 
@@ -201,10 +202,10 @@ def test_gpu_wna16_llama3_shapes(n: int, k: int, m: int) -> None:
 @pytest.mark.parametrize("m", [1, 8])
 def test_gpu_wna16_cuda_graph_replay(m: int) -> None:
     """The split-K decode path inside a CUDA graph equals the eager result bitwise."""
-    gen = torch.Generator().manual_seed(m)
+    gen = torch.Generator(DEVICE).manual_seed(m)
     qw, s, z, gi = make_weight(4096, 4096, 4, 128, zeros=False, act_order=False,
                                dtype=torch.bfloat16, gen=gen)
-    x = torch.randn(m, 4096, generator=gen).to(torch.bfloat16).to(DEVICE)
+    x = torch.randn(m, 4096, generator=gen, device=DEVICE).to(torch.bfloat16)
     eager = wna16_gemm(x, qw, s, z, gi, 4, 128)
     static = torch.zeros_like(x)
     wna16_gemm(static, qw, s, z, gi, 4, 128)  # compile outside the capture
