@@ -27,6 +27,7 @@ from functools import cache
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # A floor on the activation scale: an all-zero token quantises to zeros instead of 0/0.
@@ -97,7 +98,8 @@ def _check_int8_args(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor
 
 @triton.jit
 def _quant_int8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, min_scale,
-                       N_COLS: tl.constexpr, BLOCK: tl.constexpr):
+                       N_COLS: tl.constexpr, BLOCK: tl.constexpr,
+                       ROUND_BY_HAND: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -111,9 +113,13 @@ def _quant_int8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, min_scale,
         c = start + cols
         x = tl.load(x_ptr + row * stride_x + c, mask=c < N_COLS, other=0.0).to(tl.float32)
         y = tl.div_rn(x, scale)  # IEEE division, as torch divides
-        # Round half to even, as torch.round: |y| <= 127 (plus a rounding), so adding
-        # 1.5 * 2**23 leaves a spacing of 1 and the addition itself rounds.
-        y = (y + 12582912.0) - 12582912.0
+        # Round half to even, as torch.round.  The interpreter has no libdevice: there,
+        # |y| <= 127 (plus a rounding), so adding 1.5 * 2**23 leaves a spacing of 1 and
+        # the addition itself rounds.
+        if ROUND_BY_HAND:
+            y = (y + 12582912.0) - 12582912.0
+        else:
+            y = libdevice.rint(y)
         q = tl.clamp(y, -128.0, 127.0)
         tl.store(q_ptr + row * stride_q + c, q.to(tl.int8), mask=c < N_COLS)
 
@@ -135,7 +141,8 @@ def quant_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, s.fill_(INT8_MIN_SCALE)
     block = min(4096, triton.next_power_of_2(c))
     _quant_int8_kernel[(t,)](x, q, s, x.stride(0), q.stride(0), INT8_MIN_SCALE,
-                             N_COLS=c, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+                             N_COLS=c, BLOCK=block, ROUND_BY_HAND=_INTERPRET,
+                             num_warps=8 if block >= 2048 else 4)
     return q, s
 
 

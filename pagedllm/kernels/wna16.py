@@ -27,8 +27,10 @@ One Triton kernel, two inner loops picked by a compile-time ``BLOCK_M``:
 
 Each K step loads ``BLOCK_K / P`` words per row (each word once) and unpacks them with a
 broadcast shift ``[BLOCK_N, BLOCK_K / P, P] -> [BLOCK_N, BLOCK_K]``.  The group scales
-(and zeros) are gathered per k with ``g_idx``; without it, when ``G`` is a multiple of
-``BLOCK_K`` the whole tile is in one group and one scale per row is loaded.
+(and zeros) are gathered per k with ``g_idx``; without it they are loaded per group:
+one per row when ``G`` is a multiple of ``BLOCK_K`` (the tile is in one group), one per
+(row, group) broadcast over a ``[BLOCK_N, BLOCK_K / G, G]`` view when ``BLOCK_K`` is a
+multiple of ``G``; other group sizes are gathered per k.
 
 Split-K: at decode the output is too narrow to fill the GPU (``4096 / BLOCK_N`` programs
 for ``o_proj``), so K is cut into ``split_k`` chunks; each program writes its fp32
@@ -188,6 +190,20 @@ def _dequant_tile(qw_ptr, s_ptr, z_ptr, gi_ptr, rows, k0, K, stride_qn, stride_s
     codes = tl.reshape(codes, (BLOCK_N, BLOCK_K)).to(tl.float32)
     rk = k0 + tl.arange(0, BLOCK_K)
     k_ok = rk < K
+    if not HAS_GIDX and BLOCK_K % GROUP == 0 and BLOCK_K > GROUP:
+        # The tile holds whole groups: one scale per (row, group), broadcast over the
+        # group's codes through a [BLOCK_N, groups, GROUP] view.
+        NG: tl.constexpr = BLOCK_K // GROUP
+        gs = k0 // GROUP + tl.arange(0, NG)
+        g_ok = (gs * GROUP < K)[None, :]
+        s = tl.load(s_ptr + rows[:, None] * stride_sn + gs[None, :], mask=g_ok, other=0.0)
+        if HAS_ZERO:
+            z = tl.load(z_ptr + rows[:, None] * stride_zn + gs[None, :], mask=g_ok,
+                        other=0.0).to(tl.float32)[:, :, None]
+        else:
+            z = 1 << (BITS - 1)
+        w = (tl.reshape(codes, (BLOCK_N, NG, GROUP)) - z) * s.to(tl.float32)[:, :, None]
+        return tl.reshape(w, (BLOCK_N, BLOCK_K))
     if not HAS_GIDX and GROUP % BLOCK_K == 0:
         # The tile lies in one group: one scale (and zero) per row.
         g = k0 // GROUP
@@ -283,11 +299,12 @@ def wna16_config(m: int, n: int, k: int, bits: int, group_size: int,
     """``(block_m, block_n, block_k, num_warps, num_stages, split_k)`` by row count.
 
     Not tuned on a GPU yet (no device in the session that wrote it; the kernel bench's
-    ``wna16`` section is the place): block shapes follow the usual Triton W4A16 kernels,
-    and ``block_k`` divides the common group size 128 so that a tile has one scale per
-    row.  ``split_k`` raises the program count to about two per SM."""
-    if m == 1:
-        bm, bn, bk, warps, stages = 1, 32, 128, 4, 2
+    ``quant`` section is the place): block shapes follow the usual Triton W4A16 kernels,
+    and ``block_k`` is a multiple or a divisor of the common group size 128 so that
+    scales are loaded per group, not gathered per input.  ``split_k`` raises the
+    program count to about two per SM."""
+    if m == 1:  # kernels/gemv.py's shape: 8 rows of 512 inputs a step
+        bm, bn, bk, warps, stages = 1, 8, 512, 4, 2
     elif m <= SMALL_M:
         bm, bn, bk, warps, stages = 16, 64, 128, 4, 3
     elif m <= 32:

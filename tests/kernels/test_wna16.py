@@ -99,7 +99,7 @@ def test_wna16_matches_reference(bits: int, m: int) -> None:
 
 @pytest.mark.parametrize("config", [
     (16, 32, 64, 4, 1, 1),  # the dot path at one row, no split
-    (1, 16, 32, 4, 1, 5),  # the GEMV at several rows, uneven split (last one masked)
+    (1, 16, 64, 4, 1, 3),  # the GEMV at several rows, uneven split (last one masked)
     (32, 16, 128, 4, 1, 2),  # a K step wider than the group
 ])
 def test_wna16_launch_variants(config: tuple[int, ...]) -> None:
@@ -109,6 +109,11 @@ def test_wna16_launch_variants(config: tuple[int, ...]) -> None:
                                dtype=torch.float16, gen=gen)
     x = torch.randn(2, 1, 200, generator=gen, device=DEVICE).to(torch.float16)  # 3-D x
     check_against_reference(x, qw, s, z, gi, 4, 40, seed, config=config)
+    # Groups of 32 without g_idx: one group per K step (block_k 32) or whole groups in
+    # one (64, 128), the last one ragged.
+    qw, s, z, gi = make_weight(40, 200, 8, 32, zeros=True, act_order=False,
+                               dtype=torch.float16, gen=gen)
+    check_against_reference(x, qw, s, z, gi, 8, 32, seed, config=config)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
