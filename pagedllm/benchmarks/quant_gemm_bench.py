@@ -7,9 +7,12 @@ For each projection (fused qkv 6144x4096, o_proj 4096x4096, fused gate_up 28672x
 down_proj 4096x14336) and each row count M in 1, 16, 64, 256, 2048:
 
 * ``bf16``: ``F.linear`` on a bf16 weight (cuBLAS; the baseline the model runs today);
-* ``w4a16``: ``kernels/wna16.wna16_gemm``, 4-bit symmetric codes, group 128;
-* ``w4a16_act``: the same with an act-order ``g_idx`` and zero points (GPTQ's worst case);
-* ``w8a8``: ``kernels/int8_gemm``: the per-token activation quantiser plus the GEMM
+* ``w4a16_g128``: ``kernels/wna16.wna16_gemm``, 4-bit symmetric codes, group 128;
+* ``w4a16_g128_act``: the same with an act-order ``g_idx`` and zero points (GPTQ's worst case);
+* ``w4a16_g128_tinygemm``: the symmetric weight through torch's CUDA int4 kernel
+  (``_weight_int4pack_mm``, ``layers/quantization/int4pack.py``), the peer; its error
+  column is against the same reference, so it also cross-checks the two layouts;
+* ``w8a8_int8``: ``kernels/int8_gemm``: the per-token activation quantiser plus the GEMM
   (``us`` both, ``quant_us`` the quantiser alone; ``torch._int_mm`` above 16 rows).
 
 Each row reports: ``us`` (``triton.testing.do_bench`` median, L2 flushed between runs,
@@ -24,6 +27,7 @@ nothing asserts a time.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -32,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels.int8_gemm import int8_gemm, int8_gemm_ref, quant_per_token_int8
-from pagedllm.kernels.wna16 import pack_codes, wna16_gemm, wna16_ref
+from pagedllm.kernels.wna16 import pack_codes, unpack_codes, wna16_gemm, wna16_ref
+from pagedllm.layers.quantization.int4pack import PackedInt4
 
 HBM_PEAK_GBS = 4800.0  # H200 HBM3e, the vendor's figure: the floor is bytes / this
 PROJECTIONS = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096),
@@ -98,6 +103,20 @@ def _w4_weights(n: int, k: int, act_order: bool, device: torch.device
     return qweight, scales, zeros, g_idx
 
 
+def _tinygemm_copies(qweight: torch.Tensor, scales: torch.Tensor, count: int
+                     ) -> list[PackedInt4]:
+    """The symmetric W4 weight in torch's CUDA int4 layout (tinygemm, what the GGUF
+    path uses: ``(v - 8) * scale + 0`` is the same weight), ``count`` copies."""
+    first = PackedInt4(unpack_codes(qweight, 4), scales.float(),
+                       torch.zeros_like(scales, dtype=torch.float32), GROUP, qweight.device)
+    out = [first]
+    for _ in range(count - 1):
+        c = copy.copy(first)
+        c.packed, c.scale_zero = first.packed.clone(), first.scale_zero.clone()
+        out.append(c)
+    return out
+
+
 def _row(name: str, fmt: str, m: int, n: int, k: int, weight_bytes: int, us: float,
          graph_us: float | None, err: float | None, **extra: Any) -> dict[str, Any]:
     moved = weight_bytes + 2 * m * (k + n)  # + bf16 x and out
@@ -138,6 +157,7 @@ def bench_quant(device: torch.device, rows: tuple[int, ...] = ROWS,
             qw, s, z, gi = _w4_weights(n, k, act, device)
             w4_sets[act] = [(qw, s, z, gi)] + [(qw.clone(), s.clone(), z, gi)
                                                for _ in range(_copies(b4[act]) - 1)]
+        tiny = _tinygemm_copies(*w4_sets[False][0][:2], _copies(b4[False]))
         w8 = torch.randint(-128, 128, (n, k), device=device, dtype=torch.int8)
         w8_scale = torch.rand(n, device=device) * 1e-3
         w8s = [w8] + [w8.clone() for _ in range(_copies(b8) - 1)]
@@ -153,6 +173,10 @@ def bench_quant(device: torch.device, rows: tuple[int, ...] = ROWS,
                 us, g = _measure([partial(wna16_gemm, x, *ws, 4, GROUP) for ws in sets], m)
                 out.append(_row(name, fmt, m, n, k, b4[act], us, g, err))
                 print_row(out[-1])
+            err = _rel_err(tiny[0].mm(x), wna16_ref(x.float(), *w4_sets[False][0], 4, GROUP))
+            us, g = _measure([partial(t.mm, x) for t in tiny], m)
+            out.append(_row(name, "w4a16_g128_tinygemm", m, n, k, b4[False], us, g, err))
+            print_row(out[-1])
             x_q, x_scale = quant_per_token_int8(x)
             err = _rel_err(_w8a8(x, w8, w8_scale),
                            int8_gemm_ref(x_q, x_scale, w8, w8_scale, torch.float32))
@@ -161,6 +185,28 @@ def bench_quant(device: torch.device, rows: tuple[int, ...] = ROWS,
             out.append(_row(name, "w8a8_int8", m, n, k, b8, us, g, err, quant_us=tq,
                             int_mm=bool(m > 16)))
             print_row(out[-1])
-        del w_bf16, bf16_ws, w4_sets, w8, w8s
+        del w_bf16, bf16_ws, w4_sets, tiny, w8, w8s
         torch.cuda.empty_cache()
+    out.extend(_per_token_totals(out, print_row))
+    return out
+
+
+def _per_token_totals(rows: list[dict], print_row: Callable[[dict[str, Any]], None]
+                      ) -> list[dict]:
+    """Per format and decode-sized M: the four projections' CUDA-graph times summed over
+    Llama-3-8B's 32 layers -- the linear layers' share of a decode step (the issue's W4
+    TPOT target is 2.3 ms for the whole step; the bf16 step measures 4.2)."""
+    totals: dict[tuple[str, int], float] = {}
+    counts: dict[tuple[str, int], int] = {}
+    for r in rows:
+        if "graph_us" in r:
+            key = (r["format"], r["M"])
+            totals[key] = totals.get(key, 0.0) + r["graph_us"]
+            counts[key] = counts.get(key, 0) + 1
+    out = []
+    for (fmt, m), us in totals.items():
+        if counts[(fmt, m)] == len(PROJECTIONS):
+            out.append(dict(proj="all_x32_layers", format=fmt, M=m,
+                            linears_ms_per_step=32 * us / 1e3))
+            print_row(out[-1])
     return out
