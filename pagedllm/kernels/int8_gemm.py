@@ -182,7 +182,7 @@ def _int8_gemm_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, out_ptr, M, N, K, stride_x
             # are exact in fp32 (< 2**24), so this is the same integer sum.
             acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
     xs = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
     ws = tl.load(ws_ptr + rows)
     out = acc.to(tl.float32) * xs[:, None] * ws[None, :]

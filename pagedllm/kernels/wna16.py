@@ -190,21 +190,24 @@ def _dequant_tile(qw_ptr, s_ptr, z_ptr, gi_ptr, rows, k0, K, stride_qn, stride_s
     codes = tl.reshape(codes, (BLOCK_N, BLOCK_K)).to(tl.float32)
     rk = k0 + tl.arange(0, BLOCK_K)
     k_ok = rk < K
+    # One branch per scale layout, all compile-time; a single return (no early return
+    # from inside a branch).
     if not HAS_GIDX and BLOCK_K % GROUP == 0 and BLOCK_K > GROUP:
         # The tile holds whole groups: one scale per (row, group), broadcast over the
         # group's codes through a [BLOCK_N, groups, GROUP] view.
         NG: tl.constexpr = BLOCK_K // GROUP
         gs = k0 // GROUP + tl.arange(0, NG)
         g_ok = (gs * GROUP < K)[None, :]
-        s = tl.load(s_ptr + rows[:, None] * stride_sn + gs[None, :], mask=g_ok, other=0.0)
+        s = tl.load(s_ptr + rows[:, None] * stride_sn + gs[None, :], mask=g_ok,
+                    other=0.0).to(tl.float32)[:, :, None]
         if HAS_ZERO:
             z = tl.load(z_ptr + rows[:, None] * stride_zn + gs[None, :], mask=g_ok,
                         other=0.0).to(tl.float32)[:, :, None]
         else:
             z = 1 << (BITS - 1)
-        w = (tl.reshape(codes, (BLOCK_N, NG, GROUP)) - z) * s.to(tl.float32)[:, :, None]
-        return tl.reshape(w, (BLOCK_N, BLOCK_K))
-    if not HAS_GIDX and GROUP % BLOCK_K == 0:
+        w = tl.reshape((tl.reshape(codes, (BLOCK_N, NG, GROUP)) - z) * s,
+                       (BLOCK_N, BLOCK_K))
+    elif not HAS_GIDX and GROUP % BLOCK_K == 0:
         # The tile lies in one group: one scale (and zero) per row.
         g = k0 // GROUP
         s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
@@ -212,7 +215,9 @@ def _dequant_tile(qw_ptr, s_ptr, z_ptr, gi_ptr, rows, k0, K, stride_qn, stride_s
             z = tl.load(z_ptr + rows * stride_zn + g).to(tl.float32)[:, None]
         else:
             z = 1 << (BITS - 1)
+        w = (codes - z) * s
     else:
+        # Any other group size, or act-order: the group of every input, gathered.
         if HAS_GIDX:
             g = tl.load(gi_ptr + rk, mask=k_ok, other=0)
         else:
@@ -224,7 +229,8 @@ def _dequant_tile(qw_ptr, s_ptr, z_ptr, gi_ptr, rows, k0, K, stride_qn, stride_s
                         mask=k_ok[None, :], other=0.0).to(tl.float32)
         else:
             z = 1 << (BITS - 1)
-    return (codes - z) * s
+        w = (codes - z) * s
+    return w
 
 
 @triton.jit
