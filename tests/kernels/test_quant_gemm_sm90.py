@@ -1,0 +1,129 @@
+"""The INT4/INT8 GEMM kernels compile for an H100/H200 (sm_90) and spill no registers,
+with the launch configurations their dispatchers pick at the Llama-3-8B projections.
+
+No GPU needed (the pattern of ``test_attention_smem.py``): a subprocess without
+``TRITON_INTERPRET`` compiles each kernel for sm_90 with the divisibility Triton's
+runtime specialises on (pointers and the multiple-of-16 sizes and strides of these
+shapes) and runs Triton's bundled ``ptxas -v``.  The interpreter cannot catch GPU-only
+failures (an int8 ``tl.dot`` without ``out_dtype=tl.int32`` compiled nowhere but ran
+there; ``libdevice.rint`` exists only on the GPU path); this does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+_SCRIPT = textwrap.dedent(r"""
+    import json, os, re, subprocess, sys, tempfile
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pagedllm.kernels import int8_gemm as i8
+    from pagedllm.kernels import wna16
+
+    PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                         "ptxas")
+    CPU = torch.device("cpu")  # block shapes only; the split is the H200's, below
+
+    def build(kernel, sig, consts, options, not_divisible=("M",)):
+        names = list(sig)
+        div = [i for i, n in enumerate(names) if n not in not_divisible]
+        sig = {**sig, **{k: "constexpr" for k in consts}}
+        src = ASTSource(kernel, signature=sig, constexprs=consts,
+                        attrs={(i,): [["tt.divisibility", 16]] for i in div})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(k.asm["ptx"])
+        res = subprocess.run([PTXAS, "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True)
+        os.unlink(f.name)
+        spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", res.stderr))
+        regs = max(int(x) for x in re.findall(r"Used (\d+) registers", res.stderr))
+        return {"spill_stores": spills, "registers": regs, "shared": k.metadata.shared}
+
+    def k_chunk_of(m, n, bm, bn, k, bk):
+        # The dispatcher's split for 264 target programs (2 per SM of an H200).
+        programs = -(-m // bm) * -(-n // bn)
+        split = max(1, min(264 // programs, -(-k // bk), 16))
+        return i8.split_k_chunk(k, bk, split)[0]
+
+    out = []
+    for name, m, n, k, bits, zeros, act in json.loads(sys.argv[1]):
+        if name.startswith("wna16"):
+            bm, bn, bk, warps, stages, _ = wna16.wna16_config(m, n, k, bits, 128, CPU)
+            k_chunk = k_chunk_of(m, n, bm, bn, k, bk)
+            split = k_chunk < k
+            sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*fp32",
+                   "gi_ptr": "*i32", "out_ptr": "*fp32" if split else "*bf16"}
+            for a in ("M", "N", "K", "stride_xm", "stride_qn", "stride_sn", "stride_zn",
+                      "stride_om", "stride_os"):
+                sig[a] = "i32"
+            consts = dict(BITS=bits, GROUP=128, HAS_ZERO=zeros, HAS_GIDX=act, BLOCK_M=bm,
+                          BLOCK_N=bn, BLOCK_K=bk, K_CHUNK=k_chunk, IEEE=False)
+            st = build(wna16._wna16_kernel, sig, consts,
+                       {"num_warps": warps, "num_stages": stages})
+        elif name.startswith("int8_gemm"):
+            bm, bn, bk, warps, stages, _ = i8.int8_gemm_config(m, n, k, CPU)
+            k_chunk = k_chunk_of(m, n, bm, bn, k, bk)
+            sig = {"xq_ptr": "*i8", "xs_ptr": "*fp32", "wq_ptr": "*i8", "ws_ptr": "*fp32",
+                   "out_ptr": "*fp32" if k_chunk < k else "*bf16"}
+            for a in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os"):
+                sig[a] = "i32"
+            consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_CHUNK=k_chunk, INTERP=False)
+            st = build(i8._int8_gemm_kernel, sig, consts,
+                       {"num_warps": warps, "num_stages": stages})
+        elif name == "quant_per_token_int8":
+            sig = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "stride_x": "i32",
+                   "stride_q": "i32", "min_scale": "fp32"}
+            consts = dict(N_COLS=k, BLOCK=min(4096, triton.next_power_of_2(k)),
+                          ROUND_BY_HAND=False)
+            st = build(i8._quant_int8_kernel, sig, consts, {"num_warps": 8},
+                       not_divisible=("min_scale",))
+        else:  # the _int_mm scale epilogue
+            sig = {"acc_ptr": "*i32", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
+                   "out_ptr": "*bf16", "M": "i32", "N": "i32"}
+            st = build(i8._scale_epilogue_kernel, sig, dict(BLOCK_M=32, BLOCK_N=128),
+                       {"num_warps": 4})
+        out.append({"name": name, "M": m, **st})
+    print(json.dumps(out))
+""")
+
+# (name, M, N, K, bits, zeros, act-order): the decode GEMV, the 16-row decode tile and
+# the prefill tile of W4A16 g128 (act-order with zeros at one row, the gathered-scale
+# path), W8A16, the int8 kernel's decode and prefill tiles, the quantiser, the epilogue.
+CASES = [
+    ("wna16 gate_up M=1", 1, 28672, 4096, 4, False, False),
+    ("wna16 down act-order+zeros M=1", 1, 4096, 14336, 4, True, True),
+    ("wna16 o_proj M=16", 16, 4096, 4096, 4, False, False),
+    ("wna16 qkv M=2048", 2048, 6144, 4096, 4, False, False),
+    ("wna16 W8 o_proj M=16", 16, 4096, 4096, 8, True, False),
+    ("int8_gemm o_proj M=1", 1, 4096, 4096, 8, False, False),
+    ("int8_gemm qkv M=2048", 2048, 6144, 4096, 8, False, False),
+    ("quant_per_token_int8", 1, 0, 14336, 8, False, False),
+    ("scale_epilogue", 2048, 4096, 0, 8, False, False),
+]
+
+
+def test_quant_gemm_kernels_compile_for_sm90_without_spills(tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a real compile, not a cache hit
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(CASES)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [r["name"] for r in results] == [c[0] for c in CASES]
+    for r in results:
+        assert r["spill_stores"] == 0, r
+        assert 0 < r["registers"] <= 255, r
