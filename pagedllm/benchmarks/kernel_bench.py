@@ -365,7 +365,8 @@ def _print_row(row: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
-    ap.add_argument("--quick", action="store_true", help="fewer decode shapes")
+    ap.add_argument("--quick", action="store_true",
+                    help="fewer decode shapes (and quant row counts)")
     ap.add_argument("--sweep", action="store_true", help="also sweep launch plans")
     ap.add_argument("--sections", default="decode,mixed,elementwise,graph",
                     help="comma list of: decode, mixed, elementwise, graph, sweep, quant")
@@ -395,7 +396,8 @@ def main(argv: list[str] | None = None) -> None:
         from pagedllm.benchmarks.quant_gemm_bench import bench_quant
 
         print("quantised GEMMs (us; GB/s of weight + activation traffic):")
-        result["quant"] = bench_quant(device, print_row=_print_row)
+        result["quant"] = bench_quant(device, rows=(1, 16, 2048) if args.quick else
+                                      (1, 16, 64, 256, 2048), print_row=_print_row)
     # The paged KV setup (GBs) only for the sections that read it.
     if sections & {"graph", "decode", "mixed", "sweep"}:
         setup = PagedSetup(max(batches) * max(ctxs) + 8192 * 2, device)
