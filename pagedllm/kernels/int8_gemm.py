@@ -156,9 +156,11 @@ def _int8_gemm_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, out_ptr, M, N, K, stride_x
                       K_CHUNK: tl.constexpr, INTERP: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
+    # N-major order: the programs of one weight tile run together, so the tile is read
+    # from HBM once and the other row tiles find it in L2 (x is small enough to stay).
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_n = pid // num_m
+    pid_m = pid % num_m
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M

@@ -241,9 +241,11 @@ def _wna16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gi_ptr, out_ptr, M, N, K,
                   BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
+    # N-major order: the programs of one weight tile run together, so the tile is read
+    # from HBM once and the other row tiles find it in L2 (x is small enough to stay).
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_n = pid // num_m
+    pid_m = pid % num_m
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     # Out-of-range rows re-read row N-1 (never stored) so that weight loads need no row
@@ -349,10 +351,16 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if qweight.stride(1) != 1 or scales.stride(1) != 1 or \
             (zeros is not None and zeros.stride(1) != 1):
         raise ValueError("qweight, scales, zeros: rows must be contiguous")
+    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros),
+                    ("g_idx", g_idx)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name}: on {t.device}, x on {x.device}")
     bm, bn, bk, warps, stages, split = config or wna16_config(m, n, k, bits, group_size,
                                                               x.device)
     if bk % (32 // bits) or bk & (bk - 1):
         raise ValueError(f"config: block_k={bk} must be a power of two >= {32 // bits}")
+    if bm & (bm - 1) or 1 < bm < 16:
+        raise ValueError(f"config: block_m={bm} must be 1 or a power of two >= 16")
     k_chunk, split = split_k_chunk(k, bk, split)
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32,
                                                 device=x.device)

@@ -174,6 +174,8 @@ def test_wna16_rejects_bad_arguments() -> None:
         (dict(g_idx=gi[:32]), "g_idx"),
         (dict(group_size=0), "group_size"),
         (dict(config=(16, 32, 48, 4, 1, 1)), "config"),
+        (dict(config=(8, 32, 64, 4, 1, 1)), "config"),
+        (dict(scales=s.to("meta")), "scales"),  # not on x's device
     ]
     for change, name in cases:
         args = dict(x=x, qweight=qw, scales=s, zeros=z, g_idx=gi, bits=4, group_size=32)
