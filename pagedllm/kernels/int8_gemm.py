@@ -153,7 +153,7 @@ def quant_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _int8_gemm_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, out_ptr, M, N, K, stride_xm,
                       stride_wn, stride_om, stride_os, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      K_CHUNK: tl.constexpr, INTERP: tl.constexpr):
+                      K_CHUNK: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     # N-major order: the programs of one weight tile run together, so the tile is read
@@ -168,23 +168,14 @@ def _int8_gemm_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, out_ptr, M, N, K, stride_x
     rows = tl.minimum(rn, N - 1).to(tl.int64)  # out-of-range rows re-read row N-1
     x_rows = xq_ptr + rm.to(tl.int64)[:, None] * stride_xm
     k_start = pid_k * K_CHUNK  # static trip count, as in kernels/wna16.py
-    if INTERP:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for kt in range(0, K_CHUNK, BLOCK_K):
         rk = k_start + kt + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         a = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
         b = tl.load(wq_ptr + rows[None, :] * stride_wn + rk[:, None], mask=k_ok[:, None],
                     other=0)
-        if INTERP:
-            # The interpreter's dot refuses int8 operands into an int32 accumulator
-            # (triton 3.6); the products of int8 values and their sums over a K step
-            # are exact in fp32 (< 2**24), so this is the same integer sum.
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)  # exact integer sums
     xs = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
     ws = tl.load(ws_ptr + rows)
     out = acc.to(tl.float32) * xs[:, None] * ws[None, :]
@@ -253,7 +244,7 @@ def int8_gemm_triton(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor
     _int8_gemm_kernel[(-(-m // bm) * -(-n // bn), split)](
         x_q, x_scale.reshape(-1), w_q, w_scale.reshape(-1), target, m, n, k,
         x_q.stride(0), w_q.stride(0), n, m * n if split > 1 else 0, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, K_CHUNK=k_chunk, INTERP=_INTERPRET, num_warps=warps,
+        BLOCK_N=bn, BLOCK_K=bk, K_CHUNK=k_chunk, num_warps=warps,
         num_stages=stages)
     if split > 1:
         out.copy_(target.sum(0))  # fixed order: deterministic

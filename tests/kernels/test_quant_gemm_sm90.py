@@ -4,9 +4,9 @@ with the launch configurations their dispatchers pick at the Llama-3-8B projecti
 No GPU needed (the pattern of ``test_attention_smem.py``): a subprocess without
 ``TRITON_INTERPRET`` compiles each kernel for sm_90 with the divisibility Triton's
 runtime specialises on (pointers and the multiple-of-16 sizes and strides of these
-shapes) and runs Triton's bundled ``ptxas -v``.  The interpreter cannot catch GPU-only
-failures (an int8 ``tl.dot`` without ``out_dtype=tl.int32`` compiled nowhere but ran
-there; ``libdevice.rint`` exists only on the GPU path); this does.
+shapes) and runs Triton's bundled ``ptxas -v``.  The interpreter cannot catch every GPU-only
+failure (``libdevice.rint`` exists only on the GPU path; layouts, shared memory and
+registers are the GPU's); this does.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ _SCRIPT = textwrap.dedent(r"""
                    "out_ptr": "*fp32" if k_chunk < k else "*bf16"}
             for a in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os"):
                 sig[a] = "i32"
-            consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_CHUNK=k_chunk, INTERP=False)
+            consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_CHUNK=k_chunk)
             st = build(i8._int8_gemm_kernel, sig, consts,
                        {"num_warps": warps, "num_stages": stages})
         elif name == "quant_per_token_int8":
