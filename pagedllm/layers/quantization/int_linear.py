@@ -178,10 +178,12 @@ class IntLinearMethod(LinearMethodBase):
             return self._store_dense(layer, iw, dtype)
         if iw.bits == 4:
             parts = [PackedInt4(codes, scales, (8.0 - zeros) * scales, group, codes.device)]
-        else:  # 8 bits as two nibbles: (16 hi + lo - z) s
-            parts = [PackedInt4(codes >> 4, 16.0 * scales, 128.0 * scales, group,
+        else:  # 8 bits as two nibbles: (16 hi + lo - z) s = (hi - 8) 16 s + (136 - z) s
+            # + (lo - 8) s + 0; the whole zero term sits in one part, so its bf16
+            # rounding is one rounding (split across parts, two would not cancel).
+            parts = [PackedInt4(codes >> 4, 16.0 * scales, (136.0 - zeros) * scales, group,
                                 codes.device),
-                     PackedInt4(codes & 0xF, scales, (8.0 - zeros) * scales, group,
+                     PackedInt4(codes & 0xF, scales, torch.zeros_like(scales), group,
                                 codes.device)]
         for j, p in enumerate(parts):
             _register(layer, f"int4_p{j}_packed", p.packed, 2)
