@@ -205,6 +205,16 @@ def pack_awq(w: torch.Tensor, group: int) -> tuple[dict[str, torch.Tensor], torc
             "scales": scale.t().contiguous().half()}, deq
 
 
+def _input_seed(module: str) -> int:
+    """One act-order permutation per layer *input*: GPTQ orders by the Hessian of the
+    input, which q/k/v (and gate/up) share, so their g_idx are equal."""
+    layer = int(module.split(".")[2])
+    kind = module.rsplit(".", 1)[-1]
+    shared = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2,
+              "up_proj": 2, "down_proj": 3}
+    return 10 * layer + shared[kind]
+
+
 def save_int_checkpoint(model: torch.nn.Module, path: str, fmt: str, bits: int = 4,
                         group: int = 32, desc_act: bool = False, sym: bool = True
                         ) -> dict[str, torch.Tensor]:
@@ -214,11 +224,11 @@ def save_int_checkpoint(model: torch.nn.Module, path: str, fmt: str, bits: int =
 
     state: dict[str, torch.Tensor] = {}
     deq: dict[str, torch.Tensor] = {}
-    for i, (name, t) in enumerate(model.state_dict().items()):
+    for name, t in model.state_dict().items():
         if name.endswith("proj.weight"):
             mod = name[:-len(".weight")]
             if fmt == "gptq":
-                tensors, d = pack_gptq(t, bits, group, desc_act, sym, seed=i)
+                tensors, d = pack_gptq(t, bits, group, desc_act, sym, seed=_input_seed(mod))
             else:
                 tensors, d = pack_awq(t, group)
             state.update({f"{mod}.{k}": v for k, v in tensors.items()})

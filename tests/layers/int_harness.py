@@ -57,7 +57,7 @@ def greedy(model: torch.nn.Module, cfg, prompts: list[list[int]],  # type: ignor
     """Greedy continuations through the paged KV cache: all requests in each step, or
     (``batched=False``) each request alone."""
     mc = cfg.model_config
-    if not batched:
+    if not batched:  # one session per request: nothing shared but the weights
         return [greedy(model, cfg, [p], True, n_new)[0] for p in prompts]
     s = PagedSession(model, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks=48)
     out: list[list[int]] = [[] for _ in prompts]
@@ -74,15 +74,16 @@ def greedy(model: torch.nn.Module, cfg, prompts: list[list[int]],  # type: ignor
 
 def hf_greedy(hf: transformers.PreTrainedModel, prompts: list[list[int]],
               n_new: int = NEW_TOKENS) -> list[list[int]]:
-    """Transformers' greedy continuations (EOS not special: exactly ``n_new`` tokens,
-    as ``greedy`` produces them)."""
-    hf.generation_config.eos_token_id = None
+    """Transformers' greedy continuations: argmax of its forward over the whole
+    sequence, ``n_new`` times (``generate``'s greedy search without its per-call set-up
+    cost; EOS is not special, as in ``greedy``)."""
     out = []
     with torch.no_grad():
         for p in prompts:
-            ids = hf.generate(torch.tensor([p]), max_new_tokens=n_new, do_sample=False,
-                              pad_token_id=0)
-            out.append(ids[0, len(p):].tolist())
+            ids = list(p)
+            for _ in range(n_new):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            out.append(ids[len(p):])
     return out
 
 

@@ -119,7 +119,7 @@ def test_greedy_matches_transformers(checkpoint) -> None:  # type: ignore[no-unt
         assert not real and exact >= len(PROMPTS) // 2, (name, exact, real)
     else:
         assert matching(batched, ref) == len(PROMPTS), (name, batched, ref)
-    assert greedy(model, cfg, PROMPTS, batched=False) == batched
+    assert greedy(model, cfg, PROMPTS[:3], batched=False) == batched[:3]
 
 
 def test_w8a8_int8(tmp_path) -> None:

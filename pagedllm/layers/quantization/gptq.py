@@ -21,6 +21,7 @@ desc_act, sym or not.  ``lm_head`` quantised (``lm_head: true``) is not supporte
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -95,7 +96,9 @@ class GPTQLinearMethod(IntLinearMethod):
                               requires_grad=False)
         set_weight_attrs(scales, {"input_dim": 0 if grouped else None, "output_dim": 1})
         g_idx = nn.Parameter(torch.empty(k, dtype=torch.int32), requires_grad=False)
-        set_weight_attrs(g_idx, {"input_dim": 0})
+        set_weight_attrs(g_idx, {"input_dim": 0,
+                                 "weight_loader": functools.partial(_load_g_idx, layer)})
+        layer.gptq_g_idx_shards = set()  # type: ignore[assignment]
         for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales),
                         ("g_idx", g_idx)):
             layer.register_parameter(name, t)
@@ -118,6 +121,24 @@ class GPTQLinearMethod(IntLinearMethod):
             raise ValueError(f"{layer.prefix}.g_idx: group indices outside [0, {k // group})")
         scales = layer.scales.data.t().contiguous()  # type: ignore[union-attr]
         return IntWeight(qweight, scales, zeros, g_idx, bits, group)
+
+
+def _load_g_idx(layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor,
+                shard_id: int | str | None = None) -> None:
+    """``g_idx`` of a fused layer: the shards (q/k/v, gate/up) read the same input, so
+    GPTQ gives them the same act-order; one that differs cannot share one matmul."""
+    if shard_id is None:
+        layer.weight_loader(param, loaded)  # type: ignore[operator]
+        return
+    seen: set = layer.gptq_g_idx_shards  # type: ignore[assignment]
+    if seen and not torch.equal(param.data, loaded.to(param.dtype)):
+        raise ValueError(f"g_idx differs from that of the other fused shards "
+                         f"({sorted(map(str, seen))}) of {layer.prefix}")
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
+                         f"{tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+    seen.add(shard_id)
 
 
 class GPTQConfig(QuantizationConfig):
