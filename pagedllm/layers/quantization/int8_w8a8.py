@@ -60,6 +60,16 @@ def _int_mm_on_cpu() -> bool:
 _INT_MM_CPU = _int_mm_on_cpu()
 
 
+def _cuda_int8_gemm():  # type: ignore[no-untyped-def]
+    """``int8_gemm(x_q, x_scale, w_q, w_scale, out_dtype)`` of the GPU kernels (its own
+    module, or beside the WNA16 kernels)."""
+    try:
+        from pagedllm.kernels.int8_gemm import int8_gemm
+    except ImportError:
+        from pagedllm.kernels.wna16 import int8_gemm  # type: ignore[no-redef]
+    return int8_gemm
+
+
 class Int8W8A8LinearMethod(LinearMethodBase):
     """W8A8-INT8 for one linear layer (module doc)."""
 
@@ -106,9 +116,7 @@ class Int8W8A8LinearMethod(LinearMethodBase):
         x2 = x.reshape(-1, shape[-1])
         x_q, x_s = quantize_int8_per_token(x2)
         if x2.is_cuda:
-            from pagedllm.kernels.int8_gemm import int8_gemm
-
-            y = int8_gemm(x_q, x_s, layer.weight, layer.weight_scale, x.dtype)
+            y = _cuda_int8_gemm()(x_q, x_s, layer.weight, layer.weight_scale, x.dtype)
         else:
             acc = int8_mm_cpu(x_q, layer.weight_t)
             y = (acc.to(torch.float64 if acc.dtype == torch.float64 else torch.float32)
