@@ -28,6 +28,7 @@ import transformers
 
 from pagedllm.layers.quantization.int_layout import pack_codes, unpack_codes
 from tests.layers.fp8_fixtures import tiny_llama
+from tests.models.paged import PagedSession
 from tests.layers.int_fixtures import (
     ct_decompressed_state,
     ct_scheme,
@@ -172,3 +173,24 @@ def test_truncated_tensor_names_it(tmp_path) -> None:
     save_file(state, str(f), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"checkpoint tensor '{name}': shape mismatch"):
         load(str(tmp_path))
+
+
+def test_dummy_weights_in_the_w4a16_layout(tmp_path) -> None:
+    """``load_format="dummy"`` fills the checkpoint's int layout (random codes, small
+    scales) and repacks it: what the GPU benchmarks of W4A16 load."""
+    tiny_llama().config.save_pretrained(str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
+            "symmetric": False}}}}
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(cfg, f)
+    model, cfg = load(str(tmp_path), load_format="dummy")
+    assert model.model.layers[0].self_attn.qkv_proj.int_kind == "int4pack"
+    mc = cfg.model_config
+    s = PagedSession(model, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks=8)
+    logits = s.step({0: PROMPTS[0]})[0]
+    assert logits.shape == (len(PROMPTS[0]), 160) and bool(torch.isfinite(logits).all())

@@ -151,3 +151,32 @@ def test_corrupt_qzeros_names_the_tensor(tmp_path) -> None:
     save_file(state, str(f), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"checkpoint tensor '{name}': shape mismatch"):
         load(str(tmp_path))
+
+
+@pytest.mark.parametrize("bits,group,desc_act,sym,kind", [
+    (4, 32, False, True, "int4pack"), (4, 64, True, False, "int4pack"),
+    (4, -1, False, False, "int4pack"), (8, -1, False, False, "int8pack"),
+    (8, 32, True, False, "int4pack"), (8, 16, False, True, "dense"),
+])
+def test_cpu_kernels_match_the_reference(bits: int, group: int, desc_act: bool, sym: bool,
+                                         kind: str) -> None:
+    """Each CPU path of ``int_linear`` against ``x @ w_ref^T`` of the reference packer's
+    dequantisation: bf16 int4 kernels within bf16 rounding, the rest in fp32."""
+    from pagedllm.layers.linear import ReplicatedLinear
+    from pagedllm.layers.quantization.gptq import GPTQConfig
+    from tests.layers.int_fixtures import pack_gptq
+
+    n, k = 96, 256
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(bits + group)) * 0.05
+    tensors, deq = pack_gptq(w, bits, k if group == -1 else group, desc_act, sym, seed=1)
+    qc = GPTQConfig(bits, None if group == -1 else group, desc_act, sym, True, [])
+    layer = ReplicatedLinear(k, n, bias=True, quant_config=qc, prefix="x")
+    for name, t in tensors.items():
+        getattr(layer, name).weight_loader(getattr(layer, name), t)
+    layer.bias.data.copy_(torch.randn(n) * 0.1)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.int_kind == kind
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
+    ref = x @ deq.T + layer.bias
+    err = float((layer(x) - ref).norm() / ref.norm())
+    assert err < (1e-2 if kind == "int4pack" else 1e-5), err
