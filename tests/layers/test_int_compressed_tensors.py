@@ -28,7 +28,6 @@ import transformers
 
 from pagedllm.layers.quantization.int_layout import pack_codes, unpack_codes
 from tests.layers.fp8_fixtures import tiny_llama
-from tests.models.paged import PagedSession
 from tests.layers.int_fixtures import (
     ct_decompressed_state,
     ct_scheme,
@@ -45,6 +44,7 @@ from tests.layers.int_harness import (
     matching,
     near_tie_divergences,
 )
+from tests.models.paged import PagedSession
 
 TIE = 0.1  # module doc
 BF16_KERNELS = ("int4pack",)
