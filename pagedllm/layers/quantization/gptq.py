@@ -112,6 +112,9 @@ class GPTQLinearMethod(IntLinearMethod):
             zeros = zeros + 1
         zeros = None if bool((zeros == 1 << (bits - 1)).all()) else zeros.float().contiguous()
         g_idx = layer.g_idx.data.to(torch.int32)  # type: ignore[union-attr]
+        if not self.desc_act and g_idx.numel():
+            # A row-parallel rank's slice counts groups from its own first one.
+            g_idx = g_idx - g_idx.min()
         if trivial_g_idx(g_idx, group):
             g_idx = None
         elif not self.desc_act:
