@@ -180,3 +180,37 @@ def test_cpu_kernels_match_the_reference(bits: int, group: int, desc_act: bool, 
     ref = x @ deq.T + layer.bias
     err = float((layer(x) - ref).norm() / ref.norm())
     assert err < (1e-2 if kind == "int4pack" else 1e-5), err
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_tensor_parallel_shards(fmt: str) -> None:
+    """Each rank of a tp=2 merged-column (gate/up) and row-parallel layer holds its slice
+    of the canonical weight: packing and grouped scales shard through the layer's
+    generic loader."""
+    from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+    from pagedllm.layers.quantization.awq import AWQConfig
+    from pagedllm.layers.quantization.gptq import GPTQConfig
+    from tests.layers.int_fixtures import pack_awq, pack_gptq
+
+    g = torch.Generator().manual_seed(4)
+    gate, up, down = (torch.randn(s, generator=g) * 0.05 for s in ((64, 128), (64, 128),
+                                                                    (128, 128)))
+    packed = [pack_gptq(w, 4, 32, False, False, seed=1) if fmt == "gptq" else pack_awq(w, 32)
+              for w in (gate, up, down)]
+    qc = GPTQConfig(4, 32, False, False, True, []) if fmt == "gptq" else AWQConfig(32, [])
+    for rank in range(2):
+        gu = MergedColumnParallelLinear(128, [64, 64], tp_size=2, tp_rank=rank,
+                                        quant_config=qc, prefix="gate_up_proj")
+        dn = RowParallelLinear(128, 128, tp_size=2, tp_rank=rank, quant_config=qc,
+                               prefix="down_proj")
+        for shard, (tensors, _) in enumerate(packed[:2]):
+            for name, t in tensors.items():
+                getattr(gu, name).weight_loader(getattr(gu, name), t, shard)
+        for name, t in packed[2][0].items():
+            getattr(dn, name).weight_loader(getattr(dn, name), t)
+        rows = slice(32 * rank, 32 * rank + 32)
+        want = torch.cat([packed[0][1][rows], packed[1][1][rows]])
+        assert torch.equal(gu.quant_method.to_int_weight(gu).dequantize(torch.float32), want)
+        cols = slice(64 * rank, 64 * rank + 64)
+        assert torch.equal(dn.quant_method.to_int_weight(dn).dequantize(torch.float32),
+                           packed[2][1][:, cols])
