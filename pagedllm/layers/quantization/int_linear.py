@@ -165,8 +165,7 @@ class IntLinearMethod(LinearMethodBase):
             _register(layer, "int8_scales", s.contiguous())
             layer.int8_zero_corr = None if iw.zeros is None else _register(  # type: ignore
                 layer, "int8_zero_corr",
-                ((128.0 - iw.zeros.float().reshape(n)) * iw.scales.float().reshape(n)
-                 ).to(dtype))
+                (128.0 - iw.zeros.float().reshape(n)) * iw.scales.float().reshape(n))
             return "int8pack"
         if group == k and group not in INT4_GROUPS:  # channel: repeat over a kernel group
             sub = _channel_group(k)
@@ -220,8 +219,8 @@ class IntLinearMethod(LinearMethodBase):
                 y = torch.ops.aten._weight_int8pack_mm(
                     xs, layer.int8_weight, layer.int8_scales)
                 corr = layer.int8_zero_corr  # type: ignore[attr-defined]
-                if corr is not None:
-                    y = y + xs.sum(-1, keepdim=True) * corr
+                if corr is not None:  # in fp32: a bf16 row sum would lose the term
+                    y = y.float() + x2.float().sum(-1, keepdim=True) * corr
                 y = y.to(x.dtype)
             else:
                 y = mm_parts(x2, layer.int4_parts)  # type: ignore[arg-type]
