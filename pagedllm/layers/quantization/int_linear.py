@@ -65,6 +65,12 @@ def _channel_group(k: int) -> int | None:
     return next((g for g in (256, 128, 64, 32) if k % g == 0), None)
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A fresh row-major copy: ``contiguous()`` keeps a ``[N, 1]`` transposed view's
+    stride ``(1, N)``, and kernels check ``stride(1) == 1``."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def _register(layer: nn.Module, name: str, t: torch.Tensor,
               packed_factor: int | None = None) -> torch.Tensor:
     if packed_factor is not None:  # for weight_bytes(as_dtype_bytes=...) in the log
@@ -140,12 +146,12 @@ class IntLinearMethod(LinearMethodBase):
 
     def _store_canonical(self, layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> None:
         layer.int_kind = "wna16"  # type: ignore[assignment]
-        _register(layer, "int_qweight", iw.qweight.contiguous(), 32 // iw.bits)
-        _register(layer, "int_scales", iw.scales.to(dtype).contiguous())
+        _register(layer, "int_qweight", _rows(iw.qweight), 32 // iw.bits)
+        _register(layer, "int_scales", _rows(iw.scales.to(dtype)))
         layer.int_zeros = None if iw.zeros is None else _register(  # type: ignore
-            layer, "int_zeros", iw.zeros.float().contiguous())
+            layer, "int_zeros", _rows(iw.zeros.float()))
         layer.int_g_idx = None if iw.g_idx is None else _register(  # type: ignore
-            layer, "int_g_idx", iw.g_idx.to(torch.int32).contiguous())
+            layer, "int_g_idx", _rows(iw.g_idx.to(torch.int32)))
         layer.int_bits, layer.int_group = iw.bits, iw.group_size  # type: ignore
 
     def _store_cpu(self, layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> str:
