@@ -109,7 +109,7 @@ class IntLinearMethod(LinearMethodBase):
         device = iw.qweight.device
         layer.register_buffer("int_perm", None, persistent=False)
         if device.type == "cuda":
-            self._store_canonical(layer, iw, dtype)
+            self.store_canonical(layer, iw, dtype)
             return
         kind = self._store_cpu(layer, iw, dtype)
         layer.int_kind = kind  # type: ignore[assignment]
@@ -144,7 +144,9 @@ class IntLinearMethod(LinearMethodBase):
 
     # -- storage -------------------------------------------------------------------
 
-    def _store_canonical(self, layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> None:
+    def store_canonical(self, layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> None:
+        """The CUDA storage: the canonical tensors themselves, for ``wna16_gemm`` (the
+        kernel tests also call it on CPU tensors under ``TRITON_INTERPRET=1``)."""
         layer.int_kind = "wna16"  # type: ignore[assignment]
         _register(layer, "int_qweight", _rows(iw.qweight), 32 // iw.bits)
         _register(layer, "int_scales", _rows(iw.scales.to(dtype)))
