@@ -214,3 +214,19 @@ def test_tensor_parallel_shards(fmt: str) -> None:
         cols = slice(64 * rank, 64 * rank + 64)
         assert torch.equal(dn.quant_method.to_int_weight(dn).dequantize(torch.float32),
                            packed[2][1][:, cols])
+
+
+def test_gptq_modules_in_block_to_quantize() -> None:
+    """Only the listed block modules are quantised; the rest keep float weights."""
+    from pagedllm.layers.quantization.gptq import GPTQConfig
+
+    hf = type("Cfg", (), {"quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": 32,
+        "modules_in_block_to_quantize": [["self_attn.q_proj", "self_attn.k_proj",
+                                          "self_attn.v_proj"], ["mlp.down_proj"]]}})()
+    qc = GPTQConfig.from_config(hf, None)
+    picked = {p: qc.get_linear_method(None, f"model.layers.0.{p}") is not None
+              for p in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                        "mlp.down_proj")}
+    assert picked == {"self_attn.qkv_proj": True, "self_attn.o_proj": False,
+                      "mlp.gate_up_proj": False, "mlp.down_proj": True}

@@ -170,11 +170,21 @@ class GPTQConfig(QuantizationConfig):
             raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported; "
                              "supported: gptq, gptq_v2")
         skip = [str(m) for m in (qc.get("modules_to_not_convert") or [])]
-        return cls(bits, group, bool(qc.get("desc_act", False)), bool(qc.get("sym", True)),
-                   fmt == "gptq", skip)
+        only = qc.get("modules_in_block_to_quantize")  # [["self_attn.q_proj", ...], ...]
+        cfg = cls(bits, group, bool(qc.get("desc_act", False)), bool(qc.get("sym", True)),
+                  fmt == "gptq", skip)
+        if only:
+            cfg.only = [str(m) for names in only for m in
+                        (names if isinstance(names, list) else [names])]
+        return cfg
+
+    #: ``modules_in_block_to_quantize`` flattened (None: every decoder linear layer)
+    only: list[str] | None = None
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
         if prefix.endswith("lm_head") or _name_matches(prefix, self.skip):
+            return None
+        if self.only is not None and not _name_matches(prefix, self.only):
             return None
         return self.method
 
