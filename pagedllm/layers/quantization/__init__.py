@@ -19,10 +19,12 @@ from typing import Any
 
 # name -> "module:Class" (lazy; the module imports torch).
 QUANTIZATION_METHODS: dict[str, str] = {
+    "awq": "pagedllm.layers.quantization.awq:AWQConfig",
     "compressed-tensors":
         "pagedllm.layers.quantization.compressed_tensors:CompressedTensorsConfig",
     "fp8": "pagedllm.layers.quantization.fp8:Fp8Config",
     "gguf": "pagedllm.layers.quantization.gguf:GGUFConfig",
+    "gptq": "pagedllm.layers.quantization.gptq:GPTQConfig",
 }
 
 

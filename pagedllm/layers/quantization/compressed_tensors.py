@@ -160,6 +160,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         return None if group is None else self._methods[group]
 
     def check_device(self, device: str, dtype: str) -> None:
+        self._device = device
         if any(isinstance(m, Fp8LinearMethod) for m in self._methods.values()):
             from pagedllm.layers.quantization.fp8 import Fp8Config
 
@@ -170,6 +171,14 @@ class CompressedTensorsConfig(QuantizationConfig):
                 check(device, dtype)
 
     def describe(self) -> str:
-        groups = "; ".join(_scheme_label(g) for g in self.groups)
-        return f"compressed-tensors ({self.format}: {groups})"
+        labels = []
+        for i, g in enumerate(self.groups):
+            m = self._methods[i]
+            if hasattr(m, "cpu_kernel"):  # int schemes: bits, group, the kernel run
+                kernel = f"CUDA: {m.cuda_kernel}" if getattr(self, "_device", "cpu") \
+                    == "cuda" else f"CPU: {m.cpu_kernel()}"
+                labels.append(f"{m.describe()}; {kernel}")
+            else:
+                labels.append(_scheme_label(g))
+        return f"compressed-tensors ({self.format}: {'; '.join(labels)})"
 
