@@ -38,6 +38,7 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.beam_search import BeamGroup
@@ -114,6 +115,9 @@ class Scheduler:
         self._num_preemptions_step = 0
         self.total_preemptions = 0
         self.total_swaps = 0
+        # Pipeline parallelism: requests in a batch still in flight (set by the engine
+        # core before each ``schedule``); they are left out until its output is back.
+        self.in_flight_req_ids: AbstractSet[str] = frozenset()
 
     # -- admission -----------------------------------------------------------------
     def max_tokens_per_request(self) -> int:
@@ -329,11 +333,14 @@ class Scheduler:
         # 1. Running requests, oldest first.
         kv = self.kv
         running_status = RequestStatus.RUNNING  # a local: read per request
+        in_flight = self.in_flight_req_ids
         for req in list(self.running):
             if budget <= 0:
                 break
             if req.status != running_status:
                 continue  # preempted as a victim earlier in this loop
+            if in_flight and req.request_id in in_flight:
+                continue
             n = self._num_to_compute(req)
             if n > budget:
                 n = budget
@@ -396,6 +403,8 @@ class Scheduler:
                 budget = min(budget, prefill_cap)
             while budget > 0 and len(self.waiting) > 0 and self._has_seat(self.waiting.peek()):
                 req = self.waiting.peek()
+                if in_flight and req.request_id in in_flight:
+                    break  # preempted while its batch is in flight: wait for its token
                 hits, num_hit = self.kv.get_computed_blocks(req)
                 n = min(req.num_tokens - num_hit - (1 if req.fork_ids else 0), budget)
                 if self.kv.allocate_slots(req, n, hits) is None:

@@ -43,6 +43,7 @@ from pagedllm.executor.worker_proc import (
     KIND_READY,
     KIND_SHUTDOWN,
     OUTPUT_DECODER,
+    SampledTokens,
     WorkerCacheReady,
     WorkerReady,
     run_worker,
@@ -102,6 +103,9 @@ class MultiprocExecutor(Executor):
         self._launched = 0
         self._received = 0
         self._pending: dict[int, _Pending] = {}
+        # Pipeline parallelism: tokens read since the last launch, for the early stages.
+        self._sampled: SampledTokens | None = SampledTokens() \
+            if pc.pipeline_parallel_size > 1 else None
         try:
             for rank in range(self.world_size):
                 p = mp.Process(target=run_worker, name=f"pagedllm-worker-{rank}",
@@ -217,13 +221,19 @@ class MultiprocExecutor(Executor):
         pending = self._pending.pop(self._received)
         self._received += 1
         pending.out = OUTPUT_DECODER.decode(frames[2])
+        if self._sampled is not None:
+            self._sampled.add(pending.out)
 
     # ------------------------------------------------------------------ steps
 
     def execute_model_async(self, sched: SchedulerOutput) -> _Pending:
         if self.failed is not None:
             raise self.failed
-        self.bcast.send_multipart([KIND_EXECUTE, ENCODER.encode(sched)])
+        frames = [KIND_EXECUTE, ENCODER.encode(sched)]
+        if self._sampled is not None:
+            frames.append(ENCODER.encode(self._sampled))
+            self._sampled = SampledTokens()
+        self.bcast.send_multipart(frames)
         handle = _Pending(self, self._launched)
         self._pending[self._launched] = handle
         self._launched += 1

@@ -4,7 +4,8 @@ Wire protocol (msgpack via msgspec; no pickle crosses a socket)::
 
     engine core                                  worker rank r (one per process)
     XPUB (binds) ── [kind, payload] broadcast ─► SUB   C: init cache (num_blocks)
-                                                       E: execute (SchedulerOutput)
+                                                       E: execute (SchedulerOutput
+                                                          [, SampledTokens with PP])
                                                        S: shut down
     PULL (binds) ◄── [kind, rank, payload] ──── PUSH  R: ready (WorkerReady)
                                                        K: cache ready (WorkerCacheReady)
@@ -52,7 +53,21 @@ class WorkerCacheReady(msgspec.Struct):
     padded_step_sizes: list[int]
 
 
+class SampledTokens(msgspec.Struct):
+    """Pipeline parallelism: the tokens in the outputs the engine core has read since
+    the last step it launched, sent along with the next one so that the stages before
+    the last (which never sample) record them first (``worker/pipeline.py``)."""
+
+    req_ids: list[str] = []
+    sampled_token_ids: list[list[int]] = []
+
+    def add(self, out: ModelRunnerOutput) -> None:
+        self.req_ids.extend(out.req_ids)
+        self.sampled_token_ids.extend(out.sampled_token_ids)
+
+
 ENCODER = msgspec.msgpack.Encoder()
+SAMPLED_DECODER = msgspec.msgpack.Decoder(SampledTokens)
 SCHED_DECODER = msgspec.msgpack.Decoder(SchedulerOutput)
 OUTPUT_DECODER = msgspec.msgpack.Decoder(ModelRunnerOutput)
 
@@ -125,8 +140,11 @@ def _serve(config: Any, rank: int, local_rank: int, init_method: str, sub: zmq.S
                 worker.num_cpu_blocks, worker.padded_step_sizes()))])
             break
     while True:
-        kind, payload = _recv(sub, parent_pid)
+        kind, payload, *sampled = _recv(sub, parent_pid)
         if kind == KIND_EXECUTE:
+            if sampled:
+                s = SAMPLED_DECODER.decode(sampled[0])
+                worker.record_sampled_tokens(s.req_ids, s.sampled_token_ids)
             out = worker.execute_model(SCHED_DECODER.decode(payload))
             if is_output_rank:  # only it answers: the others' tokens are identical
                 push.send_multipart([KIND_OUTPUT, me, ENCODER.encode(out)])
