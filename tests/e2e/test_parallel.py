@@ -77,6 +77,8 @@ def test_mp_greedy_equals_tp1_batched_and_preempted(reference, tp: int, pp: int)
         assert core.num_blocks == POOL_BLOCKS + 1
         assert _greedy(llm) == reference
         assert core.scheduler.total_preemptions > 0
+        # Pipeline parallelism: one micro-batch per stage was in flight at once.
+        assert core.max_batches_in_flight == (pp if pp > 1 else 0)
     finally:
         llm.llm_engine.shutdown()
     assert not [p for p in pids if psutil.pid_exists(p)
