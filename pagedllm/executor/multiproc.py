@@ -110,7 +110,8 @@ class MultiprocExecutor(Executor):
             for rank in range(self.world_size):
                 p = mp.Process(target=run_worker, name=f"pagedllm-worker-{rank}",
                                args=(config, rank, rank, init_method, bcast_addr,
-                                     result_addr, os.getpid(), rank == self.output_rank),
+                                     result_addr, os.getpid(), rank == self.output_rank,
+                                     time.time()),
                                daemon=True)
                 p.start()
                 self.procs.append(p)
@@ -130,9 +131,13 @@ class MultiprocExecutor(Executor):
                              self.timeout + 600.0)
         self._await_subscriptions()
         self.num_blocks = min(r.num_blocks for r in ready.values())
-        logger.info("%d ranks ready in %.1f s; KV blocks per rank %s -> %d",
-                    self.world_size, time.perf_counter() - t0,
-                    [ready[r].num_blocks for r in sorted(ready)], self.num_blocks)
+        # Per rank: where its start-up went (WorkerReady.startup_s), for the log and
+        # ``pagedllm bench parallel``.
+        self.rank_startup_s = [ready[r].startup_s for r in sorted(ready)]
+        logger.info("%d ranks ready in %.1f s; KV blocks per rank %s -> %d; start-up of "
+                    "rank 0: %s", self.world_size, time.perf_counter() - t0,
+                    [ready[r].num_blocks for r in sorted(ready)], self.num_blocks,
+                    ", ".join(f"{k} {v:.1f} s" for k, v in self.rank_startup_s[0].items()))
         self.bcast.send_multipart([KIND_INIT_CACHE, ENCODER.encode(self.num_blocks)])
         caches = self._gather(KIND_CACHE_READY, msgspec.msgpack.Decoder(WorkerCacheReady),
                               "allocate its KV cache", self.timeout + 600.0)

@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import msgspec
@@ -46,6 +47,10 @@ KIND_FAILURE = b"F"
 class WorkerReady(msgspec.Struct):
     pid: int
     num_blocks: int
+    # Where the rank's start-up went, in seconds: spawn (process start to this module's
+    # entry point), import (the worker's modules: torch...), init (joining the world),
+    # load (the model), profile (sizing the KV cache).
+    startup_s: dict[str, float] = {}
 
 
 class WorkerCacheReady(msgspec.Struct):
@@ -79,8 +84,10 @@ def first_line(e: BaseException) -> str:
 
 def run_worker(config: Any, rank: int, local_rank: int, init_method: str,
                broadcast_addr: str, result_addr: str, parent_pid: int,
-               is_output_rank: bool) -> None:
-    """Process entry point (multiprocessing spawn target); never returns."""
+               is_output_rank: bool, spawned_at: float = 0.0) -> None:
+    """Process entry point (multiprocessing spawn target); never returns.
+    ``spawned_at``: the parent's ``time.time()`` when it started the process."""
+    spawn_s = time.time() - spawned_at if spawned_at else 0.0
     logging.basicConfig(level=os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO"),
                         format=f"%(levelname)s %(asctime)s [rank {rank} pid={os.getpid()}]"
                         " %(message)s", stream=sys.stderr)
@@ -99,7 +106,7 @@ def run_worker(config: Any, rank: int, local_rank: int, init_method: str,
     status = 1
     try:
         status = _serve(config, rank, local_rank, init_method, sub, push, me, parent_pid,
-                        is_output_rank)
+                        is_output_rank, spawn_s)
     except Exception as e:  # report in one line, log the traceback here
         logger.exception("rank %d failed", rank)
         push.send_multipart([KIND_FAILURE, me, first_line(e).encode()])
@@ -121,14 +128,28 @@ def _recv(sub: zmq.Socket, parent_pid: int) -> list[bytes]:
 
 
 def _serve(config: Any, rank: int, local_rank: int, init_method: str, sub: zmq.Socket,
-           push: zmq.Socket, me: bytes, parent_pid: int, is_output_rank: bool) -> int:
+           push: zmq.Socket, me: bytes, parent_pid: int, is_output_rank: bool,
+           spawn_s: float) -> int:
+    times = {"spawn": spawn_s}
+    t = time.perf_counter()
+
+    def lap(what: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        times[what], t = now - t, now
+
     from pagedllm.worker.worker import Worker
 
+    lap("import")
     worker = Worker(config, rank, local_rank, init_method)
     worker.init_device()
+    lap("init")
     worker.load_model()
+    lap("load")
+    num_blocks = worker.determine_num_blocks()
+    lap("profile")
     push.send_multipart([KIND_READY, me, ENCODER.encode(
-        WorkerReady(os.getpid(), worker.determine_num_blocks()))])
+        WorkerReady(os.getpid(), num_blocks, times))])
     while True:
         kind, payload = _recv(sub, parent_pid)
         if kind == KIND_SHUTDOWN:
