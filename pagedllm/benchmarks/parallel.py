@@ -51,6 +51,7 @@ def run_one(tp: int, pp: int, threads: int, n: int, input_len: int, output_len: 
 
     from pagedllm import LLM, SamplingParams
 
+    imported = time.time() - started  # interpreter start and the imports
     llm = LLM(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_threads=threads,
               quantization="none", max_model_len=256, max_num_seqs=n,
               max_num_batched_tokens=2048, enable_prefix_caching=False,
@@ -67,7 +68,8 @@ def run_one(tp: int, pp: int, threads: int, n: int, input_len: int, output_len: 
                                                 max_tokens=output_len), use_tqdm=False)
     dt = time.perf_counter() - t0
     assert sum(len(o.outputs[0].token_ids) for o in outs) == n * output_len
-    row = {"config": f"{tp}x{pp}@{threads}", "startup_s": startup, "gen_s": dt,
+    row = {"config": f"{tp}x{pp}@{threads}", "startup_s": startup, "import_s": imported,
+           "gen_s": dt,
            "out_tok_s": n * output_len / dt,
            "rank_startup_s": getattr(core.executor, "rank_startup_s", None),
            "max_batches_in_flight": core.max_batches_in_flight}
