@@ -118,8 +118,8 @@ class Scheduler:
         # Pipeline parallelism (both set by the engine core before each ``schedule``):
         # requests in a batch still in flight are left out until its output is back ...
         self.in_flight_req_ids: AbstractSet[str] = frozenset()
-        # ... and at most this many requests per batch (0: no limit), so that the live
-        # requests spread over the stages' micro-batches.
+        # ... and at most this many requests per batch, so that the live requests spread
+        # over the stages' micro-batches (0: no limit, and in_flight_req_ids ignored).
         self.max_num_scheduled_reqs = 0
 
     # -- admission -----------------------------------------------------------------

@@ -441,10 +441,14 @@ class ModelRunner:
                 continue
             st.output_token_ids.extend(tokens)
             row = self.batch.row_of.get(rid)
-            if row is not None:
+            if row is None:
+                continue
+            if len(tokens) == 1:
                 rows.append(row)
-                toks.append(tokens[-1])
-                assert len(tokens) == 1, "one token per request per step"
+                toks.append(tokens[0])
+            else:  # several (speculative decoding): one at a time
+                for t in tokens:
+                    self.batch.append_token(np.asarray([row]), np.asarray([t]))
         if rows:
             self.batch.append_token(np.asarray(rows, dtype=np.int64),
                                     np.asarray(toks, dtype=np.int64))
