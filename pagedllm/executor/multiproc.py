@@ -61,6 +61,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def rank_context(config: EngineConfig) -> multiprocessing.context.BaseContext:
+    """How ranks are started: forked from a fork server that has imported what a rank
+    needs (torch, the model code, the model's transformers config class) once.
+
+    A spawned rank imports all of that itself, and on CPU that is most of its start-up
+    (two ranks importing at once on two cores took 28 s of a 54 s TP=2 start-up here,
+    docs/benchmarks.md).  The fork server never runs a torch op, opens a socket or starts
+    a thread, so forking it is safe where forking the engine core (ZeroMQ context,
+    OpenMP pool, read-ahead threads, CUDA) is not; it exits when the core does."""
+    ctx = multiprocessing.get_context("forkserver")
+    hf_cls = type(config.model_config.hf_config)
+    ctx.set_forkserver_preload(["pagedllm.executor.worker_proc", "pagedllm.worker.worker",
+                                hf_cls.__module__])
+    return ctx
+
+
 @dataclass
 class _Pending:
     executor: MultiprocExecutor
@@ -96,7 +112,7 @@ class MultiprocExecutor(Executor):
         self.bcast.bind(bcast_addr)
         self.results.bind(result_addr)
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        mp = multiprocessing.get_context("spawn")
+        mp = rank_context(config)
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.ctx,
                                            [self.bcast, self.results], self._tmpdir)

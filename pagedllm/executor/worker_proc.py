@@ -15,8 +15,8 @@ Wire protocol (msgpack via msgspec; no pickle crosses a socket)::
 Start-up: connect, join the world (``Worker.init_device``: a rendezvous and a barrier
 that time out naming the rank), load the model, size the KV cache -> ``R``; wait for
 ``C`` with the minimum over ranks -> allocate -> ``K``; then serve ``E`` until ``S``.
-A worker exits when its parent (the engine core) is gone, so killing the core never
-leaves ranks behind.
+A worker exits when its parent (the engine core, or the fork server that exits with it)
+is gone, so killing the core never leaves ranks behind.
 """
 
 from __future__ import annotations
@@ -88,6 +88,9 @@ def run_worker(config: Any, rank: int, local_rank: int, init_method: str,
     """Process entry point (multiprocessing spawn target); never returns.
     ``spawned_at``: the parent's ``time.time()`` when it started the process."""
     spawn_s = time.time() - spawned_at if spawned_at else 0.0
+    # The process to outlive: the engine core (``parent_pid``) or the fork server it
+    # started us from, which exits with it (multiproc.py).
+    parent_pid = os.getppid()
     logging.basicConfig(level=os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO"),
                         format=f"%(levelname)s %(asctime)s [rank {rank} pid={os.getpid()}]"
                         " %(message)s", stream=sys.stderr)
@@ -122,7 +125,8 @@ def _recv(sub: zmq.Socket, parent_pid: int) -> list[bytes]:
     """The next broadcast; exits the process if the engine core is gone."""
     while not sub.poll(1000):
         if os.getppid() != parent_pid:
-            logger.error("engine core process %d is gone; worker exiting", parent_pid)
+            logger.error("parent process %d (the engine core or its fork server) is gone;"
+                         " worker exiting", parent_pid)
             os._exit(1)
     return sub.recv_multipart()
 
