@@ -104,6 +104,19 @@ class LazyWeight:
             raise AttributeError(attr)
         return getattr(self.materialize(), attr)
 
+    # Operators are looked up on the type, not through __getattr__.
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.materialize()[index]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __add__(self, other: Any) -> torch.Tensor:
+        return self.materialize() + other
+
+    def __mul__(self, other: Any) -> torch.Tensor:
+        return self.materialize() * other
+
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
