@@ -38,6 +38,7 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.beam_search import BeamGroup
@@ -114,6 +115,12 @@ class Scheduler:
         self._num_preemptions_step = 0
         self.total_preemptions = 0
         self.total_swaps = 0
+        # Pipeline parallelism (both set by the engine core before each ``schedule``):
+        # requests in a batch still in flight are left out until its output is back ...
+        self.in_flight_req_ids: AbstractSet[str] = frozenset()
+        # ... and at most this many requests per batch, so that the live requests spread
+        # over the stages' micro-batches (0: no limit, and in_flight_req_ids ignored).
+        self.max_num_scheduled_reqs = 0
 
     # -- admission -----------------------------------------------------------------
     def max_tokens_per_request(self) -> int:
@@ -329,11 +336,17 @@ class Scheduler:
         # 1. Running requests, oldest first.
         kv = self.kv
         running_status = RequestStatus.RUNNING  # a local: read per request
+        in_flight, max_reqs = self.in_flight_req_ids, self.max_num_scheduled_reqs
         for req in list(self.running):
             if budget <= 0:
                 break
             if req.status != running_status:
                 continue  # preempted as a victim earlier in this loop
+            if max_reqs:  # pipeline parallelism (see __init__)
+                if req.request_id in in_flight:
+                    continue
+                if len(num_scheduled) >= max_reqs:
+                    break
             n = self._num_to_compute(req)
             if n > budget:
                 n = budget
@@ -396,6 +409,9 @@ class Scheduler:
                 budget = min(budget, prefill_cap)
             while budget > 0 and len(self.waiting) > 0 and self._has_seat(self.waiting.peek()):
                 req = self.waiting.peek()
+                if max_reqs and (req.request_id in in_flight
+                                 or len(num_scheduled) >= max_reqs):
+                    break  # (preempted while its batch is in flight: wait for its token)
                 hits, num_hit = self.kv.get_computed_blocks(req)
                 n = min(req.num_tokens - num_hit - (1 if req.fork_ids else 0), budget)
                 if self.kv.allocate_slots(req, n, hits) is None:

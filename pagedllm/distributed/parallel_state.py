@@ -116,7 +116,7 @@ class ParallelState:
     world_size: int = 1
     tp: GroupCoordinator = _SINGLE
     pp: GroupCoordinator = _SINGLE
-    # Every rank of the engine (pipeline stages share the sampled tokens over it).
+    # Every rank of the engine (the start-up barrier and warm-up collective run over it).
     world: GroupCoordinator = _SINGLE
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from pagedllm.config import EngineConfig
@@ -41,6 +42,11 @@ class EngineCore:
         self.max_model_len = config.model_config.max_model_len
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._inflight: tuple[SchedulerOutput, StepResult] | None = None
+        # Pipeline parallelism: up to one batch in flight per stage (``_step_pipelined``).
+        self.pipeline_depth = config.parallel_config.pipeline_parallel_size
+        self._batches: deque[tuple[SchedulerOutput, StepResult]] = deque()
+        # The most batches ever in flight at once (> 1: the stages overlapped).
+        self.max_batches_in_flight = 0
         self.trace = StepTrace.from_env()  # PAGEDLLM_STEP_TRACE: per-step timings
         # Structured outputs: requests wait here while their grammar compiles (built on
         # the first such request, so that plain serving never imports xgrammar).
@@ -92,12 +98,16 @@ class EngineCore:
         if self._grammar_gate is not None:
             self._grammar_gate.abort(request_ids)
         self.scheduler.finish_requests(request_ids)
-        if self._inflight is not None and not self.scheduler.has_unfinished_requests():
-            self._finish_inflight()  # it serves only aborted requests now
+        if not self.scheduler.has_unfinished_requests():
+            # What is in flight serves only aborted requests now.
+            if self._inflight is not None:
+                self._finish_inflight()
+            while self._batches:
+                self._finish_oldest_batch()
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or self._inflight is not None
-                or bool(self._grammar_gate))
+                or bool(self._batches) or bool(self._grammar_gate))
 
     def step(self) -> EngineCoreOutputs:
         """One engine step (``_step``), after admitting requests whose grammar has
@@ -127,6 +137,8 @@ class EngineCore:
         scheduling, building inputs) overlaps the device's; the outputs returned are
         step N's.  Requests that need every token before the next step (penalties,
         min_tokens, forks, beams, prompt logprobs, swap) switch it off while live."""
+        if self.pipeline_depth > 1:
+            return self._step_pipelined()
         if not self.async_scheduling:
             t_wall, t0 = time.time(), time.perf_counter()
             sched = self.scheduler.schedule()
@@ -164,6 +176,47 @@ class EngineCore:
             self._finish_inflight()
         return outputs
 
+    def _step_pipelined(self) -> EngineCoreOutputs:
+        """One step with pipeline parallelism: vLLM's batch queue.  Up to
+        ``pipeline_depth`` batches of disjoint requests are in flight, so each stage
+        works on its own micro-batch instead of waiting for the others::
+
+            stage 0   A B C D ...        A, B: two batches launched back to back;
+            stage 1     A B C D ...      C (A's requests again) after A's output
+
+        A call launches one batch when the queue has room and the scheduler finds work
+        outside the batches in flight (``Scheduler.in_flight_req_ids``), with at most
+        1/depth of the live requests (``max_num_scheduled_reqs``); it returns
+        nothing while the queue is still filling, else the oldest batch's outputs
+        (outputs are consumed in launch order).  Requests that need every token on the
+        host (``requires_sync``) drain the queue and run one batch at a time."""
+        batches = self._batches
+        sync = self.scheduler.requires_sync()
+        if sync and batches:
+            return self._finish_oldest_batch()
+        if len(batches) < self.pipeline_depth:
+            sc = self.scheduler
+            sc.in_flight_req_ids = set().union(*(s.num_scheduled_tokens
+                                                 for s, _ in batches))
+            # Spread the live requests over the stages (a batch with all of them would
+            # leave the next one empty and the stages taking turns).
+            sc.max_num_scheduled_reqs = 0 if sync else \
+                -(-len(sc.requests) // self.pipeline_depth) or 1
+            sched = self.scheduler.schedule()
+            # A batch with nothing to do is worth launching only for its diffs (finished
+            # or preempted requests...) or when nothing else is in flight.
+            if not batches or not _carries_nothing(sched):
+                batches.append((sched, self.executor.execute_model_async(sched)))
+                self.max_batches_in_flight = max(self.max_batches_in_flight, len(batches))
+                if not sync and len(batches) < self.pipeline_depth:
+                    return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(),
+                                             timestamp=time.time())
+        return self._finish_oldest_batch()
+
+    def _finish_oldest_batch(self) -> EngineCoreOutputs:
+        sched, handle = self._batches.popleft()
+        return self.scheduler.update_from_output(sched, handle.result())
+
     def _finish_inflight(self) -> EngineCoreOutputs:
         assert self._inflight is not None
         sched, handle = self._inflight
@@ -176,3 +229,10 @@ class EngineCore:
         if self.trace is not None:
             self.trace.close()
         self.executor.shutdown()
+
+
+def _carries_nothing(sched: SchedulerOutput) -> bool:
+    """No tokens to compute and no diff for the runners."""
+    return not (sched.total_num_scheduled_tokens or sched.finished_req_ids
+                or sched.preempted_req_ids or sched.forks or sched.swap_out
+                or sched.swap_in or sched.block_copies)

@@ -43,6 +43,7 @@ from pagedllm.executor.worker_proc import (
     KIND_READY,
     KIND_SHUTDOWN,
     OUTPUT_DECODER,
+    SampledTokens,
     WorkerCacheReady,
     WorkerReady,
     run_worker,
@@ -58,6 +59,22 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def rank_context(config: EngineConfig) -> multiprocessing.context.BaseContext:
+    """How ranks are started: forked from a fork server that has imported what a rank
+    needs (torch, the model code, the model's transformers config class) once.
+
+    A spawned rank imports all of that itself, and on CPU that is most of its start-up
+    (two ranks importing at once on two cores took 28 s of a 54 s TP=2 start-up here,
+    docs/benchmarks.md).  The fork server never runs a torch op, opens a socket or starts
+    a thread, so forking it is safe where forking the engine core (ZeroMQ context,
+    OpenMP pool, read-ahead threads, CUDA) is not; it exits when the core does."""
+    ctx = multiprocessing.get_context("forkserver")
+    hf_cls = type(config.model_config.hf_config)
+    ctx.set_forkserver_preload(["pagedllm.executor.worker_proc", "pagedllm.worker.worker",
+                                hf_cls.__module__])
+    return ctx
 
 
 @dataclass
@@ -95,18 +112,22 @@ class MultiprocExecutor(Executor):
         self.bcast.bind(bcast_addr)
         self.results.bind(result_addr)
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        mp = multiprocessing.get_context("spawn")
+        mp = rank_context(config)
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.ctx,
                                            [self.bcast, self.results], self._tmpdir)
         self._launched = 0
         self._received = 0
         self._pending: dict[int, _Pending] = {}
+        # Pipeline parallelism: tokens read since the last launch, for the early stages.
+        self._sampled: SampledTokens | None = SampledTokens() \
+            if pc.pipeline_parallel_size > 1 else None
         try:
             for rank in range(self.world_size):
                 p = mp.Process(target=run_worker, name=f"pagedllm-worker-{rank}",
                                args=(config, rank, rank, init_method, bcast_addr,
-                                     result_addr, os.getpid(), rank == self.output_rank),
+                                     result_addr, os.getpid(), rank == self.output_rank,
+                                     time.time()),
                                daemon=True)
                 p.start()
                 self.procs.append(p)
@@ -126,9 +147,13 @@ class MultiprocExecutor(Executor):
                              self.timeout + 600.0)
         self._await_subscriptions()
         self.num_blocks = min(r.num_blocks for r in ready.values())
-        logger.info("%d ranks ready in %.1f s; KV blocks per rank %s -> %d",
-                    self.world_size, time.perf_counter() - t0,
-                    [ready[r].num_blocks for r in sorted(ready)], self.num_blocks)
+        # Per rank: where its start-up went (WorkerReady.startup_s), for the log and
+        # ``pagedllm bench parallel``.
+        self.rank_startup_s = [ready[r].startup_s for r in sorted(ready)]
+        logger.info("%d ranks ready in %.1f s; KV blocks per rank %s -> %d; start-up of "
+                    "rank 0: %s", self.world_size, time.perf_counter() - t0,
+                    [ready[r].num_blocks for r in sorted(ready)], self.num_blocks,
+                    ", ".join(f"{k} {v:.1f} s" for k, v in self.rank_startup_s[0].items()))
         self.bcast.send_multipart([KIND_INIT_CACHE, ENCODER.encode(self.num_blocks)])
         caches = self._gather(KIND_CACHE_READY, msgspec.msgpack.Decoder(WorkerCacheReady),
                               "allocate its KV cache", self.timeout + 600.0)
@@ -217,13 +242,19 @@ class MultiprocExecutor(Executor):
         pending = self._pending.pop(self._received)
         self._received += 1
         pending.out = OUTPUT_DECODER.decode(frames[2])
+        if self._sampled is not None:
+            self._sampled.add(pending.out)
 
     # ------------------------------------------------------------------ steps
 
     def execute_model_async(self, sched: SchedulerOutput) -> _Pending:
         if self.failed is not None:
             raise self.failed
-        self.bcast.send_multipart([KIND_EXECUTE, ENCODER.encode(sched)])
+        frames = [KIND_EXECUTE, ENCODER.encode(sched)]
+        if self._sampled is not None:
+            frames.append(ENCODER.encode(self._sampled))
+            self._sampled = SampledTokens()
+        self.bcast.send_multipart(frames)
         handle = _Pending(self, self._launched)
         self._pending[self._launched] = handle
         self._launched += 1

@@ -26,7 +26,14 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.base import Executor, ExecutorError, output_rank
-from pagedllm.executor.worker_proc import ENCODER, OUTPUT_DECODER, SCHED_DECODER, first_line
+from pagedllm.executor.worker_proc import (
+    ENCODER,
+    OUTPUT_DECODER,
+    SAMPLED_DECODER,
+    SCHED_DECODER,
+    SampledTokens,
+    first_line,
+)
 
 logger = logging.getLogger("pagedllm")
 
@@ -66,7 +73,10 @@ class RayWorkerWrapper:
         self.worker.initialize_cache(num_blocks)
         return int(self.worker.num_cpu_blocks), list(self.worker.padded_step_sizes())
 
-    def execute(self, payload: bytes) -> bytes | None:
+    def execute(self, payload: bytes, sampled: bytes | None = None) -> bytes | None:
+        if sampled is not None:  # pipeline parallelism: see worker_proc.SampledTokens
+            s = SAMPLED_DECODER.decode(sampled)
+            self.worker.record_sampled_tokens(s.req_ids, s.sampled_token_ids)
         out = self.worker.execute_model(SCHED_DECODER.decode(payload))
         return ENCODER.encode(out) if self.is_output_rank else None
 
@@ -84,6 +94,8 @@ class _RayStep:
             payload = self.executor._get(self.refs, "run the step")[
                 self.executor.output_rank]
             self.out = OUTPUT_DECODER.decode(payload)
+            if self.executor._sampled is not None:
+                self.executor._sampled.add(self.out)
         return self.out
 
 
@@ -103,6 +115,9 @@ class RayExecutor(Executor):
         self.output_rank = output_rank(config)
         self.failed: ExecutorError | None = None
         self._closed = False
+        # Pipeline parallelism: tokens read since the last launch, for the early stages.
+        self._sampled: SampledTokens | None = SampledTokens() \
+            if pc.pipeline_parallel_size > 1 else None
         cuda = config.device_config.device == "cuda"
         threads = config.device_config.num_threads or 1
         bundle = {"GPU": 1.0} if cuda else {"CPU": float(threads)}
@@ -177,7 +192,11 @@ class RayExecutor(Executor):
         if self.failed is not None:
             raise self.failed
         payload = ray.put(ENCODER.encode(sched))  # once, whatever the number of ranks
-        return _RayStep(self, [a.execute.remote(payload) for a in self.actors])
+        sampled = None
+        if self._sampled is not None:
+            sampled = ray.put(ENCODER.encode(self._sampled))
+            self._sampled = SampledTokens()
+        return _RayStep(self, [a.execute.remote(payload, sampled) for a in self.actors])
 
     def check_health(self) -> None:
         if self.failed is not None:

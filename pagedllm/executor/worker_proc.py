@@ -4,7 +4,8 @@ Wire protocol (msgpack via msgspec; no pickle crosses a socket)::
 
     engine core                                  worker rank r (one per process)
     XPUB (binds) ── [kind, payload] broadcast ─► SUB   C: init cache (num_blocks)
-                                                       E: execute (SchedulerOutput)
+                                                       E: execute (SchedulerOutput
+                                                          [, SampledTokens with PP])
                                                        S: shut down
     PULL (binds) ◄── [kind, rank, payload] ──── PUSH  R: ready (WorkerReady)
                                                        K: cache ready (WorkerCacheReady)
@@ -14,8 +15,8 @@ Wire protocol (msgpack via msgspec; no pickle crosses a socket)::
 Start-up: connect, join the world (``Worker.init_device``: a rendezvous and a barrier
 that time out naming the rank), load the model, size the KV cache -> ``R``; wait for
 ``C`` with the minimum over ranks -> allocate -> ``K``; then serve ``E`` until ``S``.
-A worker exits when its parent (the engine core) is gone, so killing the core never
-leaves ranks behind.
+A worker exits when its parent (the engine core, or the fork server that exits with it)
+is gone, so killing the core never leaves ranks behind.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import msgspec
@@ -45,6 +47,10 @@ KIND_FAILURE = b"F"
 class WorkerReady(msgspec.Struct):
     pid: int
     num_blocks: int
+    # Where the rank's start-up went, in seconds: spawn (process start to this module's
+    # entry point), import (the worker's modules: torch...), init (joining the world),
+    # load (the model), profile (sizing the KV cache).
+    startup_s: dict[str, float] = {}
 
 
 class WorkerCacheReady(msgspec.Struct):
@@ -52,7 +58,21 @@ class WorkerCacheReady(msgspec.Struct):
     padded_step_sizes: list[int]
 
 
+class SampledTokens(msgspec.Struct):
+    """Pipeline parallelism: the tokens in the outputs the engine core has read since
+    the last step it launched, sent along with the next one so that the stages before
+    the last (which never sample) record them first (``worker/pipeline.py``)."""
+
+    req_ids: list[str] = []
+    sampled_token_ids: list[list[int]] = []
+
+    def add(self, out: ModelRunnerOutput) -> None:
+        self.req_ids.extend(out.req_ids)
+        self.sampled_token_ids.extend(out.sampled_token_ids)
+
+
 ENCODER = msgspec.msgpack.Encoder()
+SAMPLED_DECODER = msgspec.msgpack.Decoder(SampledTokens)
 SCHED_DECODER = msgspec.msgpack.Decoder(SchedulerOutput)
 OUTPUT_DECODER = msgspec.msgpack.Decoder(ModelRunnerOutput)
 
@@ -64,8 +84,13 @@ def first_line(e: BaseException) -> str:
 
 def run_worker(config: Any, rank: int, local_rank: int, init_method: str,
                broadcast_addr: str, result_addr: str, parent_pid: int,
-               is_output_rank: bool) -> None:
-    """Process entry point (multiprocessing spawn target); never returns."""
+               is_output_rank: bool, spawned_at: float = 0.0) -> None:
+    """Process entry point (multiprocessing spawn target); never returns.
+    ``spawned_at``: the parent's ``time.time()`` when it started the process."""
+    spawn_s = time.time() - spawned_at if spawned_at else 0.0
+    # The process to outlive: the engine core (``parent_pid``) or the fork server it
+    # started us from, which exits with it (multiproc.py).
+    parent_pid = os.getppid()
     logging.basicConfig(level=os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO"),
                         format=f"%(levelname)s %(asctime)s [rank {rank} pid={os.getpid()}]"
                         " %(message)s", stream=sys.stderr)
@@ -84,7 +109,7 @@ def run_worker(config: Any, rank: int, local_rank: int, init_method: str,
     status = 1
     try:
         status = _serve(config, rank, local_rank, init_method, sub, push, me, parent_pid,
-                        is_output_rank)
+                        is_output_rank, spawn_s)
     except Exception as e:  # report in one line, log the traceback here
         logger.exception("rank %d failed", rank)
         push.send_multipart([KIND_FAILURE, me, first_line(e).encode()])
@@ -100,20 +125,35 @@ def _recv(sub: zmq.Socket, parent_pid: int) -> list[bytes]:
     """The next broadcast; exits the process if the engine core is gone."""
     while not sub.poll(1000):
         if os.getppid() != parent_pid:
-            logger.error("engine core process %d is gone; worker exiting", parent_pid)
+            logger.error("parent process %d (the engine core or its fork server) is gone;"
+                         " worker exiting", parent_pid)
             os._exit(1)
     return sub.recv_multipart()
 
 
 def _serve(config: Any, rank: int, local_rank: int, init_method: str, sub: zmq.Socket,
-           push: zmq.Socket, me: bytes, parent_pid: int, is_output_rank: bool) -> int:
+           push: zmq.Socket, me: bytes, parent_pid: int, is_output_rank: bool,
+           spawn_s: float) -> int:
+    times = {"spawn": spawn_s}
+    t = time.perf_counter()
+
+    def lap(what: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        times[what], t = now - t, now
+
     from pagedllm.worker.worker import Worker
 
+    lap("import")
     worker = Worker(config, rank, local_rank, init_method)
     worker.init_device()
+    lap("init")
     worker.load_model()
+    lap("load")
+    num_blocks = worker.determine_num_blocks()
+    lap("profile")
     push.send_multipart([KIND_READY, me, ENCODER.encode(
-        WorkerReady(os.getpid(), worker.determine_num_blocks()))])
+        WorkerReady(os.getpid(), num_blocks, times))])
     while True:
         kind, payload = _recv(sub, parent_pid)
         if kind == KIND_SHUTDOWN:
@@ -125,8 +165,11 @@ def _serve(config: Any, rank: int, local_rank: int, init_method: str, sub: zmq.S
                 worker.num_cpu_blocks, worker.padded_step_sizes()))])
             break
     while True:
-        kind, payload = _recv(sub, parent_pid)
+        kind, payload, *sampled = _recv(sub, parent_pid)
         if kind == KIND_EXECUTE:
+            if sampled:
+                s = SAMPLED_DECODER.decode(sampled[0])
+                worker.record_sampled_tokens(s.req_ids, s.sampled_token_ids)
             out = worker.execute_model(SCHED_DECODER.decode(payload))
             if is_output_rank:  # only it answers: the others' tokens are identical
                 push.send_multipart([KIND_OUTPUT, me, ENCODER.encode(out)])

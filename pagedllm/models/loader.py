@@ -19,6 +19,10 @@
   logits far enough apart that bf16 greedy tokens are comparable across code paths
   (the GPU checks that compare graphs, eager and async runs use it).
 
+Under tensor parallelism (or with a ``ReadCounter``) both formats hand the layers
+``LazyWeight``s, so each rank reads only its shard of each tensor
+(``models/lazy_weight.py``); a single rank reads plain tensors as before.
+
 Missing or corrupt files raise ``ValueError`` with a one-line reason naming the file.
 """
 
@@ -26,21 +30,27 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
+from pagedllm.distributed.parallel_state import current_parallel_state
 from pagedllm.layers.embedding import VocabParallelEmbedding
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization import get_quantization_config_class
 from pagedllm.layers.quantization.base import QuantizationConfig
+from pagedllm.models.lazy_weight import LazyWeight, ReadCounter
 from pagedllm.models.registry import get_model_class
+
+logger = logging.getLogger("pagedllm")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,11 +83,13 @@ def make_quant_config(model_config: Any, device: torch.device) -> QuantizationCo
     return qc
 
 
-def load_model(model_config: Any, device: torch.device,
-               backend: AttentionBackend) -> nn.Module:
+def load_model(model_config: Any, device: torch.device, backend: AttentionBackend,
+               read_counter: ReadCounter | None = None) -> nn.Module:
     """The model for ``model_config`` (a ``pagedllm.config.ModelConfig``) on ``device``,
     in ``model_config.dtype``, in eval mode, weights loaded per ``load_format`` and
-    stored as its quantisation method decides (``layers/quantization/``)."""
+    stored as its quantisation method decides (``layers/quantization/``).
+    ``read_counter``: records the bytes read per tensor (shard-only reading is on
+    with it, and always under tensor parallelism)."""
     hf_config = model_config.hf_config
     cls = get_model_class(hf_config)
     dtype = _DTYPES[model_config.dtype]
@@ -93,19 +105,22 @@ def load_model(model_config: Any, device: torch.device,
     # A pipeline stage reads (and dequantises) only its own tensors (models/llama.py).
     other_stage = getattr(model, "_on_other_stage", None)
     keep = None if other_stage is None else (lambda name: not other_stage(name))
+    counter = read_counter
+    if counter is None and current_parallel_state().tp_size > 1:
+        counter = ReadCounter()  # for the log line below
     if fmt == "dummy":
         _init_dummy(model, device, int(getattr(model_config, "seed", 0)),
                     getattr(model_config, "dummy_init", "uniform"))
     elif fmt == "safetensors":
         model.load_weights(  # type: ignore[operator]
-            take_kv_scales(model, iter_safetensors(resolved.directory, keep)))
+            take_kv_scales(model, iter_safetensors(resolved.directory, keep, counter)))
     elif fmt == "gguf":
         path = resolved.gguf_path
         if path is None:
             raise ValueError(f"load_format: 'gguf' but {resolved.directory} holds no .gguf")
         model.load_weights(iter_gguf(  # type: ignore[operator]
             path, hf_config, keep,
-            keep_quantized=bool(getattr(quant_config, "gguf_raw", False))))
+            keep_quantized=bool(getattr(quant_config, "gguf_raw", False)), counter=counter))
     else:
         raise ValueError(f"load_format must be safetensors, gguf or dummy, got {fmt!r}")
     with torch.no_grad():
@@ -114,6 +129,9 @@ def load_model(model_config: Any, device: torch.device,
                 module.quant_method.process_weights_after_loading(module)  # type: ignore
             elif isinstance(module, VocabParallelEmbedding) and module.quant_method:
                 module.quant_method.process_weights_after_loading(module)
+    if counter is not None and counter.whole:
+        logger.info("tensor-parallel rank %d: %s", current_parallel_state().tp.rank_in_group,
+                    counter.summary())
     return model.eval()
 
 
@@ -181,9 +199,11 @@ def _init_dummy(model: nn.Module, device: torch.device, seed: int, init: str) ->
 # -- safetensors ----------------------------------------------------------------------
 
 def iter_safetensors(directory: str, keep: Callable[[str], bool] | None = None,
+                     counter: ReadCounter | None = None,
                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for every tensor of every ``*.safetensors`` in ``directory``
-    (only names ``keep`` accepts are read, when given)."""
+    (only names ``keep`` accepts are read, when given).  With ``counter``: ``LazyWeight``s
+    that read only the slices the layers take (``models/lazy_weight.py``)."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
@@ -194,16 +214,33 @@ def iter_safetensors(directory: str, keep: Callable[[str], bool] | None = None,
         raise ValueError(f"{directory}: no *.safetensors weight files found")
     for path in files:
         try:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                names = list(f.keys())
-                for name in names:
-                    if keep is None or keep(name):
-                        yield name, f.get_tensor(name)
+            # Not a ``with``: a LazyWeight may be read after the next file is opened.
+            f = safe_open(path, framework="pt", device="cpu")
+            names = list(f.keys())
+            for name in names:
+                if keep is None or keep(name):
+                    yield name, (f.get_tensor(name) if counter is None
+                                 else _lazy_safetensor(f, name, counter))
         except ValueError:
             raise
         except Exception as e:  # safetensors raises its own error types
             raise ValueError(f"{path}: cannot read safetensors file: "
                              f"{str(e).strip().splitlines()[0] if str(e) else e!r}") from e
+
+
+def _lazy_safetensor(f: Any, name: str, counter: ReadCounter) -> torch.Tensor:
+    """``name`` as a ``LazyWeight`` reading ``get_slice(name)[...]`` (0-d: read now)."""
+    sl = f.get_slice(name)
+    shape = tuple(sl.get_shape())
+    if not shape:
+        return f.get_tensor(name)
+
+    def read_slice(dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return sl[index]
+
+    return LazyWeight(name, shape, sl[0:0].dtype, read_slice,  # type: ignore[return-value]
+                      lambda: f.get_tensor(name), counter)
 
 
 # -- GGUF -----------------------------------------------------------------------------
@@ -254,15 +291,16 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def iter_gguf(path: str, hf_config: Any, keep: Callable[[str], bool] | None = None,
-              keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+              keep_quantized: bool = False, counter: ReadCounter | None = None,
+              ) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantised float32 ``(HF name, tensor)`` pairs from a GGUF file (only HF names
     ``keep`` accepts, when given: a pipeline stage's or a rank's own tensors).
 
     ``keep_quantized``: tensors of a type in ``gguf_blocks.SUPPORTED`` come instead as
     their raw block bytes, uint8 ``[rows, row_bytes]`` (a copy, not the memmap), with
-    the type in a ``ggml_type`` attribute; other types are dequantised as usual."""
-    from gguf.quants import dequantize
-
+    the type in a ``ggml_type`` attribute; other types are dequantised as usual.
+    ``counter``: the dequantised tensors come as ``LazyWeight``s that read (and
+    dequantise) only the rows or block-aligned columns the layers take."""
     from pagedllm.layers.quantization.gguf_blocks import SUPPORTED
     from pagedllm.models.gguf_file import GGUFFile
 
@@ -279,21 +317,68 @@ def iter_gguf(path: str, hf_config: Any, keep: Callable[[str], bool] | None = No
                              f"(architecture {arch!r})")
         if keep is not None and not keep(hf_name):
             continue
+        heads = None
+        if permute and ".attn_q." in info.name:
+            heads = n_head
+        elif permute and ".attn_k." in info.name:
+            heads = n_kv
         raw_blocks = keep_quantized and info.ggml_type in SUPPORTED and len(info.shape) == 2
         if raw_blocks:
             t = torch.from_numpy(f.raw(info).copy())
-        else:
-            try:
-                arr = dequantize(f.raw(info), info.ggml_type)
-            except (NotImplementedError, ValueError) as e:
-                raise ValueError(f"{path}: cannot dequantise {info.name}: {e}") from e
-            if not arr.flags.writeable:  # float32 tensors come back as views of the memmap
-                arr = arr.copy()
-            t = torch.from_numpy(arr.reshape(info.shape))
-        if permute and ".attn_q." in info.name:
-            t = _unpermute(t, n_head)
-        elif permute and ".attn_k." in info.name:
-            t = _unpermute(t, n_kv)
-        if raw_blocks:  # rows are whole blocks, so the row permutation applies as is
+            if heads is not None:  # rows are whole blocks: the permutation applies as is
+                t = _unpermute(t, heads)
             t.ggml_type = int(info.ggml_type)  # type: ignore[attr-defined]
-        yield hf_name, t
+            yield hf_name, t
+        elif counter is not None and len(info.shape) == 2:
+            yield hf_name, _lazy_gguf(f, info, hf_name, heads, counter)
+        else:
+            yield hf_name, _gguf_dequantized(f, info, heads, slice(None), slice(None))
+
+
+def _gguf_dequantized(f: Any, info: Any, heads: int | None, rows: slice,
+                      cols: slice) -> torch.Tensor:
+    """Float32 ``[rows, cols]`` of a GGUF tensor (``cols`` in bytes for a quantised
+    type, whole blocks), q/k rows un-permuted over ``heads`` heads."""
+    from gguf.quants import dequantize
+
+    raw = f.raw(info)
+    if rows != slice(None) or cols != slice(None):
+        raw = np.ascontiguousarray(raw[rows, cols] if raw.ndim == 2 else raw[rows])
+    try:
+        arr = dequantize(raw, info.ggml_type)
+    except (NotImplementedError, ValueError) as e:
+        raise ValueError(f"{f.path}: cannot dequantise {info.name}: {e}") from e
+    if not arr.flags.writeable:  # float32 tensors come back as views of the memmap
+        arr = arr.copy()
+    t = torch.from_numpy(arr)
+    if rows == slice(None) and cols == slice(None):
+        t = t.reshape(info.shape)
+    return _unpermute(t, heads) if heads is not None else t
+
+
+def _lazy_gguf(f: Any, info: Any, hf_name: str, heads: int | None,
+               counter: ReadCounter) -> torch.Tensor:
+    """A 2-D GGUF tensor as a ``LazyWeight``: a row range is read as is (rows are whole
+    blocks), a column range when it starts and ends on a quantisation block."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, type_size = GGML_QUANT_SIZES[info.ggml_type]
+    head_rows = info.shape[0] // heads if heads is not None else 0
+
+    def read_slice(dim: int, start: int, length: int) -> torch.Tensor | str:
+        if dim == 0:
+            if heads is not None and (start % head_rows or length % head_rows):
+                return f"rows {start}:{start + length} cut a permuted head"
+            return _gguf_dequantized(f, info, length // head_rows if heads else None,
+                                     slice(start, start + length), slice(None))
+        if start % block or length % block:
+            return (f"columns {start}:{start + length} cut a {block}-element "
+                    f"quantisation block")
+        b0, b1 = start // block * type_size, (start + length) // block * type_size
+        if info.ggml_type in (0, 1):  # F32, F16: the memmap is typed, not bytes
+            b0, b1 = start, start + length
+        return _gguf_dequantized(f, info, heads, slice(None), slice(b0, b1))
+
+    return LazyWeight(hf_name, info.shape, torch.float32, read_slice,  # type: ignore
+                      lambda: _gguf_dequantized(f, info, heads, slice(None), slice(None)),
+                      counter)

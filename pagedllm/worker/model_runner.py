@@ -364,9 +364,8 @@ class ModelRunner:
                         smeta, constraints=self._constraints(states, pending[sample_idx]))
                 sampled = self.sampler(logits, smeta)
                 ids, logprobs = sampled.sampled_token_ids, sampled.logprobs
-            if self.stage is not None:
-                ids = self.stage.share_sampled(ids, len(states))
-            assert ids is not None
+            if ids is None:  # the last stage samples; see record_sampled_tokens
+                return handle
             self._last_sampled = ids
             self._pending = {st.req_id: j for j, st in enumerate(states)}
             self._pending_owner = handle
@@ -429,6 +428,30 @@ class ModelRunner:
                                     np.asarray(toks, dtype=np.int64))
         if self._pending_owner is handle:  # no later step launched: nothing in flight
             self._pending, self._pending_owner = {}, None
+
+    def record_sampled_tokens(self, req_ids: list[str],
+                              sampled_token_ids: list[list[int]]) -> None:
+        """A pipeline stage before the last learns the tokens sampled by the last one
+        with a later step (``worker/pipeline.py``): record them as ``_finish`` does.
+        Requests gone meanwhile (finished, aborted) are skipped."""
+        rows, toks = [], []
+        for rid, tokens in zip(req_ids, sampled_token_ids):
+            st = self.requests.get(rid)
+            if st is None or not tokens:
+                continue
+            st.output_token_ids.extend(tokens)
+            row = self.batch.row_of.get(rid)
+            if row is None:
+                continue
+            if len(tokens) == 1:
+                rows.append(row)
+                toks.append(tokens[0])
+            else:  # several (speculative decoding): one at a time
+                for t in tokens:
+                    self.batch.append_token(np.asarray([row]), np.asarray([t]))
+        if rows:
+            self.batch.append_token(np.asarray(rows, dtype=np.int64),
+                                    np.asarray(toks, dtype=np.int64))
 
     def _prompt_logprobs(self, sched: SchedulerOutput, order: Sequence[str], inp: StepInputs,
                          hidden: torch.Tensor, num_computed: np.ndarray,

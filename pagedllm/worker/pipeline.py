@@ -4,16 +4,22 @@
 
     stage 0            stage 1                 stage pp-1 (last)
     embed, layers  ─►  recv, layers  ─► ... ─► recv, layers, norm, lm_head, sample
-      send(h, res)       send(h, res)                    │
-         ▲                                               │ sampled ids
-         └──────────── broadcast over the world ◄────────┘
+      send(h, res)       send(h, res)                    │ sampled ids
+         ▲                                               ▼ (output rank -> engine core)
+         └──── with a later step: SampledTokens ◄── executor
 
 Every stage builds the same step inputs from the same ``SchedulerOutput`` (positions,
 block tables, slot mapping), so only the activations travel: two ``[T, hidden]``
 tensors point-to-point over the PP group (gloo on CPU, NCCL on GPU; ``T`` is the step's
-token count, which every rank knows, so no shapes are exchanged).  The last stage's
-sampled token ids are broadcast to every rank because each runner appends them to its
-own rows (the next decode's input ids, the token counts).
+token count, which every rank knows, so no shapes are exchanged).
+
+The stages before the last never wait for the sampled tokens: the executor sends them
+along with the next step it launches (``SampledTokens``, recorded by
+``ModelRunner.record_sampled_tokens`` before that step runs).  So stage 0 can run the
+next micro-batch while the last stage samples this one -- the engine core keeps up to
+``pipeline_parallel_size`` batches of disjoint requests in flight
+(``EngineCore._step_pipelined``), and a request is scheduled again only after its
+tokens came back, hence before any stage needs them.
 """
 
 from __future__ import annotations
@@ -30,10 +36,8 @@ class PipelineStage:
 
     def __init__(self, parallel: ParallelState, hidden_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.pp, self.world = parallel.pp, parallel.world
+        self.pp = parallel.pp
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
-        # The last stage's TP rank 0 returns the step's output (vLLM's output rank).
-        self.output_rank = parallel.world_size - parallel.tp_size
 
     @property
     def is_last(self) -> bool:
@@ -57,11 +61,3 @@ class PipelineStage:
         self.pp.send(hidden, nxt)
         self.pp.send(residual, nxt)
         return None
-
-    def share_sampled(self, ids: torch.Tensor | None, n: int) -> torch.Tensor:
-        """The ``n`` sampled token ids of this step on every rank: ``ids`` from the last
-        stage (None elsewhere), broadcast from the output rank."""
-        if ids is None:
-            ids = torch.empty(n, dtype=torch.int64, device=self.device)
-        src = self.world.ranks.index(self.output_rank)
-        return self.world.broadcast(ids, src)

@@ -300,6 +300,14 @@ class Worker:
         assert self.runner is not None, "initialize_cache first"
         return self.runner.execute_model_async(sched)
 
+    def record_sampled_tokens(self, req_ids: list[str],
+                              sampled_token_ids: list[list[int]]) -> None:
+        """Pipeline parallelism: tokens the last stage sampled in earlier steps (see
+        ``worker/pipeline.py``); the last stage's ranks sampled them themselves."""
+        assert self.runner is not None, "initialize_cache first"
+        if not self.parallel.pp.is_last:
+            self.runner.record_sampled_tokens(req_ids, sampled_token_ids)
+
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_cache first"
         return self.runner.execute_model(sched)

@@ -77,6 +77,15 @@ def test_mp_greedy_equals_tp1_batched_and_preempted(reference, tp: int, pp: int)
         assert core.num_blocks == POOL_BLOCKS + 1
         assert _greedy(llm) == reference
         assert core.scheduler.total_preemptions > 0
+        # Pipeline parallelism: one micro-batch per stage was in flight at once.
+        assert core.max_batches_in_flight == (pp if pp > 1 else 0)
+        if (tp, pp) == (1, 2):  # a stage dies with micro-batches in flight: reported
+            os.kill(pids[0], signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(ExecutorError, match=r"worker rank 0 \(pid \d+\) died"):
+                _greedy(llm)
+            assert time.monotonic() - t0 < 5
+            assert core.max_batches_in_flight == 2
     finally:
         llm.llm_engine.shutdown()
     assert not [p for p in pids if psutil.pid_exists(p)

@@ -30,6 +30,7 @@ def test_ray_greedy_equals_tp1(ray_cluster, reference, tp: int, pp: int) -> None
         assert core.config.parallel_config.distributed_executor_backend == "ray"
         assert _greedy(llm) == reference
         assert core.scheduler.total_preemptions > 0
+        assert core.max_batches_in_flight == (pp if pp > 1 else 0)
         if pp == 2:  # last: a rank actor killed mid-service is reported by rank
             ray.kill(core.executor.actors[1])
             with pytest.raises(ExecutorError, match="rank 1 died"):
