@@ -11,8 +11,11 @@ the batch, from ``query_start_loc``.  XLM-RoBERTa differs only in its position i
 which start after the padding index (``padding_idx + 1``).  Linear layers take
 ``quant_config`` and their HF module names as ``prefix``, like the decoders.
 
-The encoder runs standalone (``embed``); serving it through the scheduler without a KV
-cache (``LLM.embed``, ``/v1/embeddings``) is not wired yet.
+The pooling runner (``worker/pooling_runner.py``) serves it through the scheduler without
+a KV cache (``LLM.embed``, ``/v1/embeddings``); ``is_encoder`` tells it to call
+``forward(input_ids, query_start_loc, token_type_ids)`` rather than a decoder's paged
+forward.  Segment ids (``token_type_ids``) matter for sentence pairs (cross-encoders,
+``models/bert_classifier.py``); None means segment 0 throughout.
 """
 
 from __future__ import annotations
@@ -75,9 +78,12 @@ class BertModel(nn.Module):
     ``forward`` returns the last hidden states ``[T, H]``."""
 
     position_offset = 0  # XLM-RoBERTa: padding_idx + 1
+    is_encoder = True
 
-    def __init__(self, hf_config: Any, quant_config: QuantizationConfig | None = None,
-                 prefix: str = "") -> None:
+    def __init__(self, hf_config: Any, backend: Any = None,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        """``backend`` (the paged attention backend the loader passes) is unused: the
+        encoder's attention is bidirectional SDPA over each sequence."""
         super().__init__()
         c = hf_config
         self.config = c
@@ -95,9 +101,14 @@ class BertModel(nn.Module):
         first = torch.repeat_interleave(starts, lens)
         return torch.arange(num_tokens, device=first.device) - first + self.position_offset
 
-    def forward(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         pos = self.positions(query_start_loc, input_ids.shape[0])
-        x = self.word_embeddings(input_ids) + self.token_type_embeddings.weight[0]
+        # One segment type (XLM-R): its tokenizer's pair ids, if any, are all type 0.
+        one_type = self.token_type_embeddings.num_embeddings == 1
+        types = self.token_type_embeddings.weight[0] if token_type_ids is None or one_type \
+            else self.token_type_embeddings(token_type_ids)
+        x = self.word_embeddings(input_ids) + types
         x = self.emb_norm(x + self.position_embeddings(pos))
         qsl = query_start_loc.tolist()  # host bounds of the per-sequence attention
         bounds = list(zip(qsl[:-1], qsl[1:]))
@@ -157,7 +168,7 @@ class BertModel(nn.Module):
 
 
 class XLMRobertaModel(BertModel):
-    def __init__(self, hf_config: Any, quant_config: QuantizationConfig | None = None,
-                 prefix: str = "") -> None:
-        super().__init__(hf_config, quant_config, prefix)
+    def __init__(self, hf_config: Any, backend: Any = None,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__(hf_config, backend, quant_config, prefix)
         self.position_offset = int(hf_config.pad_token_id) + 1
