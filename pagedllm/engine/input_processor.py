@@ -6,6 +6,7 @@ server maps ``ContextLengthError`` to ``code: context_length_exceeded``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -246,6 +247,8 @@ class InputProcessor:
             raise ContextLengthError(
                 f"input: {len(ids)} tokens is more than the model takes ({cap}: "
                 "max_model_len and max_num_batched_tokens)", "input", len(ids), cap)
+        if isinstance(prompt, Mapping) and prompt.get("token_type_ids") is not None:
+            params = dataclasses.replace(params, token_type_ids=list(prompt["token_type_ids"]))
         if params.token_type_ids is not None and len(params.token_type_ids) != len(ids):
             raise ValueError("token_type_ids must have one entry per input token")
         arrival = time.time() if arrival_time is None else arrival_time

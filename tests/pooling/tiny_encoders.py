@@ -50,11 +50,16 @@ def build_encoder(kind: str, path: str, seed: int = 3, **extra: object) -> torch
     torch.manual_seed(seed)
     hf = hf_cls(cfg_cls(**kw)).eval()
     randomize(hf, seed)
-    if kind.endswith("_ce"):  # spread the scores (a random head gives ~0.5 for all)
+    if kind.endswith("_ce"):
+        # Spread the scores: sharper attention makes [CLS] depend on the text (random
+        # weights attend almost uniformly), a larger last layer spreads the logits.
         with torch.no_grad():
             for name, p in hf.named_parameters():
-                if name.startswith("classifier") or "pooler" in name:
-                    p.mul_(25.0)
+                if ".query." in name or ".key." in name:
+                    p.mul_(4.0)
+                elif name.startswith("classifier") and not name.startswith(
+                        "classifier.dense"):
+                    p.mul_(10.0)
     hf.save_pretrained(path, safe_serialization=True)
     save_tokenizer(path)
     return hf

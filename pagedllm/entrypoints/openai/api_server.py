@@ -223,6 +223,13 @@ def build_app(state: ServingState, *, api_keys: list[str] | None = None,
     from pagedllm.entrypoints.openai.extra_routes import add_extra_routes
 
     add_extra_routes(app, state, chat)
+    # /v1/embeddings, /pooling, /score, /rerank (pooling models).
+    from pagedllm.entrypoints.openai.serving_pooling import (
+        OpenAIServingPooling,
+        add_pooling_routes,
+    )
+
+    add_pooling_routes(app, OpenAIServingPooling(state))
 
     @app.get("/health")
     async def health() -> Response:
