@@ -17,6 +17,7 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 from tests.pooling.tiny_encoders import build_encoder
 from tests.server.harness import ServerProcess, running_server
@@ -31,6 +32,7 @@ ARGS = ["--max-model-len", "128", "--max-num-seqs", "8", "--max-num-batched-toke
 def embed_server(tmp_path_factory) -> Iterator[tuple[ServerProcess, torch.nn.Module]]:
     path = str(tmp_path_factory.mktemp("bert"))
     hf = build_encoder("bert", path)
+    hf.tok = transformers.AutoTokenizer.from_pretrained(path)
     with running_server("--model", path, "--served-model-name", "tiny-e5",
                         base_args=ARGS) as s:
         yield s, hf
@@ -40,15 +42,10 @@ def embed_server(tmp_path_factory) -> Iterator[tuple[ServerProcess, torch.nn.Mod
 def rerank_server(tmp_path_factory) -> Iterator[tuple[ServerProcess, torch.nn.Module]]:
     path = str(tmp_path_factory.mktemp("bert_ce"))
     hf = build_encoder("bert_ce", path)
+    hf.tok = transformers.AutoTokenizer.from_pretrained(path)
     with running_server("--model", path, "--served-model-name", "tiny-ce",
                         base_args=ARGS) as s:
         yield s, hf
-
-
-def _tok(path_model: torch.nn.Module):  # type: ignore[no-untyped-def]
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(path_model.name_or_path)
 
 
 def _ref_embeddings(hf: torch.nn.Module, tok, texts: list[str]) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -59,7 +56,7 @@ def _ref_embeddings(hf: torch.nn.Module, tok, texts: list[str]) -> torch.Tensor:
 
 def test_embeddings_openai_client(embed_server) -> None:
     s, hf = embed_server
-    tok = _tok(hf)
+    tok = hf.tok
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="x")
     ref = _ref_embeddings(hf, tok, TEXTS)
     # The client asks for base64 by default and decodes it; float on request.
@@ -116,7 +113,7 @@ def test_embeddings_bad_inputs(embed_server) -> None:
 
 def test_score_and_rerank_equal_transformers(rerank_server) -> None:
     s, hf = rerank_server
-    tok = _tok(hf)
+    tok = hf.tok
     enc = tok([QUERY] * len(TEXTS), TEXTS, padding=True, return_tensors="pt")
     with torch.no_grad():
         ref = torch.sigmoid(hf(**enc).logits[:, 0]).tolist()

@@ -229,7 +229,8 @@ def build_app(state: ServingState, *, api_keys: list[str] | None = None,
         add_pooling_routes,
     )
 
-    add_pooling_routes(app, OpenAIServingPooling(state))
+    pooling = OpenAIServingPooling(state)
+    add_pooling_routes(app, pooling)
 
     @app.get("/health")
     async def health() -> Response:
@@ -279,11 +280,17 @@ def build_app(state: ServingState, *, api_keys: list[str] | None = None,
     # success bodies in /openapi.json without re-validating every response.
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}})
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+        refused = pooling.refuse_generation()  # a pooling model: 400 naming its task
+        if refused is not None:
+            return refused
         return await completion.create_completion(body, raw_request)
 
     @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}})
     async def create_chat_completion(body: ChatCompletionRequest,
                                      raw_request: Request) -> Response:
+        refused = pooling.refuse_generation()
+        if refused is not None:
+            return refused
         return await chat.create_chat_completion(body, raw_request)
 
     @app.post("/v1/requests/{request_id}/cancel")

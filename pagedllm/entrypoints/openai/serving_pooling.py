@@ -40,6 +40,17 @@ class OpenAIServingPooling(ServingHandler):
         pc = self.state.engine.config.model_config.pooler_config
         return ("generate",) if pc is None else pc.tasks
 
+    def refuse_generation(self) -> Response | None:
+        """A 400 naming the model and its task when it is a pooling model (for the
+        completion and chat endpoints); None for a generative model."""
+        tasks = self.tasks()
+        if "generate" in tasks:
+            return None
+        return engine_error_response(RequestError(
+            f"model: `{self.state.model_name}` is a pooling model (task: "
+            f"{', '.join(tasks)}); it does not generate -- use /v1/embeddings, /score or "
+            "/rerank", "model"))
+
     def _need(self, wanted: tuple[str, ...], what: str) -> str:
         """The first of ``wanted`` the model serves; 400 naming the model's tasks."""
         tasks = self.tasks()
