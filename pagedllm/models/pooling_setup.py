@@ -101,10 +101,31 @@ def _sentence_transformers_pooling(directory: str | None) -> tuple[str | None, b
                     cfg = json.load(f)
             except (OSError, ValueError):
                 continue
-            for key, name in (("pooling_mode_cls_token", "cls"),
-                              ("pooling_mode_mean_tokens", "mean"),
-                              ("pooling_mode_lasttoken", "last")):
-                if cfg.get(key):
-                    ptype = name
-                    break
+            ptype = _st_mode(cfg)
     return ptype, normalize
+
+
+_ST_MODES = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
+_ST_LEGACY = (("pooling_mode_cls_token", "cls"), ("pooling_mode_mean_tokens", "mean"),
+              ("pooling_mode_lasttoken", "lasttoken"), ("pooling_mode_max_tokens", "max"),
+              ("pooling_mode_weightedmean_tokens", "weightedmean"),
+              ("pooling_mode_mean_sqrt_len_tokens", "mean_sqrt_len_tokens"))
+
+
+def _st_mode(cfg: dict[str, Any]) -> str | None:
+    """Our pooling type for a ``1_Pooling/config.json``: sentence-transformers 6's
+    ``pooling_mode`` or the older ``pooling_mode_*_tokens`` flags; ``ValueError`` naming
+    ``pooler_config`` for a mode we do not pool by (max, weighted mean, ...)."""
+    mode = cfg.get("pooling_mode")
+    if mode is None:
+        modes = [name for key, name in _ST_LEGACY if cfg.get(key)]
+        mode = modes[0] if len(modes) == 1 else tuple(modes) or None
+    if mode is None:
+        return None
+    if isinstance(mode, list):
+        mode = mode[0] if len(mode) == 1 else tuple(mode)
+    if not isinstance(mode, str) or mode not in _ST_MODES:
+        raise ValueError(f"pooler_config: the checkpoint's sentence-transformers pooling "
+                         f"mode {mode!r} is not supported (cls, mean, lasttoken are); pass "
+                         "pooler_config to pool differently")
+    return _ST_MODES[mode]
