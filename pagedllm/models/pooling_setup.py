@@ -64,12 +64,13 @@ def resolve_runner(hf_config: Any, directory: str | None, runner: str = "auto",
         tasks, convert, default = ("embed", "encode"), "embed", "last"
     if "embed" in tasks and "encode" not in tasks:
         tasks = (*tasks, "encode")
-    st_type, st_norm = _sentence_transformers_pooling(directory)
     overrides = dict(pooler_config or {})
     unknown = sorted(set(overrides) - {"pooling_type", "normalize"})
     if unknown:
         raise ValueError(f"pooler_config: unknown key(s) {', '.join(unknown)}; known: "
                          "pooling_type, normalize")
+    st_type, st_norm = _sentence_transformers_pooling(
+        directory, read_mode="pooling_type" not in overrides)
     ptype = str(overrides.get("pooling_type") or st_type or default).lower()
     if ptype not in POOLING_TYPES:
         raise ValueError(f"pooler_config: pooling_type must be one of CLS, MEAN, LAST, got "
@@ -80,9 +81,10 @@ def resolve_runner(hf_config: Any, directory: str | None, runner: str = "auto",
     return "pooling", convert, PoolerConfig(ptype, normalize, tuple(tasks))
 
 
-def _sentence_transformers_pooling(directory: str | None) -> tuple[str | None, bool | None]:
-    """The pooling mode and normalisation a sentence-transformers checkpoint declares;
-    ``(None, None)`` when it has no ``modules.json``."""
+def _sentence_transformers_pooling(directory: str | None, read_mode: bool = True,
+                                   ) -> tuple[str | None, bool | None]:
+    """The pooling mode (unless ``read_mode`` is off: overridden) and normalisation a
+    sentence-transformers checkpoint declares; ``(None, None)`` without ``modules.json``."""
     if not directory:
         return None, None
     try:
@@ -95,7 +97,7 @@ def _sentence_transformers_pooling(directory: str | None) -> tuple[str | None, b
         kind = str(m.get("type", ""))
         if kind.endswith("Normalize"):
             normalize = True
-        elif kind.endswith("Pooling"):
+        elif kind.endswith("Pooling") and read_mode:
             try:
                 with open(os.path.join(directory, m.get("path", ""), "config.json")) as f:
                     cfg = json.load(f)

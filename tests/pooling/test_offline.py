@@ -164,3 +164,23 @@ def test_bad_inputs(embedder, tmp_path) -> None:
         LLM(llm.engine_args.model, device="cpu", pooler_config={"pooling_type": "MAX"})
     # The engine still serves after every refusal.
     assert len(llm.embed(TEXTS[0])[0].outputs.embedding) == 64
+
+
+def test_unsupported_sentence_transformers_mode_is_refused(tmp_path) -> None:
+    """A pooling mode we do not implement (max) fails at start-up naming pooler_config
+    instead of silently pooling by CLS; pooler_config overrides it."""
+    import transformers
+
+    from pagedllm.models.pooling_setup import resolve_runner
+
+    os.makedirs(tmp_path / "1_Pooling")
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"}]))
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode": "max"}))
+    cfg = transformers.BertConfig(architectures=["BertModel"])
+    with pytest.raises(ValueError, match="^pooler_config: .*'max'"):
+        resolve_runner(cfg, str(tmp_path))
+    _, _, pc = resolve_runner(cfg, str(tmp_path), pooler_config={"pooling_type": "MEAN"})
+    assert pc is not None and (pc.pooling_type, pc.normalize) == ("mean", False)
