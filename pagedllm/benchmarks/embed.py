@@ -65,8 +65,9 @@ def main(args: argparse.Namespace) -> int:
                               if k not in ("model", "extra")})
     mc = llm.llm_engine.config.model_config
     rng = np.random.default_rng(0)
-    prompts = [{"prompt_token_ids": rng.integers(1000, min(mc.vocab_size, 30000),
-                                                 args.input_len).tolist()}
+    hi = min(mc.vocab_size, 30000)  # ordinary word pieces, clear of special tokens
+    lo = min(1000, hi // 2)
+    prompts = [{"prompt_token_ids": rng.integers(lo, hi, args.input_len).tolist()}
                for _ in range(args.num_prompts)]
     params = PoolingParams(task="embed")
     llm.embed(prompts[:args.batch_size], params)  # warm-up (allocator, kernels)
