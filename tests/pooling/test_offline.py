@@ -60,8 +60,9 @@ def test_embed_matches_transformers_cls(embedder) -> None:
     # normalize=False: the raw CLS state; encode: the same vector, unnormalised.
     raw = llm.embed(TEXTS[0], PoolingParams(normalize=False))[0].outputs.embedding
     enc = llm.encode(TEXTS[0])[0].outputs.data
-    torch.testing.assert_close(torch.tensor(raw), ref[0] * 0 + _hf_hidden(
-        hf, tok, TEXTS[0], kind != "bert")[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.tensor(raw), _hf_hidden(hf, tok, TEXTS[0],
+                                                             kind != "bert")[0],
+                               rtol=1e-4, atol=1e-4)
     assert raw == enc
 
 
