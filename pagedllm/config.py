@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pagedllm.attention.kinds import uniform_sliding_window
 from pagedllm.models.resolve import ResolvedModel, resolve_model
+from pagedllm.pooling_params import PoolerConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32",
@@ -38,6 +39,10 @@ class ModelConfig:
     # The linear layers' quantisation method (layers/quantization/), None = the dtype
     # above; resolved from quantization= and the checkpoint.
     quantization: str | None = None
+    # "generate" or "pooling" (models/pooling_setup.py); a pooling model's pooler.
+    runner: str = "generate"
+    convert: str = "none"
+    pooler_config: PoolerConfig | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -197,6 +202,11 @@ class EngineArgs:
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: chosen (ParallelConfig)
     distributed_timeout_seconds: float = 60.0
+    # Pooling models (vLLM 0.26's names): "auto" | "generate" | "pooling"; a decoder
+    # under runner "pooling" converts to "embed"; {"pooling_type", "normalize"}.
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self, hf_config: Any = None) -> EngineConfig:
@@ -269,6 +279,13 @@ class EngineArgs:
                                  "only; use tensor_parallel_size 1 or quantization='none'")
             quantization = None  # detected, not asked for: dequantise, as before
         check_parallel_shapes(hf_config, parallel)
+        from pagedllm.models.pooling_setup import resolve_runner
+
+        runner, convert, pooler = resolve_runner(hf_config, resolved.directory, self.runner,
+                                                 self.convert, self.pooler_config)
+        if runner == "pooling" and parallel.world_size > 1:
+            raise ValueError("runner 'pooling' runs on one rank: use tensor_parallel_size "
+                             "and pipeline_parallel_size 1 (data_parallel_size scales it)")
 
         if dtype == "auto":
             # fp32 on CPU (the parity reference); the checkpoint's half type on GPU.
@@ -282,6 +299,9 @@ class EngineArgs:
             dtype = "float32" if device == "cpu" else cfg_dtype
 
         derived_max = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
+        if getattr(hf_config, "model_type", None) == "xlm-roberta":
+            # Its positions start after the padding index (models/bert.py).
+            derived_max -= int(getattr(hf_config, "pad_token_id", 1) or 1) + 1
         max_model_len = derived_max if self.max_model_len is None else self.max_model_len
         _positive_int("max_model_len", max_model_len)
         if max_model_len > derived_max:
@@ -298,7 +318,8 @@ class EngineArgs:
             served_model_name=self.served_model_name or resolved.display_name,
             skip_tokenizer_init=self.skip_tokenizer_init,
             trust_remote_code=self.trust_remote_code, dummy_init=dummy_init,
-            quantization=quantization)
+            quantization=quantization, runner=runner, convert=convert,
+            pooler_config=pooler)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(

@@ -12,6 +12,7 @@ import enum
 
 import msgspec
 
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -38,6 +39,9 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     # n > 1 (parallel sampling or beam search): the ids sequences 1..n-1 report under;
     # ``request_id`` is sequence 0.  The core computes the prompt once and forks.
     fork_ids: list[str] = msgspec.field(default_factory=list)
+    # A pooling request (runner "pooling"): one step, no KV, one vector back
+    # (``sampling_params`` is then a placeholder the core does not read).
+    pooling_params: PoolingParams | None = None
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):
@@ -64,6 +68,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     cumulative_logprob: float | None = None
     # Wall-clock time the request was first scheduled (set once; for queue-time metrics).
     first_scheduled_time: float | None = None
+    # A pooling request's result (``PoolingParams.task`` decides what it holds).
+    pooling_output: list[float] | None = None
 
     @property
     def finished(self) -> bool:

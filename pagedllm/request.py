@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from pagedllm.messages import EngineCoreRequest, FinishReason
 from pagedllm.sampling_params import SamplingParams
@@ -60,6 +61,8 @@ class Request:
         "first_scheduled_time", "_first_scheduled_reported",
         # Memory sharing (issue 5): see the docstring of ``__init__``.
         "fork_ids", "reserved_slots", "beam_group", "token_override", "cpu_block_ids",
+        # A pooling request's parameters (core/pooling_scheduler.py), else None.
+        "pooling_params",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -102,11 +105,14 @@ class Request:
         # (async scheduling: step N+1 is scheduled before step N's tokens arrive).
         self.num_placeholders = 0
         self.cpu_block_ids: list[int] | None = None
+        self.pooling_params: Any = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
-        return cls(req.request_id, req.prompt_token_ids, req.sampling_params,
-                   req.eos_token_id, req.arrival_time, req.priority, req.fork_ids)
+        request = cls(req.request_id, req.prompt_token_ids, req.sampling_params,
+                      req.eos_token_id, req.arrival_time, req.priority, req.fork_ids)
+        request.pooling_params = req.pooling_params
+        return request
 
     def fork(self, child_id: str, sampling_params: SamplingParams | None = None) -> Request:
         """A new request with this one's tokens so far (no blocks: the KV manager shares

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -27,6 +28,8 @@ class NewRequestData:
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int
+    # A pooling request's ``PoolingParams`` (core/pooling_scheduler.py), else None.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -101,3 +104,5 @@ class ModelRunnerOutput:
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
     # req_id -> prompt logprobs for the prompt positions computed this step.
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Pooling runner: req_id -> the request's pooled result (worker/pooling_runner.py).
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)

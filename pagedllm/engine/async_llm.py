@@ -42,6 +42,7 @@ from pagedllm.engine.mp_client import AsyncMPClient, EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -204,7 +205,7 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ requests
 
-    async def add_request(self, prompt: PromptType, params: SamplingParams,
+    async def add_request(self, prompt: PromptType, params: SamplingParams | PoolingParams,
                           request_id: str, priority: int = 0,
                           arrival_time: float | None = None) -> RequestStream:
         """Validate, admit and queue one request; returns its output stream.
@@ -215,7 +216,10 @@ class AsyncLLM:
         if self.dead is not None:
             raise self.dead
         arrival = time.time() if arrival_time is None else arrival_time
-        text, ids, params, core_reqs = self.input_processor.process(
+        # A pooling request (PoolingParams) runs whole in one step and returns a vector.
+        process = self.input_processor.process_pooling if isinstance(
+            params, PoolingParams) else self.input_processor.process
+        text, ids, params, core_reqs = process(  # type: ignore[arg-type]
             request_id, prompt, params, arrival, priority)
         n = sum(1 + len(r.fork_ids) for r in core_reqs)
         if (self.max_pending_seqs is not None

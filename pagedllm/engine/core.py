@@ -15,6 +15,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import SchedulerOutput
+from pagedllm.core.pooling_scheduler import PoolingScheduler
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.step_trace import StepTrace
 from pagedllm.executor.base import StepResult, make_executor
@@ -36,7 +37,10 @@ class EngineCore:
         self.executor = make_executor(config)
         self.num_blocks = self.executor.num_blocks
         self.config = self.executor.config
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
+        # A pooling model (runner "pooling") runs whole prompts without KV blocks.
+        scheduler_cls = PoolingScheduler if config.model_config.runner == "pooling" \
+            else Scheduler
+        self.scheduler = scheduler_cls(config.scheduler_config, config.cache_config,
                                    self.num_blocks, self.executor.num_cpu_blocks,
                                    self.executor.padded_step_sizes)
         self.max_model_len = config.model_config.max_model_len

@@ -6,12 +6,14 @@ server maps ``ContextLengthError`` to ``code: context_length_exceeded``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pagedllm.config import ModelConfig
 from pagedllm.messages import EngineCoreRequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = str | Sequence[int] | Mapping[str, Any]
@@ -200,6 +202,10 @@ class InputProcessor:
         """Validate and tokenise one request (ValueError names the bad parameter)."""
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
+        pc = self.model_config.pooler_config
+        if pc is not None:
+            raise ValueError(f"model: {self.model_config.served_model_name} is a pooling "
+                             f"model (tasks: {', '.join(pc.tasks)}); it does not generate")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         text, ids = self.tokenize(prompt)
@@ -218,3 +224,48 @@ class InputProcessor:
         children = [EngineCoreRequest(rid, ids, params, arrival, self.eos_token_id,
                                       priority, fork_ids)]
         return text, ids, params, children
+
+    def process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                        arrival_time: float | None = None, priority: int = 0,
+                        ) -> ProcessedRequest:
+        """Validate and tokenise one pooling request: the whole prompt must fit
+        ``max_model_len`` and one step (``ContextLengthError`` naming ``input``), and
+        ``params`` the model (``ValueError`` naming the parameter).  The core request
+        carries a placeholder ``SamplingParams`` (one step, no text)."""
+        if not isinstance(params, PoolingParams):
+            raise ValueError("pooling_params must be a PoolingParams")
+        mc = self.model_config
+        pc = mc.pooler_config
+        if pc is None:
+            raise ValueError(f"task: {mc.served_model_name} is a generative model (runner "
+                             f"'generate'); pooling tasks ({params.task}) need a pooling "
+                             "model or runner 'pooling'")
+        params.verify(mc.hf_config, int(mc.hf_config.hidden_size), pc.tasks)
+        text, ids = self.tokenize(prompt)
+        cap = min(self.max_model_len, self.max_tokens_per_request)
+        if len(ids) > cap:
+            raise ContextLengthError(
+                f"input: {len(ids)} tokens is more than the model takes ({cap}: "
+                "max_model_len and max_num_batched_tokens)", "input", len(ids), cap)
+        if isinstance(prompt, Mapping) and prompt.get("token_type_ids") is not None:
+            params = dataclasses.replace(params, token_type_ids=list(prompt["token_type_ids"]))
+        if params.token_type_ids is not None and len(params.token_type_ids) != len(ids):
+            raise ValueError("token_type_ids must have one entry per input token")
+        arrival = time.time() if arrival_time is None else arrival_time
+        sp = SamplingParams(max_tokens=1, detokenize=False)
+        return text, ids, sp, [EngineCoreRequest(request_id, ids, sp, arrival, None, priority,
+                                                 pooling_params=params)]
+
+    def tokenize_pair(self, text_1: str, text_2: str) -> tuple[list[int], list[int] | None]:
+        """A cross-encoder's input: ``[CLS] text_1 [SEP] text_2 [SEP]`` (the tokenizer's
+        own pair template) and its segment ids (None when the tokenizer has none);
+        ``ValueError`` naming ``text``."""
+        if self.tokenizer is None:
+            raise ValueError("text: scoring text pairs needs a tokenizer "
+                             "(skip_tokenizer_init is set)")
+        for name, t in (("text_1", text_1), ("text_2", text_2)):
+            if not isinstance(t, str) or not t:
+                raise ValueError(f"{name} must be a non-empty string")
+        enc = self.tokenizer(text_1, text_2)
+        types = enc.get("token_type_ids")
+        return list(enc["input_ids"]), (list(types) if types is not None else None)

@@ -24,6 +24,7 @@ from pagedllm.outputs import (
     RequestOutput,
     SampleLogprobs,
 )
+from pagedllm.pooling_outputs import PoolingOutput, PoolingRequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -65,6 +66,8 @@ class _RequestState:
     prompt_logprobs: PromptLogprobs | None = None
     sent_prompt_logprobs: bool = False
     num_cached_tokens: int = 0
+    # A pooling request's vector (``EngineCoreOutput.pooling_output``).
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -164,6 +167,8 @@ class OutputProcessor:
                 m.first_scheduled_time = eo.first_scheduled_time
                 m.time_in_queue = eo.first_scheduled_time - m.arrival_time
             state.num_cached_tokens = eo.num_cached_tokens
+            if eo.pooling_output is not None:
+                state.pooled = eo.pooling_output
             if eo.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(self._logprob_dicts(eo.new_prompt_logprobs))
             new_ids = eo.new_token_ids
@@ -229,9 +234,14 @@ class OutputProcessor:
         return CompletionOutput(seq.index, text, token_ids, seq.cumulative_logprob, logprobs,
                                 seq.finish_reason, seq.stop_reason)
 
-    def _make_output(self, state: _RequestState, seq: _Seq, finished: bool) -> RequestOutput:
+    def _make_output(self, state: _RequestState, seq: _Seq, finished: bool,
+                     ) -> RequestOutput | PoolingRequestOutput:
         """The output to report after ``seq`` changed (``finished``: the request did).
-        Only called for a FINAL_ONLY request once it has finished."""
+        Only called for a FINAL_ONLY request once it has finished.  A pooling request
+        gets a ``PoolingRequestOutput`` (its task's view is the caller's)."""
+        if state.pooled is not None:
+            return PoolingRequestOutput(state.request_id, PoolingOutput(state.pooled),
+                                        state.prompt_token_ids, finished, state.metrics)
         if state.kind is RequestOutputKind.FINAL_ONLY:
             outputs = [self._completion(s, state.kind) for s in state.seqs]
         else:

@@ -1,4 +1,4 @@
-"""``pagedllm serve | generate | chat | bench``.
+"""``pagedllm serve | generate | chat | bench | models``.
 
 Every failure a user can cause (bad flag value, missing model, prompt too long) prints
 one line to stderr and exits with status 1; no traceback.
@@ -201,14 +201,15 @@ def _serve_unavailable(missing: str) -> int:
 
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="Benchmarks (throughput, latency, serve, soak, "
-                       "perplexity, parallel).", formatter_class=HelpFormatter)
+                       "perplexity, parallel, embed).", formatter_class=HelpFormatter)
     bsub = p.add_subparsers(dest="bench_cmd", required=True)
     for name, module in (("throughput", "pagedllm.benchmarks.throughput"),
                          ("latency", "pagedllm.benchmarks.latency"),
                          ("serve", "pagedllm.benchmarks.serve"),
                          ("soak", "pagedllm.benchmarks.soak"),
                          ("perplexity", "pagedllm.benchmarks.perplexity"),
-                         ("parallel", "pagedllm.benchmarks.parallel")):
+                         ("parallel", "pagedllm.benchmarks.parallel"),
+                         ("embed", "pagedllm.benchmarks.embed")):
         try:
             mod = __import__(module, fromlist=["add_args", "main"])
         except ImportError:
@@ -219,12 +220,28 @@ def _add_bench(sub) -> None:
         bp.set_defaults(func=mod.main)
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    """Print every supported architecture with what it supports (docs/models.md)."""
+    from pagedllm.models.registry import architectures_table
+
+    print(architectures_table())
+    return 0
+
+
+def _add_models(sub) -> None:
+    p = sub.add_parser("models", help="List the supported architectures: tasks, "
+                       "quantisation, TP, PP, prefix caching, CUDA graphs, attention.",
+                       description=cmd_models.__doc__, formatter_class=HelpFormatter)
+    p.set_defaults(func=cmd_models)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedllm", description="pagedllm: a paged-KV-cache LLM inference engine.",
         formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    adders: Sequence[Callable] = (_add_serve, _add_generate, _add_chat, _add_bench)
+    adders: Sequence[Callable] = (_add_serve, _add_generate, _add_chat, _add_bench,
+                                  _add_models)
     for add in adders:
         add(sub)
     return parser

@@ -113,6 +113,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "ids with empty text.")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="Allow model repositories to run their own code (off by default).")
+    g = p.add_argument_group("pooling models (`pagedllm models` lists each architecture's "
+                             "tasks)")
+    g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="generate: a decoder generates text; pooling: the model embeds or "
+                        "scores (/v1/embeddings, /score, /rerank; no KV cache).  auto: "
+                        "pooling for encoders and cross-encoders, generate for decoders.")
+    g.add_argument("--convert", default="auto", choices=["auto", "none", "embed", "classify"],
+                   help="Serve a decoder as a pooling model: embed = last-token pooling, "
+                        "normalised (Qwen3-Embedding).  auto: embed under --runner pooling.")
+    g.add_argument("--pooler-config", type=_json_object, default=None, metavar="JSON",
+                   help='Override the pooler: {"pooling_type": "CLS"|"MEAN"|"LAST", '
+                        '"normalize": true|false}.  Default: the checkpoint\'s '
+                        "sentence-transformers modules.json, else CLS (encoders) / LAST "
+                        "(decoders), normalised.")
     add_parallel_args(p)
 
 
@@ -158,7 +172,9 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
         pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
-        distributed_timeout_seconds=args.distributed_timeout_seconds)
+        distributed_timeout_seconds=args.distributed_timeout_seconds,
+        runner=getattr(args, "runner", "auto"), convert=getattr(args, "convert", "auto"),
+        pooler_config=getattr(args, "pooler_config", None))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

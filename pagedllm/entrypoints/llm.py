@@ -13,6 +13,7 @@ from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchS
 from pagedllm.config import EngineArgs
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.llm_pooling import PoolingMixin
 from pagedllm.logger import init_logger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -34,12 +35,15 @@ def _normalise_prompts(prompts: Any) -> list[PromptType]:
                      f"got {type(prompts).__name__}")
 
 
-class LLM:
+class LLM(PoolingMixin):
     """An offline engine for batches of prompts.
 
     ``LLM()`` runs the embedded default model (SmolLM2-135M-Instruct); any ``EngineArgs``
     field (``dtype``, ``max_model_len``, ``kv_cache_memory_bytes``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``block_size``, ``seed``, ...) may be passed by keyword.
+    Pooling models (``runner="pooling"``, chosen automatically for encoders and
+    cross-encoders) serve ``embed``/``classify``/``score``/``encode``
+    (``entrypoints/llm_pooling.py``) instead of ``generate``.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

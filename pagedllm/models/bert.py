@@ -6,13 +6,17 @@ flattened batch, with the poolers of ``layers/pooler.py``.
      -> [ LN(x + o(attn(qkv(x))))  ->  LN(x + down(gelu(up(x)))) ] x L -> hidden [T, H]
 ```
 
-Attention is bidirectional within each sequence (no KV cache): one SDPA per sequence of
-the batch, from ``query_start_loc``.  XLM-RoBERTa differs only in its position ids,
+Attention is bidirectional within each sequence (no KV cache): one batched SDPA per
+layer over the sequences of ``query_start_loc`` (padded and masked when their lengths
+differ: ``_Layout``).  XLM-RoBERTa differs only in its position ids,
 which start after the padding index (``padding_idx + 1``).  Linear layers take
 ``quant_config`` and their HF module names as ``prefix``, like the decoders.
 
-The encoder runs standalone (``embed``); serving it through the scheduler without a KV
-cache (``LLM.embed``, ``/v1/embeddings``) is not wired yet.
+The pooling runner (``worker/pooling_runner.py``) serves it through the scheduler without
+a KV cache (``LLM.embed``, ``/v1/embeddings``); ``is_encoder`` tells it to call
+``forward(input_ids, query_start_loc, token_type_ids)`` rather than a decoder's paged
+forward.  Segment ids (``token_type_ids``) matter for sentence pairs (cross-encoders,
+``models/bert_classifier.py``); None means segment 0 throughout.
 """
 
 from __future__ import annotations
@@ -57,17 +61,54 @@ class BertLayer(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported")
         self.approximate = "none" if config.hidden_act == "gelu" else "tanh"
 
-    def forward(self, x: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: _Layout) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
-        attn = torch.empty(t, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
-        for start, end in bounds:  # one SDPA per sequence (bidirectional)
-            o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1),
-                                               k[start:end].transpose(0, 1),
-                                               v[start:end].transpose(0, 1))
-            attn[start:end] = o.transpose(0, 1)
-        x = self.attn_norm(x + self.attn_out(attn.view(t, -1)))
+        attn = layout.attention(q, k, v).reshape(t, -1)
+        x = self.attn_norm(x + self.attn_out(attn))
         return self.out_norm(x + self.down(F.gelu(self.up(x), approximate=self.approximate)))
+
+
+class _Layout:
+    """How a flattened batch of sequences becomes one batched bidirectional SDPA:
+    sequences of equal length are a view ``[R, L]``; otherwise they are scattered into
+    a zero-padded ``[R, L_max]`` batch whose padded keys are masked out (padded query
+    rows attend to real keys and are dropped).  Built once per forward, shared by the
+    layers; one SDPA call per layer, not one per sequence."""
+
+    def __init__(self, query_start_loc: torch.Tensor, num_tokens: int) -> None:
+        qsl = query_start_loc.tolist()  # host bounds (the runner built them on the host)
+        lens = [b - a for a, b in zip(qsl[:-1], qsl[1:])]
+        self.num_seqs, self.max_len = len(lens), max(lens)
+        self.uniform = all(n == self.max_len for n in lens)
+        self.rows: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+        if not self.uniform:
+            dev = query_start_loc.device
+            lens_t = torch.tensor(lens, device=dev)
+            seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), lens_t)
+            pos = torch.arange(num_tokens, device=dev) - query_start_loc[:-1].long()[seq]
+            self.rows = seq * self.max_len + pos  # token -> row of the padded batch
+            keep = torch.arange(self.max_len, device=dev)[None, :] < lens_t[:, None]
+            self.mask = keep[:, None, None, :]  # [R, 1, 1, L]: attend to real keys only
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q, k, v [T, heads, d]`` -> ``[T, heads, d]``."""
+        r, n = self.num_seqs, self.max_len
+        if self.uniform:
+            def batch(x: torch.Tensor) -> torch.Tensor:
+                return x.view(r, n, *x.shape[1:]).transpose(1, 2)
+            o = F.scaled_dot_product_attention(batch(q), batch(k), batch(v))
+            return o.transpose(1, 2).reshape(q.shape)
+        rows = self.rows
+        assert rows is not None
+
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            out = x.new_zeros(r * n, *x.shape[1:])
+            out.index_copy_(0, rows, x)
+            return out.view(r, n, *x.shape[1:]).transpose(1, 2)
+        o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=self.mask)
+        return o.transpose(1, 2).reshape(r * n, *q.shape[1:]).index_select(0, rows)
 
 
 class BertModel(nn.Module):
@@ -75,9 +116,12 @@ class BertModel(nn.Module):
     ``forward`` returns the last hidden states ``[T, H]``."""
 
     position_offset = 0  # XLM-RoBERTa: padding_idx + 1
+    is_encoder = True
 
-    def __init__(self, hf_config: Any, quant_config: QuantizationConfig | None = None,
-                 prefix: str = "") -> None:
+    def __init__(self, hf_config: Any, backend: Any = None,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        """``backend`` (the paged attention backend the loader passes) is unused: the
+        encoder's attention is bidirectional SDPA over each sequence."""
         super().__init__()
         c = hf_config
         self.config = c
@@ -95,14 +139,18 @@ class BertModel(nn.Module):
         first = torch.repeat_interleave(starts, lens)
         return torch.arange(num_tokens, device=first.device) - first + self.position_offset
 
-    def forward(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         pos = self.positions(query_start_loc, input_ids.shape[0])
-        x = self.word_embeddings(input_ids) + self.token_type_embeddings.weight[0]
+        # One segment type (XLM-R): its tokenizer's pair ids, if any, are all type 0.
+        one_type = self.token_type_embeddings.num_embeddings == 1
+        types = self.token_type_embeddings.weight[0] if token_type_ids is None or one_type \
+            else self.token_type_embeddings(token_type_ids)
+        x = self.word_embeddings(input_ids) + types
         x = self.emb_norm(x + self.position_embeddings(pos))
-        qsl = query_start_loc.tolist()  # host bounds of the per-sequence attention
-        bounds = list(zip(qsl[:-1], qsl[1:]))
+        layout = _Layout(query_start_loc, input_ids.shape[0])
         for layer in self.layers:
-            x = layer(x, bounds)
+            x = layer(x, layout)
         return x
 
     def embed(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor,
@@ -157,7 +205,7 @@ class BertModel(nn.Module):
 
 
 class XLMRobertaModel(BertModel):
-    def __init__(self, hf_config: Any, quant_config: QuantizationConfig | None = None,
-                 prefix: str = "") -> None:
-        super().__init__(hf_config, quant_config, prefix)
+    def __init__(self, hf_config: Any, backend: Any = None,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__(hf_config, backend, quant_config, prefix)
         self.position_offset = int(hf_config.pad_token_id) + 1

@@ -7,6 +7,11 @@ from typing import Any
 
 from torch import nn
 
+from pagedllm.models.bert import BertModel, XLMRobertaModel
+from pagedllm.models.bert_classifier import (
+    BertForSequenceClassification,
+    XLMRobertaForSequenceClassification,
+)
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
@@ -25,7 +30,12 @@ class ArchitectureInfo:
     ``tensor_parallel``: the layers are tensor-parallel shaped (column/row sharded, MoE
     experts by their intermediate dimension); ``prefix_caching`` and ``cuda_graphs``: the
     engine features that apply unchanged.  ``attention``: the attention kinds its layers
-    use (``attention/kinds.py``), all served by the torch and Triton backends."""
+    use (``attention/kinds.py``), all served by the torch and Triton backends.
+    ``tasks``: what it serves natively -- ``generate`` (a decoder: ``runner="generate"``,
+    and ``embed`` with ``runner="pooling"``, last-token pooling) or pooling tasks only
+    (``embed``: an encoder; ``classify``/``score``: a cross-encoder), which select
+    ``runner="pooling"`` automatically.  ``pipeline_parallel``: the layers split into
+    stages (tested end to end on Llama; the decoders share its stage split)."""
 
     cls: type[nn.Module]
     family: str
@@ -35,8 +45,16 @@ class ArchitectureInfo:
     tensor_parallel: bool = True
     prefix_caching: bool = True
     cuda_graphs: bool = True
+    tasks: tuple[str, ...] = ("generate",)
+    pipeline_parallel: bool = True
+
+    @property
+    def is_pooling_only(self) -> bool:
+        return "generate" not in self.tasks
 
 
+_ENCODER = dict(attention="bidirectional (no KV cache)", tensor_parallel=False,
+                prefix_caching=False, cuda_graphs=False, pipeline_parallel=False)
 _MOE_QUANT = "linear layers; experts need a method with MoE support (others refused)"
 
 ARCHITECTURES: dict[str, ArchitectureInfo] = {
@@ -59,6 +77,16 @@ ARCHITECTURES: dict[str, ArchitectureInfo] = {
                                           "sliding/global alternating, logit soft-cap"),
     "Gemma3ForCausalLM": ArchitectureInfo(Gemma3ForCausalLM, "Gemma 3 (text)",
                                           "5 sliding : 1 global"),
+    "BertModel": ArchitectureInfo(BertModel, "BERT, BGE (v1.5), E5 (v2), MiniLM embedders",
+                                  tasks=("embed",), **_ENCODER),  # type: ignore[arg-type]
+    "XLMRobertaModel": ArchitectureInfo(XLMRobertaModel, "XLM-R, multilingual-E5, BGE-M3",
+                                        tasks=("embed",), **_ENCODER),  # type: ignore[arg-type]
+    "BertForSequenceClassification": ArchitectureInfo(
+        BertForSequenceClassification, "BERT cross-encoders (ms-marco MiniLM rerankers)",
+        tasks=("classify", "score"), **_ENCODER),  # type: ignore[arg-type]
+    "XLMRobertaForSequenceClassification": ArchitectureInfo(
+        XLMRobertaForSequenceClassification, "BGE-reranker (v2-m3, base, large)",
+        tasks=("classify", "score"), **_ENCODER),  # type: ignore[arg-type]
 }
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {a: i.cls for a, i in ARCHITECTURES.items()}
 
@@ -67,36 +95,51 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
-                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                "bert": "BertModel", "xlm-roberta": "XLMRobertaModel"}
 
 
 def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
+def task_summary(info: ArchitectureInfo) -> str:
+    """The tasks column: a decoder also embeds under ``--runner pooling``."""
+    if info.is_pooling_only:
+        return ", ".join(info.tasks)
+    return "generate; embed (`--runner pooling`)"
+
+
 def architectures_table() -> str:
-    """The Markdown table of ``docs/models.md``: one row per architecture."""
-    rows = ["| Architecture | Models | Attention | MoE | Quantisation | TP | Prefix caching "
-            "| CUDA graphs |", "|---|---|---|---|---|---|---|---|"]
+    """The Markdown table of ``docs/models.md`` (and ``pagedllm models``): one row per
+    architecture."""
+    rows = ["| Architecture | Models | Tasks | Attention | MoE | Quantisation | TP | PP "
+            "| Prefix caching | CUDA graphs |", "|---|---|---|---|---|---|---|---|---|---|"]
     yes = {True: "yes", False: "no"}
     for arch in supported_architectures():
         i = ARCHITECTURES[arch]
-        rows.append(f"| `{arch}` | {i.family} | {i.attention} | {yes[i.moe]} | "
-                    f"{i.quantization} | {yes[i.tensor_parallel]} | "
-                    f"{yes[i.prefix_caching]} | {yes[i.cuda_graphs]} |")
+        rows.append(f"| `{arch}` | {i.family} | {task_summary(i)} | {i.attention} | "
+                    f"{yes[i.moe]} | {i.quantization} | {yes[i.tensor_parallel]} | "
+                    f"{yes[i.pipeline_parallel]} | {yes[i.prefix_caching]} | "
+                    f"{yes[i.cuda_graphs]} |")
     return "\n".join(rows)
 
 
 def get_model_class(hf_config: Any) -> type[nn.Module]:
     """The class for ``hf_config``; ``ValueError`` naming ``architectures`` otherwise."""
+    return ARCHITECTURES[get_architecture(hf_config)].cls
+
+
+def get_architecture(hf_config: Any) -> str:
+    """The registry key for ``hf_config``; ``ValueError`` naming ``architectures``."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     for arch in archs:
         if arch in MODEL_REGISTRY:
-            return MODEL_REGISTRY[arch]
+            return arch
     if not archs:
         fallback = _MODEL_TYPES.get(getattr(hf_config, "model_type", None) or "")
         if fallback:
-            return MODEL_REGISTRY[fallback]
+            return fallback
     raise ValueError(
         f"architectures: {archs or '(none)'} is not supported; supported architectures: "
         f"{', '.join(supported_architectures())}")

@@ -139,6 +139,12 @@ def start(engine_args: Any) -> WarmupProcess | None:
             config = json.load(f)
     except (OSError, ValueError):
         return None
+    # Pooling models run eagerly, without the paged-attention kernels or graphs: an
+    # encoder / cross-encoder (no *ForCausalLM) or a decoder under runner "pooling".
+    archs = config.get("architectures") or []
+    if getattr(engine_args, "runner", "auto") == "pooling" or (
+            archs and not any(str(a).endswith("ForCausalLM") for a in archs)):
+        return None
     names = {f.name for f in fields(engine_args)}
     args = {k: getattr(engine_args, k) for k in _ARGS if k in names}
     key = warmup_key(args, config)

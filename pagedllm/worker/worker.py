@@ -168,6 +168,8 @@ class Worker:
         over ranks: one block table serves them all)."""
         mc, cc, sc = self.config.model_config, self.config.cache_config, \
             self.config.scheduler_config
+        if mc.runner == "pooling":
+            return 2  # no KV cache: the smallest pool (null + 1) the scheduler takes
         per_block = self.kv_bytes_per_token() * cc.block_size
         budget = cc.kv_cache_memory_bytes
         if budget is None:
@@ -239,6 +241,15 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         mc, cc = self.config.model_config, self.config.cache_config
         self.config = self.config.with_num_blocks(num_blocks)
+        if mc.runner == "pooling":
+            from pagedllm.worker.pooling_runner import PoolingModelRunner
+
+            self.runner = PoolingModelRunner(  # type: ignore[assignment]
+                self.config, self.model, self.device, self.kv_dtype)
+            logger.info("pooling runner (%s pooling, tasks %s): no KV cache",
+                        mc.pooler_config.pooling_type if mc.pooler_config else "?",
+                        ", ".join(mc.pooler_config.tasks if mc.pooler_config else ()))
+            return
         shape = (2, num_blocks, cc.block_size, self.num_local_kv_heads, mc.head_dim)
         start, end = self.local_layers
         # Zeroed, not empty: attention gathers whole blocks and masks the tail, and

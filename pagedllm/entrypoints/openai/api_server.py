@@ -223,6 +223,14 @@ def build_app(state: ServingState, *, api_keys: list[str] | None = None,
     from pagedllm.entrypoints.openai.extra_routes import add_extra_routes
 
     add_extra_routes(app, state, chat)
+    # /v1/embeddings, /pooling, /score, /rerank (pooling models).
+    from pagedllm.entrypoints.openai.serving_pooling import (
+        OpenAIServingPooling,
+        add_pooling_routes,
+    )
+
+    pooling = OpenAIServingPooling(state)
+    add_pooling_routes(app, pooling)
 
     @app.get("/health")
     async def health() -> Response:
@@ -272,11 +280,17 @@ def build_app(state: ServingState, *, api_keys: list[str] | None = None,
     # success bodies in /openapi.json without re-validating every response.
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}})
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+        refused = pooling.refuse_generation()  # a pooling model: 400 naming its task
+        if refused is not None:
+            return refused
         return await completion.create_completion(body, raw_request)
 
     @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}})
     async def create_chat_completion(body: ChatCompletionRequest,
                                      raw_request: Request) -> Response:
+        refused = pooling.refuse_generation()
+        if refused is not None:
+            return refused
         return await chat.create_chat_completion(body, raw_request)
 
     @app.post("/v1/requests/{request_id}/cancel")

@@ -35,6 +35,7 @@ from pagedllm.entrypoints.openai.protocol import RequestError
 from pagedllm.entrypoints.openai.template_sandbox import TemplateSandbox
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import Logprob
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -156,14 +157,15 @@ class ServingState:
             return {"prompt": prompt, "prompt_token_ids": ids}
         return prompt
 
-    async def start(self, public_id: str, prompts: list[PromptType], params: SamplingParams,
-                    priority: int, add_special_tokens: bool = True) -> list[RequestStream]:
+    async def start(self, public_id: str, prompts: list[PromptType],
+                    params: SamplingParams | PoolingParams, priority: int,
+                    add_special_tokens: bool = True) -> list[RequestStream]:
         """Tokenise, validate, admit and queue one engine request per prompt.
 
         Admission is all or nothing for the whole request (every prompt times ``n``):
         checked before tokenising (a full server refuses at once) and again, atomically
         with queueing every prompt, under ``_admission``."""
-        need = len(prompts) * params.n
+        need = len(prompts) * getattr(params, "n", 1)  # PoolingParams: one sequence
         self._check_capacity(need)
         ready = [await self._prepare(p, add_special_tokens) for p in prompts]
         ids = [public_id] if len(prompts) == 1 else [f"{public_id}-{i}"
@@ -252,7 +254,8 @@ def engine_error_response(e: BaseException) -> JSONResponse:
 _PARAMS = ("prompt", "messages", "max_tokens", "logprobs", "prompt_logprobs", "n", "stop",
            "temperature", "top_p", "top_k", "min_p", "min_tokens", "seed", "logit_bias",
            "stop_token_ids", "priority", "presence_penalty", "frequency_penalty",
-           "repetition_penalty")
+           "repetition_penalty", "model", "input", "dimensions", "normalize", "text_1",
+           "text_2", "query", "documents", "top_n", "task", "token_type_ids")
 
 
 def _param_of(message: str) -> str | None:
