@@ -12,6 +12,7 @@ import enum
 
 import msgspec
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -38,6 +39,8 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     # n > 1 (parallel sampling or beam search): the ids sequences 1..n-1 report under;
     # ``request_id`` is sequence 0.  The core computes the prompt once and forks.
     fork_ids: list[str] = msgspec.field(default_factory=list)
+    # The LoRA adapter this request runs with (lora/), None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):
