@@ -43,8 +43,10 @@ def randomize(model: torch.nn.Module, seed: int, scale: float = 0.08) -> None:
 
 
 def make_adapters(base: torch.nn.Module, root: str, specs: list[tuple] = ADAPTERS,
-                  seed: int = 1, scale: float = 0.3) -> list[AdapterFixture]:
-    """One PEFT adapter directory per spec under ``root``, LoRA weights random."""
+                  seed: int = 1, scale: float = 0.3, merge: bool = True,
+                  ) -> list[AdapterFixture]:
+    """One PEFT adapter directory per spec under ``root``, LoRA weights random
+    (``merge``: also build the merged model)."""
     import peft
 
     out = []
@@ -60,7 +62,7 @@ def make_adapters(base: torch.nn.Module, root: str, specs: list[tuple] = ADAPTER
         path = os.path.join(root, name)
         pm.save_pretrained(path)
         pm.eval()
-        merged = copy.deepcopy(pm).merge_and_unload().eval()
+        merged = copy.deepcopy(pm).merge_and_unload().eval() if merge else None
         out.append(AdapterFixture(name, path, pm, merged))
     return out
 

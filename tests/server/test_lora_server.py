@@ -22,8 +22,7 @@ KEY = "sk-lora-test"
 PROMPT = [504, 3575, 282, 4649, 314, 7042, 30, 378]
 N = 5
 SPECS = [("a1", 8, 16, False, ["q_proj", "v_proj", "down_proj"]),
-         ("a2", 4, 8, True, ["k_proj", "o_proj", "gate_proj", "up_proj"]),
-         ("a3", 4, 4, False, ["q_proj"])]
+         ("a2", 4, 8, True, ["k_proj", "o_proj", "gate_proj", "up_proj"])]
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +37,21 @@ def lora_env(tmp_path_factory) -> Iterator[tuple]:
     base = AutoModelForCausalLM.from_pretrained(r.directory, gguf_file=r.gguf_file,
                                                 dtype=torch.float32).eval()
     root = str(tmp_path_factory.mktemp("server-lora"))
-    adapters = make_adapters(base, root, SPECS, seed=7, scale=0.05)
+    adapters = make_adapters(base, root, SPECS, seed=7, scale=0.05, merge=False)
     # Greedy text of transformers + PEFT (the server returns text).
     want = {a.name: tok.decode(hf_greedy(a.peft_model, PROMPT, N)) for a in adapters}
     want["base"] = tok.decode(hf_greedy(base, PROMPT, N))
-    # A rank above --max-lora-rank, and a corrupt file.
+    # Loaded at run time: a1's weights under another name (and id); a rank above
+    # --max-lora-rank; a corrupt file.
+    paths = {a.name: a.path for a in adapters}
+    paths["a3"] = shutil.copytree(adapters[0].path, os.path.join(root, "a3"))
+    want["a3"] = want["a1"]
     big = os.path.join(root, "big")
-    shutil.copytree(adapters[2].path, big)
+    shutil.copytree(adapters[0].path, big)
     cfg_path = os.path.join(big, "adapter_config.json")
     json.dump({**json.load(open(cfg_path)), "r": 16}, open(cfg_path, "w"))
     bad = os.path.join(root, "bad")
-    shutil.copytree(adapters[2].path, bad)
+    shutil.copytree(adapters[0].path, bad)
     with open(os.path.join(bad, "adapter_model.safetensors"), "r+b") as f:
         f.write(b"\xff" * 16)
     a1, a2 = adapters[0].path, adapters[1].path
@@ -57,7 +60,7 @@ def lora_env(tmp_path_factory) -> Iterator[tuple]:
             "--quantization", "none", "--api-key", KEY, "--lora-modules", f"a1={a1}",
             json.dumps({"name": "a2", "path": a2}),
             env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}) as s:
-        yield s, want, {a.name: a.path for a in adapters}, big, bad
+        yield s, want, paths, big, bad
 
 
 def _client(s) -> openai.OpenAI:
