@@ -41,7 +41,7 @@ def adapter_error(req: LoRARequest, why: str) -> ValueError:
     return ValueError(f"lora_request: adapter {req.lora_name!r} ({req.lora_path}): {why}")
 
 
-def _expected_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
+def expected_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     """``(in, out)`` features of every HF projection of a Llama-family layer."""
     hidden = int(hf_config.hidden_size)
     heads = int(hf_config.num_attention_heads)
@@ -130,7 +130,7 @@ def check_adapter(req: LoRARequest, max_lora_rank: int, hf_config: Any) -> Adapt
     if not os.path.exists(path):
         raise adapter_error(req, "no adapter_model.safetensors there")
     header = _header(req, path)
-    shapes = _expected_shapes(hf_config)
+    shapes = expected_shapes(hf_config)
     num_layers = int(hf_config.num_hidden_layers)
     pairs: dict[str, dict[str, list[int]]] = {}
     for name, t in header.items():
