@@ -16,8 +16,9 @@ partial to the partial output *before* the all-reduce is exact (``layers/linear.
 The layer reads the step's token -> slot map (``LoRAMapping.token_slots``, -1: no
 adapter) by its own row count only, so a CUDA graph and an eager step of one size agree.
 The CPU path (and the kernels' oracle) is :func:`lora_ref`: dense over all slots with a
-per-token mask -- no loop over tokens or adapters, no host sync; the GPU path is the
-Triton shrink/expand pair in ``kernels/lora.py``.
+per-token mask -- no loop over tokens or adapters, no host sync; on the GPU, steps of up
+to ``TRITON_MAX_ROWS`` rows use the Triton shrink/expand pair in ``kernels/lora.py``,
+larger ones ``lora_ref`` on cuBLAS.
 """
 
 from __future__ import annotations
@@ -39,18 +40,32 @@ class LoRAMapping:
         self.active = False
 
 
+def slot_owner(n_slots: int, r: int, device: torch.device) -> torch.Tensor:
+    """``[L*R]``: the slot each shrink column belongs to (for :func:`lora_ref`)."""
+    return torch.arange(n_slots, dtype=torch.int32, device=device).repeat_interleave(r)
+
+
 def lora_ref(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor,
-             bt: torch.Tensor) -> torch.Tensor:
+             bt: torch.Tensor, owner: torch.Tensor | None = None) -> torch.Tensor:
     """``delta[t] = (x[t] A[slots[t]]^T) Bt[slots[t]]`` (zero where ``slots[t] < 0``).
 
     ``x [T, in]``, ``slots [T]``, ``a [L, R, in]``, ``bt [L, R, out]`` -> ``[T, out]``.
-    Every slot's shrink is computed and the others masked out: on the CPU, with a few
-    slots, one matmul beats gathering a weight per token."""
+    Every slot's shrink is computed and the others masked out: with a few slots, two
+    dense matmuls (``L*R`` is a few hundred columns) beat gathering a weight per token,
+    on the CPU and for large steps on the GPU."""
     n_slots, r, k = a.shape
+    if owner is None:
+        owner = slot_owner(n_slots, r, x.device)
     shrunk = x @ a.reshape(n_slots * r, k).t()  # [T, L*R]
-    owner = torch.arange(n_slots, device=x.device).repeat_interleave(r)
-    mask = slots.to(torch.int64).unsqueeze(1) == owner.unsqueeze(0)
-    return (shrunk * mask.to(shrunk.dtype)) @ bt.reshape(n_slots * r, -1)
+    mask = slots.to(owner.dtype).unsqueeze(1) == owner.unsqueeze(0)
+    return torch.where(mask, shrunk, 0) @ bt.reshape(n_slots * r, -1)
+
+
+# On CUDA, steps of up to this many rows use the Triton kernels (they read only each
+# row's slot, which is what a decode step needs); larger steps use the two dense GEMMs
+# of ``lora_ref`` (cuBLAS), which the per-row kernels cannot match at prefill sizes.
+# The choice depends on the row count only, so graph capture and eager runs agree.
+TRITON_MAX_ROWS = 256
 
 
 class LoRALinear:
@@ -71,6 +86,7 @@ class LoRALinear:
         self.bt = torch.zeros(max_loras, n_shards * max_rank, n, dtype=dtype,
                               device=device)
         self.use_triton = use_triton
+        self.owner = slot_owner(max_loras, n_shards * max_rank, device)
 
     def set_slot(self, slot: int, shards: list[LoRAWeights | None] | None) -> None:
         """Write one adapter's weights for this layer into ``slot`` (None: the adapter
@@ -103,8 +119,8 @@ class LoRALinear:
         if not self.mapping.active:
             return y
         slots = self.mapping.token_slots[:x.shape[0]]
-        if self.use_triton:
+        if self.use_triton and x.shape[0] <= TRITON_MAX_ROWS:
             from pagedllm.kernels.lora import lora_expand, lora_shrink
 
             return lora_expand(lora_shrink(x, slots, self.a), slots, self.bt, y)
-        return y.add_(lora_ref(x, slots, self.a, self.bt).to(y.dtype))
+        return y.add_(lora_ref(x, slots, self.a, self.bt, self.owner).to(y.dtype))
