@@ -119,3 +119,18 @@ def test_lora_args_are_validated(tmp_path) -> None:
         EngineArgs(enable_lora=True, max_lora_rank=0)._lora_config()
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("x", 0, "/p")
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_and_triton_kernels_match_peft(setup) -> None:
+    """On CUDA (fp32, CUDA graphs on): decode steps replay graphs holding the Triton
+    shrink/expand kernels; a mixed batch still gives PEFT's tokens."""
+    _, adapters, reqs, want, root = setup
+    llm = LLM(os.path.join(root, "base"), skip_tokenizer_init=True, device="cuda",
+              dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              kv_cache_memory_bytes=64 << 20, block_size=16, max_num_seqs=16)
+    names = [a.name for a in adapters] + ["base"]
+    loras = [*reqs, None]
+    prompts = [p for p in PROMPTS for _ in loras]
+    got = _greedy(llm, prompts, [lr for _ in PROMPTS for lr in loras])
+    assert got == [want[n][i] for i in range(len(PROMPTS)) for n in names]
