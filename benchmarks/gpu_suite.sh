@@ -12,6 +12,8 @@
 #   w1fcfs   W1 under the default FCFS policy
 #   w1small  W1-small on the SmolLM2-135M shape (host overhead)
 #   w5       long prompts (W5: 384 requests, 64-2048 in, 16-768 out), default policy
+#   lora     issue 26's targets: W1 (fcfs) base vs 8 dummy rank-16 adapters spread over
+#            the requests, W4 base vs one adapter (bench ... --lora N)
 #   w2       online serving at 10 and 20 req/s (benchmarks/w2_suite.sh; RATES to change)
 #   w3       shared prefix, prefix caching on vs off (benchmarks/w3_suite.sh gpu)
 #   startup  cold then warm server start to the first /health 200 (startup_probe.sh)
@@ -111,6 +113,10 @@ for part in $PARTS; do
       --dummy smollm2-135m --no-hf --scheduling-policy throughput ;;
     w5) ab w5 python -m pagedllm bench throughput --workload W5 --dummy llama3-8b --no-hf \
       --repeats "${REPEATS:-1}" ;;
+    lora)
+      VARIANTS="base= lora8=--lora,8" ab w1lora $W1
+      VARIANTS="base= lora1=--lora,1" ab w4lora python -m pagedllm bench latency \
+        --dummy llama3-8b ;;
     w2) step env RATES="${RATES:-10 20}" bash benchmarks/w2_suite.sh ;;
     w3) step bash benchmarks/w3_suite.sh gpu ;;
     startup) step bash benchmarks/startup_probe.sh 2 ;;

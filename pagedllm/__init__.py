@@ -2,10 +2,12 @@
 
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.config import EngineArgs
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "EngineArgs", "LoRARequest", "SamplingParams", "RequestOutput",
+           "CompletionOutput",
            "Logprob", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 __version__ = "0.1.0"
 

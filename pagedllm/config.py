@@ -108,6 +108,19 @@ class SchedulerConfig:
     # Schedule step N+1 while step N runs on the device (its tokens arrive one step
     # late); on by default on CUDA, where host work would otherwise idle the GPU.
     async_scheduling: bool = False
+    # Multi-LoRA: at most this many distinct adapters per step (0: LoRA off).
+    max_loras: int = 0
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA (``lora/``, vLLM's names): ``max_loras`` adapters resident on the
+    device (and per step), ranks up to ``max_lora_rank``, ``max_cpu_loras`` kept on the
+    host."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
 
 
 # Bytes the scheduler may swap per step: about 4 ms at PCIe 4.0 x16's ~16 GB/s, small
@@ -131,6 +144,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
     parallel_config: ParallelConfig = field(default_factory=lambda: ParallelConfig())
+    lora_config: LoRAConfig | None = None  # None: LoRA off
 
     def with_num_blocks(self, num_blocks: int) -> EngineConfig:
         return dataclasses.replace(
@@ -207,6 +221,12 @@ class EngineArgs:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: dict[str, Any] | None = None
+    # Multi-LoRA (lora/): adapters per step / on the device, their largest rank, and
+    # how many stay on the host (default: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self, hf_config: Any = None) -> EngineConfig:
@@ -245,6 +265,7 @@ class EngineArgs:
         if isinstance(sw, bool) or not isinstance(sw, (int, float)) or not 0 <= sw <= 1024:
             raise ValueError(f"swap_space must be a number of GiB in [0, 1024], got {sw!r}")
 
+        lora = self._lora_config()
         device = self.device
         if device == "auto":
             device = _cuda_available() and "cuda" or "cpu"
@@ -335,13 +356,26 @@ class EngineArgs:
                 max_swap_blocks_per_step=max(1, SWAP_BYTES_PER_STEP // (
                     model_config.kv_bytes_per_token(cache_dtype) * self.block_size)),
                 async_scheduling=(device == "cuda" if self.async_scheduling is None
-                                  else bool(self.async_scheduling))),
+                                  else bool(self.async_scheduling)),
+                max_loras=lora.max_loras if lora else 0),
             device_config=DeviceConfig(
                 device=device, enforce_eager=self.enforce_eager, num_threads=self.num_threads,
                 max_cudagraph_capture_size=_positive_int(
                     "max_cudagraph_capture_size", self.max_cudagraph_capture_size, 0)),
-            parallel_config=parallel,
+            parallel_config=parallel, lora_config=lora,
         )
+
+    def _lora_config(self) -> LoRAConfig | None:
+        """The LoRA settings (``ValueError`` naming the parameter), None when off."""
+        if not self.enable_lora:
+            return None
+        n = _positive_int("max_loras", self.max_loras)
+        rank = _positive_int("max_lora_rank", self.max_lora_rank)
+        cpu = n if self.max_cpu_loras is None else _positive_int("max_cpu_loras",
+                                                                 self.max_cpu_loras)
+        if cpu < n:
+            raise ValueError(f"max_cpu_loras ({cpu}) must be >= max_loras ({n})")
+        return LoRAConfig(n, rank, cpu)
 
 
 def check_dtype_on_device(dtype: str, device: str) -> None:

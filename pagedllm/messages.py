@@ -13,6 +13,7 @@ import enum
 import msgspec
 
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -42,6 +43,8 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     # A pooling request (runner "pooling"): one step, no KV, one vector back
     # (``sampling_params`` is then a placeholder the core does not read).
     pooling_params: PoolingParams | None = None
+    # The LoRA adapter this request runs with (lora/), None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):

@@ -12,6 +12,7 @@ import enum
 import time
 from typing import Any
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.messages import EngineCoreRequest, FinishReason
 from pagedllm.sampling_params import SamplingParams
 
@@ -63,12 +64,14 @@ class Request:
         "fork_ids", "reserved_slots", "beam_group", "token_override", "cpu_block_ids",
         # A pooling request's parameters (core/pooling_scheduler.py), else None.
         "pooling_params",
+        "lora_request",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None,
                  arrival_time: float | None = None, priority: int = 0,
-                 fork_ids: list[str] | None = None) -> None:
+                 fork_ids: list[str] | None = None,
+                 lora_request: LoRARequest | None = None) -> None:
         """``fork_ids``: ids of the extra parallel samples (n > 1) this request forks into
         once its prompt is computed up to the last token; they share its blocks.
 
@@ -105,12 +108,14 @@ class Request:
         # (async scheduling: step N+1 is scheduled before step N's tokens arrive).
         self.num_placeholders = 0
         self.cpu_block_ids: list[int] | None = None
+        self.lora_request = lora_request  # LoRA adapter (lora/), None: base model
         self.pooling_params: Any = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
         request = cls(req.request_id, req.prompt_token_ids, req.sampling_params,
-                      req.eos_token_id, req.arrival_time, req.priority, req.fork_ids)
+                      req.eos_token_id, req.arrival_time, req.priority, req.fork_ids,
+                      req.lora_request)
         request.pooling_params = req.pooling_params
         return request
 
@@ -119,7 +124,7 @@ class Request:
         those).  It inherits arrival, priority, cache and scheduling metadata."""
         child = Request(child_id, self.prompt_token_ids,
                         sampling_params or self.sampling_params, self.eos_token_id,
-                        self.arrival_time, self.priority)
+                        self.arrival_time, self.priority, lora_request=self.lora_request)
         child.output_token_ids = list(self.output_token_ids)
         child.all_token_ids = list(self.all_token_ids)
         child.num_tokens, child.num_output_tokens = self.num_tokens, self.num_output_tokens

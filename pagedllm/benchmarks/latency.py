@@ -11,6 +11,11 @@ import statistics
 import time
 from typing import Any
 
+from pagedllm.benchmarks.lora_adapters import (
+    add_lora_bench_args,
+    apply_lora_bench_args,
+    write_dummy_adapters,
+)
 from pagedllm.benchmarks.workloads import DUMMY_CONFIGS, engine_summary, summary_line, w4
 from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_from_cli
 
@@ -29,9 +34,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Benchmark a named model shape with random weights (writes its "
                         "config.json to a temp dir; implies --load-format dummy).")
     add_engine_args(p)
+    add_lora_bench_args(p)
 
 
-def _timed(llm: Any, prompt: list[int], n: int) -> float:
+def _timed(llm: Any, prompt: list[int], n: int, lora: Any = None) -> float:
     from pagedllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
@@ -39,7 +45,7 @@ def _timed(llm: Any, prompt: list[int], n: int) -> float:
     # would find its prompt in the prefix cache and report a TTFT of ~one token.
     llm.reset_prefix_cache()
     t0 = time.perf_counter()
-    llm.generate([prompt], sp, use_tqdm=False)
+    llm.generate([prompt], sp, use_tqdm=False, lora_request=lora)
     return time.perf_counter() - t0
 
 
@@ -54,22 +60,27 @@ def main(args: argparse.Namespace) -> int:
 
         args.model, args.load_format = write_dummy_model(args.dummy), "dummy"
         args.skip_tokenizer_init = True
+    apply_lora_bench_args(args)
     eargs = engine_args_from_cli(args)
     llm = LLM(eargs.model, **{k: v for k, v in vars(eargs).items()
                               if k not in ("model", "extra")})
     vocab = llm.llm_engine.config.model_config.vocab_size
     hi = args.vocab_hi or min(vocab, 128000)
-    _timed(llm, w4(100, hi, args.input_len), 8)  # warm-up
+    # --lora N: every request runs with the first of N dummy adapters.
+    lora = write_dummy_adapters(llm.llm_engine.config.model_config.hf_config, args.lora,
+                                args.lora_rank)[0] if args.lora else None
+    _timed(llm, w4(100, hi, args.input_len), 8, lora)  # warm-up
     ttft, tpot = [], []
     for seed in range(args.num_prompts):
         prompt = w4(seed, hi, args.input_len)
-        t1 = _timed(llm, prompt, 1)
-        tn = _timed(llm, prompt, args.output_len)
+        t1 = _timed(llm, prompt, 1, lora)
+        tn = _timed(llm, prompt, args.output_len, lora)
         ttft.append(t1)
         tpot.append((tn - t1) / (args.output_len - 1))
     res = {"ttft_ms": 1000 * statistics.median(ttft), "tpot_ms": 1000 * statistics.median(tpot),
            "ttft_all_ms": [1000 * x for x in ttft], "tpot_all_ms": [1000 * x for x in tpot],
            "input_len": args.input_len, "output_len": args.output_len,
+           "lora_adapters": args.lora,
            "device": llm.llm_engine.config.device_config.device,
            "date": time.strftime("%Y-%m-%d"), **engine_summary(llm)}
     print(summary_line(res))

@@ -16,6 +16,12 @@ import statistics
 import time
 from typing import Any
 
+from pagedllm.benchmarks.lora_adapters import (
+    add_lora_bench_args,
+    apply_lora_bench_args,
+    spread,
+    write_dummy_adapters,
+)
 from pagedllm.benchmarks.workloads import (
     DUMMY_CONFIGS,
     BenchRequest,
@@ -65,6 +71,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Benchmark a named model shape with random weights (writes its "
                         "config.json to a temp dir; implies --load-format dummy).")
     add_engine_args(p)
+    add_lora_bench_args(p)
 
 
 def _requests(args: argparse.Namespace, llm: Any) -> list[BenchRequest]:
@@ -88,7 +95,8 @@ def _requests(args: argparse.Namespace, llm: Any) -> list[BenchRequest]:
                          args.output_len) for _ in range(args.num_prompts or 64)]
 
 
-def _run_pagedllm(llm: Any, reqs: list[BenchRequest]) -> float:
+def _run_pagedllm(llm: Any, reqs: list[BenchRequest], loras: list[Any] | None = None,
+                  ) -> float:
     from pagedllm import SamplingParams
 
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
@@ -97,7 +105,8 @@ def _run_pagedllm(llm: Any, reqs: list[BenchRequest]) -> float:
     # may hit the prefix cache, never blocks left by the warm-up or an earlier repeat.
     llm.reset_prefix_cache()
     t0 = time.perf_counter()
-    outs = llm.generate([r.prompt_token_ids for r in reqs], params, use_tqdm=False)
+    outs = llm.generate([r.prompt_token_ids for r in reqs], params, use_tqdm=False,
+                        lora_request=spread(loras or [], len(reqs)))
     dt = time.perf_counter() - t0
     assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(r.output_len for r in reqs)
     return dt
@@ -112,6 +121,7 @@ def build_llm(args: argparse.Namespace) -> Any:
 
         args.model, args.load_format = write_dummy_model(args.dummy), "dummy"
         args.skip_tokenizer_init = True
+    apply_lora_bench_args(args)
     eargs = engine_args_from_cli(args)
     kwargs = {k: v for k, v in vars(eargs).items() if k not in ("model", "extra")}
     return LLM(eargs.model, **kwargs)
@@ -131,6 +141,9 @@ def main(args: argparse.Namespace) -> int:
 
     llm = build_llm(args)
     all_reqs = _requests(args, llm)
+    # --lora N: requests spread evenly over N dummy adapters (lora_adapters.py).
+    loras = write_dummy_adapters(llm.llm_engine.config.model_config.hf_config, args.lora,
+                                 args.lora_rank) if args.lora else []
     if args.workload in ("C1", "custom"):
         groups = [(f"batch {b}", all_reqs[:b]) for b in
                   (int(x) for x in args.batch_sizes.split(","))]
@@ -138,7 +151,7 @@ def main(args: argparse.Namespace) -> int:
         groups = [(args.workload, all_reqs)]
     # Warm-up (allocator, kernels and cuBLAS for prefill-sized steps; decode graphs are
     # captured at start).
-    _run_pagedllm(llm, warmup_requests(all_reqs))
+    _run_pagedllm(llm, warmup_requests(all_reqs), loras)
 
     hf_model = None
     if args.hf:
@@ -152,7 +165,7 @@ def main(args: argparse.Namespace) -> int:
     for name, reqs in groups:
         n_out = sum(r.output_len for r in reqs)
         n_in = sum(len(r.prompt_token_ids) for r in reqs)
-        runs = [_run_pagedllm(llm, reqs) for _ in range(args.repeats)]
+        runs = [_run_pagedllm(llm, reqs, loras) for _ in range(args.repeats)]
         ours = statistics.median(runs)
         row: dict[str, Any] = {"config": name, "requests": len(reqs), "prompt_tokens": n_in,
                                "output_tokens": n_out, "pagedllm_s": ours,
@@ -181,6 +194,7 @@ def main(args: argparse.Namespace) -> int:
         plot_throughput(rows, args.plot, f"pagedllm bench throughput: {args.workload}")
     if args.output_json:
         meta = {"workload": args.workload, "device": llm.llm_engine.config.device_config.device,
+                "lora_adapters": args.lora, "lora_rank": args.lora_rank if args.lora else None,
                 **summary,
                 "threads": torch.get_num_threads(), "machine": platform.processor() or
                 platform.machine(), "date": time.strftime("%Y-%m-%d")}

@@ -102,7 +102,11 @@ class KVCacheManager:
 
     # -- prefix cache --------------------------------------------------------------
     def _extra_key(self, request: Request) -> object:
-        return getattr(request.sampling_params, "cache_salt", None)
+        """What besides the tokens decides a block's KV: the cache salt and the LoRA
+        adapter (the same tokens under another adapter have other K/V)."""
+        salt = getattr(request.sampling_params, "cache_salt", None)
+        lora = request.lora_request
+        return salt if lora is None else (salt, "lora", lora.lora_int_id)
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
         """The request's chained hashes for its first ``num_full_blocks`` blocks,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -30,6 +31,7 @@ class NewRequestData:
     num_computed_tokens: int
     # A pooling request's ``PoolingParams`` (core/pooling_scheduler.py), else None.
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)

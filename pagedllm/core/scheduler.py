@@ -43,6 +43,7 @@ from collections.abc import Set as AbstractSet
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.beam_search import BeamGroup
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.lora_budget import LoRABudget
 from pagedllm.core.outputs import (
     CachedRequestData,
     ForkRequestData,
@@ -383,10 +384,15 @@ class Scheduler:
             budget -= n
 
         now = time.time()
+        # Multi-LoRA: admit no request whose adapter would exceed max_loras.
+        loras = LoRABudget(self.config.max_loras, self.running) \
+            if self.config.max_loras else None
+        skipped: list[Request] = []
         if not preempted_ids:  # memory is tight in a step that had to preempt
             # 2. Swapped-out requests come back first (they are older than new arrivals).
             for req in list(self.swapped):
-                if budget <= 0 or not self._has_seat(req):
+                if budget <= 0 or not self._has_seat(req) or (loras and not
+                                                               loras.admits(req)):
                     break
                 n = min(self._num_to_compute(req), budget)
                 if n <= 0:
@@ -403,6 +409,8 @@ class Scheduler:
                 self.swapped.remove(req)
                 self._admit(req, n, num_scheduled, new, touched, now)
                 budget -= n
+                if loras:
+                    loras.add(req)
 
             # 3. Waiting requests (under the throughput policy: what the pace leaves).
             if prefill_cap is not None:
@@ -412,6 +420,9 @@ class Scheduler:
                 if max_reqs and (req.request_id in in_flight
                                  or len(num_scheduled) >= max_reqs):
                     break  # (preempted while its batch is in flight: wait for its token)
+                if loras and not loras.admits(req):
+                    skipped.append(self.waiting.pop())
+                    continue
                 hits, num_hit = self.kv.get_computed_blocks(req)
                 n = min(req.num_tokens - num_hit - (1 if req.fork_ids else 0), budget)
                 if self.kv.allocate_slots(req, n, hits) is None:
@@ -431,6 +442,10 @@ class Scheduler:
                     req.num_cached_tokens = num_hit
                 self._admit(req, n, num_scheduled, new, touched, now)
                 budget -= n
+                if loras:
+                    loras.add(req)
+            for req in reversed(skipped):  # back to their places at the head
+                self.waiting.add_preempted(req)
 
         # 4. Nothing runs although requests wait: the running requests are beams waiting
         # for group-mates that cannot get in (a deadlock only beams can cause).  Make
@@ -532,7 +547,8 @@ class Scheduler:
         new.append(NewRequestData(
             req.request_id, req.prompt_token_ids, list(req.output_token_ids),
             req.sampling_params, req.eos_token_id,
-            self.kv.get_block_ids(req.request_id), req.num_computed_tokens))
+            self.kv.get_block_ids(req.request_id), req.num_computed_tokens,
+            req.lora_request))
         touched.append(req)
 
     # -- results -------------------------------------------------------------------

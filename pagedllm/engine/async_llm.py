@@ -40,6 +40,7 @@ from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.llm_engine import load_tokenizer
 from pagedllm.engine.mp_client import AsyncMPClient, EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -140,7 +141,7 @@ class AsyncLLM:
         self.max_pending_seqs = max_pending_seqs
         self.input_processor = InputProcessor(
             config.model_config, tokenizer,
-            client.ready.max_tokens_per_request or None, max_logprobs)
+            client.ready.max_tokens_per_request or None, max_logprobs, config.lora_config)
         self.output_processor = OutputProcessor(tokenizer)
         self.num_pending_seqs = 0
         self._streams: dict[str, RequestStream] = {}
@@ -207,7 +208,8 @@ class AsyncLLM:
 
     async def add_request(self, prompt: PromptType, params: SamplingParams | PoolingParams,
                           request_id: str, priority: int = 0,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Validate, admit and queue one request; returns its output stream.
 
         Raises ``ValueError`` (``ContextLengthError``) for bad input and
@@ -217,10 +219,12 @@ class AsyncLLM:
             raise self.dead
         arrival = time.time() if arrival_time is None else arrival_time
         # A pooling request (PoolingParams) runs whole in one step and returns a vector.
-        process = self.input_processor.process_pooling if isinstance(
-            params, PoolingParams) else self.input_processor.process
-        text, ids, params, core_reqs = process(  # type: ignore[arg-type]
-            request_id, prompt, params, arrival, priority)
+        if isinstance(params, PoolingParams):
+            text, ids, params, core_reqs = self.input_processor.process_pooling(
+                request_id, prompt, params, arrival, priority)
+        else:
+            text, ids, params, core_reqs = self.input_processor.process(
+                request_id, prompt, params, arrival, priority, lora_request)
         n = sum(1 + len(r.fork_ids) for r in core_reqs)
         if (self.max_pending_seqs is not None
                 and self.num_pending_seqs + n > self.max_pending_seqs):

@@ -11,7 +11,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import LoRAConfig, ModelConfig
+from pagedllm.lora.registry import LoRARegistry
+from pagedllm.lora.request import LoRARequest
 from pagedllm.messages import EngineCoreRequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -38,8 +40,10 @@ def child_request_id(request_id: str, index: int) -> str:
 
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any | None,
-                 max_tokens_per_request: int | None = None, max_logprobs: int = 20) -> None:
+                 max_tokens_per_request: int | None = None, max_logprobs: int = 20,
+                 lora_config: LoRAConfig | None = None) -> None:
         self.model_config = model_config
+        self.loras = LoRARegistry(lora_config, model_config.hf_config)
         self.tokenizer = tokenizer
         self.max_model_len = model_config.max_model_len
         self.max_tokens_per_request = max_tokens_per_request or self.max_model_len
@@ -198,7 +202,7 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 arrival_time: float | None = None, priority: int = 0,
-                ) -> ProcessedRequest:
+                lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Validate and tokenise one request (ValueError names the bad parameter)."""
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
@@ -208,6 +212,7 @@ class InputProcessor:
                              f"model (tasks: {', '.join(pc.tasks)}); it does not generate")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        self.loras.check(lora_request)
         text, ids = self.tokenize(prompt)
         params = self.check_params(len(ids), params)
         arrival = time.time() if arrival_time is None else arrival_time
@@ -222,7 +227,7 @@ class InputProcessor:
             rid = child_request_id(request_id, 0)
             fork_ids = [child_request_id(request_id, i) for i in range(1, params.n)]
         children = [EngineCoreRequest(rid, ids, params, arrival, self.eos_token_id,
-                                      priority, fork_ids)]
+                                      priority, fork_ids, lora_request)]
         return text, ids, params, children
 
     def process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams,

@@ -31,7 +31,7 @@ class LLMEngine:
         self.client = InprocClient(config)
         self.input_processor = InputProcessor(
             config.model_config, self.tokenizer, self.client.max_tokens_per_request,
-            max_logprobs)
+            max_logprobs, config.lora_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         # The core runs in this process: keep its start-up heap out of full collections.
         freeze_gc_heap("LLM engine")

@@ -128,6 +128,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "sentence-transformers modules.json, else CLS (encoders) / LAST "
                         "(decoders), normalised.")
     add_parallel_args(p)
+    add_lora_args(p)
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="Serve PEFT LoRA adapters on top of the base model.")
+    g.add_argument("--max-loras", type=int, default=1,
+                   help="Adapters resident on the device, and most distinct adapters in "
+                        "one step.")
+    g.add_argument("--max-lora-rank", type=int, default=16,
+                   help="Largest adapter rank accepted (slots are sized for it).")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="Adapters kept in host memory (default: --max-loras).")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -174,7 +188,11 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
         distributed_executor_backend=args.distributed_executor_backend,
         distributed_timeout_seconds=args.distributed_timeout_seconds,
         runner=getattr(args, "runner", "auto"), convert=getattr(args, "convert", "auto"),
-        pooler_config=getattr(args, "pooler_config", None))
+        pooler_config=getattr(args, "pooler_config", None),
+        enable_lora=getattr(args, "enable_lora", False),
+        max_loras=getattr(args, "max_loras", 1),
+        max_lora_rank=getattr(args, "max_lora_rank", 16),
+        max_cpu_loras=getattr(args, "max_cpu_loras", None))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -15,6 +15,7 @@ from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm_pooling import PoolingMixin
 from pagedllm.logger import init_logger
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -61,14 +62,17 @@ class LLM(PoolingMixin):
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[
             SamplingParams] | None = None, use_tqdm: bool = True,
-            priority: Sequence[int] | None = None) -> list[RequestOutput]:
+            priority: Sequence[int] | None = None,
+            lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+            ) -> list[RequestOutput]:
         """Generate for every prompt; returns one ``RequestOutput`` per prompt, in order.
 
-        Every prompt is validated before any is queued, so a bad one raises ``ValueError``
-        and nothing runs.
+        ``lora_request``: the LoRA adapter for every prompt, or one (or None) per prompt
+        (needs ``enable_lora=True``).  Every prompt and adapter is validated before any
+        is queued, so a bad one raises ``ValueError`` and nothing runs.
         """
         plist = _normalise_prompts(prompts)
-        return self._run(plist, sampling_params, use_tqdm, priority)
+        return self._run(plist, sampling_params, use_tqdm, priority, lora_request)
 
     def beam_search(self, prompts: Any, params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -109,7 +113,7 @@ class LLM(PoolingMixin):
         return self._run(plist, sampling_params, use_tqdm, None)
 
     def _run(self, plist: list[PromptType], sampling_params: Any, use_tqdm: bool,
-             priority: Sequence[int] | None) -> list[RequestOutput]:
+             priority: Sequence[int] | None, lora_request: Any = None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -122,11 +126,22 @@ class LLM(PoolingMixin):
         prio = list(priority) if priority is not None else [0] * len(plist)
         if len(prio) != len(plist):
             raise ValueError("priority: pass one value per prompt")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(plist)
+        elif isinstance(lora_request, Sequence) and not isinstance(lora_request, str):
+            loras = list(lora_request)
+            if len(loras) != len(plist):
+                raise ValueError(f"lora_request: got {len(loras)} for {len(plist)} "
+                                 "prompts; pass one, or one per prompt")
+        else:
+            raise ValueError(f"lora_request must be a LoRARequest or a list of them, got "
+                             f"{type(lora_request).__name__}")
         engine = self.llm_engine
         # Validate everything first: a bad prompt must not leave others half-queued.
         rids = [str(next(self._counter)) for _ in plist]
-        processed = [engine.input_processor.process(rid, p, sp, priority=pr)
-                     for rid, p, sp, pr in zip(rids, plist, params, prio)]
+        processed = [engine.input_processor.process(rid, p, sp, priority=pr,
+                                                    lora_request=lr)
+                     for rid, p, sp, pr, lr in zip(rids, plist, params, prio, loras)]
         ids_in_order: list[str] = []
         try:
             for rid, proc in zip(rids, processed):

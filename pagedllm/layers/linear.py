@@ -29,6 +29,7 @@ loader serves plain, FP8, INT4-packed and grouped-scale tensors alike.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,7 +48,8 @@ def gemv_applies(x: torch.Tensor, layer: LinearBase) -> bool:
     ``quantization.unquantized.gemv_shape``): unquantised weights only, so fused paths
     that read the weight themselves (GEMV + SiLU, GEMV + RoPE) see a plain tensor."""
     weight = layer.unquantized_weight
-    return gemv_shape(x, weight) if weight is not None else False
+    # A layer with LoRA slots runs its own forward (the fused paths would skip the hook).
+    return gemv_shape(x, weight) if weight is not None and layer.lora is None else False
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -155,6 +157,9 @@ class LinearBase(nn.Module):
         self.tp_group = tp_group(tp_size, tp_rank)
         self.tp_size, self.tp_rank = self.tp_group.world_size, self.tp_group.rank_in_group
         self.prefix = prefix
+        # Multi-LoRA (``lora/layers.LoRALinear``), set by the LoRA manager: adds each
+        # row's adapter delta to the output of whatever ``quant_method`` computed.
+        self.lora: Any = None
         method = quant_config.get_linear_method(self, prefix) if quant_config else None
         self.quant_method: LinearMethodBase = method or UNQUANTIZED
         self.quant_method.create_weights(
@@ -193,7 +198,12 @@ class LinearBase(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        return self._apply(x, self.bias)
+
+    def _apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The base method's ``x W^T + b``, plus the LoRA delta where adapters are on."""
+        y = self.quant_method.apply(self, x, bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
@@ -365,7 +375,9 @@ class RowParallelLinear(LinearBase):
         return self.input_sizes[self.tp_rank]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(self.quant_method.apply(self, x, self._local_bias))
+        # LoRA's partial delta (this rank's input columns of A) joins the partial output
+        # before the all-reduce, which sums it into the exact delta.
+        return self._reduce(self._apply(x, self._local_bias))
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``forward(silu(gate) * up)`` for ``gate_up = [gate | up]``, with the activation

@@ -26,6 +26,7 @@ from pagedllm.core.outputs import (
     SchedulerOutput,
 )
 from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
+from pagedllm.lora.manager import make_lora_manager
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from pagedllm.sampling_params import SamplingParams
@@ -86,6 +87,7 @@ class CachedRequestState:
     generator: torch.Generator | None = None
     # Structured outputs: the request's grammar matcher (structured_output/matcher.py).
     grammar: Any = None
+    lora_request: Any = None  # its LoRA adapter (lora/), None: the base model
 
 
 @dataclass
@@ -149,6 +151,11 @@ class ModelRunner:
         # Live requests with token constraints (grammar, allowed/bad tokens, logits
         # processors): while there are none, a step does not look for them.
         self._constrained: set[str] = set()
+        # Multi-LoRA (lora/manager.py): adapter slots on the linear layers.  Their token
+        # map covers every row, so the last layer runs on every row too.
+        self.lora = make_lora_manager(config, model, device)
+        if self.lora is not None:
+            self.last_only = False
 
     def _grammar(self, params: SamplingParams, eos_token_id: int | None) -> Any:
         """A new matcher for a structured-output request (None for the others)."""
@@ -203,7 +210,8 @@ class ModelRunner:
         self.requests[f.child_req_id] = CachedRequestState(
             f.child_req_id, p.prompt_token_ids, list(p.output_token_ids), params,
             p.eos_token_id, gen,
-            p.grammar.fork(p.output_token_ids) if p.grammar is not None else None)
+            p.grammar.fork(p.output_token_ids) if p.grammar is not None else None,
+            p.lora_request)
         self.batch.fork(f.parent_req_id, f.child_req_id)
         if f.parent_req_id in self._constrained:
             self._constrained.add(f.child_req_id)
@@ -214,6 +222,8 @@ class ModelRunner:
         """Capture decode and chunk graphs (CUDA only, unless enforce_eager);
         ``memory_margin``: what the memory plan set aside for them."""
         mc = self.config.model_config
+        if self.lora is not None:  # graphs always contain the LoRA ops (-1 rows: no-op)
+            self.lora.mapping.active = True
         self.graphs = CudaGraphRunner(
             self.model, self.device, self.config.scheduler_config.max_num_seqs,
             self.batch.block_table.shape[1], self.block_size, mc.max_model_len,
@@ -240,7 +250,8 @@ class ModelRunner:
                                         list(nr.output_token_ids), nr.sampling_params,
                                         nr.eos_token_id,
                                         self._generator(nr.sampling_params, self.device),
-                                        self._grammar(nr.sampling_params, nr.eos_token_id))
+                                        self._grammar(nr.sampling_params, nr.eos_token_id),
+                                        nr.lora_request)
                 self.requests[nr.req_id] = st
                 if nr.sampling_params.prompt_logprobs is not None:
                     self._prompt_lp_ids.add(nr.req_id)
@@ -338,6 +349,9 @@ class ModelRunner:
         num_new = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, len(order))
         num_computed = np.fromiter((computed[r] for r in order), np.int64, len(order))
         inp = self.batch.prepare(rows, num_computed, num_new)
+        if self.lora is not None:
+            self.lora.prepare_step([self.requests[r].lora_request for r in order], num_new,
+                                   self.h2d)
         pending, fix = self._pending_fix(order, inp)
         # Prompt logprobs read the hidden state of every prompt token.
         last_only = self.last_only and not (self._prompt_lp_ids and inp.max_query_len > 1)

@@ -231,6 +231,9 @@ def build_app(state: ServingState, *, api_keys: list[str] | None = None,
 
     pooling = OpenAIServingPooling(state)
     add_pooling_routes(app, pooling)
+    from pagedllm.entrypoints.openai.lora_routes import add_lora_routes
+
+    add_lora_routes(app, state)
 
     @app.get("/health")
     async def health() -> Response:
@@ -248,8 +251,13 @@ def build_app(state: ServingState, *, api_keys: list[str] | None = None,
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=name, max_model_len=state.max_model_len)
-                               for name in state.served_model_names])
+        cards = [ModelCard(id=name, root=name, max_model_len=state.max_model_len)
+                 for name in state.served_model_names]
+        if state.loras is not None:  # adapters, each a model with its base as parent
+            cards += [ModelCard(id=name, root=r.lora_path, parent=r.base_model_name,
+                                max_model_len=state.max_model_len)
+                      for name, r in state.loras.by_name.items()]
+        return ModelList(data=cards)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
@@ -258,8 +266,11 @@ def build_app(state: ServingState, *, api_keys: list[str] | None = None,
             state.check_model(model_id)
         except Exception as e:
             return engine_error_response(e)
-        return JSONResponse(ModelCard(id=model_id, root=model_id,
-                                      max_model_len=state.max_model_len).model_dump())
+        lora = state.lora_for(model_id)
+        return JSONResponse(ModelCard(
+            id=model_id, root=lora.lora_path if lora else model_id,
+            parent=lora.base_model_name if lora else None,
+            max_model_len=state.max_model_len).model_dump())
 
     @app.get("/tokenizer_info")
     async def get_tokenizer_info() -> Response:
@@ -519,6 +530,18 @@ async def _serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=getattr(args, "reasoning_parser", None))
+    if config.lora_config is not None:
+        from pagedllm.entrypoints.openai.lora_routes import ServerLoRAs
+
+        state.loras = ServerLoRAs(True, names[0])
+        for m in getattr(args, "lora_modules", None) or ():
+            try:
+                state.loras.add(m["name"], m["path"], engine.input_processor.loras.check,
+                                names, m.get("base_model_name"))
+            except ValueError as e:
+                await engine.shutdown()
+                sock.close()
+                raise ValueError(f"--lora-modules: {e}") from None
     if args.trust_request_chat_template:
         # Client templates render in a bounded child process; start it now (~1 s).
         state.template_sandbox = TemplateSandbox(max_chars=args.max_request_body_bytes)
@@ -589,6 +612,8 @@ def run_server(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.prefetch import prefetch_startup_files
     from pagedllm.logger import init_logger
 
+    if getattr(args, "lora_modules", None) and not getattr(args, "enable_lora", False):
+        raise ValueError("--lora-modules needs --enable-lora")
     if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
                          "(hermes, llama3_json or mistral)")

@@ -79,6 +79,6 @@ async def start_chat(chat: OpenAIServingChat, body: ChatCompletionRequest,
             raise
         raise RequestError(str(e).splitlines()[0], "messages") from None
     [stream] = await st.start(public_id, [{"prompt_token_ids": ids}], params,
-                              body.priority)
+                              body.priority, model=body.model)
     shaper = ChoiceShaper(mode, st.tool_parser_obj(), st.reasoning_parser_obj())
     return ChatRun(chat, public_id, stream, len(ids), shaper, mode)

@@ -7,6 +7,8 @@ server's own; ``api_server.run_server`` consumes the namespace.
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
 
 from pagedllm.entrypoints.engine_cli_args import add_engine_args
 
@@ -105,6 +107,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "status); the access log is on by default, as in vLLM.")
     g.add_argument("--no-ui", action="store_true",
                    help="Do not serve the chat page at / (it is on by default).")
+    add_lora_server_args(g)
     t = parser.add_argument_group("tools and reasoning")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="Allow tool_choice 'auto' (the default when a request has tools): "
@@ -126,3 +129,29 @@ def build_parser() -> argparse.ArgumentParser:
                     "process).")
     add_serve_args(parser)
     return parser
+
+
+def lora_module(text: str) -> dict[str, Any]:
+    """argparse type for one ``--lora-modules`` entry: ``name=path`` or a JSON object."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) \
+                or not isinstance(value.get("path"), str):
+            raise argparse.ArgumentTypeError(
+                f'a JSON entry needs string "name" and "path", got {text!r}')
+        return {k: value[k] for k in ("name", "path", "base_model_name") if k in value}
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path or a JSON object, got {text!r}")
+    return {"name": name, "path": path}
+
+
+def add_lora_server_args(g: Any) -> None:
+    g.add_argument("--lora-modules", nargs="+", type=lora_module, default=None,
+                   metavar="NAME=PATH",
+                   help="LoRA adapters to serve (with --enable-lora): name=path or "
+                        '\'{"name": ..., "path": ..., "base_model_name": ...}\'. '
+                        "Requests choose one by its name in 'model'.")

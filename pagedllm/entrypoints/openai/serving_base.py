@@ -71,6 +71,8 @@ class ServingState:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # LoRA adapters served as models (lora_routes.ServerLoRAs), None: LoRA off.
+    loras: Any = None
 
     def tool_parser_obj(self) -> Any:
         if self.tool_call_parser is None:
@@ -101,8 +103,13 @@ class ServingState:
             self.template_sandbox = TemplateSandbox()
         return self.template_sandbox
 
+    def lora_for(self, model: str | None) -> Any:
+        """The ``LoRARequest`` a request's ``model`` names (None: the base model)."""
+        return self.loras.get(model) if self.loras is not None else None
+
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+        if model is not None and model not in self.served_model_names \
+                and self.lora_for(model) is None:
             raise RequestError(f"The model `{model}` does not exist.", "model", status=404,
                                code="model_not_found", err_type="NotFoundError")
 
@@ -159,7 +166,8 @@ class ServingState:
 
     async def start(self, public_id: str, prompts: list[PromptType],
                     params: SamplingParams | PoolingParams, priority: int,
-                    add_special_tokens: bool = True) -> list[RequestStream]:
+                    add_special_tokens: bool = True,
+                    model: str | None = None) -> list[RequestStream]:
         """Tokenise, validate, admit and queue one engine request per prompt.
 
         Admission is all or nothing for the whole request (every prompt times ``n``):
@@ -179,8 +187,9 @@ class ServingState:
             self._check_capacity(need)
             try:
                 for rid, prompt in zip(ids, ready):
-                    streams.append(await self.engine.add_request(prompt, params, rid,
-                                                                 priority))
+                    streams.append(await self.engine.add_request(
+                        prompt, params, rid, priority,
+                        lora_request=self.lora_for(model)))
             except BaseException:
                 for s in streams:
                     s.close()

@@ -107,7 +107,7 @@ class OpenAIServingChat(ServingHandler):
             public_id = st.public_id(raw_request, "chatcmpl", body.request_id)
             prompt_ids = await self.render(body)
             streams = await st.start(public_id, [{"prompt_token_ids": prompt_ids}], params,
-                                     body.priority)
+                                     body.priority, model=body.model)
         except Exception as e:
             if isinstance(e, ValueError) and str(e).startswith("messages"):
                 e = RequestError(str(e).splitlines()[0], "messages")

@@ -63,7 +63,8 @@ class OpenAIServingCompletion(ServingHandler):
             st.check_admitting()
             public_id = st.public_id(raw_request, "cmpl", body.request_id)
             streams = await st.start(public_id, list(prompts), params, body.priority,
-                                     add_special_tokens=body.add_special_tokens)
+                                     add_special_tokens=body.add_special_tokens,
+                                     model=body.model)
         except Exception as e:
             return engine_error_response(e)
         created = int(time.time())

@@ -1,0 +1,29 @@
+"""At most ``max_loras`` distinct LoRA adapters among the running requests (torch-free).
+
+The runner keeps ``max_loras`` adapters on the device; every step's adapters must fit.
+Counting the adapters of *all* running requests (not just those scheduled this step)
+keeps the bound whatever subset a later step schedules.  A waiting request whose adapter
+would be one too many is skipped this step (others behind it may run); it keeps its
+place in the queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pagedllm.request import Request
+
+
+class LoRABudget:
+    def __init__(self, max_loras: int, running: Iterable[Request]) -> None:
+        self.max_loras = max_loras
+        self.ids = {r.lora_request.lora_int_id for r in running
+                    if r.lora_request is not None}
+
+    def admits(self, req: Request) -> bool:
+        lora = req.lora_request
+        return lora is None or lora.lora_int_id in self.ids or len(self.ids) < self.max_loras
+
+    def add(self, req: Request) -> None:
+        if req.lora_request is not None:
+            self.ids.add(req.lora_request.lora_int_id)
