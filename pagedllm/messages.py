@@ -12,8 +12,8 @@ import enum
 
 import msgspec
 
-from pagedllm.pooling_params import PoolingParams
 from pagedllm.lora.request import LoRARequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
