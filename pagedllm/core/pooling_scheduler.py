@@ -66,7 +66,7 @@ class PoolingScheduler(Scheduler):
             num_scheduled[req.request_id] = n
             new.append(NewRequestData(req.request_id, req.prompt_token_ids, [],
                                       req.sampling_params, None, [], 0,
-                                      req.pooling_params))
+                                      pooling_params=req.pooling_params))
             budget -= n
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(new_reqs=new, cached_reqs=[],

@@ -548,7 +548,7 @@ class Scheduler:
             req.request_id, req.prompt_token_ids, list(req.output_token_ids),
             req.sampling_params, req.eos_token_id,
             self.kv.get_block_ids(req.request_id), req.num_computed_tokens,
-            req.lora_request))
+            lora_request=req.lora_request))
         touched.append(req)
 
     # -- results -------------------------------------------------------------------

@@ -227,7 +227,7 @@ class InputProcessor:
             rid = child_request_id(request_id, 0)
             fork_ids = [child_request_id(request_id, i) for i in range(1, params.n)]
         children = [EngineCoreRequest(rid, ids, params, arrival, self.eos_token_id,
-                                      priority, fork_ids, lora_request)]
+                                      priority, fork_ids, lora_request=lora_request)]
         return text, ids, params, children
 
     def process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams,
