@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pagedllm.attention.kinds import uniform_sliding_window
 from pagedllm.models.resolve import ResolvedModel, resolve_model
+from pagedllm.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32",
@@ -102,7 +103,10 @@ class SchedulerConfig:
     max_swap_blocks_per_step: int = 64
     # Schedule step N+1 while step N runs on the device (its tokens arrive one step
     # late); on by default on CUDA, where host work would otherwise idle the GPU.
+    # Off with speculative decoding (a step's drafts come from its accepted tokens).
     async_scheduling: bool = False
+    # Speculative decoding (spec_decode/): drafts are scheduled tokens; None = off.
+    speculative_config: SpeculativeConfig | None = None
 
 
 # Bytes the scheduler may swap per step: about 4 ms at PCIe 4.0 x16's ~16 GB/s, small
@@ -197,6 +201,8 @@ class EngineArgs:
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: chosen (ParallelConfig)
     distributed_timeout_seconds: float = 60.0
+    # vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, ...} (spec_decode/).
+    speculative_config: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self, hf_config: Any = None) -> EngineConfig:
@@ -234,6 +240,11 @@ class EngineArgs:
         sw = self.swap_space
         if isinstance(sw, bool) or not isinstance(sw, (int, float)) or not 0 <= sw <= 1024:
             raise ValueError(f"swap_space must be a number of GiB in [0, 1024], got {sw!r}")
+
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        if spec is not None and self.pipeline_parallel_size != 1:
+            raise ValueError("speculative_config is not supported with "
+                             "pipeline_parallel_size > 1")
 
         device = self.device
         if device == "auto":
@@ -313,8 +324,12 @@ class EngineArgs:
                 preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
                 max_swap_blocks_per_step=max(1, SWAP_BYTES_PER_STEP // (
                     model_config.kv_bytes_per_token(cache_dtype) * self.block_size)),
-                async_scheduling=(device == "cuda" if self.async_scheduling is None
-                                  else bool(self.async_scheduling))),
+                # Speculation needs each step's accepted tokens to propose the next
+                # step's drafts, so it runs synchronously.
+                async_scheduling=spec is None and (
+                    device == "cuda" if self.async_scheduling is None
+                    else bool(self.async_scheduling)),
+                speculative_config=spec),
             device_config=DeviceConfig(
                 device=device, enforce_eager=self.enforce_eager, num_threads=self.num_threads,
                 max_cudagraph_capture_size=_positive_int(

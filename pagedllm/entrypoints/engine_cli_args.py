@@ -117,6 +117,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='Speculative decoding, a JSON object (vLLM\'s keys), e.g. '
+                        '\'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\'.')
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="Ranks each layer is split across (column/row-parallel linears, "
@@ -152,6 +156,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=args.enable_prefix_caching,
         preemption_mode=args.preemption_mode, swap_space=args.swap_space,
         trust_remote_code=args.trust_remote_code,
+        speculative_config=getattr(args, "speculative_config", None),
         served_model_name=getattr(args, "served_model_name", None),
         skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
         tensor_parallel_size=args.tensor_parallel_size,
