@@ -60,6 +60,7 @@ class Request:
         "first_scheduled_time", "_first_scheduled_reported",
         # Memory sharing (issue 5): see the docstring of ``__init__``.
         "fork_ids", "reserved_slots", "beam_group", "token_override", "cpu_block_ids",
+        "spec_token_ids",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -102,6 +103,9 @@ class Request:
         # (async scheduling: step N+1 is scheduled before step N's tokens arrive).
         self.num_placeholders = 0
         self.cpu_block_ids: list[int] | None = None
+        # Speculative decoding: drafts proposed after the last step, verified (as
+        # scheduled tokens) in the next one; never part of ``all_token_ids``.
+        self.spec_token_ids: list[int] = []
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

@@ -75,6 +75,9 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: req_id -> draft tokens to verify this step (they are the
+    # last ``len(drafts)`` of its ``num_scheduled_tokens``; spec_decode/).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -93,7 +96,8 @@ class LogprobsLists:
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """Per scheduled request, in ``req_ids`` order: the tokens sampled this step (empty
-    for a prompt chunk that did not reach the end of the prompt)."""
+    for a prompt chunk that did not reach the end of the prompt; with drafts, the
+    accepted ones and one more)."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
@@ -101,3 +105,5 @@ class ModelRunnerOutput:
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
     # req_id -> prompt logprobs for the prompt positions computed this step.
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Speculative decoding: req_id -> drafts proposed for the next step.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -113,14 +113,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "ids with empty text.")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="Allow model repositories to run their own code (off by default).")
-    add_parallel_args(p)
-
-
-def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", type=_json_object, default=None,
                    help='Speculative decoding, a JSON object (vLLM\'s keys), e.g. '
                         '\'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\'.')
+    add_parallel_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="Ranks each layer is split across (column/row-parallel linears, "
