@@ -28,6 +28,8 @@ class SpecScheduling:
         self.config = config
         self._drafts = self._draft_tokens = self._accepted = 0
         self._per_pos = [0] * config.num_speculative_tokens
+        # Totals since start (for benchmarks and tests; the metrics read take_stats).
+        self.total_draft_tokens = self.total_accepted_tokens = self.total_drafts = 0
 
     def step_enabled(self, num_running: int) -> bool:
         """The per-step policy: drafts only while the batch is small."""
@@ -53,6 +55,9 @@ class SpecScheduling:
         self._drafts += 1
         self._draft_tokens += len(drafts)
         self._accepted += accepted
+        self.total_drafts += 1
+        self.total_draft_tokens += len(drafts)
+        self.total_accepted_tokens += accepted
         for i in range(accepted):  # <= k
             self._per_pos[i] += 1
 
