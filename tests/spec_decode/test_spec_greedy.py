@@ -10,11 +10,10 @@ from pagedllm import LLM, SamplingParams
 
 TEXT = ("The library opens at nine in the morning and closes at six in the evening. "
         "Visitors may borrow up to five books at a time for three weeks.")
-PROMPTS = [
-    f"Repeat the following text exactly.\nText: {TEXT}\nRepeated text:",
-    f"Copy this note word for word: {TEXT}\nCopy:",
-    f"Text: {TEXT}\nRewrite the text above without changing it:",
-]
+# A shared first part (prefix-cache hits within the batch), then the instruction.
+PROMPTS = [f"Text: {TEXT}\n{task}" for task in (
+    "Repeat the text above exactly:", "Copy the note above word for word:",
+    "Rewrite the text above without changing it:")]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +37,4 @@ def test_greedy_identical_batched_preempted_prefix_hits(llm, spec_llm):
     sched = spec_llm.llm_engine.client.core.scheduler
     assert sched.total_preemptions > 0
     assert sched.spec.total_accepted_tokens > 0
-    # Again: the prompts' blocks are in the prefix cache now.
-    again = spec_llm.generate(PROMPTS[:1], params[0], use_tqdm=False)
-    assert again[0].num_cached_tokens > 0
-    assert again[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert any(g.num_cached_tokens > 0 for g in got)
