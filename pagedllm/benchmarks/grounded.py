@@ -61,28 +61,54 @@ def grounded_prompts(tokenizer: Any) -> list[list[int]]:
 
 
 def main() -> None:
-    """``python -m pagedllm.benchmarks.grounded [max_tokens] [k]``: greedy n-gram
-    acceptance over all 32 prompts in one batch (acceptance does not depend on the batch:
-    greedy outputs are the same), on the default model."""
-    import sys
+    """``python -m pagedllm.benchmarks.grounded``: the grounded prompts, greedy, on the
+    default model (fp32), in batches of ``--batch-size``: wall time without and with
+    n-gram speculation (``disable_by_batch_size`` raised so every step may carry drafts),
+    the speedup, and the acceptance (mean accepted length = 1 + accepted / verify steps)."""
+    import argparse
+    import time
 
     from pagedllm import LLM, SamplingParams
 
-    max_tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 64
-    k = int(sys.argv[2]) if len(sys.argv) > 2 else 4
-    llm = LLM(quantization="none", max_model_len=1024, speculative_config={
-        "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-        "disable_by_batch_size": 64})
-    prompts = grounded_prompts(llm.get_tokenizer())
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                        use_tqdm=False)
-    spec = llm.llm_engine.client.core.scheduler.spec
-    gen = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"{len(prompts)} prompts, {gen} tokens generated, k={k}: "
-          f"{spec.total_drafts} verify steps, {spec.total_draft_tokens} draft tokens, "
-          f"{spec.total_accepted_tokens} accepted; mean accepted length "
-          f"{1 + spec.total_accepted_tokens / max(1, spec.total_drafts):.2f}, acceptance rate "
-          f"{spec.total_accepted_tokens / max(1, spec.total_draft_tokens):.1%}")
+    p = argparse.ArgumentParser(prog="python -m pagedllm.benchmarks.grounded")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    args = p.parse_args()
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    spec_cfg = {"method": "ngram", "num_speculative_tokens": args.k,
+                "prompt_lookup_max": args.prompt_lookup_max, "disable_by_batch_size": 1024}
+    res = {}
+    outs: dict[str, list] = {}
+    for name, spec in (("off", None), ("ngram", spec_cfg)):
+        llm = LLM(quantization="none", max_model_len=1024, speculative_config=spec)
+        prompts = grounded_prompts(llm.get_tokenizer())[:args.num_prompts]
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+        sched = llm.llm_engine.client.core.scheduler
+        base = (sched.spec.total_drafts, sched.spec.total_accepted_tokens,
+                sched.spec.total_draft_tokens) if sched.spec else (0, 0, 0)
+        t0 = time.perf_counter()
+        for i in range(0, len(prompts), args.batch_size):
+            llm.reset_prefix_cache()
+            outs.setdefault(name, []).extend(llm.generate(
+                prompts[i:i + args.batch_size], sp, use_tqdm=False))
+        res[name] = time.perf_counter() - t0
+        if sched.spec:
+            drafts, acc, dtok = (sched.spec.total_drafts - base[0],
+                                 sched.spec.total_accepted_tokens - base[1],
+                                 sched.spec.total_draft_tokens - base[2])
+        llm.llm_engine.shutdown()
+        del llm
+    gen = sum(len(o.outputs[0].token_ids) for o in outs["off"])
+    same = all(a.outputs[0].token_ids == b.outputs[0].token_ids
+               for a, b in zip(outs["off"], outs["ngram"]))
+    print(f"{args.num_prompts} prompts, batch {args.batch_size}, {gen} tokens, k={args.k}: "
+          f"off {res['off']:.1f} s, ngram {res['ngram']:.1f} s, speedup "
+          f"{res['off'] / res['ngram']:.2f}x; {drafts} verify steps, mean accepted length "
+          f"{1 + acc / max(1, drafts):.2f}, acceptance rate {acc / max(1, dtok):.1%}; "
+          f"outputs identical: {same}")
 
 
 if __name__ == "__main__":
