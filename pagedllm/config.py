@@ -245,6 +245,10 @@ class EngineArgs:
         if spec is not None and self.pipeline_parallel_size != 1:
             raise ValueError("speculative_config is not supported with "
                              "pipeline_parallel_size > 1")
+        if spec is not None and self.async_scheduling:
+            # The next step's drafts come from this step's accepted tokens.
+            raise ValueError("async_scheduling is not supported with speculative_config "
+                             "(leave it unset: it is then off)")
 
         device = self.device
         if device == "auto":

@@ -71,3 +71,14 @@ def test_metrics_under_vllm_names():
     assert total("vllm:spec_decode_num_accepted_tokens") == 4
     assert total("vllm:spec_decode_num_accepted_tokens_per_pos", position="0") == 2
     assert total("vllm:spec_decode_num_accepted_tokens_per_pos", position="2") == 1
+
+
+@pytest.mark.parametrize("kw, field", [({"async_scheduling": True}, "async_scheduling"),
+                                       ({"pipeline_parallel_size": 2},
+                                        "pipeline_parallel_size")])
+def test_engine_args_refuse_unsupported_combinations(kw, field):
+    from pagedllm.config import EngineArgs
+
+    with pytest.raises(ValueError, match=field):
+        EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+                   **kw).create_engine_config()
