@@ -38,3 +38,10 @@ def test_greedy_identical_batched_preempted_prefix_hits(llm, spec_llm):
     assert sched.total_preemptions > 0
     assert sched.spec.total_accepted_tokens > 0
     assert any(g.num_cached_tokens > 0 for g in got)
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(spec_llm):
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=12, ignore_eos=True)
+    a = spec_llm.generate(PROMPTS[:1], sp, use_tqdm=False)[0].outputs[0].token_ids
+    b = spec_llm.generate(PROMPTS[:1], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert a == b and len(a) == 12
