@@ -9,8 +9,7 @@ asks for, validated once (vLLM's key names).  Torch-free: the scheduler reads it
 
 ``num_speculative_tokens`` (k) drafts per request per step; the target verifies them and
 its bonus token in one forward.  ``disable_by_batch_size``: no drafts in a step where more
-requests than this run (vLLM's name); by default ``DEFAULT_DISABLE_BY_BATCH_SIZE`` (see
-docs/benchmarks.md, "Speculative decoding": where the verify step stops being nearly free).
+requests than this run (vLLM's name); by default ``DEFAULT_DISABLE_BY_BATCH_SIZE``.
 """
 
 from __future__ import annotations
@@ -20,9 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram",)
-# Above this many running requests a step carries no drafts.  Derived from the measured
-# step-cost curve (docs/benchmarks.md, "Speculative decoding"): verifying k + 1 tokens per
-# request costs about one decode step only while the step is weight-bandwidth-bound.
+# Above this many running requests a step carries no drafts.  Verifying k + 1 tokens per
+# request costs about one decode step only while the step is weight-bandwidth-bound; the
+# rule is "speculate while cost(B, k + 1) / cost(B, 1) < mean accepted length", with the
+# curve from ``python -m pagedllm.benchmarks.spec_step_cost``.  8 is a provisional value:
+# that curve has not been measured on a GPU yet (docs/benchmarks.md, "Speculative
+# decoding").
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
          "disable_by_batch_size", "model")
