@@ -76,6 +76,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--acceptance-only", action="store_true",
+                   help="Run only the speculating engine (acceptance, no speedup).")
     args = p.parse_args()
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     spec_cfg = {"method": "ngram", "num_speculative_tokens": args.k,
@@ -84,8 +86,9 @@ def main() -> None:
     # shared machine falls on both alike.
     llms = {name: LLM(quantization="none", max_model_len=1024,
                       kv_cache_memory_bytes=256 << 20, speculative_config=spec)
-            for name, spec in (("off", None), ("ngram", spec_cfg))}
-    prompts = grounded_prompts(llms["off"].get_tokenizer())[:args.num_prompts]
+            for name, spec in (("off", None), ("ngram", spec_cfg))
+            if not (args.acceptance_only and spec is None)}
+    prompts = grounded_prompts(llms["ngram"].get_tokenizer())[:args.num_prompts]
     for llm in llms.values():
         llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     spec = llms["ngram"].llm_engine.client.core.scheduler.spec
@@ -101,7 +104,12 @@ def main() -> None:
             res[name] += time.perf_counter() - t0
     drafts, acc, dtok = (spec.total_drafts - base[0], spec.total_accepted_tokens - base[1],
                          spec.total_draft_tokens - base[2])
-    gen = sum(len(o.outputs[0].token_ids) for o in outs["off"])
+    gen = sum(len(o.outputs[0].token_ids) for o in outs["ngram"])
+    if args.acceptance_only:
+        print(f"{args.num_prompts} prompts, batch {args.batch_size}, {gen} tokens, "
+              f"k={args.k}: {drafts} verify steps, mean accepted length "
+              f"{1 + acc / max(1, drafts):.2f}, acceptance rate {acc / max(1, dtok):.1%}")
+        return
     same = all(a.outputs[0].token_ids == b.outputs[0].token_ids
                for a, b in zip(outs["off"], outs["ngram"]))
     print(f"{args.num_prompts} prompts, batch {args.batch_size}, {gen} tokens, k={args.k}: "
