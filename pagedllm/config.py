@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pagedllm.attention.kinds import uniform_sliding_window
 from pagedllm.models.resolve import ResolvedModel, resolve_model
 from pagedllm.pooling_params import PoolerConfig
+from pagedllm.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32",
@@ -107,7 +108,10 @@ class SchedulerConfig:
     max_swap_blocks_per_step: int = 64
     # Schedule step N+1 while step N runs on the device (its tokens arrive one step
     # late); on by default on CUDA, where host work would otherwise idle the GPU.
+    # Off with speculative decoding (a step's drafts come from its accepted tokens).
     async_scheduling: bool = False
+    # Speculative decoding (spec_decode/): drafts are scheduled tokens; None = off.
+    speculative_config: SpeculativeConfig | None = None
     # Multi-LoRA: at most this many distinct adapters per step (0: LoRA off).
     max_loras: int = 0
 
@@ -227,6 +231,8 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, ...} (spec_decode/).
+    speculative_config: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self, hf_config: Any = None) -> EngineConfig:
@@ -266,6 +272,15 @@ class EngineArgs:
             raise ValueError(f"swap_space must be a number of GiB in [0, 1024], got {sw!r}")
 
         lora = self._lora_config()
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        if spec is not None and self.pipeline_parallel_size != 1:
+            raise ValueError("speculative_config is not supported with "
+                             "pipeline_parallel_size > 1")
+        if spec is not None and self.async_scheduling:
+            # The next step's drafts come from this step's accepted tokens.
+            raise ValueError("async_scheduling is not supported with speculative_config "
+                             "(leave it unset: it is then off)")
+
         device = self.device
         if device == "auto":
             device = _cuda_available() and "cuda" or "cpu"
@@ -355,9 +370,13 @@ class EngineArgs:
                 preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
                 max_swap_blocks_per_step=max(1, SWAP_BYTES_PER_STEP // (
                     model_config.kv_bytes_per_token(cache_dtype) * self.block_size)),
-                async_scheduling=(device == "cuda" if self.async_scheduling is None
-                                  else bool(self.async_scheduling)),
-                max_loras=lora.max_loras if lora else 0),
+                # Speculation needs each step's accepted tokens to propose the next
+                # step's drafts, so it runs synchronously.
+                async_scheduling=spec is None and (
+                    device == "cuda" if self.async_scheduling is None
+                    else bool(self.async_scheduling)),
+                max_loras=lora.max_loras if lora else 0,
+                speculative_config=spec),
             device_config=DeviceConfig(
                 device=device, enforce_eager=self.enforce_eager, num_threads=self.num_threads,
                 max_cudagraph_capture_size=_positive_int(

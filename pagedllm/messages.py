@@ -92,6 +92,12 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_total_blocks: int = 0
     # Tokens computed by the step this snapshot follows (0 for idle/heartbeat snapshots).
     num_scheduled_tokens: int = 0
+    # Speculative decoding in this step (vLLM's spec_decode_* counters): requests that
+    # verified drafts, drafts verified, drafts accepted, accepted per draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

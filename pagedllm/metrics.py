@@ -160,6 +160,16 @@ class EngineMetrics:
             "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        # Speculative decoding (spec_decode/; zero without it).
+        self.spec_decode_num_drafts = counter(
+            "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_decode_num_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.spec_decode_num_accepted_tokens_per_pos = counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.", ("position",))
         # -- histograms of counts
         self.request_prompt_tokens = hist(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
@@ -232,6 +242,8 @@ class EngineMetrics:
                        self.kv_cache_usage_perc, self.prompt_tokens, self.generation_tokens,
                        self.num_preemptions, self.prefix_cache_queries,
                        self.prefix_cache_hits, self.request_prompt_tokens,
+                       self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
+                       self.spec_decode_num_accepted_tokens,
                        self.request_generation_tokens, self.iteration_tokens,
                        self.request_max_num_generation_tokens, self.request_params_n,
                        self.request_params_max_tokens, self.ttft, self.itl, self.tpot,
@@ -260,6 +272,16 @@ class EngineMetrics:
             self.prefix_cache_hits.labels(*m).inc(stats.prefix_cache_hits)
         if stats.num_scheduled_tokens:
             self.iteration_tokens.labels(*m).observe(stats.num_scheduled_tokens)
+        if stats.spec_num_drafts:
+            self._record_spec(stats)
+
+    def _record_spec(self, stats: SchedulerStats) -> None:
+        m = self._lbl
+        self.spec_decode_num_drafts.labels(*m).inc(stats.spec_num_drafts)
+        self.spec_decode_num_draft_tokens.labels(*m).inc(stats.spec_num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.labels(*m).inc(stats.spec_num_accepted_tokens)
+        for pos, n in enumerate(stats.spec_accepted_per_pos):
+            self.spec_decode_num_accepted_tokens_per_pos.labels(*m, str(pos)).inc(n)
 
     def track_engines(self, stats: list[SchedulerStats], assigned: list[int]) -> None:
         """Data parallelism (``engine/dp_client.py``): per-engine gauges labelled

@@ -65,6 +65,7 @@ class Request:
         # A pooling request's parameters (core/pooling_scheduler.py), else None.
         "pooling_params",
         "lora_request",
+        "spec_token_ids",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -110,6 +111,9 @@ class Request:
         self.cpu_block_ids: list[int] | None = None
         self.lora_request = lora_request  # LoRA adapter (lora/), None: base model
         self.pooling_params: Any = None
+        # Speculative decoding: drafts proposed after the last step, verified (as
+        # scheduled tokens) in the next one; never part of ``all_token_ids``.
+        self.spec_token_ids: list[int] = []
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

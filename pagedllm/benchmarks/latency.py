@@ -1,6 +1,10 @@
 """Single-stream latency (W4): TTFT and TPOT of one request, median of 3 fresh prompts.
 
 TTFT = time of a 1-token request; TPOT = (t(output_len) - t(1)) / (output_len - 1).
+``--workload grounded`` takes the prompts from the input-grounded set
+(``benchmarks/grounded.py``) instead of random tokens; with ``--speculative-config`` the
+acceptance is reported too: mean accepted length = 1 + accepted / verify steps (tokens
+per target forward), and the acceptance rate = accepted / draft tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Fresh random prompts; medians are reported.")
     p.add_argument("--vocab-hi", type=int, default=None,
                    help="Upper bound of random token ids (default: min(vocab, 128000)).")
+    p.add_argument("--workload", default="random", choices=["random", "grounded"],
+                   help="Prompts: random tokens (W4), or the 32 input-grounded edit and "
+                        "summary prompts (--num-prompts of them, in order).")
     p.add_argument("--output-json", default=None, help="Write the results here as JSON.")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="Also draw every prompt's TTFT and TPOT into this PNG (matplotlib).")
@@ -70,23 +77,45 @@ def main(args: argparse.Namespace) -> int:
     lora = write_dummy_adapters(llm.llm_engine.config.model_config.hf_config, args.lora,
                                 args.lora_rank)[0] if args.lora else None
     _timed(llm, w4(100, hi, args.input_len), 8, lora)  # warm-up
+    if args.workload == "grounded":
+        from pagedllm.benchmarks.grounded import grounded_prompts
+
+        prompts = grounded_prompts(llm.get_tokenizer())[:args.num_prompts]
+    else:
+        prompts = [w4(seed, hi, args.input_len) for seed in range(args.num_prompts)]
+    spec = llm.llm_engine.client.core.scheduler.spec
+    base = (spec.total_drafts, spec.total_draft_tokens, spec.total_accepted_tokens) \
+        if spec is not None else (0, 0, 0)  # the warm-up's drafts are not counted
     ttft, tpot = [], []
-    for seed in range(args.num_prompts):
-        prompt = w4(seed, hi, args.input_len)
+    for prompt in prompts:
         t1 = _timed(llm, prompt, 1, lora)
         tn = _timed(llm, prompt, args.output_len, lora)
         ttft.append(t1)
         tpot.append((tn - t1) / (args.output_len - 1))
     res = {"ttft_ms": 1000 * statistics.median(ttft), "tpot_ms": 1000 * statistics.median(tpot),
            "ttft_all_ms": [1000 * x for x in ttft], "tpot_all_ms": [1000 * x for x in tpot],
-           "input_len": args.input_len, "output_len": args.output_len,
-           "lora_adapters": args.lora,
+           "input_len": args.input_len if args.workload == "random" else
+           statistics.mean(len(p) for p in prompts), "output_len": args.output_len,
+           "workload": args.workload, "lora_adapters": args.lora,
            "device": llm.llm_engine.config.device_config.device,
            "date": time.strftime("%Y-%m-%d"), **engine_summary(llm)}
+    if spec is not None:
+        drafts, draft_tokens, accepted = (spec.total_drafts - base[0],
+                                          spec.total_draft_tokens - base[1],
+                                          spec.total_accepted_tokens - base[2])
+        res["spec_decode"] = {
+            "drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+            "mean_accepted_length": 1 + accepted / max(1, drafts),
+            "acceptance_rate": accepted / max(1, draft_tokens)}
     print(summary_line(res))
     print(f"{'metric':<10}{'median ms':>12}")
     print(f"{'TTFT':<10}{res['ttft_ms']:>12.2f}")
     print(f"{'TPOT':<10}{res['tpot_ms']:>12.2f}")
+    if "spec_decode" in res:
+        sd = res["spec_decode"]
+        print(f"spec decode: mean accepted length {sd['mean_accepted_length']:.2f} tokens "
+              f"per verify step, acceptance rate {sd['acceptance_rate']:.2%} "
+              f"({sd['accepted_tokens']}/{sd['draft_tokens']} draft tokens)")
     if args.plot:
         from pagedllm.benchmarks.plot import plot_latency
 

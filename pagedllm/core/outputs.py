@@ -80,6 +80,9 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: req_id -> draft tokens to verify this step (they are the
+    # last ``len(drafts)`` of its ``num_scheduled_tokens``; spec_decode/).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -98,7 +101,8 @@ class LogprobsLists:
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """Per scheduled request, in ``req_ids`` order: the tokens sampled this step (empty
-    for a prompt chunk that did not reach the end of the prompt)."""
+    for a prompt chunk that did not reach the end of the prompt; with drafts, the
+    accepted ones and one more)."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
@@ -108,3 +112,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # Pooling runner: req_id -> the request's pooled result (worker/pooling_runner.py).
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    # Speculative decoding: req_id -> drafts proposed for the next step.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

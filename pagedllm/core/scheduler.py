@@ -61,6 +61,7 @@ from pagedllm.messages import (
 )
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams, child_seed
+from pagedllm.spec_decode.scheduling import SpecScheduling
 
 
 def _needs_sync(req: Request) -> bool:
@@ -122,6 +123,9 @@ class Scheduler:
         # ... and at most this many requests per batch, so that the live requests spread
         # over the stages' micro-batches (0: no limit, and in_flight_req_ids ignored).
         self.max_num_scheduled_reqs = 0
+        # Speculative decoding: drafts are scheduled tokens (spec_decode/scheduling.py).
+        spec = getattr(scheduler_config, "speculative_config", None)
+        self.spec = SpecScheduling(spec) if spec is not None else None
 
     # -- admission -----------------------------------------------------------------
     def max_tokens_per_request(self) -> int:
@@ -236,6 +240,7 @@ class Scheduler:
         victim.num_preemptions += 1
         victim.token_override = None  # the runner rebuilds its row from our tokens
         victim.num_placeholders = 0  # an in-flight token still arrives: see update
+        victim.spec_token_ids = []
         self._num_preemptions_step += 1
         self.total_preemptions += 1
         self._finished_ids.add(victim.request_id)  # the runner drops its row
@@ -328,6 +333,8 @@ class Scheduler:
         swap_in: list[tuple[int, int]] = []
         forks, self._pending_forks = self._pending_forks, []
         preempted_ids: set[str] = set()
+        spec_tokens: dict[str, list[int]] = {}
+        spec_on = self.spec is not None and self.spec.step_enabled(len(self.running))
 
         # Throughput policy: how many prompt tokens (running chunks and new requests)
         # this step may compute; None = no limit beyond the budget.
@@ -356,6 +363,8 @@ class Scheduler:
                 prefill_cap -= n
             if n <= 0:
                 continue  # a beam waiting for the rest of its group (or a paced chunk)
+            drafts = SpecScheduling.take(req, n, budget, spec_on) if self.spec else ()
+            n += len(drafts)
             blocks = kv.allocate_slots(req, n)
             while blocks is None:
                 victim = self._pick_victim()
@@ -363,6 +372,7 @@ class Scheduler:
                 preempted_ids.add(victim.request_id)
                 # Budget granted to a victim earlier in this loop is given back.
                 budget += num_scheduled.pop(victim.request_id, 0)
+                spec_tokens.pop(victim.request_id, None)
                 cached = [c for c in cached if c.req_id != victim.request_id]
                 cow_copies.pop(victim.request_id, None)
                 if victim is req:
@@ -372,6 +382,8 @@ class Scheduler:
                 continue
             rid = req.request_id
             num_scheduled[rid] = n
+            if drafts:
+                spec_tokens[rid] = drafts  # type: ignore[assignment]
             cow = kv.take_cow(rid)
             if cow:
                 cow_copies[rid] = [(src, dst) for _, src, dst in cow]
@@ -478,7 +490,7 @@ class Scheduler:
             finished_req_ids=finished, preempted_req_ids=preempted_ids, forks=forks,
             swap_out=self._swap_out, swap_in=swap_in,
             block_copies=[p for c in cached for p in cow_copies.get(c.req_id, ())]
-            if cow_copies else [])
+            if cow_copies else [], scheduled_spec_decode_tokens=spec_tokens)
 
     def _prefill_cap(self) -> int:
         """Throughput policy: the prompt tokens -- running requests' unfinished chunks
@@ -590,6 +602,11 @@ class Scheduler:
                     req.num_placeholders = p if p > 0 else 0
             elif not (req.status == RequestStatus.PREEMPTED and tokens):
                 continue
+            if self.spec is not None:  # roll back rejected drafts; take the next ones
+                drafts = sched.scheduled_spec_decode_tokens.get(rid)
+                if drafts:
+                    self.spec.rollback(req, drafts, len(tokens))
+                req.spec_token_ids = out.spec_token_ids.get(rid) or []
             # (A request preempted while its step was in flight still takes that token:
             # it was sampled from the right state, and dropping it would change a
             # seeded request's output.)
@@ -635,6 +652,10 @@ class Scheduler:
             outputs.extend(self._advance_beams(group))
         stats = self.make_stats()
         stats.num_scheduled_tokens = sched.total_num_scheduled_tokens
+        if self.spec is not None:
+            (stats.spec_num_drafts, stats.spec_num_draft_tokens,
+             stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos) = \
+                self.spec.take_stats()
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
 
     def _advance_beams(self, group: BeamGroup) -> list[EngineCoreOutput]:

@@ -113,6 +113,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "ids with empty text.")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="Allow model repositories to run their own code (off by default).")
+    g.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='Speculative decoding, a JSON object (vLLM\'s keys), e.g. '
+                        '\'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\'.')
     g = p.add_argument_group("pooling models (`pagedllm models` lists each architecture's "
                              "tasks)")
     g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
@@ -180,6 +184,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=args.enable_prefix_caching,
         preemption_mode=args.preemption_mode, swap_space=args.swap_space,
         trust_remote_code=args.trust_remote_code,
+        speculative_config=getattr(args, "speculative_config", None),
         served_model_name=getattr(args, "served_model_name", None),
         skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
         tensor_parallel_size=args.tensor_parallel_size,

@@ -30,6 +30,7 @@ from pagedllm.lora.manager import make_lora_manager
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.runner_hook import SpecDecodeHook
 from pagedllm.worker.block_ops import BlockOps
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.input_batch import InputBatch, StepInputs
@@ -103,6 +104,8 @@ class StepHandle:
     logprobs: Any = None
     event: Any = None
     done: bool = False
+    # Speculative decoding: tokens_host is [R, spec_width] (PLACEHOLDER-padded).
+    spec_width: int = 0
 
     def result(self) -> ModelRunnerOutput:
         if not self.done:
@@ -156,6 +159,9 @@ class ModelRunner:
         self.lora = make_lora_manager(config, model, device)
         if self.lora is not None:
             self.last_only = False
+        # Speculative decoding (spec_decode/runner_hook.py): verify drafts, propose more.
+        spec = sc.speculative_config
+        self.spec = SpecDecodeHook(spec, mc.max_model_len) if spec is not None else None
 
     def _grammar(self, params: SamplingParams, eos_token_id: int | None) -> Any:
         """A new matcher for a structured-output request (None for the others)."""
@@ -340,6 +346,10 @@ class ModelRunner:
         """Launch the step; the sampled tokens are read back by ``StepHandle.result``."""
         self.h2d.parity ^= 1
         computed = self._update_states(sched)
+        drafts = sched.scheduled_spec_decode_tokens
+        if drafts:  # the drafts are the input tokens after each row's last one
+            SpecDecodeHook.write_drafts(self.batch.token_ids, self.batch.num_tokens,
+                                        self.batch.row_of, drafts)
         if self.block_ops is not None:  # swap and copy-on-write, before any KV write
             self.block_ops.apply(sched)
         if sched.total_num_scheduled_tokens == 0:
@@ -354,7 +364,8 @@ class ModelRunner:
                                    self.h2d)
         pending, fix = self._pending_fix(order, inp)
         # Prompt logprobs read the hidden state of every prompt token.
-        last_only = self.last_only and not (self._prompt_lp_ids and inp.max_query_len > 1)
+        last_only = self.last_only and not (self._prompt_lp_ids and inp.max_query_len > 1) \
+            and not drafts
         hidden = self._forward(inp, fix, last_only)
 
         # Sample only requests whose known tokens (incl. one still in flight) are all
@@ -366,8 +377,20 @@ class ModelRunner:
             req_ids=order, sampled_token_ids=[[] for _ in order]), states, sample_idx)
         if len(sample_idx):
             ids, logprobs = None, None
-            if hidden is not None:  # None: a pipeline stage before the last
-                rows = sample_idx if last_only else inp.query_start_loc[1:][sample_idx] - 1
+            last_row = inp.query_start_loc[1:][sample_idx] - 1  # each request's last row
+            k = SpecDecodeHook.num_drafts(order, drafts)[sample_idx] if drafts else None
+            if k is not None and not self._verifiable(states):
+                # Sample after the real last token only: every draft is rolled back.
+                last_row, k = last_row - k, None
+            if k is not None and hidden is not None:  # verify drafts (spec_decode/)
+                logits = self.model.compute_logits(hidden[self.h2d(
+                    "logits_idx", SpecDecodeHook.logits_rows(last_row + 1, k))])
+                ids = self.spec.verify(  # type: ignore[union-attr]
+                    logits, states, [drafts.get(st.req_id, []) for st in states], k,
+                    self.device, self.vocab_size, self.h2d).token_ids
+                handle.spec_width = ids.shape[1]
+            elif hidden is not None:  # None: a pipeline stage before the last
+                rows = sample_idx if last_only else last_row
                 logits_idx = self.h2d("logits_idx", rows)
                 logits = self.model.compute_logits(hidden[logits_idx])
                 # A request's in-flight token counts towards min_tokens already.
@@ -388,11 +411,11 @@ class ModelRunner:
                 if logprobs is not None:  # to host with the tokens, not after
                     handle.logprobs = _to_pinned_host(logprobs)
                 buf = self._tokens_host[self.h2d.parity]
-                if buf.numel() < len(states):
-                    buf = torch.empty(max(len(states), 1024), dtype=torch.int64,
+                if buf.numel() < ids.numel():
+                    buf = torch.empty(max(ids.numel(), 1024), dtype=torch.int64,
                                       pin_memory=True)
                     self._tokens_host[self.h2d.parity] = buf
-                handle.tokens_host = buf[:len(states)]
+                handle.tokens_host = buf[:ids.numel()].view(ids.shape)
                 handle.tokens_host.copy_(ids, non_blocking=True)
                 handle.event = torch.cuda.Event()
                 handle.event.record()
@@ -403,6 +426,12 @@ class ModelRunner:
         if self._prompt_lp_ids and hidden is not None:  # usually none: skip the scan
             self._prompt_logprobs(sched, order, inp, hidden, num_computed, handle.out)
         return handle
+
+    def _verifiable(self, states: list[CachedRequestState]) -> bool:
+        """Whether a step's drafts can be verified: not while a sampled request needs
+        the one-token sampler path (logprobs, token constraints)."""
+        return not any(st.params.logprobs is not None for st in states) and not (
+            self._constrained and self._has_constraints(states))
 
     @staticmethod
     def _has_constraints(states: list[CachedRequestState]) -> bool:
@@ -417,7 +446,10 @@ class ModelRunner:
             return
         if handle.event is not None:
             handle.event.synchronize()
-        tokens: list[int] = handle.tokens_host.tolist()
+        tokens: list[Any] = handle.tokens_host.tolist()
+        if handle.spec_width:
+            self._finish_spec(handle, tokens)
+            return
         lp = handle.logprobs
         lp_lists = (lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()) \
             if lp is not None else None
@@ -442,6 +474,36 @@ class ModelRunner:
                                     np.asarray(toks, dtype=np.int64))
         if self._pending_owner is handle:  # no later step launched: nothing in flight
             self._pending, self._pending_owner = {}, None
+        if self.spec is not None:
+            self._propose(handle)
+
+    def _finish_spec(self, handle: StepHandle, tokens: list[list[int]]) -> None:
+        """``_finish`` for a verify step: several tokens per request."""
+        assert handle.sample_idx is not None
+        for i, st, row_toks in zip(handle.sample_idx, handle.states, tokens):
+            toks = [t for t in row_toks if t >= 0]
+            st.output_token_ids.extend(toks)
+            handle.out.sampled_token_ids[i] = toks
+            row = self.batch.row_of.get(st.req_id)
+            if row is not None:
+                n = int(self.batch.num_tokens[row])
+                self.batch.token_ids[row, n:n + len(toks)] = toks
+                self.batch.num_tokens[row] = n + len(toks)
+        if self._pending_owner is handle:
+            self._pending, self._pending_owner = {}, None
+        self._propose(handle)
+
+    def _propose(self, handle: StepHandle) -> None:
+        """Drafts for the next step of the requests that just sampled."""
+        assert self.spec is not None
+        live = [(self.batch.row_of[st.req_id], st) for st in handle.states
+                if st.req_id in self.batch.row_of]
+        # A large batch gets no drafts from the scheduler: do not spend time on them.
+        if live and len(live) <= self.spec.config.disable_by_batch_size:
+            rows, states = zip(*live)
+            props = self.spec.propose(self.batch.token_ids, self.batch.num_tokens,
+                                      list(rows), states)
+            handle.out.spec_token_ids = {st.req_id: d for st, d in zip(states, props) if d}
 
     def record_sampled_tokens(self, req_ids: list[str],
                               sampled_token_ids: list[list[int]]) -> None:

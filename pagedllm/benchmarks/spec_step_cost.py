@@ -1,0 +1,73 @@
+"""The verify-step cost curve behind speculation's per-step policy
+(``disable_by_batch_size``): the forward + logits time of a decode step where each of
+``B`` requests computes ``q`` tokens (``q = k + 1`` to verify ``k`` drafts), relative to
+``q = 1``.  Speculation pays at batch ``B`` while ``cost(B, k + 1) / cost(B, 1)`` stays
+below the mean accepted length.
+
+``python -m pagedllm.benchmarks.spec_step_cost [--batch-sizes 1,2,4,8,16,32] [--k 4]``
+(any engine flag of ``pagedllm bench latency`` too, e.g. ``--dummy llama3-8b`` on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_from_cli
+
+
+def main() -> None:
+    from pagedllm import LLM
+    from pagedllm.worker.input_batch import InputBatch
+
+    p = argparse.ArgumentParser(prog="python -m pagedllm.benchmarks.spec_step_cost")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--context", type=int, default=256, help="Tokens already in the cache.")
+    p.add_argument("--repeats", type=int, default=5)
+    add_engine_args(p)
+    args = p.parse_args()
+    eargs = engine_args_from_cli(args)
+    llm = LLM(eargs.model, **{k: v for k, v in vars(eargs).items()
+                              if k not in ("model", "extra")})
+    runner = llm.llm_engine.client.core.executor.worker.runner
+    bs = runner.block_size
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    q_max = args.k + 1
+    per_req = -(-(args.context + q_max) // bs)
+    num_blocks = llm.llm_engine.client.core.num_blocks
+    print(f"context {args.context}, k {args.k}: ms per step (median of {args.repeats})")
+    print(f"{'batch':>6}{'q=1':>10}{f'q={q_max}':>10}{'ratio':>8}")
+    for b in sizes:
+        if b * per_req >= num_blocks:
+            print(f"{b:>6}  (KV cache too small)")
+            break
+        batch = InputBatch(b, args.context + q_max, bs)
+        rng = np.random.default_rng(0)
+        for i in range(b):
+            batch.add(str(i), rng.integers(100, 1000, args.context + q_max).tolist(),
+                      list(range(1 + i * per_req, 1 + (i + 1) * per_req)))
+        rows = np.arange(b)
+        ms = {}
+        for q in (1, q_max):
+            inp = batch.prepare(rows, np.full(b, args.context), np.full(b, q))
+            meta = runner._metadata(inp)
+            ids = torch.from_numpy(inp.input_ids).to(runner.device)
+            pos = torch.from_numpy(inp.positions).to(runner.device)
+            times = []
+            for _ in range(args.repeats + 1):
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    h = runner.model(ids, pos, meta, False)
+                    runner.model.compute_logits(h).argmax(-1).cpu()
+                times.append(time.perf_counter() - t0)
+            ms[q] = 1000 * statistics.median(times[1:])
+        print(f"{b:>6}{ms[1]:>10.1f}{ms[q_max]:>10.1f}{ms[q_max] / ms[1]:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

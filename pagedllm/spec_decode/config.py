@@ -1,0 +1,82 @@
+"""SpeculativeConfig: what ``speculative_config={...}`` / ``--speculative-config JSON``
+asks for, validated once (vLLM's key names).  Torch-free: the scheduler reads it.
+
+``method``:
+
+* ``"ngram"`` -- prompt lookup: the longest suffix of the sequence (between
+  ``prompt_lookup_min`` and ``prompt_lookup_max`` tokens) that occurred earlier proposes
+  the tokens that followed it (``spec_decode/ngram.py``).
+
+``num_speculative_tokens`` (k) drafts per request per step; the target verifies them and
+its bonus token in one forward.  ``disable_by_batch_size``: no drafts in a step where more
+requests than this run (vLLM's name); by default ``DEFAULT_DISABLE_BY_BATCH_SIZE``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram",)
+# Above this many running requests a step carries no drafts.  Verifying k + 1 tokens per
+# request costs about one decode step only while the step is weight-bandwidth-bound; the
+# rule is "speculate while cost(B, k + 1) / cost(B, 1) < mean accepted length", with the
+# curve from ``python -m pagedllm.benchmarks.spec_step_cost``.  8 is a provisional value:
+# that curve has not been measured on a GPU yet (docs/benchmarks.md, "Speculative
+# decoding").
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+         "disable_by_batch_size", "model")
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"speculative_config: {name} must be an integer >= {minimum}, "
+                         f"got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> SpeculativeConfig | None:
+        """Validate the user's dict; ValueError naming the field on anything wrong."""
+        if raw is None:
+            return None
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"speculative_config must be a dict (JSON object), got {raw!r}")
+        unknown = sorted(set(raw) - set(_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(_KEYS)}")
+        method = raw.get("method")
+        if method is None and "prompt_lookup_max" in raw:
+            method = "ngram"  # vLLM infers it the same way
+        if method not in METHODS:
+            raise ValueError(f"speculative_config: method must be one of "
+                             f"{', '.join(METHODS)}, got {method!r}")
+        if raw.get("model") is not None:
+            raise ValueError("speculative_config: model is not used by method 'ngram'")
+        if "num_speculative_tokens" not in raw:
+            raise ValueError("speculative_config: num_speculative_tokens is required")
+        k = _int("num_speculative_tokens", raw["num_speculative_tokens"], 1)
+        if k > 32:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be <= 32, "
+                             f"got {k}")
+        lo = _int("prompt_lookup_min", raw.get("prompt_lookup_min", 1), 1)
+        hi = _int("prompt_lookup_max", raw.get("prompt_lookup_max", max(lo, 4)), 1)
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= "
+                             f"prompt_lookup_max ({hi})")
+        dbs = raw.get("disable_by_batch_size")
+        dbs = DEFAULT_DISABLE_BY_BATCH_SIZE if dbs is None else _int(
+            "disable_by_batch_size", dbs, 1)
+        return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo,
+                   prompt_lookup_max=hi, disable_by_batch_size=dbs)
