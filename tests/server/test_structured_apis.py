@@ -180,6 +180,7 @@ def test_parse_with_pydantic_and_other_spellings(oai: openai.OpenAI) -> None:
         "name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
     ({"guided_grammar": "root ::= missing_rule"}, "guided_grammar"),
+    ({"guided_regex": "x[^\\s\\S]"}, "guided_regex"),  # an empty language
     ({"guided_json": {"type": "integer", "minimum": 5, "maximum": 1}}, "guided_json"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      "structured_outputs"),
