@@ -97,16 +97,16 @@ def _stream_incremental(name: str, text: str, sizes: list[int]) -> tuple[str, di
     """Feed ``text`` in pieces of ``sizes`` (cycled); the content and, per call index,
     its deltas as a client sees them."""
     s = ToolCallStream(get_tool_parser(name), incremental=True)
-    content, per_call, i, k = "", {}, 0, 0
-    while i <= len(text):
-        n = sizes[k % len(sizes)]
-        c, deltas = s.feed(text[i:i + n]) if i < len(text) else s.finish()
+    pieces, i = [], 0
+    while i < len(text):
+        n = sizes[len(pieces) % len(sizes)]
+        pieces.append(text[i:i + n])
+        i += n
+    content, per_call = "", {}
+    for c, deltas in [s.feed(p) for p in pieces] + [s.finish()]:
         content += c
         for d in deltas:
             per_call.setdefault(d["index"], []).append(d)
-        if i >= len(text):
-            break
-        i, k = i + n, k + 1
     return content, per_call
 
 
