@@ -168,7 +168,8 @@ class BodySizeLimitMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        msg_413 = error_body(f"request body larger than {self.limit} bytes", status=413)
+        msg_413 = error_body(f"request body larger than {self.limit} bytes "
+                             "(--max-request-body-bytes)", status=413)
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
@@ -517,6 +518,7 @@ async def _serve(args: argparse.Namespace) -> int:
         max_header_bytes=args.h11_max_incomplete_event_size,
         max_header_count=args.h11_max_header_count,
         header_timeout=args.header_read_timeout,
+        body_timeout=args.body_read_timeout,
         max_connections=args.max_connections or default_max_connections(fd_limit))
     access_log = not args.disable_uvicorn_access_log
     # h11 even where httptools is installed: h11 (with http_limits on top) bounds the
