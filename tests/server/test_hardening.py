@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import select
 import socket
 import statistics
@@ -41,6 +42,7 @@ def hard() -> Iterator[ServerProcess]:
             "--max-connections", str(MAX_CONNECTIONS),
             "--header-read-timeout", str(HEADER_TIMEOUT),
             "--body-read-timeout", str(BODY_TIMEOUT),
+            "--enable-log-requests", "--max-log-len", "5",
             base_args=["--max-model-len", "256", "--max-num-seqs", "2"]) as s:
         yield s
 
@@ -372,6 +374,24 @@ def test_slow_bodies_get_408(hard: ServerProcess) -> None:
             time.sleep(0.05)
         assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
     _alive(hard)
+
+
+def test_enable_log_requests(hard: ServerProcess) -> None:
+    """--enable-log-requests: one INFO line per request with its id, params, prompt
+    length and ids, cut to --max-log-len (5 here)."""
+    prompt = "one two three four five six seven eight"
+    r = httpx.post(hard.url + "/v1/completions", json={**OK, "prompt": prompt},
+                   headers={"x-request-id": "log-probe-1"}, timeout=120)
+    assert r.status_code == 200
+    assert wait_until(lambda: "Received request cmpl-log-probe-1" in hard.log(),
+                      timeout=10)
+    [line] = [ln for ln in hard.log().splitlines() if "cmpl-log-probe-1" in ln
+              and "Received request" in ln]
+    assert line.startswith("INFO ")
+    assert "prompt: 'one t'" in line and "max_tokens=1" in line
+    ids = re.search(r"prompt_token_ids: \[([0-9, ]+)\], prompt length: (\d+)", line)
+    assert ids is not None, line
+    assert len(ids.group(1).split(",")) == 5 and int(ids.group(2)) > 5
 
 
 def test_engine_alive_after_everything(hard: ServerProcess) -> None:

@@ -506,6 +506,10 @@ async def _serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=getattr(args, "reasoning_parser", None))
+    if args.enable_log_requests:
+        from pagedllm.entrypoints.openai.request_logger import RequestLogger
+
+        state.request_logger = RequestLogger(args.max_log_len)
     if args.trust_request_chat_template:
         # Client templates render in a bounded child process; start it now (~1 s).
         state.template_sandbox = TemplateSandbox(max_chars=args.max_request_body_bytes)

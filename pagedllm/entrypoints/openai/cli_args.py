@@ -107,6 +107,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (its errors and warnings).")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="Log each request at INFO as it is queued: its id, sampling "
+                        "params, prompt length and token ids (off by default: prompts "
+                        "may hold private data).")
+    g.add_argument("--max-log-len", type=_positive_int, default=None,
+                   help="With --enable-log-requests, log at most this many prompt "
+                        "characters and token ids (default: all).")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="Do not log one line per HTTP request (client, request line, "
                         "status); the access log is on by default, as in vLLM.")
