@@ -193,7 +193,7 @@ class ChoiceShaper:
             if tool_deltas:
                 d["tool_calls"] = tool_deltas
             return d, self._tools.num_calls > 0
-        elif self.mode.kind in ("required", "named"):
+        if self.mode.kind in ("required", "named"):
             self._text += content
             content = ""
             if final:
