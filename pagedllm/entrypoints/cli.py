@@ -201,12 +201,13 @@ def _serve_unavailable(missing: str) -> int:
 
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="Benchmarks (throughput, latency, serve, soak, "
-                       "perplexity, parallel, embed).", formatter_class=HelpFormatter)
+                       "structured, perplexity, parallel, embed).", formatter_class=HelpFormatter)
     bsub = p.add_subparsers(dest="bench_cmd", required=True)
     for name, module in (("throughput", "pagedllm.benchmarks.throughput"),
                          ("latency", "pagedllm.benchmarks.latency"),
                          ("serve", "pagedllm.benchmarks.serve"),
                          ("soak", "pagedllm.benchmarks.soak"),
+                         ("structured", "pagedllm.benchmarks.structured"),
                          ("perplexity", "pagedllm.benchmarks.perplexity"),
                          ("parallel", "pagedllm.benchmarks.parallel"),
                          ("embed", "pagedllm.benchmarks.embed")):

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import xgrammar as xgr
 
 from pagedllm.structured_output.params import StructuredOutputsParams
@@ -77,13 +78,90 @@ def _grammar(p: StructuredOutputsParams) -> xgr.Grammar:
 
 
 def validate(p: StructuredOutputsParams, field: str = "structured_outputs") -> None:
-    """``ValueError`` whose message starts with ``field`` when ``p`` does not parse."""
+    """``ValueError`` whose message starts with ``field`` when ``p`` does not parse, does
+    not compile, or provably matches no string (:func:`matches_nothing`)."""
     try:
-        _grammar(p)
+        grammar = _grammar(p)
+        empty = p.kind in _SEARCHED_KINDS and matches_nothing(grammar)
     except ValueError as e:
         raise ValueError(f"{field}: {e}") from None
     except Exception as e:  # xgrammar raises RuntimeError for every parse failure
         raise ValueError(f"{field}: invalid {p.kind}: {clean_error(e)}") from None
+    if empty:
+        raise ValueError(f"{field}: the {p.kind} matches no string (its language is "
+                         "empty), so no output could satisfy it")
+
+
+# --------------------------------------------------------------- empty-language check
+#
+# A regex such as ``[^\s\S]`` or ``a(?:[^\s\S])`` parses and compiles, but no output
+# can ever satisfy it; in the core the row would only be allowed its stop tokens and end
+# at once with an empty text.  The check compiles the grammar against a 257-token
+# *byte* vocabulary (every byte, plus a stop token: tokenizer-independent and about a
+# millisecond to compile) and searches the byte automaton depth first for an accepting
+# path.  The search is bounded: it proves emptiness only when it exhausts every path
+# within the budget (all branches dead); a budget or depth run-out means "not proven"
+# and the request goes ahead.  JSON schemas and choices are not searched (xgrammar
+# rejects the contradictory schemas it can detect while parsing; a choice is never
+# empty).  Emptiness *under a particular tokenizer* (a language whose strings no token
+# sequence spells) is not decided up front; the core's matcher then allows only the stop
+# tokens, so such a request ends with an empty text rather than garbage.
+
+_SEARCHED_KINDS = ("regex", "grammar")
+_BYTE_STOP = 256
+SEARCH_BUDGET = 512  # matcher steps (accept + mask) before giving up
+SEARCH_DEPTH = 64
+_byte_compiler: xgr.GrammarCompiler | None = None
+_byte_lock = threading.Lock()
+
+
+def _byte_grammar_compiler() -> xgr.GrammarCompiler:
+    global _byte_compiler
+    with _byte_lock:
+        if _byte_compiler is None:
+            info = xgr.TokenizerInfo([bytes([i]) for i in range(256)] + [b"</s>"],
+                                     vocab_type=xgr.VocabType.RAW,
+                                     stop_token_ids=[_BYTE_STOP])
+            _byte_compiler = xgr.GrammarCompiler(info, max_threads=1,
+                                                 cache_enabled=False)
+        return _byte_compiler
+
+
+def matches_nothing(grammar: xgr.Grammar, budget: int = SEARCH_BUDGET,
+                    depth: int = SEARCH_DEPTH) -> bool:
+    """True only when ``grammar`` provably accepts no byte string (see above)."""
+    compiled = _byte_grammar_compiler().compile_grammar(grammar)
+    matcher = xgr.GrammarMatcher(compiled)
+    mask = xgr.allocate_token_bitmask(1, 257)
+    steps = 0
+    exhausted = True  # every explored branch ended dead (no truncation)
+
+    def allowed() -> np.ndarray:
+        nonlocal steps
+        steps += 1
+        matcher.fill_next_token_bitmask(mask)
+        words = mask[0].numpy().view(np.uint32)
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:257]
+        return np.flatnonzero(bits)
+
+    def accepts(level: int) -> bool:
+        nonlocal exhausted
+        tokens = allowed()
+        if _BYTE_STOP in tokens:
+            return True
+        for t in tokens:
+            if steps >= budget or level >= depth:
+                exhausted = False
+                return False
+            if not matcher.accept_token(int(t)):
+                continue
+            found = accepts(level + 1)
+            matcher.rollback(1)
+            if found:
+                return True
+        return False
+
+    return not accepts(0) and exhausted
 
 
 class GrammarCompiler:

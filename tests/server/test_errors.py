@@ -172,6 +172,7 @@ def test_oversized_body_is_413(server: ServerProcess) -> None:
         r = c.post("/v1/completions", content=chunks(),
                    headers={"content-type": "application/json"})
     assert r.status_code == 413
+    assert "--max-request-body-bytes" in r.json()["error"]["message"]  # names the flag
 
 
 def test_huge_headers_rejected(server: ServerProcess) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import select
 import socket
 import statistics
@@ -31,6 +32,7 @@ OK = {"prompt": "Hi", "max_tokens": 1}
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
 MAX_CONNECTIONS = 32
 HEADER_TIMEOUT = 2.0
+BODY_TIMEOUT = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +41,8 @@ def hard() -> Iterator[ServerProcess]:
             "--trust-request-chat-template", "--max-num-queued-requests", "0",
             "--max-connections", str(MAX_CONNECTIONS),
             "--header-read-timeout", str(HEADER_TIMEOUT),
+            "--body-read-timeout", str(BODY_TIMEOUT),
+            "--enable-log-requests", "--max-log-len", "5",
             base_args=["--max-model-len", "256", "--max-num-seqs", "2"]) as s:
         yield s
 
@@ -327,6 +331,67 @@ def test_slowloris_cannot_lock_out_health(hard: ServerProcess) -> None:
         for sock in slow:
             sock.close()
     _alive(hard)
+
+
+def test_slow_bodies_get_408(hard: ServerProcess) -> None:
+    """A client that sends its head, then trickles (or withholds) the body, is answered
+    408 after --body-read-timeout and its connection closed; one that sends its body
+    in pieces within the time is served."""
+    body = json.dumps(OK).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+            b"\r\ncontent-length: %d\r\n\r\n" % (len(body) + 1000))
+    socks = [socket.create_connection(_addr(hard), timeout=15) for _ in range(2)]
+    try:
+        t0 = time.monotonic()
+        for sock in socks:
+            sock.sendall(head)
+        socks[1].sendall(body[:5])
+        trickled = 5
+        answers = [b"", b""]
+        socks[0].settimeout(BODY_TIMEOUT + 10)
+        answers[0] = socks[0].recv(4096)  # withheld body
+        while not answers[1]:  # a byte every 0.2 s: never complete
+            socks[1].sendall(b" ")
+            trickled += 1
+            socks[1].settimeout(0.2)
+            try:
+                answers[1] = socks[1].recv(4096)
+            except TimeoutError:
+                pass
+            assert time.monotonic() - t0 < BODY_TIMEOUT + 10
+        for a in answers:
+            assert a.startswith(b"HTTP/1.1 408 "), a[:200]
+            assert b"--body-read-timeout" in a
+        assert time.monotonic() - t0 >= BODY_TIMEOUT - 0.5
+    finally:
+        for sock in socks:
+            sock.close()
+    # A body sent in pieces, in time, is served as usual.
+    with socket.create_connection(_addr(hard), timeout=60) as sock:
+        sock.sendall(head.replace(b"%d" % (len(body) + 1000), b"%d" % len(body)))
+        for i in range(0, len(body), 7):
+            sock.sendall(body[i:i + 7])
+            time.sleep(0.05)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+    _alive(hard)
+
+
+def test_enable_log_requests(hard: ServerProcess) -> None:
+    """--enable-log-requests: one INFO line per request with its id, params, prompt
+    length and ids, cut to --max-log-len (5 here)."""
+    prompt = "one two three four five six seven eight"
+    r = httpx.post(hard.url + "/v1/completions", json={**OK, "prompt": prompt},
+                   headers={"x-request-id": "log-probe-1"}, timeout=120)
+    assert r.status_code == 200
+    assert wait_until(lambda: "Received request cmpl-log-probe-1" in hard.log(),
+                      timeout=10)
+    [line] = [ln for ln in hard.log().splitlines() if "cmpl-log-probe-1" in ln
+              and "Received request" in ln]
+    assert line.startswith("INFO ")
+    assert "prompt: 'one t'" in line and "max_tokens=1" in line
+    ids = re.search(r"prompt_token_ids: \[([0-9, ]+)\], prompt length: (\d+)", line)
+    assert ids is not None, line
+    assert len(ids.group(1).split(",")) == 5 and int(ids.group(2)) > 5
 
 
 def test_engine_alive_after_everything(hard: ServerProcess) -> None:

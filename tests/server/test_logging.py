@@ -22,6 +22,8 @@ def test_access_log_and_one_timestamp_format(server: ServerProcess) -> None:
         assert LINE.match(ln), f"a log line in another format: {ln!r}"
     assert any("[EngineCore pid=" in ln for ln in logged)
     assert any("pagedllm.api_server]" in ln for ln in logged)
+    # Requests themselves are logged only with --enable-log-requests (test_hardening).
+    assert "Received request" not in server.log()
 
 
 def test_startup_failure_is_reported_once(default_model_path: str) -> None:

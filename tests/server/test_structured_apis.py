@@ -180,6 +180,7 @@ def test_parse_with_pydantic_and_other_spellings(oai: openai.OpenAI) -> None:
         "name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
     ({"guided_grammar": "root ::= missing_rule"}, "guided_grammar"),
+    ({"guided_regex": "x[^\\s\\S]"}, "guided_regex"),  # an empty language
     ({"guided_json": {"type": "integer", "minimum": 5, "maximum": 1}}, "guided_json"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      "structured_outputs"),
@@ -345,3 +346,31 @@ def test_openai_responses(oai: openai.OpenAI) -> None:
         oai.responses.create(model=model, input="x", previous_response_id="resp_nope")
     assert e.value.body["param"] == "previous_response_id"
     assert httpx.get(f"{oai.base_url}responses/{r.id}", timeout=30).json()["id"] == r.id
+
+
+def test_auto_tool_call_streams_arguments_incrementally(oai: openai.OpenAI) -> None:
+    # The small model does not call tools of its own accord: a regex makes it write a
+    # hermes call, which the auto parser then finds (streamed and not).
+    call_rx = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": '
+               r'"[A-Z][a-z]{2,8}", "unit": "celsius"\}\}\n</tool_call>')
+    kw: dict[str, Any] = dict(
+        model=oai.models.list().data[0].id, temperature=0, max_tokens=120, tools=TOOLS,
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        extra_body={"structured_outputs": {"regex": call_rx}})
+    whole = oai.chat.completions.create(**kw)
+    assert whole.choices[0].finish_reason == "tool_calls", whole.choices[0].message
+    [call] = whole.choices[0].message.tool_calls
+    heads, fragments, args = 0, 0, ""
+    for ch in oai.chat.completions.create(stream=True, **kw):
+        for tc in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            assert tc.index == 0
+            if tc.id:  # the first delta: id, type and name
+                heads += 1
+                assert tc.type == "function" and tc.function.name == "get_weather"
+            else:
+                assert tc.function.name is None
+                fragments += 1
+            args += tc.function.arguments or ""
+    assert heads == 1 and fragments > 1  # the arguments came in pieces
+    assert args == call.function.arguments
+    jsonschema.validate(json.loads(args), SCHEMA_OF["get_weather"])

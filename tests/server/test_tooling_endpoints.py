@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Iterator
@@ -105,3 +106,18 @@ def test_completion_prompt_logprobs_match_transformers(fp32_server: ServerProces
         top2 = torch.topk(ref[pos - 1], 2).indices.tolist()
         ranks = {int(t): e["rank"] for t, e in entry.items()}
         assert {t for t, rk in ranks.items() if rk is not None and rk <= 2} == set(top2)
+    # Streamed: vLLM sends them once, in each choice's first chunk (n=2 here).
+    with httpx.stream("POST", fp32_server.url + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "n": 2,
+            "stream": True, "prompt_logprobs": 2}) as sr:
+        assert sr.status_code == 200
+        chunks = [json.loads(ln[6:]) for ln in sr.iter_lines()
+                  if ln.startswith("data: {")]
+    seen: dict[int, list] = {}
+    for ch in chunks:
+        for c in ch["choices"]:
+            seen.setdefault(c["index"], []).append(c.get("prompt_logprobs", "absent"))
+    assert sorted(seen) == [0, 1]
+    for per_chunk in seen.values():
+        assert per_chunk[0] == plp  # the same as the non-streamed answer
+        assert all(x == "absent" for x in per_chunk[1:])

@@ -84,6 +84,8 @@ def test_async_scheduling_and_preemption_give_the_same_tokens(llm: LLM) -> None:
     (SO(json='{"type": '), "not valid JSON"),
     (SO(regex="(ab"), "parenthesis"),
     (SO(grammar="root ::= undefined_rule"), "not defined"),
+    (SO(regex="[^\\s\\S]"), "matches no string"),  # parses, compiles, empty
+    (SO(regex="(ab|c)[^\\s\\S]"), "matches no string"),  # dead after the first bytes
 ])
 def test_bad_constraints_raise_value_error_naming_the_field(llm: LLM, so: SO,
                                                             needle: str) -> None:

@@ -168,7 +168,8 @@ class BodySizeLimitMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        msg_413 = error_body(f"request body larger than {self.limit} bytes", status=413)
+        msg_413 = error_body(f"request body larger than {self.limit} bytes "
+                             "(--max-request-body-bytes)", status=413)
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
@@ -542,6 +543,10 @@ async def _serve(args: argparse.Namespace) -> int:
                 await engine.shutdown()
                 sock.close()
                 raise ValueError(f"--lora-modules: {e}") from None
+    if args.enable_log_requests:
+        from pagedllm.entrypoints.openai.request_logger import RequestLogger
+
+        state.request_logger = RequestLogger(args.max_log_len)
     if args.trust_request_chat_template:
         # Client templates render in a bounded child process; start it now (~1 s).
         state.template_sandbox = TemplateSandbox(max_chars=args.max_request_body_bytes)
@@ -554,6 +559,7 @@ async def _serve(args: argparse.Namespace) -> int:
         max_header_bytes=args.h11_max_incomplete_event_size,
         max_header_count=args.h11_max_header_count,
         header_timeout=args.header_read_timeout,
+        body_timeout=args.body_read_timeout,
         max_connections=args.max_connections or default_max_connections(fd_limit))
     access_log = not args.disable_uvicorn_access_log
     # h11 even where httptools is installed: h11 (with http_limits on top) bounds the

@@ -137,6 +137,8 @@ class ChoiceShaper:
     mode: ToolMode = field(default_factory=ToolMode)
     tool_parser: ToolParser | None = None
     reasoning_parser: ReasoningParser | None = None
+    # Stream tool-call arguments in fragments (chat completions); else calls come whole.
+    incremental_tools: bool = False
     _reasoning: ReasoningStream | None = None
     _tools: ToolCallStream | None = None
     _text: str = ""
@@ -146,7 +148,7 @@ class ChoiceShaper:
         if self.reasoning_parser is not None:
             self._reasoning = ReasoningStream(self.reasoning_parser)
         if self.mode.kind == "auto" and self.tool_parser is not None:
-            self._tools = ToolCallStream(self.tool_parser)
+            self._tools = ToolCallStream(self.tool_parser, self.incremental_tools)
 
     @property
     def plain(self) -> bool:
@@ -183,10 +185,15 @@ class ChoiceShaper:
             if r:
                 d["reasoning_content"] = r
         calls: list[dict[str, Any]] = []
-        if self._tools is not None:
-            content, calls = (self._tools.feed(content) if not final
-                              else _join(self._tools.feed(content), self._tools.finish()))
-        elif self.mode.kind in ("required", "named"):
+        if self._tools is not None:  # its deltas carry their index already
+            content, tool_deltas = (self._tools.feed(content) if not final else
+                                    _join(self._tools.feed(content), self._tools.finish()))
+            if content:
+                d["content"] = content
+            if tool_deltas:
+                d["tool_calls"] = tool_deltas
+            return d, self._tools.num_calls > 0
+        if self.mode.kind in ("required", "named"):
             self._text += content
             content = ""
             if final:

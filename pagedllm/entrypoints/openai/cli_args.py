@@ -73,7 +73,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="Ignore request fields that are neither OpenAI's nor documented "
                         "extras, instead of answering 400 naming them.")
     g.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
-                   help="Larger request bodies get 413 (checked before buffering them).")
+                   help="Larger request bodies get 413 (checked before buffering them). "
+                        "Parsing and validating a JSON body holds the interpreter lock "
+                        "wherever it runs (about 0.3 s per MB of token ids), so this "
+                        "also bounds how long one body can stall the server.")
     g.add_argument("--health-heartbeat-timeout", type=_positive_float, default=30.0,
                    help="/health answers 503 when the engine loop sent nothing for this "
                         "many seconds (it sends a heartbeat every 0.5 s when idle and an "
@@ -92,6 +95,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="Seconds a client has to send a complete request head (from "
                         "connecting, or from its first byte on a kept-alive connection); "
                         "then 408 and close (bounds slowloris clients).")
+    g.add_argument("--body-read-timeout", type=_positive_float, default=30.0,
+                   help="Seconds a client has, after its request head, to send the whole "
+                        "body (more for a big Content-Length: 64 KiB/s); then 408 and "
+                        "close (bounds clients that trickle or withhold a body).")
     g.add_argument("--timeout-keep-alive", type=_positive_float, default=5.0,
                    help="Seconds an idle kept-alive connection stays open.")
     g.add_argument("--max-connections", type=_positive_int, default=None,
@@ -102,6 +109,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (its errors and warnings).")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="Log each request at INFO as it is queued: its id, sampling "
+                        "params, prompt length and token ids (off by default: prompts "
+                        "may hold private data).")
+    g.add_argument("--max-log-len", type=_positive_int, default=None,
+                   help="With --enable-log-requests, log at most this many prompt "
+                        "characters and token ids (default: all).")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="Do not log one line per HTTP request (client, request line, "
                         "status); the access log is on by default, as in vLLM.")

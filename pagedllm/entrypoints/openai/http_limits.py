@@ -16,6 +16,11 @@ What uvicorn alone leaves open (issue 28):
   parsed), then a lingering close (the answer is not lost to a TCP reset);
 * **header-read timeout**: a head not complete ``header_timeout`` seconds after it
   started (or after the connection opened) -> ``408`` and close;
+* **body-read timeout**: a request body not complete ``body_timeout`` seconds after its
+  head (a client that sends a head, then trickles or withholds the body) -> ``408`` and
+  close, unless the response has started; a body that keeps coming at a rate below
+  :data:`MIN_BODY_RATE` is cut at that deadline, but a big body arriving at a normal
+  rate gets more time (the deadline grows with ``Content-Length`` at that rate);
 * **connection cap**: at most ``max_connections`` open connections.  A new one beyond
   it evicts the oldest connection that is *not* serving a request (idle keep-alive or
   still sending its head); if every connection is busy, the new one gets ``503`` with
@@ -43,6 +48,8 @@ logger = logging.getLogger("pagedllm.api_server")
 # Descriptors kept back from the connection cap: model files, engine sockets, logs.
 FD_RESERVE = 256
 LINGER_S = 1.0
+# Bytes per second a body may arrive at and still get more time than ``body_timeout``.
+MIN_BODY_RATE = 64 * 1024
 
 
 def raise_fd_limit() -> int:
@@ -71,6 +78,7 @@ class HTTPLimits:
     max_header_bytes: int = 16 * 1024
     max_header_count: int = 256
     header_timeout: float = 10.0
+    body_timeout: float = 30.0
     max_connections: int = 1024
     # Open connections, oldest first (dicts keep insertion order).
     open: dict[Any, None] = field(default_factory=dict, repr=False)
@@ -97,6 +105,7 @@ def limited_h11_protocol(limits: HTTPLimits) -> type[H11Protocol]:
             self._head_lines = 0
             self._tail = b""
             self._header_timer: asyncio.TimerHandle | None = None
+            self._body_timer: asyncio.TimerHandle | None = None
             self._discarding = False
 
         # -------------------------------------------------------------- life cycle
@@ -116,6 +125,7 @@ def limited_h11_protocol(limits: HTTPLimits) -> type[H11Protocol]:
         def connection_lost(self, exc: Exception | None) -> None:
             limits.open.pop(self, None)
             self._cancel_header_timer()
+            self._cancel_body_timer()
             super().connection_lost(exc)
 
         def _busy(self) -> bool:
@@ -153,11 +163,46 @@ def limited_h11_protocol(limits: HTTPLimits) -> type[H11Protocol]:
                 else:
                     self.transport.close()
 
+        # -------------------------------------------------------------- body bound
+
+        def _arm_body_timer(self) -> None:
+            """Called when a head is complete and a body is expected."""
+            if self._body_timer is not None:
+                return
+            length = 0
+            for name, value in self.cycle.scope["headers"] if self.cycle else ():
+                if name == b"content-length" and value.isdigit():
+                    length = int(value)
+            timeout = max(limits.body_timeout, length / MIN_BODY_RATE)
+            self._body_timer = self.loop.call_later(timeout, self._on_body_timeout,
+                                                    timeout)
+
+        def _cancel_body_timer(self) -> None:
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+
+        def _on_body_timeout(self, timeout: float) -> None:
+            self._body_timer = None
+            if self.conn.their_state is not h11.SEND_BODY or self.transport.is_closing():
+                return
+            if self.cycle is not None and self.cycle.response_started:
+                self.transport.close()  # nothing sensible to add to a started answer
+                return
+            logger.warning("request body not received within %.0f s: 408", timeout)
+            if self.cycle is not None:  # the app, waiting for the body, sees a disconnect
+                self.cycle.disconnected = True
+                self.cycle.message_event.set()
+            self._reject(408, "Request Timeout",
+                         f"request body not received within {timeout:.0f} s "
+                         "(--body-read-timeout)")
+
         def _reject(self, status: int, reason: str, message: str,
                     extra: tuple[tuple[str, str], ...] = ()) -> None:
             """Answer without h11 and close, reading (and dropping) what the client
             still sends for a moment, so the answer is not lost to a TCP reset."""
             self._cancel_header_timer()
+            self._cancel_body_timer()
             self._discarding = True
             limits.open.pop(self, None)
             self.transport.write(_raw_response(status, reason, message, extra))
@@ -193,6 +238,10 @@ def limited_h11_protocol(limits: HTTPLimits) -> type[H11Protocol]:
             super().data_received(data)
             if self.conn.their_state is not h11.IDLE:
                 self._cancel_header_timer()
+            if self.conn.their_state is h11.SEND_BODY:
+                self._arm_body_timer()
+            else:
+                self._cancel_body_timer()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()

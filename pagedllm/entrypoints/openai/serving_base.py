@@ -73,6 +73,8 @@ class ServingState:
     reasoning_parser: str | None = None
     # LoRA adapters served as models (lora_routes.ServerLoRAs), None: LoRA off.
     loras: Any = None
+    # --enable-log-requests (request_logger.py); None: requests are not logged.
+    request_logger: Any = None
 
     def tool_parser_obj(self) -> Any:
         if self.tool_call_parser is None:
@@ -196,6 +198,9 @@ class ServingState:
                 raise
         self.public_ids[public_id] = ids
         self.active_requests += 1
+        if self.request_logger is not None:
+            for rid, prompt in zip(ids, ready):
+                self.request_logger.log(rid, prompt, params)
         return streams
 
     def finish(self, public_id: str, streams: list[RequestStream]) -> None:

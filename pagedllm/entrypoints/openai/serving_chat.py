@@ -125,7 +125,8 @@ class OpenAIServingChat(ServingHandler):
     def _choices(self, n: int, mode: ToolMode) -> list[_Choice]:
         st = self.state
         return [_Choice(shaper=ChoiceShaper(mode, st.tool_parser_obj(),
-                                            st.reasoning_parser_obj()))
+                                            st.reasoning_parser_obj(),
+                                            incremental_tools=True))
                 for _ in range(n)]
 
     # ------------------------------------------------------------------ conversion

@@ -48,6 +48,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None  # set by the first delta
     sent_prompt_ids: bool = False
+    sent_prompt_logprobs: bool = False
 
 
 class OpenAIServingCompletion(ServingHandler):
@@ -200,12 +201,16 @@ class OpenAIServingCompletion(ServingHandler):
                       model: str) -> AsyncIterator[bytes]:
         choices = [_Choice() for _ in range(len(streams) * n)]
         num_prompt = [0] * len(streams)
+        prompt_lps: dict[int, list[dict[str, dict[str, Any]] | None]] = {}
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts and opts.continuous_usage_stats)
         try:
             async for p, out in merge_streams(streams):
                 num_prompt[p] = num_prompt[p] or len(out.prompt_token_ids)
+                if out.prompt_logprobs is not None and p not in prompt_lps:
+                    prompt_lps[p] = self._prompt_logprobs_json(out.prompt_token_ids,
+                                                               out.prompt_logprobs)
                 for c in out.outputs:
                     idx = p * n + c.index
                     ch = choices[idx]
@@ -226,6 +231,11 @@ class OpenAIServingCompletion(ServingHandler):
                         if not ch.sent_prompt_ids:
                             ch.sent_prompt_ids = True
                             choice["prompt_token_ids"] = ch.prompt_token_ids
+                    if body.prompt_logprobs is not None and not ch.sent_prompt_logprobs:
+                        # vLLM's place for them: each choice's first chunk (the engine
+                        # reports them once per prompt; n > 1 choices share them).
+                        ch.sent_prompt_logprobs = True
+                        choice["prompt_logprobs"] = prompt_lps.get(p)
                     chunk: dict[str, Any] = {
                         "id": public_id, "object": "text_completion", "created": created,
                         "model": model, "choices": [choice]}

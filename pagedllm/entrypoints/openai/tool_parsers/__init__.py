@@ -1,7 +1,8 @@
 """Tool-call parsers for ``tool_choice: "auto"`` (``--tool-call-parser NAME``).
 
 Each parser turns a model's raw output into ``(content, tool_calls)``, whole
-(:meth:`ToolParser.extract`) or while streaming (:class:`ToolCallStream`).  Output
+(:meth:`ToolParser.extract`) or while streaming (:class:`ToolCallStream`, with
+OpenAI's incremental argument deltas).  Output
 that does not parse is returned as plain content: a malformed tool call is never an
 error.  Formats:
 
@@ -14,9 +15,9 @@ error.  Formats:
 
 from pagedllm.entrypoints.openai.tool_parsers.parsers import (
     TOOL_PARSERS,
-    ToolCallStream,
     ToolParser,
     get_tool_parser,
 )
+from pagedllm.entrypoints.openai.tool_parsers.streaming import ToolCallStream
 
 __all__ = ["TOOL_PARSERS", "ToolCallStream", "ToolParser", "get_tool_parser"]

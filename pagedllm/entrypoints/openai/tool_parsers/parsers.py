@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -14,6 +15,90 @@ def tool_call(name: str, arguments: Any) -> dict[str, Any]:
                                                                    ensure_ascii=False)
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": args}}
+
+
+# The head of a call object as models write it: name first, then the arguments object.
+# Arguments are streamed (and returned) as the model's own text of that object only
+# when a call starts this way; the lookahead makes the match stable while text is still
+# arriving (it needs the object's "{").
+CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
+                       r'"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+
+@dataclass
+class JsonValueEnd:
+    """Finds, incrementally, where a JSON object or array that starts at the first fed
+    character closes (strings and escapes respected; validity is not checked: the
+    complete call is parsed with ``json`` before it counts)."""
+
+    depth: int = 0
+    in_str: bool = False
+    esc: bool = False
+    seen: int = 0  # characters fed so far
+
+    def feed(self, s: str) -> int:
+        """Characters of ``s`` up to and including the closing bracket, or -1."""
+        for i, ch in enumerate(s):
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.seen += i + 1
+                    return i + 1
+        self.seen += len(s)
+        return -1
+
+
+def raw_arguments(obj_text: str) -> str | None:
+    """The model's own text of a call object's arguments object (``None`` when the call
+    does not start with its name and an arguments object)."""
+    m = CALL_HEAD.match(obj_text)
+    if m is None:
+        return None
+    end = JsonValueEnd().feed(obj_text[m.end():])
+    return None if end < 0 else obj_text[m.end():m.end() + end]
+
+
+def _object_texts(body: str) -> list[str]:
+    """The texts of the top-level JSON objects of a body (a list, one object, or several
+    joined by ``;``), assuming it parsed."""
+    dec, out, i = json.JSONDecoder(), [], 0
+    while i < len(body):
+        while i < len(body) and body[i] in " \t\r\n,;[]":
+            i += 1
+        if i >= len(body):
+            break
+        try:
+            _, j = dec.raw_decode(body, i)
+        except json.JSONDecodeError:
+            return []
+        out.append(body[i:j])
+        i = j
+    return out
+
+
+def use_raw_arguments(body: str, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``calls`` with each one's ``arguments`` set to the model's own text of it where
+    that text is available and equal as JSON, so a streamed call's accumulated argument
+    fragments equal the non-streamed arguments exactly."""
+    texts = _object_texts(body)
+    if len(texts) != len(calls):
+        return calls
+    for c, t in zip(calls, texts):
+        raw = raw_arguments(t)
+        if raw is not None and json.loads(raw) == json.loads(c["function"]["arguments"]):
+            c["function"]["arguments"] = raw
+    return calls
 
 
 def _call_of(obj: Any, args_keys: tuple[str, ...]) -> dict[str, Any] | None:
@@ -60,7 +145,7 @@ class ToolParser:
         calls = [_call_of(o, self.args_keys) for o in objs]
         if not calls or any(c is None for c in calls):
             return None
-        return calls  # type: ignore[return-value]
+        return use_raw_arguments(body, calls)  # type: ignore[arg-type]
 
     def extract(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool calls) of a whole output; all content if nothing parses."""
@@ -133,7 +218,7 @@ class Llama3JsonToolParser(ToolParser):
             i = j
             while i < len(body) and body[i] in " \n\t;":
                 i += 1
-        return calls or None
+        return use_raw_arguments(body, calls) if calls else None
 
     def extract(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         i = self.find_start(text)
@@ -160,90 +245,3 @@ def get_tool_parser(name: str) -> ToolParser:
     except KeyError:
         raise ValueError(f"tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, "
                          f"got {name!r}") from None
-
-
-@dataclass
-class ToolCallStream:
-    """Streaming: feed text deltas, get content deltas and complete tool calls.
-
-    Content is passed through as it comes, except a tail that may be the start of a
-    tool call, which is held back; once tool calls begin, text is buffered and parsed
-    when a call ends (``end`` marker) or at the end of the output.  Each call is emitted
-    whole, in one delta (OpenAI's clients accumulate either way).  If the buffer does
-    not parse, it is released as content.
-    """
-
-    parser: ToolParser
-    text: str = ""
-    sent: int = 0  # chars of ``text`` already emitted as content or consumed by calls
-    in_call: bool = False
-    calls: list[dict[str, Any]] = field(default_factory=list)
-
-    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
-        self.text += delta
-        return self._advance(final=False)
-
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        return self._advance(final=True)
-
-    def _advance(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
-        p = self.parser
-        content, new_calls = "", []
-        while True:
-            pending = self.text[self.sent:]
-            if not self.in_call:
-                i = p.find_start(pending) if (self.sent == 0 or p.end is not None) else -1
-                if isinstance(p, Llama3JsonToolParser) and self.sent > 0:
-                    i = -1
-                if i == -2 or i >= 0:
-                    cut = max(i, 0)
-                    if not (self.calls and not pending[:cut].strip()):
-                        content += pending[:cut]  # (blank lines between calls dropped)
-                    self.sent += cut
-                    self.in_call = True
-                    continue
-                if self.calls and not pending.strip():  # blank text after a call
-                    if final:
-                        self.sent += len(pending)
-                    return content, new_calls
-                if not final and p.may_start(pending):
-                    keep = self._held_back(pending)
-                    if self.calls and not pending[:len(pending) - keep].strip():
-                        return content, new_calls  # maybe blank lines before a call
-                    content += pending[:len(pending) - keep]
-                    self.sent += len(pending) - keep
-                else:
-                    content += pending
-                    self.sent += len(pending)
-                return content, new_calls
-            # inside a call: wait for its end (or the output's end)
-            body_start = pending
-            if body_start.lstrip().startswith(p.start):
-                body_start = body_start.lstrip()[len(p.start):]
-            j = body_start.find(p.end) if p.end else -1
-            if j < 0 and not final:
-                return content, new_calls
-            body = body_start if j < 0 else body_start[:j]
-            parsed = p.parse_body(body.strip())
-            if parsed is None:  # malformed: it was text after all
-                content += pending
-                self.sent += len(pending)
-                self.in_call = False
-                return content, new_calls
-            new_calls.extend(parsed)
-            self.calls.extend(parsed)
-            consumed = len(pending) if j < 0 else (
-                len(pending) - len(body_start) + j + len(p.end or ""))
-            self.sent += consumed
-            self.in_call = False
-            if j < 0:
-                return content, new_calls
-
-    def _held_back(self, pending: str) -> int:
-        p = self.parser
-        if isinstance(p, Llama3JsonToolParser):
-            return len(pending)
-        for k in range(min(len(p.start), len(pending)), 0, -1):
-            if p.start.startswith(pending[-k:]):
-                return k
-        return 0
