@@ -70,7 +70,7 @@ def _to_device(values: Sequence | torch.Tensor, dtype: torch.dtype,
                device: torch.device) -> torch.Tensor:
     """A host list (or CPU tensor) as a tensor on ``device``, without a stream sync."""
     t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
+    if device.type != "cuda" or t.device.type == "cuda":  # (cuda:0 != cuda: already there)
         return t.to(device)
     # Pinned blocks come from torch's caching host allocator, which keeps each one until
     # the copy reading it has finished.
