@@ -142,15 +142,22 @@ class LLM(PoolingMixin):
         processed = [engine.input_processor.process(rid, p, sp, priority=pr,
                                                     lora_request=lr)
                      for rid, p, sp, pr, lr in zip(rids, plist, params, prio, loras)]
+        return self._run_to_completion(rids, processed, use_tqdm)
+
+    def _run_to_completion(self, rids: list[str], processed: Sequence[Any],
+                           use_tqdm: bool) -> list[Any]:
+        """Queue already validated requests (``rids[i]`` with ``processed[i]``), step the
+        engine until all finish, and return their final outputs in ``rids`` order.  On
+        any exception (Ctrl-C included) the queued ones are aborted."""
+        engine = self.llm_engine
         ids_in_order: list[str] = []
+        finished: dict[str, Any] = {}
         try:
             for rid, proc in zip(rids, processed):
                 engine.add_processed(rid, proc)
                 ids_in_order.append(rid)
-            finished: dict[str, RequestOutput] = {}
-            bar = tqdm(total=len(plist), desc="Processed prompts", disable=not use_tqdm,
-                       dynamic_ncols=True)
-            with bar:
+            with tqdm(total=len(rids), desc="Processed prompts", disable=not use_tqdm,
+                      dynamic_ncols=True) as bar:
                 while engine.has_unfinished_requests():
                     for out in engine.step():
                         if out.finished:

@@ -12,8 +12,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from pagedllm.pooling_outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -47,10 +45,12 @@ def pair_up(text_1: Any, text_2: Any) -> list[tuple[str, str]]:
 
 
 class PoolingMixin:
-    """Needs ``self.llm_engine`` and ``self._counter`` (``LLM``)."""
+    """Needs ``self.llm_engine``, ``self._counter`` and ``self._run_to_completion``
+    (``LLM``)."""
 
     llm_engine: Any
     _counter: Any
+    _run_to_completion: Any
 
     def supported_tasks(self) -> tuple[str, ...]:
         pc = self.llm_engine.config.model_config.pooler_config
@@ -129,20 +129,4 @@ class PoolingMixin:
         rids = [str(next(self._counter)) for _ in plist]
         processed = [engine.input_processor.process_pooling(rid, p, pp)
                      for rid, p, pp in zip(rids, plist, params)]
-        ids_in_order: list[str] = []
-        finished: dict[str, PoolingRequestOutput] = {}
-        try:
-            for rid, proc in zip(rids, processed):
-                engine.add_processed(rid, proc)
-                ids_in_order.append(rid)
-            with tqdm(total=len(plist), desc="Processed prompts", disable=not use_tqdm,
-                      dynamic_ncols=True) as bar:
-                while engine.has_unfinished_requests():
-                    for out in engine.step():
-                        if out.finished:
-                            finished[out.request_id] = out
-                            bar.update(1)
-        except BaseException:
-            engine.abort_request(ids_in_order)
-            raise
-        return [finished[r] for r in ids_in_order]
+        return self._run_to_completion(rids, processed, use_tqdm)
