@@ -4,7 +4,7 @@
 ``q = 1``.  Speculation pays at batch ``B`` while ``cost(B, k + 1) / cost(B, 1)`` stays
 below the mean accepted length.
 
-``python -m pagedllm.benchmarks.spec_step_cost [--batch-sizes 1,2,4,8,16,32] [--k 4]``
+``python -m pagedllm.benchmarks.spec_step_cost [--batch-sizes 1,2,4,8,16,32] [--k 4] [--dummy NAME]``
 (any engine flag of ``pagedllm bench latency`` too, e.g. ``--dummy llama3-8b`` on a GPU).
 """
 
@@ -17,6 +17,7 @@ import time
 import numpy as np
 import torch
 
+from pagedllm.benchmarks.workloads import DUMMY_CONFIGS, write_dummy_model
 from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_from_cli
 
 
@@ -29,8 +30,14 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--context", type=int, default=256, help="Tokens already in the cache.")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dummy", default=None, choices=sorted(DUMMY_CONFIGS),
+                   help="Benchmark a named model shape with random weights (implies "
+                        "--load-format dummy).")
     add_engine_args(p)
     args = p.parse_args()
+    if args.dummy:
+        args.model, args.load_format = write_dummy_model(args.dummy), "dummy"
+        args.skip_tokenizer_init = True
     eargs = engine_args_from_cli(args)
     llm = LLM(eargs.model, **{k: v for k, v in vars(eargs).items()
                               if k not in ("model", "extra")})
@@ -40,8 +47,10 @@ def main() -> None:
     q_max = args.k + 1
     per_req = -(-(args.context + q_max) // bs)
     num_blocks = llm.llm_engine.client.core.num_blocks
-    print(f"context {args.context}, k {args.k}: ms per step (median of {args.repeats})")
-    print(f"{'batch':>6}{'q=1':>10}{f'q={q_max}':>10}{'ratio':>8}")
+    qs = list(range(1, q_max + 1))
+    print(f"context {args.context}, k {args.k}: ms per step (median of {args.repeats}), "
+          "and each q's cost relative to q=1")
+    print(f"{'batch':>6}" + "".join(f"{f'q={q}':>9}" for q in qs) + "   ratios")
     for b in sizes:
         if b * per_req >= num_blocks:
             print(f"{b:>6}  (KV cache too small)")
@@ -53,7 +62,7 @@ def main() -> None:
                       list(range(1 + i * per_req, 1 + (i + 1) * per_req)))
         rows = np.arange(b)
         ms = {}
-        for q in (1, q_max):
+        for q in qs:
             inp = batch.prepare(rows, np.full(b, args.context), np.full(b, q))
             meta = runner._metadata(inp)
             ids = torch.from_numpy(inp.input_ids).to(runner.device)
@@ -66,7 +75,8 @@ def main() -> None:
                     runner.model.compute_logits(h).argmax(-1).cpu()
                 times.append(time.perf_counter() - t0)
             ms[q] = 1000 * statistics.median(times[1:])
-        print(f"{b:>6}{ms[1]:>10.1f}{ms[q_max]:>10.1f}{ms[q_max] / ms[1]:>8.2f}")
+        print(f"{b:>6}" + "".join(f"{ms[q]:>9.2f}" for q in qs) + "   "
+              + " ".join(f"{ms[q] / ms[1]:.2f}" for q in qs))
 
 
 if __name__ == "__main__":

@@ -129,6 +129,36 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+def _ct_config(weights: dict[str, Any], acts: dict[str, Any] | None, fmt: str) -> dict[str, Any]:
+    """A compressed-tensors ``quantization_config`` as llmcompressor writes it: one group
+    over every ``Linear``, lm_head left in the model dtype."""
+    return {"quant_method": "compressed-tensors", "format": fmt,
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": acts,
+                                          "output_activations": None, "format": fmt}}}
+
+
+def _w4a16(group: int) -> dict[str, Any]:
+    return _ct_config({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                       "group_size": group, "dynamic": False, "actorder": None},
+                      None, "pack-quantized")
+
+
+_W8A8_INT8 = _ct_config({"num_bits": 8, "type": "int", "symmetric": True,
+                         "strategy": "channel", "dynamic": False},
+                        {"num_bits": 8, "type": "int", "symmetric": True,
+                         "strategy": "token", "dynamic": True}, "int-quantized")
+# Integer-checkpoint variants of two shapes (issue 21): the dummy loader fills their
+# packed layout, so these benchmark the W4A16 / W8A8-INT8 kernels end to end.  Group 128
+# (the issue's layout) for the 8B shape; SmolLM2's 576-wide inputs take group 64.
+for _base, _group in (("llama3-8b", 128), ("smollm2-135m", 64)):
+    DUMMY_CONFIGS[f"{_base}-w4a16"] = {**DUMMY_CONFIGS[_base],
+                                       "quantization_config": _w4a16(_group)}
+    DUMMY_CONFIGS[f"{_base}-w8a8-int8"] = {**DUMMY_CONFIGS[_base],
+                                           "quantization_config": _W8A8_INT8}
+
+
 def write_dummy_model(name: str, directory: str | None = None) -> str:
     """Write ``config.json`` for a named shape into a (temporary) directory; load it with
     ``load_format="dummy"``."""
