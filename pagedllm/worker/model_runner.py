@@ -162,6 +162,10 @@ class ModelRunner:
         # Speculative decoding (spec_decode/runner_hook.py): verify drafts, propose more.
         spec = sc.speculative_config
         self.spec = SpecDecodeHook(spec, mc.max_model_len) if spec is not None else None
+        if self.spec is not None:
+            # A verify step needs logits at every draft position: chunk graphs captured
+            # for every row let verify steps replay a graph instead of running eager.
+            self.last_only = False
 
     def _grammar(self, params: SamplingParams, eos_token_id: int | None) -> Any:
         """A new matcher for a structured-output request (None for the others)."""
