@@ -1,5 +1,10 @@
 """Batched multi-LoRA: shrink ``s = x A[slot]^T`` then expand ``y += s Bt[slot]``.
 
+Two forms: :func:`lora_fused` does both in **one launch** (small steps, decode at batch
+1 above all: a Llama-3-8B decode step has 128 target projections, so launches are the
+cost), and the :func:`lora_shrink` / :func:`lora_expand` pair (two launches, the shrink
+done once per row instead of once per row and block of outputs).
+
 Every token row carries its own adapter slot (``slots[t]``, -1: none), so one launch
 serves a batch mixing adapters and base-model rows (vLLM's punica "sgmv" idea).  Each
 program owns one token row and a block of output features and reads its slot's weights;
@@ -16,6 +21,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.kernels.gemv import _load_x
+from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
 
 
 @triton.jit
@@ -96,3 +104,111 @@ def lora_expand(s: torch.Tensor, slots: torch.Tensor, bt: torch.Tensor,
                          y.stride(0), BLOCK_N=block_n,
                          BLOCK_R=min(16, triton.next_power_of_2(r)))
     return y
+
+
+# -- one launch: shrink and expand fused ------------------------------------------------
+#
+# Program (t, j) owns token row t and output features [j*BLOCK_N, (j+1)*BLOCK_N).  The
+# stacked weights of a fused layer (``lora/layers.py``) hold shard i's rank rows at
+# [i*R, (i+1)*R) of A and Bt, and B is block-diagonal: an output feature of shard i
+# reads only shard i's R shrink values.  So a program computes the shrink of only the
+# shard(s) its block overlaps (R rows of A over K: 128 KB at K = 4096, rank 16, from
+# L2 after the first program of the slot), then expands it for its block.  The shrink is
+# recomputed by every block of a shard -- cheap at one row, which is what this form is
+# for; steps with many rows take the pair above or the dense path (``lora/layers.py``).
+
+
+@triton.jit
+def _fused_kernel(x_ptr, slots_ptr, a_ptr, bt_ptr, y_ptr, N, B1, B2,
+                  stride_x, stride_y, stride_as, stride_bs,
+                  K: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+                  SILU_MUL: tl.constexpr, STORE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_trigger(USE_PDL)
+    t = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    ns = n0 + tl.arange(0, BLOCK_N)
+    n_ok = ns < N
+    # The slot map is step metadata (written by a host copy before the forward), so it
+    # may be read before the PDL wait (kernels/pdl.py).
+    slot = tl.load(slots_ptr + t)
+    has = slot >= 0
+    sl = tl.maximum(slot, 0).to(tl.int64)
+    rr = tl.arange(0, BLOCK_R)
+    r_ok = rr < R
+    rk = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + t.to(tl.int64) * stride_x
+    pdl_wait(USE_PDL)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for i in tl.static_range(S):
+        # Shard i's output features are [lo, hi): [0, B1), [B1, B2), [B2, N).
+        lo = 0 if i == 0 else (B1 if i == 1 else B2)
+        hi = B1 if i == 0 else (B2 if i == 1 else N)
+        # A row without an adapter, or a shard this block does not touch, loads nothing.
+        if has & (n0 < hi) & (n0 + BLOCK_N > lo):
+            rows = i * R + rr
+            a_rows = a_ptr + sl * stride_as + rows[:, None] * K
+            s = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + rk
+                k_ok = ks < K
+                xk = _load_x(x_row, ks, k_ok, K, SILU_MUL, True)
+                a = tl.load(a_rows + ks[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                s += tl.sum(a.to(tl.float32) * xk[None, :], axis=1)
+            b = tl.load(bt_ptr + sl * stride_bs + rows[:, None] * N + ns[None, :],
+                        mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            acc += tl.sum(s[:, None] * b.to(tl.float32), axis=0)
+    out = y_ptr + t.to(tl.int64) * stride_y + ns
+    if STORE:  # the delta itself, fp32, every row (zeros without an adapter)
+        tl.store(out, acc, mask=n_ok)
+    else:  # added in fp32, rounded once; rows without an adapter stay bit-for-bit
+        ok = n_ok & has
+        y = tl.load(out, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out, (y + acc).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def fused_config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): about 64 programs per row (each program's cost is
+    its shard's shrink, so more blocks only add L2 traffic), a [R, 512] shrink tile.
+    Written without a GPU: ``benchmarks/lora_probe.py`` sweeps it on one."""
+    block_n = max(64, min(512, triton.next_power_of_2(max(n // 64, 1))))
+    return block_n, min(512, triton.next_power_of_2(k)), 4
+
+
+def lora_fused(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+               shard_bounds: tuple[int, ...], y: torch.Tensor | None = None,
+               silu_mul: bool = False,
+               config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Each row's ``x[t] A[s]^T Bt[s]`` with ``s = slots[t]`` (-1: none), one launch.
+
+    ``x [T, K]`` (``[T, 2K]`` = ``[gate | up]`` with ``silu_mul``: the input is
+    ``silu(gate) * up``, rounded as ``kernels/activation.py`` rounds it), ``slots [T]``
+    int32, ``a [L, S*R, K]`` and ``bt [L, S*R, N]`` contiguous (the layout of
+    ``lora/layers.LoRALinear``), ``shard_bounds``: the S shards' first output features
+    after the first (``()`` for one shard, ``(q, q + kv)`` for q/k/v).  With ``y``
+    ``[T, N]`` (contiguous rows) the delta is added into it in place (rows without an
+    adapter untouched) and ``y`` returned; without, the fp32 delta ``[T, N]`` is returned
+    (zeros for rows without an adapter).  No host sync; fixed grid."""
+    t = x.shape[0]
+    n_slots, sr, k = a.shape
+    n = bt.shape[2]
+    n_shards = len(shard_bounds) + 1
+    if sr % n_shards or x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1:
+        raise ValueError(f"lora_fused: x {tuple(x.shape)} / a {tuple(a.shape)} / "
+                         f"{n_shards} shards do not fit")
+    assert a.is_contiguous() and bt.is_contiguous()
+    store = y is None
+    out = torch.empty(t, n, dtype=torch.float32, device=x.device) if store else y
+    assert out.stride(1) == 1 and out.shape == (t, n)
+    if t == 0:
+        return out
+    r = sr // n_shards
+    bounds = list(shard_bounds) + [n] * (2 - len(shard_bounds))
+    block_n, block_k, warps = config or fused_config(n, k)
+    _fused_kernel[(t, triton.cdiv(n, block_n))](
+        x, slots, a, bt, out, n, bounds[0], bounds[1], x.stride(0), out.stride(0),
+        a.stride(0), bt.stride(0), K=k, R=r, S=n_shards, SILU_MUL=silu_mul, STORE=store,
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=triton.next_power_of_2(r),
+        num_warps=warps, **pdl_launch_args(x.device))
+    return out

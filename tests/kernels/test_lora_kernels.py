@@ -42,3 +42,45 @@ def test_lora_kernels_gpu_sizes(dtype: torch.dtype, device: str) -> None:
     want = (y.float() + lora_ref(x.float(), idx, a.float(), bt.float()))
     got = lora_expand(lora_shrink(x, idx, a), idx, bt, y.clone())
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def _silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` rounded as ``kernels/activation.py`` rounds it."""
+    g, u = gu.chunk(2, dim=-1)
+    act = (g.float() / (1 + torch.exp(-g.float()))).to(gu.dtype)
+    return (act.float() * u.float()).to(gu.dtype)
+
+
+@pytest.mark.parametrize("t,k,sizes,r,silu", [
+    (1, 40, (24,), 6, False),          # one shard, decode row
+    (5, 72, (20, 8, 8), 5, False),     # q/k/v shards, a block straddling shard bounds
+    (4, 33, (40, 40), 4, True),        # gate/up shards; down's silu(gate)*up input
+])
+def test_fused_matches_reference(t: int, k: int, sizes: tuple[int, ...], r: int,
+                                 silu: bool, device: str) -> None:
+    """One launch (shrink + expand), mixed slots incl. -1, block-diagonal shards."""
+    from pagedllm.kernels.lora import lora_fused
+
+    g = torch.Generator().manual_seed(t + k)
+    n_slots, n, s = 3, sum(sizes), len(sizes)
+    x = torch.randn(t, 2 * k if silu else k, generator=g)
+    a = torch.randn(n_slots, s * r, k, generator=g) / k ** 0.5
+    bt = torch.zeros(n_slots, s * r, n)
+    off = 0
+    for i, size in enumerate(sizes):  # B block-diagonal over the shards
+        bt[:, i * r:(i + 1) * r, off:off + size] = torch.randn(n_slots, r, size, generator=g)
+        off += size
+    slots = torch.tensor([-1, 2, 0, 1, 2][:t] if t > 1 else [1], dtype=torch.int32)
+    y = torch.randn(t, n, generator=g)
+    xin = _silu_mul(x) if silu else x
+    want = lora_ref(xin, slots, a, bt)
+    bounds = tuple(int(b) for b in torch.tensor(sizes).cumsum(0)[:-1])
+    dev = [z.to(device) for z in (x, slots, a, bt, y)]
+    # Small blocks so that programs cross shard bounds and K takes several steps.
+    got = lora_fused(dev[0], dev[1], dev[2], dev[3], bounds, silu_mul=silu,
+                     config=(16, 16, 1))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+    added = lora_fused(dev[0], dev[1], dev[2], dev[3], bounds, y=dev[4].clone(),
+                       silu_mul=silu, config=(16, 16, 1)).cpu()
+    torch.testing.assert_close(added, y + want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(added[slots < 0], y[slots < 0])
