@@ -12,9 +12,10 @@ heads of ``head_dim``:
 ``out``'s k and v columns are left unwritten: attention reads keys and values from the
 cache.  ``delta`` (fp32 ``[1, N]``, a LoRA adapter's ``lora/layers.LoRALinear.delta``) is
 added to the rounded projection and rounded again, as the unfused path's in-place LoRA
-add does, before the rotation and the cache write.  Every value is rounded exactly as the unfused path rounds it (the projection to
-the activation dtype first, then ``rotary._rope``'s per-product rounding), so the cache
-and the rotated queries are bit-identical to ``gemv`` + ``rotary_and_write_kv``.
+add does, before the rotation and the cache write.  Every value is rounded exactly as
+the unfused path rounds it (the projection to the activation dtype first, then
+``rotary._rope``'s per-product rounding), so the cache and the rotated queries are
+bit-identical to ``gemv`` + ``rotary_and_write_kv``.
 
 Layout: as in ``kernels/gemv.py`` each program walks the whole K dimension for its rows,
 but its ``2 * PAIRS`` rows are ``PAIRS`` rotation pairs of one head, interleaved
