@@ -5,7 +5,7 @@ the adapter delta costs per decoder layer against the base projections.
 
 1. **Correctness** (bf16, 8 slots of rank 16, rows mixing every slot and -1): for each
    projection (qkv with its 3 shards, o, gate_up with 2, down reading ``silu(gate)*up``)
-   and 1 / 4 / 16 / 256 rows, every CUDA path of ``lora/layers.py`` (``fused``, ``pair``,
+   and 1 / 4 / 16 / 256 rows, every CUDA path of ``lora/layers.py`` (``fused``, ``sgmv``,
    ``dense``) against the fp32 torch reference ``lora_ref``; the fused kernel's fp32-delta
    form; ``gemv_qkv_rope`` with a delta against gemv + add + ``rotary_and_write_kv``; and
    a ``LlamaMLP`` with LoRA slots on its batch-1 GEMV path (the SiLU fused into
@@ -29,8 +29,8 @@ import sys
 import torch
 
 from pagedllm.kernels.gemv import gemv
-from pagedllm.kernels.lora import fused_config, lora_expand, lora_fused, lora_shrink
-from pagedllm.lora.layers import lora_dense_, lora_ref, slot_owner
+from pagedllm.kernels.lora import fused_config, lora_fused, lora_sgmv
+from pagedllm.lora.layers import SGMV_BLOCK_M, lora_dense_, lora_ref, sgmv_tiles, slot_owner
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -73,6 +73,25 @@ def _rows_slots(m: int, g: torch.Generator) -> torch.Tensor:
     return slots.to(DEV)
 
 
+def _groups(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The host grouping the manager publishes (``lora/layers.sgmv_tiles``), padded as
+    its persistent buffers are."""
+    rows, tiles = sgmv_tiles(slots.cpu().numpy(), L)
+    t = slots.shape[0]
+    rows_buf = torch.zeros(t, dtype=torch.int32)
+    rows_buf[:len(rows)] = torch.from_numpy(rows)
+    tiles_buf = torch.zeros(1 + 3 * (-(-t // SGMV_BLOCK_M) + L), dtype=torch.int32)
+    tiles_buf[:len(tiles)] = torch.from_numpy(tiles)
+    return rows_buf.to(DEV), tiles_buf.to(DEV)
+
+
+def _sgmv(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+          y: torch.Tensor, groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+          ) -> torch.Tensor:
+    rows, tiles = groups or _groups(slots)
+    return lora_sgmv(x, rows, tiles, a, bt, y, SGMV_BLOCK_M)
+
+
 def _check(name: str, got: torch.Tensor, want: torch.Tensor, results: list) -> bool:
     err = (got.float() - want.float()).abs().max().item()
     scale = want.float().abs().max().item() + 1e-6
@@ -103,8 +122,8 @@ def correctness(results: list) -> bool:
             ok &= untouched
             if not untouched:
                 print(f"  FAIL {name} M={m} fused: a row without an adapter changed")
-            got = lora_expand(lora_shrink(xin, slots, a), slots, bt, y.clone())
-            ok &= _check(f"{name} M={m} pair", got.float() - y.float(), want, results)
+            got = _sgmv(xin, slots, a, bt, y.clone())
+            ok &= _check(f"{name} M={m} sgmv", got.float() - y.float(), want, results)
             got = lora_dense_(xin, slots, a, bt, owner, y.clone())
             ok &= _check(f"{name} M={m} dense", got.float() - y.float(), want, results)
             if m == 1:
@@ -215,6 +234,7 @@ def _chain(m: int, path: str | None, base: dict, slots_w: dict, owners: dict,
     """A decode-like chain over 32 layers x 4 projections at ``m`` rows: the base matmul
     of each, plus LoRA by ``path`` (None: base only)."""
     slots = torch.arange(m, dtype=torch.int32, device=DEV) % L  # spread evenly
+    groups = _groups(slots)
     xs = {name: torch.randn(m, 2 * k if silu else k, generator=g, device=DEV, dtype=BF16)
           for name, (k, _, silu) in PROJ.items()}
     outs = {name: torch.empty(m, sum(sizes), dtype=BF16, device=DEV)
@@ -233,8 +253,8 @@ def _chain(m: int, path: str | None, base: dict, slots_w: dict, owners: dict,
                 a, bt = slots_w[name][i]
                 if path == "fused":
                     lora_fused(x, slots, a, bt, _bounds(sizes), y=y, silu_mul=silu)
-                elif path == "pair":
-                    lora_expand(lora_shrink(xin, slots, a), slots, bt, y)
+                elif path == "sgmv":
+                    _sgmv(xin, slots, a, bt, y, groups)
                 elif path == "dense":
                     lora_dense_(xin, slots, a, bt, owners[name], y)
     return run
@@ -253,7 +273,7 @@ def timing(results: list, ms: list[int]) -> None:
         t_base = _graph_us(_chain(m, None, base, slots_w, owners, g))
         row = {"M": m, "base_us_per_layer": t_base / LAYERS}
         print(f"M={m}: base {t_base / LAYERS:.1f} µs per layer (4 projections)")
-        for path in ("fused", "pair", "dense"):
+        for path in ("fused", "sgmv", "dense"):
             if path == "fused" and m > 64:
                 continue  # recomputes the shrink per output block: not meant for this
             t = _graph_us(_chain(m, path, base, slots_w, owners, g))

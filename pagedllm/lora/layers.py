@@ -23,9 +23,10 @@ slot per request on such steps (the token map otherwise).
 The CPU path (and the kernels' oracle) is :func:`lora_ref`: dense over all slots with a
 per-token mask -- no loop over tokens or adapters, no host sync.  On CUDA the path
 depends on the row count only (:func:`lora_path`): up to ``FUSED_MAX_ROWS`` rows (decode
-at batch 1) the one-launch ``kernels/lora.lora_fused``; up to ``PAIR_MAX_ROWS`` the
-Triton shrink/expand pair; beyond, the dense masked form on cuBLAS (three GEMM-sized
-launches, :func:`lora_dense_`).
+at batch 1) the one-launch ``kernels/lora.lora_fused``; above, the segmented
+``kernels/lora.lora_sgmv`` over the rows the manager grouped by slot on the host
+(:func:`sgmv_tiles`, published with the slot map); the dense masked form on cuBLAS
+(:func:`lora_dense_`) only beyond ``PAGEDLLM_LORA_SGMV_MAX_ROWS`` (an A/B switch).
 
 The base model's batch-1 fusions stay on with adapters: ``down_proj``'s GEMV reads
 ``silu(gate) * up`` from ``gate_up`` itself, so :meth:`LoRALinear.apply_silu_mul` has the
@@ -38,24 +39,83 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from pagedllm.lora.peft import LoRAWeights
 
+# Rows per tile of the segmented kernels (``kernels/lora.lora_sgmv``'s ``block_m``): the
+# host groups rows into tiles of this size.
+SGMV_BLOCK_M = 32
+
+
+def sgmv_tiles(slots: np.ndarray, n_slots: int, block_m: int = SGMV_BLOCK_M,
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """The rows with an adapter grouped by slot, for ``kernels/lora.lora_sgmv``:
+    ``rows`` (those rows, sorted by slot, stable) and ``tiles`` = ``[count, (slot, start,
+    end) x count]``: each tile up to ``block_m`` consecutive entries of ``rows`` of one
+    slot.  At most ``cdiv(len(slots), block_m) + n_slots`` tiles."""
+    valid = np.flatnonzero(slots >= 0)
+    keys = slots[valid]
+    rows = valid[np.argsort(keys, kind="stable")].astype(np.int32)
+    counts = np.bincount(keys, minlength=n_slots)
+    starts = np.concatenate(([0], np.cumsum(counts)))
+    per = -(-counts // block_m)
+    slot = np.repeat(np.arange(n_slots), per)
+    first = np.repeat(np.cumsum(per) - per, per)
+    start = starts[slot] + (np.arange(len(slot)) - first) * block_m
+    end = np.minimum(start + block_m, starts[slot + 1])
+    tiles = np.concatenate(([len(slot)], np.stack([slot, start, end], 1).ravel()))
+    return rows, tiles.astype(np.int32)
+
+
+class SlotMap:
+    """One row -> slot map on the device (``slots``, -1: no adapter) and, for the
+    segmented kernels, the same rows grouped by slot (``rows``, ``tiles``:
+    :func:`sgmv_tiles`).  Persistent buffers: CUDA graphs read them at replay."""
+
+    def __init__(self, max_rows: int, n_slots: int, device: torch.device) -> None:
+        self.n_slots = n_slots
+        self.slots = torch.full((max_rows,), -1, dtype=torch.int32, device=device)
+        self.rows = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        max_tiles = -(-max_rows // SGMV_BLOCK_M) + n_slots
+        self.tiles = torch.zeros(1 + 3 * max_tiles, dtype=torch.int32, device=device)
+        self._prev = 0  # rows the last publish set
+
+    def publish(self, slots: np.ndarray, h2d, name: str, grouped: bool) -> None:
+        """Copy a step's map in (staged host copies, no sync); rows past it that a
+        padded graph may read get -1.  ``grouped``: also the segmented kernels' grouping."""
+        n = len(slots)
+        self.slots[:n].copy_(h2d(f"{name}_slots", slots), non_blocking=True)
+        if self._prev > n:
+            self.slots[n:self._prev].fill_(-1)
+        self._prev = n
+        if grouped:
+            rows, tiles = sgmv_tiles(slots, self.n_slots)
+            if len(rows):
+                self.rows[:len(rows)].copy_(h2d(f"{name}_rows", rows), non_blocking=True)
+            self.tiles[:len(tiles)].copy_(h2d(f"{name}_tiles", tiles), non_blocking=True)
+
 
 class LoRAMapping:
-    """The step's token -> slot map, shared by every LoRA layer of a model.
+    """The step's row -> slot maps, shared by every LoRA layer of a model: ``tokens``
+    (one row per scheduled token) and ``last`` (the last layer's rows after attention:
+    one per request on steps the model prunes to each request's last token, else the
+    token map).  ``active`` is False in an eager step where no request has an adapter
+    (layers then skip the LoRA work entirely); graph capture sets it True."""
 
-    ``token_slots`` is a persistent device buffer (CUDA graphs read it at replay);
-    ``active`` is False in an eager step where no request has an adapter (layers then
-    skip the LoRA work entirely); graph capture sets it True."""
-
-    def __init__(self, max_tokens: int, device: torch.device) -> None:
-        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
-        # The last layer's rows after attention: one per request on steps it prunes to
-        # each request's last token, else the token map (``LoRAManager.prepare_step``).
-        self.last_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+    def __init__(self, max_tokens: int, device: torch.device, n_slots: int = 1) -> None:
+        self.tokens = SlotMap(max_tokens, n_slots, device)
+        self.last = SlotMap(max_tokens, n_slots, device)
         self.active = False
+
+    @property
+    def token_slots(self) -> torch.Tensor:
+        return self.tokens.slots
+
+    @property
+    def last_slots(self) -> torch.Tensor:
+        return self.last.slots
 
 
 def slot_owner(n_slots: int, r: int, device: torch.device) -> torch.Tensor:
@@ -98,17 +158,17 @@ def _rows_env(name: str, default: int) -> int:
 # ``benchmarks/lora_probe.py`` times every path at 1-256 rows on the Llama-3-8B shapes,
 # and the environment variables override them for an A/B run.
 FUSED_MAX_ROWS = _rows_env("PAGEDLLM_LORA_FUSED_MAX_ROWS", 4)
-PAIR_MAX_ROWS = _rows_env("PAGEDLLM_LORA_PAIR_MAX_ROWS", 32)
+SGMV_MAX_ROWS = _rows_env("PAGEDLLM_LORA_SGMV_MAX_ROWS", 1 << 30)
 
 
 def lora_path(rows: int, use_triton: bool) -> str:
-    """``"fused"``, ``"pair"``, ``"dense"`` (cuBLAS) or ``"ref"`` (the CPU): a function of
+    """``"fused"``, ``"sgmv"``, ``"dense"`` (cuBLAS) or ``"ref"`` (the CPU): a function of
     the row count only, so graph capture and eager runs of one size agree."""
     if not use_triton:
         return "ref"
     if rows <= FUSED_MAX_ROWS:
         return "fused"
-    return "pair" if rows <= PAIR_MAX_ROWS else "dense"
+    return "sgmv" if rows <= SGMV_MAX_ROWS else "dense"
 
 
 class LoRALinear:
@@ -169,9 +229,11 @@ class LoRALinear:
                 self.bt[slot, rows, off:off + size].copy_(b[src:src + size].t())
             self.a[slot, rows].copy_(a)
 
+    def _map(self) -> SlotMap:
+        return self.mapping.last if self.last_rows else self.mapping.tokens
+
     def _slots(self, rows: int) -> torch.Tensor:
-        m = self.mapping
-        return (m.last_slots if self.last_rows else m.token_slots)[:rows]
+        return self._map().slots[:rows]
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if not self.mapping.active:
@@ -182,10 +244,11 @@ class LoRALinear:
             from pagedllm.kernels.lora import lora_fused
 
             return lora_fused(x, slots, self.a, self.bt, self.shard_bounds, y=y)
-        if path == "pair":
-            from pagedllm.kernels.lora import lora_expand, lora_shrink
+        if path == "sgmv":
+            from pagedllm.kernels.lora import lora_sgmv
 
-            return lora_expand(lora_shrink(x, slots, self.a), slots, self.bt, y)
+            m = self._map()
+            return lora_sgmv(x, m.rows, m.tiles, self.a, self.bt, y, SGMV_BLOCK_M)
         if path == "dense":
             return lora_dense_(x, slots, self.a, self.bt, self.owner, y)
         return y.add_(lora_ref(x, slots, self.a, self.bt, self.owner).to(y.dtype))

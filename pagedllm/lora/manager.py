@@ -67,8 +67,9 @@ class LoRAManager:
         self.hf_config = hf_config
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max_cpu_loras
-        self.mapping = LoRAMapping(max_num_tokens, device)
+        self.mapping = LoRAMapping(max_num_tokens, device, max_loras)
         use_triton = device.type == "cuda"
+        self.grouped = use_triton  # the segmented kernels need rows grouped by slot
         self.layers: dict[str, LoRALinear] = {}
         last = int(hf_config.num_hidden_layers) - 1
         for name, layer in lora_target_layers(model).items():
@@ -81,7 +82,6 @@ class LoRAManager:
         self._slot_lru: OrderedDict[int, None] = OrderedDict()  # slot, oldest first
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._prev_tokens = 0
-        self._prev_last = 0
 
     # -- the CPU cache ---------------------------------------------------------------
     def _host_adapter(self, req: LoRARequest) -> LoRAAdapter:
@@ -142,16 +142,9 @@ class LoRAManager:
             (-1 if r is None else self._make_resident(r, in_step) for r in loras),
             np.int32, len(loras))
         tokens = np.repeat(req_slots, num_new)
-        last = req_slots if pruned else tokens
-        m.token_slots[:len(tokens)].copy_(h2d("lora_slots", tokens), non_blocking=True)
-        m.last_slots[:len(last)].copy_(h2d("lora_last_slots", last), non_blocking=True)
-        # Rows a padded CUDA graph may read beyond this step's: no adapter.
-        if self._prev_tokens > len(tokens):
-            m.token_slots[len(tokens):self._prev_tokens].fill_(-1)
-        if self._prev_last > len(last):
-            m.last_slots[len(last):self._prev_last].fill_(-1)
+        m.tokens.publish(tokens, h2d, "lora_tokens", self.grouped)
+        m.last.publish(req_slots if pruned else tokens, h2d, "lora_last", self.grouped)
         self._prev_tokens = len(tokens) if in_step else 0
-        self._prev_last = len(last) if in_step else 0
         m.active = bool(in_step)
 
 
