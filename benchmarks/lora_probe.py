@@ -302,8 +302,8 @@ def sweep(results: list) -> None:
     g = torch.Generator(device=DEV).manual_seed(4)
     for name, (k, sizes, _) in PROJ.items():
         default = fused_config(sum(sizes), k)
-        cfgs = {default} | {(bn, bk, w) for bn in (64, 128, 256, 512)
-                            for bk in (256, 512, 1024) for w in (4, 8)}
+        cfgs = {default} | {(bn, bk, w) for bn in (64, 256)
+                            for bk in (512, 1024, 2048) for w in (4, 8)}
         found = sorted((_fused_us(name, cfg, g), cfg) for cfg in cfgs)
         t_default = next(t for t, c in found if c == default)
         print(f"sweep {name}: best {found[0][1]} {found[0][0]:.2f} µs, default {default} "

@@ -35,19 +35,23 @@ from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
 # Program (t, j) owns token row t and output features [j*BLOCK_N, (j+1)*BLOCK_N).  The
 # stacked weights of a fused layer (``lora/layers.py``) hold shard i's rank rows at
 # [i*R, (i+1)*R) of A and Bt, and B is block-diagonal: an output feature of shard i
-# reads only shard i's R shrink values.  So a program computes the shrink of only the
-# shard(s) its block overlaps (R rows of A over K: 128 KB at K = 4096, rank 16, from
-# L2 after the first program of the slot), then expands it for its block.  The shrink is
-# recomputed by every block of a shard -- cheap at one row, which is what this form is
-# for; steps with many rows take :func:`lora_sgmv`.
+# reads only shard i's R shrink values.  BLOCK_N divides the shard bounds, so a block
+# lies in one shard and its program computes that shard's shrink only (R rows of A over
+# K: 128 KB at K = 4096, rank 16, from L2 after the first program of the slot), then
+# expands it for its block.  The shrink is recomputed by every block of a shard --
+# cheap at one row, which is what this form is for; steps with many rows take
+# :func:`lora_sgmv`.  At one row there are few programs (< 1 per SM), so nothing hides
+# one program's latency: the block's Bt tile and the first A tile are fetched before
+# the PDL wait (weights: kernels/pdl.py), and the K loop is unrolled over wide tiles
+# (few dependent round trips).
 
 
 @triton.jit
 def _fused_kernel(x_ptr, slots_ptr, a_ptr, bt_ptr, y_ptr, N, B1, B2,
                   stride_x, stride_y, stride_as, stride_bs,
-                  K: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
-                  SILU_MUL: tl.constexpr, STORE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
+                  K: tl.constexpr, R: tl.constexpr, SILU_MUL: tl.constexpr,
+                  STORE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_trigger(USE_PDL)
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
@@ -56,33 +60,28 @@ def _fused_kernel(x_ptr, slots_ptr, a_ptr, bt_ptr, y_ptr, N, B1, B2,
     # The slot map is step metadata (written by a host copy before the forward), so it
     # may be read before the PDL wait (kernels/pdl.py).
     slot = tl.load(slots_ptr + t)
-    has = slot >= 0
+    has = slot >= 0  # without an adapter every load is masked off: no memory traffic
     sl = tl.maximum(slot, 0).to(tl.int64)
-    rr = tl.arange(0, BLOCK_R)
-    r_ok = rr < R
+    # The block's shard: [0, B1), [B1, B2) or [B2, N) (absent bounds are N).
+    shard = (n0 >= B1).to(tl.int32) + (n0 >= B2).to(tl.int32)
+    rows = shard * R + tl.arange(0, BLOCK_R)
+    w_ok = (tl.arange(0, BLOCK_R) < R) & has
+    a_rows = a_ptr + sl * stride_as + rows[:, None] * K
     rk = tl.arange(0, BLOCK_K)
+    b = tl.load(bt_ptr + sl * stride_bs + rows[:, None] * N + ns[None, :],
+                mask=w_ok[:, None] & n_ok[None, :], other=0.0)
+    a0 = tl.load(a_rows + rk[None, :], mask=w_ok[:, None] & (rk < K)[None, :], other=0.0)
     x_row = x_ptr + t.to(tl.int64) * stride_x
     pdl_wait(USE_PDL)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for i in tl.static_range(S):
-        # Shard i's output features are [lo, hi): [0, B1), [B1, B2), [B2, N).
-        lo = 0 if i == 0 else (B1 if i == 1 else B2)
-        hi = B1 if i == 0 else (B2 if i == 1 else N)
-        # A row without an adapter, or a shard this block does not touch, loads nothing.
-        if has & (n0 < hi) & (n0 + BLOCK_N > lo):
-            rows = i * R + rr
-            a_rows = a_ptr + sl * stride_as + rows[:, None] * K
-            s = tl.zeros((BLOCK_R,), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + rk
-                k_ok = ks < K
-                xk = _load_x(x_row, ks, k_ok, K, SILU_MUL, True)
-                a = tl.load(a_rows + ks[None, :], mask=r_ok[:, None] & k_ok[None, :],
-                            other=0.0)
-                s += tl.sum(a.to(tl.float32) * xk[None, :], axis=1)
-            b = tl.load(bt_ptr + sl * stride_bs + rows[:, None] * N + ns[None, :],
-                        mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-            acc += tl.sum(s[:, None] * b.to(tl.float32), axis=0)
+    x0 = _load_x(x_row, rk, (rk < K) & has, K, SILU_MUL, True)
+    s = tl.sum(a0.to(tl.float32) * x0[None, :], axis=1)
+    for k0 in tl.static_range(BLOCK_K, K, BLOCK_K):
+        ks = k0 + rk
+        k_ok = (ks < K) & has
+        xk = _load_x(x_row, ks, k_ok, K, SILU_MUL, True)
+        a = tl.load(a_rows + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+        s += tl.sum(a.to(tl.float32) * xk[None, :], axis=1)
+    acc = tl.sum(s[:, None] * b.to(tl.float32), axis=0)
     out = y_ptr + t.to(tl.int64) * stride_y + ns
     if STORE:  # the delta itself, fp32, every row (zeros without an adapter)
         tl.store(out, acc, mask=n_ok)
@@ -94,10 +93,19 @@ def _fused_kernel(x_ptr, slots_ptr, a_ptr, bt_ptr, y_ptr, N, B1, B2,
 
 def fused_config(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps): about 64 programs per row (each program's cost is
-    its shard's shrink, so more blocks only add L2 traffic), a [R, 512] shrink tile.
-    Written without a GPU: ``benchmarks/lora_probe.py`` sweeps it on one."""
+    its shard's shrink, so more blocks only add L2 traffic) and a [R, 2048] shrink tile
+    over 8 warps (2 steps at K = 4096, 7 at 14336).  Written without a GPU:
+    ``benchmarks/lora_probe.py --sweep`` times the alternatives on one."""
     block_n = max(64, min(512, triton.next_power_of_2(max(n // 64, 1))))
-    return block_n, min(512, triton.next_power_of_2(k)), 4
+    return block_n, min(2048, triton.next_power_of_2(k)), 8
+
+
+def _block_n(block_n: int, bounds: tuple[int, ...]) -> int:
+    """The largest power of two <= ``block_n`` dividing every shard bound (a block then
+    lies in one shard)."""
+    while any(b % block_n for b in bounds):
+        block_n //= 2
+    return block_n
 
 
 def lora_fused(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
@@ -110,15 +118,16 @@ def lora_fused(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, bt: torch.
     ``silu(gate) * up``, rounded as ``kernels/activation.py`` rounds it), ``slots [T]``
     int32, ``a [L, S*R, K]`` and ``bt [L, S*R, N]`` contiguous (the layout of
     ``lora/layers.LoRALinear``), ``shard_bounds``: the S shards' first output features
-    after the first (``()`` for one shard, ``(q, q + kv)`` for q/k/v).  With ``y``
-    ``[T, N]`` (contiguous rows) the delta is added into it in place (rows without an
-    adapter untouched) and ``y`` returned; without, the fp32 delta ``[T, N]`` is returned
-    (zeros for rows without an adapter).  No host sync; fixed grid."""
+    after the first (``()`` for one shard, ``(q, q + kv)`` for q/k/v; at most 3 shards).
+    With ``y`` ``[T, N]`` (contiguous rows) the delta is added into it in place (rows
+    without an adapter untouched) and ``y`` returned; without, the fp32 delta ``[T, N]``
+    is returned (zeros for rows without an adapter).  No host sync; fixed grid."""
     t = x.shape[0]
     n_slots, sr, k = a.shape
     n = bt.shape[2]
     n_shards = len(shard_bounds) + 1
-    if sr % n_shards or x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1:
+    if n_shards > 3 or sr % n_shards or x.shape[1] != (2 * k if silu_mul else k) \
+            or x.stride(1) != 1:
         raise ValueError(f"lora_fused: x {tuple(x.shape)} / a {tuple(a.shape)} / "
                          f"{n_shards} shards do not fit")
     assert a.is_contiguous() and bt.is_contiguous()
@@ -130,9 +139,10 @@ def lora_fused(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, bt: torch.
     r = sr // n_shards
     bounds = list(shard_bounds) + [n] * (2 - len(shard_bounds))
     block_n, block_k, warps = config or fused_config(n, k)
+    block_n = _block_n(block_n, shard_bounds)
     _fused_kernel[(t, triton.cdiv(n, block_n))](
         x, slots, a, bt, out, n, bounds[0], bounds[1], x.stride(0), out.stride(0),
-        a.stride(0), bt.stride(0), K=k, R=r, S=n_shards, SILU_MUL=silu_mul, STORE=store,
+        a.stride(0), bt.stride(0), K=k, R=r, SILU_MUL=silu_mul, STORE=store,
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=triton.next_power_of_2(r),
         num_warps=warps, **pdl_launch_args(x.device))
     return out

@@ -159,7 +159,7 @@ _COMPILE = textwrap.dedent(r"""
                "y_ptr": "*fp32" if store else "*bf16", "N": i32, "B1": i32, "B2": i32,
                "stride_x": i32, "stride_y": i32, "stride_as": i32, "stride_bs": i32}
         out["fused " + name] = build(L._fused_kernel, sig, dict(
-            K=k, R=16, S=s, SILU_MUL=silu, STORE=store, BLOCK_N=bn, BLOCK_K=bk,
+            K=k, R=16, SILU_MUL=silu, STORE=store, BLOCK_N=bn, BLOCK_K=bk,
             BLOCK_R=16, USE_PDL=True), warps)
     # The segmented pair at qkv's shape (3 shards x rank 16 = 48 shrink columns).
     sig = {"x_ptr": "*bf16", "rows_ptr": "*i32", "tiles_ptr": "*i32", "a_ptr": "*bf16",
