@@ -315,7 +315,7 @@ def sweep(results: list) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="lora_probe.json")
-    ap.add_argument("--rows", default="1,4,16,64,256", help="M values to time")
+    ap.add_argument("--rows", default="1,4,16,64,256,2048", help="M values to time")
     ap.add_argument("--sweep", action="store_true", help="sweep lora_fused's config")
     args = ap.parse_args()
     results: list = []
