@@ -12,8 +12,14 @@
 #   w1fcfs   W1 under the default FCFS policy
 #   w1small  W1-small on the SmolLM2-135M shape (host overhead)
 #   w5       long prompts (W5: 384 requests, 64-2048 in, 16-768 out), default policy
+#   loracheck  issue 26 on the GPU: benchmarks/lora_probe.py (the LoRA kernels against
+#            the fp32 reference at Llama-3-8B shapes, the fused GEMV paths with an adapter,
+#            the delta per layer at M = 1..256 against the base GEMV/GEMM; exits 1 on a
+#            mismatch; LORA_SWEEP=1 adds the fused kernel's config sweep), then the LoRA
+#            kernel / gemv_rope tests and the gpu-marked LoRA tests
 #   lora     issue 26's targets: W1 (fcfs) base vs 8 dummy rank-16 adapters spread over
-#            the requests, W4 base vs one adapter (bench ... --lora N)
+#            the requests, W4 base vs one adapter (bench ... --lora N).  LORA_VARIANTS
+#            adds W1 variants, e.g. "lora8_pair256=PAGEDLLM_LORA_PAIR_MAX_ROWS=256,--lora,8"
 #   w2       online serving at 10 and 20 req/s (benchmarks/w2_suite.sh; RATES to change)
 #   w3       shared prefix, prefix caching on vs off (benchmarks/w3_suite.sh gpu)
 #   startup  cold then warm server start to the first /health 200 (startup_probe.sh)
@@ -113,10 +119,15 @@ for part in $PARTS; do
       --dummy smollm2-135m --no-hf --scheduling-policy throughput ;;
     w5) ab w5 python -m pagedllm bench throughput --workload W5 --dummy llama3-8b --no-hf \
       --repeats "${REPEATS:-1}" ;;
+    loracheck)
+      step timeout 300 python benchmarks/lora_probe.py --out "$OUT/lora_probe.json" \
+        ${LORA_SWEEP:+--sweep}
+      step timeout 240 python -m pytest tests/kernels/test_lora_kernels.py \
+        tests/kernels/test_gemv_rope.py tests/lora -q -rf -p no:cacheprovider ;;
     lora)
-      VARIANTS="base= lora8=--lora,8" ab w1lora $W1
       VARIANTS="base= lora1=--lora,1" ab w4lora python -m pagedllm bench latency \
-        --dummy llama3-8b ;;
+        --dummy llama3-8b
+      VARIANTS="base= lora8=--lora,8 ${LORA_VARIANTS:-}" ab w1lora $W1 ;;
     w2) step env RATES="${RATES:-10 20}" bash benchmarks/w2_suite.sh ;;
     w3) step bash benchmarks/w3_suite.sh gpu ;;
     startup) step bash benchmarks/startup_probe.sh 2 ;;

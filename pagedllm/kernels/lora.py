@@ -1,98 +1,268 @@
-"""Batched multi-LoRA: shrink ``s = x A[slot]^T`` then expand ``y += s Bt[slot]``.
+"""Batched multi-LoRA: each token row's ``y += (x A[slot]^T) Bt[slot]``, where every row
+carries its own adapter slot (-1: none), so one step mixes adapters and base-model rows.
 
-Every token row carries its own adapter slot (``slots[t]``, -1: none), so one launch
-serves a batch mixing adapters and base-model rows (vLLM's punica "sgmv" idea).  Each
-program owns one token row and a block of output features and reads its slot's weights;
-those are small (``R`` rows per layer, a few hundred KB) and stay in L2 across the rows
-that share an adapter, so rows need not be sorted by adapter.  A row without an adapter
-loads nothing and writes zeros (shrink) or nothing (expand): no host sync, fixed grid, so the pair
-can be captured in a CUDA graph.  The shrink accumulates and stores in fp32; the expand
-adds in fp32 and rounds once into ``y``'s dtype.  Oracle: ``lora/layers.lora_ref``.
-``K``/``N``/``R`` are compile-time constants: a layer's shapes, a handful per model.
+Two forms, chosen by the row count (``lora/layers.lora_path``):
+
+* :func:`lora_fused` -- shrink and expand in **one launch**, one program per row and
+  block of outputs.  For decode at batch 1 (a Llama-3-8B step has 128 target
+  projections, so launches are the cost), and the only form that can read its input as
+  ``silu(gate) * up`` (``down_proj``'s GEMV does) or return the fp32 delta (for the QKV
+  GEMV, which must add it before its RoPE epilogue).
+* :func:`lora_sgmv` -- rows grouped by adapter on the host (vLLM's punica "sgmv"):
+  tensor-core shrink then expand per group, each row's own adapter only.  For steps of
+  many rows.
+
+Both read slot indices and weights from device buffers (no host sync) and launch fixed
+grids for a row count, so CUDA graphs capture them.  Sums are fp32; the result is added
+to ``y`` in fp32 and rounded once, and rows without an adapter are left bit-for-bit.
+Oracle: ``lora/layers.lora_ref``.  ``K``, ``R`` (and the shard count) are compile-time
+constants: a layer's shapes, a handful per model.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.gemv import _load_x
+from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
+
+# -- one launch: shrink and expand fused ------------------------------------------------
+#
+# Program (t, j) owns token row t and output features [j*BLOCK_N, (j+1)*BLOCK_N).  The
+# stacked weights of a fused layer (``lora/layers.py``) hold shard i's rank rows at
+# [i*R, (i+1)*R) of A and Bt, and B is block-diagonal: an output feature of shard i
+# reads only shard i's R shrink values.  BLOCK_N divides the shard bounds, so a block
+# lies in one shard and its program computes that shard's shrink only (R rows of A over
+# K: 128 KB at K = 4096, rank 16, from L2 after the first program of the slot), then
+# expands it for its block.  The shrink is recomputed by every block of a shard --
+# cheap at one row, which is what this form is for; steps with many rows take
+# :func:`lora_sgmv`.  At one row there are few programs (< 1 per SM), so nothing hides
+# one program's latency: the block's Bt tile and the first A tile are fetched before
+# the PDL wait (weights: kernels/pdl.py), and the K loop is unrolled over wide tiles
+# (few dependent round trips).
+
 
 @triton.jit
-def _shrink_kernel(x_ptr, slots_ptr, a_ptr, out_ptr, K: tl.constexpr, R: tl.constexpr,
-                   stride_x, stride_as,
-                   stride_ar, stride_o, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fused_kernel(x_ptr, slots_ptr, a_ptr, bt_ptr, y_ptr, N, B1, B2,
+                  stride_x, stride_y, stride_as, stride_bs,
+                  K: tl.constexpr, R: tl.constexpr, SILU_MUL: tl.constexpr,
+                  STORE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_trigger(USE_PDL)
     t = tl.program_id(0)
-    rs = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = rs < R
+    n0 = tl.program_id(1) * BLOCK_N
+    ns = n0 + tl.arange(0, BLOCK_N)
+    n_ok = ns < N
+    # The slot map is step metadata (written by a host copy before the forward), so it
+    # may be read before the PDL wait (kernels/pdl.py).
     slot = tl.load(slots_ptr + t)
-    # A row without an adapter loads nothing (all masked) and stores zeros; a mask, not
-    # a branch, keeps the program uniform.
-    has = slot >= 0
-    base = a_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_as
-    acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
+    has = slot >= 0  # without an adapter every load is masked off: no memory traffic
+    sl = tl.maximum(slot, 0).to(tl.int64)
+    # The block's shard: [0, B1), [B1, B2) or [B2, N) (absent bounds are N).
+    shard = (n0 >= B1).to(tl.int32) + (n0 >= B2).to(tl.int32)
+    rows = shard * R + tl.arange(0, BLOCK_R)
+    w_ok = (tl.arange(0, BLOCK_R) < R) & has
+    a_rows = a_ptr + sl * stride_as + rows[:, None] * K
+    rk = tl.arange(0, BLOCK_K)
+    b = tl.load(bt_ptr + sl * stride_bs + rows[:, None] * N + ns[None, :],
+                mask=w_ok[:, None] & n_ok[None, :], other=0.0)
+    a0 = tl.load(a_rows + rk[None, :], mask=w_ok[:, None] & (rk < K)[None, :], other=0.0)
+    x_row = x_ptr + t.to(tl.int64) * stride_x
+    pdl_wait(USE_PDL)
+    x0 = _load_x(x_row, rk, (rk < K) & has, K, SILU_MUL, True)
+    s = tl.sum(a0.to(tl.float32) * x0[None, :], axis=1)
+    for k0 in tl.static_range(BLOCK_K, K, BLOCK_K):
+        ks = k0 + rk
         k_ok = (ks < K) & has
-        x = tl.load(x_ptr + t * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)
-        a = tl.load(base + rs[:, None] * stride_ar + ks[None, :],
-                    mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += a * x[None, :]
-    tl.store(out_ptr + t * stride_o + rs, tl.sum(acc, axis=1), mask=r_ok)
+        xk = _load_x(x_row, ks, k_ok, K, SILU_MUL, True)
+        a = tl.load(a_rows + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+        s += tl.sum(a.to(tl.float32) * xk[None, :], axis=1)
+    acc = tl.sum(s[:, None] * b.to(tl.float32), axis=0)
+    out = y_ptr + t.to(tl.int64) * stride_y + ns
+    if STORE:  # the delta itself, fp32, every row (zeros without an adapter)
+        tl.store(out, acc, mask=n_ok)
+    else:  # added in fp32, rounded once; rows without an adapter stay bit-for-bit
+        ok = n_ok & has
+        y = tl.load(out, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out, (y + acc).to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _expand_kernel(s_ptr, slots_ptr, bt_ptr, y_ptr, N: tl.constexpr, R: tl.constexpr,
-                   stride_s, stride_bs, stride_br,
-                   stride_y, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slots_ptr + t)
-    has = slot >= 0
-    base = bt_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs
-    ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = (ns < N) & has
-    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        rs = r0 + tl.arange(0, BLOCK_R)
-        r_ok = (rs < R) & has
-        s = tl.load(s_ptr + t * stride_s + rs, mask=r_ok, other=0.0)
-        b = tl.load(base + rs[:, None] * stride_br + ns[None, :],
-                    mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-        acc += s[:, None] * b
-    # Rows without an adapter store nothing: y stays bit-for-bit the base output.
-    y = tl.load(y_ptr + t * stride_y + ns, mask=n_ok, other=0.0).to(tl.float32)
-    out = y + tl.sum(acc, axis=0)
-    tl.store(y_ptr + t * stride_y + ns, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+def fused_config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): about 64 programs per row (each program's cost is
+    its shard's shrink, so more blocks only add L2 traffic) and a [R, 2048] shrink tile
+    over 8 warps (2 steps at K = 4096, 7 at 14336).  Written without a GPU:
+    ``benchmarks/lora_probe.py --sweep`` times the alternatives on one."""
+    block_n = max(64, min(512, triton.next_power_of_2(max(n // 64, 1))))
+    return block_n, min(2048, triton.next_power_of_2(k)), 8
 
 
-def lora_shrink(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """``x [T, K]``, ``slots [T]``, ``a [L, R, K]`` -> fp32 ``[T, R]`` (zero rows where
-    ``slots < 0``)."""
-    t, k = x.shape
-    r = a.shape[1]
-    x = x.contiguous()
-    out = torch.empty(t, r, dtype=torch.float32, device=x.device)
+def _block_n(block_n: int, bounds: tuple[int, ...]) -> int:
+    """The largest power of two <= ``block_n`` dividing every shard bound (a block then
+    lies in one shard)."""
+    while any(b % block_n for b in bounds):
+        block_n //= 2
+    return block_n
+
+
+def lora_fused(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+               shard_bounds: tuple[int, ...], y: torch.Tensor | None = None,
+               silu_mul: bool = False,
+               config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Each row's ``x[t] A[s]^T Bt[s]`` with ``s = slots[t]`` (-1: none), one launch.
+
+    ``x [T, K]`` (``[T, 2K]`` = ``[gate | up]`` with ``silu_mul``: the input is
+    ``silu(gate) * up``, rounded as ``kernels/activation.py`` rounds it), ``slots [T]``
+    int32, ``a [L, S*R, K]`` and ``bt [L, S*R, N]`` contiguous (the layout of
+    ``lora/layers.LoRALinear``), ``shard_bounds``: the S shards' first output features
+    after the first (``()`` for one shard, ``(q, q + kv)`` for q/k/v; at most 3 shards).
+    With ``y`` ``[T, N]`` (contiguous rows) the delta is added into it in place (rows
+    without an adapter untouched) and ``y`` returned; without, the fp32 delta ``[T, N]``
+    is returned (zeros for rows without an adapter).  No host sync; fixed grid."""
+    t = x.shape[0]
+    n_slots, sr, k = a.shape
+    n = bt.shape[2]
+    n_shards = len(shard_bounds) + 1
+    if n_shards > 3 or sr % n_shards or x.shape[1] != (2 * k if silu_mul else k) \
+            or x.stride(1) != 1:
+        raise ValueError(f"lora_fused: x {tuple(x.shape)} / a {tuple(a.shape)} / "
+                         f"{n_shards} shards do not fit")
+    assert a.is_contiguous() and bt.is_contiguous()
+    store = y is None
+    out = torch.empty(t, n, dtype=torch.float32, device=x.device) if store else y
+    assert out.stride(1) == 1 and out.shape == (t, n)
     if t == 0:
         return out
-    block_r = min(32, triton.next_power_of_2(r))
-    grid = (t, triton.cdiv(r, block_r))
-    _shrink_kernel[grid](x, slots, a, out, k, r, x.stride(0), a.stride(0), a.stride(1),
-                         out.stride(0), BLOCK_R=block_r, BLOCK_K=128)
+    r = sr // n_shards
+    bounds = list(shard_bounds) + [n] * (2 - len(shard_bounds))
+    block_n, block_k, warps = config or fused_config(n, k)
+    block_n = _block_n(block_n, shard_bounds)
+    _fused_kernel[(t, triton.cdiv(n, block_n))](
+        x, slots, a, bt, out, n, bounds[0], bounds[1], x.stride(0), out.stride(0),
+        a.stride(0), bt.stride(0), K=k, R=r, SILU_MUL=silu_mul, STORE=store,
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=triton.next_power_of_2(r),
+        num_warps=warps, **pdl_launch_args(x.device))
     return out
 
 
-def lora_expand(s: torch.Tensor, slots: torch.Tensor, bt: torch.Tensor,
-                y: torch.Tensor) -> torch.Tensor:
-    """``y[t] += s[t] Bt[slots[t]]`` in place for rows with a slot; ``s [T, R]`` fp32,
-    ``bt [L, R, N]``, ``y [T, N]`` contiguous.  Returns ``y``."""
-    t, r = s.shape
-    n = y.shape[1]
+# -- many rows: segmented by adapter (punica's "sgmv") ------------------------------------
+#
+# The host groups the step's rows by slot (``lora/layers.sgmv_tiles``): ``rows`` lists
+# the token rows with an adapter, sorted by slot; ``tiles`` is ``[count, (slot, start,
+# end) x count]``, each tile at most ``block_m`` consecutive entries of ``rows``
+# sharing one slot.  Program (i, j) takes tile i (idle past ``count``): the shrink
+# multiplies its rows by that one slot's A on the tensor cores, the expand its shrink by
+# that slot's Bt for output block j and adds into ``y``.  Work is each row's own adapter
+# only (the dense form computes every slot for every row), and the grid is fixed for a
+# row count (``cdiv(T, block_m) + L`` tiles): no host sync, graph-capturable.
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:  # fp32 models (no tf32), and bf16 in the interpreter (numpy has no bf16 dot)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _tile(tiles_ptr, rows_ptr, BLOCK_M: tl.constexpr):
+    """Program 0's tile: (has work, slot, the entries of ``rows``, their mask, the rows)."""
+    i = tl.program_id(0)
+    live = i < tl.load(tiles_ptr)
+    slot = tl.load(tiles_ptr + 1 + 3 * i, mask=live, other=0)
+    start = tl.load(tiles_ptr + 2 + 3 * i, mask=live, other=0)
+    end = tl.load(tiles_ptr + 3 + 3 * i, mask=live, other=0)
+    r = start + tl.arange(0, BLOCK_M)
+    ok = r < end
+    tok = tl.load(rows_ptr + r, mask=ok, other=0).to(tl.int64)
+    return live, slot.to(tl.int64), r, ok, tok
+
+
+@triton.jit
+def _sgmv_shrink_kernel(x_ptr, rows_ptr, tiles_ptr, a_ptr, s_ptr, stride_x, stride_as,
+                        K: tl.constexpr, SR: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_SR: tl.constexpr,
+                        IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_trigger(USE_PDL)
+    # The tiles and rows are step metadata (host copies before the forward).
+    live, slot, r, ok, tok = _tile(tiles_ptr, rows_ptr, BLOCK_M)
+    cols = tl.arange(0, BLOCK_SR)
+    c_ok = cols < SR
+    rk = tl.arange(0, BLOCK_K)
+    pdl_wait(USE_PDL)
+    if live:
+        acc = tl.zeros((BLOCK_M, BLOCK_SR), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + rk
+            k_ok = ks < K
+            x = tl.load(x_ptr + tok[:, None] * stride_x + ks[None, :],
+                        mask=ok[:, None] & k_ok[None, :], other=0.0)
+            at = tl.load(a_ptr + slot * stride_as + cols[None, :] * K + ks[:, None],
+                         mask=c_ok[None, :] & k_ok[:, None], other=0.0)  # A^T tile
+            acc = _dot(x, at.to(x.dtype), acc, IEEE)
+        # Stored by position in ``rows`` (fp32): the expand reads its tile contiguously.
+        tl.store(s_ptr + r[:, None] * SR + cols[None, :], acc,
+                 mask=ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _sgmv_expand_kernel(s_ptr, rows_ptr, tiles_ptr, bt_ptr, y_ptr, N, stride_bs, stride_y,
+                        SR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_SR: tl.constexpr, IEEE: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    pdl_trigger(USE_PDL)
+    live, slot, r, ok, tok = _tile(tiles_ptr, rows_ptr, BLOCK_M)
+    cols = tl.arange(0, BLOCK_SR)
+    c_ok = cols < SR
+    ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = ns < N
+    pdl_wait(USE_PDL)
+    if live:
+        s = tl.load(s_ptr + r[:, None] * SR + cols[None, :],
+                    mask=ok[:, None] & c_ok[None, :], other=0.0)
+        b = tl.load(bt_ptr + slot * stride_bs + cols[:, None] * N + ns[None, :],
+                    mask=c_ok[:, None] & n_ok[None, :], other=0.0)
+        # The shrink rounded to the weights' dtype for the tensor cores (as vLLM's
+        # punica kernels do); fp32 models keep fp32 (IEEE).
+        acc = _dot(s.to(b.dtype), b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE)
+        ptrs = y_ptr + tok[:, None] * stride_y + ns[None, :]
+        m = ok[:, None] & n_ok[None, :]
+        y = tl.load(ptrs, mask=m, other=0.0).to(tl.float32)
+        tl.store(ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _ieee(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 or (os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+def lora_sgmv(x: torch.Tensor, rows: torch.Tensor, tiles: torch.Tensor, a: torch.Tensor,
+              bt: torch.Tensor, y: torch.Tensor, block_m: int) -> torch.Tensor:
+    """``y[t] += x[t] A[s]^T Bt[s]`` in place for the rows grouped in ``rows`` / ``tiles``
+    (``lora/layers.sgmv_tiles``; rows without an adapter are in no tile and stay
+    untouched).  ``x [T, K]``, ``a [L, SR, K]``, ``bt [L, SR, N]`` contiguous, ``y [T, N]``
+    with contiguous rows; ``block_m``: the tiles' row count (a power of two >= 16).  Two
+    launches; the grid depends on ``T`` and ``L`` only."""
+    t, k = x.shape
+    n_slots, sr, _ = a.shape
+    n = bt.shape[2]
     if t == 0:
         return y
-    assert y.is_contiguous(), "lora_expand writes y in place"
-    block_n = min(128, triton.next_power_of_2(n))
-    grid = (t, triton.cdiv(n, block_n))
-    _expand_kernel[grid](s, slots, bt, y, n, r, s.stride(0), bt.stride(0), bt.stride(1),
-                         y.stride(0), BLOCK_N=block_n,
-                         BLOCK_R=min(16, triton.next_power_of_2(r)))
+    assert a.is_contiguous() and bt.is_contiguous() and x.stride(1) == 1
+    assert y.stride(1) == 1 and y.shape == (t, n)
+    n_tiles = triton.cdiv(t, block_m) + n_slots
+    assert tiles.numel() >= 1 + 3 * n_tiles, "tiles: [count, (slot, start, end) x n]"
+    block_sr = max(16, triton.next_power_of_2(sr))
+    ieee = _ieee(x.dtype)
+    s = torch.empty(t, sr, dtype=torch.float32, device=x.device)
+    pdl = pdl_launch_args(x.device)
+    _sgmv_shrink_kernel[(n_tiles,)](
+        x, rows, tiles, a, s, x.stride(0), a.stride(0), K=k, SR=sr,
+        BLOCK_M=block_m, BLOCK_K=min(128, max(16, triton.next_power_of_2(k))),
+        BLOCK_SR=block_sr, IEEE=ieee, num_warps=4, **pdl)
+    block_n = min(128, max(16, triton.next_power_of_2(n)))
+    _sgmv_expand_kernel[(n_tiles, triton.cdiv(n, block_n))](
+        s, rows, tiles, bt, y, n, bt.stride(0), y.stride(0), SR=sr, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_SR=block_sr, IEEE=ieee, num_warps=4, **pdl)
     return y

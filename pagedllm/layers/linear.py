@@ -48,8 +48,9 @@ def gemv_applies(x: torch.Tensor, layer: LinearBase) -> bool:
     ``quantization.unquantized.gemv_shape``): unquantised weights only, so fused paths
     that read the weight themselves (GEMV + SiLU, GEMV + RoPE) see a plain tensor."""
     weight = layer.unquantized_weight
-    # A layer with LoRA slots runs its own forward (the fused paths would skip the hook).
-    return gemv_shape(x, weight) if weight is not None and layer.lora is None else False
+    # With LoRA slots the fused paths add the delta themselves (``forward_silu_mul``,
+    # ``LlamaAttention``'s QKV + RoPE through ``LoRALinear.delta``).
+    return gemv_shape(x, weight) if weight is not None else False
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -385,7 +386,10 @@ class RowParallelLinear(LinearBase):
         ``gemv_applies(gate_up, self)``."""
         from pagedllm.kernels.gemv import gemv
 
-        return self._reduce(gemv(gate_up, self.weight, self._local_bias, silu_mul=True))
+        y = gemv(gate_up, self.weight, self._local_bias, silu_mul=True)
+        if self.lora is not None:  # the partial delta joins before the all-reduce
+            y = self.lora.apply_silu_mul(gate_up, y)
+        return self._reduce(y)
 
     @property
     def _local_bias(self) -> torch.Tensor | None:

@@ -15,29 +15,107 @@ partial to the partial output *before* the all-reduce is exact (``layers/linear.
 
 The layer reads the step's token -> slot map (``LoRAMapping.token_slots``, -1: no
 adapter) by its own row count only, so a CUDA graph and an eager step of one size agree.
+The last decoder layer's modules after attention (``o_proj``, ``gate_up_proj``,
+``down_proj``) read ``LoRAMapping.last_slots`` instead: with the model's ``last_only``
+pruning they run on one row per request (``models/llama.py``), so that map holds one
+slot per request on such steps (the token map otherwise).
+
 The CPU path (and the kernels' oracle) is :func:`lora_ref`: dense over all slots with a
-per-token mask -- no loop over tokens or adapters, no host sync; on the GPU, steps of up
-to ``TRITON_MAX_ROWS`` rows use the Triton shrink/expand pair in ``kernels/lora.py``,
-larger ones ``lora_ref`` on cuBLAS.
+per-token mask -- no loop over tokens or adapters, no host sync.  On CUDA the path
+depends on the row count only (:func:`lora_path`): up to ``FUSED_MAX_ROWS`` rows (decode
+at batch 1) the one-launch ``kernels/lora.lora_fused``; above, the segmented
+``kernels/lora.lora_sgmv`` over the rows the manager grouped by slot on the host
+(:func:`sgmv_tiles`, published with the slot map); the dense masked form on cuBLAS
+(:func:`lora_dense_`) only beyond ``PAGEDLLM_LORA_SGMV_MAX_ROWS`` (an A/B switch).
+
+The base model's batch-1 fusions stay on with adapters: ``down_proj``'s GEMV reads
+``silu(gate) * up`` from ``gate_up`` itself, so :meth:`LoRALinear.apply_silu_mul` has the
+LoRA kernel do the same; the QKV GEMV rotates q/k and writes the KV cache in its
+epilogue, so the delta must join before that: :meth:`LoRALinear.delta` computes it
+(fp32) and ``kernels/gemv_rope.py`` adds it before rotating.
 """
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import torch
 
 from pagedllm.lora.peft import LoRAWeights
 
+# Rows per tile of the segmented kernels (``kernels/lora.lora_sgmv``'s ``block_m``): the
+# host groups rows into tiles of this size.
+SGMV_BLOCK_M = 32
+
+
+def sgmv_tiles(slots: np.ndarray, n_slots: int, block_m: int = SGMV_BLOCK_M,
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """The rows with an adapter grouped by slot, for ``kernels/lora.lora_sgmv``:
+    ``rows`` (those rows, sorted by slot, stable) and ``tiles`` = ``[count, (slot, start,
+    end) x count]``: each tile up to ``block_m`` consecutive entries of ``rows`` of one
+    slot.  At most ``cdiv(len(slots), block_m) + n_slots`` tiles."""
+    valid = np.flatnonzero(slots >= 0)
+    keys = slots[valid]
+    rows = valid[np.argsort(keys, kind="stable")].astype(np.int32)
+    counts = np.bincount(keys, minlength=n_slots)
+    starts = np.concatenate(([0], np.cumsum(counts)))
+    per = -(-counts // block_m)
+    slot = np.repeat(np.arange(n_slots), per)
+    first = np.repeat(np.cumsum(per) - per, per)
+    start = starts[slot] + (np.arange(len(slot)) - first) * block_m
+    end = np.minimum(start + block_m, starts[slot + 1])
+    tiles = np.concatenate(([len(slot)], np.stack([slot, start, end], 1).ravel()))
+    return rows, tiles.astype(np.int32)
+
+
+class SlotMap:
+    """One row -> slot map on the device (``slots``, -1: no adapter) and, for the
+    segmented kernels, the same rows grouped by slot (``rows``, ``tiles``:
+    :func:`sgmv_tiles`).  Persistent buffers: CUDA graphs read them at replay."""
+
+    def __init__(self, max_rows: int, n_slots: int, device: torch.device) -> None:
+        self.n_slots = n_slots
+        self.slots = torch.full((max_rows,), -1, dtype=torch.int32, device=device)
+        self.rows = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        max_tiles = -(-max_rows // SGMV_BLOCK_M) + n_slots
+        self.tiles = torch.zeros(1 + 3 * max_tiles, dtype=torch.int32, device=device)
+        self._prev = 0  # rows the last publish set
+
+    def publish(self, slots: np.ndarray, h2d, name: str, grouped: bool) -> None:
+        """Copy a step's map in (staged host copies, no sync); rows past it that a
+        padded graph may read get -1.  ``grouped``: also the segmented kernels' grouping."""
+        n = len(slots)
+        self.slots[:n].copy_(h2d(f"{name}_slots", slots), non_blocking=True)
+        if self._prev > n:
+            self.slots[n:self._prev].fill_(-1)
+        self._prev = n
+        if grouped:
+            rows, tiles = sgmv_tiles(slots, self.n_slots)
+            if len(rows):
+                self.rows[:len(rows)].copy_(h2d(f"{name}_rows", rows), non_blocking=True)
+            self.tiles[:len(tiles)].copy_(h2d(f"{name}_tiles", tiles), non_blocking=True)
+
 
 class LoRAMapping:
-    """The step's token -> slot map, shared by every LoRA layer of a model.
+    """The step's row -> slot maps, shared by every LoRA layer of a model: ``tokens``
+    (one row per scheduled token) and ``last`` (the last layer's rows after attention:
+    one per request on steps the model prunes to each request's last token, else the
+    token map).  ``active`` is False in an eager step where no request has an adapter
+    (layers then skip the LoRA work entirely); graph capture sets it True."""
 
-    ``token_slots`` is a persistent device buffer (CUDA graphs read it at replay);
-    ``active`` is False in an eager step where no request has an adapter (layers then
-    skip the LoRA work entirely); graph capture sets it True."""
-
-    def __init__(self, max_tokens: int, device: torch.device) -> None:
-        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+    def __init__(self, max_tokens: int, device: torch.device, n_slots: int = 1) -> None:
+        self.tokens = SlotMap(max_tokens, n_slots, device)
+        self.last = SlotMap(max_tokens, n_slots, device)
         self.active = False
+
+    @property
+    def token_slots(self) -> torch.Tensor:
+        return self.tokens.slots
+
+    @property
+    def last_slots(self) -> torch.Tensor:
+        return self.last.slots
 
 
 def slot_owner(n_slots: int, r: int, device: torch.device) -> torch.Tensor:
@@ -61,32 +139,68 @@ def lora_ref(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor,
     return torch.where(mask, shrunk, 0) @ bt.reshape(n_slots * r, -1)
 
 
-# On CUDA, steps of up to this many rows use the Triton kernels (they read only each
-# row's slot, which is what a decode step needs); larger steps use the two dense GEMMs
-# of ``lora_ref`` (cuBLAS), which the per-row kernels cannot match at prefill sizes.
-# The choice depends on the row count only, so graph capture and eager runs agree.
-TRITON_MAX_ROWS = 256
+def lora_dense_(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+                owner: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``y += lora_ref(x, slots, a, bt)`` in place, in ``y``'s dtype, in three GEMM-sized
+    launches (shrink over all slots, mask, expand accumulated into ``y``) for large steps
+    on the GPU, where two dense GEMMs over a few hundred columns beat per-row kernels."""
+    n_slots, r, k = a.shape
+    shrunk = x @ a.reshape(n_slots * r, k).t()
+    shrunk.mul_(slots.to(owner.dtype).unsqueeze(1) == owner.unsqueeze(0))
+    return y.addmm_(shrunk, bt.reshape(n_slots * r, -1))
+
+
+def _rows_env(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+# Row-count thresholds of the CUDA paths (see the module doc).  Chosen without a GPU;
+# ``benchmarks/lora_probe.py`` times every path at 1-256 rows on the Llama-3-8B shapes,
+# and the environment variables override them for an A/B run.
+FUSED_MAX_ROWS = _rows_env("PAGEDLLM_LORA_FUSED_MAX_ROWS", 4)
+SGMV_MAX_ROWS = _rows_env("PAGEDLLM_LORA_SGMV_MAX_ROWS", 1 << 30)
+
+
+def lora_path(rows: int, use_triton: bool) -> str:
+    """``"fused"``, ``"sgmv"``, ``"dense"`` (cuBLAS) or ``"ref"`` (the CPU): a function of
+    the row count only, so graph capture and eager runs of one size agree."""
+    if not use_triton:
+        return "ref"
+    if rows <= FUSED_MAX_ROWS:
+        return "fused"
+    return "sgmv" if rows <= SGMV_MAX_ROWS else "dense"
 
 
 class LoRALinear:
     """The LoRA slots of one ``LinearBase`` (set as ``layer.lora``; the layer calls
     :meth:`apply` on its output).  Contract: ``apply(x, y)`` adds every row's adapter
-    delta to ``y`` in place and returns it; no host sync."""
+    delta to ``y`` in place and returns it; no host sync.  ``last_rows``: the layer runs
+    on the last decoder layer's pruned rows (it reads ``mapping.last_slots``)."""
 
     def __init__(self, layer: torch.nn.Module, max_loras: int, max_rank: int,
                  mapping: LoRAMapping, dtype: torch.dtype, device: torch.device,
-                 use_triton: bool) -> None:
+                 use_triton: bool, last_rows: bool = False) -> None:
         self.layer = layer
         self.mapping = mapping
         self.max_rank = max_rank
+        self.last_rows = last_rows
         self.row_parallel = hasattr(layer, "input_sizes")
-        n_shards = len(layer.output_partition_sizes)
+        sizes = list(layer.output_partition_sizes)
+        n_shards = len(sizes)
+        # Where shards 1.. start among this rank's output features (kernels/lora.py).
+        self.shard_bounds = tuple(sum(sizes[:i + 1]) for i in range(n_shards - 1))
         k, n = layer.in_per_partition, layer.out_per_partition
         self.a = torch.zeros(max_loras, n_shards * max_rank, k, dtype=dtype, device=device)
         self.bt = torch.zeros(max_loras, n_shards * max_rank, n, dtype=dtype,
                               device=device)
         self.use_triton = use_triton
         self.owner = slot_owner(max_loras, n_shards * max_rank, device)
+
+    @staticmethod
+    def bytes_per_slot(layer: torch.nn.Module, max_rank: int, dtype: torch.dtype) -> int:
+        """Device bytes one adapter slot takes on ``layer`` (A and Bt)."""
+        rows = len(layer.output_partition_sizes) * max_rank
+        return rows * (layer.in_per_partition + layer.out_per_partition) * dtype.itemsize
 
     def set_slot(self, slot: int, shards: list[LoRAWeights | None] | None) -> None:
         """Write one adapter's weights for this layer into ``slot`` (None: the adapter
@@ -115,12 +229,55 @@ class LoRALinear:
                 self.bt[slot, rows, off:off + size].copy_(b[src:src + size].t())
             self.a[slot, rows].copy_(a)
 
+    def _map(self) -> SlotMap:
+        return self.mapping.last if self.last_rows else self.mapping.tokens
+
+    def _slots(self, rows: int) -> torch.Tensor:
+        return self._map().slots[:rows]
+
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if not self.mapping.active:
             return y
-        slots = self.mapping.token_slots[:x.shape[0]]
-        if self.use_triton and x.shape[0] <= TRITON_MAX_ROWS:
-            from pagedllm.kernels.lora import lora_expand, lora_shrink
+        slots = self._slots(x.shape[0])
+        path = lora_path(x.shape[0], self.use_triton)
+        if path == "fused":
+            from pagedllm.kernels.lora import lora_fused
 
-            return lora_expand(lora_shrink(x, slots, self.a), slots, self.bt, y)
+            return lora_fused(x, slots, self.a, self.bt, self.shard_bounds, y=y)
+        if path == "sgmv":
+            from pagedllm.kernels.lora import lora_sgmv
+
+            m = self._map()
+            return lora_sgmv(x, m.rows, m.tiles, self.a, self.bt, y, SGMV_BLOCK_M)
+        if path == "dense":
+            return lora_dense_(x, slots, self.a, self.bt, self.owner, y)
         return y.add_(lora_ref(x, slots, self.a, self.bt, self.owner).to(y.dtype))
+
+    def apply_silu_mul(self, gate_up: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """:meth:`apply` for an input given as ``gate_up = [gate | up]`` whose
+        ``silu(gate) * up`` the base GEMV computes on the fly (``down_proj`` at batch 1):
+        the LoRA kernel computes it the same way instead of materialising it."""
+        if not self.mapping.active:
+            return y
+        slots = self._slots(gate_up.shape[0])
+        if lora_path(gate_up.shape[0], self.use_triton) == "fused":
+            from pagedllm.kernels.lora import lora_fused
+
+            return lora_fused(gate_up, slots, self.a, self.bt, self.shard_bounds, y=y,
+                              silu_mul=True)
+        from pagedllm.layers.activation import SiluAndMul
+
+        return self.apply(SiluAndMul()(gate_up), y)
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every row's delta in fp32 ``[T, out]`` (zeros without an adapter), for a fused
+        kernel that must add it before its own epilogue (QKV + RoPE); None when no
+        adapter runs this step."""
+        if not self.mapping.active:
+            return None
+        slots = self._slots(x.shape[0])
+        if lora_path(x.shape[0], self.use_triton) == "fused":
+            from pagedllm.kernels.lora import lora_fused
+
+            return lora_fused(x, slots, self.a, self.bt, self.shard_bounds)
+        return lora_ref(x.float(), slots, self.a.float(), self.bt.float(), self.owner)

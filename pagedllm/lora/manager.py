@@ -41,6 +41,22 @@ def lora_target_layers(model: nn.Module) -> dict[str, nn.Module]:
             and ".layers." in m.prefix}
 
 
+def runs_on_pruned_rows(name: str, last_layer: int) -> bool:
+    """Whether module ``name`` runs on the rows the model's ``last_only`` pruning keeps:
+    the last decoder layer's modules after attention (``models/llama.py`` selects the
+    rows on the attention output, before ``o_proj``)."""
+    layer = int(name.split(".layers.")[1].split(".")[0])
+    return layer == last_layer and not name.endswith("qkv_proj")
+
+
+def lora_slot_bytes(model: nn.Module, max_loras: int, max_lora_rank: int,
+                    dtype: torch.dtype) -> int:
+    """Device bytes the adapter slots of ``model`` take (what the memory plan sets aside
+    before sizing the KV cache)."""
+    return max_loras * sum(LoRALinear.bytes_per_slot(layer, max_lora_rank, dtype)
+                           for layer in lora_target_layers(model).values())
+
+
 class LoRAManager:
     """Owns the adapters' device slots and host copies for one model (one per rank)."""
 
@@ -51,12 +67,14 @@ class LoRAManager:
         self.hf_config = hf_config
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max_cpu_loras
-        self.mapping = LoRAMapping(max_num_tokens, device)
+        self.mapping = LoRAMapping(max_num_tokens, device, max_loras)
         use_triton = device.type == "cuda"
+        self.grouped = use_triton  # the segmented kernels need rows grouped by slot
         self.layers: dict[str, LoRALinear] = {}
+        last = int(hf_config.num_hidden_layers) - 1
         for name, layer in lora_target_layers(model).items():
             lora = LoRALinear(layer, max_loras, max_lora_rank, self.mapping, dtype, device,
-                              use_triton)
+                              use_triton, last_rows=runs_on_pruned_rows(name, last))
             layer.lora = lora  # the hook LinearBase.forward calls
             self.layers[name] = lora
         self.slot_ids: list[int | None] = [None] * max_loras
@@ -105,9 +123,13 @@ class LoRAManager:
         return slot
 
     def prepare_step(self, loras: Sequence[LoRARequest | None], num_new: np.ndarray,
-                     h2d: Callable[[str, np.ndarray], torch.Tensor]) -> None:
-        """Make the step's adapters resident and publish the token -> slot map.
-        ``loras[i]``: scheduled request i's adapter; ``num_new[i]``: its tokens."""
+                     h2d: Callable[[str, np.ndarray], torch.Tensor],
+                     pruned: bool = False) -> None:
+        """Make the step's adapters resident and publish the slot maps.
+        ``loras[i]``: scheduled request i's adapter; ``num_new[i]``: its tokens;
+        ``pruned``: the model runs its last layer past attention on each request's last
+        token only (``last_only`` with a multi-token request), so that layer's map has
+        one slot per request."""
         in_step = {r.lora_int_id for r in loras if r is not None}
         m = self.mapping
         if not in_step and self._prev_tokens == 0:
@@ -120,11 +142,9 @@ class LoRAManager:
             (-1 if r is None else self._make_resident(r, in_step) for r in loras),
             np.int32, len(loras))
         tokens = np.repeat(req_slots, num_new)
-        total = len(tokens)
-        m.token_slots[:total].copy_(h2d("lora_slots", tokens), non_blocking=True)
-        if self._prev_tokens > total:  # rows a padded CUDA graph may read: no adapter
-            m.token_slots[total:self._prev_tokens].fill_(-1)
-        self._prev_tokens = total if in_step else 0
+        m.tokens.publish(tokens, h2d, "lora_tokens", self.grouped)
+        m.last.publish(req_slots if pruned else tokens, h2d, "lora_last", self.grouped)
+        self._prev_tokens = len(tokens) if in_step else 0
         m.active = bool(in_step)
 
 

@@ -154,11 +154,8 @@ class ModelRunner:
         # Live requests with token constraints (grammar, allowed/bad tokens, logits
         # processors): while there are none, a step does not look for them.
         self._constrained: set[str] = set()
-        # Multi-LoRA (lora/manager.py): adapter slots on the linear layers.  Their token
-        # map covers every row, so the last layer runs on every row too.
+        # Multi-LoRA (lora/manager.py): adapter slots on the linear layers.
         self.lora = make_lora_manager(config, model, device)
-        if self.lora is not None:
-            self.last_only = False
         # Speculative decoding (spec_decode/runner_hook.py): verify drafts, propose more.
         spec = sc.speculative_config
         self.spec = SpecDecodeHook(spec, mc.max_model_len) if spec is not None else None
@@ -363,13 +360,13 @@ class ModelRunner:
         num_new = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, len(order))
         num_computed = np.fromiter((computed[r] for r in order), np.int64, len(order))
         inp = self.batch.prepare(rows, num_computed, num_new)
-        if self.lora is not None:
-            self.lora.prepare_step([self.requests[r].lora_request for r in order], num_new,
-                                   self.h2d)
-        pending, fix = self._pending_fix(order, inp)
         # Prompt logprobs read the hidden state of every prompt token.
         last_only = self.last_only and not (self._prompt_lp_ids and inp.max_query_len > 1) \
             and not drafts
+        if self.lora is not None:  # the last layer's LoRA map follows the pruning
+            self.lora.prepare_step([self.requests[r].lora_request for r in order], num_new,
+                                   self.h2d, pruned=last_only and inp.max_query_len > 1)
+        pending, fix = self._pending_fix(order, inp)
         hidden = self._forward(inp, fix, last_only)
 
         # Sample only requests whose known tokens (incl. one still in flight) are all

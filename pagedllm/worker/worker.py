@@ -220,15 +220,26 @@ class Worker:
         graph_margin = 0 if self.config.device_config.enforce_eager else \
             self._graph_margin(profile_peak - weights)
         self.graph_margin = graph_margin
+        lora = self._lora_slot_bytes()  # allocated with the model runner, after this
         budget = int(total * self.config.cache_config.gpu_memory_utilization) - \
-            profile_peak - max(outside_torch, 0) - graph_margin
+            profile_peak - max(outside_torch, 0) - graph_margin - lora
         logger.info(
             "memory plan: total %.1f GiB x %.2f; weights %.2f GiB, activation peak %.2f "
-            "GiB, outside torch %.2f GiB, graphs %.2f GiB -> KV cache %.2f GiB",
-            total / 2**30, self.config.cache_config.gpu_memory_utilization,
+            "GiB, outside torch %.2f GiB, graphs %.2f GiB, LoRA slots %.2f GiB -> KV cache "
+            "%.2f GiB", total / 2**30, self.config.cache_config.gpu_memory_utilization,
             weights / 2**30, (profile_peak - weights) / 2**30, outside_torch / 2**30,
-            graph_margin / 2**30, budget / 2**30)
+            graph_margin / 2**30, lora / 2**30, budget / 2**30)
         return budget
+
+    def _lora_slot_bytes(self) -> int:
+        """Device bytes of the LoRA adapter slots (``lora/manager.py``), 0 without LoRA."""
+        lc = self.config.lora_config
+        if lc is None:
+            return 0
+        from pagedllm.lora.manager import lora_slot_bytes
+
+        dtype = next(self.model.parameters()).dtype
+        return lora_slot_bytes(self.model, lc.max_loras, lc.max_lora_rank, dtype)
 
     def _graph_margin(self, activation_peak: int) -> int:
         """The graphs' share of the memory plan (``cuda_graphs.graph_memory_margin``)."""

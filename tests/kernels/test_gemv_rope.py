@@ -22,7 +22,7 @@ DTYPES = [torch.bfloat16] + ([torch.float16] if ON_GPU else [])
 
 
 def _case(dtype: torch.dtype, head_dim: int, hq: int, hkv: int, k: int, bias: bool,
-          slot: int, pos: int, seed: int) -> None:
+          slot: int, pos: int, seed: int, lora: bool = False) -> None:
     gen = torch.Generator().manual_seed(seed)
     n = (hq + 2 * hkv) * head_dim
     x = torch.randn(1, k, generator=gen).to(DEVICE, dtype)
@@ -36,8 +36,12 @@ def _case(dtype: torch.dtype, head_dim: int, hq: int, hkv: int, k: int, bias: bo
     cache0 = torch.full((2, num_blocks, block_size, hkv, head_dim), float("nan"),
                         dtype=dtype, device=DEVICE)
 
+    # A LoRA delta (fp32) joins the rounded projection, as LoRALinear.apply adds it.
+    delta = torch.randn(1, n, generator=gen).to(DEVICE) if lora else None
     ref_cache = cache0.clone()
     qkv = gemv(x, w, b)
+    if delta is not None:
+        qkv = (qkv.float() + delta).to(dtype)
     q_ref = qkv[:, :hq * head_dim].clone()
     rotary_and_write_kv(positions, q_ref, qkv[:, hq * head_dim:(hq + hkv) * head_dim],
                         qkv[:, (hq + hkv) * head_dim:], head_dim, cs, ref_cache, slots)
@@ -45,9 +49,11 @@ def _case(dtype: torch.dtype, head_dim: int, hq: int, hkv: int, k: int, bias: bo
     got_cache = cache0.clone()
     out = torch.full((1, n), float("nan"), dtype=dtype, device=DEVICE)
     gemv_qkv_rope(x, w, b, positions, cs, got_cache, slots, num_heads=hq,
-                  num_kv_heads=hkv, head_dim=head_dim, out=out)
+                  num_kv_heads=hkv, head_dim=head_dim, out=out, delta=delta)
     # Exact in the interpreter; on the GPU ~2 roundings of the dtype (module docstring).
-    tol = {"rtol": 0, "atol": 0} if not ON_GPU else \
+    # (With a LoRA delta the reference rounds its add in torch, which rounds to nearest;
+    # the interpreter's casts truncate: one ulp apart.)
+    tol = {"rtol": 0, "atol": 0} if not ON_GPU and not lora else \
         {torch.bfloat16: {"rtol": 2 ** -6, "atol": 2 ** -6},
          torch.float16: {"rtol": 2 ** -9, "atol": 2 ** -9}}[dtype]
     torch.testing.assert_close(out[:, :hq * head_dim], q_ref, **tol,
@@ -71,6 +77,12 @@ def test_matches_gemv_then_rotary_write(dtype: torch.dtype, head_dim: int, hq: i
 def test_padding_slot_writes_nothing() -> None:
     """Slot -1 (a CUDA-graph padding row): q is still produced, the cache untouched."""
     _case(torch.bfloat16, 64, 2, 1, k=64, bias=False, slot=-1, pos=9, seed=fresh_seed())
+
+
+def test_lora_delta_joins_before_rotation() -> None:
+    """A LoRA adapter's delta is added before q/k are rotated and k/v cached."""
+    _case(torch.bfloat16, 64, 2, 1, k=64, bias=True, slot=3, pos=11, seed=fresh_seed(),
+          lora=True)
 
 
 def test_supported_shapes_and_errors() -> None:

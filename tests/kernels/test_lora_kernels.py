@@ -1,11 +1,19 @@
-"""Triton LoRA shrink/expand against the torch reference (``lora/layers.lora_ref``)."""
+"""The Triton LoRA kernels (``kernels/lora.py``: the one-launch fused form and the
+segmented one) against the torch reference (``lora/layers.lora_ref``), rows mixing
+slots and -1, unsorted."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
 import pytest
 import torch
 
-from pagedllm.kernels.lora import lora_expand, lora_shrink
 from pagedllm.lora.layers import lora_ref
 
 
@@ -21,24 +29,161 @@ def _case(t: int, k: int, n: int, slots: int, r: int, dtype: torch.dtype, device
     return x, a, bt, idx, y
 
 
-@pytest.mark.parametrize("t,k,n,slots,r", [(5, 40, 24, 3, 6), (9, 130, 70, 2, 17)])
-def test_shrink_expand_match_reference(t: int, k: int, n: int, slots: int, r: int,
-                                       device: str) -> None:
+def _sgmv(x, idx, a, bt, y, block_m: int = 16):
+    from pagedllm.kernels.lora import lora_sgmv
+    from pagedllm.lora.layers import sgmv_tiles
+
+    rows, tiles = sgmv_tiles(idx.cpu().numpy(), a.shape[0], block_m)
+    # Padded like the persistent buffers: entries past the tiles are never read.
+    tiles_buf = torch.zeros(1 + 3 * (-(-x.shape[0] // block_m) + a.shape[0]),
+                            dtype=torch.int32)
+    tiles_buf[:len(tiles)] = torch.from_numpy(tiles)
+    rows_buf = torch.zeros(x.shape[0], dtype=torch.int32)
+    rows_buf[:len(rows)] = torch.from_numpy(rows)
+    return lora_sgmv(x, rows_buf.to(x.device), tiles_buf.to(x.device), a, bt, y, block_m)
+
+
+@pytest.mark.parametrize("t,k,n,slots,r", [(5, 40, 24, 3, 6), (37, 130, 70, 2, 17)])
+def test_sgmv_matches_reference(t: int, k: int, n: int, slots: int, r: int,
+                                device: str) -> None:
+    """Rows grouped by slot on the host, tensor-core shrink/expand per group: 37 rows
+    over 2 slots and -1 make several tiles per slot, a partial last one and idle ones."""
     x, a, bt, idx, y = _case(t, k, n, slots, r, torch.float32, device)
     want = y + lora_ref(x, idx, a, bt)
-    s = lora_shrink(x, idx, a)
-    assert torch.all(s[idx < 0] == 0)
-    got = lora_expand(s, idx, bt, y.clone())
+    got = _sgmv(x, idx, a, bt, y.clone())
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # Rows without an adapter are left bit-for-bit alone.
     assert torch.equal(got[idx < 0], y[idx < 0])
+
+
+def test_sgmv_tiles_group_rows_by_slot() -> None:
+    from pagedllm.lora.layers import sgmv_tiles
+
+    slots = np.array([2, -1, 0, 2, 2, 0, -1, 2], dtype=np.int32)
+    rows, tiles = sgmv_tiles(slots, 3, 2)
+    assert rows.tolist() == [2, 5, 0, 3, 4, 7]  # slot 0's rows, then slot 2's, stable
+    # count, then (slot, start, end): slot 0 one tile, slot 1 none, slot 2 two.
+    assert tiles.tolist() == [3, 0, 0, 2, 2, 2, 4, 2, 4, 6]
+    rows, tiles = sgmv_tiles(np.full(4, -1, dtype=np.int32), 3, 2)
+    assert len(rows) == 0 and tiles.tolist() == [0]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_lora_kernels_gpu_sizes(dtype: torch.dtype, device: str) -> None:
     """An 8B layer's shape (qkv: 4096 -> 6144, 3 shards of rank 16, 8 slots)."""
+    from pagedllm.kernels.lora import lora_fused
+
     x, a, bt, idx, y = _case(300, 4096, 6144, 8, 48, dtype, device)
     want = (y.float() + lora_ref(x.float(), idx, a.float(), bt.float()))
-    got = lora_expand(lora_shrink(x, idx, a), idx, bt, y.clone())
+    got = _sgmv(x, idx, a, bt, y.clone(), 32)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    got = lora_fused(x[:4], idx[:4], a, bt, (4096, 5120), y=y[:4].clone())
+    torch.testing.assert_close(got.float(), want[:4], rtol=2e-2, atol=2e-2)
+
+
+def _silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` rounded as ``kernels/activation.py`` rounds it."""
+    g, u = gu.chunk(2, dim=-1)
+    act = (g.float() / (1 + torch.exp(-g.float()))).to(gu.dtype)
+    return (act.float() * u.float()).to(gu.dtype)
+
+
+@pytest.mark.parametrize("t,k,sizes,r,silu", [
+    (1, 40, (24,), 6, False),          # one shard, decode row
+    (5, 72, (20, 8, 8), 5, False),     # q/k/v shards, a block straddling shard bounds
+    (4, 33, (40, 40), 4, True),        # gate/up shards; down's silu(gate)*up input
+])
+def test_fused_matches_reference(t: int, k: int, sizes: tuple[int, ...], r: int,
+                                 silu: bool, device: str) -> None:
+    """One launch (shrink + expand), mixed slots incl. -1, block-diagonal shards."""
+    from pagedllm.kernels.lora import lora_fused
+
+    g = torch.Generator().manual_seed(t + k)
+    n_slots, n, s = 3, sum(sizes), len(sizes)
+    x = torch.randn(t, 2 * k if silu else k, generator=g)
+    a = torch.randn(n_slots, s * r, k, generator=g) / k ** 0.5
+    bt = torch.zeros(n_slots, s * r, n)
+    off = 0
+    for i, size in enumerate(sizes):  # B block-diagonal over the shards
+        bt[:, i * r:(i + 1) * r, off:off + size] = torch.randn(n_slots, r, size, generator=g)
+        off += size
+    slots = torch.tensor([-1, 2, 0, 1, 2][:t] if t > 1 else [1], dtype=torch.int32)
+    y = torch.randn(t, n, generator=g)
+    xin = _silu_mul(x) if silu else x
+    want = lora_ref(xin, slots, a, bt)
+    bounds = tuple(int(b) for b in torch.tensor(sizes).cumsum(0)[:-1])
+    dev = [z.to(device) for z in (x, slots, a, bt, y)]
+    # Small blocks so that programs cross shard bounds and K takes several steps.
+    got = lora_fused(dev[0], dev[1], dev[2], dev[3], bounds, silu_mul=silu,
+                     config=(16, 16, 1))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+    added = lora_fused(dev[0], dev[1], dev[2], dev[3], bounds, y=dev[4].clone(),
+                       silu_mul=silu, config=(16, 16, 1)).cpu()
+    torch.testing.assert_close(added, y + want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(added[slots < 0], y[slots < 0])
+
+
+_COMPILE = textwrap.dedent(r"""
+    import json, os, re, subprocess, tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from pagedllm.kernels import lora as L
+
+    PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                         "ptxas")
+
+    def build(kernel, sig, consts, warps):
+        div = [i for i, n in enumerate(sig) if n not in ("B1", "B2")]
+        src = ASTSource(kernel, signature={**sig, **{k: "constexpr" for k in consts}},
+                        constexprs=consts,
+                        attrs={(i,): [["tt.divisibility", 16]] for i in div})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps})
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(k.asm["ptx"])
+        res = subprocess.run([PTXAS, "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True)
+        os.unlink(f.name)
+        return sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", res.stderr))
+
+    i32, out = "i32", {}
+    # The fused kernel at the decode shapes it serves: qkv (fp32 delta for the RoPE
+    # GEMV), gate_up (2 shards), down (reading silu(gate)*up).
+    for name, n, k, s, silu, store in [("qkv", 6144, 4096, 3, False, True),
+                                       ("gate_up", 28672, 4096, 2, False, False),
+                                       ("down", 4096, 14336, 1, True, False)]:
+        bn, bk, warps = L.fused_config(n, k)
+        sig = {"x_ptr": "*bf16", "slots_ptr": "*i32", "a_ptr": "*bf16", "bt_ptr": "*bf16",
+               "y_ptr": "*fp32" if store else "*bf16", "N": i32, "B1": i32, "B2": i32,
+               "stride_x": i32, "stride_y": i32, "stride_as": i32, "stride_bs": i32}
+        out["fused " + name] = build(L._fused_kernel, sig, dict(
+            K=k, R=16, SILU_MUL=silu, STORE=store, BLOCK_N=bn, BLOCK_K=bk,
+            BLOCK_R=16, USE_PDL=True), warps)
+    # The segmented pair at qkv's shape (3 shards x rank 16 = 48 shrink columns).
+    sig = {"x_ptr": "*bf16", "rows_ptr": "*i32", "tiles_ptr": "*i32", "a_ptr": "*bf16",
+           "s_ptr": "*fp32", "stride_x": i32, "stride_as": i32}
+    out["sgmv shrink"] = build(L._sgmv_shrink_kernel, sig, dict(
+        K=4096, SR=48, BLOCK_M=32, BLOCK_K=128, BLOCK_SR=64, IEEE=False, USE_PDL=True), 4)
+    sig = {"s_ptr": "*fp32", "rows_ptr": "*i32", "tiles_ptr": "*i32", "bt_ptr": "*bf16",
+           "y_ptr": "*bf16", "N": i32, "stride_bs": i32, "stride_y": i32}
+    out["sgmv expand"] = build(L._sgmv_expand_kernel, sig, dict(
+        SR=48, BLOCK_M=32, BLOCK_N=128, BLOCK_SR=64, IEEE=False, USE_PDL=True), 4)
+    print(json.dumps(out))
+""")
+
+
+def test_lora_kernels_compile_for_sm90_without_spills(tmp_path) -> None:
+    """The interpreter runs what the GPU compiler may reject (dynamic branches around
+    loops and dots, constexpr ternaries): compile each for sm_90 at the Llama-3-8B
+    shapes, no GPU needed (the pattern of ``test_quant_gemm_sm90.py``)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    spills = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(spills) == 5 and not any(spills.values()), spills

@@ -143,3 +143,20 @@ def test_slots_lru_never_evicts_an_adapter_in_use(tmp_path) -> None:
     assert set(mgr.cpu) == {2, 3}  # max_cpu_loras 2: a0 left the host cache
     assert step([None], [1]) == [-1] and not mgr.mapping.active
     assert mgr.mapping.token_slots[:2].tolist() == [-1, -1]  # stale rows cleared
+    # A step whose last layer is pruned to each request's last token: that layer's
+    # modules after attention read one slot per request; the token map is unchanged.
+    mgr.prepare_step([reqs[2], None, reqs[1]], np.asarray([3, 2, 1]),
+                     lambda _name, a: torch.from_numpy(a), pruned=True)
+    assert mgr.mapping.token_slots[:6].tolist() == [0, 0, 0, -1, -1, 1]
+    assert mgr.mapping.last_slots[:3].tolist() == [0, -1, 1]
+    last = cfg.model_config.hf_config.num_hidden_layers - 1
+    assert {n.rsplit(".", 1)[-1] for n, lo in mgr.layers.items() if lo.last_rows} == \
+        {"o_proj", "gate_up_proj", "down_proj"}
+    assert all(f".layers.{last}." in n for n, lo in mgr.layers.items() if lo.last_rows)
+    assert step([None], [1]) == [-1]
+    assert mgr.mapping.last_slots[:3].tolist() == [-1, -1, -1]
+    # The memory plan sets aside exactly what the slots take.
+    from pagedllm.lora.manager import lora_slot_bytes
+
+    assert lora_slot_bytes(model, 2, 4, torch.float32) == sum(
+        (lo.a.numel() + lo.bt.numel()) * 4 for lo in mgr.layers.values())

@@ -1,0 +1,58 @@
+"""The CUDA LoRA paths of a whole engine, run on the CPU under the Triton interpreter:
+the manager's host grouping (``sgmv_tiles``) and both slot maps, the one-launch fused
+kernel (steps of up to 4 rows, incl. the pruned last layer's per-request rows) and the
+segmented kernels (larger steps), in a batch mixing 3 PEFT adapters and the base model.
+Greedy tokens must equal transformers + PEFT in fp32.  (The batch-1 GEMV fusions are
+CUDA-only: ``tests/lora``'s gpu-marked test and ``benchmarks/lora_probe.py`` cover them.)
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from kernel_refs import ON_GPU
+
+from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm.lora.layers import FUSED_MAX_ROWS
+from tests.lora.fixtures import hf_greedy, make_adapters, tiny_llama
+
+N_TOKENS = 4
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU tests/lora runs these paths natively")
+def test_triton_lora_paths_match_peft(tmp_path) -> None:
+    root = str(tmp_path)
+    base = tiny_llama(os.path.join(root, "base"))
+    adapters = make_adapters(base, root, merge=False)
+    llm = LLM(os.path.join(root, "base"), skip_tokenizer_init=True, device="cpu",
+              dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=8,
+              kv_cache_memory_bytes=4 << 20, block_size=4, max_num_seqs=16,
+              max_num_batched_tokens=48)
+    mgr = llm.llm_engine.client.core.executor.worker.runner.lora
+    # What the manager does on CUDA: group rows by slot, run the Triton kernels.
+    mgr.grouped = True
+    for layer in mgr.layers.values():
+        layer.use_triton = True
+    assert FUSED_MAX_ROWS == 4  # the split the step sizes below exercise
+    prompts = [torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(n))
+               .tolist() for n in (5, 23)]
+    models = [a.peft_model for a in adapters] + [base]
+    loras = [LoRARequest(a.name, i + 1, a.path) for i, a in enumerate(adapters)] + [None]
+    sp = SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True)
+
+    def run(batch: list[tuple[list[int], LoRARequest | None]]) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], sp,
+                            use_tqdm=False, lora_request=[lr for _, lr in batch])
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    want = {(i, j): hf_greedy(m, p, N_TOKENS) for i, p in enumerate(prompts)
+            for j, m in enumerate(models)}
+    # 8 requests: prefill chunks of up to 48 rows (segmented) whose last layer runs on
+    # one row per request, then 8-row decode steps (segmented).
+    pairs = [(i, j) for i in range(len(prompts)) for j in range(len(models))]
+    assert run([(prompts[i], loras[j]) for i, j in pairs]) == [want[p] for p in pairs]
+    # One request at a time with an adapter: prefill (segmented, pruned to 1 row: fused)
+    # and 1-row decodes (fused).
+    assert run([(prompts[1], loras[0])]) == [want[(1, 0)]]
