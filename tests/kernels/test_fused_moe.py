@@ -60,6 +60,19 @@ def test_kernel_matches_reference(kind: str, path: str, t: int, e: int, k: int, 
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["decode", "sorted"])
+def test_kernel_half_precision(path: str) -> None:
+    """fp16 activations and weights (the interpreter's bf16 tl.dot is broken; the GPU
+    tests below run bf16): the low-precision stores and the fp32 accumulation."""
+    w13, w2 = _weights(8, 32, 48, seed=2)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    weights, ids = _routing("half_idle", 3, 8, 2, seed=2)
+    ref = fused_experts_ref(x, w13, w2, weights, ids)
+    got = fused_experts(x.half(), w13.half(), w2.half(), weights, ids, path=path)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), ref, atol=3e-3, rtol=3e-3)
+
+
 def test_auto_path_choice() -> None:
     """Decode while pairs are few and at most one per expert on average, sorted after;
     a bad ``path`` is a ValueError naming it."""
@@ -118,13 +131,38 @@ def test_align_pads_each_expert_to_the_block() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["decode", "sorted"])
-@pytest.mark.parametrize("t", [1, 8, 64, 1024])
-def test_kernel_bf16_real_shape(t: int, path: str) -> None:
-    """Qwen3-30B-A3B's expert shape (128 experts, top-8, H 2048, I 768) in bf16."""
-    e, k, h, i = 128, 8, 2048, 768
+@pytest.mark.parametrize("shape,t", [("qwen3", 1), ("qwen3", 8), ("qwen3", 64),
+                                     ("qwen3", 1024), ("mixtral", 1), ("mixtral", 4),
+                                     ("mixtral", 300)])
+def test_kernel_bf16_real_shape(shape: str, t: int, path: str) -> None:
+    """Qwen3-30B-A3B's expert shape (128 experts, top-8, H 2048, I 768) and Mixtral's
+    (8 experts, top-2, H 4096, I 14336) in bf16, both paths."""
+    e, k, h, i = (128, 8, 2048, 768) if shape == "qwen3" else (8, 2, 4096, 14336)
     w13, w2 = (w.to(torch.bfloat16) for w in _weights(e, h, i, seed=0))
     x = torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16)
     weights, ids = _routing("random", t, e, k, seed=1)
     ref = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
     got = fused_experts(x, w13, w2, weights, ids, path=path).float()
     torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [2, 40])
+def test_cuda_graph_replays_new_routing(t: int) -> None:
+    """Captured once, replayed with other routing in the same buffers: equals eager (no
+    host sync, no shape taken from the data), on both paths (t * k = 8 and 160)."""
+    e, k, h, i = 64, 4, 256, 128
+    w13, w2 = (w.to(torch.bfloat16) for w in _weights(e, h, i, seed=4))
+    x = torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16)
+    weights, ids = _routing("random", t, e, k, seed=5)
+    fused_experts(x, w13, w2, weights, ids)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts(x, w13, w2, weights, ids)
+    for kind in ("one_expert_takes_all", "half_idle"):
+        new_w, new_ids = _routing(kind, t, e, k, seed=6)
+        weights.copy_(new_w)
+        ids.copy_(new_ids)
+        graph.replay()
+        torch.testing.assert_close(out, fused_experts(x, w13, w2, weights, ids))
