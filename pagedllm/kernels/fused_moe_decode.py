@@ -23,6 +23,12 @@ end; out-of-range rows re-read the last row (unmasked, vectorised weight loads) 
 not stored.  ``H``, ``I``, ``k`` are compile-time constants (fixed per model), so one
 compile serves every batch size.  Which path runs depends only on ``T * k`` and ``E``
 (host ints): eager and CUDA-graph runs of a batch size take the same path.
+
+PDL (``kernels/pdl.py``): kernel 2 is launched while kernel 1's last programs run and
+fetches its first weight tile before it waits for ``act``.  It also reads ``topk_ids`` /
+``topk_weights`` before its wait, which is safe because kernel 1 triggers only after its
+own wait: kernel 2 cannot start before every program of kernel 1 is past that wait, i.e.
+before every kernel ahead of kernel 1 (the router that wrote them) has completed.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
 
 
 @triton.jit
@@ -50,7 +58,12 @@ def _load_vec(ptr, ks, K: tl.constexpr, BLOCK_K: tl.constexpr):
 def _decode_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, stride_xt, stride_we,
                            stride_wn, stride_ap, TOP_K: tl.constexpr,
                            HIDDEN: tl.constexpr, INTER: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+    # Wait, then trigger: kernel 2 launches only once every program here is past its
+    # wait, so everything before this kernel (the router that wrote topk_ids) is done.
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     pair = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_safe = tl.minimum(rn, INTER - 1).to(tl.int64)
@@ -77,19 +90,26 @@ def _decode_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, stride_xt, stride_we,
 def _decode_down_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, stride_ap,
                         stride_we, stride_wn, stride_ot, TOP_K: tl.constexpr,
                         HIDDEN: tl.constexpr, INTER: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    pdl_trigger(USE_PDL)
     tok = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn_safe = tl.minimum(rn, HIDDEN - 1).to(tl.int64)
+    rn_off = tl.minimum(rn, HIDDEN - 1).to(tl.int64)[:, None] * stride_wn
     rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for j in range(TOP_K):
-        pair = tok * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
+    # Slot 0's first weight tile before the wait (see the module docstring).
+    first = tok * TOP_K
+    w_rows = w_ptr + tl.load(ids_ptr + first).to(tl.int64) * stride_we + rn_off
+    w0 = _load_tile(w_rows, rk, INTER, BLOCK_K)
+    pdl_wait(USE_PDL)
+    a0 = _load_vec(act_ptr + first.to(tl.int64) * stride_ap, rk, INTER, BLOCK_K)
+    acc = w0.to(tl.float32) * (a0 * tl.load(weights_ptr + first))[None, :]
+    for j in tl.static_range(TOP_K):  # unrolled: slot 0 starts at its second tile
+        pair = first + j
         scale = tl.load(weights_ptr + pair).to(tl.float32)
-        w_rows = w_ptr + expert * stride_we + rn_safe[:, None] * stride_wn
+        w_rows = w_ptr + tl.load(ids_ptr + pair).to(tl.int64) * stride_we + rn_off
         a_row = act_ptr + pair.to(tl.int64) * stride_ap
-        for k0 in range(0, INTER, BLOCK_K):
+        for k0 in range(BLOCK_K if j == 0 else 0, INTER, BLOCK_K):
             ks = k0 + rk
             a = _load_vec(a_row, ks, INTER, BLOCK_K) * scale
             acc += _load_tile(w_rows, ks, INTER, BLOCK_K).to(tl.float32) * a[None, :]
@@ -132,15 +152,16 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if weights.dtype != torch.float32 or not weights.is_contiguous():
         weights = weights.float().contiguous()
     act = torch.empty(p, inter, dtype=x.dtype, device=x.device)
+    pdl = pdl_launch_args(x.device)
     bn = decode_block_n(inter, p)
     _decode_gate_up_kernel[(p, triton.cdiv(inter, bn))](
         x, w13, ids, act, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=_block_k(hidden),
-        num_warps=num_warps)
+        num_warps=num_warps, **pdl)
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     bn = decode_block_n(hidden, t)
     _decode_down_kernel[(t, triton.cdiv(hidden, bn))](
         act, w2, ids, weights, out, act.stride(0), w2.stride(0), w2.stride(1),
         out.stride(0), TOP_K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_N=bn,
-        BLOCK_K=_block_k(inter), num_warps=num_warps)
+        BLOCK_K=_block_k(inter), num_warps=num_warps, **pdl)
     return out
