@@ -164,8 +164,8 @@ def _candidates(tokens: int, e: int, k: int) -> list[tuple[int, int, int, int, i
             for warps, stages in ((4, 3), (8, 4)):
                 if bm == 128 and bn == 256 and warps == 4:
                     continue  # 128x256 fp32 accumulators need 8 warps
-                if bm * bk + bk * bn > 24576 and stages > 3:
-                    continue  # shared memory
+                if (bm * bk + bk * bn) * 2 * stages > 220 * 1024:
+                    continue  # bf16 tiles per pipeline stage past Hopper's shared memory
                 out.append((bm, bn, bk, group, warps, stages))
     return out
 

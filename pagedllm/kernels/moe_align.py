@@ -58,7 +58,7 @@ def _align_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr,
     before = tl.zeros((E_P2,), dtype=tl.int32)
     # while, not range(): the interpreter cannot take runtime ints as range() bounds
     # (numpy 2 refuses int() of their shape-(1,) arrays); nothing here needs pipelining.
-    r0 = 0
+    r0 = pid * 0  # an int32 tensor: loop-carried values keep one type
     while r0 < num_chunks:
         rows = r0 + tl.arange(0, ROWS)
         c = tl.load(counts_ptr + rows[:, None] * E_P2 + cols[None, :],
@@ -93,7 +93,7 @@ def _align_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr,
         tl.store(sorted_ptr + pad, num_pairs.to(tl.int32),
                  mask=(pad < padded_end[:, None]) & real[:, None])
         # The expert of every block: how many runs end at or before the block's start.
-        b0 = 0
+        b0 = pid * 0
         while b0 < num_blocks:
             b = b0 + tl.arange(0, 64)
             done = (padded_end[None, :] <= (b * BLOCK_M)[:, None]) & real[None, :]
