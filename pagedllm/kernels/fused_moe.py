@@ -61,7 +61,8 @@ def _block_tile(num_blocks, n_tiles, GROUP_M: tl.constexpr):
     return first + (pid % per_group) % size, (pid % per_group) // size
 
 
-@triton.jit
+# Batch-dependent ints are not specialised (== 1, % 16): one compile per shape.
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _sorted_gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr,
                            num_padded_ptr, num_pairs, num_blocks, stride_xt, stride_we,
                            stride_wn, stride_ap, TOP_K: tl.constexpr,
@@ -105,7 +106,8 @@ def _sorted_gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr,
              act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & (cols < INTER)[None, :])
 
 
-@triton.jit
+# Batch-dependent ints are not specialised (== 1, % 16): one compile per shape.
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _sorted_down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
                         num_padded_ptr, num_pairs, num_blocks, stride_ap, stride_we,
                         stride_wn, stride_op, HIDDEN: tl.constexpr, INTER: tl.constexpr,

@@ -34,7 +34,8 @@ _SUB = 64  # pairs ranked at once in kernel 2: a [SUB, SUB] comparison tile
 _ONE_HOT_ELEMS = 32768  # CHUNK * E_P2 bound for kernel 1's one-hot tile
 
 
-@triton.jit
+# Batch-dependent ints are not specialised (== 1, % 16): one compile per shape.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, E_P2: tl.constexpr,
                         CHUNK: tl.constexpr):
     pid = tl.program_id(0)
@@ -46,7 +47,8 @@ def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, E_P2: tl.constexpr,
     tl.store(counts_ptr + pid * E_P2 + cols, tl.sum(hit, axis=0))
 
 
-@triton.jit
+# Batch-dependent ints are not specialised (== 1, % 16): one compile per shape.
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "num_blocks"])
 def _align_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr,
                           num_padded_ptr, num_pairs, num_chunks, num_blocks,
                           NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr,
