@@ -15,7 +15,8 @@ reference in fp32 (every path that runs at that batch), then timings in microsec
   batches do not find their experts' weights in L2 from the previous replay);
 * ``decode_graph_us`` / ``sorted_graph_us``: both paths forced, graph-timed, where
   ``T * k <= 2 * DECODE_MAX_PAIRS`` (to place the switch-over); ``align_graph_us``: the
-  sorted path's ``moe_align`` alone;
+  sorted path's ``moe_align`` alone; ``routing_graph_us``: ``select_experts`` on bf16
+  router logits (one ``kernels/moe_routing`` launch on CUDA), which the layer adds;
 * ``torch_ref_us``: the torch reference (one grouped matmul per expert), do_bench.
 
 Two bounds per row: ``floor_us``, the weight-read floor (bytes of the experts actually
@@ -137,6 +138,10 @@ def bench_shape(name: str, batches: list[int], hbm_gbs: float, tflops: float,
             row.update(decode_graph_us=_graph_us(calls("decode")),
                        sorted_graph_us=_graph_us(calls("sorted")),
                        decode_rel_err=err["decode"], sorted_rel_err=err["sorted"])
+        from pagedllm.layers.fused_moe import select_experts
+
+        logits = torch.randn(t, e, device=device).bfloat16()
+        row["routing_graph_us"] = _graph_us([partial(select_experts, logits, k, renorm)])
         bm = get_config(t, e, i, h, k)[0]
         row["align_graph_us"] = _graph_us([partial(moe_align, ii, e, bm)
                                            for _, _, ii in inputs])

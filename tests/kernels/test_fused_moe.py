@@ -166,3 +166,18 @@ def test_cuda_graph_replays_new_routing(t: int) -> None:
         ids.copy_(new_ids)
         graph.replay()
         torch.testing.assert_close(out, fused_experts(x, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize("e,k,renorm", [(16, 3, True), (128, 8, False), (8, 1, True)])
+def test_fused_topk_matches_select_experts(e: int, k: int, renorm: bool) -> None:
+    """The one-launch routing kernel (used on CUDA) against the torch steps: same experts
+    in the same order, weights within float32 rounding.  (Exact ties, which bf16 logits
+    can have, go to the lower expert id; torch.topk leaves their order unspecified.)"""
+    from pagedllm.kernels.moe_routing import fused_topk
+
+    logits = torch.randn(6, e, generator=torch.Generator().manual_seed(e)).to(DEVICE)
+    ref_w, ref_ids = select_experts(logits, k, renorm)
+    got_w, got_ids = fused_topk(logits, k, renorm)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
+    assert torch.equal(got_ids, ref_ids)
+    torch.testing.assert_close(got_w, ref_w, atol=1e-6, rtol=1e-5)
