@@ -60,6 +60,19 @@ def test_kernel_matches_reference(kind: str, path: str, t: int, e: int, k: int, 
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_sorted_path_grouped_block_order() -> None:
+    """GROUP_M > 1 (blocks taken in bands per feature tile, the last band ragged), larger
+    M tiles and K tiles that do not divide H or I: same result as the reference."""
+    from pagedllm.kernels.fused_moe import fused_experts_sorted
+
+    w13, w2 = _weights(16, 48, 40, seed=9)
+    x = torch.randn(70, 48, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    weights, ids = _routing("random", 70, 16, 3, seed=9)
+    ref = fused_experts_ref(x, w13, w2, weights, ids)
+    got = fused_experts_sorted(x, w13, w2, weights, ids, config=(32, 32, 32, 3, 4, 3))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("path", ["decode", "sorted"])
 def test_kernel_half_precision(path: str) -> None:
     """fp16 activations and weights (the interpreter's bf16 tl.dot is broken; the GPU
