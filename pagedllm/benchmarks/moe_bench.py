@@ -175,6 +175,29 @@ def _candidates(tokens: int, e: int, k: int) -> list[tuple[int, int, int, int, i
     return out
 
 
+def _precompile(call: Callable[..., Any], configs: list[Any]) -> None:
+    """Compile ``call(config=c, warmup=True)`` for every config on a thread pool
+    (Triton's ``AsyncCompileMode``; a private API, so any failure just leaves the
+    compiles to the timed loop)."""
+    try:
+        import os
+        from concurrent.futures import ThreadPoolExecutor
+
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return
+    t0 = time.monotonic()
+    try:
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool, \
+                AsyncCompileMode(pool, ignore_errors=True):
+            for cfg in configs:
+                call(config=cfg, warmup=True)
+    except Exception as exc:  # noqa: BLE001 -- best effort, see the docstring
+        print(f"# precompile: {type(exc).__name__}: {exc}", flush=True)
+    print(f"# precompiled {len(configs)} configs in {time.monotonic() - t0:.1f} s",
+          flush=True)
+
+
 def sweep(shapes: list[str], budget_s: float, device: torch.device) -> dict[str, Any]:
     """Best sorted-path config per (shape, batch) within the time budget."""
     from pagedllm.kernels.fused_moe import fused_experts_sorted
@@ -194,6 +217,7 @@ def sweep(shapes: list[str], budget_s: float, device: torch.device) -> dict[str,
             ref = fused_experts_sorted(x, w13, w2, weights, ids).float()
             current = get_config(t, e, i, h, k)
             cands = [current] + [c for c in _candidates(t, e, k) if c != current]
+            _precompile(partial(fused_experts_sorted, x, w13, w2, weights, ids), cands)
             # Each batch gets its share of what is left of the shape's budget.
             until = time.monotonic() + (deadline - time.monotonic()) / (len(batches) - bi)
             timed = []

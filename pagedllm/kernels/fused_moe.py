@@ -29,6 +29,7 @@ interpreter can run.  The oracle is ``layers/fused_moe/torch_ref.py``.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Literal
 
 import torch
@@ -145,9 +146,11 @@ def _sorted_down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_
 
 def fused_experts_sorted(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                         config: Config | None = None) -> torch.Tensor:
+                         config: Config | None = None,
+                         warmup: bool = False) -> torch.Tensor | None:
     """The sorted grouped-GEMM path (``fused_experts``'s contract); ``config`` overrides
-    the launch table (the sweep)."""
+    the launch table and ``warmup`` compiles the two GEMMs for it without running them
+    (returns None; the sweep compiles its candidates in parallel that way)."""
     t, hidden = x.shape
     num_experts = w13.shape[0]
     inter = w2.shape[2]
@@ -160,7 +163,9 @@ def fused_experts_sorted(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     half = max(16, bn // 2)  # gate and up columns per program (BLOCK_N of [gate | up])
-    _sorted_gate_up_kernel[(n_blocks * triton.cdiv(inter, half),)](
+    grid = (n_blocks * triton.cdiv(inter, half),)
+    (partial(_sorted_gate_up_kernel.warmup, grid=grid) if warmup
+     else _sorted_gate_up_kernel[grid])(
         x, w13, act, sorted_ids, block_expert, num_padded, p, n_blocks, x.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, HIDDEN=hidden,
         INTER=inter, BLOCK_M=bm, BLOCK_N=half, BLOCK_K=bk, GROUP_M=group_m,
@@ -169,11 +174,14 @@ def fused_experts_sorted(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     weights = topk_weights.reshape(-1)
     if weights.dtype != torch.float32 or not weights.is_contiguous():
         weights = weights.float().contiguous()
-    _sorted_down_kernel[(n_blocks * triton.cdiv(hidden, bn),)](
+    grid = (n_blocks * triton.cdiv(hidden, bn),)
+    (partial(_sorted_down_kernel.warmup, grid=grid) if warmup else _sorted_down_kernel[grid])(
         act, w2, y, weights, sorted_ids, block_expert, num_padded, p, n_blocks,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), HIDDEN=hidden,
         INTER=inter, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
         PRECISION=precision, num_warps=warps, num_stages=stages)
+    if warmup:
+        return None
     # torch.sum accumulates bf16/fp16 in fp32 and rounds once: one launch.
     return y.view(t, top_k, hidden).sum(dim=1)
 
