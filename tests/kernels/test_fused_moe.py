@@ -142,6 +142,9 @@ def test_align_pads_each_expert_to_the_block() -> None:
     assert block_expert[:3].tolist() == [0, 1, 3]
 
 
+_REAL_WEIGHTS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["decode", "sorted"])
 @pytest.mark.parametrize("shape,t", [("qwen3", 1), ("qwen3", 8), ("qwen3", 64),
@@ -151,7 +154,13 @@ def test_kernel_bf16_real_shape(shape: str, t: int, path: str) -> None:
     """Qwen3-30B-A3B's expert shape (128 experts, top-8, H 2048, I 768) and Mixtral's
     (8 experts, top-2, H 4096, I 14336) in bf16, both paths."""
     e, k, h, i = (128, 8, 2048, 768) if shape == "qwen3" else (8, 2, 4096, 14336)
-    w13, w2 = (w.to(torch.bfloat16) for w in _weights(e, h, i, seed=0))
+    if shape not in _REAL_WEIGHTS:  # made on the device, once per shape
+        _REAL_WEIGHTS.clear()
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        _REAL_WEIGHTS[shape] = tuple(
+            (torch.randn(*dims, device=DEVICE, generator=g) * dims[2] ** -0.5).bfloat16()
+            for dims in ((e, 2 * i, h), (e, h, i)))
+    w13, w2 = _REAL_WEIGHTS[shape]
     x = torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16)
     weights, ids = _routing("random", t, e, k, seed=1)
     ref = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
