@@ -1,7 +1,7 @@
 """GPU microbenchmark of the fused-MoE kernels at Qwen3-30B-A3B and Mixtral-8x7B shapes.
 
     python -m pagedllm.benchmarks.moe_bench --out moe.json [--batches 1,4,16,64,256,1024,4096]
-    python -m pagedllm.benchmarks.moe_bench --sweep --out sweep.json [--budget-s 200]
+    python -m pagedllm.benchmarks.moe_bench --sweep --out sweep.json [--budget-s 140]
 
 For each shape and token batch: routing from random router logits (so the expected
 number of distinct experts hit at batch ``b`` is ``E * (1 - (1 - k/E)^b)``), a
@@ -26,8 +26,10 @@ copy rate), and ``ceiling_us``, the FLOP ceiling (``2 * T * k * 3 * H * I`` at
 batch-1 target is >= 0.8), ``flop_frac`` = ceiling / graph time.
 
 ``--sweep`` times candidate launch configs of the sorted path (graph-timed) at a few
-batches per shape, within ``--budget-s`` seconds (each new config is a compile), and
-prints the ``CONFIGS`` entries for ``kernels/fused_moe_configs.py``.  Not a test:
+batches per shape, within ``--budget-s`` seconds (each batch's candidates are compiled
+on a thread pool first), then the decode path's 11 (BLOCK_N, BLOCK_N, warps) choices at
+T = 1 (about a minute), and prints the ``CONFIGS`` and ``DECODE_CONFIGS`` entries for
+``kernels/fused_moe_configs.py``.  Not a test:
 nothing here asserts a time.
 """
 
@@ -236,13 +238,19 @@ def sweep(shapes: list[str], budget_s: float, device: torch.device) -> dict[str,
                 us = _graph_us([partial(fused_experts_sorted, x, w13, w2, weights, ids,
                                         config=cfg)], replays=5)
                 timed.append((us, cfg))
+            if not timed:
+                continue
             timed.sort()
             best_us, best = timed[0]
-            cur_us = next(us for us, c in timed if c == current)
+            cur_us = next((us for us, c in timed if c == current), float("nan"))
             table[t] = dict(best=best, best_us=best_us, current=current, current_us=cur_us,
                             tried=len(timed), of=len(cands))
             print(json.dumps({"shape": name, "tokens": t, **table[t]}), flush=True)
         result[name] = dict(key=[e, i, h], table=table)
+    for name in shapes:
+        if time.monotonic() > t0 + budget_s + 60:
+            break  # the decode sweep gets at most a minute past the budget
+        result[name]["decode"] = _sweep_decode(name, device)
     print("\n# Paste into pagedllm/kernels/fused_moe_configs.py CONFIGS:")
     for name, r in result.items():
         e, i, h = r["key"]
@@ -251,7 +259,41 @@ def sweep(shapes: list[str], budget_s: float, device: torch.device) -> dict[str,
             print(f"        {t}: {tuple(row['best'])},  # {row['best_us']:.0f} us "
                   f"(was {row['current_us']:.0f})")
         print("    },")
+    print("# ... and DECODE_CONFIGS:")
+    for name, r in result.items():
+        if "decode" in r:
+            e, i, h = r["key"]
+            d = r["decode"]
+            print(f"    ({e}, {i}, {h}): {tuple(d['best'])},  # {name}: "
+                  f"{d['best_us']:.1f} us at T=1 (heuristic {d['heuristic_us']:.1f})")
     return result
+
+
+def _sweep_decode(name: str, device: torch.device) -> dict[str, Any]:
+    """Graph-time the decode path's (gate-up BLOCK_N, down BLOCK_N, warps) at T = 1 over
+    8 routings (as the bench rows do) and at the largest decode T as a check."""
+    from pagedllm.kernels.fused_moe import DECODE_MAX_PAIRS
+    from pagedllm.kernels.fused_moe_decode import fused_experts_decode
+
+    e, k, h, i, renorm = SHAPES[name]
+    w13, w2 = _weights(e, h, i, device)
+    t_max = max(1, min(DECODE_MAX_PAIRS, e) // k)
+    timed = []
+    cands = [(a, b, 4) for a in (4, 8, 16) for b in (2, 4, 8)] + [(8, 4, 2), (8, 4, 8)]
+    for cfg in [None, *cands]:
+        us = []
+        for t in (1, t_max):
+            inputs = [_inputs(t, e, k, h, renorm, seed=t * 10 + r, device=device)
+                      for r in range(8)]
+            us.append(_graph_us([partial(fused_experts_decode, xx, w13, w2, ww, ii,
+                                         config=cfg) for xx, ww, ii in inputs], replays=5))
+        timed.append((us[0], us[1], cfg))
+        print(json.dumps({"shape": name, "decode_config": cfg, "t1_us": us[0],
+                          f"t{t_max}_us": us[1]}), flush=True)
+    heuristic = timed[0]
+    best = min(timed[1:])
+    return dict(best=best[2], best_us=best[0], best_tmax_us=best[1], t_max=t_max,
+                heuristic_us=heuristic[0], heuristic_tmax_us=heuristic[1])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -263,8 +305,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tflops", type=float, default=989.0)
     ap.add_argument("--sweep", action="store_true",
                     help="time launch configs of the sorted path instead")
-    ap.add_argument("--budget-s", type=float, default=200.0,
-                    help="--sweep: seconds to spend (compiles included)")
+    ap.add_argument("--budget-s", type=float, default=140.0,
+                    help="--sweep: seconds for the sorted path's configs (compiles "
+                    "included); the decode path's take about a minute more")
     args = ap.parse_args(argv)
     shapes = args.shapes.split(",")
     for name in shapes:

@@ -11,7 +11,9 @@ The defaults are vLLM's tuned H200 tables for the same expert shapes
 and ``E=8,N=14336,...``), thinned to a few distinct entries: every distinct entry is
 another compile of both kernels, paid at start-up.  ``python -m
 pagedllm.benchmarks.moe_bench --sweep`` times candidates on the device and prints a
-replacement table for this file.  Shapes not listed fall back to :func:`default_config`.
+replacement table for this file.  Shapes not listed fall back to
+:func:`default_config`.  ``DECODE_CONFIGS`` does the same for the GEMV decode path
+(``kernels/fused_moe_decode.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ CONFIGS: dict[tuple[int, int, int], dict[int, Config]] = {
         256: (128, 256, 64, 16, 8, 4),
     },
 }
+
+
+# The decode (GEMV) path, per (E, I, H): (gate-up BLOCK_N, down BLOCK_N, num_warps) for
+# every batch it serves.  Empty: ``fused_moe_decode.decode_block_n`` picks 8 or 4 rows
+# per program by the program count, with 4 warps; ``moe_bench --sweep`` prints entries.
+DECODE_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
 
 
 def default_config(tokens: int, num_experts: int, top_k: int) -> Config:

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.fused_moe_configs import DECODE_CONFIGS
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
 
 
@@ -138,10 +139,12 @@ def decode_block_n(rows: int, programs_per_row: int) -> int:
 
 def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                         num_warps: int = 4) -> torch.Tensor:
+                         config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Same contract as ``kernels/fused_moe.fused_experts`` (``x [T, H]``,
     ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``topk_weights/ids [T, k]`` -> ``[T, H]`` in
-    ``x``'s dtype), for any ``T``; worth it while ``T * k`` is at most about ``E``."""
+    ``x``'s dtype), for any ``T``; worth it while ``T * k`` is at most about ``E``.
+    ``config`` = (gate-up BLOCK_N, down BLOCK_N, num_warps) overrides
+    ``fused_moe_configs.DECODE_CONFIGS`` / :func:`decode_block_n` (the sweep)."""
     t, hidden = x.shape
     inter = w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -153,13 +156,16 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         weights = weights.float().contiguous()
     act = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     pdl = pdl_launch_args(x.device)
-    bn = decode_block_n(inter, p)
+    config = config or DECODE_CONFIGS.get((w13.shape[0], inter, hidden))
+    bn_gate_up, bn_down, num_warps = config or (decode_block_n(inter, p),
+                                                decode_block_n(hidden, t), 4)
+    bn = bn_gate_up
     _decode_gate_up_kernel[(p, triton.cdiv(inter, bn))](
         x, w13, ids, act, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=_block_k(hidden),
         num_warps=num_warps, **pdl)
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
-    bn = decode_block_n(hidden, t)
+    bn = bn_down
     _decode_down_kernel[(t, triton.cdiv(hidden, bn))](
         act, w2, ids, weights, out, act.stride(0), w2.stride(0), w2.stride(1),
         out.stride(0), TOP_K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_N=bn,
