@@ -1,162 +1,208 @@
-"""Fused mixture-of-experts on the GPU: tokens sorted by expert, two grouped GEMMs.
+"""Fused mixture-of-experts on the GPU: a GEMV path for a few tokens, tokens sorted by
+expert and two grouped GEMMs for the rest.
 
 ```
+ T * k <= min(64, E) pairs  ->  kernels/fused_moe_decode.py: two GEMV launches that read
+                                the expert ids straight from topk_ids (decode)
+ otherwise (sorted path):
  topk_ids [T, k] ──moe_align──► sorted_ids: pair ids grouped by expert, each expert's run
-                                 padded to a multiple of BLOCK_M (pad = P, "no pair")
-                                 block_expert: the expert of every BLOCK_M-row block
+   (kernels/moe_align.py,       padded to a multiple of BLOCK_M (pad = P, "no pair")
+    two launches)               block_expert: the expert of every BLOCK_M-row block
  kernel 1 (gate-up):  act[pair]  = silu(x[tok] @ Wg[e]^T) * (x[tok] @ Wu[e]^T)   [P, I]
  kernel 2 (down):     y[pair]    = (act[pair] @ W2[e]^T) * topk_weight[pair]       [P, H]
- combine:             out[t]     = sum_j y[t * k + j]                              [T, H]
+ combine:             out[t]     = sum_j y[t * k + j]            (one torch.sum)  [T, H]
 ```
 
-``P = T * k`` (token, slot) pairs; ``tok = pair // k``.  Each program owns one block of
-BLOCK_M pairs of a single expert and one BLOCK_N tile of the output features, so an
-expert's weight tile is read once per block of its tokens -- at batch 1 the kernels read
-each routed expert's weights once, the weight-read floor.  SiLU-and-mul is fused into
-kernel 1's epilogue (gate and up tiles accumulate side by side) and the routing weight
-into kernel 2's.  Experts with no tokens own no blocks; blocks past the padded total
-exit at once, so the grid depends only on ``T``, ``k`` and ``E`` (no host sync: the
-padded total stays on the device).  Shapes (``H``, ``I``, ``k``) are compile-time
-constants: fixed per model, and loop bounds the interpreter can run.  The oracle is
-``layers/fused_moe/torch_ref.py``.
+``P = T * k`` (token, slot) pairs; ``tok = pair // k``.  Each sorted-path program owns
+one block of BLOCK_M pairs of a single expert and one BLOCK_N tile of the output
+features, so an expert's weight tile is read once per block of its tokens.  SiLU-and-mul
+is fused into kernel 1's epilogue (gate and up tiles accumulate side by side) and the
+routing weight into kernel 2's.  Experts with no tokens own no blocks; blocks past the
+padded total exit at once, so the grid depends only on ``T``, ``k`` and ``E`` (no host
+sync: the padded total stays on the device) and the whole call is CUDA-graph capturable.
+Programs are ordered in GROUP_M bands of blocks (as Triton's matmul tutorial does) so
+that a band's activation rows stay in L2 while its weight tiles stream.  Tile sizes come
+from ``kernels/fused_moe_configs.py`` per ``(E, I, H)`` and token count.  Shapes (``H``,
+``I``, ``k``) are compile-time constants: fixed per model, and loop bounds the
+interpreter can run.  The oracle is ``layers/fused_moe/torch_ref.py``.
 """
 
 from __future__ import annotations
+
+from functools import partial
+from typing import Literal
 
 import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.fused_moe_configs import Config, get_config
+from pagedllm.kernels.fused_moe_decode import fused_experts_decode
+from pagedllm.kernels.moe_align import moe_align
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int,
-              block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(sorted_ids [max_padded] int32, block_expert [max_padded // block_m] int32,
-    num_padded [1] int32)``; vectorised torch, no host sync.  ``max_padded`` bounds the
-    padded length: ``P + min(P, E) * (block_m - 1)`` rounded up to ``block_m``."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    p = flat.numel()
-    # scatter_add, not bincount: bincount reads the max id on the host (a sync, and no
-    # CUDA-graph capture).
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded
-    start = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)
-    expert_of_sorted = flat.index_select(0, order)
-    rank = torch.arange(p, device=flat.device) - start.index_select(0, expert_of_sorted)
-    dest = padded_start.index_select(0, expert_of_sorted) + rank
-    max_padded = triton.cdiv(p + min(p, num_experts) * (block_m - 1), block_m) * block_m
-    sorted_ids = torch.full((max_padded,), p, dtype=torch.int32, device=flat.device)
-    sorted_ids.index_copy_(0, dest, order.to(torch.int32))
-    block_starts = torch.arange(0, max_padded, block_m, device=flat.device)
-    block_expert = torch.searchsorted(padded_end, block_starts, right=True)
-    block_expert = block_expert.clamp_(max=num_experts - 1).to(torch.int32)
-    return sorted_ids, block_expert, padded_end[-1:].to(torch.int32)
+__all__ = ["DECODE_MAX_PAIRS", "fused_experts", "moe_align", "use_decode_path"]
+
+DECODE_MAX_PAIRS = 64  # the GEMV path's bound on T * k (and T * k <= E)
+Path = Literal["auto", "decode", "sorted"]
+
+
+def use_decode_path(num_pairs: int, num_experts: int) -> bool:
+    """The GEMV path while pairs rarely share an expert (``P <= E``) and are few: each
+    pair reads its own expert's weights, which is the floor when experts are distinct."""
+    return num_pairs <= min(DECODE_MAX_PAIRS, num_experts)
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
-                    num_pairs, top_k: tl.constexpr, hidden: tl.constexpr,
-                    inter: tl.constexpr, stride_xt, stride_we, stride_wn, stride_ap,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+def _block_tile(num_blocks, n_tiles, GROUP_M: tl.constexpr):
+    """(block, feature tile) of this program: GROUP_M blocks side by side per tile."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * n_tiles
+    first = (pid // per_group) * GROUP_M
+    size = tl.minimum(num_blocks - first, GROUP_M)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+# Batch-dependent ints are not specialised (== 1, % 16): one compile per shape.
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _sorted_gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr,
+                           num_padded_ptr, num_pairs, num_blocks, stride_xt, stride_we,
+                           stride_wn, stride_ap, TOP_K: tl.constexpr,
+                           HIDDEN: tl.constexpr, INTER: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                           PRECISION: tl.constexpr):
+    pid_m, pid_n = _block_tile(num_blocks, tl.cdiv(INTER, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
-    tokens = (pairs // top_k).to(tl.int64)
+    # Padding rows read token 0 (unmasked loads) and are never stored.
+    tokens = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
-    ks = tl.arange(0, BLOCK_K)
-    w_base = w_ptr + expert * stride_we
+    cols_safe = tl.minimum(cols, INTER - 1).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_xt + rk[None, :]
+    g_ptrs = w_ptr + expert * stride_we + cols_safe[None, :] * stride_wn + rk[:, None]
+    u_ptrs = g_ptrs + INTER * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_ok = (k0 + ks) < hidden
-        a = tl.load(x_ptr + tokens[:, None] * stride_xt + (k0 + ks)[None, :],
-                    mask=valid[:, None] & k_ok[None, :], other=0.0)
-        wg = tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + (k0 + ks)[:, None],
-                     mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        wu = tl.load(w_base + (inter + cols[None, :]).to(tl.int64) * stride_wn
-                     + (k0 + ks)[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        if HIDDEN % BLOCK_K == 0:
+            a = tl.load(a_ptrs)
+            wg = tl.load(g_ptrs)
+            wu = tl.load(u_ptrs)
+        else:
+            k_ok = rk < HIDDEN - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            wg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
         acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(act_ptr + pairs[:, None].to(tl.int64) * stride_ap + cols[None, :],
-             act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+             act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & (cols < INTER)[None, :])
 
 
-@triton.jit
-def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
-                 num_padded_ptr, num_pairs, hidden: tl.constexpr, inter: tl.constexpr,
-                 stride_ap, stride_we, stride_wn, stride_op,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+# Batch-dependent ints are not specialised (== 1, % 16): one compile per shape.
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _sorted_down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
+                        num_padded_ptr, num_pairs, num_blocks, stride_ap, stride_we,
+                        stride_wn, stride_op, HIDDEN: tl.constexpr, INTER: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    pid_m, pid_n = _block_tile(num_blocks, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
-    rows = pairs.to(tl.int64)
+    rows = tl.where(valid, pairs, 0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
-    ks = tl.arange(0, BLOCK_K)
-    w_base = w_ptr + expert * stride_we
+    cols_safe = tl.minimum(cols, HIDDEN - 1).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + rows[:, None] * stride_ap + rk[None, :]
+    w_ptrs = w_ptr + expert * stride_we + cols_safe[None, :] * stride_wn + rk[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        k_ok = (k0 + ks) < inter
-        a = tl.load(act_ptr + rows[:, None] * stride_ap + (k0 + ks)[None, :],
-                    mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + (k0 + ks)[:, None],
-                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+    for k0 in range(0, INTER, BLOCK_K):
+        if INTER % BLOCK_K == 0:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = rk < INTER - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    scale = tl.load(weights_ptr + rows, mask=valid, other=0.0)
-    acc = acc * scale[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_op + cols[None, :], acc,
-             mask=valid[:, None] & col_ok[None, :])
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc = acc * tl.load(weights_ptr + rows)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_op + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols < HIDDEN)[None, :])
 
 
-def _block_sizes(num_pairs: int, hidden: int, inter: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): small M tiles for decode-sized batches (few tokens
-    per expert: less padding), larger ones when experts get many tokens."""
-    block_m = 16 if num_pairs <= 512 else 64
-    block_n = 64 if min(hidden, inter) >= 64 else 32
-    return block_m, block_n, 64 if min(hidden, inter) >= 64 else 32
-
-
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """Same contract as ``torch_ref.fused_experts_ref``: ``x [T, H]``, ``w13 [E, 2I, H]``,
-    ``w2 [E, H, I]``, ``topk_weights/ids [T, k]`` -> ``[T, H]`` in ``x``'s dtype."""
+def fused_experts_sorted(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                         topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                         config: Config | None = None,
+                         warmup: bool = False) -> torch.Tensor | None:
+    """The sorted grouped-GEMM path (``fused_experts``'s contract); ``config`` overrides
+    the launch table and ``warmup`` compiles the two GEMMs for it without running them
+    (returns None; the sweep compiles its candidates in parallel that way)."""
     t, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
-    inter = two_i // 2
+    num_experts = w13.shape[0]
+    inter = w2.shape[2]
     top_k = topk_ids.shape[1]
     p = t * top_k
-    if t == 0:
-        return torch.empty_like(x)
-    x = x.contiguous()
-    assert w13.stride(2) == 1 and w2.stride(2) == 1
-    bm, bn, bk = _block_sizes(p, hidden, inter)
+    bm, bn, bk, group_m, warps, stages = config or get_config(t, num_experts, inter,
+                                                             hidden, top_k)
     sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, bm)
     n_blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty(p, inter, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(n_blocks, triton.cdiv(inter, bn))](
-        x, w13, act, sorted_ids, block_expert, num_padded, p, top_k, hidden, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision)
-    out = torch.empty(p, hidden, dtype=torch.float32, device=x.device)
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    _down_kernel[(n_blocks, triton.cdiv(hidden, bn))](
-        act, w2, out, weights, sorted_ids, block_expert, num_padded, p, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision)
-    return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)
+    half = max(16, bn // 2)  # gate and up columns per program (BLOCK_N of [gate | up])
+    grid = (n_blocks * triton.cdiv(inter, half),)
+    (partial(_sorted_gate_up_kernel.warmup, grid=grid) if warmup
+     else _sorted_gate_up_kernel[grid])(
+        x, w13, act, sorted_ids, block_expert, num_padded, p, n_blocks, x.stride(0),
+        w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, HIDDEN=hidden,
+        INTER=inter, BLOCK_M=bm, BLOCK_N=half, BLOCK_K=bk, GROUP_M=group_m,
+        PRECISION=precision, num_warps=warps, num_stages=stages)
+    y = torch.empty(p, hidden, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1)
+    if weights.dtype != torch.float32 or not weights.is_contiguous():
+        weights = weights.float().contiguous()
+    grid = (n_blocks * triton.cdiv(hidden, bn),)
+    (partial(_sorted_down_kernel.warmup, grid=grid) if warmup else _sorted_down_kernel[grid])(
+        act, w2, y, weights, sorted_ids, block_expert, num_padded, p, n_blocks,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), HIDDEN=hidden,
+        INTER=inter, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
+        PRECISION=precision, num_warps=warps, num_stages=stages)
+    if warmup:
+        return None
+    # torch.sum accumulates bf16/fp16 in fp32 and rounds once: one launch.
+    return y.view(t, top_k, hidden).sum(dim=1)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  path: Path = "auto") -> torch.Tensor:
+    """Same contract as ``torch_ref.fused_experts_ref``: ``x [T, H]``, ``w13 [E, 2I, H]``,
+    ``w2 [E, H, I]``, ``topk_weights/ids [T, k]`` -> ``[T, H]`` in ``x``'s dtype.
+
+    ``path``: ``"auto"`` picks by :func:`use_decode_path` (host ints only, never data);
+    ``"decode"`` / ``"sorted"`` force one (tests, benchmarks)."""
+    t = x.shape[0]
+    if t == 0:
+        return torch.empty_like(x)
+    if path not in ("auto", "decode", "sorted"):
+        raise ValueError(f"path must be auto, decode or sorted, got {path!r}")
+    x = x if x.is_contiguous() else x.contiguous()
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("expert weights must be contiguous along their input dimension")
+    if path == "decode" or (path == "auto"
+                            and use_decode_path(t * topk_ids.shape[1], w13.shape[0])):
+        return fused_experts_decode(x, w13, w2, topk_weights, topk_ids)
+    return fused_experts_sorted(x, w13, w2, topk_weights, topk_ids)

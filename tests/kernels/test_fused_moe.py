@@ -1,7 +1,8 @@
-"""The Triton fused-MoE kernels against the torch reference (``layers/fused_moe``), with
-uneven expert loads: experts that get no tokens, one expert that gets every token,
-top-1 and top-k, sizes that do not fill the tiles; and the reference against a direct
-per-token sum."""
+"""The Triton fused-MoE kernels against the torch reference (``layers/fused_moe``), both
+paths (the decode GEMVs and the sorted grouped GEMMs), with uneven expert loads: experts
+that get no tokens, one expert that gets every token, top-1 and top-k, sizes that do not
+fill the tiles; ``moe_align`` against a direct sort (one and several chunks); and the
+reference against a direct per-token sum."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from kernel_refs import DEVICE
 
-from pagedllm.kernels.fused_moe import fused_experts, moe_align
+from pagedllm.kernels.fused_moe import fused_experts, moe_align, use_decode_path
 from pagedllm.layers.fused_moe import select_experts
 from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
 
@@ -44,17 +45,57 @@ def _routing(kind: str, t: int, e: int, k: int, seed: int):
 
 
 @pytest.mark.parametrize("kind", ["random", "one_expert_takes_all", "half_idle"])
-@pytest.mark.parametrize("t,e,k,h,i", [(1, 8, 2, 64, 96), (37, 8, 1, 48, 80),
-                                       (70, 16, 3, 32, 40)])
-def test_kernel_matches_reference(kind: str, t: int, e: int, k: int, h: int, i: int) -> None:
+@pytest.mark.parametrize("path,t,e,k,h,i", [
+    ("decode", 1, 8, 2, 64, 96), ("decode", 4, 16, 3, 32, 40),
+    ("sorted", 1, 8, 2, 64, 96), ("sorted", 37, 8, 1, 48, 80), ("sorted", 70, 16, 3, 32, 40)])
+def test_kernel_matches_reference(kind: str, path: str, t: int, e: int, k: int, h: int,
+                                  i: int) -> None:
     w13, w2 = _weights(e, h, i, seed=t + e)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(DEVICE)
     weights, ids = _routing(kind, t, e, k, seed=e)
     if kind == "one_expert_takes_all" and k == 1:
         assert bool((ids == 2).all())
     ref = fused_experts_ref(x, w13, w2, weights, ids)
-    got = fused_experts(x, w13, w2, weights, ids)
+    got = fused_experts(x, w13, w2, weights, ids, path=path)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_sorted_path_grouped_block_order() -> None:
+    """GROUP_M > 1 (blocks taken in bands per feature tile, the last band ragged), larger
+    M tiles and K tiles that do not divide H or I: same result as the reference."""
+    from pagedllm.kernels.fused_moe import fused_experts_sorted
+
+    w13, w2 = _weights(16, 48, 40, seed=9)
+    x = torch.randn(70, 48, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    weights, ids = _routing("random", 70, 16, 3, seed=9)
+    ref = fused_experts_ref(x, w13, w2, weights, ids)
+    got = fused_experts_sorted(x, w13, w2, weights, ids, config=(32, 32, 32, 3, 4, 3))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["decode", "sorted"])
+def test_kernel_half_precision(path: str) -> None:
+    """fp16 activations and weights (the interpreter's bf16 tl.dot is broken; the GPU
+    tests below run bf16): the low-precision stores and the fp32 accumulation."""
+    w13, w2 = _weights(8, 32, 48, seed=2)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    weights, ids = _routing("half_idle", 3, 8, 2, seed=2)
+    ref = fused_experts_ref(x, w13, w2, weights, ids)
+    got = fused_experts(x.half(), w13.half(), w2.half(), weights, ids, path=path)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), ref, atol=3e-3, rtol=3e-3)
+
+
+def test_auto_path_choice() -> None:
+    """Decode while pairs are few and at most one per expert on average, sorted after;
+    a bad ``path`` is a ValueError naming it."""
+    assert use_decode_path(8, 128) and use_decode_path(64, 128)
+    assert not use_decode_path(65, 128) and not use_decode_path(16, 8)
+    w13, w2 = _weights(4, 16, 16, seed=0)
+    x = torch.randn(2, 16).to(DEVICE)
+    weights, ids = _routing("random", 2, 4, 2, seed=0)
+    with pytest.raises(ValueError, match="path"):
+        fused_experts(x, w13, w2, weights, ids, path="gemv")
 
 
 def test_reference_is_the_per_token_sum() -> None:
@@ -63,6 +104,33 @@ def test_reference_is_the_per_token_sum() -> None:
     weights, ids = _routing("half_idle", 9, 5, 2, seed=3)
     torch.testing.assert_close(fused_experts_ref(x, w13, w2, weights, ids),
                                _per_token(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+
+
+def _align_ref(ids: torch.Tensor, e: int, bm: int) -> tuple[list[int], list[int]]:
+    """(sorted ids up to the padded total, expert of each block), by a direct loop."""
+    flat = ids.reshape(-1).tolist()
+    out: list[int] = []
+    blocks: list[int] = []
+    for ex in range(e):
+        run = [p for p, v in enumerate(flat) if v == ex]
+        padded = -(-len(run) // bm) * bm
+        out += run + [len(flat)] * (padded - len(run))
+        blocks += [ex] * (padded // bm)
+    return out, blocks
+
+
+@pytest.mark.parametrize("kind,t,e,k,bm", [
+    ("random", 50, 512, 4, 16),  # 200 pairs in chunks of 64: four chunks
+    ("one_expert_takes_all", 40, 512, 2, 8), ("half_idle", 33, 16, 3, 32),
+    ("random", 1, 128, 8, 16)])
+def test_align_matches_direct_sort(kind: str, t: int, e: int, k: int, bm: int) -> None:
+    _, ids = _routing(kind, t, e, k, seed=t)
+    sorted_ids, block_expert, num_padded = moe_align(ids, e, block_m=bm)
+    ref, blocks = _align_ref(ids, e, bm)
+    assert int(num_padded) == len(ref)
+    assert sorted_ids[:len(ref)].tolist() == ref
+    assert block_expert[:len(blocks)].tolist() == blocks
+    assert sorted_ids.numel() >= len(ref) and block_expert.numel() * bm == sorted_ids.numel()
 
 
 def test_align_pads_each_expert_to_the_block() -> None:
@@ -74,14 +142,64 @@ def test_align_pads_each_expert_to_the_block() -> None:
     assert block_expert[:3].tolist() == [0, 1, 3]
 
 
+_REAL_WEIGHTS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 64, 1024])
-def test_kernel_bf16_real_shape(t: int) -> None:
-    """Qwen3-30B-A3B's expert shape (128 experts, top-8, H 2048, I 768) in bf16."""
-    e, k, h, i = 128, 8, 2048, 768
-    w13, w2 = (w.to(torch.bfloat16) for w in _weights(e, h, i, seed=0))
+@pytest.mark.parametrize("path", ["decode", "sorted"])
+@pytest.mark.parametrize("shape,t", [("qwen3", 1), ("qwen3", 8), ("qwen3", 64),
+                                     ("qwen3", 1024), ("mixtral", 1), ("mixtral", 4),
+                                     ("mixtral", 300)])
+def test_kernel_bf16_real_shape(shape: str, t: int, path: str) -> None:
+    """Qwen3-30B-A3B's expert shape (128 experts, top-8, H 2048, I 768) and Mixtral's
+    (8 experts, top-2, H 4096, I 14336) in bf16, both paths."""
+    e, k, h, i = (128, 8, 2048, 768) if shape == "qwen3" else (8, 2, 4096, 14336)
+    if shape not in _REAL_WEIGHTS:  # made on the device, once per shape
+        _REAL_WEIGHTS.clear()
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        _REAL_WEIGHTS[shape] = tuple(
+            (torch.randn(*dims, device=DEVICE, generator=g) * dims[2] ** -0.5).bfloat16()
+            for dims in ((e, 2 * i, h), (e, h, i)))
+    w13, w2 = _REAL_WEIGHTS[shape]
     x = torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16)
     weights, ids = _routing("random", t, e, k, seed=1)
     ref = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
-    got = fused_experts(x, w13, w2, weights, ids).float()
+    got = fused_experts(x, w13, w2, weights, ids, path=path).float()
     torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [2, 40])
+def test_cuda_graph_replays_new_routing(t: int) -> None:
+    """Captured once, replayed with other routing in the same buffers: equals eager (no
+    host sync, no shape taken from the data), on both paths (t * k = 8 and 160)."""
+    e, k, h, i = 64, 4, 256, 128
+    w13, w2 = (w.to(torch.bfloat16) for w in _weights(e, h, i, seed=4))
+    x = torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16)
+    weights, ids = _routing("random", t, e, k, seed=5)
+    fused_experts(x, w13, w2, weights, ids)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts(x, w13, w2, weights, ids)
+    for kind in ("one_expert_takes_all", "half_idle"):
+        new_w, new_ids = _routing(kind, t, e, k, seed=6)
+        weights.copy_(new_w)
+        ids.copy_(new_ids)
+        graph.replay()
+        torch.testing.assert_close(out, fused_experts(x, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize("e,k,renorm", [(16, 3, True), (128, 8, False), (8, 1, True)])
+def test_fused_topk_matches_select_experts(e: int, k: int, renorm: bool) -> None:
+    """The one-launch routing kernel (used on CUDA) against the torch steps: same experts
+    in the same order, weights within float32 rounding.  (Exact ties, which bf16 logits
+    can have, go to the lower expert id; torch.topk leaves their order unspecified.)"""
+    from pagedllm.kernels.moe_routing import fused_topk
+
+    logits = torch.randn(6, e, generator=torch.Generator().manual_seed(e)).to(DEVICE)
+    ref_w, ref_ids = select_experts(logits, k, renorm)
+    got_w, got_ids = fused_topk(logits, k, renorm)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
+    assert torch.equal(got_ids, ref_ids)
+    torch.testing.assert_close(got_w, ref_w, atol=1e-6, rtol=1e-5)

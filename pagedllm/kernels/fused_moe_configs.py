@@ -1,0 +1,65 @@
+"""Launch table of the sorted fused-MoE GEMMs (``kernels/fused_moe.py``).
+
+``CONFIGS[(E, I, H)]`` maps a token count ``T`` to ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+num_warps, num_stages)``; a call uses the entry whose ``T`` is nearest (vLLM's rule).
+``BLOCK_N`` counts output features of one program in vLLM's sense: the gate-up kernel
+takes ``BLOCK_N / 2`` gate and ``BLOCK_N / 2`` up columns (the same MMA work as vLLM's
+``BLOCK_N`` columns of ``[gate | up]``), the down kernel ``BLOCK_N`` hidden columns.
+
+The defaults are vLLM's tuned H200 tables for the same expert shapes
+(``vllm/model_executor/layers/fused_moe/configs/E=128,N=768,device_name=NVIDIA_H200.json``
+and ``E=8,N=14336,...``), thinned to a few distinct entries: every distinct entry is
+another compile of both kernels, paid at start-up.  ``python -m
+pagedllm.benchmarks.moe_bench --sweep`` times candidates on the device and prints a
+replacement table for this file.  Shapes not listed fall back to
+:func:`default_config`.  ``DECODE_CONFIGS`` does the same for the GEMV decode path
+(``kernels/fused_moe_decode.py``).
+"""
+
+from __future__ import annotations
+
+Config = tuple[int, int, int, int, int, int]
+
+CONFIGS: dict[tuple[int, int, int], dict[int, Config]] = {
+    # Qwen3-30B-A3B: 128 experts, I 768, H 2048 (vLLM E=128,N=768, H200).
+    (128, 768, 2048): {
+        16: (16, 64, 128, 1, 4, 3),
+        64: (16, 128, 128, 1, 4, 2),
+        256: (32, 256, 128, 16, 4, 2),
+        512: (64, 128, 64, 1, 4, 3),
+        1024: (128, 256, 64, 16, 8, 4),
+    },
+    # Mixtral-8x7B: 8 experts, I 14336, H 4096 (vLLM E=8,N=14336, H200).
+    (8, 14336, 4096): {
+        8: (16, 128, 128, 1, 4, 5),
+        32: (16, 128, 128, 16, 8, 3),
+        64: (32, 128, 128, 16, 4, 3),
+        128: (64, 128, 128, 1, 8, 4),
+        256: (128, 256, 64, 16, 8, 4),
+    },
+}
+
+
+# The decode (GEMV) path, per (E, I, H): (gate-up BLOCK_N, down BLOCK_N, num_warps) for
+# every batch it serves.  Empty: ``fused_moe_decode.decode_block_n`` picks 8 or 4 rows
+# per program by the program count, with 4 warps; ``moe_bench --sweep`` prints entries.
+DECODE_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+
+
+def default_config(tokens: int, num_experts: int, top_k: int) -> Config:
+    """vLLM's fallback rule: small M tiles while experts get few pairs each."""
+    pairs_per_expert = tokens * top_k / max(1, num_experts)
+    if pairs_per_expert <= 16:
+        return (16, 64, 64, 1, 4, 3)
+    if pairs_per_expert <= 64:
+        return (32, 64, 64, 8, 4, 3)
+    return (64, 128, 64, 8, 8, 3)
+
+
+def get_config(tokens: int, num_experts: int, inter: int, hidden: int,
+               top_k: int) -> Config:
+    """The launch config for ``tokens`` tokens on an ``(E, I, H)`` expert bank."""
+    table = CONFIGS.get((num_experts, inter, hidden))
+    if not table:
+        return default_config(tokens, num_experts, top_k)
+    return table[min(table, key=lambda m: abs(m - tokens))]

@@ -1,0 +1,173 @@
+"""Fused MoE for a few tokens (decode): no sort, no alignment, two launches.
+
+```
+ kernel 1, grid (P, I / BLOCK_N), one program per (pair, feature tile):
+     e = topk_ids[pair], t = pair // k
+     act[pair, n] = silu(x[t] . Wg[e, n]) * (x[t] . Wu[e, n])          [P, I]
+ kernel 2, grid (T, H / BLOCK_N), one program per (token, feature tile):
+     out[t, n] = sum_j topk_weights[t, j] * (act[t*k+j] . W2[ids[t, j], n])   [T, H]
+```
+
+At decode a MoE layer is a read of its routed experts' weights (``3 * H * I`` each):
+with ``P = T * k`` pairs no larger than the number of experts, almost every pair has an
+expert to itself, so GEMV programs that read the expert id straight from ``topk_ids``
+move the same bytes as the sorted grouped GEMM without its ``moe_align`` launches, its
+``BLOCK_M`` padding rows, or tensor-core tiles that are 1/16 full.  Pairs vary fastest
+in the grid, so programs of pairs that share an expert run side by side and read the
+same weight tile through L2.  The combine over the ``k`` slots is kernel 2's loop, with
+the routing weight applied to the activation on load: no ``[P, H]`` buffer, no sum.
+
+Like ``kernels/gemv.py``: each program owns ``BLOCK_N`` rows and walks K in ``BLOCK_K``
+steps with an elementwise ``[BLOCK_N, BLOCK_K]`` fp32 accumulator reduced once at the
+end; out-of-range rows re-read the last row (unmasked, vectorised weight loads) and are
+not stored.  ``H``, ``I``, ``k`` are compile-time constants (fixed per model), so one
+compile serves every batch size.  Which path runs depends only on ``T * k`` and ``E``
+(host ints): eager and CUDA-graph runs of a batch size take the same path.
+
+PDL (``kernels/pdl.py``): kernel 2 is launched while kernel 1's last programs run and
+fetches its first weight tile before it waits for ``act``.  It also reads ``topk_ids`` /
+``topk_weights`` before its wait, which is safe because kernel 1 triggers only after its
+own wait: kernel 2 cannot start before every program of kernel 1 is past that wait, i.e.
+before every kernel ahead of kernel 1 (the router that wrote them) has completed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.kernels.fused_moe_configs import DECODE_CONFIGS
+from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
+
+
+@triton.jit
+def _load_tile(rows_ptr, ks, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    if K % BLOCK_K == 0:  # static: unmasked, vectorised loads
+        return tl.load(rows_ptr + ks[None, :])
+    return tl.load(rows_ptr + ks[None, :], mask=ks[None, :] < K, other=0.0)
+
+
+@triton.jit
+def _load_vec(ptr, ks, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    if K % BLOCK_K == 0:
+        return tl.load(ptr + ks).to(tl.float32)
+    return tl.load(ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _decode_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, stride_xt, stride_we,
+                           stride_wn, stride_ap, TOP_K: tl.constexpr,
+                           HIDDEN: tl.constexpr, INTER: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+    # Wait, then trigger: kernel 2 launches only once every program here is past its
+    # wait, so everything before this kernel (the router that wrote topk_ids) is done.
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
+    pair = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_safe = tl.minimum(rn, INTER - 1).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xt
+    gate_rows = w_ptr + expert * stride_we + rn_safe[:, None] * stride_wn
+    up_rows = gate_rows + INTER * stride_wn
+    rk = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        ks = k0 + rk
+        x = _load_vec(x_row, ks, HIDDEN, BLOCK_K)[None, :]
+        acc_g += _load_tile(gate_rows, ks, HIDDEN, BLOCK_K).to(tl.float32) * x
+        acc_u += _load_tile(up_rows, ks, HIDDEN, BLOCK_K).to(tl.float32) * x
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    act = g / (1.0 + tl.exp(-g)) * u
+    tl.store(act_ptr + pair.to(tl.int64) * stride_ap + rn,
+             act.to(act_ptr.dtype.element_ty), mask=rn < INTER)
+
+
+@triton.jit
+def _decode_down_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, stride_ap,
+                        stride_we, stride_wn, stride_ot, TOP_K: tl.constexpr,
+                        HIDDEN: tl.constexpr, INTER: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    pdl_trigger(USE_PDL)
+    tok = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_off = tl.minimum(rn, HIDDEN - 1).to(tl.int64)[:, None] * stride_wn
+    rk = tl.arange(0, BLOCK_K)
+    # Slot 0's first weight tile before the wait (see the module docstring).
+    first = tok * TOP_K
+    w_rows = w_ptr + tl.load(ids_ptr + first).to(tl.int64) * stride_we + rn_off
+    w0 = _load_tile(w_rows, rk, INTER, BLOCK_K)
+    pdl_wait(USE_PDL)
+    a0 = _load_vec(act_ptr + first.to(tl.int64) * stride_ap, rk, INTER, BLOCK_K)
+    acc = w0.to(tl.float32) * (a0 * tl.load(weights_ptr + first))[None, :]
+    for j in tl.static_range(TOP_K):  # unrolled: slot 0 starts at its second tile
+        pair = first + j
+        scale = tl.load(weights_ptr + pair).to(tl.float32)
+        w_rows = w_ptr + tl.load(ids_ptr + pair).to(tl.int64) * stride_we + rn_off
+        a_row = act_ptr + pair.to(tl.int64) * stride_ap
+        for k0 in range(BLOCK_K if j == 0 else 0, INTER, BLOCK_K):
+            ks = k0 + rk
+            a = _load_vec(a_row, ks, INTER, BLOCK_K) * scale
+            acc += _load_tile(w_rows, ks, INTER, BLOCK_K).to(tl.float32) * a[None, :]
+    out = tl.sum(acc, axis=1)
+    tl.store(out_ptr + tok.to(tl.int64) * stride_ot + rn, out.to(out_ptr.dtype.element_ty),
+             mask=rn < HIDDEN)
+
+
+def _block_k(k: int) -> int:
+    """The largest power of two <= 512 that divides ``k`` (unmasked loads) when that is
+    at least 64, else ``next_pow2(k)`` capped at 512 (masked)."""
+    bk = 512
+    while bk >= 64:
+        if k % bk == 0:
+            return bk
+        bk //= 2
+    return min(512, triton.next_power_of_2(k))
+
+
+def decode_block_n(rows: int, programs_per_row: int) -> int:
+    """8 rows per program (as ``kernels/gemv.py``), 4 when that would leave fewer than
+    ~4 programs per SM of an H100/H200 (132 SMs): many small programs keep more bytes in
+    flight than a few big ones."""
+    return 8 if triton.cdiv(rows, 8) * programs_per_row >= 4 * 132 else 4
+
+
+def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                         topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Same contract as ``kernels/fused_moe.fused_experts`` (``x [T, H]``,
+    ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``topk_weights/ids [T, k]`` -> ``[T, H]`` in
+    ``x``'s dtype), for any ``T``; worth it while ``T * k`` is at most about ``E``.
+    ``config`` = (gate-up BLOCK_N, down BLOCK_N, num_warps) overrides
+    ``fused_moe_configs.DECODE_CONFIGS`` / :func:`decode_block_n` (the sweep)."""
+    t, hidden = x.shape
+    inter = w2.shape[2]
+    top_k = topk_ids.shape[1]
+    p = t * top_k
+    ids = topk_ids.reshape(-1)
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    weights = topk_weights.reshape(-1)
+    if weights.dtype != torch.float32 or not weights.is_contiguous():
+        weights = weights.float().contiguous()
+    act = torch.empty(p, inter, dtype=x.dtype, device=x.device)
+    pdl = pdl_launch_args(x.device)
+    config = config or DECODE_CONFIGS.get((w13.shape[0], inter, hidden))
+    bn_gate_up, bn_down, num_warps = config or (decode_block_n(inter, p),
+                                                decode_block_n(hidden, t), 4)
+    bn = bn_gate_up
+    _decode_gate_up_kernel[(p, triton.cdiv(inter, bn))](
+        x, w13, ids, act, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=_block_k(hidden),
+        num_warps=num_warps, **pdl)
+    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+    bn = bn_down
+    _decode_down_kernel[(t, triton.cdiv(hidden, bn))](
+        act, w2, ids, weights, out, act.stride(0), w2.stride(0), w2.stride(1),
+        out.stride(0), TOP_K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_N=bn,
+        BLOCK_K=_block_k(inter), num_warps=num_warps, **pdl)
+    return out
