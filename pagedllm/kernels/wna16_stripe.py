@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.int8_gemm import split_k_chunk, target_programs
+from pagedllm.kernels.int8_gemm import split_k_chunk, splitk_reduce, target_programs
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_start, pdl_trigger, pdl_wait
 from pagedllm.kernels.wna16 import pack_codes, unpack_codes
 
@@ -253,19 +253,6 @@ def _stripe_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, st
 
 
 @triton.jit
-def _splitk_reduce_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                          USE_PDL: tl.constexpr):
-    """``out = sum_i part[i]`` over ``[SPLIT, MN]`` fp32 partials, in index order."""
-    pdl_start(USE_PDL)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < MN
-    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
-    for i in tl.static_range(1, SPLIT):
-        acc += tl.load(part_ptr + i * MN + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
 def _stripe_dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn, stride_sn,
                            stride_zn, stride_on, K: tl.constexpr, BITS: tl.constexpr,
                            GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
@@ -393,9 +380,7 @@ def stripe_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         ieee = x.dtype == torch.float32 or (_INTERPRET and x.dtype == torch.bfloat16)
         _stripe_mma_kernel[(-(-m // bm) * -(-n // bn), split)](*args, IEEE=ieee, **consts)
     if split > 1:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            target, out, m * n, SPLIT=split, BLOCK=block, num_warps=4, **pdl)
+        splitk_reduce(target, out)  # fixed order: deterministic
     return out
 
 
