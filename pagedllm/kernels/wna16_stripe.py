@@ -35,6 +35,8 @@ in a fixed order by one reduce kernel: deterministic, graph-safe (shapes only).
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 
 import torch
@@ -289,11 +291,49 @@ StripeConfig = tuple[int, int, int, int, int, int]  # block_m, block_n, stripes,
 GEMV_MAX_M = int(os.environ.get("PAGEDLLM_WNA16_GEMV_MAX_M", "4"))
 
 
+@functools.cache
+def _tuned_file() -> dict:
+    path = os.environ.get("PAGEDLLM_WNA16_CONFIGS")
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"PAGEDLLM_WNA16_CONFIGS: cannot read {path!r}: {e}") from None
+
+
+def tuned_threshold(name: str) -> int | None:
+    """A threshold the sweep recommended (``summary[name]`` of the tuned file), if any."""
+    value = _tuned_file().get("summary", {}).get(name)
+    return None if value is None else int(value)
+
+
+@functools.cache
+def tuned_table() -> dict[tuple[int, int, int], StripeConfig]:
+    """``PAGEDLLM_WNA16_CONFIGS``: a JSON file written by ``benchmarks/wna16_sweep.py``
+    (``{"configs": [[m, n, k, [block_m, block_n, stripes, warps, stages, split]], ...]}``)
+    whose entries override :func:`stripe_config` for the smallest swept ``m >= M`` at
+    that ``(n, k)``; empty without the variable."""
+    data = _tuned_file()
+    if not data:
+        return {}
+    return {(int(m), int(n), int(k)): tuple(int(v) for v in cfg)  # type: ignore[misc]
+            for m, n, k, cfg in data["configs"]}
+
+
 def stripe_config(m: int, n: int, k: int, device: torch.device) -> StripeConfig:
-    """Launch configuration by row count.  Priors, not yet swept on a GPU
-    (``benchmarks/wna16_sweep.py`` prints the best per shape): the GEMV reads about as
-    many bytes a step as ``kernels/gemv.py`` (8 rows x 2 stripes = 4 KB of int4) with
+    """Launch configuration by row count: the tuned table's (:func:`tuned_table`) if it
+    has the shape, else priors (not yet swept on a GPU; ``benchmarks/wna16_sweep.py``
+    prints the best per shape): the GEMV reads a few KB of int4 a step per program with
     enough programs to fill the device; tiles follow the usual Triton W4A16 shapes."""
+    table = tuned_table()
+    if table:
+        fits = [tm for (tm, tn, tk) in table if tn == n and tk == k and tm >= m]
+        if fits:
+            cfg = table[(min(fits), n, k)]
+            if cfg[0] >= m or cfg[0] >= 16:  # a GEMV entry must hold every row
+                return cfg
     if m <= GEMV_MAX_M:
         bm = 1 if m == 1 else triton.next_power_of_2(m)
         bn, stripes, warps, stages = 8, 4, 4, 1

@@ -65,14 +65,25 @@ def kernel_choice() -> str:
     return choice
 
 
+def _threshold(name: str, default: int) -> int:
+    """The env var, else the tuned file's recommendation (``PAGEDLLM_WNA16_CONFIGS``),
+    else ``default``."""
+    if name in os.environ:
+        return _env_int(name, default)
+    from pagedllm.kernels.wna16_stripe import tuned_threshold
+
+    tuned = tuned_threshold(name)
+    return default if tuned is None else tuned
+
+
 def dequant_min_m() -> int:
     """Rows from which the dequantise + cuBLAS path runs (0: never)."""
-    return _env_int("PAGEDLLM_WNA16_DEQUANT_MIN_M", 512)
+    return _threshold("PAGEDLLM_WNA16_DEQUANT_MIN_M", 512)
 
 
 def tinygemm_max_m() -> int:
     """Rows up to which torch's int4 kernel runs (0: never)."""
-    return _env_int("PAGEDLLM_WNA16_TINYGEMM_MAX_M", 0)
+    return _threshold("PAGEDLLM_WNA16_TINYGEMM_MAX_M", 0)
 
 
 def reserve_scratch(numel: int, device: torch.device, dtype: torch.dtype) -> None:
