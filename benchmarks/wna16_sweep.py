@@ -46,7 +46,9 @@ ROWS = (1, 2, 4, 8, 16, 64, 256, 2048)
 PROJ = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
         "down_proj": (4096, 14336)}
 GROUP = 128
-GEMV_GRID = [(4, 4, 4), (8, 2, 4), (8, 4, 4), (8, 8, 4), (16, 2, 4), (16, 4, 8), (8, 4, 8)]
+# (block_n, stripes, warps); kept where a thread holds <= 32 accumulator elements
+GEMV_GRID = [(4, 8, 4), (4, 16, 4), (8, 4, 4), (8, 8, 4), (8, 16, 4), (8, 16, 8),
+             (16, 4, 4), (16, 8, 8), (8, 2, 4)]
 MMA_GRID = {  # block_m -> (block_n, stripes, warps, stages)
     16: [(32, 1, 4, 3), (32, 2, 4, 3), (64, 1, 4, 3), (64, 2, 4, 4), (128, 1, 4, 3)],
     64: [(64, 1, 4, 3), (64, 2, 4, 3), (128, 1, 4, 3), (128, 1, 8, 4)],
@@ -71,6 +73,8 @@ def stripe_configs(m: int, n: int, k: int, sms: int) -> list[tuple[int, ...]]:
     if m <= 8:
         bm = 1 if m == 1 else 1 << (m - 1).bit_length()
         for bn, st, w in GEMV_GRID:
+            if bm * bn * st * 16 > 32 * 32 * w:  # accumulator elements per thread
+                continue
             out.append((bm, bn, st, w, 1, _split(m, n, k, bm, bn, st, sms)))
     if m >= 2:
         bm = 16 if m <= 16 else 64 if m <= 64 else 128

@@ -131,7 +131,8 @@ def _group_params(s_ptr, z_ptr, rows, k0, rj, stride_sn, stride_zn, J_OK: tl.con
 @triton.jit
 def _load_words(qw_ptr, rows, k0, rj, stride_qn, J_OK: tl.constexpr, j_ok,
                 BITS: tl.constexpr):
-    offs = rows[:, None] * stride_qn + (k0 // (32 // BITS) + rj)[None, :]
+    kw = tl.multiple_of(k0 // (32 // BITS), 16)  # k0 is a multiple of 128
+    offs = rows[:, None] * stride_qn + (kw + rj)[None, :]
     if J_OK:
         return tl.load(qw_ptr + offs)
     return tl.load(qw_ptr + offs, mask=j_ok[None, :], other=0)
@@ -160,6 +161,29 @@ def _gemv_step(x_ptr, w, sc, z, rm, m_ok, k0, xoff, j_ok, stride_xm, acc,
 
 
 @triton.jit
+def _gemv1_step(x_ptr, w, sc, z, zrow, k0, xoff4, j_ok, acc, BITS: tl.constexpr,
+                S: tl.constexpr, J_OK: tl.constexpr):
+    """One row: ``acc [BLOCK_N, J] += (sum_s (c_s - z) x_s) * scale``.  ``x_s`` is loaded
+    through a ``[BLOCK_N, J]`` pointer tensor (``zrow`` broadcasts it over the rows) with
+    4-wide contiguity, so that it comes in the words' own register layout: no
+    shared-memory layout conversion (and barrier) per slot; the duplicate addresses are
+    L1 hits."""
+    P: tl.constexpr = 32 // BITS
+    hi = w >> 16
+    part = tl.zeros(w.shape, dtype=tl.float32)
+    for s in tl.static_range(P):
+        # code - zero in one FMA (the symmetric zero folds into the constant)
+        c = _slot(w, hi, s, BITS, z)
+        ptrs = x_ptr + zrow[:, None] + (k0 + s * S + xoff4)[None, :]
+        if J_OK:
+            xs = tl.load(ptrs).to(tl.float32)
+        else:
+            xs = tl.load(ptrs, mask=j_ok[None, :], other=0.0).to(tl.float32)
+        part += c * xs
+    return acc + part * sc
+
+
+@triton.jit
 def _stripe_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stride_qn,
                         stride_sn, stride_zn, stride_om, stride_os, K: tl.constexpr,
                         BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
@@ -177,6 +201,7 @@ def _stripe_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
     rows = tl.minimum(rn, N - 1).to(tl.int64)  # out-of-range rows re-read row N-1
     rj = tl.arange(0, J)
     xoff = (rj // S) * 128 + rj % S  # input of slot 0 of word j, from the step's start
+    xoff = tl.max_contiguous(tl.multiple_of(xoff, S), S)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
     k_start = pid_k * K_CHUNK
@@ -187,21 +212,36 @@ def _stripe_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
     sc, z = _group_params(s_ptr, z_ptr, rows, k_start, rj, stride_sn, stride_zn, EVEN,
                           j_ok, BITS, GROUP, S, HAS_ZERO)
     pdl_wait(USE_PDL)
-    acc = tl.zeros((BLOCK_M, BLOCK_N, J), dtype=tl.float32)
-    acc = _gemv_step(x_ptr, w, sc, z, rm, m_ok, k_start, xoff, j_ok, stride_xm, acc, BITS,
-                     S, BLOCK_M, EVEN)
-    for kt in range(STRIPES * 128, K_CHUNK, STRIPES * 128):
-        k0 = k_start + kt
-        j_ok = (k0 + (rj // S) * 128) < K
-        w = _load_words(qw_ptr, rows, k0, rj, stride_qn, EVEN, j_ok, BITS)
-        sc, z = _group_params(s_ptr, z_ptr, rows, k0, rj, stride_sn, stride_zn, EVEN,
-                              j_ok, BITS, GROUP, S, HAS_ZERO)
-        acc = _gemv_step(x_ptr, w, sc, z, rm, m_ok, k0, xoff, j_ok, stride_xm, acc, BITS,
-                         S, BLOCK_M, EVEN)
-    out = tl.sum(acc, axis=2)
-    tl.store(out_ptr + pid_k.to(tl.int64) * stride_os + rm.to(tl.int64)[:, None] * stride_om
-             + rn[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & (rn < N)[None, :])
+    if BLOCK_M == 1:
+        xoff4 = tl.max_contiguous(tl.multiple_of((rj // S) * 128 + rj % S, 4), 4)
+        zrow = rn * 0
+        acc1 = tl.zeros((BLOCK_N, J), dtype=tl.float32)
+        acc1 = _gemv1_step(x_ptr, w, sc, z, zrow, k_start, xoff4, j_ok, acc1, BITS, S, EVEN)
+        for kt in range(STRIPES * 128, K_CHUNK, STRIPES * 128):
+            k0 = k_start + kt
+            j_ok = (k0 + (rj // S) * 128) < K
+            w = _load_words(qw_ptr, rows, k0, rj, stride_qn, EVEN, j_ok, BITS)
+            sc, z = _group_params(s_ptr, z_ptr, rows, k0, rj, stride_sn, stride_zn, EVEN,
+                                  j_ok, BITS, GROUP, S, HAS_ZERO)
+            acc1 = _gemv1_step(x_ptr, w, sc, z, zrow, k0, xoff4, j_ok, acc1, BITS, S, EVEN)
+        tl.store(out_ptr + pid_k.to(tl.int64) * stride_os + rn,
+                 tl.sum(acc1, axis=1).to(out_ptr.dtype.element_ty), mask=rn < N)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, J), dtype=tl.float32)
+        acc = _gemv_step(x_ptr, w, sc, z, rm, m_ok, k_start, xoff, j_ok, stride_xm, acc,
+                         BITS, S, BLOCK_M, EVEN)
+        for kt in range(STRIPES * 128, K_CHUNK, STRIPES * 128):
+            k0 = k_start + kt
+            j_ok = (k0 + (rj // S) * 128) < K
+            w = _load_words(qw_ptr, rows, k0, rj, stride_qn, EVEN, j_ok, BITS)
+            sc, z = _group_params(s_ptr, z_ptr, rows, k0, rj, stride_sn, stride_zn, EVEN,
+                                  j_ok, BITS, GROUP, S, HAS_ZERO)
+            acc = _gemv_step(x_ptr, w, sc, z, rm, m_ok, k0, xoff, j_ok, stride_xm, acc,
+                             BITS, S, BLOCK_M, EVEN)
+        out = tl.sum(acc, axis=2)
+        tl.store(out_ptr + pid_k.to(tl.int64) * stride_os
+                 + rm.to(tl.int64)[:, None] * stride_om + rn[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (rn < N)[None, :])
 
 
 @triton.jit
@@ -228,7 +268,7 @@ def _stripe_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, st
     m_ok = rm < M
     rows = tl.minimum(rn, N - 1).to(tl.int64)
     rj = tl.arange(0, J)
-    xoff = (rj // S) * 128 + rj % S
+    xoff = tl.max_contiguous(tl.multiple_of((rj // S) * 128 + rj % S, S), S)
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     k_start = pid_k * K_CHUNK
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -336,7 +376,7 @@ def stripe_config(m: int, n: int, k: int, device: torch.device) -> StripeConfig:
                 return cfg
     if m <= GEMV_MAX_M:
         bm = 1 if m == 1 else triton.next_power_of_2(m)
-        bn, stripes, warps, stages = 8, 4, 4, 1
+        bn, stripes, warps, stages = 8, 8 if m == 1 else 4, 4, 1
     elif m <= 16:
         bm, bn, stripes, warps, stages = 16, 32, 2, 4, 3
     elif m <= 64:
