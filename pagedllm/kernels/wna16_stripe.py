@@ -362,6 +362,7 @@ def tuned_table() -> dict[tuple[int, int, int], StripeConfig]:
             for m, n, k, cfg in data["configs"]}
 
 
+@functools.lru_cache(maxsize=4096)  # eager (prefill) steps call it per layer
 def stripe_config(m: int, n: int, k: int, device: torch.device) -> StripeConfig:
     """Launch configuration by row count: the tuned table's (:func:`tuned_table`) if it
     has the shape, else priors (not yet swept on a GPU; ``benchmarks/wna16_sweep.py``
