@@ -173,6 +173,7 @@ def correctness(dev: torch.device) -> list[dict[str, Any]]:
                 w = stripe_dequantize(st, sc, None, 4, GROUP,
                                       torch.empty(n, k, device=dev, dtype=torch.bfloat16))
                 r["dequant_linear"] = _rel(F.linear(x, w), ref)
+            r["ok"] = all(v < 2e-2 for kk, v in r.items() if kk not in ("proj", "M"))
             rows.append(r)
             print("check", r, flush=True)
     # act-order + zero points through the layer storage (int_cuda), o_proj shape
@@ -195,6 +196,7 @@ def correctness(dev: torch.device) -> list[dict[str, Any]]:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         r = {"proj": "o_proj act-order+zeros layer", "M": m, "layout": layer.int_layout,
              "stripe": _rel(apply_cuda(layer, x), x.float() @ w_ref.T)}
+        r["ok"] = r["stripe"] < 2e-2
         rows.append(r)
         print("check", r, flush=True)
     return rows
@@ -362,6 +364,9 @@ def main() -> None:
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(),
                               "torch": torch.__version__}
     result["correctness"] = correctness(dev)
+    bad = [r for r in result["correctness"] if not r["ok"]]
+    print(f"correctness: {len(result['correctness']) - len(bad)} ok, {len(bad)} FAILED",
+          flush=True)
     result["w8a8_m1"] = w8a8_quantiser(dev)
     rows, skipped = sweep(dev, args.budget_s, t0)
     result["rows"], result["skipped"] = rows, skipped
