@@ -18,7 +18,9 @@ runs of one batch size agree, and nothing syncs.
  M <= PAGEDLLM_WNA16_TINYGEMM_MAX_M (default 0: off)   torch _weight_int4pack_mm
  M <  PAGEDLLM_WNA16_DEQUANT_MIN_M  (default 512)      wna16_stripe GEMV (M <= 4) / tile
  M >= PAGEDLLM_WNA16_DEQUANT_MIN_M                     dequantise into one shared bf16
-                                                       scratch + cuBLAS F.linear
+                                                       scratch + cuBLAS F.linear (whole,
+                                                       or PAGEDLLM_WNA16_DEQUANT_CHUNK_MB
+                                                       chunks that stay in L2)
 ```
 
 The dequantise path writes and re-reads the weight in bf16 (about 2.5x a bf16 layer's
@@ -86,6 +88,39 @@ def tinygemm_max_m() -> int:
     return _threshold("PAGEDLLM_WNA16_TINYGEMM_MAX_M", 0)
 
 
+def dequant_chunk_rows(k: int) -> int:
+    """``PAGEDLLM_WNA16_DEQUANT_CHUNK_MB`` (default 0: whole layers) as weight rows: the
+    dequantise path then runs chunk by chunk through one chunk-sized piece of the
+    scratch, so that the bf16 chunk is still in L2 when cuBLAS reads it (and is
+    overwritten there by the next chunk, never written back) -- at the cost of more,
+    narrower GEMMs."""
+    mb = _threshold("PAGEDLLM_WNA16_DEQUANT_CHUNK_MB", 0)
+    return 0 if mb <= 0 else max(128, (mb << 20) // (2 * k) // 128 * 128)
+
+
+def dequant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                   zeros: torch.Tensor | None, bits: int, group_size: int,
+                   scratch: torch.Tensor, chunk_rows: int = 0) -> torch.Tensor:
+    """``x [M, K] @ W^T`` by dequantising the striped weight into ``scratch`` (flat, at
+    least ``N * K`` elements of ``x.dtype``) and cuBLAS, whole or ``chunk_rows`` output
+    features at a time (each GEMM writes its column block of the output in place)."""
+    from pagedllm.kernels.wna16_stripe import stripe_dequantize
+
+    n, k = qweight.shape[0], x.shape[1]
+    if chunk_rows <= 0 or chunk_rows >= n:
+        w = stripe_dequantize(qweight, scales, zeros, bits, group_size,
+                              scratch[:n * k].view(n, k))
+        return F.linear(x, w)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, chunk_rows):  # a few weight chunks, host ints: graph-safe
+        n1 = min(n, n0 + chunk_rows)
+        w = stripe_dequantize(qweight[n0:n1], scales[n0:n1],
+                              None if zeros is None else zeros[n0:n1], bits, group_size,
+                              scratch[:(n1 - n0) * k].view(n1 - n0, k))
+        torch.mm(x, w.t(), out=out[:, n0:n1])
+    return out
+
+
 def reserve_scratch(numel: int, device: torch.device, dtype: torch.dtype) -> None:
     """Grow the shared dequantisation scratch of ``(device, dtype)`` to ``numel``."""
     key = (torch.device(device), dtype)
@@ -94,8 +129,8 @@ def reserve_scratch(numel: int, device: torch.device, dtype: torch.dtype) -> Non
         _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
 
 
-def _scratch(n: int, k: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    return _SCRATCH[(torch.device(device), dtype)][:n * k].view(n, k)
+def _scratch(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return _SCRATCH[(torch.device(device), dtype)]
 
 
 def _register(layer: torch.nn.Module, name: str, t: torch.Tensor | None) -> None:
@@ -158,13 +193,13 @@ def apply_cuda(layer: LinearBase, x2: torch.Tensor) -> torch.Tensor:
     qw, s, z = layer.int_qweight, layer.int_scales, layer.int_zeros  # type: ignore[attr-defined]
     bits, group = layer.int_bits, layer.int_group  # type: ignore[attr-defined]
     if layer.int_layout == "stripe":  # type: ignore[attr-defined]
-        from pagedllm.kernels.wna16_stripe import stripe_dequantize, stripe_gemm
+        from pagedllm.kernels.wna16_stripe import stripe_gemm
 
         lim = dequant_min_m()
         if 0 < lim <= m and x2.is_cuda:
-            n, k = qw.shape[0], x2.shape[1]
-            w = stripe_dequantize(qw, s, z, bits, group, _scratch(n, k, x2.device, x2.dtype))
-            return F.linear(x2, w)
+            return dequant_linear(x2, qw, s, z, bits, group,
+                                  _scratch(x2.device, x2.dtype),
+                                  dequant_chunk_rows(x2.shape[1]))
         return stripe_gemm(x2, qw, s, z, bits, group)
     from pagedllm.kernels.wna16 import wna16_gemm
 
