@@ -98,8 +98,10 @@ def _weights(n: int, k: int, device: torch.device, seed: int = 0):
     return qw, to_stripes(qw, 4), scales
 
 
-def _warm(jobs: list[tuple[str, int, tuple[int, ...]]]) -> None:
-    """Worker process: compile (run once) each (projection, M, config)."""
+def _warm(jobs: list[tuple[str, int, tuple[int, ...] | None]]) -> None:
+    """Worker process: compile (run once) each (projection, M, config); a config of None
+    is the canonical kernel's default."""
+    from pagedllm.kernels.wna16 import wna16_gemm
     from pagedllm.kernels.wna16_stripe import stripe_gemm
 
     dev = torch.device("cuda")
@@ -108,10 +110,13 @@ def _warm(jobs: list[tuple[str, int, tuple[int, ...]]]) -> None:
         n, k = PROJ[name]
         if name not in cache:
             cache[name] = _weights(n, k, dev)
-        _, st, sc = cache[name]
+        qw, st, sc = cache[name]
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         try:
-            stripe_gemm(x, st, sc, None, 4, GROUP, config=cfg)  # type: ignore[arg-type]
+            if cfg is None:
+                wna16_gemm(x, qw, sc, None, None, 4, GROUP)
+            else:
+                stripe_gemm(x, st, sc, None, 4, GROUP, config=cfg)  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001  (reported by the main process's run)
             print(f"warm {name} M={m} {cfg}: {type(e).__name__}: {e}", flush=True)
     torch.cuda.synchronize()
@@ -367,8 +372,10 @@ def main() -> None:
     dev = torch.device("cuda")
     sms = _sms(dev)
     if args.procs > 0:
-        jobs = [(name, m, cfg) for name, (n, k) in PROJ.items() for m in ROWS
-                for cfg in stripe_configs(m, n, k, sms)]
+        jobs: list[tuple[str, int, tuple[int, ...] | None]] = [
+            (name, m, cfg) for name, (n, k) in PROJ.items() for m in ROWS
+            for cfg in stripe_configs(m, n, k, sms)]
+        jobs += [(name, m, None) for name in PROJ for m in ROWS if m <= 256]
         chunks = [jobs[i::args.procs] for i in range(args.procs)]
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_warm, args=(c,)) for c in chunks]
