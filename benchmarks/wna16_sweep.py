@@ -19,7 +19,7 @@ Variants (W4, symmetric, group 128, bf16 activations, as ``--dummy llama3-8b-w4a
 * ``tinygemm``: torch's ``_weight_int4pack_mm``;
 * ``canonical``: ``kernels/wna16.py`` (the previous kernel), its default configuration;
 * ``stripe``: ``kernels/wna16_stripe.py``, each configuration of a small grid (the GEMV
-  for M <= 8, the tensor-core tile for M >= 2);
+  for M <= 4, the tensor-core tile for M >= 2);
 * ``dequant``: ``stripe_dequantize`` into a bf16 scratch + cuBLAS (M >= 64), whole and
   in 16 / 32 MB chunks (``PAGEDLLM_WNA16_DEQUANT_CHUNK_MB``: each chunk still in L2).
 
@@ -73,7 +73,7 @@ def _split(m: int, n: int, k: int, bm: int, bn: int, stripes: int, sms: int) -> 
 def stripe_configs(m: int, n: int, k: int, sms: int) -> list[tuple[int, ...]]:
     """The grid at this shape: (block_m, block_n, stripes, warps, stages, split)."""
     out: list[tuple[int, ...]] = []
-    if m <= 8:
+    if m <= 4:  # the GEMV kernel takes up to 4 rows
         bm = 1 if m == 1 else 1 << (m - 1).bit_length()
         for bn, st, w in GEMV_GRID:
             if bm * bn * st * 16 > 32 * 32 * w:  # accumulator elements per thread

@@ -139,48 +139,49 @@ def _load_words(qw_ptr, rows, k0, rj, stride_qn, J_OK: tl.constexpr, j_ok,
 
 
 @triton.jit
-def _gemv_step(x_ptr, w, sc, z, rm, m_ok, k0, xoff, j_ok, stride_xm, acc,
-               BITS: tl.constexpr, S: tl.constexpr, BLOCK_M: tl.constexpr,
-               J_OK: tl.constexpr):
-    """``acc [BLOCK_M, BLOCK_N, J] += (sum_s (c_s - z) x_s) * scale`` for one step."""
-    P: tl.constexpr = 32 // BITS
-    hi = w >> 16
-    part = tl.zeros(acc.shape, dtype=tl.float32)
-    xsum = tl.zeros((BLOCK_M, w.shape[1]), dtype=tl.float32)
-    for s in tl.static_range(P):
-        c = _slot(w, hi, s, BITS)
-        offs = rm.to(tl.int64)[:, None] * stride_xm + (k0 + s * S + xoff)[None, :]
-        if J_OK and BLOCK_M == 1:
-            xs = tl.load(x_ptr + offs).to(tl.float32)
-        else:
-            xs = tl.load(x_ptr + offs, mask=m_ok[:, None] & j_ok[None, :],
-                         other=0.0).to(tl.float32)
-        part += c[None, :, :] * xs[:, None, :]
-        xsum += xs
-    return acc + (part - z[None, :, :] * xsum[:, None, :]) * sc[None, :, :]
+def _xrow(base, r: tl.constexpr, stride_xm, M, j_ok, J_OK: tl.constexpr):
+    """Row ``r`` of this slot's ``x`` (fp32) through the broadcast pointers ``base``."""
+    if r == 0 and J_OK:
+        return tl.load(base).to(tl.float32)
+    if r == 0:
+        return tl.load(base, mask=j_ok[None, :], other=0.0).to(tl.float32)
+    return tl.load(base + r * stride_xm, mask=j_ok[None, :] & (r < M),
+                   other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _gemv1_step(x_ptr, w, sc, z, zrow, k0, xoff4, j_ok, acc, BITS: tl.constexpr,
-                S: tl.constexpr, J_OK: tl.constexpr):
-    """One row: ``acc [BLOCK_N, J] += (sum_s (c_s - z) x_s) * scale``.  ``x_s`` is loaded
-    through a ``[BLOCK_N, J]`` pointer tensor (``zrow`` broadcasts it over the rows) with
+def _gemv_step(x_ptr, w, sc, z, zrow, k0, xoff4, j_ok, stride_xm, M, a0, a1, a2, a3,
+               BITS: tl.constexpr, S: tl.constexpr, BLOCK_M: tl.constexpr,
+               J_OK: tl.constexpr):
+    """``a_r [BLOCK_N, J] += (sum_s (c_s - z) x_rs) * scale`` for rows ``r <
+    BLOCK_M`` (<= 4, unrolled: one 2-D accumulator each).  ``x`` is loaded through a
+    ``[BLOCK_N, J]`` pointer tensor (``zrow`` broadcasts it over the weight rows) with
     4-wide contiguity, so that it comes in the words' own register layout: no
     shared-memory layout conversion (and barrier) per slot; the duplicate addresses are
-    L1 hits."""
+    L1 hits.  Each code is unpacked once for all rows."""
     P: tl.constexpr = 32 // BITS
     hi = w >> 16
-    part = tl.zeros(w.shape, dtype=tl.float32)
+    p0 = tl.zeros(w.shape, dtype=tl.float32)
+    p1 = tl.zeros(w.shape, dtype=tl.float32)
+    p2 = tl.zeros(w.shape, dtype=tl.float32)
+    p3 = tl.zeros(w.shape, dtype=tl.float32)
     for s in tl.static_range(P):
         # code - zero in one FMA (the symmetric zero folds into the constant)
         c = _slot(w, hi, s, BITS, z)
-        ptrs = x_ptr + zrow[:, None] + (k0 + s * S + xoff4)[None, :]
-        if J_OK:
-            xs = tl.load(ptrs).to(tl.float32)
-        else:
-            xs = tl.load(ptrs, mask=j_ok[None, :], other=0.0).to(tl.float32)
-        part += c * xs
-    return acc + part * sc
+        base = x_ptr + zrow[:, None] + (k0 + s * S + xoff4)[None, :]
+        p0 += c * _xrow(base, 0, stride_xm, M, j_ok, J_OK)
+        if BLOCK_M > 1:
+            p1 += c * _xrow(base, 1, stride_xm, M, j_ok, J_OK)
+        if BLOCK_M > 2:
+            p2 += c * _xrow(base, 2, stride_xm, M, j_ok, J_OK)
+            p3 += c * _xrow(base, 3, stride_xm, M, j_ok, J_OK)
+    return a0 + p0 * sc, a1 + p1 * sc, a2 + p2 * sc, a3 + p3 * sc
+
+
+@triton.jit
+def _store_row(out_base, r: tl.constexpr, acc, rn, N, M, stride_om):
+    tl.store(out_base + r * stride_om + rn, tl.sum(acc, axis=1).to(
+        out_base.dtype.element_ty), mask=(rn < N) & (r < M))
 
 
 @triton.jit
@@ -190,7 +191,8 @@ def _stripe_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         STRIPES: tl.constexpr, K_CHUNK: tl.constexpr,
                         EVEN: tl.constexpr, USE_PDL: tl.constexpr):
-    """Up to ``BLOCK_M`` (<= 8) rows of ``x`` on elementwise fp32 FMAs (module doc)."""
+    """Up to ``BLOCK_M`` (1, 2 or 4) rows of ``x`` on elementwise fp32 FMAs (module
+    doc); the accumulators are reduced along K once, at the end."""
     pdl_trigger(USE_PDL)
     P: tl.constexpr = 32 // BITS
     S: tl.constexpr = 128 // P
@@ -200,10 +202,9 @@ def _stripe_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(rn, N - 1).to(tl.int64)  # out-of-range rows re-read row N-1
     rj = tl.arange(0, J)
-    xoff = (rj // S) * 128 + rj % S  # input of slot 0 of word j, from the step's start
-    xoff = tl.max_contiguous(tl.multiple_of(xoff, S), S)
-    rm = tl.arange(0, BLOCK_M)
-    m_ok = rm < M
+    # input of slot 0 of word j, from the step's start: runs of S (4-aligned, contiguous)
+    xoff4 = tl.max_contiguous(tl.multiple_of((rj // S) * 128 + rj % S, 4), 4)
+    zrow = rn * 0
     k_start = pid_k * K_CHUNK
     # The first step's weights are fetched before the PDL wait (kernels/pdl.py: weights
     # are never written by a kernel).
@@ -212,36 +213,27 @@ def _stripe_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
     sc, z = _group_params(s_ptr, z_ptr, rows, k_start, rj, stride_sn, stride_zn, EVEN,
                           j_ok, BITS, GROUP, S, HAS_ZERO)
     pdl_wait(USE_PDL)
-    if BLOCK_M == 1:
-        xoff4 = tl.max_contiguous(tl.multiple_of((rj // S) * 128 + rj % S, 4), 4)
-        zrow = rn * 0
-        acc1 = tl.zeros((BLOCK_N, J), dtype=tl.float32)
-        acc1 = _gemv1_step(x_ptr, w, sc, z, zrow, k_start, xoff4, j_ok, acc1, BITS, S, EVEN)
-        for kt in range(STRIPES * 128, K_CHUNK, STRIPES * 128):
-            k0 = k_start + kt
-            j_ok = (k0 + (rj // S) * 128) < K
-            w = _load_words(qw_ptr, rows, k0, rj, stride_qn, EVEN, j_ok, BITS)
-            sc, z = _group_params(s_ptr, z_ptr, rows, k0, rj, stride_sn, stride_zn, EVEN,
-                                  j_ok, BITS, GROUP, S, HAS_ZERO)
-            acc1 = _gemv1_step(x_ptr, w, sc, z, zrow, k0, xoff4, j_ok, acc1, BITS, S, EVEN)
-        tl.store(out_ptr + pid_k.to(tl.int64) * stride_os + rn,
-                 tl.sum(acc1, axis=1).to(out_ptr.dtype.element_ty), mask=rn < N)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N, J), dtype=tl.float32)
-        acc = _gemv_step(x_ptr, w, sc, z, rm, m_ok, k_start, xoff, j_ok, stride_xm, acc,
-                         BITS, S, BLOCK_M, EVEN)
-        for kt in range(STRIPES * 128, K_CHUNK, STRIPES * 128):
-            k0 = k_start + kt
-            j_ok = (k0 + (rj // S) * 128) < K
-            w = _load_words(qw_ptr, rows, k0, rj, stride_qn, EVEN, j_ok, BITS)
-            sc, z = _group_params(s_ptr, z_ptr, rows, k0, rj, stride_sn, stride_zn, EVEN,
-                                  j_ok, BITS, GROUP, S, HAS_ZERO)
-            acc = _gemv_step(x_ptr, w, sc, z, rm, m_ok, k0, xoff, j_ok, stride_xm, acc,
-                             BITS, S, BLOCK_M, EVEN)
-        out = tl.sum(acc, axis=2)
-        tl.store(out_ptr + pid_k.to(tl.int64) * stride_os
-                 + rm.to(tl.int64)[:, None] * stride_om + rn[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (rn < N)[None, :])
+    a0 = tl.zeros((BLOCK_N, J), dtype=tl.float32)
+    a1 = tl.zeros((BLOCK_N, J), dtype=tl.float32)
+    a2 = tl.zeros((BLOCK_N, J), dtype=tl.float32)
+    a3 = tl.zeros((BLOCK_N, J), dtype=tl.float32)
+    a0, a1, a2, a3 = _gemv_step(x_ptr, w, sc, z, zrow, k_start, xoff4, j_ok, stride_xm, M,
+                                a0, a1, a2, a3, BITS, S, BLOCK_M, EVEN)
+    for kt in range(STRIPES * 128, K_CHUNK, STRIPES * 128):
+        k0 = k_start + kt
+        j_ok = (k0 + (rj // S) * 128) < K
+        w = _load_words(qw_ptr, rows, k0, rj, stride_qn, EVEN, j_ok, BITS)
+        sc, z = _group_params(s_ptr, z_ptr, rows, k0, rj, stride_sn, stride_zn, EVEN,
+                              j_ok, BITS, GROUP, S, HAS_ZERO)
+        a0, a1, a2, a3 = _gemv_step(x_ptr, w, sc, z, zrow, k0, xoff4, j_ok, stride_xm, M,
+                                    a0, a1, a2, a3, BITS, S, BLOCK_M, EVEN)
+    out_base = out_ptr + pid_k.to(tl.int64) * stride_os
+    _store_row(out_base, 0, a0, rn, N, M, stride_om)
+    if BLOCK_M > 1:
+        _store_row(out_base, 1, a1, rn, N, M, stride_om)
+    if BLOCK_M > 2:
+        _store_row(out_base, 2, a2, rn, N, M, stride_om)
+        _store_row(out_base, 3, a3, rn, N, M, stride_om)
 
 
 @triton.jit
@@ -326,9 +318,9 @@ def _stripe_dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn, stride_s
 # --------------------------------------------------------------------------- launch
 
 StripeConfig = tuple[int, int, int, int, int, int]  # block_m, block_n, stripes, warps,
-# stages, split_k (block_m <= 8: the GEMV kernel; >= 16: the tensor-core kernel)
+# stages, split_k (block_m 1, 2, 4: the GEMV kernel; >= 16: the tensor-core kernel)
 
-GEMV_MAX_M = int(os.environ.get("PAGEDLLM_WNA16_GEMV_MAX_M", "4"))
+GEMV_MAX_M = min(4, int(os.environ.get("PAGEDLLM_WNA16_GEMV_MAX_M", "4")))
 
 
 @functools.cache
@@ -452,8 +444,9 @@ def stripe_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                   EVEN=k % k_chunk == 0,
                   num_warps=warps, num_stages=stages, **pdl)
     if bm <= 8:
-        if m > bm:
-            raise ValueError(f"config: block_m={bm} < M={m} for the GEMV kernel")
+        if bm not in (1, 2, 4) or m > bm:
+            raise ValueError(f"config: the GEMV kernel takes block_m 1, 2 or 4 >= M={m}, "
+                             f"got {bm}")
         _stripe_gemv_kernel[(-(-n // bn), split)](*args, **consts)
     else:
         if bm & (bm - 1):
