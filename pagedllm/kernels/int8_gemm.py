@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # A floor on the activation scale: an all-zero token quantises to zeros instead of 0/0.
 INT8_MIN_SCALE = 1e-10
@@ -99,7 +101,9 @@ def _check_int8_args(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor
 @triton.jit
 def _quant_int8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, min_scale,
                        N_COLS: tl.constexpr, BLOCK: tl.constexpr,
-                       ROUND_BY_HAND: tl.constexpr):
+                       ROUND_BY_HAND: tl.constexpr, CT: tl.constexpr = False,
+                       USE_PDL: tl.constexpr = False):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -107,12 +111,22 @@ def _quant_int8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, min_scale,
         c = start + cols
         x = tl.load(x_ptr + row * stride_x + c, mask=c < N_COLS, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.div_rn(tl.max(amax, 0), 127.0), min_scale)
+    if CT:
+        # compressed-tensors' arithmetic in x's dtype (int8_w8a8.quantize_int8_per_token):
+        # scale = amax / 127.5 rounded to the dtype; a zero scale becomes the dtype's eps
+        # (min_scale); x / scale rounded to the dtype before round-and-clamp.
+        xdt = x_ptr.dtype.element_ty
+        scale = tl.div_rn(tl.max(amax, 0), 127.5).to(xdt).to(tl.float32)
+        scale = tl.where(scale == 0.0, min_scale, scale)
+    else:
+        scale = tl.maximum(tl.div_rn(tl.max(amax, 0), 127.0), min_scale)
     tl.store(s_ptr + row, scale)
     for start in range(0, N_COLS, BLOCK):
         c = start + cols
         x = tl.load(x_ptr + row * stride_x + c, mask=c < N_COLS, other=0.0).to(tl.float32)
         y = tl.div_rn(x, scale)  # IEEE division, as torch divides
+        if CT:
+            y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
         # Round half to even, as torch.round.  The interpreter has no libdevice: there,
         # |y| <= 127 (plus a rounding), so adding 1.5 * 2**23 leaves a spacing of 1 and
         # the addition itself rounds.
@@ -124,26 +138,62 @@ def _quant_int8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, min_scale,
         tl.store(q_ptr + row * stride_q + c, q.to(tl.int8), mask=c < N_COLS)
 
 
-def quant_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_per_token_int8(x: torch.Tensor, compressed_tensors: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [T, C]`` (float, last dim contiguous) -> ``(q int8 [T, C], scale fp32
-    [T, 1])``, equal to :func:`quant_per_token_int8_ref` (module doc)."""
+    [T, 1])``, equal to :func:`quant_per_token_int8_ref` (module doc).  With
+    ``compressed_tensors`` the arithmetic is the library's (``amax / 127.5`` and the
+    division rounded to ``x.dtype``, a zero scale replaced by the dtype's eps), equal to
+    ``layers/quantization/int8_w8a8.quantize_int8_per_token``: one launch instead of
+    torch's chain of eight."""
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"x: expected a float [T, C] tensor, got {x.dtype} "
                          f"{tuple(x.shape)}")
     if not _triton_ok(x):
+        if compressed_tensors:
+            from pagedllm.layers.quantization.int8_w8a8 import quantize_int8_per_token
+
+            return quantize_int8_per_token(x)
         return quant_per_token_int8_ref(x)
     if x.stride(1) != 1:
         x = x.contiguous()
     t, c = x.shape
     q = torch.empty((t, c), dtype=torch.int8, device=x.device)
     s = torch.empty((t, 1), dtype=torch.float32, device=x.device)
+    min_scale = torch.finfo(x.dtype).eps if compressed_tensors else INT8_MIN_SCALE
     if t == 0 or c == 0:
-        return q, s.fill_(INT8_MIN_SCALE)
+        return q, s.fill_(min_scale)
     block = min(4096, triton.next_power_of_2(c))
-    _quant_int8_kernel[(t,)](x, q, s, x.stride(0), q.stride(0), INT8_MIN_SCALE,
+    _quant_int8_kernel[(t,)](x, q, s, x.stride(0), q.stride(0), min_scale,
                              N_COLS=c, BLOCK=block, ROUND_BY_HAND=_INTERPRET,
-                             num_warps=8 if block >= 2048 else 4)
+                             CT=compressed_tensors, num_warps=8 if block >= 2048 else 4,
+                             **pdl_launch_args(x.device))
     return q, s
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    """``out = sum_i part[i]`` over ``[SPLIT, MN]`` fp32 partials, in index order."""
+    pdl_start(USE_PDL)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for i in tl.static_range(1, SPLIT):
+        acc += tl.load(part_ptr + i * MN + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def splitk_reduce(partials: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out [M, N] = partials [split, M, N].sum(0)`` in a fixed order, one launch (torch's
+    ``out.copy_(partials.sum(0))`` is two)."""
+    split = partials.shape[0]
+    mn = out.numel()
+    block = 1024
+    _splitk_reduce_kernel[(triton.cdiv(mn, block),)](
+        partials, out, mn, SPLIT=split, BLOCK=block, num_warps=4,
+        **pdl_launch_args(out.device))
+    return out
 
 
 # --------------------------------------------------------------------------- GEMM
@@ -247,7 +297,7 @@ def int8_gemm_triton(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor
         BLOCK_N=bn, BLOCK_K=bk, K_CHUNK=k_chunk, num_warps=warps,
         num_stages=stages)
     if split > 1:
-        out.copy_(target.sum(0))  # fixed order: deterministic
+        splitk_reduce(target, out)  # fixed order: deterministic
     return out
 
 

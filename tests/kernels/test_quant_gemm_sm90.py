@@ -82,6 +82,20 @@ _SCRIPT = textwrap.dedent(r"""
             consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_CHUNK=k_chunk)
             st = build(i8._int8_gemm_kernel, sig, consts,
                        {"num_warps": warps, "num_stages": stages})
+        elif name.startswith("stripe"):
+            from pagedllm.kernels import wna16_stripe as ws
+            bm, bn, st, warps, stages, _ = ws.stripe_config(m, n, k, CPU)
+            sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*fp32",
+                   "out_ptr": "*bf16"}
+            for a in ("M", "N", "stride_xm", "stride_qn", "stride_sn", "stride_zn",
+                      "stride_om", "stride_os"):
+                sig[a] = "i32"
+            consts = dict(K=k, BITS=bits, GROUP=128, HAS_ZERO=zeros, BLOCK_M=bm,
+                          BLOCK_N=bn, STRIPES=st, K_CHUNK=k, EVEN=True, USE_PDL=True)
+            if bm >= 16:
+                consts["IEEE"] = False
+            kern = ws._stripe_gemv_kernel if bm <= 8 else ws._stripe_mma_kernel
+            st = build(kern, sig, consts, {"num_warps": warps, "num_stages": stages})
         elif name == "quant_per_token_int8":
             sig = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "stride_x": "i32",
                    "stride_q": "i32", "min_scale": "fp32"}
@@ -109,6 +123,10 @@ CASES = [
     ("wna16 W8 o_proj M=16", 16, 4096, 4096, 8, True, False),
     ("int8_gemm o_proj M=1", 1, 4096, 4096, 8, False, False),
     ("int8_gemm qkv M=2048", 2048, 6144, 4096, 8, False, False),
+    ("stripe gate_up M=1", 1, 28672, 4096, 4, False, False),
+    ("stripe down zeros M=1", 1, 4096, 14336, 4, True, False),
+    ("stripe o_proj M=16", 16, 4096, 4096, 4, False, False),
+    ("stripe qkv M=256", 256, 6144, 4096, 4, False, False),
     ("quant_per_token_int8", 1, 0, 14336, 8, False, False),
     ("scale_epilogue", 2048, 4096, 0, 8, False, False),
 ]

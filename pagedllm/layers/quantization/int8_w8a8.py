@@ -114,10 +114,15 @@ class Int8W8A8LinearMethod(LinearMethodBase):
               bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        x_q, x_s = quantize_int8_per_token(x2)
         if x2.is_cuda:
+            # The same arithmetic in one Triton launch (torch's chain is eight kernels a
+            # linear layer: most of a batch-1 decode step's W8A8 overhead).
+            from pagedllm.kernels.int8_gemm import quant_per_token_int8
+
+            x_q, x_s = quant_per_token_int8(x2, compressed_tensors=True)
             y = _cuda_int8_gemm()(x_q, x_s, layer.weight, layer.weight_scale, x.dtype)
         else:
+            x_q, x_s = quantize_int8_per_token(x2)
             acc = int8_mm_cpu(x_q, layer.weight_t)
             y = (acc.to(torch.float64 if acc.dtype == torch.float64 else torch.float32)
                  * x_s * layer.weight_scale.view(1, -1)).to(x.dtype)

@@ -6,7 +6,7 @@ in ``to_int_weight``; this base class then drops the checkpoint tensors and stor
 weight for the device's kernel, chosen once per layer at load:
 
 ```
- CUDA  any weight                   Triton kernels.wna16.wna16_gemm on the canonical layout
+ CUDA  any weight                   Triton kernels (int_cuda.py: striped layout, by M)
  CPU   4 bits, group 32..256|channel torch int4pack (int4pack.py), one part; bf16 compute
  CPU   8 bits, channel               aten._weight_int8pack_mm (+ a rank-1 zero correction
                                      when asymmetric); activation dtype
@@ -17,7 +17,8 @@ weight for the device's kernel, chosen once per layer at load:
 Act-order (``g_idx``) on the CPU: when every group has exactly ``G`` inputs, the input
 features are permuted once at load so that groups are contiguous, and ``apply`` gathers
 ``x``'s columns in that order (``x[:, perm] @ W[:, perm]^T == x @ W^T``); otherwise the
-weight is dequantised once.  On CUDA the kernel reads ``g_idx`` itself.
+weight is dequantised once.  CUDA: ``int_cuda.py`` (the same permutation, then the
+striped Triton kernels; the canonical kernel reads ``g_idx`` where groups are uneven).
 
 The int4 kernels' affine form is ``(v - 8) * scale + zero``; ours is
 ``(code - z) * s``, so ``zero = (8 - z) * s`` (exact in real arithmetic; the kernels
@@ -63,12 +64,6 @@ def cpu_kernel_name(bits: int, group_size: int | None, act_order: bool) -> str:
 def _channel_group(k: int) -> int | None:
     """A group of the int4 kernels dividing ``k``: channel scales repeat over it."""
     return next((g for g in (256, 128, 64, 32) if k % g == 0), None)
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """A fresh row-major copy: ``contiguous()`` keeps a ``[N, 1]`` transposed view's
-    stride ``(1, N)``, and kernels check ``stride(1) == 1``."""
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _register(layer: nn.Module, name: str, t: torch.Tensor,
@@ -145,16 +140,13 @@ class IntLinearMethod(LinearMethodBase):
     # -- storage -------------------------------------------------------------------
 
     def store_canonical(self, layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> None:
-        """The CUDA storage: the canonical tensors themselves, for ``wna16_gemm`` (the
-        kernel tests also call it on CPU tensors under ``TRITON_INTERPRET=1``)."""
+        """The CUDA storage (``int_cuda.store_cuda``: the striped or canonical layout for
+        the Triton kernels; the kernel tests also call it on CPU tensors under
+        ``TRITON_INTERPRET=1``)."""
+        from pagedllm.layers.quantization.int_cuda import store_cuda
+
         layer.int_kind = "wna16"  # type: ignore[assignment]
-        _register(layer, "int_qweight", _rows(iw.qweight), 32 // iw.bits)
-        _register(layer, "int_scales", _rows(iw.scales.to(dtype)))
-        layer.int_zeros = None if iw.zeros is None else _register(  # type: ignore
-            layer, "int_zeros", _rows(iw.zeros.float()))
-        layer.int_g_idx = None if iw.g_idx is None else _register(  # type: ignore
-            layer, "int_g_idx", _rows(iw.g_idx.to(torch.int32)))
-        layer.int_bits, layer.int_group = iw.bits, iw.group_size  # type: ignore
+        store_cuda(layer, iw, dtype)
 
     def _store_cpu(self, layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> str:
         codes, group, n, k = iw.codes(), iw.group_size, iw.n, iw.k
@@ -213,11 +205,9 @@ class IntLinearMethod(LinearMethodBase):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if kind == "wna16":
-            from pagedllm.kernels.wna16 import wna16_gemm
+            from pagedllm.layers.quantization.int_cuda import apply_cuda
 
-            y = wna16_gemm(x2, layer.int_qweight, layer.int_scales,  # type: ignore[arg-type]
-                           layer.int_zeros, layer.int_g_idx,  # type: ignore[arg-type]
-                           layer.int_bits, layer.int_group)  # type: ignore[arg-type]
+            y = apply_cuda(layer, x2)
         else:
             perm = layer.int_perm  # type: ignore[attr-defined]
             if perm is not None:

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 21 on the GPU: the W4A16 kernel sweep, then end to end (TPOT and W1) with the
+# configurations it picked, and W8A8-INT8.  Two device calls (each < 10 min):
+#   bash benchmarks/w4a16_suite.sh sweep   # ~4 min: correctness + timings -> $OUT
+#   bash benchmarks/w4a16_suite.sh e2e     # latency + W1 of w4a16 (tuned), w8a8 latency
+# e2e uses $WNA16_TABLE, else ./wna16_configs.json (copy the sweep's table into the repo
+# root: untracked files travel), else /tmp/wna16_configs.json (a still-warm machine),
+# else the built-in defaults.
+set -uo pipefail
+source benchmarks/device_env.sh
+what=${1:-sweep}
+if [ "$what" = sweep ]; then
+  step python benchmarks/wna16_sweep.py --out "$OUT/wna16_sweep.json" \
+    --table "$OUT/wna16_configs.json" --budget-s 200
+  cp "$OUT/wna16_configs.json" /tmp/wna16_configs.json 2>/dev/null
+fi
+if [ "$what" = e2e ]; then
+  table=${WNA16_TABLE:-}
+  for t in ./wna16_configs.json /tmp/wna16_configs.json; do
+    [ -z "$table" ] && [ -f "$t" ] && table=$t
+  done
+  if [ -n "$table" ]; then export PAGEDLLM_WNA16_CONFIGS=$table; fi
+  echo "PAGEDLLM_WNA16_CONFIGS=${PAGEDLLM_WNA16_CONFIGS:-<defaults>}"
+  step python -m pagedllm bench latency --dummy llama3-8b-w4a16 \
+    --output-json "$OUT/lat_w4a16.json" 2>&1 | grep -v INFO | tail -8
+  step python -m pagedllm bench throughput --workload W1 --dummy llama3-8b-w4a16 --no-hf \
+    --output-json "$OUT/w1_w4a16.json" 2>&1 | grep -v "INFO.*step" | tail -8
+  step python -m pagedllm bench latency --dummy llama3-8b-w8a8-int8 \
+    --output-json "$OUT/lat_w8a8.json" 2>&1 | grep -v INFO | tail -8
+fi

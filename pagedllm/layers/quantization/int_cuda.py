@@ -1,0 +1,206 @@
+"""The CUDA storage and kernel choice of the weight-only integer layers (W4A16, W8A16).
+
+``IntLinearMethod`` hands every CUDA layer's canonical weight (``int_layout.IntWeight``)
+to :func:`store_cuda` at load and every call to :func:`apply_cuda`.  What is stored:
+
+```
+ act-order (g_idx) with equal groups   inputs permuted at load (groups contiguous);
+                                       apply gathers x[:, perm] once per call
+ K % 128 == 0, group % 128 == 0 | K    the striped layout (kernels/wna16_stripe.py)
+ anything else                         the canonical layout (kernels/wna16.py)
+ PAGEDLLM_WNA16_TINYGEMM_MAX_M > 0     also torch's int4 layout (4-bit, groups 32..256)
+```
+
+Which kernel runs depends only on the row count ``M`` (host int): CUDA graphs and eager
+runs of one batch size agree, and nothing syncs.
+
+```
+ M <= PAGEDLLM_WNA16_TINYGEMM_MAX_M (default 0: off)   torch _weight_int4pack_mm
+ M <  PAGEDLLM_WNA16_DEQUANT_MIN_M  (default 512)      wna16_stripe GEMV (M <= 4) / tile
+ M >= PAGEDLLM_WNA16_DEQUANT_MIN_M                     dequantise into one shared bf16
+                                                       scratch + cuBLAS F.linear (whole,
+                                                       or PAGEDLLM_WNA16_DEQUANT_CHUNK_MB
+                                                       chunks that stay in L2)
+```
+
+The dequantise path writes and re-reads the weight in bf16 (about 2.5x a bf16 layer's
+weight traffic), so it pays only where the GEMM is compute-bound (large M: prefill); its
+scratch is one buffer per (device, dtype) the size of the largest such layer (Llama-3-8B
+gate_up: 28672 x 4096 bf16, 235 MB), allocated at load so the KV-cache planner counts it
+as weights.  Layers run one after another on one stream, so they share it (also inside a
+CUDA graph).  ``PAGEDLLM_WNA16_DEQUANT_MIN_M=0`` turns it off (the Triton tile for every
+M); ``PAGEDLLM_WNA16_KERNEL=canonical`` keeps the previous kernel (A/B runs).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.layers.quantization.int4pack import PackedInt4, mm_parts, packable
+from pagedllm.layers.quantization.int_layout import IntWeight, act_order_permutation
+
+if TYPE_CHECKING:
+    from pagedllm.layers.linear import LinearBase
+
+_TINYGEMM_GROUPS = (32, 64, 128, 256)
+_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, str(default))
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer, got {value!r}") from None
+
+
+def kernel_choice() -> str:
+    """``PAGEDLLM_WNA16_KERNEL``: ``stripe`` (default) or ``canonical``."""
+    choice = os.environ.get("PAGEDLLM_WNA16_KERNEL", "stripe")
+    if choice not in ("stripe", "canonical"):
+        raise ValueError(f"PAGEDLLM_WNA16_KERNEL: expected 'stripe' or 'canonical', "
+                         f"got {choice!r}")
+    return choice
+
+
+def _threshold(name: str, default: int) -> int:
+    """The env var, else the tuned file's recommendation (``PAGEDLLM_WNA16_CONFIGS``),
+    else ``default``."""
+    if name in os.environ:
+        return _env_int(name, default)
+    from pagedllm.kernels.wna16_stripe import tuned_threshold
+
+    tuned = tuned_threshold(name)
+    return default if tuned is None else tuned
+
+
+def dequant_min_m() -> int:
+    """Rows from which the dequantise + cuBLAS path runs (0: never)."""
+    return _threshold("PAGEDLLM_WNA16_DEQUANT_MIN_M", 512)
+
+
+def tinygemm_max_m() -> int:
+    """Rows up to which torch's int4 kernel runs (0: never)."""
+    return _threshold("PAGEDLLM_WNA16_TINYGEMM_MAX_M", 0)
+
+
+def dequant_chunk_rows(k: int) -> int:
+    """``PAGEDLLM_WNA16_DEQUANT_CHUNK_MB`` (default 0: whole layers) as weight rows: the
+    dequantise path then runs chunk by chunk through one chunk-sized piece of the
+    scratch, so that the bf16 chunk is still in L2 when cuBLAS reads it (and is
+    overwritten there by the next chunk, never written back) -- at the cost of more,
+    narrower GEMMs."""
+    mb = _threshold("PAGEDLLM_WNA16_DEQUANT_CHUNK_MB", 0)
+    return 0 if mb <= 0 else max(128, (mb << 20) // (2 * k) // 128 * 128)
+
+
+def dequant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                   zeros: torch.Tensor | None, bits: int, group_size: int,
+                   scratch: torch.Tensor, chunk_rows: int = 0) -> torch.Tensor:
+    """``x [M, K] @ W^T`` by dequantising the striped weight into ``scratch`` (flat, at
+    least ``N * K`` elements of ``x.dtype``) and cuBLAS, whole or ``chunk_rows`` output
+    features at a time (each GEMM writes its column block of the output in place)."""
+    from pagedllm.kernels.wna16_stripe import stripe_dequantize
+
+    n, k = qweight.shape[0], x.shape[1]
+    if chunk_rows <= 0 or chunk_rows >= n:
+        w = stripe_dequantize(qweight, scales, zeros, bits, group_size,
+                              scratch[:n * k].view(n, k))
+        return F.linear(x, w)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, chunk_rows):  # a few weight chunks, host ints: graph-safe
+        n1 = min(n, n0 + chunk_rows)
+        w = stripe_dequantize(qweight[n0:n1], scales[n0:n1],
+                              None if zeros is None else zeros[n0:n1], bits, group_size,
+                              scratch[:(n1 - n0) * k].view(n1 - n0, k))
+        torch.mm(x, w.t(), out=out[:, n0:n1])
+    return out
+
+
+def reserve_scratch(numel: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Grow the shared dequantisation scratch of ``(device, dtype)`` to ``numel``."""
+    key = (torch.device(device), dtype)
+    cur = _SCRATCH.get(key)
+    if cur is None or cur.numel() < numel:
+        _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+
+
+def _scratch(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return _SCRATCH[(torch.device(device), dtype)]
+
+
+def _register(layer: torch.nn.Module, name: str, t: torch.Tensor | None) -> None:
+    if t is None:
+        setattr(layer, name, None)
+    else:
+        # A fresh row-major copy: contiguous() keeps a [N, 1] transposed view's stride
+        # (1, N), and the kernels check stride(1) == 1.
+        rows = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+        layer.register_buffer(name, rows, persistent=False)
+
+
+def store_cuda(layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> None:
+    """Store ``iw`` for the CUDA kernels (module doc); sets ``layer.int_layout``."""
+    from pagedllm.kernels.wna16_stripe import stripe_applies, to_stripes
+
+    perm = None
+    qweight, g_idx = iw.qweight, iw.g_idx
+    if g_idx is not None:
+        perm = act_order_permutation(g_idx, iw.group_size, int(iw.scales.shape[1]))
+        if perm is not None:  # groups contiguous after the permutation: g(j) = j // G
+            from pagedllm.kernels.wna16 import pack_codes
+
+            qweight = pack_codes(iw.codes()[:, perm], iw.bits)
+            g_idx = None
+    stripe = kernel_choice() == "stripe" and stripe_applies(iw.bits, iw.k, iw.group_size,
+                                                            g_idx is not None)
+    layer.int_layout = "stripe" if stripe else "canonical"  # type: ignore[assignment]
+    if perm is not None and not stripe and kernel_choice() == "canonical":
+        # The canonical kernel reads g_idx itself: keep the A/B baseline as it was.
+        perm, qweight, g_idx = None, iw.qweight, iw.g_idx
+    layer.int_perm = perm  # type: ignore[assignment]
+    _register(layer, "int_qweight", to_stripes(qweight, iw.bits) if stripe else qweight)
+    qw = layer.int_qweight
+    qw.packed_factor = 32 // iw.bits  # type: ignore[attr-defined]  (weight_bytes log)
+    _register(layer, "int_scales", iw.scales.to(dtype))
+    _register(layer, "int_zeros", None if iw.zeros is None else iw.zeros.float())
+    _register(layer, "int_g_idx", None if g_idx is None else g_idx.to(torch.int32))
+    layer.int_bits, layer.int_group = iw.bits, iw.group_size  # type: ignore[assignment]
+    if stripe and dequant_min_m() > 0 and qw.is_cuda:
+        reserve_scratch(iw.n * iw.k, qw.device, dtype)
+    layer.int_tinygemm = None  # type: ignore[assignment]
+    if (tinygemm_max_m() > 0 and iw.bits == 4 and qw.is_cuda and g_idx is None
+            and iw.group_size in _TINYGEMM_GROUPS and packable(iw.n, iw.k, qw.device)):
+        codes = iw.codes() if perm is None else iw.codes()[:, perm]
+        s = iw.scales.float()
+        layer.int_tinygemm = PackedInt4(codes, s, (8.0 - iw.zero_codes()) * s,  # type: ignore
+                                        iw.group_size, qw.device)
+
+
+def apply_cuda(layer: LinearBase, x2: torch.Tensor) -> torch.Tensor:
+    """``x2 [M, K] @ W^T`` for a layer stored by :func:`store_cuda` (no bias)."""
+    perm = layer.int_perm  # type: ignore[attr-defined]
+    if perm is not None:
+        x2 = x2.index_select(1, perm)
+    m = x2.shape[0]
+    tiny = layer.int_tinygemm  # type: ignore[attr-defined]
+    if tiny is not None and m <= tinygemm_max_m():
+        return mm_parts(x2, [tiny])
+    qw, s, z = layer.int_qweight, layer.int_scales, layer.int_zeros  # type: ignore[attr-defined]
+    bits, group = layer.int_bits, layer.int_group  # type: ignore[attr-defined]
+    if layer.int_layout == "stripe":  # type: ignore[attr-defined]
+        from pagedllm.kernels.wna16_stripe import stripe_gemm
+
+        lim = dequant_min_m()
+        if 0 < lim <= m and x2.is_cuda:
+            return dequant_linear(x2, qw, s, z, bits, group,
+                                  _scratch(x2.device, x2.dtype),
+                                  dequant_chunk_rows(x2.shape[1]))
+        return stripe_gemm(x2, qw, s, z, bits, group)
+    from pagedllm.kernels.wna16 import wna16_gemm
+
+    return wna16_gemm(x2, qw, s, z, layer.int_g_idx, bits, group)  # type: ignore[attr-defined]
