@@ -1,0 +1,108 @@
+"""The runner's per-step grammar work over every sampled row, batched.
+
+::
+
+    step t's tokens ──advance()──► matchers ──fill()──► staging buffer (host; pinned on CUDA)
+       one xgrammar call              one xgrammar call, its own threads, GIL released
+
+Per step, with ``R`` constrained rows, the host does one ``batch_accept_token`` call
+(the tokens of the step just read back) and one ``batch_fill_next_token_bitmask`` call
+(xgrammar's thread pool, the Python GIL released) straight into the caller's staging
+buffer; Python itself only loops over the requests to sort them (active grammar,
+ended grammar, no grammar / reasoning still running), never over tokens.  Rows without
+an active grammar are set with one vectorised assignment.
+
+The buffer is ``[rows, ceil(V / 32)]`` int32 for the *model's* vocabulary ``V``; the
+grammars may have been compiled for a smaller one (the tokenizer's, when the model pads
+its embedding; ``backend.tokenizer_size``): xgrammar then fills a buffer of its own
+width (it ignores strides, so no view will do), copied into the first
+``ceil(V_tok / 32)`` words of each row, the rest zeroed (a grammar never allows a
+padding id).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from pagedllm.structured_output.matcher import GrammarState, allow_only
+
+
+def _threads() -> int:
+    """xgrammar's fill threads: half the cores this process may use, 1 to 8 (a fill of
+    64 rows takes well under a millisecond; more threads cost more than they save)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores // 2))
+
+
+class GrammarBatch:
+    """Batched advance and bitmask fill for the states of one step's rows."""
+
+    def __init__(self, max_threads: int | None = None) -> None:
+        self.matcher = xgr.BatchGrammarMatcher(max_threads or _threads())
+        self._narrow_buf = torch.empty(0, dtype=torch.int32)
+
+    def _narrow(self, rows: int, words: int) -> torch.Tensor:
+        """A reused contiguous ``[rows, words]`` host tensor for xgrammar to fill."""
+        if self._narrow_buf.numel() < rows * words:
+            self._narrow_buf = torch.empty(rows * words, dtype=torch.int32)
+        return self._narrow_buf[:rows * words].view(rows, words)
+
+    @staticmethod
+    def advance(states: Sequence[GrammarState], tokens: Sequence[int]) -> None:
+        """``states[i].advance(tokens[i])`` for every ``i``, the matchers' part in one call."""
+        matchers, toks, owners = [], [], []
+        for st, t in zip(states, tokens):
+            if st.observe(t):
+                matchers.append(st.matcher)
+                toks.append(t)
+                owners.append(st)
+        if matchers:
+            accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, toks)
+            for st, ok in zip(owners, accepted):
+                st.record(ok)
+
+    def fill(self, states: Sequence[GrammarState | None], out: torch.Tensor) -> torch.Tensor:
+        """Fill ``out[:len(states)]`` (a host int32 tensor ``[>= rows, ceil(V / 32)]``),
+        one row per state (``None``: a request without a grammar, every token allowed),
+        and return that slice.  A row that allows no token at all is given its stop
+        tokens instead (the request ends rather than sampling garbage)."""
+        n = len(states)
+        mask = out[:n]
+        arr = mask.numpy()
+        free: list[int] = []
+        rows: list[int] = []
+        matchers: list[xgr.GrammarMatcher] = []
+        words = arr.shape[1]
+        for i, st in enumerate(states):
+            if st is None or not st.active:
+                free.append(i)
+            elif st.failed or st.matcher.is_terminated():
+                allow_only(arr[i], st.stop_token_ids)
+            else:
+                rows.append(i)
+                matchers.append(st.matcher)
+                words = st.words
+        if free:
+            arr[free] = -1
+        if rows:
+            if words == arr.shape[1]:
+                self.matcher.batch_fill_next_token_bitmask(matchers, mask, rows)
+            else:  # (xgrammar ignores strides: no view of the first ``words`` columns)
+                narrow = self._narrow(len(rows), words)
+                self.matcher.batch_fill_next_token_bitmask(matchers, narrow)
+                arr[rows, :words] = narrow.numpy()
+                arr[rows, words:] = 0
+            # (a scan of every row: no copy; re-setting a row that is already stop-only is a no-op)
+            for i in np.flatnonzero(~arr[:, :words].any(axis=1)):
+                st = states[int(i)]
+                assert st is not None
+                allow_only(arr[int(i)], st.stop_token_ids)
+        return mask
