@@ -23,6 +23,7 @@ padding id).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -48,6 +49,10 @@ class GrammarBatch:
     def __init__(self, max_threads: int | None = None) -> None:
         self.matcher = xgr.BatchGrammarMatcher(max_threads or _threads())
         self._narrow_buf = torch.empty(0, dtype=torch.int32)
+        # Host seconds spent in advance() and fill() so far (``pagedllm bench structured``
+        # reports them per step), and the number of fill() calls.
+        self.advance_s = self.fill_s = 0.0
+        self.num_fills = 0
 
     def _narrow(self, rows: int, words: int) -> torch.Tensor:
         """A reused contiguous ``[rows, words]`` host tensor for xgrammar to fill."""
@@ -55,9 +60,9 @@ class GrammarBatch:
             self._narrow_buf = torch.empty(rows * words, dtype=torch.int32)
         return self._narrow_buf[:rows * words].view(rows, words)
 
-    @staticmethod
-    def advance(states: Sequence[GrammarState], tokens: Sequence[int]) -> None:
+    def advance(self, states: Sequence[GrammarState], tokens: Sequence[int]) -> None:
         """``states[i].advance(tokens[i])`` for every ``i``, the matchers' part in one call."""
+        t0 = time.perf_counter()
         matchers, toks, owners = [], [], []
         for st, t in zip(states, tokens):
             if st.observe(t):
@@ -68,12 +73,14 @@ class GrammarBatch:
             accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, toks)
             for st, ok in zip(owners, accepted):
                 st.record(ok)
+        self.advance_s += time.perf_counter() - t0
 
     def fill(self, states: Sequence[GrammarState | None], out: torch.Tensor) -> torch.Tensor:
         """Fill ``out[:len(states)]`` (a host int32 tensor ``[>= rows, ceil(V / 32)]``),
         one row per state (``None``: a request without a grammar, every token allowed),
         and return that slice.  A row that allows no token at all is given its stop
         tokens instead (the request ends rather than sampling garbage)."""
+        t0 = time.perf_counter()
         n = len(states)
         mask = out[:n]
         arr = mask.numpy()
@@ -105,4 +112,6 @@ class GrammarBatch:
                 st = states[int(i)]
                 assert st is not None
                 allow_only(arr[int(i)], st.stop_token_ids)
+        self.fill_s += time.perf_counter() - t0
+        self.num_fills += 1
         return mask

@@ -48,6 +48,7 @@ class HostToDevice:
         # Two buffer sets used on alternate steps: with one step in flight, the set a
         # step fills is never one whose copies may still be pending.
         self.parity = 0
+        self._copy_stream: Any = None  # torch.cuda.Stream for upload(side=True)
 
     def __call__(self, name: str, arr: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(arr))
@@ -69,11 +70,24 @@ class HostToDevice:
             self.pinned[key] = buf
         return buf[:numel].view(*shape)
 
-    def upload(self, staged: torch.Tensor) -> torch.Tensor:
-        """``staged`` (from :meth:`staging`) on the device, copied asynchronously."""
+    def upload(self, staged: torch.Tensor, side: bool = False) -> torch.Tensor:
+        """``staged`` (from :meth:`staging`) on the device, copied asynchronously.
+
+        ``side``: on a copy stream of its own, so that the copy overlaps the kernels
+        already queued (a forward launched before the host filled ``staged``) instead of
+        waiting behind them; work queued after this call waits for it."""
         if self.device.type == "cpu":
             return staged
-        return staged.to(self.device, non_blocking=True)
+        if not side:
+            return staged.to(self.device, non_blocking=True)
+        main = torch.cuda.current_stream(self.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            out = staged.to(self.device, non_blocking=True)
+        main.wait_stream(self._copy_stream)
+        out.record_stream(main)  # allocated on the copy stream, used on the main one
+        return out
 
 
 def _to_pinned_host(lp: LogprobsTensors) -> LogprobsTensors:
@@ -211,7 +225,7 @@ class ModelRunner:
             # kernel needs no row indices; written in place into the pinned buffer.
             host = self.h2d.staging("grammar_bitmask", (len(states), self._bitmask_words),
                                     torch.int32)
-            bitmask = self.h2d.upload(self._grammar_batch().fill(grammars, host))
+            bitmask = self.h2d.upload(self._grammar_batch().fill(grammars, host), side=True)
         return token_constraints.build(states, self.device, self.vocab_size, bitmask)
 
     def _grammar_batch(self) -> Any:
