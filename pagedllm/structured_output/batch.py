@@ -34,8 +34,8 @@ from pagedllm.structured_output.matcher import GrammarState, allow_only
 
 
 def _threads() -> int:
-    """xgrammar's fill threads: half the cores this process may use, 1 to 8 (a fill of
-    64 rows takes well under a millisecond; more threads cost more than they save)."""
+    """xgrammar's fill threads for a large batch: half the cores this process may use,
+    at most 8 (beyond that the per-call thread start-up outweighs the split)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -43,11 +43,18 @@ def _threads() -> int:
     return max(1, min(8, cores // 2))
 
 
+# Fewer rows than this are filled on one thread: xgrammar starts its threads on every
+# call (~40 us measured for 8), more than a small batch's whole fill (2-40 us a row).
+MIN_THREADED_ROWS = 16
+
+
 class GrammarBatch:
     """Batched advance and bitmask fill for the states of one step's rows."""
 
     def __init__(self, max_threads: int | None = None) -> None:
-        self.matcher = xgr.BatchGrammarMatcher(max_threads or _threads())
+        threads = max_threads or _threads()
+        self._single = xgr.BatchGrammarMatcher(1)
+        self._threaded = xgr.BatchGrammarMatcher(threads) if threads > 1 else None
         self._narrow_buf = torch.empty(0, dtype=torch.int32)
         # Host seconds spent in advance() and fill() so far (``pagedllm bench structured``
         # reports them per step), and the number of fill() calls.
@@ -100,11 +107,13 @@ class GrammarBatch:
         if free:
             arr[free] = -1
         if rows:
+            batch = self._threaded if self._threaded is not None and \
+                len(rows) >= MIN_THREADED_ROWS else self._single
             if words == arr.shape[1]:
-                self.matcher.batch_fill_next_token_bitmask(matchers, mask, rows)
+                batch.batch_fill_next_token_bitmask(matchers, mask, rows)
             else:  # (xgrammar ignores strides: no view of the first ``words`` columns)
                 narrow = self._narrow(len(rows), words)
-                self.matcher.batch_fill_next_token_bitmask(matchers, narrow)
+                batch.batch_fill_next_token_bitmask(matchers, narrow)
                 arr[rows, :words] = narrow.numpy()
                 arr[rows, words:] = 0
             # (a scan of every row: no copy; re-setting a row that is already stop-only is a no-op)

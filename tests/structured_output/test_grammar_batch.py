@@ -9,6 +9,7 @@ import os
 import random
 
 import numpy as np
+import pytest
 import torch
 
 PERSON = {"type": "object", "required": ["name", "tags"], "additionalProperties": False,
@@ -21,10 +22,11 @@ def _allowed(row: torch.Tensor, vocab: int) -> np.ndarray:
     return np.flatnonzero(bits)
 
 
-def test_batched_advance_and_fill_match_the_per_request_path(default_model_path: str
-                                                              ) -> None:
+def test_batched_advance_and_fill_match_the_per_request_path(
+        default_model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoTokenizer
 
+    from pagedllm.structured_output import batch
     from pagedllm.structured_output.backend import GrammarCompiler, tokenizer_size
     from pagedllm.structured_output.batch import GrammarBatch
     from pagedllm.structured_output.matcher import GrammarState, fill_bitmask
@@ -49,6 +51,7 @@ def test_batched_advance_and_fill_match_the_per_request_path(default_model_path:
                 for c, so in zip(compiled, specs)]
 
     batched, ref = states(), states()
+    monkeypatch.setattr(batch, "MIN_THREADED_ROWS", 1)  # xgrammar's threads, 5 rows
     gb = GrammarBatch(max_threads=2)
     width = -(-vocab // 32)
     out = torch.full((len(specs) + 2, width), 7, dtype=torch.int32)  # stale contents
