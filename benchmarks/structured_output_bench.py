@@ -46,6 +46,9 @@ LONG = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9
         "minItems": 1000}
 
 
+TOKENIZER: str | None = None  # --tokenizer: a saved tokenizer directory
+
+
 def _tokenizer() -> Any:
     import os
 
@@ -53,6 +56,8 @@ def _tokenizer() -> Any:
 
     from pagedllm.models.resolve import default_model_path
 
+    if TOKENIZER:
+        return AutoTokenizer.from_pretrained(TOKENIZER)
     path = default_model_path()
     return AutoTokenizer.from_pretrained(os.path.dirname(path),
                                          gguf_file=os.path.basename(path))
@@ -201,10 +206,14 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=None,
                     help="pad the tokenizer's vocabulary to this size (128256: Llama 3)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tokenizer", default=None,
+                    help="a saved tokenizer directory (default: the default model's)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     a = ap.parse_args()
+    global TOKENIZER
+    TOKENIZER = a.tokenizer
     if a.part == "compile":
         bench_compile(a.vocab)
     elif a.part == "mask":
