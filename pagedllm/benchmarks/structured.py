@@ -77,9 +77,10 @@ def _schema(arg: str | None) -> dict[str, Any]:
     return json.loads(text)
 
 
-def _timed(llm: Any, prompts: list[list[int]], n: int,
-           schema: dict[str, Any] | None) -> tuple[float, float, float]:
-    """(seconds, wall-clock start, end) of one batch of ``n`` tokens per request."""
+def _timed(llm: Any, prompts: list[list[int]], n: int, schema: dict[str, Any] | None,
+           keep: list[Any] | None = None) -> tuple[float, float, float]:
+    """(seconds, wall-clock start, end) of one batch of ``n`` tokens per request (the
+    outputs replace ``keep``'s contents when given)."""
     from pagedllm import SamplingParams
     from pagedllm.structured_output.params import StructuredOutputsParams
 
@@ -88,8 +89,30 @@ def _timed(llm: Any, prompts: list[list[int]], n: int,
                         structured_outputs=so)
     llm.reset_prefix_cache()
     w0, t0 = time.time(), time.perf_counter()
-    llm.generate(prompts, sp, use_tqdm=False)
-    return time.perf_counter() - t0, w0, time.time()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    dt, w1 = time.perf_counter() - t0, time.time()
+    if keep is not None:
+        keep[:] = outs
+    return dt, w0, w1
+
+
+def _invalid_outputs(llm: Any, schema: dict[str, Any], outs: list[Any]) -> int:
+    """How many outputs a fresh matcher of ``schema`` rejects a token of (the mask
+    must have kept every sampled token inside the grammar)."""
+    import xgrammar as xgr
+
+    from pagedllm.structured_output.backend import GrammarCompiler
+    from pagedllm.structured_output.params import StructuredOutputsParams as SO
+
+    tok = llm.get_tokenizer()
+    comp = GrammarCompiler(lambda: tok, llm.llm_engine.config.model_config.vocab_size)
+    compiled = comp.compile(SO(json=schema))
+    comp.shutdown()
+    bad = 0
+    for o in outs:
+        m = xgr.GrammarMatcher(compiled)
+        bad += not all(m.accept_token(t) for t in o.outputs[0].token_ids)
+    return bad
 
 
 def _trace_split(path: str, spans: list[tuple[float, float]], reqs: int) -> dict[str, float]:
@@ -166,12 +189,14 @@ def main(args: argparse.Namespace) -> int:
     times: dict[str, dict[int, list[float]]] = {k: {1: [], args.output_len: []}
                                                  for k, _ in kinds}
     spans: dict[str, list[tuple[float, float]]] = {k: [] for k, _ in kinds}
+    last_outs: list[Any] = []
     gb = _grammar_batch(llm)
     g0 = (gb.advance_s, gb.fill_s, gb.num_fills) if gb is not None else None
     for _ in range(args.repeats):
         for n in (1, args.output_len):
             for kind, sch in kinds:
-                dt, w0, w1 = _timed(llm, prompts, n, sch)
+                dt, w0, w1 = _timed(llm, prompts, n, sch,
+                                    last_outs if sch is not None else None)
                 times[kind][n].append(dt)
                 if n == args.output_len:
                     spans[kind].append((w0, w1))
@@ -190,6 +215,7 @@ def main(args: argparse.Namespace) -> int:
     res.update(num_prompts=args.num_prompts, input_len=args.input_len,
                output_len=args.output_len, tpot_overhead=overhead, schema=schema,
                compile=_compile_times(llm),
+               invalid_outputs=_invalid_outputs(llm, schema, last_outs),
                device=llm.llm_engine.config.device_config.device,
                date=time.strftime("%Y-%m-%d"), **engine_summary(llm))
     if own_trace:
@@ -209,9 +235,11 @@ def main(args: argparse.Namespace) -> int:
     c = res["compile"]
     print(f"typical schema compile: first {c['first_ms']:.1f} ms, cached median "
           f"{c['cached_median_ms']:.3f} ms (max {c['cached_max_ms']:.3f}; target <= 5 ms)")
+    print(f"json_schema outputs a fresh matcher rejects: {res['invalid_outputs']} of "
+          f"{len(last_outs)}")
     print(f"structured-decoding TPOT overhead at {args.num_prompts} concurrent: "
           f"{100 * overhead:+.1f}%")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(res, f, indent=2)
-    return 0
+    return 1 if res["invalid_outputs"] else 0
