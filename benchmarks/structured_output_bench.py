@@ -8,10 +8,11 @@
 ``compile``: the first compile of a typical schema (a tool-call-like object with nested
 properties, enums, bounded strings and arrays) on the default model's tokenizer, then
 the same schema again (the cache), and the median of 20 distinct schemas (cold).
-``mask``: for ``--rows`` requests mid-way through a JSON document, the host time to
-fill the bitmask (``fill_bitmask``), to advance every matcher by one token, and to
-apply the mask to ``[rows, V]`` logits (``apply_bitmask_``, xgrammar's kernel; GPU
-timed with events).
+``mask``: for ``--rows`` requests decoding the ``LONG`` schema (random allowed tokens,
+as greedy decoding of random weights picks them), the host time per step to fill the
+bitmask and to advance every matcher, per request and batched (``GrammarBatch``, what
+the runner does), and to apply the mask to ``[rows, V]`` logits (``apply_bitmask_``,
+xgrammar's kernel; GPU timed with events).
 ``engine``: ``--num-prompts`` (64) concurrent requests on the dummy Llama-3-8B shape
 (``write_dummy_model``, tokenizer: the default model's, padded to the 128k vocabulary),
 ``--output-len`` tokens each, unconstrained vs one shared schema that cannot finish
@@ -45,6 +46,9 @@ LONG = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9
         "minItems": 1000}
 
 
+TOKENIZER: str | None = None  # --tokenizer: a saved tokenizer directory
+
+
 def _tokenizer() -> Any:
     import os
 
@@ -52,6 +56,8 @@ def _tokenizer() -> Any:
 
     from pagedllm.models.resolve import default_model_path
 
+    if TOKENIZER:
+        return AutoTokenizer.from_pretrained(TOKENIZER)
     path = default_model_path()
     return AutoTokenizer.from_pretrained(os.path.dirname(path),
                                          gguf_file=os.path.basename(path))
@@ -90,30 +96,50 @@ def bench_compile(vocab: int | None) -> None:
           f"median {statistics.median(cold):.1f} ms")
 
 
-def bench_mask(rows: int, vocab: int | None, device: str) -> None:
+def bench_mask(rows: int, vocab: int | None, device: str, steps: int = 40) -> None:
+    """Host time per step of the grammar work for ``rows`` requests of the ``LONG``
+    schema (what ``pagedllm bench structured`` decodes): each step fills the bitmask,
+    then every row takes a random allowed token (as greedy decoding of random weights
+    does) and advances.  The runner's batched path (``GrammarBatch``) against the
+    per-request one (``fill_bitmask`` / ``GrammarState.advance``) on identical states;
+    wall and process-CPU time (the latter counts xgrammar's fill threads too)."""
+    import random
+
+    import numpy as np
+
     from pagedllm.structured_output.backend import GrammarCompiler
+    from pagedllm.structured_output.batch import GrammarBatch
     from pagedllm.structured_output.matcher import GrammarState, apply_bitmask_, fill_bitmask
     from pagedllm.structured_output.params import StructuredOutputsParams as SO
 
     tok = _tokenizer()
     v = vocab or len(tok)
     compiled = GrammarCompiler(lambda: tok, v).compile(SO(json=LONG))
-    prefix = tok("[1, 22, 333, 4", add_special_tokens=False).input_ids
-    states = [GrammarState(compiled, [tok.eos_token_id]) for _ in range(rows)]
-    for st in states:
-        for t in prefix:
-            st.advance(t)
-    comma = tok(",", add_special_tokens=False).input_ids[0]
-    digit = tok("5", add_special_tokens=False).input_ids[0]
-    fill, adv = [], []
-    for i in range(30):
-        t0 = time.perf_counter()
-        mask = fill_bitmask(states, v)
-        fill.append(_ms(t0))
-        t0 = time.perf_counter()
-        for st in states:
-            st.advance(comma if i % 2 == 0 else digit)
-        adv.append(_ms(t0))
+    eos = [tok.eos_token_id]
+    ref = [GrammarState(compiled, eos) for _ in range(rows)]
+    bat = [GrammarState(compiled, eos) for _ in range(rows)]
+    gb = GrammarBatch()
+    out = torch.empty(rows, -(-v // 32), dtype=torch.int32)
+    rng = random.Random(0)
+    t: dict[str, list[float]] = {k: [] for k in ("fill", "fill_cpu", "adv", "bfill",
+                                                "bfill_cpu", "badv")}
+
+    def timed(key: str, fn: Any) -> Any:
+        w, c = time.perf_counter(), time.process_time()
+        r = fn()
+        t[key].append(_ms(w))
+        if key + "_cpu" in t:
+            t[key + "_cpu"].append((time.process_time() - c) * 1e3)
+        return r
+
+    for _ in range(steps):
+        mask = timed("fill", lambda: fill_bitmask(ref, v))
+        got = timed("bfill", lambda: gb.fill(bat, out))
+        assert torch.equal(got, mask)
+        bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :v]
+        toks = [rng.choice(np.flatnonzero(b).tolist()) for b in bits]
+        timed("adv", lambda toks=toks: [st.advance(x) for st, x in zip(ref, toks)])
+        timed("badv", lambda toks=toks: gb.advance(bat, toks))
     dev = torch.device(device)
     logits = torch.randn(rows, v, device=dev)
     m = mask.to(dev)
@@ -130,9 +156,14 @@ def bench_mask(rows: int, vocab: int | None, device: str) -> None:
             t0 = time.perf_counter()
             apply_bitmask_(logits, m)
             times.append(_ms(t0))
-    print(f"{rows} rows, vocab {v}: fill_bitmask median {statistics.median(fill[5:]):.3f} ms, "
-          f"advance (accept_token x{rows}) {statistics.median(adv[5:]):.3f} ms, "
-          f"apply_bitmask on {device} {statistics.median(times[5:]):.3f} ms")
+    med = {k: statistics.median(x[5:]) for k, x in t.items()}
+    print(f"{rows} rows of the LONG schema, vocab {v} (tokenizer {len(tok)}), median ms per "
+          f"step over {steps - 5}:")
+    print(f"  per request: fill {med['fill']:.3f} (cpu {med['fill_cpu']:.3f}), "
+          f"advance {med['adv']:.3f}")
+    print(f"  batched    : fill {med['bfill']:.3f} (cpu {med['bfill_cpu']:.3f}), "
+          f"advance {med['badv']:.3f}")
+    print(f"  apply_bitmask on {device}: {statistics.median(times[5:]):.3f}")
 
 
 def bench_engine(num_prompts: int, input_len: int, output_len: int) -> None:
@@ -175,10 +206,14 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=None,
                     help="pad the tokenizer's vocabulary to this size (128256: Llama 3)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tokenizer", default=None,
+                    help="a saved tokenizer directory (default: the default model's)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     a = ap.parse_args()
+    global TOKENIZER
+    TOKENIZER = a.tokenizer
     if a.part == "compile":
         bench_compile(a.vocab)
     elif a.part == "mask":

@@ -183,11 +183,12 @@ class Sampler(nn.Module):
             # pick (first maximum on ties), without writing and re-reading an fp32 copy
             # of [N, vocab] (~50 us per step at 250 rows of a 128k vocabulary).
             return SamplerOutput(sampled_token_ids=_argmax(logits), logprobs=None)
+        owned = logits.dtype != torch.float32  # float() makes a copy we may write to
         logits = logits.float()
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if meta.max_num_logprobs is not None else None)
 
-        logits = self.apply_logits_processors(logits, meta)
+        logits = self.apply_logits_processors(logits, meta, owned)
         greedy_ids = None if meta.all_random else _argmax(logits)
         if meta.all_greedy:
             assert greedy_ids is not None
@@ -205,9 +206,12 @@ class Sampler(nn.Module):
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod
-    def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata,
+                                owned: bool = False) -> torch.Tensor:
         """logit_bias, the min_tokens mask, penalties, then the token constraints
-        (out of place)."""
+        (out of place; ``owned``: ``logits`` is the caller's private copy, which the
+        in-place grammar mask may write to)."""
+        given = logits
         if meta.logit_bias is not None:
             b = meta.logit_bias
             assert b.values is not None
@@ -221,7 +225,8 @@ class Sampler(nn.Module):
         if meta.constraints is not None:  # grammars, allowed/bad tokens, processors
             from pagedllm.sample import token_constraints
 
-            logits = token_constraints.apply(logits, meta.constraints)
+            logits = token_constraints.apply(logits, meta.constraints,
+                                             owned=owned or logits is not given)
         return logits
 
     @staticmethod

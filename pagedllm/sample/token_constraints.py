@@ -100,8 +100,9 @@ def _call(fn: Callable[..., torch.Tensor], call: LogitsProcessorCall,
     return fn(list(call.output_token_ids), row)
 
 
-def apply(logits: torch.Tensor, tc: TokenConstraints) -> torch.Tensor:
-    """``logits`` (fp32) with the constraints applied, out of place."""
+def apply(logits: torch.Tensor, tc: TokenConstraints, owned: bool = False) -> torch.Tensor:
+    """``logits`` (fp32) with the constraints applied, out of place unless ``owned``
+    (the caller's private copy: the grammar mask is then applied to it in place)."""
     if tc.processors:
         logits = logits.clone()
         for call in tc.processors:
@@ -118,8 +119,9 @@ def apply(logits: torch.Tensor, tc: TokenConstraints) -> torch.Tensor:
         logits = logits.index_put((tc.banned.rows, tc.banned.token_ids),
                                   logits.new_full((), float("-inf")))
     if tc.grammar_bitmask is not None:
-        if not (tc.processors or tc.allowed_rows is not None or tc.banned is not None):
-            logits = logits.clone()  # the stages above made no copy yet
+        if not (owned or tc.processors or tc.allowed_rows is not None
+                or tc.banned is not None):
+            logits = logits.clone()  # nothing above made a copy yet
         apply_bitmask_(logits, tc.grammar_bitmask)
     return logits
 

@@ -44,6 +44,9 @@ class GrammarState:
         self.num_seen = 0  # output tokens advanced over (accepted or pre-activation)
         self.num_accepted = 0
         self._tail: list[int] = []  # last tokens before activation (end-marker search)
+        # Bitmask words xgrammar writes per row: its vocabulary's (the tokenizer's), which
+        # may be narrower than the model's padded one (the rest of a row stays zero).
+        self.words = int(xgr.get_bitmask_shape(1, compiled.tokenizer_info.vocab_size)[1])
 
     def fork(self, output_token_ids: Sequence[int]) -> GrammarState:
         """A fresh state for a sequence continuing with ``output_token_ids`` (n > 1)."""
@@ -53,15 +56,25 @@ class GrammarState:
         return st
 
     def advance(self, token: int) -> None:
+        if self.observe(token):
+            self.record(self.matcher.accept_token(token))
+
+    def observe(self, token: int) -> bool:
+        """Count ``token`` as seen; True when the matcher must accept it (then call
+        :meth:`record` with the result), False when it is not the grammar's business:
+        the reasoning has not ended yet, or the grammar has (a token sampled after the
+        end while an async step was in flight is dropped)."""
         self.num_seen += 1
         if not self.active:
             n = len(self.reasoning_end)
             self._tail = (self._tail + [token])[-n:]
             self.active = self._tail == self.reasoning_end
-            return
-        if self.failed or self.matcher.is_terminated():
-            return  # a token sampled after the end (async step in flight): dropped
-        if self.matcher.accept_token(token):
+            return False
+        return not (self.failed or self.matcher.is_terminated())
+
+    def record(self, accepted: bool) -> None:
+        """The matcher's verdict on the token :meth:`observe` let through."""
+        if accepted:
             self.num_accepted += 1
         else:
             self.failed = True
@@ -79,18 +92,25 @@ class GrammarState:
             self.advance(t)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write this request's allowed next tokens into ``bitmask[row]``."""
+        """Write this request's allowed next tokens into ``bitmask[row]`` (a host int32
+        tensor as wide as the model's vocabulary needs)."""
         if not self.active:
             bitmask[row].fill_(-1)
         elif self.failed or self.matcher.is_terminated():
-            _only(bitmask[row], self.stop_token_ids)
-        else:
+            allow_only(bitmask[row].numpy(), self.stop_token_ids)
+        elif self.words == bitmask.shape[1]:
             self.matcher.fill_next_token_bitmask(bitmask, row)
+        else:  # xgrammar ignores strides: fill a row of its own width, then copy it in
+            own = torch.empty(1, self.words, dtype=torch.int32)
+            self.matcher.fill_next_token_bitmask(own, 0)
+            bitmask[row, :self.words] = own[0]
+            bitmask[row, self.words:] = 0
 
 
-def _only(words: torch.Tensor, token_ids: Sequence[int]) -> None:
-    words.zero_()
-    arr = words.numpy().view(np.uint32)
+def allow_only(words: np.ndarray, token_ids: Sequence[int]) -> None:
+    """Set the bitmask row ``words`` (int32) to allow exactly ``token_ids``."""
+    words[:] = 0
+    arr = words.view(np.uint32)
     for t in token_ids:
         if t // 32 < len(arr):
             arr[t // 32] |= np.uint32(1 << (t % 32))
@@ -114,7 +134,7 @@ def fill_bitmask(states: Sequence[GrammarState | None], vocab_size: int,
     for i in empty:
         st = states[int(i)]
         assert st is not None
-        _only(mask[int(i)], st.stop_token_ids)
+        allow_only(mask[int(i)].numpy(), st.stop_token_ids)
     return mask
 
 

@@ -48,19 +48,46 @@ class HostToDevice:
         # Two buffer sets used on alternate steps: with one step in flight, the set a
         # step fills is never one whose copies may still be pending.
         self.parity = 0
+        self._copy_stream: Any = None  # torch.cuda.Stream for upload(side=True)
 
     def __call__(self, name: str, arr: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(arr))
         if self.device.type == "cpu":
             return t
+        staged = self.staging(name, t.shape, t.dtype)
+        staged.copy_(t)
+        return self.upload(staged)
+
+    def staging(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """This step's host tensor for ``name`` (pinned on CUDA; reused two steps later):
+        write it in place, then :meth:`upload` it -- no copy into a staging buffer."""
+        numel = int(np.prod(shape))
         key = (name, self.parity)
         buf = self.pinned.get(key)
-        if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
-            buf = torch.empty(max(t.numel(), 1024), dtype=t.dtype, pin_memory=True)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(max(numel, 1024), dtype=dtype,
+                              pin_memory=self.device.type == "cuda")
             self.pinned[key] = buf
-        staged = buf[:t.numel()].view(t.shape)
-        staged.copy_(t)
-        return staged.to(self.device, non_blocking=True)
+        return buf[:numel].view(*shape)
+
+    def upload(self, staged: torch.Tensor, side: bool = False) -> torch.Tensor:
+        """``staged`` (from :meth:`staging`) on the device, copied asynchronously.
+
+        ``side``: on a copy stream of its own, so that the copy overlaps the kernels
+        already queued (a forward launched before the host filled ``staged``) instead of
+        waiting behind them; work queued after this call waits for it."""
+        if self.device.type == "cpu":
+            return staged
+        if not side:
+            return staged.to(self.device, non_blocking=True)
+        main = torch.cuda.current_stream(self.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            out = staged.to(self.device, non_blocking=True)
+        main.wait_stream(self._copy_stream)
+        out.record_stream(main)  # allocated on the copy stream, used on the main one
+        return out
 
 
 def _to_pinned_host(lp: LogprobsTensors) -> LogprobsTensors:
@@ -151,6 +178,8 @@ class ModelRunner:
         # structured_output.backend.GrammarCompiler, set by the engine core on its first
         # structured-output request (its grammars are compiled before the request runs).
         self.grammar_compiler: Any = None
+        self._grammars: Any = None  # structured_output.batch.GrammarBatch, on first use
+        self._bitmask_words = -(-self.vocab_size // 32)
         # Live requests with token constraints (grammar, allowed/bad tokens, logits
         # processors): while there are none, a step does not look for them.
         self._constrained: set[str] = set()
@@ -184,20 +213,28 @@ class ModelRunner:
         A grammar row's next-token mask needs every token before it, so when the
         previous step's tokens are still in flight (async scheduling) this waits for
         them here: after this step's forward was launched, so the device stays busy
-        while the host advances the matchers and fills the bitmask."""
+        while the host advances the matchers and fills the bitmask (both batched:
+        ``structured_output/batch.py``)."""
         from pagedllm.sample import token_constraints
 
         bitmask = None
-        if any(st.grammar is not None for st in states):
+        grammars = [st.grammar for st in states]
+        if any(g is not None for g in grammars):
             if pending.any() and self._pending_owner is not None:
                 self._pending_owner.result()
-            from pagedllm.structured_output.matcher import fill_bitmask
-
             # One row per sampled row (all-ones for rows without a grammar), so the
-            # kernel needs no row indices.
-            host = fill_bitmask([st.grammar for st in states], self.vocab_size)
-            bitmask = self.h2d("grammar_bitmask", host.numpy())
+            # kernel needs no row indices; written in place into the pinned buffer.
+            host = self.h2d.staging("grammar_bitmask", (len(states), self._bitmask_words),
+                                    torch.int32)
+            bitmask = self.h2d.upload(self._grammar_batch().fill(grammars, host), side=True)
         return token_constraints.build(states, self.device, self.vocab_size, bitmask)
+
+    def _grammar_batch(self) -> Any:
+        if self._grammars is None:
+            from pagedllm.structured_output.batch import GrammarBatch
+
+            self._grammars = GrammarBatch()
+        return self._grammars
 
     @staticmethod
     def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -457,10 +494,12 @@ class ModelRunner:
         out = handle.out
         rows, toks = [], []
         assert handle.sample_idx is not None
+        g_states, g_toks = [], []
         for j, (i, st) in enumerate(zip(handle.sample_idx, handle.states)):
             st.output_token_ids.append(tokens[j])
             if st.grammar is not None:
-                st.grammar.advance(tokens[j])
+                g_states.append(st.grammar)
+                g_toks.append(tokens[j])
             out.sampled_token_ids[i] = [tokens[j]]
             row = self.batch.row_of.get(st.req_id)
             if row is not None:
@@ -470,6 +509,8 @@ class ModelRunner:
                 k = st.params.logprobs + 1
                 out.logprobs[st.req_id] = (lp_lists[0][j][:k], lp_lists[1][j][:k],
                                            lp_lists[2][j])
+        if g_states:  # every matcher in one xgrammar call
+            self._grammar_batch().advance(g_states, g_toks)
         if rows:
             self.batch.append_token(np.asarray(rows, dtype=np.int64),
                                     np.asarray(toks, dtype=np.int64))
