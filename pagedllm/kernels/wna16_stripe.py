@@ -323,9 +323,19 @@ StripeConfig = tuple[int, int, int, int, int, int]  # block_m, block_n, stripes,
 GEMV_MAX_M = min(4, int(os.environ.get("PAGEDLLM_WNA16_GEMV_MAX_M", "4")))
 
 
+def _shipped_table() -> str | None:
+    """The table swept on this GPU model and shipped with the package
+    (``kernels/tuned/wna16_<device name>.json``, as vLLM ships its fused-MoE tables)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name().replace(" ", "_")
+    path = os.path.join(os.path.dirname(__file__), "tuned", f"wna16_{name}.json")
+    return path if os.path.exists(path) else None
+
+
 @functools.cache
 def _tuned_file() -> dict:
-    path = os.environ.get("PAGEDLLM_WNA16_CONFIGS")
+    path = os.environ.get("PAGEDLLM_WNA16_CONFIGS") or _shipped_table()
     if not path:
         return {}
     try:
@@ -343,10 +353,11 @@ def tuned_threshold(name: str) -> int | None:
 
 @functools.cache
 def tuned_table() -> dict[tuple[int, int, int], StripeConfig]:
-    """``PAGEDLLM_WNA16_CONFIGS``: a JSON file written by ``benchmarks/wna16_sweep.py``
+    """``PAGEDLLM_WNA16_CONFIGS`` (else the shipped table of this GPU model): a JSON file
+    written by ``benchmarks/wna16_sweep.py``
     (``{"configs": [[m, n, k, [block_m, block_n, stripes, warps, stages, split]], ...]}``)
     whose entries override :func:`stripe_config` for the smallest swept ``m >= M`` at
-    that ``(n, k)``; empty without the variable."""
+    that ``(n, k)``; empty without either."""
     data = _tuned_file()
     if not data:
         return {}

@@ -23,10 +23,11 @@ slot per request on such steps (the token map otherwise).
 The CPU path (and the kernels' oracle) is :func:`lora_ref`: dense over all slots with a
 per-token mask -- no loop over tokens or adapters, no host sync.  On CUDA the path
 depends on the row count only (:func:`lora_path`): up to ``FUSED_MAX_ROWS`` rows (decode
-at batch 1) the one-launch ``kernels/lora.lora_fused``; above, the segmented
-``kernels/lora.lora_sgmv`` over the rows the manager grouped by slot on the host
-(:func:`sgmv_tiles`, published with the slot map); the dense masked form on cuBLAS
-(:func:`lora_dense_`) only beyond ``PAGEDLLM_LORA_SGMV_MAX_ROWS`` (an A/B switch).
+at batch 1) the one-launch ``kernels/lora.lora_fused``; above, the
+dense masked form on cuBLAS (:func:`lora_dense_`); the segmented ``kernels/lora.lora_sgmv``
+over the rows the manager grouped by slot on the host (:func:`sgmv_tiles`, published with
+the slot map) up to ``PAGEDLLM_LORA_SGMV_MAX_ROWS`` rows (0 by default: slower than
+cuBLAS on the H200 as measured; an A/B switch).
 
 The base model's batch-1 fusions stay on with adapters: ``down_proj``'s GEMV reads
 ``silu(gate) * up`` from ``gate_up`` itself, so :meth:`LoRALinear.apply_silu_mul` has the
@@ -154,11 +155,14 @@ def _rows_env(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
-# Row-count thresholds of the CUDA paths (see the module doc).  Chosen without a GPU;
-# ``benchmarks/lora_probe.py`` times every path at 1-256 rows on the Llama-3-8B shapes,
-# and the environment variables override them for an A/B run.
+# Row-count thresholds of the CUDA paths (see the module doc), from
+# ``benchmarks/lora_probe.py`` on an H200 (docs/benchmarks.md, run 17): per layer at the
+# Llama-3-8B shapes the dense cuBLAS form added 69-81 us at 4-256 rows against sgmv's
+# 110-185 us (equal at 2,048), and W1 over 8 adapters ran 7,065 vs 6,486 tok/s; the
+# fused kernel wins at 1 row (42 vs 68 us).  So sgmv is off by default; the environment
+# variables override both for an A/B run.
 FUSED_MAX_ROWS = _rows_env("PAGEDLLM_LORA_FUSED_MAX_ROWS", 4)
-SGMV_MAX_ROWS = _rows_env("PAGEDLLM_LORA_SGMV_MAX_ROWS", 1 << 30)
+SGMV_MAX_ROWS = _rows_env("PAGEDLLM_LORA_SGMV_MAX_ROWS", 0)
 
 
 def lora_path(rows: int, use_triton: bool) -> str:

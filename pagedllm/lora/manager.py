@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from pagedllm.lora.adapter_files import NUM_SHARDS
-from pagedllm.lora.layers import LoRALinear, LoRAMapping
+from pagedllm.lora.layers import FUSED_MAX_ROWS, SGMV_MAX_ROWS, LoRALinear, LoRAMapping
 from pagedllm.lora.peft import LoRAAdapter, load_adapter
 from pagedllm.lora.request import LoRARequest
 
@@ -69,7 +69,8 @@ class LoRAManager:
         self.max_cpu_loras = max_cpu_loras
         self.mapping = LoRAMapping(max_num_tokens, device, max_loras)
         use_triton = device.type == "cuda"
-        self.grouped = use_triton  # the segmented kernels need rows grouped by slot
+        # The segmented kernels need rows grouped by slot (host work, so only when used).
+        self.grouped = use_triton and SGMV_MAX_ROWS > FUSED_MAX_ROWS
         self.layers: dict[str, LoRALinear] = {}
         last = int(hf_config.num_hidden_layers) - 1
         for name, layer in lora_target_layers(model).items():

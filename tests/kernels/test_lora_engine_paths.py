@@ -15,6 +15,7 @@ import torch
 from kernel_refs import ON_GPU
 
 from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm.lora import layers as lora_layers
 from pagedllm.lora.layers import FUSED_MAX_ROWS
 from tests.lora.fixtures import hf_greedy, make_adapters, tiny_llama
 
@@ -22,7 +23,7 @@ N_TOKENS = 4
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU tests/lora runs these paths natively")
-def test_triton_lora_paths_match_peft(tmp_path) -> None:
+def test_triton_lora_paths_match_peft(tmp_path, monkeypatch) -> None:
     root = str(tmp_path)
     base = tiny_llama(os.path.join(root, "base"))
     adapters = make_adapters(base, root, merge=False)
@@ -31,7 +32,10 @@ def test_triton_lora_paths_match_peft(tmp_path) -> None:
               kv_cache_memory_bytes=4 << 20, block_size=4, max_num_seqs=16,
               max_num_batched_tokens=48)
     mgr = llm.llm_engine.client.core.executor.worker.runner.lora
-    # What the manager does on CUDA: group rows by slot, run the Triton kernels.
+    # What the manager does on CUDA with the segmented kernels switched on
+    # (PAGEDLLM_LORA_SGMV_MAX_ROWS; off by default): group rows by slot, run the Triton
+    # kernels.
+    monkeypatch.setattr(lora_layers, "SGMV_MAX_ROWS", 1 << 30)
     mgr.grouped = True
     for layer in mgr.layers.values():
         layer.use_triton = True
