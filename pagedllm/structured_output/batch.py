@@ -3,14 +3,16 @@
 ::
 
     step t's tokens ──advance()──► matchers ──fill()──► staging buffer (host; pinned on CUDA)
-       one xgrammar call              one xgrammar call, its own threads, GIL released
+       one xgrammar call              one xgrammar call (threads for 16+ rows), no GIL
 
 Per step, with ``R`` constrained rows, the host does one ``batch_accept_token`` call
 (the tokens of the step just read back) and one ``batch_fill_next_token_bitmask`` call
-(xgrammar's thread pool, the Python GIL released) straight into the caller's staging
-buffer; Python itself only loops over the requests to sort them (active grammar,
-ended grammar, no grammar / reasoning still running), never over tokens.  Rows without
-an active grammar are set with one vectorised assignment.
+(on xgrammar's threads when ``R >= MIN_THREADED_ROWS``; the Python GIL is released
+during both) straight into the caller's staging buffer; Python itself only loops over
+the requests to sort them (active grammar, ended grammar, no grammar / reasoning still
+running), never over tokens.  Rows without an active grammar are set with one
+vectorised assignment.  This replaced a per-row loop of ``accept_token`` and
+``fill_next_token_bitmask`` calls plus a copy of the mask into the pinned buffer.
 
 The buffer is ``[rows, ceil(V / 32)]`` int32 for the *model's* vocabulary ``V``; the
 grammars may have been compiled for a smaller one (the tokenizer's, when the model pads
