@@ -80,8 +80,8 @@ class GrammarBatch:
                 owners.append(st)
         if matchers:
             accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, toks)
-            for st, ok in zip(owners, accepted):
-                st.record(ok)
+            for st, t, ok in zip(owners, toks, accepted):
+                st.record(t, ok)
         self.advance_s += time.perf_counter() - t0
 
     def fill(self, states: Sequence[GrammarState | None], out: torch.Tensor) -> torch.Tensor:
@@ -100,7 +100,7 @@ class GrammarBatch:
         for i, st in enumerate(states):
             if st is None or not st.active:
                 free.append(i)
-            elif st.failed or st.matcher.is_terminated():
+            elif st.failed or st.ended:
                 allow_only(arr[i], st.stop_token_ids)
             else:
                 rows.append(i)
