@@ -3,14 +3,16 @@
 ::
 
     step t's tokens ──advance()──► matchers ──fill()──► staging buffer (host; pinned on CUDA)
-       one xgrammar call              one xgrammar call, its own threads, GIL released
+       one xgrammar call              one xgrammar call (threads for 16+ rows), no GIL
 
 Per step, with ``R`` constrained rows, the host does one ``batch_accept_token`` call
 (the tokens of the step just read back) and one ``batch_fill_next_token_bitmask`` call
-(xgrammar's thread pool, the Python GIL released) straight into the caller's staging
-buffer; Python itself only loops over the requests to sort them (active grammar,
-ended grammar, no grammar / reasoning still running), never over tokens.  Rows without
-an active grammar are set with one vectorised assignment.
+(on xgrammar's threads when ``R >= MIN_THREADED_ROWS``; the Python GIL is released
+during both) straight into the caller's staging buffer; Python itself only loops over
+the requests to sort them (active grammar, ended grammar, no grammar / reasoning still
+running), never over tokens.  Rows without an active grammar are set with one
+vectorised assignment.  This replaced a per-row loop of ``accept_token`` and
+``fill_next_token_bitmask`` calls plus a copy of the mask into the pinned buffer.
 
 The buffer is ``[rows, ceil(V / 32)]`` int32 for the *model's* vocabulary ``V``; the
 grammars may have been compiled for a smaller one (the tokenizer's, when the model pads
@@ -78,8 +80,8 @@ class GrammarBatch:
                 owners.append(st)
         if matchers:
             accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, toks)
-            for st, ok in zip(owners, accepted):
-                st.record(ok)
+            for st, t, ok in zip(owners, toks, accepted):
+                st.record(t, ok)
         self.advance_s += time.perf_counter() - t0
 
     def fill(self, states: Sequence[GrammarState | None], out: torch.Tensor) -> torch.Tensor:
@@ -98,7 +100,7 @@ class GrammarBatch:
         for i, st in enumerate(states):
             if st is None or not st.active:
                 free.append(i)
-            elif st.failed or st.matcher.is_terminated():
+            elif st.failed or st.ended:
                 allow_only(arr[i], st.stop_token_ids)
             else:
                 rows.append(i)

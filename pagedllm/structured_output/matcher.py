@@ -41,6 +41,12 @@ class GrammarState:
         self.reasoning_end = list(reasoning_end or [])
         self.active = not self.reasoning_end
         self.failed = False
+        # Whether the matcher has terminated (accepted one of its stop tokens: ours, or
+        # the tokenizer's when we have none), tracked here because asking xgrammar costs
+        # ~2 us a call, twice a row per step.
+        self.ended = False
+        self._stops = frozenset(self.stop_token_ids
+                                or compiled.tokenizer_info.stop_token_ids)
         self.num_seen = 0  # output tokens advanced over (accepted or pre-activation)
         self.num_accepted = 0
         self._tail: list[int] = []  # last tokens before activation (end-marker search)
@@ -57,7 +63,7 @@ class GrammarState:
 
     def advance(self, token: int) -> None:
         if self.observe(token):
-            self.record(self.matcher.accept_token(token))
+            self.record(token, self.matcher.accept_token(token))
 
     def observe(self, token: int) -> bool:
         """Count ``token`` as seen; True when the matcher must accept it (then call
@@ -70,12 +76,13 @@ class GrammarState:
             self._tail = (self._tail + [token])[-n:]
             self.active = self._tail == self.reasoning_end
             return False
-        return not (self.failed or self.matcher.is_terminated())
+        return not (self.failed or self.ended)
 
-    def record(self, accepted: bool) -> None:
-        """The matcher's verdict on the token :meth:`observe` let through."""
+    def record(self, token: int, accepted: bool) -> None:
+        """The matcher's verdict on ``token``, which :meth:`observe` let through."""
         if accepted:
             self.num_accepted += 1
+            self.ended = token in self._stops
         else:
             self.failed = True
 
@@ -85,7 +92,7 @@ class GrammarState:
         if len(output_token_ids) == self.num_seen:
             return
         self.matcher.reset()
-        self.active, self.failed = not self.reasoning_end, False
+        self.active, self.failed, self.ended = not self.reasoning_end, False, False
         self.num_seen = self.num_accepted = 0
         self._tail = []
         for t in output_token_ids:
@@ -96,7 +103,7 @@ class GrammarState:
         tensor as wide as the model's vocabulary needs)."""
         if not self.active:
             bitmask[row].fill_(-1)
-        elif self.failed or self.matcher.is_terminated():
+        elif self.failed or self.ended:
             allow_only(bitmask[row].numpy(), self.stop_token_ids)
         elif self.words == bitmask.shape[1]:
             self.matcher.fill_next_token_bitmask(bitmask, row)

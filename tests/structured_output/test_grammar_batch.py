@@ -77,8 +77,10 @@ def test_batched_advance_and_fill_match_the_per_request_path(
         for b, r, t in pairs:
             assert r is not None
             r.advance(t)
-            assert (b.num_seen, b.num_accepted, b.failed, b.active) == \
-                (r.num_seen, r.num_accepted, r.failed, r.active)
+            assert (b.num_seen, b.num_accepted, b.failed, b.active, b.ended) == \
+                (r.num_seen, r.num_accepted, r.failed, r.active, r.ended)
+            assert b.ended == b.matcher.is_terminated()  # tracked without asking
     assert batched[5] is not None and batched[5].failed  # the rejected token
     assert batched[4] is not None and batched[4].active and batched[4].num_accepted > 0
+    assert batched[3] is not None and batched[3].ended  # "yes"/"no", then EOS
     assert gb.num_fills == 14 and gb.fill_s > 0 and gb.advance_s > 0
