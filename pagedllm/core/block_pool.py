@@ -18,7 +18,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 
 class KVCacheBlock:
@@ -29,7 +29,9 @@ class KVCacheBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        # The cache key: a chained block hash (paired with its group id in a hybrid
+        # manager's groups other than the first).
+        self.block_hash: Hashable | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -96,7 +98,7 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # permanently taken
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         # Prefix cache: hash of a full block's contents (chained) -> the block holding it.
-        self.cached_blocks: dict[int, KVCacheBlock] = {}
+        self.cached_blocks: dict[Hashable, KVCacheBlock] = {}
 
     # -- queries -------------------------------------------------------------------
     @property
@@ -111,7 +113,7 @@ class BlockPool:
         """Fraction of usable blocks referenced by some request (0..1)."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
-    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+    def get_cached_block(self, block_hash: Hashable) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
 
     # -- allocation ----------------------------------------------------------------
@@ -147,7 +149,7 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free_queue.append(b)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: Hashable) -> None:
         """Record that ``block`` (full, computed) holds the tokens hashed to ``block_hash``."""
         if block.block_hash is not None or block_hash in self.cached_blocks:
             return  # already cached (or another block holds the same content)
