@@ -122,12 +122,17 @@ class HybridKVCacheManager:
                    for m, c in zip(self.managers, computed))
         if need > self.pool.num_free_blocks:
             return None
-        first = self._first.allocate_slots(request, num_new_tokens, computed[0] or None)
+        # Every group's hits are referenced before any group takes new blocks: taking
+        # a free block evicts its cached hash, and it may be another group's hit.
+        null = self.pool.null_block
+        self.pool.touch(b for hits in computed for b in hits if b is not null)
+        first = self._first.allocate_slots(request, num_new_tokens, computed[0] or None,
+                                           hits_touched=True)
         assert first is not None
         rest: list[list[int]] = []
         any_new = False
         for m, c in zip(self._rest, computed[1:]):
-            blocks = m.allocate_slots(request, num_new_tokens, c or None)
+            blocks = m.allocate_slots(request, num_new_tokens, c or None, hits_touched=True)
             assert blocks is not None
             rest.append([b.block_id for b in blocks])
             any_new = any_new or bool(blocks)

@@ -189,14 +189,15 @@ class KVCacheManager:
     # -- allocation ----------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
-                       ) -> list[KVCacheBlock] | None:
+                       hits_touched: bool = False) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens of ``request``.
 
         ``new_computed_blocks`` are prefix-cache hits from ``get_computed_blocks`` (only
         on a request's first allocation).  Returns the blocks appended to the request's
         table (hits first), or None -- changing nothing -- if the pool is too small now.
         If the first block written is shared, it is copied on write first (see
-        ``take_cow``).
+        ``take_cow``).  ``hits_touched``: the caller (the hybrid manager) already took
+        the hits' references, so that no group's new blocks can evict another's hits.
         """
         rid = request.request_id
         bs = self.block_size
@@ -215,10 +216,12 @@ class KVCacheManager:
                 if self.sliding_window is not None:
                     self._free_outside_window(rid, blocks, num_computed)
                 return []
-        return self._allocate_slots(request, num_new_tokens, new_computed_blocks or [])
+        return self._allocate_slots(request, num_new_tokens, new_computed_blocks or [],
+                                    hits_touched)
 
     def _allocate_slots(self, request: Request, num_new_tokens: int,
-                        computed: list[KVCacheBlock]) -> list[KVCacheBlock] | None:
+                        computed: list[KVCacheBlock],
+                        hits_touched: bool = False) -> list[KVCacheBlock] | None:
         """``allocate_slots`` in full: new blocks, prefix hits, copy-on-write, caching."""
         rid = request.request_id
         blocks = self.req_to_blocks.setdefault(rid, [])
@@ -240,8 +243,9 @@ class KVCacheManager:
             self.pool.free_blocks([shared])  # drops our reference only (ref_cnt > 1)
             self._cow.setdefault(rid, []).append((first, shared.block_id, copy.block_id))
         if computed:
-            null = self.pool.null_block
-            self.pool.touch(b for b in computed if b is not null)
+            if not hits_touched:  # (before taking new blocks: they could evict a hit)
+                null = self.pool.null_block
+                self.pool.touch(b for b in computed if b is not null)
             blocks.extend(computed)
         new = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         blocks.extend(new)
