@@ -99,6 +99,8 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         # Prefix cache: hash of a full block's contents (chained) -> the block holding it.
         self.cached_blocks: dict[Hashable, KVCacheBlock] = {}
+        # The most blocks ever referenced at once since ``reset_peak`` (benchmarks).
+        self.peak_blocks_in_use = 0
 
     # -- queries -------------------------------------------------------------------
     @property
@@ -112,6 +114,18 @@ class BlockPool:
     def usage(self) -> float:
         """Fraction of usable blocks referenced by some request (0..1)."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        return self.num_usable_blocks - self.free_queue.num_free
+
+    def reset_peak(self) -> None:
+        self.peak_blocks_in_use = self.num_blocks_in_use
+
+    def _note_peak(self) -> None:
+        used = self.num_usable_blocks - self.free_queue.num_free
+        if used > self.peak_blocks_in_use:
+            self.peak_blocks_in_use = used
 
     def get_cached_block(self, block_hash: Hashable) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
@@ -127,6 +141,7 @@ class BlockPool:
             self.evict_hash(b)
             b.ref_cnt = 1
             out.append(b)
+        self._note_peak()
         return out
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -135,6 +150,7 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free_queue.remove(b)
             b.ref_cnt += 1
+        self._note_peak()
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each; blocks reaching 0 go to the free-list tail.

@@ -115,6 +115,9 @@ class HybridKVCacheManager:
                        ) -> list[KVCacheBlock] | None:
         """``KVCacheManager.allocate_slots`` in every group, all or nothing; returns the
         first group's new blocks (the others': ``take_group_updates``)."""
+        if not new_computed_blocks and all(m.nothing_to_allocate(request, num_new_tokens)
+                                           for m in self.managers):
+            return []  # the steady decode step (``KVCacheManager.nothing_to_allocate``)
         computed = new_computed_blocks or [[] for _ in self.managers]
         for m in self.managers:  # what no query from here on sees goes back first
             m.free_outside_window(request)

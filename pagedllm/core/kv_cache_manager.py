@@ -199,25 +199,31 @@ class KVCacheManager:
         ``take_cow``).  ``hits_touched``: the caller (the hybrid manager) already took
         the hits' references, so that no group's new blocks can evict another's hits.
         """
-        rid = request.request_id
-        bs = self.block_size
-        blocks = self.req_to_blocks.get(rid)
-        if blocks and not new_computed_blocks and num_new_tokens > 0:
-            # Fast path, the steady decode step: the request's last block still has room
-            # (a block fills only every ``block_size`` tokens), the block written first is
-            # its own, and no block fills up this step -- nothing to allocate, copy or
-            # cache.  (``num_computed < total <= len(blocks) * bs``, so the block written
-            # first exists.)
-            num_computed = request.num_computed_tokens
-            total = num_computed + num_new_tokens
-            if (total <= len(blocks) * bs and blocks[num_computed // bs].ref_cnt == 1
-                    and (not self.enable_caching or self.num_cached_blocks.get(rid, 0)
-                         >= min(total, request.num_tokens) // bs)):
-                if self.sliding_window is not None:
-                    self._free_outside_window(rid, blocks, num_computed)
-                return []
+        if not new_computed_blocks and self.nothing_to_allocate(request, num_new_tokens):
+            return []
         return self._allocate_slots(request, num_new_tokens, new_computed_blocks or [],
                                     hits_touched)
+
+    def nothing_to_allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """The fast path, the steady decode step: the request's last block still has
+        room (a block fills only every ``block_size`` tokens), the block written first
+        is its own, and no block fills up this step -- nothing to allocate, copy or
+        cache (blocks that left the window are still given back).  (``num_computed <
+        total <= len(blocks) * bs``, so the block written first exists.)"""
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid)
+        if not blocks or num_new_tokens <= 0:
+            return False
+        bs = self.block_size
+        num_computed = request.num_computed_tokens
+        total = num_computed + num_new_tokens
+        if (total <= len(blocks) * bs and blocks[num_computed // bs].ref_cnt == 1
+                and (not self.enable_caching or self.num_cached_blocks.get(rid, 0)
+                     >= min(total, request.num_tokens) // bs)):
+            if self.sliding_window is not None:
+                self._free_outside_window(rid, blocks, num_computed)
+            return True
+        return False
 
     def _allocate_slots(self, request: Request, num_new_tokens: int,
                         computed: list[KVCacheBlock],

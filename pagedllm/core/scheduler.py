@@ -122,6 +122,7 @@ class Scheduler:
         self._num_preemptions_step = 0
         self.total_preemptions = 0
         self.total_swaps = 0
+        self.peak_num_running = 0  # the most requests running at once (benchmarks)
         # Pipeline parallelism (both set by the engine core before each ``schedule``):
         # requests in a batch still in flight are left out until its output is back ...
         self.in_flight_req_ids: AbstractSet[str] = frozenset()
@@ -745,6 +746,8 @@ class Scheduler:
         return self.kv.pool.reset_prefix_cache()
 
     def make_stats(self) -> SchedulerStats:
+        if len(self.running) > self.peak_num_running:
+            self.peak_num_running = len(self.running)
         q, h = self.kv.take_prefix_stats()
         return SchedulerStats(
             num_running_reqs=len(self.running),
