@@ -12,6 +12,9 @@
 #   w1fcfs   W1 under the default FCFS policy
 #   w1small  W1-small on the SmolLM2-135M shape (host overhead)
 #   w5       long prompts (W5: 384 requests, 64-2048 in, 16-768 out), default policy
+#   hybrid   issue 23's target: Gemma-3-12B shape, W5 with the hybrid KV cache manager
+#            vs --disable-hybrid-kv-cache-manager (tok/s, peak KV blocks/GiB in use), then
+#            the GPU greedy check of tests/e2e/test_hybrid_kv_greedy.py (CUDA graphs)
 #   lora     issue 26's targets: W1 (fcfs) base vs 8 dummy rank-16 adapters spread over
 #            the requests, W4 base vs one adapter (bench ... --lora N)
 #   w2       online serving at 10 and 20 req/s (benchmarks/w2_suite.sh; RATES to change)
@@ -113,6 +116,12 @@ for part in $PARTS; do
       --dummy smollm2-135m --no-hf --scheduling-policy throughput ;;
     w5) ab w5 python -m pagedllm bench throughput --workload W5 --dummy llama3-8b --no-hf \
       --repeats "${REPEATS:-1}" ;;
+    hybrid)
+      VARIANTS="hybrid= nohybrid=--disable-hybrid-kv-cache-manager" ab w5gemma3 \
+        python -m pagedllm bench throughput --workload W5 --dummy gemma-3-12b --no-hf \
+        --max-model-len 4096 --repeats "${REPEATS:-1}"
+      step timeout 300 python -m pytest -q -m gpu -p no:cacheprovider \
+        tests/e2e/test_hybrid_kv_greedy.py ;;
     lora)
       VARIANTS="base= lora8=--lora,8" ab w1lora $W1
       VARIANTS="base= lora1=--lora,1" ab w4lora python -m pagedllm bench latency \
