@@ -63,8 +63,16 @@ class HybridKVCacheManager:
             for i, g in enumerate(groups.groups)]
         self._first = self.managers[0]
         self._rest = self.managers[1:]
+        # Sliding groups by window: groups of one window free the same table entries.
+        by_window: dict[int, list[KVCacheManager]] = {}
+        for m in self.managers:
+            if m.sliding_window is not None:
+                by_window.setdefault(m.sliding_window, []).append(m)
+        self._windows = list(by_window.items())
         # New block ids of groups 1.. per request, not yet taken by the scheduler.
         self._new: dict[str, list[list[int]]] = {}
+        # Requests whose tables changed since ``take_group_updates`` last looked.
+        self._changed: set[str] = set()
 
     # -- queries -------------------------------------------------------------------
     @property
@@ -90,6 +98,7 @@ class HybridKVCacheManager:
         """The whole tables of groups 1.. (a request the runner is told about anew);
         pending updates are dropped, since the tables already contain them."""
         self._new.pop(request_id, None)
+        self._changed.discard(request_id)
         for m in self._rest:
             m.take_cow(request_id)
         return [m.get_block_ids(request_id) for m in self._rest]
@@ -115,9 +124,9 @@ class HybridKVCacheManager:
                        ) -> list[KVCacheBlock] | None:
         """``KVCacheManager.allocate_slots`` in every group, all or nothing; returns the
         first group's new blocks (the others': ``take_group_updates``)."""
-        if not new_computed_blocks and all(m.nothing_to_allocate(request, num_new_tokens)
-                                           for m in self.managers):
-            return []  # the steady decode step (``KVCacheManager.nothing_to_allocate``)
+        if not new_computed_blocks and self._nothing_to_allocate(request, num_new_tokens):
+            return []
+        self._changed.add(request.request_id)
         computed = new_computed_blocks or [[] for _ in self.managers]
         for m in self.managers:  # what no query from here on sees goes back first
             m.free_outside_window(request)
@@ -148,12 +157,42 @@ class HybridKVCacheManager:
                     ids.extend(more)
         return first
 
+    def _nothing_to_allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """``KVCacheManager.nothing_to_allocate`` for every group at the cost of one.
+        The groups' tables move in step: each allocation, hit, fork, swap-in and free
+        gives every group the same token count, so they have the same length and cached
+        count; the block written first is shared in all groups (a fork shares every
+        group's) or in none (copy on write replaces it in every group at once, and it is
+        never a prefix hit nor, being inside the window, the null block); and groups of
+        one window have freed the same entries."""
+        rid = request.request_id
+        first = self._first
+        blocks = first.req_to_blocks.get(rid)
+        if not blocks or num_new_tokens <= 0:
+            return False
+        bs = self.block_size
+        num_computed = request.num_computed_tokens
+        total = num_computed + num_new_tokens
+        if total > len(blocks) * bs or (self.enable_caching and first.num_cached_blocks.get(
+                rid, 0) < min(total, request.num_tokens) // bs):
+            return False
+        if blocks[num_computed // bs].ref_cnt != 1:
+            return False
+        for w, group in self._windows:  # a block left the window: give it back
+            if max(0, num_computed - w + 1) // bs > group[0].num_windowed.get(rid, 0):
+                for m in group:
+                    m._free_outside_window(rid, m.req_to_blocks[rid], num_computed)
+        return True
+
     def take_cow(self, request_id: str) -> list[tuple[int, int, int]]:
         """The first group's copy-on-write replacements (``KVCacheManager.take_cow``)."""
         return self._first.take_cow(request_id)
 
     def take_group_updates(self, request_id: str) -> GroupUpdates | None:
         """Groups 1..: new block ids and copy-on-write since the last call (None: none)."""
+        if request_id not in self._changed:
+            return None  # (the steady decode step)
+        self._changed.discard(request_id)
         new = self._new.pop(request_id, None)
         replaced: list[tuple[int, int, int]] = []
         copies: list[tuple[int, int]] = []
@@ -177,6 +216,7 @@ class HybridKVCacheManager:
     def swap_out(self, request: Request) -> list[int]:
         """Every group's computed blocks, group after group (``swap_in``'s order)."""
         self._new.pop(request.request_id, None)
+        self._changed.discard(request.request_id)
         return [i for m in self.managers for i in m.swap_out(request)]
 
     def swap_in(self, request: Request, num_new_tokens: int) -> list[KVCacheBlock] | None:
@@ -197,6 +237,7 @@ class HybridKVCacheManager:
 
     def free(self, request: Request) -> None:
         self._new.pop(request.request_id, None)
+        self._changed.discard(request.request_id)
         for m in reversed(self.managers):
             m.free(request)
 

@@ -197,7 +197,8 @@ class KVCacheManager:
         table (hits first), or None -- changing nothing -- if the pool is too small now.
         If the first block written is shared, it is copied on write first (see
         ``take_cow``).  ``hits_touched``: the caller (the hybrid manager) already took
-        the hits' references, so that no group's new blocks can evict another's hits.
+        the hits' references, so that no group's new blocks can evict another's hits,
+        and checked that every group's blocks fit.
         """
         if not new_computed_blocks and self.nothing_to_allocate(request, num_new_tokens):
             return []
@@ -236,8 +237,8 @@ class KVCacheManager:
         num_new_blocks = max(0, self.blocks_needed(total) - len(blocks) - len(computed))
         first = num_computed // self.block_size
         cow = num_new_tokens > 0 and first < len(blocks) and blocks[first].ref_cnt > 1
-        if self.num_blocks_to_allocate(request, num_new_tokens, computed) > \
-                self.pool.num_free_blocks:
+        if not hits_touched and self.num_blocks_to_allocate(
+                request, num_new_tokens, computed) > self.pool.num_free_blocks:
             if not blocks:
                 del self.req_to_blocks[rid]
             return None
