@@ -194,8 +194,8 @@ class Worker:
         groups = cc.kv_cache_groups
         need = (groups.blocks_per_request(mc.max_model_len, cc.block_size,
                                           sc.max_num_batched_tokens)
-                if groups is not None else -(-mc.max_model_len // cc.block_size)) \
-            + 1  # +1: the reserved null block
+                if groups is not None and groups.hybrid  # (sliding groups: the window's)
+                else -(-mc.max_model_len // cc.block_size)) + 1  # +1: the null block
         if num_blocks < need:
             raise ValueError(self._too_small_message(max(budget, 0), num_blocks, need))
         if self.device.type == "cpu":  # before torch.zeros touches it page by page
