@@ -43,10 +43,9 @@ class _NullRunner:
         ids, toks = list(so.num_scheduled_tokens), []
         for rid, n in so.num_scheduled_tokens.items():
             left = self.left[rid] - n
-            self.left[rid] = 0 if left <= 0 else left  # a sampled token: computed next
-            toks.append([7] if left <= 0 else [])
-            if left <= 0:
-                self.left[rid] = 1
+            sampled = left <= 0
+            toks.append([7] if sampled else [])
+            self.left[rid] = 1 if sampled else left  # the sampled token: computed next
         return ModelRunnerOutput(ids, toks)
 
 
