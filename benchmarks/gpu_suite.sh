@@ -17,6 +17,9 @@
 #            the delta per layer at M = 1..256 against the base GEMV/GEMM; exits 1 on a
 #            mismatch; LORA_SWEEP=1 adds the fused kernel's config sweep), then the LoRA
 #            kernel / gemv_rope tests and the gpu-marked LoRA tests
+#   hybrid   issue 23's target: Gemma-3-12B shape, W5 with the hybrid KV cache manager
+#            vs --disable-hybrid-kv-cache-manager (tok/s, peak KV blocks/GiB in use), then
+#            the GPU greedy check of tests/e2e/test_hybrid_kv_greedy.py (CUDA graphs)
 #   lora     issue 26's targets: W1 (fcfs) base vs 8 dummy rank-16 adapters spread over
 #            the requests, W4 base vs one adapter (bench ... --lora N).  LORA_VARIANTS
 #            adds W1 variants, e.g. "lora8_pair256=PAGEDLLM_LORA_PAIR_MAX_ROWS=256,--lora,8"
@@ -124,6 +127,12 @@ for part in $PARTS; do
         ${LORA_SWEEP:+--sweep}
       step timeout 240 python -m pytest tests/kernels/test_lora_kernels.py \
         tests/kernels/test_gemv_rope.py tests/lora -q -rf -p no:cacheprovider ;;
+    hybrid)
+      VARIANTS="hybrid= nohybrid=--disable-hybrid-kv-cache-manager" ab w5gemma3 \
+        python -m pagedllm bench throughput --workload W5 --dummy gemma-3-12b --no-hf \
+        --max-model-len 4096 --repeats "${REPEATS:-1}"
+      step timeout 300 python -m pytest -q -m gpu -p no:cacheprovider \
+        tests/e2e/test_hybrid_kv_greedy.py ;;
     lora)
       VARIANTS="base= lora1=--lora,1" ab w4lora python -m pagedllm bench latency \
         --dummy llama3-8b

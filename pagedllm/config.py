@@ -12,7 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pagedllm.attention.kinds import uniform_sliding_window
+from pagedllm.attention.kinds import layer_sliding_windows, uniform_sliding_window
+from pagedllm.core.kv_cache_groups import KVCacheGroups, make_kv_cache_groups
 from pagedllm.models.resolve import ResolvedModel, resolve_model
 from pagedllm.pooling_params import PoolerConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
@@ -88,6 +89,9 @@ class CacheConfig:
     # Every layer's attention window when all layers slide with one (Mistral v0.1): KV
     # blocks behind it are freed (core/kv_cache_manager.py).  Set from the model config.
     sliding_window: int | None = None
+    # Which layers share a block table (core/kv_cache_groups.py): one group, or with the
+    # hybrid manager one per attention kind's share of layers.  Set from the model config.
+    kv_cache_groups: KVCacheGroups | None = None
     # The KV cache's element type: "auto" (the model dtype) or "fp8" (e4m3 with
     # per-tensor k/v scales, attention/kv_cache_dtype.py).
     cache_dtype: str = "auto"
@@ -202,6 +206,9 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # vLLM's name: keep one block table for all layers of a model mixing sliding-window
+    # and full attention (else sliding layers hold only their window's blocks).
+    disable_hybrid_kv_cache_manager: bool = False
     preemption_mode: str = "recompute"  # "recompute" | "swap"
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks
     max_num_seqs: int = 256
@@ -363,7 +370,12 @@ class EngineArgs:
                 gpu_memory_utilization=float(g),
                 enable_prefix_caching=self.enable_prefix_caching,
                 swap_space_bytes=int(sw * (1 << 30)), cache_dtype=cache_dtype,
-                sliding_window=uniform_sliding_window(model_config.hf_config)),
+                sliding_window=uniform_sliding_window(model_config.hf_config),
+                # Pipeline stages hold different layers: one group there.
+                kv_cache_groups=make_kv_cache_groups(
+                    layer_sliding_windows(model_config.hf_config),
+                    hybrid=not self.disable_hybrid_kv_cache_manager
+                    and self.pipeline_parallel_size == 1)),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len, policy=self.scheduling_policy,  # type: ignore

@@ -15,9 +15,14 @@ or a single decode token -- attention does not care which ("no phases").
 ```
 
 KV cache layout, one tensor per layer: ``[2, num_blocks, block_size, num_kv_heads,
-head_dim]`` (index 0 = keys, 1 = values).  The new token ``i`` of request ``r`` sits at
-absolute position ``seq_lens[r] - query_len[r] + i`` and attends causally to every
-cached position ``<=`` its own.
+head_dim]`` (index 0 = keys, 1 = values).  With hybrid KV cache groups
+(``core/kv_cache_groups.py``) layers of different groups share a tensor, and each group
+has its own block tables and slot mapping: ``kv_groups[g]`` is group ``g``'s metadata
+(the rest shared), which a layer of group ``g`` reads (``Attention.group_meta``).
+
+The new token ``i`` of request ``r`` sits at absolute position
+``seq_lens[r] - query_len[r] + i`` and attends causally to every cached position ``<=``
+its own.
 """
 
 from __future__ import annotations
@@ -47,6 +52,20 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32, host
     seq_lens_cpu: torch.Tensor  # [num_reqs] int32, host
     block_size: int
+    # Hybrid KV cache groups: every group's metadata, this one first (index 0); empty
+    # with one group (and in the per-group copies themselves).
+    kv_groups: tuple[AttentionMetadata, ...] = ()
+
+    def with_groups(self, tables: list[torch.Tensor], slots: list[torch.Tensor],
+                    ) -> AttentionMetadata:
+        """Attach groups 1..'s block tables and slot mappings (``kv_groups``)."""
+        if tables:
+            import dataclasses
+
+            self.kv_groups = (self, *(dataclasses.replace(self, block_tables=t,
+                                                          slot_mapping=s)
+                                      for t, s in zip(tables, slots)))
+        return self
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:

@@ -143,7 +143,10 @@ class TorchReferenceBackend(AttentionBackend):
         qsl = meta.query_start_loc_cpu[:meta.num_reqs + 1]
         seq_lens = meta.seq_lens_cpu[:meta.num_reqs]
         cached = self._plan_cache
-        if (cached is not None and self._meta is meta and torch.equal(cached.qsl, qsl)
+        # The plan does not read block tables, so KV cache groups' metadata (which share
+        # everything else: ``AttentionMetadata.kv_groups``) share one plan.
+        if (cached is not None and self._meta is not None
+                and self._meta.seq_lens is meta.seq_lens and torch.equal(cached.qsl, qsl)
                 and torch.equal(cached.seq_lens, seq_lens)):
             return cached
         query_lens = qsl[1:] - qsl[:-1]

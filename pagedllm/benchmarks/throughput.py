@@ -27,6 +27,8 @@ from pagedllm.benchmarks.workloads import (
     BenchRequest,
     c1_messages,
     engine_summary,
+    kv_block_bytes,
+    kv_peak_tracker,
     summary_line,
     w1,
     w3,
@@ -96,7 +98,9 @@ def _requests(args: argparse.Namespace, llm: Any) -> list[BenchRequest]:
 
 
 def _run_pagedllm(llm: Any, reqs: list[BenchRequest], loras: list[Any] | None = None,
-                  ) -> float:
+                  peaks: dict[str, int] | None = None) -> float:
+    """Seconds to generate ``reqs``; ``peaks`` receives the run's peak KV blocks in use
+    and peak running requests (when the engine core is in this process)."""
     from pagedllm import SamplingParams
 
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
@@ -104,10 +108,18 @@ def _run_pagedllm(llm: Any, reqs: list[BenchRequest], loras: list[Any] | None = 
     # Every timed run starts cold: only sharing *within* the run (W3's common prefix)
     # may hit the prefix cache, never blocks left by the warm-up or an earlier repeat.
     llm.reset_prefix_cache()
+    sched = kv_peak_tracker(llm)
+    if sched is not None:
+        sched.kv.pool.reset_peak()
+        sched.peak_num_running = 0
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt_token_ids for r in reqs], params, use_tqdm=False,
                         lora_request=spread(loras or [], len(reqs)))
     dt = time.perf_counter() - t0
+    if sched is not None and peaks is not None:
+        peaks["kv_peak_blocks"] = max(peaks.get("kv_peak_blocks", 0),
+                                      sched.kv.pool.peak_blocks_in_use)
+        peaks["peak_running"] = max(peaks.get("peak_running", 0), sched.peak_num_running)
     assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(r.output_len for r in reqs)
     return dt
 
@@ -165,13 +177,17 @@ def main(args: argparse.Namespace) -> int:
     for name, reqs in groups:
         n_out = sum(r.output_len for r in reqs)
         n_in = sum(len(r.prompt_token_ids) for r in reqs)
-        runs = [_run_pagedllm(llm, reqs, loras) for _ in range(args.repeats)]
+        peaks: dict[str, int] = {}
+        runs = [_run_pagedllm(llm, reqs, loras, peaks) for _ in range(args.repeats)]
         ours = statistics.median(runs)
         row: dict[str, Any] = {"config": name, "requests": len(reqs), "prompt_tokens": n_in,
                                "output_tokens": n_out, "pagedllm_s": ours,
                                "pagedllm_runs_s": runs,
                                "pagedllm_out_tok_s": n_out / ours,
                                "pagedllm_total_tok_s": (n_in + n_out) / ours}
+        if peaks:  # KV blocks in use at the peak, and the memory they hold
+            row.update(peaks, kv_peak_gib=peaks["kv_peak_blocks"] * kv_block_bytes(llm)
+                       / 2**30)
         if hf_model is not None:
             from pagedllm.benchmarks.hf_baseline import hf_generate
 
@@ -205,6 +221,9 @@ def main(args: argparse.Namespace) -> int:
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
     head = f"{'config':<12}{'reqs':>6}{'out tok':>9}{'pagedllm tok/s':>16}"
+    has_peak = any("kv_peak_blocks" in r for r in rows)
+    if has_peak:
+        head += f"{'peak KV blocks':>16}{'peak KV GiB':>13}{'peak running':>14}"
     has_hf = any("hf_out_tok_s" in r for r in rows)
     if has_hf:
         head += f"{'HF tok/s':>11}{'ratio':>8}"
@@ -213,6 +232,9 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         line = (f"{r['config']:<12}{r['requests']:>6}{r['output_tokens']:>9}"
                 f"{r['pagedllm_out_tok_s']:>16.1f}")
+        if has_peak:
+            line += (f"{r.get('kv_peak_blocks', 0):>16}{r.get('kv_peak_gib', 0.0):>13.2f}"
+                     f"{r.get('peak_running', 0):>14}")
         if has_hf and "hf_out_tok_s" in r:
             line += f"{r['hf_out_tok_s']:>11.1f}{r['ratio']:>7.2f}x"
         print(line)

@@ -180,14 +180,38 @@ def engine_summary(llm: Any) -> dict[str, Any]:
     cfg = llm.llm_engine.config
     core = getattr(getattr(llm.llm_engine, "client", None), "core", None)
     blocks = getattr(core, "num_blocks", None) or cfg.cache_config.num_blocks
+    groups = cfg.cache_config.kv_cache_groups
     return {"dtype": cfg.model_config.dtype,
             "quantization": cfg.model_config.quantization or "none",
             "kv_cache_dtype": cfg.cache_config.cache_dtype,
-            "kv_blocks": blocks}
+            "kv_blocks": blocks, "kv_block_bytes": kv_block_bytes(llm),
+            "kv_cache_groups": groups.describe() if groups is not None else None}
+
+
+def kv_block_bytes(llm: Any) -> int:
+    """Bytes of one KV block (all ranks): a page of every layer, or with hybrid KV cache
+    groups of one group's layers (``core/kv_cache_groups.py``)."""
+    cfg = llm.llm_engine.config
+    mc, cc = cfg.model_config, cfg.cache_config
+    per_block = mc.kv_bytes_per_token(cc.cache_dtype) * cc.block_size
+    groups = cc.kv_cache_groups
+    if groups is not None and groups.hybrid:
+        per_block = per_block * groups.num_tensors // mc.num_layers
+    return per_block
+
+
+def kv_peak_tracker(llm: Any) -> Any:
+    """The in-process scheduler, whose KV pool and queues record their peaks (None when
+    the engine core runs in another process)."""
+    core = getattr(getattr(llm.llm_engine, "client", None), "core", None)
+    return getattr(core, "scheduler", None)
 
 
 def summary_line(s: dict[str, Any]) -> str:
     blocks = f", {s['kv_blocks'] - 1} KV blocks" if s.get("kv_blocks") else ""
+    if s.get("kv_block_bytes"):
+        blocks += f" of {s['kv_block_bytes'] / 2**20:.2f} MiB"
+    groups = f"; {s['kv_cache_groups']}" if s.get("kv_cache_groups") else ""
     return (f"dtype {s['dtype']}, quantization {s['quantization']}, kv_cache_dtype "
-            f"{s['kv_cache_dtype']}{blocks}")
+            f"{s['kv_cache_dtype']}{blocks}{groups}")
 

@@ -18,7 +18,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 
 class KVCacheBlock:
@@ -29,7 +29,9 @@ class KVCacheBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        # The cache key: a chained block hash (paired with its group id in a hybrid
+        # manager's groups other than the first).
+        self.block_hash: Hashable | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -96,7 +98,9 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # permanently taken
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         # Prefix cache: hash of a full block's contents (chained) -> the block holding it.
-        self.cached_blocks: dict[int, KVCacheBlock] = {}
+        self.cached_blocks: dict[Hashable, KVCacheBlock] = {}
+        # The most blocks ever referenced at once since ``reset_peak`` (benchmarks).
+        self.peak_blocks_in_use = 0
 
     # -- queries -------------------------------------------------------------------
     @property
@@ -111,7 +115,19 @@ class BlockPool:
         """Fraction of usable blocks referenced by some request (0..1)."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
-    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+    @property
+    def num_blocks_in_use(self) -> int:
+        return self.num_usable_blocks - self.free_queue.num_free
+
+    def reset_peak(self) -> None:
+        self.peak_blocks_in_use = self.num_blocks_in_use
+
+    def _note_peak(self) -> None:
+        used = self.num_usable_blocks - self.free_queue.num_free
+        if used > self.peak_blocks_in_use:
+            self.peak_blocks_in_use = used
+
+    def get_cached_block(self, block_hash: Hashable) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
 
     # -- allocation ----------------------------------------------------------------
@@ -125,6 +141,7 @@ class BlockPool:
             self.evict_hash(b)
             b.ref_cnt = 1
             out.append(b)
+        self._note_peak()
         return out
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -133,6 +150,7 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free_queue.remove(b)
             b.ref_cnt += 1
+        self._note_peak()
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each; blocks reaching 0 go to the free-list tail.
@@ -147,7 +165,7 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free_queue.append(b)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: Hashable) -> None:
         """Record that ``block`` (full, computed) holds the tokens hashed to ``block_hash``."""
         if block.block_hash is not None or block_hash in self.cached_blocks:
             return  # already cached (or another block holds the same content)

@@ -37,14 +37,20 @@ freed block) and its table entry becomes the null block::
 Attention masks keys outside the window, so the null entries are never read into a
 softmax (the runner's copy of the table may keep the old ids: masked too).  Stream
 order makes an in-flight step's reads finish before a later step reuses the block.
-Models mixing sliding and full layers (Gemma) need a second block table per request
-(vLLM's hybrid allocator); they run with whole-context tables for now.
+A prefix-cache hit under a window needs only the blocks inside the window of the hit's
+end (``find_longest_cache_hit``); those before it come back as null entries.
+
+Models mixing sliding and full layers (Gemma) run one manager like this per KV cache
+group, all sharing one pool (``core/hybrid_kv_cache_manager.py``): ``group_id`` keeps
+the groups' prefix-cache entries apart, and the groups share the memoised hashes.
 
 Swap: ``swap_out`` releases a request's GPU blocks (their ids are returned for the copy to
 CPU) but keeps its hashes; ``swap_in`` allocates fresh blocks for the copy back.
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.request import Request
@@ -65,15 +71,21 @@ class KVCacheManager:
     """Owns request -> blocks and request -> block hashes; the scheduler asks, never edits."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, *, pool: BlockPool | None = None,
+                 group_id: int = 0,
+                 req_to_hashes: dict[str, list[int]] | None = None) -> None:
+        """``pool``, ``group_id``, ``req_to_hashes``: set by the hybrid manager, whose
+        groups share one pool (``num_blocks`` is then ignored) and one hash memo."""
         self.block_size = block_size
         self.sliding_window = sliding_window
         # Leading table entries already returned for having left the window.
         self.num_windowed: dict[str, int] = {}
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = pool if pool is not None else BlockPool(num_blocks, enable_caching)
+        self.group_id = group_id
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.req_to_hashes: dict[str, list[int]] = {}
+        self.req_to_hashes: dict[str, list[int]] = \
+            req_to_hashes if req_to_hashes is not None else {}
         # How many leading blocks of a request are already registered in the cache.
         self.num_cached_blocks: dict[str, int] = {}
         # Prefix-cache counters (tokens), read and reset by the scheduler each step.
@@ -121,6 +133,15 @@ class KVCacheManager:
             hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
         return hashes
 
+    def _key(self, block_hash: int) -> Hashable:
+        """The pool's cache key of a block hash: the hash itself in group 0, paired with
+        the group id in the others (the same tokens have other KV in other layers)."""
+        return block_hash if self.group_id == 0 else (self.group_id, block_hash)
+
+    def wants_prefix_lookup(self, request: Request) -> bool:
+        # Prompt logprobs need the logits of every prompt position: no hits.
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of full blocks for a request not yet holding blocks.
 
@@ -128,52 +149,86 @@ class KVCacheManager:
         number of tokens they cover.  At least the last token is always left to compute,
         because its logits are needed.  Counted in the stats by ``record_prefix_lookup``.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            # Prompt logprobs need the logits of every prompt position: no hits.
+        if not self.wants_prefix_lookup(request):
             return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hashes = self._block_hashes(request, max_blocks)
-        hits: list[KVCacheBlock] = []
-        for h in hashes[:max_blocks]:
-            b = self.pool.get_cached_block(h)
-            if b is None:
-                break
-            hits.append(b)
+        hits = self.find_longest_cache_hit(request, (request.num_tokens - 1) // self.block_size)
         return hits, len(hits) * self.block_size
+
+    def find_longest_cache_hit(self, request: Request,
+                               max_blocks: int) -> list[KVCacheBlock]:
+        """The table of the longest hit of at most ``max_blocks`` blocks (its length is
+        the hit).  Full attention: the longest cached prefix.  Sliding window ``W``
+        (vLLM's ``SlidingWindowManager``): a hit of ``n`` blocks needs only the blocks
+        that the query at position ``n * bs`` can see, ``[(n*bs - W + 1) // bs, n)``;
+        the entries before them are the null block::
+
+            W = 10, bs = 4:  cached  [x][ ][x][x][x][x]      n = 6 needs blocks 4, 5
+                             hit     [0][0][0][0][x][x]      (6 blocks, 24 tokens)
+        """
+        hashes = self._block_hashes(request, max_blocks)
+        pool = self.pool
+        if self.sliding_window is None:
+            hits: list[KVCacheBlock] = []
+            for h in hashes[:max_blocks]:
+                b = pool.get_cached_block(self._key(h))
+                if b is None:
+                    break
+                hits.append(b)
+            return hits
+        bs, w = self.block_size, self.sliding_window
+        found = [pool.get_cached_block(self._key(h)) for h in hashes[:max_blocks]]
+        run = 0  # cached blocks ending at block n - 1
+        best = 0
+        for n in range(1, max_blocks + 1):
+            run = run + 1 if found[n - 1] is not None else 0
+            if run >= n - max(0, n * bs - w + 1) // bs:
+                best = n
+        lo = max(0, best * bs - w + 1) // bs
+        return [pool.null_block] * lo + found[lo:best]  # type: ignore[list-item]
 
     # -- allocation ----------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
-                       ) -> list[KVCacheBlock] | None:
+                       hits_touched: bool = False) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens of ``request``.
 
         ``new_computed_blocks`` are prefix-cache hits from ``get_computed_blocks`` (only
         on a request's first allocation).  Returns the blocks appended to the request's
         table (hits first), or None -- changing nothing -- if the pool is too small now.
         If the first block written is shared, it is copied on write first (see
-        ``take_cow``).
+        ``take_cow``).  ``hits_touched``: the caller (the hybrid manager) already took
+        the hits' references, so that no group's new blocks can evict another's hits,
+        and checked that every group's blocks fit.
         """
+        if not new_computed_blocks and self.nothing_to_allocate(request, num_new_tokens):
+            return []
+        return self._allocate_slots(request, num_new_tokens, new_computed_blocks or [],
+                                    hits_touched)
+
+    def nothing_to_allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """The fast path, the steady decode step: the request's last block still has
+        room (a block fills only every ``block_size`` tokens), the block written first
+        is its own, and no block fills up this step -- nothing to allocate, copy or
+        cache (blocks that left the window are still given back).  (``num_computed <
+        total <= len(blocks) * bs``, so the block written first exists.)"""
         rid = request.request_id
-        bs = self.block_size
         blocks = self.req_to_blocks.get(rid)
-        if blocks and not new_computed_blocks and num_new_tokens > 0:
-            # Fast path, the steady decode step: the request's last block still has room
-            # (a block fills only every ``block_size`` tokens), the block written first is
-            # its own, and no block fills up this step -- nothing to allocate, copy or
-            # cache.  (``num_computed < total <= len(blocks) * bs``, so the block written
-            # first exists.)
-            num_computed = request.num_computed_tokens
-            total = num_computed + num_new_tokens
-            if (total <= len(blocks) * bs and blocks[num_computed // bs].ref_cnt == 1
-                    and (not self.enable_caching or self.num_cached_blocks.get(rid, 0)
-                         >= min(total, request.num_tokens) // bs)):
-                if self.sliding_window is not None:
-                    self._free_outside_window(rid, blocks, num_computed)
-                return []
-        return self._allocate_slots(request, num_new_tokens, new_computed_blocks or [])
+        if not blocks or num_new_tokens <= 0:
+            return False
+        bs = self.block_size
+        num_computed = request.num_computed_tokens
+        total = num_computed + num_new_tokens
+        if (total <= len(blocks) * bs and blocks[num_computed // bs].ref_cnt == 1
+                and (not self.enable_caching or self.num_cached_blocks.get(rid, 0)
+                     >= min(total, request.num_tokens) // bs)):
+            if self.sliding_window is not None:
+                self._free_outside_window(rid, blocks, num_computed)
+            return True
+        return False
 
     def _allocate_slots(self, request: Request, num_new_tokens: int,
-                        computed: list[KVCacheBlock]) -> list[KVCacheBlock] | None:
+                        computed: list[KVCacheBlock],
+                        hits_touched: bool = False) -> list[KVCacheBlock] | None:
         """``allocate_slots`` in full: new blocks, prefix hits, copy-on-write, caching."""
         rid = request.request_id
         blocks = self.req_to_blocks.setdefault(rid, [])
@@ -182,9 +237,8 @@ class KVCacheManager:
         num_new_blocks = max(0, self.blocks_needed(total) - len(blocks) - len(computed))
         first = num_computed // self.block_size
         cow = num_new_tokens > 0 and first < len(blocks) and blocks[first].ref_cnt > 1
-        # Reviving a free cached hit takes it off the free list too.
-        revived = sum(1 for b in computed if b.ref_cnt == 0)
-        if num_new_blocks + cow > self.pool.num_free_blocks - revived:
+        if not hits_touched and self.num_blocks_to_allocate(
+                request, num_new_tokens, computed) > self.pool.num_free_blocks:
             if not blocks:
                 del self.req_to_blocks[rid]
             return None
@@ -196,7 +250,9 @@ class KVCacheManager:
             self.pool.free_blocks([shared])  # drops our reference only (ref_cnt > 1)
             self._cow.setdefault(rid, []).append((first, shared.block_id, copy.block_id))
         if computed:
-            self.pool.touch(computed)
+            if not hits_touched:  # (before taking new blocks: they could evict a hit)
+                null = self.pool.null_block
+                self.pool.touch(b for b in computed if b is not null)
             blocks.extend(computed)
         new = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         blocks.extend(new)
@@ -206,6 +262,27 @@ class KVCacheManager:
         if self.sliding_window is not None:
             self._free_outside_window(rid, blocks, num_computed)
         return computed + new if computed else new
+
+    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int,
+                               computed: list[KVCacheBlock]) -> int:
+        """Free blocks ``allocate_slots`` would take: new ones, a copy on write, and
+        prefix hits revived from the free list."""
+        blocks = self.req_to_blocks.get(request.request_id, ())
+        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        need = max(0, self.blocks_needed(num_computed + num_new_tokens) - len(blocks)
+                   - len(computed))
+        first = num_computed // self.block_size
+        if num_new_tokens > 0 and first < len(blocks) and blocks[first].ref_cnt > 1:
+            need += 1
+        return need + sum(1 for b in computed if b.ref_cnt == 0)
+
+    def free_outside_window(self, request: Request) -> None:
+        """Sliding window: return the blocks no query from ``num_computed_tokens`` on
+        can see (before a hybrid manager counts what an allocation needs)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if self.sliding_window is not None and blocks:
+            self._free_outside_window(request.request_id, blocks,
+                                      request.num_computed_tokens)
 
     def _free_outside_window(self, rid: str, blocks: list[KVCacheBlock],
                              first_position: int) -> None:
@@ -226,6 +303,14 @@ class KVCacheManager:
         ``(table index, src block id, dst block id)``."""
         return self._cow.pop(request_id, []) if self._cow else []
 
+    def take_group_updates(self, request_id: str) -> None:
+        """The blocks of tables other than the first (hybrid manager only): none here."""
+        return None
+
+    def get_group_block_ids(self, request_id: str) -> None:
+        """The tables other than the first (hybrid manager only): none here."""
+        return None
+
     # -- sharing -------------------------------------------------------------------
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` (same tokens as ``parent`` so far) all of the parent's blocks,
@@ -242,27 +327,50 @@ class KVCacheManager:
             self.num_cached_blocks[cid] = self.num_cached_blocks[parent.request_id]
 
     # -- swap ----------------------------------------------------------------------
-    def swap_out(self, request: Request, num_blocks: int) -> list[int]:
-        """Release ``request``'s blocks; returns the ids of its first ``num_blocks`` (the
-        computed ones) for the runner to copy to CPU before anything overwrites them.
+    def _swap_layout(self, request: Request) -> tuple[int, int]:
+        """``(null entries, computed blocks)`` of a swapped table: the blocks of
+        positions ``< num_computed_tokens`` that a later query can still see."""
+        n = request.num_computed_tokens
+        lo = 0 if self.sliding_window is None else \
+            max(0, n - self.sliding_window + 1) // self.block_size
+        return lo, max(0, self.blocks_needed(n) - lo)
+
+    def num_swap_blocks(self, request: Request) -> int:
+        """How many blocks ``swap_out`` moves to CPU (the window's only, sliding)."""
+        self.free_outside_window(request)
+        return self._swap_layout(request)[1]
+
+    def swap_out(self, request: Request) -> list[int]:
+        """Release ``request``'s blocks; returns the ids of its ``num_swap_blocks``
+        computed ones for the runner to copy to CPU before anything overwrites them.
         Hashes stay memoised so ``swap_in`` can re-register the blocks."""
-        ids = self.get_block_ids(request.request_id)[:num_blocks]
+        lo, n = self._swap_layout(request)
+        self.free_outside_window(request)
+        ids = self.get_block_ids(request.request_id)[lo:lo + n]
         self._release(request, keep_hashes=True)
         return ids
 
-    def swap_in(self, request: Request, num_blocks: int,
-                num_new_tokens: int) -> list[KVCacheBlock] | None:
-        """Fresh blocks for a swapped-out request: ``num_blocks`` to receive its CPU
-        copy, plus room for ``num_new_tokens``.  None (nothing changed) if they don't fit."""
+    def swap_in_need(self, request: Request, num_new_tokens: int) -> int:
+        """Free blocks ``swap_in`` takes."""
+        lo, n = self._swap_layout(request)
         total = request.num_computed_tokens + num_new_tokens
-        need = max(num_blocks, self.blocks_needed(total))
+        return max(lo + n, self.blocks_needed(total)) - lo
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[KVCacheBlock] | None:
+        """Fresh blocks for a swapped-out request: the first ``num_swap_blocks`` receive
+        its CPU copy (in ``swap_out`` order), the rest make room for ``num_new_tokens``.
+        None (nothing changed) if they don't fit."""
+        need = self.swap_in_need(request, num_new_tokens)
         if need > self.pool.num_free_blocks:
             return None
+        lo = self._swap_layout(request)[0]
         blocks = self.pool.get_new_blocks(need)
-        self.req_to_blocks[request.request_id] = blocks
-        self.num_cached_blocks[request.request_id] = 0
-        self.num_windowed.pop(request.request_id, None)
+        rid = request.request_id
+        self.req_to_blocks[rid] = [self.pool.null_block] * lo + blocks
+        self.num_cached_blocks[rid] = 0
+        self.num_windowed[rid] = lo
         if self.enable_caching:
+            total = request.num_computed_tokens + num_new_tokens
             self._cache_full_blocks(request, min(total, request.num_tokens))
         return blocks
 
@@ -276,7 +384,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks[rid]
         for i in range(done, num_full):
             if blocks[i] is not self.pool.null_block:  # left the window uncached
-                self.pool.cache_block(blocks[i], hashes[i])
+                self.pool.cache_block(blocks[i], self._key(hashes[i]))
         self.num_cached_blocks[rid] = num_full
 
     def free(self, request: Request) -> None:

@@ -32,6 +32,9 @@ class NewRequestData:
     # A pooling request's ``PoolingParams`` (core/pooling_scheduler.py), else None.
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None
+    # Hybrid KV cache groups (core/hybrid_kv_cache_manager.py): the tables of groups
+    # 1.. (``block_ids`` is group 0's); None with one group.
+    group_block_ids: list[list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -49,6 +52,10 @@ class CachedRequestData:
     num_computed_tokens: int
     replaced_block_ids: list[tuple[int, int]] = field(default_factory=list)
     last_token_id: int | None = None
+    # Hybrid KV cache groups: ids appended to groups 1.. (``new_group_block_ids[g - 1]``)
+    # and copy-on-write there, ``(group, table index, new block id)``; None: nothing.
+    new_group_block_ids: list[list[int]] | None = None
+    replaced_group_block_ids: list[tuple[int, int, int]] | None = None
 
 
 @dataclass(slots=True)

@@ -42,7 +42,7 @@ from collections.abc import Set as AbstractSet
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.beam_search import BeamGroup
-from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.hybrid_kv_cache_manager import make_kv_cache_manager
 from pagedllm.core.lora_budget import LoRABudget
 from pagedllm.core.outputs import (
     CachedRequestData,
@@ -91,9 +91,14 @@ class Scheduler:
         self._step_sizes = sorted(padded_step_sizes)
         self._max_model_len = scheduler_config.max_model_len  # read per request per step
         self.block_size = cache_config.block_size
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching,
-                                 getattr(cache_config, "sliding_window", None))
+        # One block table per KV cache group: several for a model mixing sliding and
+        # full attention layers (core/hybrid_kv_cache_manager.py).
+        self.kv = make_kv_cache_manager(
+            num_blocks, cache_config.block_size,
+            getattr(cache_config, "kv_cache_groups", None),
+            cache_config.enable_prefix_caching, getattr(cache_config, "sliding_window", None),
+            scheduler_config.max_num_batched_tokens)
+        self._max_tokens_per_request = self._most_tokens_that_fit()
         self.requests: dict[str, Request] = {}
         # The live requests whose sampling parameters may make ``requires_sync`` true,
         # so that it need not look at every request every step (usually none).
@@ -117,6 +122,7 @@ class Scheduler:
         self._num_preemptions_step = 0
         self.total_preemptions = 0
         self.total_swaps = 0
+        self.peak_num_running = 0  # the most requests running at once (benchmarks)
         # Pipeline parallelism (both set by the engine core before each ``schedule``):
         # requests in a batch still in flight are left out until its output is back ...
         self.in_flight_req_ids: AbstractSet[str] = frozenset()
@@ -130,7 +136,19 @@ class Scheduler:
     # -- admission -----------------------------------------------------------------
     def max_tokens_per_request(self) -> int:
         """The most tokens one request may ever hold: the context or the whole pool."""
-        return min(self.config.max_model_len, self.kv.num_usable_blocks * self.block_size)
+        return self._max_tokens_per_request
+
+    def _most_tokens_that_fit(self) -> int:
+        """The largest length up to max_model_len whose blocks (all groups) fit the pool."""
+        lo, hi = 0, self.config.max_model_len
+        usable = self.kv.num_usable_blocks
+        while lo < hi:  # binary search: blocks_needed grows with the length
+            mid = (lo + hi + 1) // 2
+            if self.kv.blocks_needed(mid) <= usable:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def add_request(self, request: Request) -> None:
         """Queue a request.  Raises ValueError if it could never fit (so it is rejected
@@ -262,10 +280,10 @@ class Scheduler:
     def _swap_out_request(self, victim: Request) -> bool:
         """Park ``victim``'s computed KV in CPU blocks; False (nothing changed) if the
         swap space or this step's swap budget cannot take it -- recompute then."""
-        n = cdiv(victim.num_computed_tokens, self.block_size)
+        n = self.kv.num_swap_blocks(victim)
         if n == 0 or n > len(self.cpu_free) or not self._swap_budget_allows(n):
             return False
-        gpu = self.kv.swap_out(victim, n)
+        gpu = self.kv.swap_out(victim)
         cpu = [self.cpu_free.pop() for _ in range(n)]
         self._swap_out.extend(zip(gpu, cpu))
         self._swap_used += n
@@ -387,10 +405,17 @@ class Scheduler:
             cow = kv.take_cow(rid)
             if cow:
                 cow_copies[rid] = [(src, dst) for _, src, dst in cow]
-            cached.append(CachedRequestData(
+            data = CachedRequestData(
                 rid, [b.block_id for b in blocks] if blocks else [],
                 req.num_computed_tokens, [(i, dst) for i, _, dst in cow] if cow else [],
-                req.token_override))
+                req.token_override)
+            groups = kv.take_group_updates(rid)  # hybrid KV cache groups only
+            if groups is not None:
+                data.new_group_block_ids = groups.new_block_ids
+                data.replaced_group_block_ids = groups.replaced
+                if groups.copies:
+                    cow_copies.setdefault(rid, []).extend(groups.copies)
+            cached.append(data)
             req.token_override = None
             touched.append(req)
             budget -= n
@@ -412,7 +437,7 @@ class Scheduler:
                 m = len(req.cpu_block_ids or ())
                 if not self._swap_budget_allows(m):
                     break
-                blocks = self.kv.swap_in(req, m, n)
+                blocks = self.kv.swap_in(req, n)
                 if blocks is None:
                     break
                 swap_in.extend(zip(req.cpu_block_ids or (), (b.block_id for b in blocks)))
@@ -560,7 +585,8 @@ class Scheduler:
             req.request_id, req.prompt_token_ids, list(req.output_token_ids),
             req.sampling_params, req.eos_token_id,
             self.kv.get_block_ids(req.request_id), req.num_computed_tokens,
-            lora_request=req.lora_request))
+            lora_request=req.lora_request,
+            group_block_ids=self.kv.get_group_block_ids(req.request_id)))
         touched.append(req)
 
     # -- results -------------------------------------------------------------------
@@ -720,6 +746,8 @@ class Scheduler:
         return self.kv.pool.reset_prefix_cache()
 
     def make_stats(self) -> SchedulerStats:
+        if len(self.running) > self.peak_num_running:
+            self.peak_num_running = len(self.running)
         q, h = self.kv.take_prefix_stats()
         return SchedulerStats(
             num_running_reqs=len(self.running),

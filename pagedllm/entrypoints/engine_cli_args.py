@@ -101,6 +101,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="Reuse KV blocks of identical prompt prefixes "
                                       "(on by default).")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="One block table for every layer even when the model mixes "
+                        "sliding-window and full attention layers (Gemma 2/3): sliding "
+                        "layers then keep the whole context's KV.")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                    help="When KV blocks run out: drop a request's KV and recompute it "
                         "later, or swap it to CPU memory and back.")
@@ -182,6 +186,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         num_threads=args.num_threads,
         enable_prefix_caching=args.enable_prefix_caching,
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         preemption_mode=args.preemption_mode, swap_space=args.swap_space,
         trust_remote_code=args.trust_remote_code,
         speculative_config=getattr(args, "speculative_config", None),

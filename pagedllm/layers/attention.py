@@ -40,6 +40,13 @@ class Attention(nn.Module):
         # set at load from the checkpoint's k_scale / v_scale, 1.0 otherwise.
         self.k_scale = 1.0
         self.v_scale = 1.0
+        # The layer's KV cache group (core/kv_cache_groups.py): which block tables and
+        # slot mapping it uses when the step has several (set when the KV is bound).
+        self.kv_group = 0
+
+    def group_meta(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """This layer's group's view of the step's metadata (itself with one group)."""
+        return meta.kv_groups[self.kv_group] if meta.kv_groups else meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, rope: RopeInputs | None = None) -> torch.Tensor:
@@ -50,6 +57,7 @@ class Attention(nn.Module):
         if self.kv_cache.numel() == 0:
             raise RuntimeError("Attention.kv_cache is not bound; call "
                                "model.bind_kv_caches(kv_caches) before forward")
+        meta = self.group_meta(meta)
         t = q.shape[0]
         q3 = q.view(t, self.num_heads, self.head_dim)
         k3 = k.view(t, self.num_kv_heads, self.head_dim)
@@ -66,6 +74,7 @@ class Attention(nn.Module):
         """Attention only, for queries already rotated whose keys and values are already
         in ``kv_cache`` (the batch-1 QKV kernel writes them: ``kernels/gemv_rope.py``).
         ``q: [T, num_heads * head_dim]`` -> same shape."""
+        meta = self.group_meta(meta)
         t = q.shape[0]
         out = self.backend.attend(q.view(t, self.num_heads, self.head_dim), self.kv_cache,
                                   meta, self.scale, self.kind, self.k_scale, self.v_scale)

@@ -129,6 +129,7 @@ class LlamaAttention(nn.Module):
         token rows to keep after attention (the output has one row per index, in that
         order); None keeps every row.  q, k, v and the KV write always cover every row."""
         t = x.shape[0]
+        meta = self.attn.group_meta(meta)  # its KV cache group's tables and slots
         if self._fused_qkv_rope(x, rope):
             # Batch-1 decode: one kernel projects, rotates q and k and writes k/v into
             # the cache (kernels/gemv_rope.py); attention then only reads.

@@ -142,10 +142,12 @@ class CudaGraphRunner:
                  max_blocks_per_req: int, block_size: int, max_model_len: int,
                  max_num_batched_tokens: int,
                  max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE,
-                 memory_margin: int = GRAPH_MEMORY_MARGIN, last_only: bool = False) -> None:
+                 memory_margin: int = GRAPH_MEMORY_MARGIN, last_only: bool = False,
+                 num_kv_groups: int = 1) -> None:
         """``last_only``: chunk graphs run the model's ``last_only`` forward and return one
         row per request slot (each request's last token); decode graphs return one row per
-        token either way (a decode token is its request's last)."""
+        token either way (a decode token is its request's last).  ``num_kv_groups``:
+        hybrid KV cache groups, each with its own static block tables and slot mapping."""
         self.model = model
         self.last_only = last_only
         self.device = device
@@ -166,17 +168,24 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(n + 1, dtype=i32, device=device)  # decode
         self.chunk_qsl = torch.zeros(n + 1, dtype=i32, device=device)  # set per step
         self.block_tables = torch.zeros((n, max_blocks_per_req), dtype=i32, device=device)
+        g = num_kv_groups - 1  # hybrid KV cache groups 1..
+        self.group_slots = torch.full((g, tokens), -1, dtype=i64, device=device)
+        self.group_tables = torch.zeros((g, n, max_blocks_per_req), dtype=i32, device=device)
         # Pinned staging: one host->device copy per buffer per step, never a sync; two
         # sets used on alternate steps so a step in flight keeps its own.
-        self._staging = [self._make_staging(tokens, n, max_blocks_per_req) for _ in range(2)]
+        self._staging = [self._make_staging(tokens, n, max_blocks_per_req, g)
+                         for _ in range(2)]
         self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphShape, torch.Tensor] = {}
         self.pool = None
 
     @staticmethod
-    def _make_staging(tokens: int, n: int, max_blocks: int) -> dict[str, torch.Tensor]:
+    def _make_staging(tokens: int, n: int, max_blocks: int,
+                      groups: int = 0) -> dict[str, torch.Tensor]:
         i32, i64 = torch.int32, torch.int64
-        return {"ids": torch.zeros(tokens, dtype=i64, pin_memory=True),
+        return {"gslot": torch.zeros((groups, tokens), dtype=i64, pin_memory=True),
+                "gbt": torch.zeros((groups, n, max_blocks), dtype=i32, pin_memory=True),
+                "ids": torch.zeros(tokens, dtype=i64, pin_memory=True),
                 "pos": torch.zeros(tokens, dtype=i64, pin_memory=True),
                 "slot": torch.zeros(tokens, dtype=i64, pin_memory=True),
                 "seq": torch.zeros(n, dtype=i32, pin_memory=True),
@@ -192,13 +201,15 @@ class CudaGraphRunner:
             qsl = self.chunk_qsl[:reqs + 1]
             qsl_cpu = torch.full((reqs + 1,), tokens, dtype=torch.int32)
             qsl_cpu[0] = 0
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             num_actual_tokens=tokens, num_reqs=reqs,
             max_query_len=1 if shape.decode else tokens,
             max_seq_len=self.max_model_len, query_start_loc=qsl,
             seq_lens=self.seq_lens[:reqs], block_tables=self.block_tables[:reqs],
             slot_mapping=self.slot_mapping[:tokens], query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=torch.ones(reqs, dtype=torch.int32), block_size=self.block_size)
+        return meta.with_groups([t[:reqs] for t in self.group_tables],
+                                [s[:tokens] for s in self.group_slots])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -295,6 +306,16 @@ class CudaGraphRunner:
         if reqs > n:
             h["seq"][n:reqs] = 1
             h["bt"][n:reqs, :nb] = 0
+        if inp.group_block_tables is not None:  # hybrid KV cache groups 1..
+            assert inp.group_slot_mapping is not None
+            h["gslot"][:, :t] = torch.from_numpy(inp.group_slot_mapping)
+            h["gslot"][:, t:tokens] = -1
+            h["gbt"][:, :n, :nb] = torch.from_numpy(
+                np.ascontiguousarray(inp.group_block_tables))
+            h["gbt"][:, n:reqs, :nb] = 0
+            self.group_slots[:, :tokens].copy_(h["gslot"][:, :tokens], non_blocking=True)
+            self.group_tables[:, :reqs, :nb].copy_(h["gbt"][:, :reqs, :nb],
+                                                   non_blocking=True)
         self.input_ids[:tokens].copy_(h["ids"][:tokens], non_blocking=True)
         self.positions[:tokens].copy_(h["pos"][:tokens], non_blocking=True)
         self.slot_mapping[:tokens].copy_(h["slot"][:tokens], non_blocking=True)

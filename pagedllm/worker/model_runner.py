@@ -156,7 +156,10 @@ class ModelRunner:
         mc, sc = config.model_config, config.scheduler_config
         self.vocab_size = mc.vocab_size
         self.block_size = config.cache_config.block_size
-        self.batch = InputBatch(sc.max_num_seqs, mc.max_model_len, self.block_size)
+        groups = config.cache_config.kv_cache_groups
+        self.num_kv_groups = len(groups.groups) if groups is not None else 1
+        self.batch = InputBatch(sc.max_num_seqs, mc.max_model_len, self.block_size,
+                                self.num_kv_groups)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.h2d = HostToDevice(device)
@@ -273,7 +276,7 @@ class ModelRunner:
             self.batch.block_table.shape[1], self.block_size, mc.max_model_len,
             self.config.scheduler_config.max_num_batched_tokens,
             self.config.device_config.max_cudagraph_capture_size, memory_margin,
-            last_only=self.last_only)
+            last_only=self.last_only, num_kv_groups=self.num_kv_groups)
         self.graphs.capture()
 
     # -- 1. apply the scheduler's diffs ------------------------------------------------
@@ -305,12 +308,17 @@ class ModelRunner:
                 st.output_token_ids = list(nr.output_token_ids)
                 if st.grammar is not None:
                     st.grammar.sync(st.output_token_ids)
-            self.batch.add(nr.req_id, st.prompt_token_ids + st.output_token_ids, nr.block_ids)
+            self.batch.add(nr.req_id, st.prompt_token_ids + st.output_token_ids, nr.block_ids,
+                           nr.group_block_ids)
             computed[nr.req_id] = nr.num_computed_tokens
         for c in sched.cached_reqs:
             row = self.batch.row_of[c.req_id]
             self.batch.replace_blocks(row, c.replaced_block_ids)
             self.batch.append_blocks(row, c.new_block_ids)
+            if c.new_group_block_ids is not None:  # hybrid KV cache groups
+                self.batch.append_group_blocks(row, c.new_group_block_ids)
+                if c.replaced_group_block_ids:
+                    self.batch.replace_group_blocks(row, c.replaced_group_block_ids)
             if c.last_token_id is not None:  # beam search picked this token, not ours
                 self.batch.set_last_token(row, c.last_token_id)
                 self.requests[c.req_id].output_token_ids[-1] = c.last_token_id
@@ -320,7 +328,7 @@ class ModelRunner:
     # -- 2. build inputs ---------------------------------------------------------------
     def _metadata(self, inp: StepInputs) -> AttentionMetadata:
         h2d = self.h2d
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             num_actual_tokens=int(inp.query_start_loc[-1]), num_reqs=len(inp.seq_lens),
             max_query_len=inp.max_query_len, max_seq_len=inp.max_seq_len,
             query_start_loc=h2d("qsl", inp.query_start_loc),
@@ -329,6 +337,12 @@ class ModelRunner:
             slot_mapping=h2d("slots", inp.slot_mapping),
             query_start_loc_cpu=torch.from_numpy(inp.query_start_loc),
             seq_lens_cpu=torch.from_numpy(inp.seq_lens), block_size=self.block_size)
+        if inp.group_block_tables is not None:  # hybrid KV cache groups 1..
+            assert inp.group_slot_mapping is not None
+            tables = h2d("group_block_tables", inp.group_block_tables)
+            slots = h2d("group_slots", inp.group_slot_mapping)
+            meta.with_groups(list(tables.unbind(0)), list(slots.unbind(0)))
+        return meta
 
     def _forward(self, inp: StepInputs, fix: Callable[[torch.Tensor], None] | None,
                  last_only: bool) -> torch.Tensor | None:

@@ -35,6 +35,7 @@ from pagedllm.worker.cuda_graphs import (
     chunk_capture_sizes,
     graph_memory_margin,
 )
+from pagedllm.worker.kv_groups import bind_kv_cache_groups
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
 from pagedllm.worker.profile import profile_run, profile_tokens, warm_logits_and_sampling
 from pagedllm.worker.startup_memory import check_cpu_kv_fits
@@ -155,13 +156,23 @@ class Worker:
         return layer_range(self.config.model_config.num_layers, self.parallel.pp_size,
                            self.parallel.pp_rank)
 
-    def kv_bytes_per_token(self) -> int:
-        """This rank's KV bytes per token: its layers and its KV heads, in the cache's
-        element type (``CacheConfig.cache_dtype``: fp8 is one byte)."""
-        mc = self.config.model_config
+    @property
+    def num_kv_tensors(self) -> int:
+        """KV tensors this rank allocates: one per layer, or with hybrid KV cache groups
+        one per layer of a group (``core/kv_cache_groups.py``: the groups share them)."""
+        groups = self.config.cache_config.kv_cache_groups
+        if groups is not None and groups.hybrid:
+            return groups.num_tensors
         start, end = self.local_layers
+        return end - start
+
+    def kv_bytes_per_token(self) -> int:
+        """This rank's KV bytes per token of a block: its KV tensors (its layers, or a
+        group's share with hybrid groups) and its KV heads, in the cache's element type
+        (``CacheConfig.cache_dtype``: fp8 is one byte)."""
+        mc = self.config.model_config
         elem = 1 if self.config.cache_config.cache_dtype == "fp8" else mc.dtype_bytes
-        return 2 * (end - start) * self.num_local_kv_heads * mc.head_dim * elem
+        return 2 * self.num_kv_tensors * self.num_local_kv_heads * mc.head_dim * elem
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks this rank's memory holds (the executor takes the minimum
@@ -180,7 +191,11 @@ class Worker:
                     self.kv_bytes_per_token()
                 budget = min(DEFAULT_CPU_KV_BYTES, want)
         num_blocks = int(budget // per_block)
-        need = -(-mc.max_model_len // cc.block_size) + 1  # +1: the reserved null block
+        groups = cc.kv_cache_groups
+        need = (groups.blocks_per_request(mc.max_model_len, cc.block_size,
+                                          sc.max_num_batched_tokens)
+                if groups is not None and groups.hybrid  # (sliding groups: the window's)
+                else -(-mc.max_model_len // cc.block_size)) + 1  # +1: the null block
         if num_blocks < need:
             raise ValueError(self._too_small_message(max(budget, 0), num_blocks, need))
         if self.device.type == "cpu":  # before torch.zeros touches it page by page
@@ -266,14 +281,15 @@ class Worker:
         # Zeroed, not empty: attention gathers whole blocks and masks the tail, and
         # garbage NaNs would survive a zero attention weight.
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-                          for _ in range(start, end)]
-        self.model.bind_kv_caches(self.kv_caches)
+                          for _ in range(self.num_kv_tensors)]
+        bind_kv_cache_groups(self.model, self.kv_caches, cc.kv_cache_groups, start, end)
         if self.config.scheduler_config.preemption_mode == "swap":
             # The whole model's block size: the same CPU block count on every rank.
-            per_block = mc.kv_bytes_per_token(cc.cache_dtype) * cc.block_size
+            per_block = mc.kv_bytes_per_token(cc.cache_dtype) * cc.block_size \
+                * len(self.kv_caches) // (end - start)
             self.num_cpu_blocks = cc.swap_space_bytes // per_block
             self.swap_caches = allocate_swap_space(self.num_cpu_blocks, self.kv_caches[0],
-                                                   end - start)
+                                                   len(self.kv_caches))
             logger.info("swap space: %d CPU blocks (%.2f GiB)", self.num_cpu_blocks,
                         self.num_cpu_blocks * per_block / 2**30)
         self.runner = ModelRunner(self.config, self.model, self.device, self.parallel)

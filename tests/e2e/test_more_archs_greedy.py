@@ -3,7 +3,9 @@ architecture of ``tests/models/tiny_models.py``, through the whole engine (``LLM
 batched with a small token budget (chunked prefill), a KV pool small enough that requests
 are preempted and recomputed, and prefix caching on -- the prompts share a 40-token
 prefix, and the second pass is served from cached blocks.  For a model whose every layer
-slides (``mistral_sw``), the KV manager frees the blocks behind the window meanwhile."""
+slides (``mistral_sw``), the KV manager frees the blocks behind the window meanwhile; for
+Gemma's mixed layers, its sliding KV cache group does (the hybrid manager; more in
+``tests/e2e/test_hybrid_kv_greedy.py``)."""
 
 from __future__ import annotations
 
@@ -64,6 +66,10 @@ def test_greedy_batched_chunked_preempted_prefix_cached(arch: str, tmp_path) -> 
     sched = llm.llm_engine.client.core.scheduler
     assert sched.total_preemptions > 0
     # Every layer slides (Mistral): blocks behind the window were freed as it moved.
-    assert sched.kv.sliding_window == (16 if arch == "mistral_sw" else None)
+    # Sliding and full layers (Gemma): a full and a sliding KV cache group (hybrid).
+    managers = getattr(sched.kv, "managers", [sched.kv])
+    assert [m.sliding_window for m in managers] == (
+        [16] if arch == "mistral_sw" else [None, 16] if arch.startswith("gemma")
+        else [None])
     pool = sched.kv.pool
     assert pool.num_free_blocks == pool.num_usable_blocks
