@@ -43,6 +43,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagedllm.benchmarks.gpu_timing import bench_us, graph_us
+
 ROWS = (1, 2, 4, 8, 16, 64, 256, 2048)
 PROJ = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
         "down_proj": (4096, 14336)}
@@ -122,38 +124,19 @@ def _warm(jobs: list[tuple[str, int, tuple[int, ...] | None]]) -> None:
     torch.cuda.synchronize()
 
 
-def _graph_us(calls: list[Callable[[], Any]]) -> float:
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(7):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return sorted(times)[len(times) // 2]
 
 
-def _bench_us(fn: Callable[[], Any]) -> float:
-    import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")) * 1e3
+
+def _quick_us(fn: Callable[[], Any]) -> float:
+    return bench_us(fn, warmup=5, rep=25)
 
 
 def _time(calls: list[Callable[[], Any]], m: int) -> float:
     """One call per weight copy: graph replay for decode-sized M, else the first call."""
     if m <= 64:
-        return _graph_us(calls)
-    return _bench_us(calls[0])
+        return graph_us(calls)
+    return _quick_us(calls[0])
 
 
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -236,8 +219,8 @@ def w8a8_quantiser(dev: torch.device) -> list[dict[str, Any]]:
             return int8_gemm(q, s, w, wsc, torch.bfloat16)
 
         r = {"proj": name, "M": 1,
-             "torch_quant_us": _graph_us([partial(old, w) for w in ws]),
-             "triton_quant_us": _graph_us([partial(new, w) for w in ws])}
+             "torch_quant_us": graph_us([partial(old, w) for w in ws]),
+             "triton_quant_us": graph_us([partial(new, w) for w in ws])}
         totals["torch_quant"] += r["torch_quant_us"]
         totals["triton_quant"] += r["triton_quant_us"]
         out.append(r)

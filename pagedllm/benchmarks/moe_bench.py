@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from pagedllm.benchmarks.gpu_timing import bench_us, graph_us
+
 SHAPES = {  # name: (experts, top_k, hidden, moe intermediate, renormalise)
     "qwen3-30b-a3b": (128, 8, 2048, 768, True),
     "mixtral-8x7b": (8, 2, 4096, 14336, True),
@@ -52,33 +54,8 @@ SWEEP_BATCHES = {"qwen3-30b-a3b": (16, 64, 256, 1024, 4096),
                  "mixtral-8x7b": (8, 32, 128, 512, 2048)}
 
 
-def _bench(fn: Callable[[], Any]) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")) * 1e3
 
 
-def _graph_us(calls: list[Callable[[], Any]], replays: int = 10) -> float:
-    """Median microseconds of one call inside a CUDA graph that runs every call once."""
-    for c in calls:  # compile / warm outside the capture
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    del graph
-    return sorted(times)[len(times) // 2]
 
 
 def _weights(e: int, h: int, i: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -128,24 +105,24 @@ def bench_shape(name: str, batches: list[int], hbm_gbs: float, tflops: float,
             return [partial(fused_experts, xx, w13, w2, ww, ii, path=path)
                     for xx, ww, ii in inputs]
 
-        graph_us = _graph_us(calls("auto"))
+        g_us = graph_us(calls("auto"))
         row: dict[str, Any] = dict(
             shape=name, tokens=t, experts_hit=hit[0], rel_err=err["auto"],
-            fused_us=_bench(partial(fused_experts, x, w13, w2, weights, ids)),
-            graph_us=graph_us,
-            torch_ref_us=_bench(partial(fused_experts_ref, x, w13, w2, weights, ids)),
-            floor_us=floor_us, ceiling_us=ceiling_us, floor_frac=floor_us / graph_us,
-            flop_frac=ceiling_us / graph_us)
+            fused_us=bench_us(partial(fused_experts, x, w13, w2, weights, ids)),
+            graph_us=g_us,
+            torch_ref_us=bench_us(partial(fused_experts_ref, x, w13, w2, weights, ids)),
+            floor_us=floor_us, ceiling_us=ceiling_us, floor_frac=floor_us / g_us,
+            flop_frac=ceiling_us / g_us)
         if both:
-            row.update(decode_graph_us=_graph_us(calls("decode")),
-                       sorted_graph_us=_graph_us(calls("sorted")),
+            row.update(decode_graph_us=graph_us(calls("decode")),
+                       sorted_graph_us=graph_us(calls("sorted")),
                        decode_rel_err=err["decode"], sorted_rel_err=err["sorted"])
         from pagedllm.layers.fused_moe import select_experts
 
         logits = torch.randn(t, e, device=device).bfloat16()
-        row["routing_graph_us"] = _graph_us([partial(select_experts, logits, k, renorm)])
+        row["routing_graph_us"] = graph_us([partial(select_experts, logits, k, renorm)])
         bm = get_config(t, e, i, h, k)[0]
-        row["align_graph_us"] = _graph_us([partial(moe_align, ii, e, bm)
+        row["align_graph_us"] = graph_us([partial(moe_align, ii, e, bm)
                                            for _, _, ii in inputs])
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -235,7 +212,7 @@ def sweep(shapes: list[str], budget_s: float, device: torch.device) -> dict[str,
                 if err > 1e-2:
                     print(f"# {name} T={t} {cfg}: rel err {err:.3g}, skipped", flush=True)
                     continue
-                us = _graph_us([partial(fused_experts_sorted, x, w13, w2, weights, ids,
+                us = graph_us([partial(fused_experts_sorted, x, w13, w2, weights, ids,
                                         config=cfg)], replays=5)
                 timed.append((us, cfg))
             if not timed:
@@ -285,7 +262,7 @@ def _sweep_decode(name: str, device: torch.device) -> dict[str, Any]:
         for t in (1, t_max):
             inputs = [_inputs(t, e, k, h, renorm, seed=t * 10 + r, device=device)
                       for r in range(8)]
-            us.append(_graph_us([partial(fused_experts_decode, xx, w13, w2, ww, ii,
+            us.append(graph_us([partial(fused_experts_decode, xx, w13, w2, ww, ii,
                                          config=cfg) for xx, ww, ii in inputs], replays=5))
         timed.append((us[0], us[1], cfg))
         print(json.dumps({"shape": name, "decode_config": cfg, "t1_us": us[0],

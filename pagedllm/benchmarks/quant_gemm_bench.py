@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagedllm.benchmarks.gpu_timing import bench_us, graph_us
 from pagedllm.kernels.int8_gemm import int8_gemm, int8_gemm_ref, quant_per_token_int8
 from pagedllm.kernels.wna16 import pack_codes, unpack_codes, wna16_gemm, wna16_ref
 from pagedllm.layers.quantization.int4pack import PackedInt4
@@ -47,33 +48,8 @@ GROUP = 128
 L2_FLUSH_BYTES = 256 << 20  # weight copies per graph replay add up to at least this
 
 
-def _bench(fn: Callable[[], Any]) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")) * 1e3
 
 
-def _graph_us(calls: list[Callable[[], Any]]) -> float:
-    """Median microseconds of one call inside a CUDA graph that runs every call once,
-    each on its own weight copy (so that every call reads its weight from HBM)."""
-    for c in calls:  # compile / warm outside the capture
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return sorted(times)[len(times) // 2]
 
 
 def _copies(nbytes: int) -> int:
@@ -139,7 +115,7 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 def _measure(calls: list[Callable[[], Any]], m: int) -> tuple[float, float | None]:
     """(do_bench microseconds of the first call, CUDA-graph microseconds per call over
     all the copies for decode-sized M)."""
-    return _bench(calls[0]), (_graph_us(calls) if m <= 64 else None)
+    return bench_us(calls[0]), (graph_us(calls) if m <= 64 else None)
 
 
 def bench_quant(device: torch.device, rows: tuple[int, ...] = ROWS,
@@ -180,7 +156,7 @@ def bench_quant(device: torch.device, rows: tuple[int, ...] = ROWS,
             x_q, x_scale = quant_per_token_int8(x)
             err = _rel_err(_w8a8(x, w8, w8_scale),
                            int8_gemm_ref(x_q, x_scale, w8, w8_scale, torch.float32))
-            tq = _bench(partial(quant_per_token_int8, x))
+            tq = bench_us(partial(quant_per_token_int8, x))
             us, g = _measure([partial(_w8a8, x, w, w8_scale) for w in w8s], m)
             out.append(_row(name, "w8a8_int8", m, n, k, b8, us, g, err, quant_us=tq,
                             int_mm=bool(m > 16)))
