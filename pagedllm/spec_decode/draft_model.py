@@ -25,7 +25,8 @@ scheduler allocated (it allocates for the verify step's tokens only), so each pr
 request gets ``cdiv(k, block_size)`` private *scratch* blocks after the pool's blocks,
 appended to its block table for the round only; the next round's step 1 recomputes
 whichever of those positions became known tokens (at most ``k + 1`` per request), so
-nothing speculative is ever read as if it were known.  A request's computed count is
+nothing speculative is ever read as if it were known; a known position whose KV went to
+scratch (past the request's blocks) is not counted as computed either.  A request's computed count is
 forgotten when it leaves the batch (finished or preempted), or when a block of it is
 copied on write (the copy holds target KV only): it then recomputes its draft KV from 0.
 
@@ -172,8 +173,11 @@ class DraftModelProposer:
                 tok = self.model.compute_logits(hidden).argmax(dim=-1)
                 drafts.append(tok)
         host = torch.stack(drafts, dim=1).tolist()  # the round's one device->host copy
+        # Known positions whose draft KV landed in the request's own blocks (position
+        # n - 1 may have gone to scratch: it is recomputed next round).
+        own = batch.num_blocks[r].astype(np.int64) * self.block_size
         for idx, i in enumerate(pick):
-            self.computed[req_ids[i]] = int(n[idx])
+            self.computed[req_ids[i]] = int(min(n[idx], own[idx]))
             out[i] = host[idx][:int(caps[idx])]
         return out
 
