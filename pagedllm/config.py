@@ -413,7 +413,9 @@ def _draft_model_config(spec: SpeculativeConfig, target: ModelConfig,
         raise ValueError("speculative_config: a draft model runs on one rank only; use "
                          "tensor_parallel_size 1")
     try:
-        resolved = resolve_model(spec.model)
+        # A dummy-weight target (benchmarks) drafts with dummy weights too.
+        resolved = resolve_model(spec.model, None,
+                                 "dummy" if target.load_format == "dummy" else "auto")
     except ValueError as e:
         raise ValueError(f"speculative_config: model: {e}") from None
     hf = resolved.load_hf_config(target.trust_remote_code)

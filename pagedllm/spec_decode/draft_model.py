@@ -26,9 +26,10 @@ request gets ``cdiv(k, block_size)`` private *scratch* blocks after the pool's b
 appended to its block table for the round only; the next round's step 1 recomputes
 whichever of those positions became known tokens (at most ``k + 1`` per request), so
 nothing speculative is ever read as if it were known; a known position whose KV went to
-scratch (past the request's blocks) is not counted as computed either.  A request's computed count is
-forgotten when it leaves the batch (finished or preempted), or when a block of it is
-copied on write (the copy holds target KV only): it then recomputes its draft KV from 0.
+scratch (past the request's blocks) is not counted as computed either.  A request's
+computed count is forgotten when it leaves the batch (finished or preempted), or when a
+block of it is copied on write (the copy holds target KV only): it then recomputes its
+draft KV from 0.
 
 Positions and slots of every draft step are known on the host before step 1, so the
 round has one device->host transfer (the ``[R, k]`` drafts at the end); the draft steps'

@@ -93,7 +93,7 @@ def test_drafts_are_the_greedy_continuation_and_stay_in_own_blocks(tiny, seed, k
         drafts = prop.propose(batch, rows, ids, caps, h2d)
         for c, b in zip(caches, before):
             assert torch.equal(c[:, others], b), "draft KV written outside its blocks"
-        for rid, row, cap, d in zip(ids, rows, caps, drafts):
+        for row, cap, d in zip(rows, caps, drafts):
             seq = batch.token_ids[row, :batch.num_tokens[row]].tolist()
             assert d == (_greedy(hf, seq, min(cap, k)) if cap > 0 else [])
             # The target accepts a prefix and emits one more token of its own.
