@@ -131,11 +131,19 @@ class DraftModelProposer:
         """Drafts for each of ``rows`` of ``batch`` (a ``worker.input_batch.InputBatch``:
         token ids, counts and block tables), at most ``max_drafts[i]`` (0: none)."""
         out: list[list[int]] = [[] for _ in rows]
-        pick = [i for i, cap in enumerate(max_drafts) if cap > 0][:self.max_rows]
+        # Step m writes position n + m - 2, which must lie in the request's blocks or
+        # its scratch: at most ``room`` drafts (the scheduler's allocation makes this
+        # >= k; the cap is a guard, never a silent write elsewhere).
+        rows_a = np.asarray(rows, dtype=np.int64)
+        room = (batch.num_blocks[rows_a].astype(np.int64) + self.scratch) * self.block_size \
+            - batch.num_tokens[rows_a].astype(np.int64) + 1
+        all_caps = np.minimum(np.minimum(np.asarray(max_drafts, dtype=np.int64), room),
+                              self.k)
+        pick = np.flatnonzero(all_caps > 0)[:self.max_rows].tolist()
         if not pick:
             return out
-        r = np.asarray([rows[i] for i in pick], dtype=np.int64)
-        caps = np.minimum(np.asarray([max_drafts[i] for i in pick], dtype=np.int64), self.k)
+        r = rows_a[pick]
+        caps = all_caps[pick]
         n = batch.num_tokens[r].astype(np.int64)
         start = np.asarray([self.computed.get(req_ids[i], 0) for i in pick], dtype=np.int64)
         start = np.minimum(start, n - 1)  # at least the last token is fed
