@@ -50,7 +50,7 @@ def _greedy(hf, tokens: list[int], k: int) -> list[int]:
     return seq[len(tokens):]
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.data_too_large])
 @given(seed=st.integers(0, 10_000), k=st.integers(1, 5), num_reqs=st.integers(1, 3))
 def test_drafts_are_the_greedy_continuation_and_stay_in_own_blocks(tiny, seed, k, num_reqs):
