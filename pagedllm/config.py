@@ -417,7 +417,7 @@ def _draft_model_config(spec: SpeculativeConfig, target: ModelConfig,
         resolved = resolve_model(spec.model, None,
                                  "dummy" if target.load_format == "dummy" else "auto")
     except ValueError as e:
-        raise ValueError(f"speculative_config: model: {e}") from None
+        raise ValueError(f"speculative_config: {e}") from None
     hf = resolved.load_hf_config(target.trust_remote_code)
     vocab = int(getattr(hf, "vocab_size", 0) or 0)
     if vocab != target.vocab_size:
