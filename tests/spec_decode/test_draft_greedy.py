@@ -66,7 +66,12 @@ def _check(llm, spec_llm, params: list[SamplingParams]) -> tuple[int, int]:
 def test_default_model_as_its_own_draft_accepts_everything(llm, default_model_path):
     # No penalty here: the draft proposes its raw argmax, which a penalised target
     # rejects more often (still losslessly: the other test).
-    drafted, accepted = _check(llm, _spec_llm(default_model_path, 14), PARAMS[:2] + [PLAIN])
+    spec_llm = _spec_llm(default_model_path, 14)
+    # The memory plan counts the draft's KV in every block: twice the target's here.
+    worker = spec_llm.llm_engine.client.core.executor.worker
+    target = worker.config.model_config.kv_bytes_per_token()
+    assert worker.kv_bytes_per_token() == 2 * target
+    drafted, accepted = _check(llm, spec_llm, PARAMS[:2] + [PLAIN])
     assert drafted > 0 and accepted >= 0.9 * drafted
 
 
