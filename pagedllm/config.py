@@ -409,6 +409,11 @@ def _draft_model_config(spec: SpeculativeConfig, target: ModelConfig,
     from pagedllm.layers.quantization import resolve_quantization
 
     assert spec.model is not None
+    if uniform_sliding_window(target.hf_config) is not None:
+        # The KV manager frees blocks behind the window and hands them to other
+        # requests, while the draft's KV shares those blocks and attends to all of them.
+        raise ValueError("speculative_config: a draft model is not supported with a "
+                         "sliding-window target (its old blocks are freed)")
     if world_size != 1:
         raise ValueError("speculative_config: a draft model runs on one rank only; use "
                          "tensor_parallel_size 1")
