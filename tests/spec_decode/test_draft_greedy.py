@@ -86,6 +86,13 @@ def test_draft_with_another_vocabulary_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="speculative_config.*vocab_size 320"):
         EngineArgs(quantization="none", speculative_config={
             "model": draft, "num_speculative_tokens": 4}).create_engine_config()
+    from tests.models.tiny_models import build
+
+    sw = tmp_path / "sliding"
+    build("mistral_sw", str(sw))  # vocab 320 too: only the window is wrong
+    with pytest.raises(ValueError, match="speculative_config.*sliding-window"):
+        EngineArgs(model=str(sw), device="cpu", speculative_config={
+            "model": draft, "num_speculative_tokens": 4}).create_engine_config()
     with pytest.raises(ValueError, match="speculative_config: model"):
         EngineArgs(speculative_config={"model": str(tmp_path / "missing"),
                                        "num_speculative_tokens": 4}).create_engine_config()
