@@ -23,6 +23,8 @@
 #   lora     issue 26's targets: W1 (fcfs) base vs 8 dummy rank-16 adapters spread over
 #            the requests, W4 base vs one adapter (bench ... --lora N).  LORA_VARIANTS
 #            adds W1 variants, e.g. "lora8_pair256=PAGEDLLM_LORA_PAIR_MAX_ROWS=256,--lora,8"
+#   specdraft  speculative decoding with a draft model (issue 25): SmolLM2 GGUF
+#            ($SMOLLM2_GGUF) self-draft and n-gram on G32, 8B dummy with a 1B dummy draft
 #   w2       online serving at 10 and 20 req/s (benchmarks/w2_suite.sh; RATES to change)
 #   w3       shared prefix, prefix caching on vs off (benchmarks/w3_suite.sh gpu)
 #   startup  cold then warm server start to the first /health 200 (startup_probe.sh)
@@ -137,6 +139,23 @@ for part in $PARTS; do
       VARIANTS="base= lora1=--lora,1" ab w4lora python -m pagedllm bench latency \
         --dummy llama3-8b
       VARIANTS="base= lora8=--lora,8 ${LORA_VARIANTS:-}" ab w1lora $W1 ;;
+    specdraft)
+      # Issue 25, draft model: the real SmolLM2 GGUF ($SMOLLM2_GGUF, carried) on G32
+      # without speculation, drafting for itself (acceptance must be ~100%) and with
+      # n-gram; then the 8B shape with a 1B-shape draft, dummy weights (acceptance ~0:
+      # the cost of a draft round plus a rejected verify step).
+      G=${SMOLLM2_GGUF:?set SMOLLM2_GGUF to the carried SmolLM2 .gguf}
+      L="python -m pagedllm bench latency --model $G --workload grounded --num-prompts 8 \
+        --output-len 64 ${SMOLLM2_TOKENIZER:+--tokenizer $SMOLLM2_TOKENIZER}"
+      step $L --output-json "$OUT/specdraft_g32_off.json"
+      step $L --speculative-config "{\"model\": \"$G\", \"num_speculative_tokens\": 4}" \
+        --output-json "$OUT/specdraft_g32_self.json"
+      step $L --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' \
+        --output-json "$OUT/specdraft_g32_ngram.json"
+      step python -m pagedllm bench latency --dummy llama3-8b --num-prompts 4 \
+        --output-json "$OUT/specdraft_8b_off.json"
+      step python -m pagedllm bench latency --dummy llama3-8b --num-prompts 4 \
+        --draft-dummy llama3.2-1b --output-json "$OUT/specdraft_8b_draft1b.json" ;;
     w2) step env RATES="${RATES:-10 20}" bash benchmarks/w2_suite.sh ;;
     w3) step bash benchmarks/w3_suite.sh gpu ;;
     startup) step bash benchmarks/startup_probe.sh 2 ;;

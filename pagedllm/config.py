@@ -363,6 +363,9 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code, dummy_init=dummy_init,
             quantization=quantization, runner=runner, convert=convert,
             pooler_config=pooler)
+        if spec is not None and spec.method == "draft_model":
+            spec = dataclasses.replace(spec, draft_model_config=_draft_model_config(
+                spec, model_config, self.quantization, parallel.world_size, device))
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -407,6 +410,53 @@ class EngineArgs:
         if cpu < n:
             raise ValueError(f"max_cpu_loras ({cpu}) must be >= max_loras ({n})")
         return LoRAConfig(n, rank, cpu)
+
+
+def _draft_model_config(spec: SpeculativeConfig, target: ModelConfig,
+                        quantization: str | None, world_size: int,
+                        device: str) -> ModelConfig:
+    """The draft model of ``speculative_config`` (method "draft_model"): resolved like the
+    target, in its dtype and context length; ValueError naming ``speculative_config``
+    when it cannot propose for this target (another vocabulary, a shorter context)."""
+    from pagedllm.layers.quantization import resolve_quantization
+
+    assert spec.model is not None
+    if uniform_sliding_window(target.hf_config) is not None:
+        # The KV manager frees blocks behind the window and hands them to other
+        # requests, while the draft's KV shares those blocks and attends to all of them.
+        raise ValueError("speculative_config: a draft model is not supported with a "
+                         "sliding-window target (its old blocks are freed)")
+    if world_size != 1:
+        raise ValueError("speculative_config: a draft model runs on one rank only; use "
+                         "tensor_parallel_size 1")
+    try:
+        # A dummy-weight target (benchmarks) drafts with dummy weights too.
+        resolved = resolve_model(spec.model, None,
+                                 "dummy" if target.load_format == "dummy" else "auto")
+    except ValueError as e:
+        raise ValueError(f"speculative_config: {e}") from None
+    hf = resolved.load_hf_config(target.trust_remote_code)
+    vocab = int(getattr(hf, "vocab_size", 0) or 0)
+    if vocab != target.vocab_size:
+        raise ValueError(
+            f"speculative_config: the draft model {spec.model} has vocab_size {vocab}, the "
+            f"target {target.vocab_size}; a draft must share the target's vocabulary")
+    derived_max = int(getattr(hf, "max_position_embeddings", 2048) or 2048)
+    if derived_max < target.max_model_len:
+        raise ValueError(
+            f"speculative_config: the draft model's max_position_embeddings ({derived_max}) "
+            f"is below max_model_len ({target.max_model_len}); lower max_model_len")
+    # The target's "none" (dequantise a GGUF) applies to the draft too, so that a model
+    # drafting for itself computes exactly what the target computes.
+    quant = resolve_quantization("none" if quantization == "none" else None, hf,
+                                 resolved.gguf_path if resolved.load_format == "gguf"
+                                 else None, device)
+    return ModelConfig(
+        resolved=resolved, hf_config=hf, dtype=target.dtype,
+        max_model_len=target.max_model_len, load_format=resolved.load_format,
+        seed=target.seed, served_model_name=resolved.display_name,
+        skip_tokenizer_init=True, trust_remote_code=target.trust_remote_code,
+        dummy_init=target.dummy_init, quantization=quant)
 
 
 def check_dtype_on_device(dtype: str, device: str) -> None:

@@ -73,3 +73,13 @@ def test_device_cuda_without_cuda_is_one_line() -> None:
     lines = [ln for ln in r.stderr.splitlines() if not ln.startswith("INFO")]
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert lines[0].startswith("error: device: 'cuda'") and "CUDA" in lines[0]
+
+
+def test_speculative_draft_model_missing_is_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    spec = '{"model": "%s", "num_speculative_tokens": 4}' % (tmp_path / "missing")
+    r = _cli("generate", "Hi", "--speculative-config", spec, "--max-tokens", "1",
+             timeout=300)
+    assert r.returncode == 1
+    lines = [ln for ln in r.stderr.splitlines() if not ln.startswith("INFO")]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("error: speculative_config: model: no such file")

@@ -66,6 +66,7 @@ def main() -> None:
     n-gram speculation (``disable_by_batch_size`` raised so every step may carry drafts),
     the speedup, and the acceptance (mean accepted length = 1 + accepted / verify steps)."""
     import argparse
+    import json
     import time
 
     from pagedllm import LLM, SamplingParams
@@ -76,25 +77,30 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--speculative-config", type=json.loads, default=None,
+                   help="Replace the n-gram config, e.g. a draft model: "
+                        "'{\"model\": PATH, \"num_speculative_tokens\": 4}'.")
     p.add_argument("--acceptance-only", action="store_true",
                    help="Run only the speculating engine (acceptance, no speedup).")
     args = p.parse_args()
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     spec_cfg = {"method": "ngram", "num_speculative_tokens": args.k,
                 "prompt_lookup_max": args.prompt_lookup_max, "disable_by_batch_size": 1024}
+    if args.speculative_config is not None:
+        spec_cfg = {"disable_by_batch_size": 1024, **args.speculative_config}
     # Both engines live side by side and take turns batch by batch, so that the load of a
     # shared machine falls on both alike.
     llms = {name: LLM(quantization="none", max_model_len=1024,
                       kv_cache_memory_bytes=256 << 20, speculative_config=spec)
-            for name, spec in (("off", None), ("ngram", spec_cfg))
+            for name, spec in (("off", None), ("spec", spec_cfg))
             if not (args.acceptance_only and spec is None)}
-    prompts = grounded_prompts(llms["ngram"].get_tokenizer())[:args.num_prompts]
+    prompts = grounded_prompts(llms["spec"].get_tokenizer())[:args.num_prompts]
     for llm in llms.values():
         llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    spec = llms["ngram"].llm_engine.client.core.scheduler.spec
+    spec = llms["spec"].llm_engine.client.core.scheduler.spec
     base = (spec.total_drafts, spec.total_accepted_tokens, spec.total_draft_tokens)
-    res = {"off": 0.0, "ngram": 0.0}
-    outs: dict[str, list] = {"off": [], "ngram": []}
+    res = {"off": 0.0, "spec": 0.0}
+    outs: dict[str, list] = {"off": [], "spec": []}
     for i in range(0, len(prompts), args.batch_size):
         for name, llm in llms.items():
             llm.reset_prefix_cache()
@@ -104,17 +110,18 @@ def main() -> None:
             res[name] += time.perf_counter() - t0
     drafts, acc, dtok = (spec.total_drafts - base[0], spec.total_accepted_tokens - base[1],
                          spec.total_draft_tokens - base[2])
-    gen = sum(len(o.outputs[0].token_ids) for o in outs["ngram"])
+    gen = sum(len(o.outputs[0].token_ids) for o in outs["spec"])
     if args.acceptance_only:
         print(f"{args.num_prompts} prompts, batch {args.batch_size}, {gen} tokens, "
               f"k={args.k}: {drafts} verify steps, mean accepted length "
               f"{1 + acc / max(1, drafts):.2f}, acceptance rate {acc / max(1, dtok):.1%}")
         return
+    label = spec_cfg.get("method") or ("draft_model" if "model" in spec_cfg else "ngram")
     same = all(a.outputs[0].token_ids == b.outputs[0].token_ids
-               for a, b in zip(outs["off"], outs["ngram"]))
+               for a, b in zip(outs["off"], outs["spec"]))
     print(f"{args.num_prompts} prompts, batch {args.batch_size}, {gen} tokens, k={args.k}: "
-          f"off {res['off']:.1f} s, ngram {res['ngram']:.1f} s, speedup "
-          f"{res['off'] / res['ngram']:.2f}x; {drafts} verify steps, mean accepted length "
+          f"off {res['off']:.1f} s, {label} {res['spec']:.1f} s, speedup "
+          f"{res['off'] / res['spec']:.2f}x; {drafts} verify steps, mean accepted length "
           f"{1 + acc / max(1, drafts):.2f}, acceptance rate {acc / max(1, dtok):.1%}; "
           f"outputs identical: {same}")
 

@@ -37,6 +37,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None, help="Write the results here as JSON.")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="Also draw every prompt's TTFT and TPOT into this PNG (matplotlib).")
+    p.add_argument("--draft-dummy", default=None, choices=sorted(DUMMY_CONFIGS),
+                   help="Speculative decoding with a dummy-weight draft model of this shape "
+                        "(with --dummy; sets speculative_config's model; acceptance is "
+                        "meaningless with random weights: this measures the draft's cost).")
     p.add_argument("--dummy", default=None, choices=sorted(DUMMY_CONFIGS),
                    help="Benchmark a named model shape with random weights (writes its "
                         "config.json to a temp dir; implies --load-format dummy).")
@@ -67,6 +71,12 @@ def main(args: argparse.Namespace) -> int:
 
         args.model, args.load_format = write_dummy_model(args.dummy), "dummy"
         args.skip_tokenizer_init = True
+    if args.draft_dummy:  # a dummy-weight draft model for the dummy target
+        from pagedllm.benchmarks.workloads import write_dummy_model
+
+        args.speculative_config = {**(args.speculative_config or {}),
+                                   "model": write_dummy_model(args.draft_dummy)}
+        args.speculative_config.setdefault("num_speculative_tokens", 4)
     apply_lora_bench_args(args)
     eargs = engine_args_from_cli(args)
     llm = LLM(eargs.model, **{k: v for k, v in vars(eargs).items()

@@ -86,6 +86,13 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
         "rope_theta": 500000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001},
+    # A draft for llama3-8b (same vocabulary; speculative_config "draft_model").
+    "llama3.2-1b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+        "rope_theta": 500000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001},
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
         "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,

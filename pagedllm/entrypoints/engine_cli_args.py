@@ -120,7 +120,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", type=_json_object, default=None,
                    help='Speculative decoding, a JSON object (vLLM\'s keys), e.g. '
                         '\'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4}\'.')
+                        '"prompt_lookup_max": 4}\', or a draft model sharing the '
+                        'target\'s vocabulary: \'{"model": PATH, '
+                        '"num_speculative_tokens": 4}\'.')
     g = p.add_argument_group("pooling models (`pagedllm models` lists each architecture's "
                              "tasks)")
     g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],

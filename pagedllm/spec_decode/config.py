@@ -6,6 +6,10 @@ asks for, validated once (vLLM's key names).  Torch-free: the scheduler reads it
 * ``"ngram"`` -- prompt lookup: the longest suffix of the sequence (between
   ``prompt_lookup_min`` and ``prompt_lookup_max`` tokens) that occurred earlier proposes
   the tokens that followed it (``spec_decode/ngram.py``).
+* ``"draft_model"`` -- a smaller model with the target's vocabulary (``model``: its path;
+  the method is inferred from ``model``) proposes its greedy continuation
+  (``spec_decode/draft_model.py``).  ``EngineArgs`` resolves the path into
+  ``draft_model_config`` (a ``pagedllm.config.ModelConfig``) and checks the vocabulary.
 
 ``num_speculative_tokens`` (k) drafts per request per step; the target verifies them and
 its bonus token in one forward.  ``disable_by_batch_size``: no drafts in a step where more
@@ -18,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # Above this many running requests a step carries no drafts.  Verifying k + 1 tokens per
 # request costs about one decode step only while the step is weight-bandwidth-bound; the
 # rule is "speculate while cost(B, k + 1) / cost(B, 1) < mean accepted length", with the
@@ -44,6 +48,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # method "draft_model": the draft's path as given, and its resolved ModelConfig
+    # (filled in by EngineArgs.create_engine_config; Any: this module stays torch- and
+    # config-free).
+    model: str | None = None
+    draft_model_config: Any = None
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> SpeculativeConfig | None:
@@ -57,13 +66,19 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; "
                              f"known: {', '.join(_KEYS)}")
         method = raw.get("method")
+        model = raw.get("model")
+        if method is None and model is not None:
+            method = "draft_model"  # vLLM infers it from the model (EAGLE heads aside)
         if method is None and "prompt_lookup_max" in raw:
             method = "ngram"  # vLLM infers it the same way
         if method not in METHODS:
             raise ValueError(f"speculative_config: method must be one of "
                              f"{', '.join(METHODS)}, got {method!r}")
-        if raw.get("model") is not None:
+        if method == "ngram" and model is not None:
             raise ValueError("speculative_config: model is not used by method 'ngram'")
+        if method == "draft_model" and (not isinstance(model, str) or not model):
+            raise ValueError("speculative_config: method 'draft_model' needs model (the "
+                             f"draft's path), got {model!r}")
         if "num_speculative_tokens" not in raw:
             raise ValueError("speculative_config: num_speculative_tokens is required")
         k = _int("num_speculative_tokens", raw["num_speculative_tokens"], 1)
@@ -79,4 +94,4 @@ class SpeculativeConfig:
         dbs = DEFAULT_DISABLE_BY_BATCH_SIZE if dbs is None else _int(
             "disable_by_batch_size", dbs, 1)
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo,
-                   prompt_lookup_max=hi, disable_by_batch_size=dbs)
+                   prompt_lookup_max=hi, disable_by_batch_size=dbs, model=model)

@@ -7,6 +7,7 @@
                    logits_rows   -> hidden rows of the last k_r + 1 positions of r
                    verify        -> rejection_sample: accepted drafts + 1 token per request
           runner._finish: append the emitted tokens; propose -> drafts for step N + 1
+                          (n-gram lookup, or a draft model's k greedy steps)
  scheduler: rolls num_computed_tokens back by the rejected drafts (their KV slots are
             simply overwritten later; nothing is copied or freed)
 ```
@@ -23,6 +24,7 @@ import torch
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import VerifyOutput, rejection_sample
 
@@ -63,6 +65,14 @@ class SpecDecodeHook:
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(config.num_speculative_tokens,
                                       config.prompt_lookup_min, config.prompt_lookup_max)
+        # method "draft_model": set by the worker once the draft's KV is allocated.
+        self.draft: DraftModelProposer | None = None
+
+    def forget(self, req_id: str) -> None:
+        """The request's draft-side state is stale (it left the batch, or a block of it
+        was copied on write)."""
+        if self.draft is not None:
+            self.draft.forget(req_id)
 
     # -- step N: inputs -----------------------------------------------------------
     @staticmethod
@@ -107,11 +117,12 @@ class SpecDecodeHook:
         return rejection_sample(logits, draft_ids, num, int(k.max()) if len(k) else 0, meta)
 
     # -- after step N: drafts for step N + 1 -------------------------------------------
-    def propose(self, token_ids: np.ndarray, num_tokens: np.ndarray, rows: list[int],
-                states: Sequence[Any]) -> list[list[int]]:
-        """Drafts for the requests ``states`` (rows ``rows`` of the runner's batch): at
-        most k, and never past ``max_tokens`` or the context (the bonus token needs a
-        slot too)."""
+    def propose(self, batch: Any, rows: list[int], states: Sequence[Any],
+                h2d: Any) -> list[list[int]]:
+        """Drafts for the requests ``states`` (rows ``rows`` of the runner's
+        ``InputBatch``): at most k, and never past ``max_tokens`` or the context (the
+        bonus token needs a slot too)."""
+        token_ids, num_tokens = batch.token_ids, batch.num_tokens
         caps = []
         for row, st in zip(rows, states):
             p = st.params
@@ -121,4 +132,6 @@ class SpecDecodeHook:
             left_out = (p.max_tokens or 0) - len(st.output_token_ids) - 1
             left_ctx = self.max_model_len - int(num_tokens[row]) - 1
             caps.append(min(left_out, left_ctx))
+        if self.draft is not None:
+            return self.draft.propose(batch, rows, [st.req_id for st in states], caps, h2d)
         return self.proposer.propose(token_ids, num_tokens, rows, caps)

@@ -285,6 +285,8 @@ class ModelRunner:
             self._fork(f)
         for rid in sched.finished_req_ids:
             self.batch.remove(rid)
+            if self.spec is not None:
+                self.spec.forget(rid)
             if rid not in sched.preempted_req_ids:
                 self.requests.pop(rid, None)
                 self._prompt_lp_ids.discard(rid)
@@ -314,6 +316,8 @@ class ModelRunner:
         for c in sched.cached_reqs:
             row = self.batch.row_of[c.req_id]
             self.batch.replace_blocks(row, c.replaced_block_ids)
+            if c.replaced_block_ids and self.spec is not None:  # the copy has no draft KV
+                self.spec.forget(c.req_id)
             self.batch.append_blocks(row, c.new_block_ids)
             if c.new_group_block_ids is not None:  # hybrid KV cache groups
                 self.batch.append_group_blocks(row, c.new_group_block_ids)
@@ -557,8 +561,7 @@ class ModelRunner:
         # A large batch gets no drafts from the scheduler: do not spend time on them.
         if live and len(live) <= self.spec.config.disable_by_batch_size:
             rows, states = zip(*live)
-            props = self.spec.propose(self.batch.token_ids, self.batch.num_tokens,
-                                      list(rows), states)
+            props = self.spec.propose(self.batch, list(rows), states, self.h2d)
             handle.out.spec_token_ids = {st.req_id: d for st, d in zip(states, props) if d}
 
     def record_sampled_tokens(self, req_ids: list[str],

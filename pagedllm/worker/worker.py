@@ -92,6 +92,7 @@ class Worker:
         self.parallel: ParallelState = SINGLE_RANK
         self.kv_dtype = kv_torch_dtype(config.cache_config.cache_dtype, self.dtype)
         self.runner: ModelRunner | None = None
+        self.draft_model: torch.nn.Module | None = None  # speculative_config "draft_model"
         self.kv_caches: list[torch.Tensor] = []
         self.swap_caches: list[torch.Tensor] = []
         self.num_cpu_blocks = 0
@@ -127,6 +128,10 @@ class Worker:
         check_backend(self.backend, self.config.cache_config.cache_dtype)
         with parallel_context(self.parallel):  # layers take their groups from it
             self.model = load_model(self.config.model_config, self.device, self.backend)
+        # Speculative decoding with a draft model (spec_decode/draft_model.py).
+        draft_cfg = self._draft_config
+        self.draft_model = None if draft_cfg is None else load_model(
+            draft_cfg, self.device, self.backend)
         if self.device.type == "cuda":
             # Weights must be final before any kernel runs: PDL kernels read weights
             # before waiting for their predecessor (kernels/pdl.py).
@@ -166,13 +171,24 @@ class Worker:
         start, end = self.local_layers
         return end - start
 
+    @property
+    def _draft_config(self) -> object | None:
+        """The draft model's ModelConfig (speculative_config method "draft_model")."""
+        spec = self.config.scheduler_config.speculative_config
+        return None if spec is None else spec.draft_model_config
+
     def kv_bytes_per_token(self) -> int:
         """This rank's KV bytes per token of a block: its KV tensors (its layers, or a
         group's share with hybrid groups) and its KV heads, in the cache's element type
-        (``CacheConfig.cache_dtype``: fp8 is one byte)."""
+        (``CacheConfig.cache_dtype``: fp8 is one byte); with a draft model, its KV too (it
+        lives in the same blocks, spec_decode/draft_model.py; a draft refuses sliding-window
+        targets, so never with hybrid groups)."""
         mc = self.config.model_config
         elem = 1 if self.config.cache_config.cache_dtype == "fp8" else mc.dtype_bytes
-        return 2 * self.num_kv_tensors * self.num_local_kv_heads * mc.head_dim * elem
+        draft = self._draft_config
+        extra = 0 if draft is None else draft.kv_bytes_per_token(  # type: ignore[attr-defined]
+            self.config.cache_config.cache_dtype)
+        return 2 * self.num_kv_tensors * self.num_local_kv_heads * mc.head_dim * elem + extra
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks this rank's memory holds (the executor takes the minimum
@@ -294,6 +310,10 @@ class Worker:
                         self.num_cpu_blocks * per_block / 2**30)
         self.runner = ModelRunner(self.config, self.model, self.device, self.parallel)
         self.runner.block_ops = BlockOps(self.kv_caches, self.swap_caches)
+        if self.draft_model is not None:
+            from pagedllm.spec_decode.draft_model import attach_draft
+
+            attach_draft(self.runner, self.draft_model, self.config, self.kv_dtype)
         # Pipeline stages exchange hidden states between graph replays: run them eagerly.
         if self.device.type == "cuda" and not self.config.device_config.enforce_eager \
                 and self.parallel.pp_size == 1:
