@@ -8,7 +8,9 @@ by the compressed-tensors library from a tiny random Llama, loaded by pagedllm.
   activation quantisation); it refuses the asymmetric ``pack-quantized`` ones (its
   parameter for the packed ``weight_zero_point`` has the unpacked shape), so for those
   the reference is transformers on the library-decompressed float model;
-* batched equals alone.
+* batched equals alone; for the bf16 int4 kernels, alone diverges from transformers
+  only at near-ties too (a batch of >= 16 rows runs the bf16-scratch GEMM of
+  ``int4_dequant.py``, one alone the int4 kernel: the same weights, rounded differently).
 
 Threshold: layers on torch's int4 kernels compute in bf16 on the CPU (the fast path;
 logits within ~1% of transformers' fp32 here), so a continuation may leave
@@ -120,7 +122,11 @@ def test_greedy_matches_transformers(checkpoint) -> None:  # type: ignore[no-unt
         assert not real and exact >= len(PROMPTS) // 2, (name, exact, real)
     else:
         assert matching(batched, ref) == len(PROMPTS), (name, batched, ref)
-    assert greedy(model, cfg, PROMPTS[:3], batched=False) == batched[:3]
+    alone = greedy(model, cfg, PROMPTS[:3], batched=False)
+    if kernel in BF16_KERNELS:
+        assert not near_tie_divergences(alone, ref[:3], hf, PROMPTS[:3], TIE)[1], name
+    else:
+        assert alone == batched[:3]
 
 
 def test_w8a8_int8(tmp_path) -> None:

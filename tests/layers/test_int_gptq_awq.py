@@ -11,7 +11,8 @@ layouts (``tests/layers/int_fixtures.py``: AutoGPTQ's ``pack`` loop, AutoAWQ's
   cannot load GPTQ/AWQ checkpoints without those libraries), with the same threshold as
   the compressed-tensors tests (bf16 int4 kernels on the CPU: divergences only at
   near-ties; fp32 paths: every prompt);
-* batched equals alone.
+* batched equals alone (int4 kernels: alone diverges from transformers only at near-ties
+  too; a batch of >= 16 rows runs the bf16-scratch GEMM of ``int4_dequant.py``).
 """
 
 from __future__ import annotations
@@ -118,7 +119,11 @@ def test_greedy_matches_transformers_on_the_dequantised_model(checkpoint) -> Non
         assert not real and exact >= len(PROMPTS) // 2, (name, exact, real)
     else:
         assert matching(ours, ref) == len(PROMPTS), (name, ours, ref)
-    assert greedy(model, cfg, PROMPTS[:3], batched=False) == ours[:3]
+    alone = greedy(model, cfg, PROMPTS[:3], batched=False)
+    if kernel == "int4pack":  # alone: the int4 kernel; batched: the bf16 scratch GEMM
+        assert not near_tie_divergences(alone, ref[:3], hf, PROMPTS[:3], TIE)[1], name
+    else:
+        assert alone == ours[:3]
 
 
 def test_unsupported_configs_name_them(tmp_path) -> None:
