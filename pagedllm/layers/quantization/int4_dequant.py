@@ -19,7 +19,8 @@ compiler (``$CC``, else ``cc``; ``-O3 -march=native -fopenmp``, linked against t
 torch has already loaded) into ``$PAGEDLLM_KERNEL_CACHE`` (default
 ``~/.cache/pagedllm/kernels``), keyed by source, flags and CPU flags.  Without a compiler,
 or if the build fails, ``available()`` is False and every M stays on the int4 kernel
-(logged once).  ``PAGEDLLM_INT4_DEQUANT=0`` turns the path off.
+(logged once); so do CPUs without native bf16 GEMMs (no avx512_bf16 or AMX: there a
+bf16 GEMM is emulated).  ``PAGEDLLM_INT4_DEQUANT=0`` turns the path off.
 """
 
 from __future__ import annotations
@@ -103,14 +104,28 @@ def _build() -> ctypes.CDLL | None:
     return lib
 
 
+def _fast_bf16_gemm() -> bool:
+    """Whether this CPU multiplies bf16 natively (avx512_bf16 or AMX): elsewhere a bf16
+    GEMM is emulated and slower than the int4 kernel, so the path stays off."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return torch.backends.mkldnn.is_available() and any(
+        getattr(cpu, c, lambda: False)() for c in checks)
+
+
 def available() -> bool:
-    """Whether the dequantiser is built and loaded (builds it on the first call)."""
+    """Whether the path is on: a CPU with native bf16 GEMMs, ``PAGEDLLM_INT4_DEQUANT``
+    not ``0``, and the dequantiser built and loaded (built on the first call)."""
     global _lib, _tried
     if not _tried:
         with _lock:
             if not _tried:
-                if os.environ.get("PAGEDLLM_INT4_DEQUANT", "1") != "0":
+                if os.environ.get("PAGEDLLM_INT4_DEQUANT", "1") != "0" and _fast_bf16_gemm():
                     _lib = _build()
+                    if _lib is not None:
+                        logger.info("CPU int4 weights: batches of >= %d rows dequantise "
+                                    "into a bf16 scratch and run one bf16 GEMM",
+                                    DEQUANT_MIN_ROWS)
                 _tried = True
     return _lib is not None
 
