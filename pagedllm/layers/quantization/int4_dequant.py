@@ -44,8 +44,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Measured crossover (one and two threads, docs/benchmarks.md): below 16 rows the int4
-# kernel wins (the dequantisation is not amortised), from 16 rows on dequant + bf16 GEMM.
+# Measured crossover (benchmarks/int4_cpu_gemm.py, docs/benchmarks.md): at 8 rows the
+# int4 kernel wins (the dequantisation is not amortised); from 16 rows dequant + bf16
+# GEMM is as fast or faster at every projection of the default model, ~2x at 64.
 DEQUANT_MIN_ROWS = 16
 CHUNK_COLS = 4096  # output columns per scratch fill (a multiple of 64)
 MAX_PARTS = 4  # csrc/int4_dequant.c
