@@ -35,12 +35,9 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from pagedllm.layers.quantization.int4pack import PackedInt4
 
 logger = logging.getLogger(__name__)
 
@@ -131,14 +128,15 @@ def available() -> bool:
     return _lib is not None
 
 
-def supports(parts: list[PackedInt4]) -> bool:
-    """Whether these parts can take this path (CPU layout, N % 64 == 0, <= 4 parts)."""
+def supports(parts: list[Any]) -> bool:
+    """Whether these ``int4pack.PackedInt4`` parts (typed ``Any``: int4pack imports this
+    module) can take this path (CPU layout, N % 64 == 0, <= 4 parts)."""
     p0 = parts[0]
     return (len(parts) <= MAX_PARTS and p0.device.type == "cpu" and p0.n % 64 == 0
             and all((p.n, p.k, p.group) == (p0.n, p0.k, p0.group) for p in parts))
 
 
-def dequant_t(parts: list[PackedInt4], out: torch.Tensor, n0: int, n1: int) -> None:
+def dequant_t(parts: list[Any], out: torch.Tensor, n0: int, n1: int) -> None:
     """Write ``W^T[:, n0:n1]`` (bf16, ``W = sum of parts``) into ``out [K, >= n1 - n0]``
     (row-major, ``out.stride(0)`` is the row stride).  Needs ``available()`` and
     ``supports(parts)``; ``n0``, ``n1`` multiples of 64."""
@@ -162,7 +160,7 @@ def _scratch(numel: int) -> torch.Tensor:
     return buf
 
 
-def mm(x: torch.Tensor, parts: list[PackedInt4]) -> torch.Tensor:
+def mm(x: torch.Tensor, parts: list[Any]) -> torch.Tensor:
     """``x [M, K]`` bf16 -> ``x W^T [M, N]`` bf16 through the scratch (module doc)."""
     n, k = parts[0].n, parts[0].k
     cols = min(n, CHUNK_COLS)
