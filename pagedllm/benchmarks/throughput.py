@@ -69,6 +69,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Time HF on only the first N requests of each configuration (HF "
                         "is slow; its tok/s is still comparable).")
     p.add_argument("--output-json", default=None, help="Write the results here as JSON.")
+    p.add_argument("--llama-cpp-python", default=None, metavar="PYTHON",
+                   help="Batch-1 rows of a GGUF model: also time llama.cpp on the same "
+                        "file and prompts, run by this Python interpreter, which must have "
+                        "llama-cpp-python installed (benchmarks/llamacpp_ref.py); "
+                        "skipped with a note when not given.")
     p.add_argument("--dummy", default=None, choices=sorted(DUMMY_CONFIGS),
                    help="Benchmark a named model shape with random weights (writes its "
                         "config.json to a temp dir; implies --load-format dummy).")
@@ -200,6 +205,7 @@ def main(args: argparse.Namespace) -> int:
             hf_tps = sum(r.output_len for r in hf_reqs) / hf_s
             row.update(hf_requests=len(hf_reqs), hf_s=hf_s, hf_out_tok_s=hf_tps,
                        ratio=(n_out / ours) / hf_tps)
+        _add_llamacpp(args, llm, reqs, row)
         rows.append(row)
     summary = engine_summary(llm)
     print(summary_line(summary))
@@ -217,6 +223,33 @@ def main(args: argparse.Namespace) -> int:
         with open(args.output_json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
     return 0
+
+
+def _add_llamacpp(args: argparse.Namespace, llm: Any, reqs: list[BenchRequest],
+                  row: dict[str, Any]) -> None:
+    """The optional llama.cpp column (``llamacpp_ref.py``) for batch-1 rows of a GGUF."""
+    if len(reqs) != 1:
+        return
+    gguf = getattr(llm.llm_engine.config.model_config.resolved, "gguf_path", None)
+    if args.llama_cpp_python is None or gguf is None:
+        row["llamacpp_skipped"] = ("llama.cpp column skipped: " + (
+            "not a GGUF model" if gguf is None else
+            "pass --llama-cpp-python PYTHON (an interpreter with llama-cpp-python)"))
+        print(row["llamacpp_skipped"])
+        return
+    import torch
+
+    from pagedllm.benchmarks.llamacpp_ref import llamacpp_batch1
+
+    res = llamacpp_batch1(args.llama_cpp_python, gguf, [r.prompt_token_ids for r in reqs],
+                          reqs[0].output_len, torch.get_num_threads(), args.repeats)
+    if "skipped" in res:
+        row["llamacpp_skipped"] = res["skipped"]
+        print(res["skipped"])
+        return
+    row.update(llamacpp_out_tok_s=res["out_tok_s"], llamacpp_runs_s=res["runs_s"],
+               llamacpp_version=res["version"],
+               ratio_llamacpp=row["pagedllm_out_tok_s"] / res["out_tok_s"])
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
@@ -237,4 +270,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
                      f"{r.get('peak_running', 0):>14}")
         if has_hf and "hf_out_tok_s" in r:
             line += f"{r['hf_out_tok_s']:>11.1f}{r['ratio']:>7.2f}x"
+        if "llamacpp_out_tok_s" in r:
+            line += (f"   llama.cpp {r['llamacpp_out_tok_s']:.1f} tok/s "
+                     f"({r['ratio_llamacpp']:.2f}x)")
         print(line)

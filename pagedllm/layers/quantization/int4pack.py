@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.layers.quantization import int4_dequant
+
 ACT_DTYPE = torch.bfloat16
 _TILE_N = 64
 
@@ -71,8 +73,12 @@ class PackedInt4:
 
 def mm_parts(x: torch.Tensor, parts: list[PackedInt4]) -> torch.Tensor:
     """``sum_p x W_p^T`` in ``x``'s dtype (``x`` goes in as bf16; parts are summed in
-    fp32)."""
+    fp32).  On the CPU, ``M >= int4_dequant.DEQUANT_MIN_ROWS`` rows go through a bf16
+    scratch and one GEMM (``int4_dequant.py``) instead of the int4 kernel."""
     xb = x.to(ACT_DTYPE)
+    if (xb.shape[0] >= int4_dequant.DEQUANT_MIN_ROWS and int4_dequant.supports(parts)
+            and int4_dequant.available()):
+        return int4_dequant.mm(xb, parts).to(x.dtype)
     y = parts[0].mm(xb)
     if len(parts) == 1:
         return y.to(x.dtype)
