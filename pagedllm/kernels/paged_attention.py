@@ -99,30 +99,33 @@ def _tile_blocks(t, kv_end, bt_row, offs_n, BLOCK_SIZE: tl.constexpr, TILE_N: tl
 
 @triton.jit
 def _attn_tile(
-    t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr, v_cache_ptr,
+    t, q, q_lo, qk_lo, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr, v_cache_ptr,
     stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, F32_DOT: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, FP8_MMA: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, FP8_MMA: tl.constexpr = 0,
 ):
     """One KV tile of the online softmax: returns the updated (m, l, acc)."""
     kv_pos, kv_ok, block_id = _tile_blocks(t, kv_end, bt_row, offs_n, BLOCK_SIZE, TILE_N)
-    return _attn_tile_blocks(q, q_pos, m_i, l_i, acc, kv_pos, kv_ok, block_id, kv_head_off,
-                             k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, scale_log2,
+    return _attn_tile_blocks(q, q_lo, qk_lo, q_pos, m_i, l_i, acc, kv_pos, kv_ok, block_id,
+                             kv_head_off, k_cache_ptr, v_cache_ptr, stride_cb, stride_cs,
+                             scale_log2,
                              dims, dim_ok, BLOCK_SIZE, F32_DOT, WINDOW, SOFTCAP, FP8_MMA)
 
 
 @triton.jit
 def _attn_tile_blocks(
-    q, q_pos, m_i, l_i, acc, kv_pos, kv_ok, block_id, kv_head_off, k_cache_ptr,
+    q, q_lo, qk_lo, q_pos, m_i, l_i, acc, kv_pos, kv_ok, block_id, kv_head_off, k_cache_ptr,
     v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok,
     BLOCK_SIZE: tl.constexpr, F32_DOT: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, FP8_MMA: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, FP8_MMA: tl.constexpr = 0,
 ):
     """``_attn_tile`` with the tile's block ids already loaded.  ``WINDOW`` > 0: keys
     more than WINDOW - 1 positions behind the query are masked; ``SOFTCAP`` > 0: scores
     (scaled) become ``SOFTCAP * tanh(score / SOFTCAP)`` (attention/kinds.py).
-    ``FP8_MMA``: ``q`` is e4m3 and ``scale_log2`` a per-row vector (its row's q scale
-    folded in); both products run on e4m3 operands, P as ``p * P_FP8_SCALE``."""
+    ``FP8_MMA`` >= 1: ``q`` is e4m3 and ``scale_log2`` a per-row vector (its row's q
+    scale folded in); both products run on e4m3 operands, P as ``p * P_FP8_SCALE``.
+    ``FP8_MMA`` == 2: ``q_lo`` (e4m3, per-row scale in ``qk_lo``) is what ``q`` missed,
+    and its product is added to the scores.  (Otherwise ``q_lo``/``qk_lo`` are unused.)"""
     kv_off = block_id * stride_cb + (kv_pos % BLOCK_SIZE).to(tl.int64) * stride_cs
     kv_off += kv_head_off
     # .to(q.dtype): a no-op for a cache in the model dtype, the dequantisation of fp8.
@@ -130,7 +133,9 @@ def _attn_tile_blocks(
                 mask=dim_ok[:, None] & kv_ok[None, :], other=0.0).to(q.dtype)  # [DIM, TILE_N]
     v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :],
                 mask=kv_ok[:, None] & dim_ok[None, :], other=0.0).to(q.dtype)  # [TILE_N, DIM]
-    if FP8_MMA:
+    if FP8_MMA == 2:
+        s = _mma(q, k, F32_DOT) * scale_log2[:, None] + _mma(q_lo, k, F32_DOT) * qk_lo[:, None]
+    elif FP8_MMA:
         s = _mma(q, k, F32_DOT) * scale_log2[:, None]
     else:
         s = _mma(q, k, F32_DOT) * scale_log2
@@ -172,11 +177,12 @@ def _attn_program(
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
     Q_FILTER: tl.constexpr, DECODE: tl.constexpr, USE_PDL: tl.constexpr,
     LOOP_STAGES: tl.constexpr, KV_FP8: tl.constexpr, WINDOW: tl.constexpr = 0,
-    SOFTCAP: tl.constexpr = 0.0, FP8_MMA: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = 0.0, FP8_MMA: tl.constexpr = 0,
 ):
     """One program: query tile ``tile_idx`` of KV head ``kv_head`` (split ``split``).
-    ``FP8_MMA`` (fp8 cache only): Q is quantised to e4m3 per row (token x head) and both
-    products take e4m3 operands (see the module doc).
+    ``FP8_MMA`` (fp8 cache only): 1 = Q is quantised to e4m3 per row (token x head) and
+    both products take e4m3 operands; 2 = as 1, with Q's rounding residual as a second
+    e4m3 operand of the QK^T product (see the module doc).
     ``LOOP_STAGES`` > 0 pipelines the KV loop that deep (a kernel holding two kinds of
     programs, ``_mixed_attn_kernel``); 0 takes the kernel's ``num_stages``."""
 
@@ -265,12 +271,21 @@ def _attn_program(
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     qk_scale = scale_log2
+    q_lo = q
+    qk_lo = scale_log2
     if FP8_MMA:
         # Per-row scale: the row's amax maps to 448; the scale joins the softmax scale.
         qf = q.to(tl.float32)
         q_s = tl.maximum(tl.max(tl.abs(qf), 1) * (1.0 / 448.0), 1e-30)
-        q = round_e4m3(qf / q_s[:, None]).to(k_cache_ptr.dtype.element_ty)
+        q_hi = round_e4m3(qf / q_s[:, None])
+        q = q_hi.to(k_cache_ptr.dtype.element_ty)
         qk_scale = q_s * scale_log2
+        if FP8_MMA == 2:
+            # The residual in e4m3 too: Q carries ~7 mantissa bits for a second product.
+            r = qf - q_hi * q_s[:, None]
+            r_s = tl.maximum(tl.max(tl.abs(r), 1) * (1.0 / 448.0), 1e-30)
+            q_lo = round_e4m3(r / r_s[:, None]).to(k_cache_ptr.dtype.element_ty)
+            qk_lo = r_s * scale_log2
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -279,7 +294,7 @@ def _attn_program(
     if DECODE:  # the first tile, with its prefetched block ids
         if tile_lo < tile_hi:
             m_i, l_i, acc = _attn_tile_blocks(
-                q, q_pos, m_i, l_i, acc, kv_pos0, kv_ok0, block0, kv_head_off,
+                q, q_lo, qk_lo, q_pos, m_i, l_i, acc, kv_pos0, kv_ok0, block0, kv_head_off,
                 k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, qk_scale, dims, dim_ok,
                 BLOCK_SIZE, F32_DOT, WINDOW, SOFTCAP, FP8_MMA)
         first = tile_lo + 1
@@ -290,20 +305,20 @@ def _attn_program(
         t = first
         while t < tile_hi:
             m_i, l_i, acc = _attn_tile(
-                t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
+                t, q, q_lo, qk_lo, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
                 v_cache_ptr, stride_cb, stride_cs, qk_scale, dims, dim_ok, offs_n,
                 BLOCK_SIZE, TILE_N, F32_DOT, WINDOW, SOFTCAP, FP8_MMA)
             t += 1
     elif LOOP_STAGES > 0:
         for t in tl.range(first, tile_hi, num_stages=LOOP_STAGES):
             m_i, l_i, acc = _attn_tile(
-                t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
+                t, q, q_lo, qk_lo, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
                 v_cache_ptr, stride_cb, stride_cs, qk_scale, dims, dim_ok, offs_n,
                 BLOCK_SIZE, TILE_N, F32_DOT, WINDOW, SOFTCAP, FP8_MMA)
     else:
         for t in range(first, tile_hi):
             m_i, l_i, acc = _attn_tile(
-                t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
+                t, q, q_lo, qk_lo, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
                 v_cache_ptr, stride_cb, stride_cs, qk_scale, dims, dim_ok, offs_n,
                 BLOCK_SIZE, TILE_N, F32_DOT, WINDOW, SOFTCAP, FP8_MMA)
 
@@ -338,7 +353,7 @@ def _paged_attn_kernel(
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
     Q_FILTER: tl.constexpr, DECODE: tl.constexpr, USE_PDL: tl.constexpr,
     KV_FP8: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
-    FP8_MMA: tl.constexpr = False,
+    FP8_MMA: tl.constexpr = 0,
 ):
     pdl_trigger(USE_PDL)
     _attn_program(
@@ -365,7 +380,7 @@ def _mixed_attn_kernel(
     D_STAGES: tl.constexpr,
     F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, USE_PDL: tl.constexpr,
     KV_FP8: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
-    FP8_MMA: tl.constexpr = False,
+    FP8_MMA: tl.constexpr = 0,
 ):
     """A mixed batch in one launch: prompt-chunk programs (``num_pre_tiles`` query tiles
     x KV heads, the prompt plan's tiles) come first on the 1-D grid, then the decode
@@ -444,7 +459,7 @@ class AttentionLaunch:
 
 _TWO_LAUNCHES = os.environ.get("PAGEDLLM_ATTN_TWO_LAUNCHES", "0") == "1"
 # FP8 products for an fp8 KV cache (A/B switch; see paged_attention's ``fp8_mma``).
-_FP8_MMA = os.environ.get("PAGEDLLM_ATTN_FP8_MMA", "0") == "1"
+_FP8_MMA = int(os.environ.get("PAGEDLLM_ATTN_FP8_MMA", "0") or 0)
 
 
 def _interpreting() -> bool:
@@ -571,7 +586,7 @@ def paged_attention(
     num_splits: int | None = None, launch: AttentionLaunch | None = None,
     max_seq_len: int | None = None, sliding_window: int | None = None,
     soft_cap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-    fp8_mma: bool | None = None,
+    fp8_mma: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a mixed batch; returns ``[num_tokens, num_heads,
     head_dim]`` in ``query``'s dtype (written into ``out`` if given).
@@ -592,11 +607,12 @@ def paged_attention(
         compile-time constants (one variant per distinct value, i.e. at most two per
         model).
       k_scale, v_scale: per-tensor scales of an fp8 ``kv_cache`` (ignored otherwise).
-      fp8_mma: with an fp8 ``kv_cache``, run both products on e4m3 operands (Q quantised
-        per row, P scaled by 2^8) instead of upcasting K/V to the query's dtype; None =
-        ``PAGEDLLM_ATTN_FP8_MMA=1`` in the environment (off by default).  Needs FP8
-        tensor cores (compute capability >= 8.9) or the interpreter; elsewhere it is
-        ignored.
+      fp8_mma: with an fp8 ``kv_cache``, run both products on e4m3 operands instead of
+        upcasting K/V to the query's dtype: 1 = Q quantised per row (token x head), P
+        scaled by 2^8; 2 = as 1, plus Q's rounding residual as a second e4m3 product
+        (about 7 bits of Q for one more MMA per tile); 0 = off.  None =
+        ``PAGEDLLM_ATTN_FP8_MMA`` (0 by default).  Needs FP8 tensor cores (compute
+        capability >= 8.9) or the interpreter; elsewhere it is ignored.
     """
     kind = dict(WINDOW=int(sliding_window or 0), SOFTCAP=float(soft_cap or 0.0))
     num_tokens, num_heads, head_dim = query.shape
@@ -609,7 +625,10 @@ def paged_attention(
     if num_tokens == 0 or num_reqs == 0:
         return out
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    mma = fp8 and (_FP8_MMA if fp8_mma is None else fp8_mma) and _fp8_mma_ok(query.device)
+    mma = int(_FP8_MMA if fp8_mma is None else fp8_mma)
+    if mma not in (0, 1, 2):
+        raise ValueError(f"fp8_mma must be 0, 1 or 2, got {fp8_mma!r}")
+    mma = mma if fp8 and mma and _fp8_mma_ok(query.device) else 0
     kv = _KVScales(float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0, fp8, mma)
     if launch is None and num_splits is None and max_query_len > 1 and num_reqs > 1:
         # A mixed batch runs its decodes with the decode plan's small tiles (BLOCK_M =
@@ -656,7 +675,7 @@ class _KVScales:
     k_scale: float = 1.0
     v_scale: float = 1.0
     fp8: bool = False
-    fp8_mma: bool = False  # products on e4m3 operands (FP8_MMA); implies fp8
+    fp8_mma: int = 0  # products on e4m3 operands (FP8_MMA 1 or 2); implies fp8
 
 
 def _mixed_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
