@@ -12,6 +12,8 @@ of ``pagedllm bench perplexity``'s text, against the unquantised engine:
 * ``a8``: float weights, per-token e4m3 activations;
 * ``w8a8_g128``: activations with one scale per 128 columns of a token (vLLM's
   per-token-group activation quantisation of block-FP8 checkpoints), e4m3 weights;
+* ``w8_mant3``: weights rounded to 3 mantissa bits with an unbounded exponent (no
+  subnormals, no saturation: e4m3's floor under any choice of scales), float activations;
 * ``w8a8_pt``: vLLM's online ``quantization="fp8"`` (per-tensor weights, dynamic
   per-tensor activations);
 * ``skip_<proj>``: W8A8 with one kind of projection left in float (``qkv_proj``,
@@ -52,6 +54,12 @@ def _q_group(x: torch.Tensor, g: int = 128) -> torch.Tensor:
     return ((xp / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * s).view(t, -1)[:, :c]
 
 
+def _mant3(x: torch.Tensor) -> torch.Tensor:
+    """Round to 3 mantissa bits (half to even), any exponent."""
+    m, e = torch.frexp(x.float())  # x = m * 2^e, 0.5 <= |m| < 1
+    return torch.ldexp(torch.round(m * 16.0) / 16.0, e)
+
+
 def _q_tensor(x: torch.Tensor) -> torch.Tensor:
     q, s = fp8mod.quantize_fp8_tensor(x)
     return q.float() * s
@@ -59,6 +67,7 @@ def _q_tensor(x: torch.Tensor) -> torch.Tensor:
 
 def process(self, layer) -> None:  # type: ignore[no-untyped-def]
     layer._probe_w = layer.weight.data.float().clone()
+    layer._probe_m3 = _mant3(layer._probe_w)
     _orig_process(self, layer)
 
 
@@ -73,6 +82,7 @@ def apply(self, layer, x, bias):  # type: ignore[no-untyped-def]
         mode = "float" if kind == mode[5:] else "w8a8"
     xa, wa = {"w8a8": (_q(x2), w8), "w8": (x2, w8), "a8": (_q(x2), w),
               "w8a8_g128": (_q_group(x2), w8), "float": (x2, w),
+              "w8_mant3": (x2, layer._probe_m3),
               "w8a8_pt": (_q_tensor(x2), _q_tensor(w))}[mode]
     y = xa @ wa.t()
     if STATS_ON:
