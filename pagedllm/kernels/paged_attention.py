@@ -37,6 +37,16 @@ are upcast to the query's dtype as they are loaded, ``k_scale`` is folded into t
 softmax scale on the host and ``v_scale`` multiplies the accumulator once before it is
 stored (the split partials are linear in V, so the merge needs no scale).
 
+``FP8_MMA`` (an fp8 cache only; ``fp8_mma=`` / ``PAGEDLLM_ATTN_FP8_MMA``, off by default,
+an A/B candidate for Hopper) multiplies in fp8 instead, FlashAttention-3 style: the
+program quantises its Q tile to e4m3 once, one scale per row (token x head) folded with
+the softmax scale and ``k_scale`` into a per-row score scale; QK^T is a ``tl.dot`` of
+e4m3 operands with fp32 accumulation; P (in [0, 1]) is multiplied by 2^8 and cast to
+e4m3 for the P@V product with the e4m3 V tile, and the 2^-8 joins ``v_scale`` at the
+end.  ``FP8_MMA=2`` also quantises Q's rounding residual and adds its product (one more
+MMA per tile for about 7 bits of Q: the single e4m3 Q dominated the error in a torch
+simulation with peaked softmaxes).  No K/V tile is converted.
+
 The split decision is made on the host from ints that a CUDA graph keeps fixed (number of
 requests, max query length, heads, SM count), never from device tensors; the kernel
 itself adapts the split ranges to each request's actual ``seq_len``.
