@@ -29,6 +29,8 @@
 #   w3       shared prefix, prefix caching on vs off (benchmarks/w3_suite.sh gpu)
 #   startup  cold then warm server start to the first /health 200 (startup_probe.sh)
 #   profile  per-step host profile and kernel totals of W1 (profile_step.py)
+#   fp8attn  paged attention over an fp8 cache, upcast vs FP8_MMA 1 / 2, Llama-3-8B heads
+#            at 2k-8k context (fp8_attn_ab.py), then the gpu tests of test_fp8_kv.py
 #   pytest   every kernel test on the GPU, the gpu-marked model/sampler tests, then the
 #            attention grid (~100 kernel variants; long)
 #
@@ -159,6 +161,9 @@ for part in $PARTS; do
     w2) step env RATES="${RATES:-10 20}" bash benchmarks/w2_suite.sh ;;
     w3) step bash benchmarks/w3_suite.sh gpu ;;
     startup) step bash benchmarks/startup_probe.sh 2 ;;
+    fp8attn)
+      step python benchmarks/fp8_attn_ab.py --out "$OUT/fp8_attn_ab.json"
+      step python -m pytest -q -m gpu tests/kernels/test_fp8_kv.py ;;
     profile) step python benchmarks/profile_step.py --dummy llama3-8b --num-prompts 256 \
       --no-cprofile --out "$OUT" ;;
     pytest)

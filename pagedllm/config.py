@@ -95,6 +95,9 @@ class CacheConfig:
     # The KV cache's element type: "auto" (the model dtype) or "fp8" (e4m3 with
     # per-tensor k/v scales, attention/kv_cache_dtype.py).
     cache_dtype: str = "auto"
+    # fp8 cache only: each layer's k/v scales from the first real batch's amax, then
+    # frozen (vLLM's calculate_kv_scales; layers/kv_scales.py).
+    calculate_kv_scales: bool = False
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,8 @@ class EngineArgs:
     # a method name quantises or checks; "none" keeps unquantised weights.
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # "auto" | "fp8" | "fp8_e4m3"
+    # fp8 KV cache: k/v scales from the first batch (vLLM's name; a no-op otherwise).
+    calculate_kv_scales: bool = False
     seed: int = 0
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
@@ -305,6 +310,9 @@ class EngineArgs:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
         cache_dtype = "auto" if self.kv_cache_dtype == "auto" else "fp8"
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ValueError(f"calculate_kv_scales must be a bool, got "
+                             f"{self.calculate_kv_scales!r}")
 
         from pagedllm.layers.quantization import resolve_quantization
 
@@ -373,6 +381,7 @@ class EngineArgs:
                 gpu_memory_utilization=float(g),
                 enable_prefix_caching=self.enable_prefix_caching,
                 swap_space_bytes=int(sw * (1 << 30)), cache_dtype=cache_dtype,
+                calculate_kv_scales=self.calculate_kv_scales and cache_dtype == "fp8",
                 sliding_window=uniform_sliding_window(model_config.hf_config),
                 # Pipeline stages hold different layers: one group there.
                 kv_cache_groups=make_kv_cache_groups(

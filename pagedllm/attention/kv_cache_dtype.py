@@ -39,5 +39,13 @@ def is_fp8(cache: torch.Tensor) -> bool:
 
 
 def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``x / scale`` as saturated e4m3 (the reference of the Triton KV writes)."""
-    return (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+    """``x / scale`` as saturated e4m3 (the reference of the Triton KV writes).
+
+    The divisor is a 0-d tensor on ``x``'s device, not a Python float: CUDA torch turns
+    division by a host scalar into multiplication by its reciprocal, which is off by one
+    ulp at times, and a quotient one ulp off an e4m3 rounding midpoint then rounds to the
+    other neighbour (an H200 run saw 7 of ~1.6 M elements differ from the Triton write,
+    which divides exactly: ``tl.div_rn``).  Divided this way every device rounds the
+    IEEE quotient."""
+    div = torch.full((), scale, dtype=torch.float32, device=x.device)
+    return (x.float() / div).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)

@@ -118,13 +118,16 @@ def compare(base: Measure, other: Measure) -> dict[str, float]:
 
 
 def _variant(text: str) -> dict[str, Any]:
-    """``key=value[,key=value]`` -> engine-argument overrides (values as typed)."""
+    """``key=value[,key=value]`` -> engine-argument overrides (values as typed; ``true``
+    and ``false`` become bools, e.g. ``kv_cache_dtype=fp8,calculate_kv_scales=true``)."""
     out: dict[str, Any] = {}
     for part in text.split(","):
         key, sep, value = part.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"variant must be key=value[,key=value], got {text!r}")
-        out[key.strip().replace("-", "_")] = value.strip()
+        value = value.strip()
+        out[key.strip().replace("-", "_")] = {"true": True, "false": False}.get(
+            value.lower(), value)
     return out
 
 

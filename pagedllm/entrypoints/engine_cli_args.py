@@ -57,6 +57,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache element type: 'auto' (the model dtype) or 'fp8' / "
                         "'fp8_e4m3' (e4m3 with per-tensor k/v scales from the checkpoint, "
                         "1.0 by default: twice the blocks of a bf16 cache).")
+    g.add_argument("--calculate-kv-scales", action="store_true",
+                   help="With --kv-cache-dtype fp8: each layer's k/v scales from the "
+                        "first batch's amax (/200 keys, /100 values, as vLLM), then "
+                        "frozen; without it the checkpoint's scales or 1.0.")
     g.add_argument("--seed", type=int, default=0,
                    help="Seed for dummy weights and for unseeded random sampling.")
     g.add_argument("--block-size", type=int, default=16,
@@ -179,6 +183,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
         max_model_len=args.max_model_len, load_format=args.load_format, seed=args.seed,
         quantization=getattr(args, "quantization", None),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        calculate_kv_scales=getattr(args, "calculate_kv_scales", False),
         model_loader_extra_config=getattr(args, "model_loader_extra_config", None),
         block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,

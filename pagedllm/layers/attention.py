@@ -37,12 +37,15 @@ class Attention(nn.Module):
         self.backend = backend
         self.kv_cache = torch.empty(0)
         # Per-tensor scales of an fp8 KV cache (attention/kv_cache_dtype.py): host floats
-        # set at load from the checkpoint's k_scale / v_scale, 1.0 otherwise.
+        # set at load from the checkpoint's k_scale / v_scale, 1.0 otherwise, or from
+        # the first real batch (calculate_kv_scales, layers/kv_scales.py).
         self.k_scale = 1.0
         self.v_scale = 1.0
         # The layer's KV cache group (core/kv_cache_groups.py): which block tables and
         # slot mapping it uses when the step has several (set when the KV is bound).
         self.kv_group = 0
+        # Armed by the model runner for one forward (layers/kv_scales.py).
+        self.calculate_kv_scales = False
 
     def group_meta(self, meta: AttentionMetadata) -> AttentionMetadata:
         """This layer's group's view of the step's metadata (itself with one group)."""
@@ -62,6 +65,8 @@ class Attention(nn.Module):
         q3 = q.view(t, self.num_heads, self.head_dim)
         k3 = k.view(t, self.num_kv_heads, self.head_dim)
         v3 = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.calculate_kv_scales:
+            self._calc_kv_scales(k3, v3, meta, rope)
         if rope is not None:
             out = self.backend.forward_rope(q3, k3, v3, self.kv_cache, meta, self.scale, rope,
                                             self.kind, self.k_scale, self.v_scale)
@@ -69,6 +74,16 @@ class Attention(nn.Module):
             out = self.backend.forward(q3, k3, v3, self.kv_cache, meta, self.scale,
                                        self.kind, self.k_scale, self.v_scale)
         return out.reshape(t, self.num_heads * self.head_dim)
+
+    def _calc_kv_scales(self, k3: torch.Tensor, v3: torch.Tensor, meta: AttentionMetadata,
+                        rope: RopeInputs | None) -> None:
+        """Set ``k_scale`` / ``v_scale`` from this batch's real tokens, once."""
+        from pagedllm.layers.kv_scales import scales_from_amax
+
+        n = meta.num_actual_tokens
+        keys = rope.rotate(k3)[:n] if rope is not None else k3[:n]  # as the cache holds them
+        self.k_scale, self.v_scale = scales_from_amax(keys, v3[:n])
+        self.calculate_kv_scales = False
 
     def attend_cached(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention only, for queries already rotated whose keys and values are already

@@ -164,6 +164,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.h2d = HostToDevice(device)
         self.graphs: CudaGraphRunner | None = None
+        # calculate_kv_scales (layers/kv_scales.py): the first step with real tokens runs
+        # eagerly and sets every layer's fp8 KV scales; CUDA graphs are captured after it
+        # (``_graph_margin``: the capture deferred until then), so they bake in the final
+        # scales, not 1.0.
+        self._calc_kv_scales = config.cache_config.calculate_kv_scales
+        self._graph_margin: int | None = None
         # Async scheduling: tokens sampled by the last launched step that the host has
         # not read yet (req id -> row of ``_last_sampled``); the next step takes them
         # from the device directly.
@@ -267,7 +273,11 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, memory_margin: int) -> None:
         """Capture decode and chunk graphs (CUDA only, unless enforce_eager);
-        ``memory_margin``: what the memory plan set aside for them."""
+        ``memory_margin``: what the memory plan set aside for them.  Deferred to the
+        second step while the KV scales wait for the first (``calculate_kv_scales``)."""
+        if self._calc_kv_scales:
+            self._graph_margin = memory_margin
+            return
         mc = self.config.model_config
         if self.lora is not None:  # graphs always contain the LoRA ops (-1 rows: no-op)
             self.lora.mapping.active = True
@@ -356,6 +366,14 @@ class ModelRunner:
         a pipeline stage before the last (``worker/pipeline.py``).  ``fix``
         patches the device input ids (tokens still in flight) before the model reads them."""
         num_reqs = len(inp.seq_lens)
+        if self._calc_kv_scales:  # this step, eagerly, sets the fp8 KV scales
+            from pagedllm.layers import kv_scales
+
+            kv_scales.arm(self.model)
+            self._calc_kv_scales = False
+        elif self._graph_margin is not None:
+            margin, self._graph_margin = self._graph_margin, None
+            self.capture_cuda_graphs(margin)
         if self.graphs is not None:
             shape = self.graphs.padded_shape(len(inp.input_ids), num_reqs,
                                              inp.max_query_len)
