@@ -29,21 +29,11 @@ from typing import Any
 
 import torch
 
-SCHEMA: dict[str, Any] = {
-    "type": "object", "additionalProperties": False,
-    "required": ["name", "arguments"],
-    "properties": {
-        "name": {"enum": ["get_weather", "get_time", "search"]},
-        "arguments": {"type": "object", "additionalProperties": False,
-                      "required": ["city", "unit", "days"], "properties": {
-                          "city": {"type": "string", "maxLength": 32},
-                          "unit": {"enum": ["celsius", "fahrenheit"]},
-                          "days": {"type": "integer", "minimum": 1, "maximum": 14},
-                          "tags": {"type": "array", "items": {"type": "string",
-                                                              "maxLength": 12},
-                                   "maxItems": 4}}}}}
-LONG = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
-        "minItems": 1000}
+from pagedllm.benchmarks.structured import DEFAULT_SCHEMA, TYPICAL_SCHEMA
+
+# The typical (tool-call-like) and the long schema of ``pagedllm bench structured``.
+SCHEMA: dict[str, Any] = TYPICAL_SCHEMA
+LONG: dict[str, Any] = DEFAULT_SCHEMA
 
 
 TOKENIZER: str | None = None  # --tokenizer: a saved tokenizer directory
