@@ -26,6 +26,7 @@ from torch import nn
 from pagedllm.layers.quantization.base import (
     LinearMethodBase,
     QuantizationConfig,
+    kernel_label,
     set_weight_attrs,
 )
 from pagedllm.layers.quantization.fp8 import _name_matches
@@ -49,6 +50,9 @@ class AWQLinearMethod(IntLinearMethod):
     def __init__(self, group_size: int | None) -> None:
         super().__init__()
         self.group_size = group_size
+
+    def cpu_kernel(self) -> str:
+        return cpu_kernel_name(4, self.group_size, False)
 
     def create_weights(self, layer: LinearBase, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int,
@@ -115,6 +119,5 @@ class AWQConfig(QuantizationConfig):
 
     def describe(self) -> str:
         gs = f"group {self.group_size}" if self.group_size else "channel"
-        kernel = "CUDA: Triton wna16" if self._device == "cuda" else \
-            f"CPU: {cpu_kernel_name(4, self.group_size, False)}"
-        return f"awq (int4 {gs}, zero point, GEMM packing; {kernel})"
+        return (f"awq (int4 {gs}, zero point, GEMM packing; "
+                f"{kernel_label(self.method, self._device)})")

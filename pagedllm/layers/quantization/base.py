@@ -47,6 +47,12 @@ def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
         setattr(param, k, v)
 
 
+def kernel_label(method: Any, device: str) -> str:
+    """What an integer method runs, for the start-up log: ``CUDA: <method.cuda_kernel>``
+    or ``CPU: <method.cpu_kernel()>`` (the methods that define both)."""
+    return f"CUDA: {method.cuda_kernel}" if device == "cuda" else f"CPU: {method.cpu_kernel()}"
+
+
 class LinearMethodBase(ABC):
     """How one linear layer stores its weight and computes ``x W^T + b``.
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from torch import nn
 
-from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
+from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, kernel_label
 from pagedllm.layers.quantization.fp8 import Fp8LinearMethod
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -175,9 +175,8 @@ class CompressedTensorsConfig(QuantizationConfig):
         for i, g in enumerate(self.groups):
             m = self._methods[i]
             if hasattr(m, "cpu_kernel"):  # int schemes: bits, group, the kernel run
-                kernel = f"CUDA: {m.cuda_kernel}" if getattr(self, "_device", "cpu") \
-                    == "cuda" else f"CPU: {m.cpu_kernel()}"
-                labels.append(f"{m.describe()}; {kernel}")
+                labels.append(f"{m.describe()}; "
+                              f"{kernel_label(m, getattr(self, '_device', 'cpu'))}")
             else:
                 labels.append(_scheme_label(g))
         return f"compressed-tensors ({self.format}: {'; '.join(labels)})"

@@ -30,6 +30,7 @@ from torch import nn
 from pagedllm.layers.quantization.base import (
     LinearMethodBase,
     QuantizationConfig,
+    kernel_label,
     set_weight_attrs,
 )
 from pagedllm.layers.quantization.fp8 import _name_matches
@@ -71,6 +72,9 @@ class GPTQLinearMethod(IntLinearMethod):
     def __init__(self, bits: int, group_size: int | None, desc_act: bool, v1: bool) -> None:
         super().__init__()
         self.bits, self.group_size, self.desc_act, self.v1 = bits, group_size, desc_act, v1
+
+    def cpu_kernel(self) -> str:
+        return cpu_kernel_name(self.bits, self.group_size, self.desc_act)
 
     def create_weights(self, layer: LinearBase, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int,
@@ -193,7 +197,6 @@ class GPTQConfig(QuantizationConfig):
 
     def describe(self) -> str:
         gs = f"group {self.group_size}" if self.group_size else "channel"
-        kernel = "CUDA: Triton wna16" if self._device == "cuda" else \
-            f"CPU: {cpu_kernel_name(self.bits, self.group_size, self.desc_act)}"
         return (f"gptq (int{self.bits} {gs}, {'sym' if self.sym else 'asym'}"
-                f"{', desc_act' if self.desc_act else ''}; {kernel})")
+                f"{', desc_act' if self.desc_act else ''}; "
+                f"{kernel_label(self.method, self._device)})")
