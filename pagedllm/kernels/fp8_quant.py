@@ -45,18 +45,27 @@ def round_e4m3(y):
 
 
 @triton.jit
-def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, min_scale,
-                            N_COLS: tl.constexpr, FP8_MAX_C: tl.constexpr,
-                            BLOCK: tl.constexpr):
-    # N_COLS is compiled in: a model has a handful of linear input widths.
-    row = tl.program_id(0).to(tl.int64)
+def row_absmax(x_ptr, row, stride_x, N_COLS: tl.constexpr, BLOCK: tl.constexpr):
+    """max |x[row, :N_COLS]| in fp32: the per-token quantisers' first pass (here and in
+    ``int8_gemm``)."""
     cols = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, N_COLS, BLOCK):
         c = start + cols
         x = tl.load(x_ptr + row * stride_x + c, mask=c < N_COLS, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.div_rn(tl.max(amax, 0), FP8_MAX_C), min_scale)
+    return tl.max(amax, 0)
+
+
+@triton.jit
+def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, min_scale,
+                            N_COLS: tl.constexpr, FP8_MAX_C: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    # N_COLS is compiled in: a model has a handful of linear input widths.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    amax = row_absmax(x_ptr, row, stride_x, N_COLS, BLOCK)
+    scale = tl.maximum(tl.div_rn(amax, FP8_MAX_C), min_scale)
     tl.store(s_ptr + row, scale)
     for start in range(0, N_COLS, BLOCK):
         c = start + cols

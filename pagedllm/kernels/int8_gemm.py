@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from pagedllm.kernels.fp8_quant import row_absmax
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -106,20 +107,16 @@ def _quant_int8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, min_scale,
     pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, N_COLS, BLOCK):
-        c = start + cols
-        x = tl.load(x_ptr + row * stride_x + c, mask=c < N_COLS, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
+    amax = row_absmax(x_ptr, row, stride_x, N_COLS, BLOCK)
     if CT:
         # compressed-tensors' arithmetic in x's dtype (int8_w8a8.quantize_int8_per_token):
         # scale = amax / 127.5 rounded to the dtype; a zero scale becomes the dtype's eps
         # (min_scale); x / scale rounded to the dtype before round-and-clamp.
         xdt = x_ptr.dtype.element_ty
-        scale = tl.div_rn(tl.max(amax, 0), 127.5).to(xdt).to(tl.float32)
+        scale = tl.div_rn(amax, 127.5).to(xdt).to(tl.float32)
         scale = tl.where(scale == 0.0, min_scale, scale)
     else:
-        scale = tl.maximum(tl.div_rn(tl.max(amax, 0), 127.0), min_scale)
+        scale = tl.maximum(tl.div_rn(amax, 127.0), min_scale)
     tl.store(s_ptr + row, scale)
     for start in range(0, N_COLS, BLOCK):
         c = start + cols
