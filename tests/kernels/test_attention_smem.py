@@ -14,12 +14,11 @@ decode plan spills 2.2 KB per thread and has no cp.async copies: not the real ke
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.kernels.sm90_compile import run_script
 
 pytest.importorskip("triton")
 
@@ -37,13 +36,10 @@ CASES = [
 
 # Shared by both scripts: compile one kernel for sm_90 and report its resources.
 _BUILD = r"""
-    import json, os, re, subprocess, sys, tempfile
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    import json, re, sys
     import triton
+    from tests.kernels.sm90_compile import compile_sm90
 
-    PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                         "ptxas")
     # The strides a launch passes are multiples of head_dim (>= 64) and the tensors are
     # 16-byte aligned, so Triton's runtime specialises them as divisible by 16; without
     # that hint the compiler cannot vectorise the KV loads into cp.async copies and
@@ -52,26 +48,14 @@ _BUILD = r"""
                  "stride_cs", "stride_ch")
 
     def build(kernel, sig, consts, num_heads, options):
-        names = list(sig)
-        div = [i for i, n in enumerate(names) if sig[n].startswith("*") or n in DIVISIBLE
+        div = [i for i, n in enumerate(sig) if sig[n].startswith("*") or n in DIVISIBLE
                or (n == "num_heads" and num_heads % 16 == 0)]
-        sig = {**sig, **{k: "constexpr" for k in consts}}
-        src = ASTSource(kernel, signature=sig, constexprs=consts,
-                        attrs={(i,): [["tt.divisibility", 16]] for i in div})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(k.asm["ptx"])
-        res = subprocess.run([PTXAS, "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
-                             capture_output=True, text=True, check=True)
-        os.unlink(f.name)
-        spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", res.stderr))
-        regs = max(int(x) for x in re.findall(r"Used (\d+) registers", res.stderr))
+        k, st = compile_sm90(kernel, sig, consts, options, div)
         # Pipeline buffers: shared allocations of <stages>x<rows>x<cols>; the deepest
         # (K or V) is how many KV tiles a program keeps in flight.
         bufs = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x\d+x",
                           k.asm["ttgir"])
-        return {"shared": k.metadata.shared, "spill_stores": spills, "registers": regs,
-                "async_copies": k.asm["ttgir"].count("async_copy_global_to_local"),
+        return {**st, "async_copies": k.asm["ttgir"].count("async_copy_global_to_local"),
                 "kv_buffers": max((int(b) for b in bufs), default=0)}
 """
 
@@ -110,14 +94,7 @@ _SCRIPT = textwrap.dedent(_BUILD + """
 def _compile(script: str, cases: list, tmp_path) -> list[dict]:
     """Run ``script`` (which prints a JSON list, one entry per case) in a subprocess
     without the interpreter, with an empty Triton cache (a real compile, not a hit)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    results = json.loads(res.stdout.strip().splitlines()[-1])
+    results = run_script(script, tmp_path, json.dumps(cases))
     assert len(results) == len(cases)
     return results
 

@@ -4,10 +4,6 @@ slots and -1, unsorted."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -15,6 +11,7 @@ import pytest
 import torch
 
 from pagedllm.lora.layers import lora_ref
+from tests.kernels.sm90_compile import run_script
 
 
 def _case(t: int, k: int, n: int, slots: int, r: int, dtype: torch.dtype, device: str,
@@ -125,28 +122,14 @@ def test_fused_matches_reference(t: int, k: int, sizes: tuple[int, ...], r: int,
 
 
 _COMPILE = textwrap.dedent(r"""
-    import json, os, re, subprocess, tempfile
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    import json
+    from tests.kernels.sm90_compile import compile_sm90
     from pagedllm.kernels import lora as L
-
-    PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                         "ptxas")
 
     def build(kernel, sig, consts, warps):
         div = [i for i, n in enumerate(sig) if n not in ("B1", "B2")]
-        src = ASTSource(kernel, signature={**sig, **{k: "constexpr" for k in consts}},
-                        constexprs=consts,
-                        attrs={(i,): [["tt.divisibility", 16]] for i in div})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": warps})
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(k.asm["ptx"])
-        res = subprocess.run([PTXAS, "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
-                             capture_output=True, text=True, check=True)
-        os.unlink(f.name)
-        return sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", res.stderr))
+        return compile_sm90(kernel, sig, consts, {"num_warps": warps},
+                            div)[1]["spill_stores"]
 
     i32, out = "i32", {}
     # The fused kernel at the decode shapes it serves: qkv (fp32 delta for the RoPE
@@ -178,12 +161,5 @@ def test_lora_kernels_compile_for_sm90_without_spills(tmp_path) -> None:
     """The interpreter runs what the GPU compiler may reject (dynamic branches around
     loops and dots, constexpr ternaries): compile each for sm_90 at the Llama-3-8B
     shapes, no GPU needed (the pattern of ``test_quant_gemm_sm90.py``)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    spills = json.loads(res.stdout.strip().splitlines()[-1])
+    spills = run_script(_COMPILE, tmp_path)
     assert len(spills) == 5 and not any(spills.values()), spills

@@ -12,44 +12,28 @@ registers are the GPU's); this does.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from tests.kernels.sm90_compile import run_script
+
 pytest.importorskip("triton")
 
 _SCRIPT = textwrap.dedent(r"""
-    import json, os, re, subprocess, sys, tempfile
-    import torch
+    import json, sys
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    import torch
+    from tests.kernels.sm90_compile import compile_sm90
 
     from pagedllm.kernels import int8_gemm as i8
     from pagedllm.kernels import wna16
 
-    PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                         "ptxas")
     CPU = torch.device("cpu")  # block shapes only; the split is the H200's, below
 
     def build(kernel, sig, consts, options, not_divisible=("M",)):
-        names = list(sig)
-        div = [i for i, n in enumerate(names) if n not in not_divisible]
-        sig = {**sig, **{k: "constexpr" for k in consts}}
-        src = ASTSource(kernel, signature=sig, constexprs=consts,
-                        attrs={(i,): [["tt.divisibility", 16]] for i in div})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(k.asm["ptx"])
-        res = subprocess.run([PTXAS, "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
-                             capture_output=True, text=True, check=True)
-        os.unlink(f.name)
-        spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", res.stderr))
-        regs = max(int(x) for x in re.findall(r"Used (\d+) registers", res.stderr))
-        return {"spill_stores": spills, "registers": regs, "shared": k.metadata.shared}
+        div = [i for i, n in enumerate(sig) if n not in not_divisible]
+        return compile_sm90(kernel, sig, consts, options, div)[1]
 
     def k_chunk_of(m, n, bm, bn, k, bk):
         # The dispatcher's split for 264 target programs (2 per SM of an H200).
@@ -133,14 +117,7 @@ CASES = [
 
 
 def test_quant_gemm_kernels_compile_for_sm90_without_spills(tmp_path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a real compile, not a cache hit
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(CASES)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    results = json.loads(res.stdout.strip().splitlines()[-1])
+    results = run_script(_SCRIPT, tmp_path, json.dumps(CASES))
     assert [r["name"] for r in results] == [c[0] for c in CASES]
     for r in results:
         assert r["spill_stores"] == 0, r
