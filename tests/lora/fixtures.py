@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import transformers
 
+from tests.models.tiny_models import randomize
+
 # (name, r, lora_alpha, use_rslora, target modules): every projection, attention only,
 # MLP + o_proj -- fused shards present and absent.
 ADAPTERS = [
@@ -30,16 +32,6 @@ class AdapterFixture:
     path: str
     peft_model: Any  # transformers model with this adapter (PEFT, unmerged)
     merged: Any  # the same, merged into the base weights
-
-
-def randomize(model: torch.nn.Module, seed: int, scale: float = 0.08) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
 
 
 def make_adapters(base: torch.nn.Module, root: str, specs: list[tuple] = ADAPTERS,
