@@ -86,13 +86,15 @@ def _requests(args: argparse.Namespace, llm: Any) -> list[BenchRequest]:
         ip = llm.llm_engine.input_processor
         return [BenchRequest(ip.apply_chat_template(m), args.output_len)
                 for m in c1_messages(64)]
+    vocab = llm.llm_engine.config.model_config.vocab_size
     if args.workload in ("W1", "W1-small"):
+        # W1's ids reach 128,000; a smaller vocabulary (Mixtral's 32,000) draws the same
+        # sequence of requests with ids below its size (same lengths, same seed).
         return w1(args.num_prompts or 256, vocab_hi=49000 if args.workload == "W1-small"
-                  else 128000)
+                  else min(vocab, 128000))
     if args.workload == "W5":
         return w5(args.num_prompts or 384)
     if args.workload == "W3":
-        vocab = llm.llm_engine.config.model_config.vocab_size
         return w3(args.num_prompts or 256, prefix_len=args.prefix_len,
                   vocab_hi=min(vocab, 128000))
     import random
