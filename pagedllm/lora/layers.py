@@ -39,11 +39,15 @@ epilogue, so the delta must join before that: :meth:`LoRALinear.delta` computes 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pagedllm.lora.peft import LoRAWeights
+
+if TYPE_CHECKING:
+    from pagedllm.kernels.lora import GemvLoRA
 
 # Rows per tile of the segmented kernels (``kernels/lora.lora_sgmv``'s ``block_m``): the
 # host groups rows into tiles of this size.
@@ -257,31 +261,23 @@ class LoRALinear:
             return lora_dense_(x, slots, self.a, self.bt, self.owner, y)
         return y.add_(lora_ref(x, slots, self.a, self.bt, self.owner).to(y.dtype))
 
-    def apply_silu_mul(self, gate_up: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """:meth:`apply` for an input given as ``gate_up = [gate | up]`` whose
-        ``silu(gate) * up`` the base GEMV computes on the fly (``down_proj`` at batch 1):
-        the LoRA kernel computes it the same way instead of materialising it."""
-        if not self.mapping.active:
-            return y
-        slots = self._slots(gate_up.shape[0])
-        if lora_path(gate_up.shape[0], self.use_triton) == "fused":
-            from pagedllm.kernels.lora import lora_fused
-
-            return lora_fused(gate_up, slots, self.a, self.bt, self.shard_bounds, y=y,
-                              silu_mul=True)
-        from pagedllm.layers.activation import SiluAndMul
-
-        return self.apply(SiluAndMul()(gate_up), y)
-
-    def delta(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Every row's delta in fp32 ``[T, out]`` (zeros without an adapter), for a fused
-        kernel that must add it before its own epilogue (QKV + RoPE); None when no
-        adapter runs this step."""
+    def gemv_lora(self, x: torch.Tensor, silu_mul: bool = False) -> GemvLoRA | None:
+        """For a batch-1 GEMV of this layer (``x [1, K]``; ``[1, 2K]`` read as
+        ``silu(gate) * up`` with ``silu_mul``) that adds the delta in its epilogue: runs
+        the shrink (``kernels/lora.lora_shrink``, one launch) and returns the epilogue's
+        operands; None when no adapter runs this step (the GEMV is then the plain one)."""
         if not self.mapping.active:
             return None
-        slots = self._slots(x.shape[0])
-        if lora_path(x.shape[0], self.use_triton) == "fused":
-            from pagedllm.kernels.lora import lora_fused
+        from pagedllm.kernels.lora import lora_shrink
 
-            return lora_fused(x, slots, self.a, self.bt, self.shard_bounds)
-        return lora_ref(x.float(), slots, self.a.float(), self.bt.float(), self.owner)
+        return lora_shrink(x, self._slots(1), self.a, self.bt, self.shard_bounds, silu_mul)
+
+    def gemv(self, x: torch.Tensor, bias: torch.Tensor | None,
+             silu_mul: bool = False) -> torch.Tensor:
+        """The layer's batch-1 GEMV (``kernels/gemv.py``, where ``layers/linear.
+        gemv_applies``) with the delta in its epilogue: the shrink plus the base GEMV,
+        two launches.  Same contract as :meth:`apply` on the GEMV's output."""
+        from pagedllm.kernels.gemv import gemv
+
+        return gemv(x, self.layer.weight, bias, silu_mul=silu_mul,
+                    lora=self.gemv_lora(x, silu_mul))

@@ -163,3 +163,53 @@ def test_lora_kernels_compile_for_sm90_without_spills(tmp_path) -> None:
     shapes, no GPU needed (the pattern of ``test_quant_gemm_sm90.py``)."""
     spills = run_script(_COMPILE, tmp_path)
     assert len(spills) == 5 and not any(spills.values()), spills
+
+
+def _stacked(g: torch.Generator, n_slots: int, k: int, sizes: tuple[int, ...], r: int,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [L, S*R, K] and Bt [L, S*R, N], block-diagonal over the shards (LoRALinear)."""
+    n, s = sum(sizes), len(sizes)
+    a = torch.randn(n_slots, s * r, k, generator=g) / k ** 0.5
+    bt = torch.zeros(n_slots, s * r, n)
+    off = 0
+    for i, size in enumerate(sizes):
+        bt[:, i * r:(i + 1) * r, off:off + size] = torch.randn(n_slots, r, size, generator=g)
+        off += size
+    return a, bt
+
+
+@pytest.mark.parametrize("k,sizes,r,silu,slot", [
+    (300, (24,), 6, False, 1),       # one shard; 5 K chunks of 64 padded to 8 partials
+    (72, (16, 8, 8), 5, False, 2),   # q/k/v shards (GEMV blocks of 8 rows in one shard)
+    (130, (40,), 4, True, 0),        # down: the shrink reads silu(gate) * up
+    (64, (24, 24), 3, False, -1),    # gate/up, a row without an adapter
+])
+def test_gemv_lora_epilogue_matches_reference(k: int, sizes: tuple[int, ...], r: int,
+                                              silu: bool, slot: int, device: str) -> None:
+    """Batch 1: the split-K shrink (``lora_shrink``) then the base GEMV adding the expand
+    in its epilogue, against the plain GEMV plus the fp32 reference delta; without an
+    adapter, bit-for-bit the plain GEMV."""
+    from pagedllm.kernels.gemv import gemv
+    from pagedllm.kernels.lora import lora_shrink
+
+    g = torch.Generator().manual_seed(k + r)
+    n = sum(sizes)
+    a, bt = _stacked(g, 3, k, sizes, r)
+    x = torch.randn(1, 2 * k if silu else k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    b = torch.randn(n, generator=g)
+    slots = torch.tensor([slot], dtype=torch.int32)
+    want = (x @ w.T if not silu else _silu_mul(x) @ w.T) + b
+    want = want + lora_ref(_silu_mul(x) if silu else x, slots, a, bt)
+    bounds = tuple(int(v) for v in torch.tensor(sizes).cumsum(0)[:-1])
+    x, w, b, slots, a, bt = (z.to(device) for z in (x, w, b, slots, a, bt))
+    lora = lora_shrink(x, slots, a, bt, bounds, silu_mul=silu)
+    if k == 300:
+        assert lora.split == 8  # 5 chunks and 3 zero ones
+    got = gemv(x, w, b, silu_mul=silu, lora=lora)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    plain = gemv(x, w, b, silu_mul=silu)
+    if slot < 0:
+        assert torch.equal(got, plain)
+    else:  # the adapter really moved the output
+        assert (got - plain).abs().max().item() > 1e-2
