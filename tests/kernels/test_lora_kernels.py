@@ -123,6 +123,7 @@ def test_fused_matches_reference(t: int, k: int, sizes: tuple[int, ...], r: int,
 
 _COMPILE = textwrap.dedent(r"""
     import json
+    import triton
     from tests.kernels.sm90_compile import compile_sm90
     from pagedllm.kernels import lora as L
 
@@ -153,6 +154,40 @@ _COMPILE = textwrap.dedent(r"""
            "y_ptr": "*bf16", "N": i32, "stride_bs": i32, "stride_y": i32}
     out["sgmv expand"] = build(L._sgmv_expand_kernel, sig, dict(
         SR=48, BLOCK_M=32, BLOCK_N=128, BLOCK_SR=64, IEEE=False, USE_PDL=True), 4)
+    # Batch 1: the split-K shrink and the GEMVs with the expand in their epilogue.
+    from pagedllm.kernels import gemv as G, gemv_rope as GR
+    for name, n, k, s, silu in [("qkv", 6144, 4096, 3, False),
+                                ("gate_up", 28672, 4096, 2, False),
+                                ("o", 4096, 4096, 1, False),
+                                ("down", 4096, 14336, 1, True)]:
+        chunk, warps = L.shrink_config(k)
+        split = triton.next_power_of_2(triton.cdiv(k, chunk))
+        sig = {"x_ptr": "*bf16", "slots_ptr": "*i32", "a_ptr": "*bf16", "t_ptr": "*fp32",
+               "stride_as": i32}
+        out["shrink " + name] = build(L._shrink_kernel, sig, dict(
+            K=k, R=16, SR=16 * s, SILU_MUL=silu, CHUNK=chunk, BLOCK_R=16,
+            USE_PDL=True), warps)
+        lora = dict(HAS_LORA=True, LORA_R=16, LORA_SR=16 * s, LORA_SPLIT=split,
+                    LORA_BLOCK_R=16)
+        bn, bk, warps = G.gemv_config(n, k)
+        sig = {p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
+        sig.update({"xs_ptr": "*fp32", "ws_ptr": "*fp32", "ls_ptr": "*i32",
+                    "lt_ptr": "*fp32", "lb_ptr": "*bf16", "N": i32, "stride_wn": i32,
+                    "stride_lb": i32, "B1": i32, "B2": i32})
+        out["gemv+lora " + name] = build(G._gemv_kernel, sig, dict(
+            K=k, HAS_BIAS=False, SILU_MUL=silu, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=True,
+            SCALED=False, **lora), warps)
+        if name == "qkv":
+            sig = {p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")}
+            sig.update({"pos_ptr": "*i64", "cs_ptr": "*fp32", "k_cache_ptr": "*bf16",
+                        "v_cache_ptr": "*bf16", "slot_ptr": "*i64", "ls_ptr": "*i32",
+                        "lt_ptr": "*fp32", "lb_ptr": "*bf16"})
+            sig.update({p: i32 for p in ("stride_wn", "stride_c", "stride_cb",
+                                         "stride_cs", "stride_ch", "stride_lb", "B1",
+                                         "B2")})
+            out["gemv_qkv_rope+lora"] = build(GR._gemv_qkv_rope_kernel, sig, dict(
+                K=k, NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16,
+                HAS_BIAS=False, PAIRS=GR.PAIRS, BLOCK_K=512, USE_PDL=True, **lora), 4)
     print(json.dumps(out))
 """)
 
@@ -162,7 +197,7 @@ def test_lora_kernels_compile_for_sm90_without_spills(tmp_path) -> None:
     loops and dots, constexpr ternaries): compile each for sm_90 at the Llama-3-8B
     shapes, no GPU needed (the pattern of ``test_quant_gemm_sm90.py``)."""
     spills = run_script(_COMPILE, tmp_path)
-    assert len(spills) == 5 and not any(spills.values()), spills
+    assert len(spills) == 14 and not any(spills.values()), spills
 
 
 def _stacked(g: torch.Generator, n_slots: int, k: int, sizes: tuple[int, ...], r: int,
