@@ -203,6 +203,8 @@ class LoRALinear:
                               device=device)
         self.use_triton = use_triton
         self.owner = slot_owner(max_loras, n_shards * max_rank, device)
+        # The shrink a norm computed for its output (:meth:`norm`), until read.
+        self._pending: tuple[torch.Tensor, GemvLoRA] | None = None
 
     @staticmethod
     def bytes_per_slot(layer: torch.nn.Module, max_rank: int, dtype: torch.dtype) -> int:
@@ -266,11 +268,34 @@ class LoRALinear:
         ``silu(gate) * up`` with ``silu_mul``) that adds the delta in its epilogue: runs
         the shrink (``kernels/lora.lora_shrink``, one launch) and returns the epilogue's
         operands; None when no adapter runs this step (the GEMV is then the plain one)."""
+        pending, self._pending = self._pending, None
         if not self.mapping.active:
             return None
+        if pending is not None and pending[0] is x:  # the norm before ran the shrink
+            return pending[1]
         from pagedllm.kernels.lora import lora_shrink
 
         return lora_shrink(x, self._slots(1), self.a, self.bt, self.shard_bounds, silu_mul)
+
+    def norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+             eps: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """The RMSNorm whose output this layer reads (``layers/norm.RMSNorm`` with
+        ``lora_next`` set), with this layer's shrink in the same launch
+        (``kernels/lora_norm.py``), where this layer then runs as the batch-1 GEMV; the
+        shrink is kept for :meth:`gemv_lora` of that very output tensor (any other input
+        runs its own shrink).  None where it does not apply: the caller runs its norm."""
+        if not self.mapping.active or x.shape[0] != 1 or not x.is_contiguous():
+            return None
+        from pagedllm.layers.linear import gemv_applies
+
+        if not gemv_applies(x, self.layer):  # the output has x's shape, dtype, device
+            return None
+        from pagedllm.kernels.lora_norm import rms_norm_shrink
+
+        result, lora = rms_norm_shrink(x, residual, weight, eps, self._slots(1), self.a,
+                                       self.bt, self.shard_bounds)
+        self._pending = (result if residual is None else result[0], lora)
+        return result
 
     def gemv(self, x: torch.Tensor, bias: torch.Tensor | None,
              silu_mul: bool = False) -> torch.Tensor:

@@ -248,3 +248,48 @@ def test_gemv_lora_epilogue_matches_reference(k: int, sizes: tuple[int, ...], r:
         assert torch.equal(got, plain)
     else:  # the adapter really moved the output
         assert (got - plain).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("k,sizes,r,residual,slot,dtype", [
+    (300, (24,), 6, True, 1, torch.float32),        # ragged K, padded partials
+    (256, (16, 8, 8), 5, False, 2, torch.bfloat16),  # q/k/v shards, no residual
+    (64, (24, 24), 3, True, -1, torch.bfloat16),     # gate/up, no adapter
+])
+def test_rms_norm_shrink_matches_norm_and_reference(
+        k: int, sizes: tuple[int, ...], r: int, residual: bool, slot: int,
+        dtype: torch.dtype, device: str) -> None:
+    """The norm + shrink launch (``kernels/lora_norm.py``): its norm outputs bit-equal
+    to ``kernels/norm.py``'s; the GEMV adding the expand from its partials against the
+    fp32 reference delta of the stored normalised row."""
+    from pagedllm.kernels.gemv import gemv
+    from pagedllm.kernels.lora_norm import rms_norm_shrink
+    from pagedllm.kernels.norm import fused_add_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(k + r)
+    n = sum(sizes)
+    a, bt = _stacked(g, 3, k, sizes, r)
+    x = torch.randn(1, k, generator=g).to(device, dtype)
+    res = torch.randn(1, k, generator=g).to(device, dtype) if residual else None
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device, dtype)
+    slots = torch.tensor([slot], dtype=torch.int32, device=device)
+    a, bt = a.to(device, dtype), bt.to(device, dtype)
+    bounds = tuple(int(v) for v in torch.tensor(sizes).cumsum(0)[:-1])
+    got, lora = rms_norm_shrink(x, res, nw, 1e-5, slots, a, bt, bounds)
+    if residual:
+        want = fused_add_rms_norm(x, res, nw, 1e-5)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        y = got[0]
+    else:
+        want = rms_norm(x, nw, 1e-5)
+        assert torch.equal(got, want)
+        y = got
+    out = gemv(y, w, lora=lora).float().cpu()
+    ref = (gemv(y, w).float().cpu()
+           + lora_ref(y.float().cpu(), slots.cpu(), a.float().cpu(), bt.float().cpu()))
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -6  # one more rounding to dtype
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    if slot < 0:
+        assert torch.equal(gemv(y, w, lora=lora), gemv(y, w))
+    else:
+        assert (out - gemv(y, w).float().cpu()).abs().max().item() > 1e-2
