@@ -1,13 +1,16 @@
 """Batched multi-LoRA: each token row's ``y += (x A[slot]^T) Bt[slot]``, where every row
 carries its own adapter slot (-1: none), so one step mixes adapters and base-model rows.
 
-Two forms, chosen by the row count (``lora/layers.lora_path``):
+Three forms:
 
+* :func:`lora_shrink` + the expand in the base GEMV's epilogue -- where the layer runs
+  as the batch-1 GEMV (``kernels/gemv.py``, ``gemv_rope.py``): a Llama-3-8B step has
+  128 target projections, so launches are the cost; the shrink is one split-K launch
+  (or part of the RMSNorm's before qkv / gate_up: ``kernels/lora_norm.py``) and the
+  expand costs no launch.  See the section below.
 * :func:`lora_fused` -- shrink and expand in **one launch**, one program per row and
-  block of outputs.  For decode at batch 1 (a Llama-3-8B step has 128 target
-  projections, so launches are the cost), and the only form that can read its input as
-  ``silu(gate) * up`` (``down_proj``'s GEMV does) or return the fp32 delta (for the QKV
-  GEMV, which must add it before its RoPE epilogue).
+  block of outputs: up to a few rows on other base kernels (``lora/layers.lora_path``);
+  it can read its input as ``silu(gate) * up`` or return the fp32 delta.
 * :func:`lora_sgmv` -- rows grouped by adapter on the host (vLLM's punica "sgmv"):
   tensor-core shrink then expand per group, each row's own adapter only.  For steps of
   many rows.

@@ -48,8 +48,8 @@ def gemv_applies(x: torch.Tensor, layer: LinearBase) -> bool:
     ``quantization.unquantized.gemv_shape``): unquantised weights only, so fused paths
     that read the weight themselves (GEMV + SiLU, GEMV + RoPE) see a plain tensor."""
     weight = layer.unquantized_weight
-    # With LoRA slots the fused paths add the delta themselves (``forward_silu_mul``,
-    # ``LlamaAttention``'s QKV + RoPE through ``LoRALinear.delta``).
+    # With LoRA slots the GEMV adds the delta in its epilogue (``LoRALinear.gemv``;
+    # ``LlamaAttention``'s QKV + RoPE through ``LoRALinear.gemv_lora``).
     return gemv_shape(x, weight) if weight is not None else False
 
 

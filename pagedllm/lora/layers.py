@@ -22,18 +22,22 @@ slot per request on such steps (the token map otherwise).
 
 The CPU path (and the kernels' oracle) is :func:`lora_ref`: dense over all slots with a
 per-token mask -- no loop over tokens or adapters, no host sync.  On CUDA the path
-depends on the row count only (:func:`lora_path`): up to ``FUSED_MAX_ROWS`` rows (decode
-at batch 1) the one-launch ``kernels/lora.lora_fused``; above, the
+depends on the row count only (:func:`lora_path`): up to ``FUSED_MAX_ROWS`` rows the
+one-launch ``kernels/lora.lora_fused``; above, the
 dense masked form on cuBLAS (:func:`lora_dense_`); the segmented ``kernels/lora.lora_sgmv``
 over the rows the manager grouped by slot on the host (:func:`sgmv_tiles`, published with
 the slot map) up to ``PAGEDLLM_LORA_SGMV_MAX_ROWS`` rows (0 by default: slower than
 cuBLAS on the H200 as measured; an A/B switch).
 
-The base model's batch-1 fusions stay on with adapters: ``down_proj``'s GEMV reads
-``silu(gate) * up`` from ``gate_up`` itself, so :meth:`LoRALinear.apply_silu_mul` has the
-LoRA kernel do the same; the QKV GEMV rotates q/k and writes the KV cache in its
-epilogue, so the delta must join before that: :meth:`LoRALinear.delta` computes it
-(fp32) and ``kernels/gemv_rope.py`` adds it before rotating.
+Where a layer runs as the batch-1 GEMV (one row, ``layers/linear.gemv_applies``: decode
+at batch 1) the delta rides on the base kernels instead, so an adapter adds at most one
+launch per projection (:meth:`LoRALinear.gemv`, :meth:`LoRALinear.gemv_lora`): the
+shrink is one split-K launch (``kernels/lora.lora_shrink``; for ``down_proj`` reading
+``silu(gate) * up`` as its GEMV does), or none for ``qkv_proj`` / ``gate_up_proj``,
+whose RMSNorm computes it in its own launch (:meth:`LoRALinear.norm`,
+``kernels/lora_norm.py``; the manager links the norms, ``manager.link_norms``); the
+expand is in the base GEMV's epilogue (``kernels/gemv.py``, and ``kernels/gemv_rope.py``
+for the QKV GEMV that rotates q/k and writes the KV cache: the delta joins before).
 """
 
 from __future__ import annotations
