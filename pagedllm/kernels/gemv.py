@@ -107,16 +107,23 @@ def _lora_bt(slots_ptr, bt_ptr, stride_bs, cols, n0, N, B1, B2, R: tl.constexpr,
 
 
 @triton.jit
-def _lora_add(y, b, rows, has, t_ptr, R: tl.constexpr, SR: tl.constexpr,
-              SPLIT: tl.constexpr, BLOCK_R: tl.constexpr):
-    """LoRA epilogue, part 2, after the PDL wait (``kernels/lora.lora_shrink`` wrote the
-    partials just before): ``y`` (the output rounded to its dtype) plus ``t @ b`` in
-    fp32, ``t`` the sum of the ``SPLIT`` partial shrinks (fixed order), rounded once
-    more -- as the unfused path adds the delta in place; ``y`` untouched (bit-for-bit)
-    without an adapter."""
+def _lora_partials(t_ptr, rows, R: tl.constexpr, SR: tl.constexpr, SPLIT: tl.constexpr,
+                   BLOCK_R: tl.constexpr):
+    """LoRA epilogue, part 2, right after the PDL wait (``kernels/lora.lora_shrink``
+    wrote them just before): the ``[SPLIT, BLOCK_R]`` partial shrinks of ``rows``,
+    loaded before the K loop so that their latency hides behind it."""
     s = tl.arange(0, SPLIT)
     m = (s < SPLIT)[:, None] & (tl.arange(0, BLOCK_R) < R)[None, :]
-    t = tl.sum(tl.load(t_ptr + s[:, None] * SR + rows[None, :], mask=m, other=0.0), axis=0)
+    return tl.load(t_ptr + s[:, None] * SR + rows[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _lora_add(y, b, p, has):
+    """LoRA epilogue, part 3: ``y`` (the output rounded to its dtype) plus ``t @ b`` in
+    fp32, ``t`` the sum of the partials ``p`` (fixed order), rounded once more -- as the
+    unfused path adds the delta in place; ``y`` untouched (bit-for-bit) without an
+    adapter."""
+    t = tl.sum(p, axis=0)
     d = tl.sum(t[:, None] * b.to(tl.float32), axis=0)
     return tl.where(has, (y.to(tl.float32) + d).to(y.dtype), y)
 
@@ -146,6 +153,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, ls_ptr, lt_ptr, lb_
         lb, lrows, lhas = _lora_bt(ls_ptr, lb_ptr, stride_lb, rn_safe, pid * BLOCK_N, N,
                                    B1, B2, LORA_R, LORA_BLOCK_R)
     pdl_wait(USE_PDL)
+    if HAS_LORA:
+        lp = _lora_partials(lt_ptr, lrows, LORA_R, LORA_SR, LORA_SPLIT, LORA_BLOCK_R)
     out = _row_dots(x_ptr, w_rows, w0, rk, K, SILU_MUL, BLOCK_N, BLOCK_K)
     if SCALED:  # fp8: per-token x scale times per-channel w scales
         out = out * tl.load(xs_ptr) * tl.load(ws_ptr + rn_safe)
@@ -153,7 +162,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, ls_ptr, lt_ptr, lb_
         out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     y = out.to(y_ptr.dtype.element_ty)
     if HAS_LORA:
-        y = _lora_add(y, lb, lrows, lhas, lt_ptr, LORA_R, LORA_SR, LORA_SPLIT, LORA_BLOCK_R)
+        y = _lora_add(y, lb, lp, lhas)
     tl.store(y_ptr + rn, y, mask=n_mask)
 
 

@@ -33,7 +33,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.gemv import _load_w, _lora_add, _lora_bt, _lora_launch, _row_dots
+from pagedllm.kernels.gemv import (
+    _load_w,
+    _lora_add,
+    _lora_bt,
+    _lora_launch,
+    _lora_partials,
+    _row_dots,
+)
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
 from pagedllm.kernels.rotary import _cos_sin, _rope
 
@@ -80,13 +87,14 @@ def _gemv_qkv_rope_kernel(
                                    (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, B1, B2,
                                    LORA_R, LORA_BLOCK_R)
     pdl_wait(USE_PDL)
+    if HAS_LORA:  # the shrink's partials: written by the kernel before
+        lp = _lora_partials(lt_ptr, lrows, LORA_R, LORA_SR, LORA_SPLIT, LORA_BLOCK_R)
     acc_out = _row_dots(x_ptr, w_rows, w0, rk, K, False, 2 * PAIRS, BLOCK_K)
     if HAS_BIAS:
         acc_out += bias
     y = acc_out.to(out_ptr.dtype.element_ty)  # the projection's rounding, as gemv's
-    if HAS_LORA:  # the shrink's partials: written by the kernel before
-        y = _lora_add(y, lb, lrows, lhas, lt_ptr, LORA_R, LORA_SR, LORA_SPLIT,
-                      LORA_BLOCK_R)
+    if HAS_LORA:
+        y = _lora_add(y, lb, lp, lhas)
     x1, x2 = tl.split(tl.reshape(y, (PAIRS, 2)))
     r1, r2 = _rope(x1[None, :], x2[None, :], cos, sin)
     rotated = tl.reshape(tl.join(r1, r2), (2 * PAIRS,))
