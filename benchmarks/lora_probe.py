@@ -47,6 +47,7 @@ L, R, LAYERS = 8, 16, 32
 # name: (in features, output shard sizes, input is [gate | up] for silu(gate)*up)
 PROJ = {"qkv": (4096, (4096, 1024, 1024), False), "o": (4096, (4096,), False),
         "gate_up": (4096, (14336, 14336), False), "down": (14336, (4096,), True)}
+HEADS = (32, 8, 128)  # q heads, KV heads, head_dim: qkv's shards above
 
 
 def _bounds(sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -189,7 +190,7 @@ def _check_rope(results: list) -> bool:
     from pagedllm.layers.rotary import RotaryEmbedding
 
     g = torch.Generator().manual_seed(1)
-    hq, hkv, d, k = 32, 8, 128, 4096
+    (hq, hkv, d), k = HEADS, PROJ["qkv"][0]
     n = (hq + 2 * hkv) * d
     x = torch.randn(1, k, generator=g).to(DEV, BF16)
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEV, BF16)
@@ -228,14 +229,15 @@ def _check_mlp(results: list) -> bool:
     from pagedllm.models.llama import LlamaMLP
 
     g = torch.Generator().manual_seed(2)
+    hidden, inter = PROJ["gate_up"][0], PROJ["gate_up"][1][0]
     torch.set_default_dtype(BF16)
     with torch.device(DEV):
-        mlp = LlamaMLP(4096, 14336)
-        norm = RMSNorm(4096, 1e-5)
+        mlp = LlamaMLP(hidden, inter)
+        norm = RMSNorm(hidden, 1e-5)
     torch.set_default_dtype(torch.float32)
     for p in mlp.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    norm.weight.data.copy_(1 + 0.1 * torch.randn(4096, generator=g))
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(hidden, generator=g))
     mapping = LoRAMapping(16, DEV)
     mapping.token_slots[0] = 2
     mapping.active = True
@@ -246,8 +248,8 @@ def _check_mlp(results: list) -> bool:
         lora.bt.copy_(bt)
         layer.lora = lora
     norm.lora_next = mlp.gate_up_proj.lora
-    x = torch.randn(1, 4096, generator=g).to(DEV, BF16)
-    res = torch.randn(1, 4096, generator=g).to(DEV, BF16)
+    x = torch.randn(1, hidden, generator=g).to(DEV, BF16)
+    res = torch.randn(1, hidden, generator=g).to(DEV, BF16)
 
     def run() -> torch.Tensor:
         h, _ = norm(x, res)
@@ -338,17 +340,17 @@ def _layer_chain(lora: bool, base: dict, slots_w: dict, g: torch.Generator):
     from pagedllm.kernels.gemv_rope import gemv_qkv_rope
     from pagedllm.layers.rotary import RotaryEmbedding
 
-    hq, hkv, d = 32, 8, 128
+    (hq, hkv, d), hidden = HEADS, PROJ["qkv"][0]
     slots = torch.tensor([3], dtype=torch.int32, device=DEV)
-    norms = [(1 + 0.1 * torch.randn(2, 4096, generator=g, device=DEV)).to(BF16)
+    norms = [(1 + 0.1 * torch.randn(2, hidden, generator=g, device=DEV)).to(BF16)
              for _ in range(LAYERS)]
     cs = RotaryEmbedding(d, 4096, {"rope_theta": 500000.0, "rope_type": "default"}
                          ).cos_sin_cache.to(DEV)
     pos = torch.tensor([1234], device=DEV)
     slot_map = torch.tensor([77], dtype=torch.int64, device=DEV)
     cache = torch.zeros(2, 8, 16, hkv, d, dtype=BF16, device=DEV)
-    h0 = torch.randn(1, 4096, generator=g, device=DEV, dtype=BF16)
-    r0 = torch.randn(1, 4096, generator=g, device=DEV, dtype=BF16)
+    h0 = torch.randn(1, hidden, generator=g, device=DEV, dtype=BF16)
+    r0 = torch.randn(1, hidden, generator=g, device=DEV, dtype=BF16)
     b = {name: _bounds(sizes) for name, (_, sizes, _) in PROJ.items()}
 
     def norm(i: int, j: int, h: torch.Tensor, res: torch.Tensor, name: str):
