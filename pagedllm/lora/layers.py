@@ -288,7 +288,9 @@ class LoRALinear:
         (``kernels/lora_norm.py``), where this layer then runs as the batch-1 GEMV; the
         shrink is kept for :meth:`gemv_lora` of that very output tensor (any other input
         runs its own shrink).  None where it does not apply: the caller runs its norm."""
-        if not self.mapping.active or x.shape[0] != 1 or not x.is_contiguous():
+        if not self.mapping.active or x.dim() != 2 or x.shape[0] != 1 \
+                or not x.is_contiguous() \
+                or (residual is not None and not residual.is_contiguous()):
             return None
         from pagedllm.layers.linear import gemv_applies
 
