@@ -142,8 +142,9 @@ def test_batch1_fused_paths_with_adapters(setup) -> None:
     paths with adapters -- every GEMV adding the expand in its epilogue (the QKV GEMV
     before RoPE and the KV write), the shrinks of qkv / gate_up in the RMSNorm's launch,
     ``down_proj``'s GEMV and shrink both reading ``silu(gate) * up`` -- against the same
-    engine with the GEMV off (cuBLAS, the delta added after each projection): the same greedy tokens while they agree, log-probs
-    within bf16 noise, and each adapter really moves them."""
+    engine with the GEMV off (cuBLAS, the delta added after each projection): the same
+    greedy tokens while they agree, log-probs within bf16 noise, and each adapter really
+    moves them."""
     import pagedllm.layers.quantization.unquantized as unq
 
     _, _, reqs, _, root = setup
