@@ -15,7 +15,8 @@
 #   loracheck  issue 26 on the GPU: benchmarks/lora_probe.py (the LoRA kernels against
 #            the fp32 reference at Llama-3-8B shapes, the fused GEMV paths with an adapter,
 #            the delta per layer at M = 1..256 against the base GEMV/GEMM; exits 1 on a
-#            mismatch; LORA_SWEEP=1 adds the fused kernel's config sweep), then the LoRA
+#            mismatch; LORA_SWEEP=1 adds the fused kernel's config sweep, LORA_ROWS=1
+#            times M = 1 only, the batch-1 path and the decoder layer), then the LoRA
 #            kernel / gemv_rope tests and the gpu-marked LoRA tests
 #   hybrid   issue 23's target: Gemma-3-12B shape, W5 with the hybrid KV cache manager
 #            vs --disable-hybrid-kv-cache-manager (tok/s, peak KV blocks/GiB in use), then
@@ -128,7 +129,7 @@ for part in $PARTS; do
       --repeats "${REPEATS:-1}" ;;
     loracheck)
       step timeout 300 python benchmarks/lora_probe.py --out "$OUT/lora_probe.json" \
-        ${LORA_SWEEP:+--sweep}
+        --rows "${LORA_ROWS:-1,4,16,64,256,2048}" ${LORA_SWEEP:+--sweep}
       step timeout 240 python -m pytest tests/kernels/test_lora_kernels.py \
         tests/kernels/test_gemv_rope.py tests/lora -q -rf -p no:cacheprovider ;;
     hybrid)

@@ -28,11 +28,16 @@ scales (``x_scale [1, 1]``, ``w_scale [N]``) the kernel computes the W8A8 produc
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
+
+if TYPE_CHECKING:
+    from pagedllm.kernels.lora import GemvLoRA
 
 
 @triton.jit
@@ -83,10 +88,54 @@ def _row_dots(x_ptr, w_rows, w0, rk, K: tl.constexpr, SILU_MUL: tl.constexpr,
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, N, stride_wn,
+def _lora_bt(slots_ptr, bt_ptr, stride_bs, cols, n0, N, B1, B2, R: tl.constexpr,
+             BLOCK_R: tl.constexpr):
+    """LoRA epilogue, part 1, before the PDL wait (the slot is step metadata, Bt a
+    weight): the program's ``[BLOCK_R, len(cols)]`` tile of its slot's ``Bt`` for output
+    columns ``cols`` (all in the shard of column ``n0``: ``kernels/lora.py``'s stacked
+    layout, shards starting at ``B1`` and ``B2``), those rank rows, and whether the row
+    has an adapter."""
+    slot = tl.load(slots_ptr)
+    has = slot >= 0
+    shard = (n0 >= B1).to(tl.int32) + (n0 >= B2).to(tl.int32)
+    r = tl.arange(0, BLOCK_R)
+    rows = shard * R + r
+    m = ((r < R) & has)[:, None] & (cols < N)[None, :]
+    b = tl.load(bt_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs + rows[:, None] * N
+                + cols[None, :], mask=m, other=0.0)
+    return b, rows, has
+
+
+@triton.jit
+def _lora_partials(t_ptr, rows, R: tl.constexpr, SR: tl.constexpr, SPLIT: tl.constexpr,
+                   BLOCK_R: tl.constexpr):
+    """LoRA epilogue, part 2, right after the PDL wait (``kernels/lora.lora_shrink``
+    wrote them just before): the ``[SPLIT, BLOCK_R]`` partial shrinks of ``rows``,
+    loaded before the K loop so that their latency hides behind it."""
+    s = tl.arange(0, SPLIT)
+    m = (s < SPLIT)[:, None] & (tl.arange(0, BLOCK_R) < R)[None, :]
+    return tl.load(t_ptr + s[:, None] * SR + rows[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _lora_add(y, b, p, has):
+    """LoRA epilogue, part 3: ``y`` (the output rounded to its dtype) plus ``t @ b`` in
+    fp32, ``t`` the sum of the partials ``p`` (fixed order), rounded once more -- as the
+    unfused path adds the delta in place; ``y`` untouched (bit-for-bit) without an
+    adapter."""
+    t = tl.sum(p, axis=0)
+    d = tl.sum(t[:, None] * b.to(tl.float32), axis=0)
+    return tl.where(has, (y.to(tl.float32) + d).to(y.dtype), y)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, ls_ptr, lt_ptr, lb_ptr, N,
+                 stride_wn, stride_lb, B1, B2,
                  K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-                 SCALED: tl.constexpr = False):
+                 SCALED: tl.constexpr = False, HAS_LORA: tl.constexpr = False,
+                 LORA_R: tl.constexpr = 1, LORA_SR: tl.constexpr = 1,
+                 LORA_SPLIT: tl.constexpr = 1, LORA_BLOCK_R: tl.constexpr = 1):
     pdl_trigger(USE_PDL)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,13 +149,21 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, N, stride_wn,
     # steps measured the same on an H200, four were slower: register spills.)
     rk = tl.arange(0, BLOCK_K)
     w0 = _load_w(w_rows, rk, K, BLOCK_K)
+    if HAS_LORA:  # the adapter's Bt tile, with the first weight tile
+        lb, lrows, lhas = _lora_bt(ls_ptr, lb_ptr, stride_lb, rn_safe, pid * BLOCK_N, N,
+                                   B1, B2, LORA_R, LORA_BLOCK_R)
     pdl_wait(USE_PDL)
+    if HAS_LORA:
+        lp = _lora_partials(lt_ptr, lrows, LORA_R, LORA_SR, LORA_SPLIT, LORA_BLOCK_R)
     out = _row_dots(x_ptr, w_rows, w0, rk, K, SILU_MUL, BLOCK_N, BLOCK_K)
     if SCALED:  # fp8: per-token x scale times per-channel w scales
         out = out * tl.load(xs_ptr) * tl.load(ws_ptr + rn_safe)
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+    y = out.to(y_ptr.dtype.element_ty)
+    if HAS_LORA:
+        y = _lora_add(y, lb, lp, lhas)
+    tl.store(y_ptr + rn, y, mask=n_mask)
 
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int]:
@@ -121,12 +178,15 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          out: torch.Tensor | None = None, silu_mul: bool = False,
          config: tuple[int, int, int] | None = None, x_scale: torch.Tensor | None = None,
-         w_scale: torch.Tensor | None = None) -> torch.Tensor:
+         w_scale: torch.Tensor | None = None, lora: GemvLoRA | None = None,
+         ) -> torch.Tensor:
     """``x: [1, K]`` (``[1, 2K]`` = ``[gate | up]`` when ``silu_mul``; contiguous),
     ``weight: [N, K]`` with contiguous rows, ``bias: [N]`` or None -> ``[1, N]`` in
     ``x``'s dtype (``out``'s when given).  ``config`` overrides :func:`gemv_config` (for
     tuning).  ``x_scale`` ``[1, 1]`` / ``w_scale`` ``[N]`` (fp32): the scales of e4m3
-    ``x`` and ``weight`` (see the module doc); pass ``out`` in the model dtype."""
+    ``x`` and ``weight`` (see the module doc); pass ``out`` in the model dtype.
+    ``lora``: an adapter's delta for this row (``kernels/lora.lora_shrink``, which ran
+    the shrink), added in the epilogue to the rounded output and rounded again."""
     n, k = weight.shape
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv takes exactly one row, got x of shape {tuple(x.shape)}")
@@ -139,9 +199,28 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     block_n, block_k, warps = config or gemv_config(n, k)
     scaled = x_scale is not None
     assert scaled == (w_scale is not None), "x_scale and w_scale go together"
+    lora_args, lora_consts = _lora_launch(lora, n, out)
+    if lora is not None:  # a program's rows must lie in one shard
+        while any(b < n and b % block_n for b in lora.bounds):
+            block_n //= 2
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out,
-        x_scale if scaled else out, w_scale if scaled else out, n, weight.stride(0), K=k,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_N=block_n, BLOCK_K=block_k,
-        SCALED=scaled, num_warps=warps, **pdl_launch_args(x.device))
+        x_scale if scaled else out, w_scale if scaled else out, *lora_args[:3], n,
+        weight.stride(0), *lora_args[3:], K=k, HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul, BLOCK_N=block_n, BLOCK_K=block_k, SCALED=scaled,
+        num_warps=warps, **lora_consts, **pdl_launch_args(x.device))
     return out
+
+
+def _lora_launch(lora: GemvLoRA | None, n: int, placeholder: torch.Tensor,
+                 ) -> tuple[tuple, dict]:
+    """A GEMV kernel's LoRA epilogue arguments ``(slots, partials, bt, bt slot stride,
+    B1, B2)`` and constants (placeholders and ``HAS_LORA=False`` without one)."""
+    if lora is None:
+        return (placeholder, placeholder, placeholder, 0, 0, 0), {}
+    assert lora.bt.shape[2] == n and lora.bt.is_contiguous()
+    assert lora.split == triton.next_power_of_2(lora.split)
+    sr = lora.partials.shape[1]
+    return (lora.slots, lora.partials, lora.bt, lora.bt.stride(0), *lora.bounds), dict(
+        HAS_LORA=True, LORA_R=lora.rank, LORA_SR=sr, LORA_SPLIT=lora.split,
+        LORA_BLOCK_R=triton.next_power_of_2(lora.rank))

@@ -10,9 +10,10 @@ heads of ``head_dim``:
   is -1, a CUDA-graph padding row).
 
 ``out``'s k and v columns are left unwritten: attention reads keys and values from the
-cache.  ``delta`` (fp32 ``[1, N]``, a LoRA adapter's ``lora/layers.LoRALinear.delta``) is
-added to the rounded projection and rounded again, as the unfused path's in-place LoRA
-add does, before the rotation and the cache write.  Every value is rounded exactly as
+cache.  ``lora`` (an adapter's delta: ``kernels/lora.lora_shrink`` ran the shrink, the
+expand is this kernel's, as in ``kernels/gemv.py``) is added to the rounded projection
+and rounded again, as the unfused path's in-place LoRA add does, before the rotation and
+the cache write.  Every value is rounded exactly as
 the unfused path rounds it (the projection to the activation dtype first, then
 ``rotary._rope``'s per-product rounding), so the cache and the rotated queries are
 bit-identical to ``gemv`` + ``rotary_and_write_kv``.
@@ -26,13 +27,25 @@ keep the unfused path.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.gemv import _load_w, _row_dots
+from pagedllm.kernels.gemv import (
+    _load_w,
+    _lora_add,
+    _lora_bt,
+    _lora_launch,
+    _lora_partials,
+    _row_dots,
+)
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
 from pagedllm.kernels.rotary import _cos_sin, _rope
+
+if TYPE_CHECKING:
+    from pagedllm.kernels.lora import GemvLoRA
 
 PAIRS = 4  # rotation pairs per program: 8 rows, as gemv_config's BLOCK_N
 
@@ -40,11 +53,13 @@ PAIRS = 4  # rotation pairs per program: 8 rows, as gemv_config's BLOCK_N
 @triton.jit
 def _gemv_qkv_rope_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, pos_ptr, cs_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    delta_ptr, stride_wn, stride_c, stride_cb, stride_cs, stride_ch,
+    ls_ptr, lt_ptr, lb_ptr, stride_wn, stride_c, stride_cb, stride_cs, stride_ch,
+    stride_lb, B1, B2,
     K: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
     PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    HAS_DELTA: tl.constexpr = False,
+    HAS_LORA: tl.constexpr = False, LORA_R: tl.constexpr = 1, LORA_SR: tl.constexpr = 1,
+    LORA_SPLIT: tl.constexpr = 1, LORA_BLOCK_R: tl.constexpr = 1,
 ):
     pdl_trigger(USE_PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -67,13 +82,19 @@ def _gemv_qkv_rope_kernel(
     slot = tl.load(slot_ptr).to(tl.int64)
     i = c0 + tl.arange(0, PAIRS)
     cos, sin = _cos_sin(pos_ptr, cs_ptr, stride_c, 0, i, i < HALF, out_ptr, HALF)
+    if HAS_LORA:  # the adapter's Bt tile for these rows (one head: one shard)
+        lb, lrows, lhas = _lora_bt(ls_ptr, lb_ptr, stride_lb, rn, head * HEAD_DIM,
+                                   (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, B1, B2,
+                                   LORA_R, LORA_BLOCK_R)
     pdl_wait(USE_PDL)
+    if HAS_LORA:  # the shrink's partials: written by the kernel before
+        lp = _lora_partials(lt_ptr, lrows, LORA_R, LORA_SR, LORA_SPLIT, LORA_BLOCK_R)
     acc_out = _row_dots(x_ptr, w_rows, w0, rk, K, False, 2 * PAIRS, BLOCK_K)
     if HAS_BIAS:
         acc_out += bias
     y = acc_out.to(out_ptr.dtype.element_ty)  # the projection's rounding, as gemv's
-    if HAS_DELTA:  # LoRA: written by the kernel before, so read after the PDL wait
-        y = (y.to(tl.float32) + tl.load(delta_ptr + rn)).to(out_ptr.dtype.element_ty)
+    if HAS_LORA:
+        y = _lora_add(y, lb, lp, lhas)
     x1, x2 = tl.split(tl.reshape(y, (PAIRS, 2)))
     r1, r2 = _rope(x1[None, :], x2[None, :], cos, sin)
     rotated = tl.reshape(tl.join(r1, r2), (2 * PAIRS,))
@@ -102,7 +123,7 @@ def gemv_qkv_rope(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor, *, num_heads: int, num_kv_heads: int, head_dim: int,
-    out: torch.Tensor | None = None, delta: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, lora: GemvLoRA | None = None,
 ) -> torch.Tensor:
     """``x: [1, K]`` (contiguous), ``weight: [(Hq + 2 Hkv) * D, K]`` (rows contiguous),
     ``bias`` of that many rows or None; ``positions``/``slot_mapping``: this token's
@@ -110,8 +131,9 @@ def gemv_qkv_rope(
     ``kv_cache``: one layer's ``[2, num_blocks, block_size, Hkv, D]``.
 
     Returns ``out`` (``[1, (Hq + 2 Hkv) * D]`` in x's dtype) with the rotated q in its
-    first ``Hq * D`` columns; the rotated k and the v go to the cache only.  ``delta``:
-    fp32 ``[1, N]`` (contiguous) added before the rotation (see the module doc)."""
+    first ``Hq * D`` columns; the rotated k and the v go to the cache only.  ``lora``: an
+    adapter's delta (``kernels/lora.lora_shrink``) added before the rotation (see the
+    module doc); its shard bounds must be whole heads."""
     n, k = weight.shape
     if x.dim() != 2 or x.shape != (1, k) or not x.is_contiguous() or weight.stride(1) != 1:
         raise ValueError(f"gemv_qkv_rope: x {tuple(x.shape)} must be one contiguous row "
@@ -127,18 +149,17 @@ def gemv_qkv_rope(
     assert cos_sin_cache.stride(-1) == 1
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    if delta is not None:
-        assert delta.shape == (1, n) and delta.dtype == torch.float32 \
-            and delta.is_contiguous(), "delta: fp32 [1, N], contiguous"
+    if lora is not None:
+        assert all(b % head_dim == 0 for b in lora.bounds), "LoRA shards: whole heads"
+    lora_args, lora_consts = _lora_launch(lora, n, out)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_k = min(512, triton.next_power_of_2(k))
     _gemv_qkv_rope_kernel[(n // (2 * PAIRS),)](
         x, weight, bias if bias is not None else weight, out, positions, cos_sin_cache,
-        k_cache, v_cache, slot_mapping, delta if delta is not None else out,
+        k_cache, v_cache, slot_mapping, *lora_args[:3],
         weight.stride(0), cos_sin_cache.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *lora_args[3:],
         K=k, NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=kv_cache.shape[2], HAS_BIAS=bias is not None, PAIRS=PAIRS,
-        BLOCK_K=block_k, HAS_DELTA=delta is not None, num_warps=4,
-        **pdl_launch_args(x.device))
+        BLOCK_K=block_k, num_warps=4, **lora_consts, **pdl_launch_args(x.device))
     return out

@@ -1,13 +1,16 @@
 """Batched multi-LoRA: each token row's ``y += (x A[slot]^T) Bt[slot]``, where every row
 carries its own adapter slot (-1: none), so one step mixes adapters and base-model rows.
 
-Two forms, chosen by the row count (``lora/layers.lora_path``):
+Three forms:
 
+* :func:`lora_shrink` + the expand in the base GEMV's epilogue -- where the layer runs
+  as the batch-1 GEMV (``kernels/gemv.py``, ``gemv_rope.py``): a Llama-3-8B step has
+  128 target projections, so launches are the cost; the shrink is one split-K launch
+  (or part of the RMSNorm's before qkv / gate_up: ``kernels/lora_norm.py``) and the
+  expand costs no launch.  See the section below.
 * :func:`lora_fused` -- shrink and expand in **one launch**, one program per row and
-  block of outputs.  For decode at batch 1 (a Llama-3-8B step has 128 target
-  projections, so launches are the cost), and the only form that can read its input as
-  ``silu(gate) * up`` (``down_proj``'s GEMV does) or return the fp32 delta (for the QKV
-  GEMV, which must add it before its RoPE epilogue).
+  block of outputs: up to a few rows on other base kernels (``lora/layers.lora_path``);
+  it can read its input as ``silu(gate) * up`` or return the fp32 delta.
 * :func:`lora_sgmv` -- rows grouped by adapter on the host (vLLM's punica "sgmv"):
   tensor-core shrink then expand per group, each row's own adapter only.  For steps of
   many rows.
@@ -22,6 +25,7 @@ constants: a layer's shapes, a handful per model.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -266,3 +270,93 @@ def lora_sgmv(x: torch.Tensor, rows: torch.Tensor, tiles: torch.Tensor, a: torch
         s, rows, tiles, bt, y, n, bt.stride(0), y.stride(0), SR=sr, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_SR=block_sr, IEEE=ieee, num_warps=4, **pdl)
     return y
+
+
+# -- batch 1: split-K shrink, expand in the base GEMV's epilogue -------------------------
+#
+# At one row the delta is ~1 MB of adapter reads per layer: the cost is launches and
+# dependent round trips, not bytes.  So the expand has no launch of its own: the base
+# GEMV's program for an output block (``kernels/gemv.py``, ``kernels/gemv_rope.py``)
+# fetches its block's Bt tile with its first weight tile (before the PDL wait) and adds
+# ``t @ Bt`` to its rounded output before storing.  The shrink ``t = x A^T`` is one
+# launch over SPLIT K chunks x S shards: each program reads an [R, CHUNK] tile of A
+# (fetched before the PDL wait: weights) and writes fp32 partials ``[SPLIT, S*R]``; every
+# GEMV program sums the SPLIT partials of its shard in a fixed order in its epilogue
+# (1 KB from L2).  No shrink is recomputed, no atomics: two launches' worth of
+# deterministic fp32 sums per projection, one of them the base GEMV's own.
+
+
+@dataclass(frozen=True)
+class GemvLoRA:
+    """The operands a batch-1 GEMV's epilogue needs to add one row's adapter delta:
+    ``partials [SPLIT, S*R]`` fp32 (:func:`lora_shrink`; summed over SPLIT they are the
+    row's shrink), ``bt [L, S*R, N]`` (contiguous), ``slots [1]`` int32 (-1: no adapter,
+    the output is then bit-for-bit the plain GEMV's), ``rank`` R and the shard bounds
+    ``(B1, B2)`` (N where absent: ``kernels/lora.py``'s stacked layout)."""
+
+    partials: torch.Tensor
+    bt: torch.Tensor
+    slots: torch.Tensor
+    rank: int
+    bounds: tuple[int, int]
+
+    @property
+    def split(self) -> int:
+        return self.partials.shape[0]
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, slots_ptr, a_ptr, t_ptr, stride_as, K: tl.constexpr,
+                   R: tl.constexpr, SR: tl.constexpr, SILU_MUL: tl.constexpr,
+                   CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_trigger(USE_PDL)
+    j = tl.program_id(0)  # K chunk
+    rows = tl.program_id(1) * R + tl.arange(0, BLOCK_R)  # this shard's rank rows
+    r_ok = tl.arange(0, BLOCK_R) < R
+    slot = tl.load(slots_ptr)  # step metadata: readable before the PDL wait
+    has = slot >= 0  # without an adapter the loads are masked off and zeros stored
+    ks = j * CHUNK + tl.arange(0, CHUNK)
+    k_ok = (ks < K) & has
+    a = tl.load(a_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_as + rows[:, None] * K
+                + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+    pdl_wait(USE_PDL)
+    x = _load_x(x_ptr, ks, k_ok, K, SILU_MUL, True)
+    tl.store(t_ptr + j * SR + rows, tl.sum(a.to(tl.float32) * x[None, :], axis=1),
+             mask=r_ok)
+
+
+def shrink_config(k: int) -> tuple[int, int]:
+    """(CHUNK, num_warps): about 16 K chunks (K = 4096: 16 of 256; 14336: 14 of 1024,
+    padded to 16 programs),
+    so the GEMV epilogue sums <= 16 partials per rank row, and a tile of at most
+    [16, 1024] bf16 per program (64 values per thread at 8 warps)."""
+    chunk = max(64, triton.next_power_of_2(triton.cdiv(k, 16)))
+    return chunk, 8 if chunk >= 1024 else 4
+
+
+def lora_shrink(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+                shard_bounds: tuple[int, ...], silu_mul: bool = False) -> GemvLoRA:
+    """One launch: the split-K shrink of one row ``x [1, K]`` (``[1, 2K]`` = ``[gate |
+    up]`` read as ``silu(gate) * up`` with ``silu_mul``) by its slot's ``a [L, S*R, K]``;
+    returns the :class:`GemvLoRA` a batch-1 GEMV adds in its epilogue
+    (``kernels/gemv.gemv(..., lora=)``, ``gemv_rope.gemv_qkv_rope(..., lora=)``).  No
+    host sync; fixed grid."""
+    n_slots, sr, k = a.shape
+    n = bt.shape[2]
+    n_shards = len(shard_bounds) + 1
+    if x.shape != (1, 2 * k if silu_mul else k) or not x.is_contiguous() \
+            or n_shards > 3 or sr % n_shards:
+        raise ValueError(f"lora_shrink: x {tuple(x.shape)} / a {tuple(a.shape)} / "
+                         f"{n_shards} shards do not fit")
+    assert a.is_contiguous() and bt.is_contiguous() and bt.shape[1] == sr
+    r = sr // n_shards
+    chunk, warps = shrink_config(k)
+    # A power of two (the epilogue's arange); chunks past K store zeros.
+    split = triton.next_power_of_2(triton.cdiv(k, chunk))
+    partials = torch.empty(split, sr, dtype=torch.float32, device=x.device)
+    _shrink_kernel[(split, n_shards)](
+        x, slots, a, partials, a.stride(0), K=k, R=r, SR=sr, SILU_MUL=silu_mul,
+        CHUNK=chunk, BLOCK_R=triton.next_power_of_2(r), num_warps=warps,
+        **pdl_launch_args(x.device))
+    bounds = tuple(shard_bounds) + (n,) * (2 - len(shard_bounds))
+    return GemvLoRA(partials, bt, slots, r, (bounds[0], bounds[1]))

@@ -48,8 +48,8 @@ def gemv_applies(x: torch.Tensor, layer: LinearBase) -> bool:
     ``quantization.unquantized.gemv_shape``): unquantised weights only, so fused paths
     that read the weight themselves (GEMV + SiLU, GEMV + RoPE) see a plain tensor."""
     weight = layer.unquantized_weight
-    # With LoRA slots the fused paths add the delta themselves (``forward_silu_mul``,
-    # ``LlamaAttention``'s QKV + RoPE through ``LoRALinear.delta``).
+    # With LoRA slots the GEMV adds the delta in its epilogue (``LoRALinear.gemv``;
+    # ``LlamaAttention``'s QKV + RoPE through ``LoRALinear.gemv_lora``).
     return gemv_shape(x, weight) if weight is not None else False
 
 
@@ -202,7 +202,10 @@ class LinearBase(nn.Module):
         return self._apply(x, self.bias)
 
     def _apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The base method's ``x W^T + b``, plus the LoRA delta where adapters are on."""
+        """The base method's ``x W^T + b``, plus the LoRA delta where adapters are on (at
+        batch 1 inside the GEMV's epilogue: ``LoRALinear.gemv``)."""
+        if self.lora is not None and gemv_applies(x, self):
+            return self.lora.gemv(x, bias)
         y = self.quant_method.apply(self, x, bias)
         return y if self.lora is None else self.lora.apply(x, y)
 
@@ -386,10 +389,9 @@ class RowParallelLinear(LinearBase):
         ``gemv_applies(gate_up, self)``."""
         from pagedllm.kernels.gemv import gemv
 
-        y = gemv(gate_up, self.weight, self._local_bias, silu_mul=True)
         if self.lora is not None:  # the partial delta joins before the all-reduce
-            y = self.lora.apply_silu_mul(gate_up, y)
-        return self._reduce(y)
+            return self._reduce(self.lora.gemv(gate_up, self._local_bias, silu_mul=True))
+        return self._reduce(gemv(gate_up, self.weight, self._local_bias, silu_mul=True))
 
     @property
     def _local_bias(self) -> torch.Tensor | None:

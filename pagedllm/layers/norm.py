@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -19,6 +21,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        # Multi-LoRA: the ``LoRALinear`` of the projection reading this norm's output
+        # (set by the LoRA manager); at batch 1 its shrink runs in the norm's launch.
+        self.lora_next: Any = None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -34,6 +39,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.lora_next is not None:  # batch 1: + the next projection's LoRA shrink
+            fused = self.lora_next.norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
         if x.is_cuda and x.dtype != torch.float32:
             # One fused Triton kernel (add + statistics + scale) with HF's rounding order.
             from pagedllm.kernels.norm import fused_add_rms_norm, rms_norm

@@ -22,28 +22,36 @@ slot per request on such steps (the token map otherwise).
 
 The CPU path (and the kernels' oracle) is :func:`lora_ref`: dense over all slots with a
 per-token mask -- no loop over tokens or adapters, no host sync.  On CUDA the path
-depends on the row count only (:func:`lora_path`): up to ``FUSED_MAX_ROWS`` rows (decode
-at batch 1) the one-launch ``kernels/lora.lora_fused``; above, the
+depends on the row count only (:func:`lora_path`): up to ``FUSED_MAX_ROWS`` rows the
+one-launch ``kernels/lora.lora_fused``; above, the
 dense masked form on cuBLAS (:func:`lora_dense_`); the segmented ``kernels/lora.lora_sgmv``
 over the rows the manager grouped by slot on the host (:func:`sgmv_tiles`, published with
 the slot map) up to ``PAGEDLLM_LORA_SGMV_MAX_ROWS`` rows (0 by default: slower than
 cuBLAS on the H200 as measured; an A/B switch).
 
-The base model's batch-1 fusions stay on with adapters: ``down_proj``'s GEMV reads
-``silu(gate) * up`` from ``gate_up`` itself, so :meth:`LoRALinear.apply_silu_mul` has the
-LoRA kernel do the same; the QKV GEMV rotates q/k and writes the KV cache in its
-epilogue, so the delta must join before that: :meth:`LoRALinear.delta` computes it
-(fp32) and ``kernels/gemv_rope.py`` adds it before rotating.
+Where a layer runs as the batch-1 GEMV (one row, ``layers/linear.gemv_applies``: decode
+at batch 1) the delta rides on the base kernels instead, so an adapter adds at most one
+launch per projection (:meth:`LoRALinear.gemv`, :meth:`LoRALinear.gemv_lora`): the
+shrink is one split-K launch (``kernels/lora.lora_shrink``; for ``down_proj`` reading
+``silu(gate) * up`` as its GEMV does), or none for ``qkv_proj`` / ``gate_up_proj``,
+whose RMSNorm computes it in its own launch (:meth:`LoRALinear.norm`,
+``kernels/lora_norm.py``; the manager links the norms, ``manager.link_norms``); the
+expand is in the base GEMV's epilogue (``kernels/gemv.py``, and ``kernels/gemv_rope.py``
+for the QKV GEMV that rotates q/k and writes the KV cache: the delta joins before).
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pagedllm.lora.peft import LoRAWeights
+
+if TYPE_CHECKING:
+    from pagedllm.kernels.lora import GemvLoRA
 
 # Rows per tile of the segmented kernels (``kernels/lora.lora_sgmv``'s ``block_m``): the
 # host groups rows into tiles of this size.
@@ -199,6 +207,8 @@ class LoRALinear:
                               device=device)
         self.use_triton = use_triton
         self.owner = slot_owner(max_loras, n_shards * max_rank, device)
+        # The shrink a norm computed for its output (:meth:`norm`), until read.
+        self._pending: tuple[torch.Tensor, GemvLoRA] | None = None
 
     @staticmethod
     def bytes_per_slot(layer: torch.nn.Module, max_rank: int, dtype: torch.dtype) -> int:
@@ -257,31 +267,48 @@ class LoRALinear:
             return lora_dense_(x, slots, self.a, self.bt, self.owner, y)
         return y.add_(lora_ref(x, slots, self.a, self.bt, self.owner).to(y.dtype))
 
-    def apply_silu_mul(self, gate_up: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """:meth:`apply` for an input given as ``gate_up = [gate | up]`` whose
-        ``silu(gate) * up`` the base GEMV computes on the fly (``down_proj`` at batch 1):
-        the LoRA kernel computes it the same way instead of materialising it."""
-        if not self.mapping.active:
-            return y
-        slots = self._slots(gate_up.shape[0])
-        if lora_path(gate_up.shape[0], self.use_triton) == "fused":
-            from pagedllm.kernels.lora import lora_fused
-
-            return lora_fused(gate_up, slots, self.a, self.bt, self.shard_bounds, y=y,
-                              silu_mul=True)
-        from pagedllm.layers.activation import SiluAndMul
-
-        return self.apply(SiluAndMul()(gate_up), y)
-
-    def delta(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Every row's delta in fp32 ``[T, out]`` (zeros without an adapter), for a fused
-        kernel that must add it before its own epilogue (QKV + RoPE); None when no
-        adapter runs this step."""
+    def gemv_lora(self, x: torch.Tensor, silu_mul: bool = False) -> GemvLoRA | None:
+        """For a batch-1 GEMV of this layer (``x [1, K]``; ``[1, 2K]`` read as
+        ``silu(gate) * up`` with ``silu_mul``) that adds the delta in its epilogue: runs
+        the shrink (``kernels/lora.lora_shrink``, one launch) and returns the epilogue's
+        operands; None when no adapter runs this step (the GEMV is then the plain one)."""
+        pending, self._pending = self._pending, None
         if not self.mapping.active:
             return None
-        slots = self._slots(x.shape[0])
-        if lora_path(x.shape[0], self.use_triton) == "fused":
-            from pagedllm.kernels.lora import lora_fused
+        if pending is not None and pending[0] is x:  # the norm before ran the shrink
+            return pending[1]
+        from pagedllm.kernels.lora import lora_shrink
 
-            return lora_fused(x, slots, self.a, self.bt, self.shard_bounds)
-        return lora_ref(x.float(), slots, self.a.float(), self.bt.float(), self.owner)
+        return lora_shrink(x, self._slots(1), self.a, self.bt, self.shard_bounds, silu_mul)
+
+    def norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+             eps: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """The RMSNorm whose output this layer reads (``layers/norm.RMSNorm`` with
+        ``lora_next`` set), with this layer's shrink in the same launch
+        (``kernels/lora_norm.py``), where this layer then runs as the batch-1 GEMV; the
+        shrink is kept for :meth:`gemv_lora` of that very output tensor (any other input
+        runs its own shrink).  None where it does not apply: the caller runs its norm."""
+        if not self.mapping.active or x.dim() != 2 or x.shape[0] != 1 \
+                or not x.is_contiguous() \
+                or (residual is not None and not residual.is_contiguous()):
+            return None
+        from pagedllm.layers.linear import gemv_applies
+
+        if not gemv_applies(x, self.layer):  # the output has x's shape, dtype, device
+            return None
+        from pagedllm.kernels.lora_norm import rms_norm_shrink
+
+        result, lora = rms_norm_shrink(x, residual, weight, eps, self._slots(1), self.a,
+                                       self.bt, self.shard_bounds)
+        self._pending = (result if residual is None else result[0], lora)
+        return result
+
+    def gemv(self, x: torch.Tensor, bias: torch.Tensor | None,
+             silu_mul: bool = False) -> torch.Tensor:
+        """The layer's batch-1 GEMV (``kernels/gemv.py``, where ``layers/linear.
+        gemv_applies``) with the delta in its epilogue: the shrink plus the base GEMV,
+        two launches.  Same contract as :meth:`apply` on the GEMV's output."""
+        from pagedllm.kernels.gemv import gemv
+
+        return gemv(x, self.layer.weight, bias, silu_mul=silu_mul,
+                    lora=self.gemv_lora(x, silu_mul))

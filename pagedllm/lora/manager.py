@@ -49,6 +49,24 @@ def runs_on_pruned_rows(name: str, last_layer: int) -> bool:
     return layer == last_layer and not name.endswith("qkv_proj")
 
 
+def link_norms(model: nn.Module) -> None:
+    """Give each decoder layer's RMSNorm the ``LoRALinear`` of the projection that reads
+    its output (``input_layernorm`` -> ``self_attn.qkv_proj``,
+    ``post_attention_layernorm`` -> ``mlp.gate_up_proj``): at batch 1 the norm's launch
+    then computes that projection's shrink (``LoRALinear.norm``).  A projection that
+    gets another tensor runs its own shrink, so a model that does not fit the pattern
+    stays correct."""
+    from pagedllm.layers.norm import RMSNorm
+
+    for m in model.modules():
+        for norm, parent, proj in (("input_layernorm", "self_attn", "qkv_proj"),
+                                   ("post_attention_layernorm", "mlp", "gate_up_proj")):
+            n = getattr(m, norm, None)
+            lin = getattr(getattr(m, parent, None), proj, None)
+            if isinstance(n, RMSNorm) and getattr(lin, "lora", None) is not None:
+                n.lora_next = lin.lora
+
+
 def lora_slot_bytes(model: nn.Module, max_loras: int, max_lora_rank: int,
                     dtype: torch.dtype) -> int:
     """Device bytes the adapter slots of ``model`` take (what the memory plan sets aside
@@ -78,6 +96,7 @@ class LoRAManager:
                               use_triton, last_rows=runs_on_pruned_rows(name, last))
             layer.lora = lora  # the hook LinearBase.forward calls
             self.layers[name] = lora
+        link_norms(model)
         self.slot_ids: list[int | None] = [None] * max_loras
         self._slot_of: dict[int, int] = {}
         self._slot_lru: OrderedDict[int, None] = OrderedDict()  # slot, oldest first

@@ -136,11 +136,12 @@ class LlamaAttention(nn.Module):
             from pagedllm.kernels.gemv_rope import gemv_qkv_rope
 
             lora = self.qkv_proj.lora  # an adapter's delta joins before the rotation
+            # (the shrink runs first; the GEMV adds the expand in its epilogue)
             qkv = gemv_qkv_rope(
                 x, self.qkv_proj.weight, self.qkv_proj.bias, rope.positions,
                 rope.cos_sin_cache, self.attn.kv_cache, meta.slot_mapping,
                 num_heads=self.qkv_proj.num_heads, num_kv_heads=self.qkv_proj.num_kv_heads,
-                head_dim=self.head_dim, delta=lora.delta(x) if lora is not None else None)
+                head_dim=self.head_dim, lora=lora.gemv_lora(x) if lora is not None else None)
             return self._out(self.attn.attend_cached(qkv[:, :self.q_size], meta), rows)
         qkv = self.qkv_proj(x)
         q_end = self.q_size

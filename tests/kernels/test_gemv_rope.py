@@ -15,8 +15,10 @@ from kernel_refs import DEVICE, ON_GPU, fresh_seed
 
 from pagedllm.kernels.gemv import gemv
 from pagedllm.kernels.gemv_rope import gemv_qkv_rope, qkv_rope_supported
+from pagedllm.kernels.lora import lora_shrink
 from pagedllm.kernels.rotary import rotary_and_write_kv
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.lora.layers import lora_ref
 
 DTYPES = [torch.bfloat16] + ([torch.float16] if ON_GPU else [])
 
@@ -36,12 +38,24 @@ def _case(dtype: torch.dtype, head_dim: int, hq: int, hkv: int, k: int, bias: bo
     cache0 = torch.full((2, num_blocks, block_size, hkv, head_dim), float("nan"),
                         dtype=dtype, device=DEVICE)
 
-    # A LoRA delta (fp32) joins the rounded projection, as LoRALinear.apply adds it.
-    delta = torch.randn(1, n, generator=gen).to(DEVICE) if lora else None
+    # A LoRA adapter (rank 4 on q, k and v; slot 1 of 2): its fp32 reference delta
+    # joins the rounded projection, as LoRALinear.apply adds it; the kernel gets the
+    # split-K shrink's partials and adds the expand in its epilogue.
     ref_cache = cache0.clone()
     qkv = gemv(x, w, b)
-    if delta is not None:
+    epilogue = None
+    if lora:
+        sizes = (hq * head_dim, hkv * head_dim, hkv * head_dim)
+        a = (torch.randn(2, 12, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
+        bt = torch.zeros(2, 12, n)
+        for i, off in enumerate((0, sizes[0], sizes[0] + sizes[1])):
+            bt[:, 4 * i:4 * i + 4, off:off + sizes[i]] = torch.randn(2, 4, sizes[i],
+                                                                     generator=gen)
+        bt = bt.to(DEVICE, dtype)
+        lslots = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+        delta = lora_ref(x.float(), lslots, a.float(), bt.float())
         qkv = (qkv.float() + delta).to(dtype)
+        epilogue = lora_shrink(x, lslots, a, bt, (sizes[0], sizes[0] + sizes[1]))
     q_ref = qkv[:, :hq * head_dim].clone()
     rotary_and_write_kv(positions, q_ref, qkv[:, hq * head_dim:(hq + hkv) * head_dim],
                         qkv[:, (hq + hkv) * head_dim:], head_dim, cs, ref_cache, slots)
@@ -49,7 +63,7 @@ def _case(dtype: torch.dtype, head_dim: int, hq: int, hkv: int, k: int, bias: bo
     got_cache = cache0.clone()
     out = torch.full((1, n), float("nan"), dtype=dtype, device=DEVICE)
     gemv_qkv_rope(x, w, b, positions, cs, got_cache, slots, num_heads=hq,
-                  num_kv_heads=hkv, head_dim=head_dim, out=out, delta=delta)
+                  num_kv_heads=hkv, head_dim=head_dim, out=out, lora=epilogue)
     # Exact in the interpreter; on the GPU ~2 roundings of the dtype (module docstring).
     # (With a LoRA delta the reference rounds its add in torch, which rounds to nearest;
     # the interpreter's casts truncate: one ulp apart.)
@@ -80,7 +94,8 @@ def test_padding_slot_writes_nothing() -> None:
 
 
 def test_lora_delta_joins_before_rotation() -> None:
-    """A LoRA adapter's delta is added before q/k are rotated and k/v cached."""
+    """A LoRA adapter's delta (split-K shrink, expand in the epilogue) is added before
+    q/k are rotated and k/v cached."""
     _case(torch.bfloat16, 64, 2, 1, k=64, bias=True, slot=3, pos=11, seed=fresh_seed(),
           lora=True)
 

@@ -1,9 +1,14 @@
 """The CUDA LoRA paths of a whole engine, run on the CPU under the Triton interpreter:
 the manager's host grouping (``sgmv_tiles``) and both slot maps, the one-launch fused
 kernel (steps of up to 4 rows, incl. the pruned last layer's per-request rows) and the
-segmented kernels (larger steps), in a batch mixing 3 PEFT adapters and the base model.
-Greedy tokens must equal transformers + PEFT in fp32.  (The batch-1 GEMV fusions are
-CUDA-only: ``tests/lora``'s gpu-marked test and ``benchmarks/lora_probe.py`` cover them.)
+segmented kernels (larger steps), in a batch mixing 3 PEFT adapters and the base model;
+and, with the batch-1 GEMV forced on for one-row inputs (on CUDA: bf16/fp16 only), the
+split-K shrink plus the GEMV adding the expand in its epilogue (``LoRALinear.gemv``:
+qkv's 3 shards, o, gate_up, and down reading ``silu(gate) * up``), the shrinks of qkv
+and gate_up in the launch of the RMSNorm before them (``kernels/lora_norm.py``).  Greedy tokens must
+equal transformers + PEFT in fp32.  (The QKV + RoPE GEMV needs the Triton attention
+backend: ``tests/kernels/test_gemv_rope.py``, ``tests/lora``'s gpu-marked test and
+``benchmarks/lora_probe.py`` cover it with an adapter.)
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ N_TOKENS = 4
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU tests/lora runs these paths natively")
-def test_triton_lora_paths_match_peft(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("gemv", [False, True])
+def test_triton_lora_paths_match_peft(tmp_path, monkeypatch, gemv: bool) -> None:
     root = str(tmp_path)
     base = tiny_llama(os.path.join(root, "base"))
     adapters = make_adapters(base, root, merge=False)
@@ -40,6 +46,33 @@ def test_triton_lora_paths_match_peft(tmp_path, monkeypatch) -> None:
     for layer in mgr.layers.values():
         layer.use_triton = True
     assert FUSED_MAX_ROWS == 4  # the split the step sizes below exercise
+    gemv_calls: list[bool] = []
+    norm_calls: list[bool] = []
+    pending_hits: list[bool] = []
+    if gemv:  # what gemv_shape decides on CUDA in bf16, for every one-row input
+        from pagedllm.layers import linear
+
+        monkeypatch.setattr(linear, "gemv_shape", lambda x, w: x.dim() == 2
+                            and x.shape[0] == 1 and x.is_contiguous())
+        real = lora_layers.LoRALinear.gemv
+
+        def counted(self, *args, **kwargs):
+            gemv_calls.append(self.mapping.active)
+            return real(self, *args, **kwargs)
+        monkeypatch.setattr(lora_layers.LoRALinear, "gemv", counted)
+        real_norm = lora_layers.LoRALinear.norm
+
+        def counted_norm(self, *args, **kwargs):
+            out = real_norm(self, *args, **kwargs)
+            norm_calls.append(out is not None)
+            return out
+        monkeypatch.setattr(lora_layers.LoRALinear, "norm", counted_norm)
+        real_shrink = lora_layers.LoRALinear.gemv_lora
+
+        def counted_shrink(self, x, *args, **kwargs):
+            pending_hits.append(self._pending is not None and self._pending[0] is x)
+            return real_shrink(self, x, *args, **kwargs)
+        monkeypatch.setattr(lora_layers.LoRALinear, "gemv_lora", counted_shrink)
     prompts = [torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(n))
                .tolist() for n in (5, 23)]
     models = [a.peft_model for a in adapters] + [base]
@@ -57,6 +90,11 @@ def test_triton_lora_paths_match_peft(tmp_path, monkeypatch) -> None:
     # one row per request, then 8-row decode steps (segmented).
     pairs = [(i, j) for i in range(len(prompts)) for j in range(len(models))]
     assert run([(prompts[i], loras[j]) for i, j in pairs]) == [want[p] for p in pairs]
-    # One request at a time with an adapter: prefill (segmented, pruned to 1 row: fused)
-    # and 1-row decodes (fused).
-    assert run([(prompts[1], loras[0])]) == [want[(1, 0)]]
+    # One request at a time with an adapter: prefill (segmented, pruned to 1 row: fused,
+    # or the GEMV with the LoRA epilogue) and 1-row decodes (the same).
+    for j in range(len(models)) if gemv else [0]:
+        assert run([(prompts[1], loras[j])]) == [want[(1, j)]], models[j]
+    if gemv:  # 1-row steps ran LoRALinear.gemv and the norm + shrink, adapters active
+        assert any(gemv_calls) and any(norm_calls)
+        # and every shrink a norm ran was the one its projection used
+        assert sum(pending_hits) == sum(norm_calls) > 0

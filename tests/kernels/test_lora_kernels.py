@@ -123,11 +123,12 @@ def test_fused_matches_reference(t: int, k: int, sizes: tuple[int, ...], r: int,
 
 _COMPILE = textwrap.dedent(r"""
     import json
+    import triton
     from tests.kernels.sm90_compile import compile_sm90
     from pagedllm.kernels import lora as L
 
     def build(kernel, sig, consts, warps):
-        div = [i for i, n in enumerate(sig) if n not in ("B1", "B2")]
+        div = [i for i, n in enumerate(sig) if n not in ("B1", "B2", "eps")]
         return compile_sm90(kernel, sig, consts, {"num_warps": warps},
                             div)[1]["spill_stores"]
 
@@ -153,6 +154,49 @@ _COMPILE = textwrap.dedent(r"""
            "y_ptr": "*bf16", "N": i32, "stride_bs": i32, "stride_y": i32}
     out["sgmv expand"] = build(L._sgmv_expand_kernel, sig, dict(
         SR=48, BLOCK_M=32, BLOCK_N=128, BLOCK_SR=64, IEEE=False, USE_PDL=True), 4)
+    # Batch 1: the split-K shrink and the GEMVs with the expand in their epilogue.
+    from pagedllm.kernels import gemv as G, gemv_rope as GR
+    for name, n, k, s, silu in [("qkv", 6144, 4096, 3, False),
+                                ("gate_up", 28672, 4096, 2, False),
+                                ("o", 4096, 4096, 1, False),
+                                ("down", 4096, 14336, 1, True)]:
+        chunk, warps = L.shrink_config(k)
+        split = triton.next_power_of_2(triton.cdiv(k, chunk))
+        sig = {"x_ptr": "*bf16", "slots_ptr": "*i32", "a_ptr": "*bf16", "t_ptr": "*fp32",
+               "stride_as": i32}
+        out["shrink " + name] = build(L._shrink_kernel, sig, dict(
+            K=k, R=16, SR=16 * s, SILU_MUL=silu, CHUNK=chunk, BLOCK_R=16,
+            USE_PDL=True), warps)
+        lora = dict(HAS_LORA=True, LORA_R=16, LORA_SR=16 * s, LORA_SPLIT=split,
+                    LORA_BLOCK_R=16)
+        bn, bk, warps = G.gemv_config(n, k)
+        sig = {p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
+        sig.update({"xs_ptr": "*fp32", "ws_ptr": "*fp32", "ls_ptr": "*i32",
+                    "lt_ptr": "*fp32", "lb_ptr": "*bf16", "N": i32, "stride_wn": i32,
+                    "stride_lb": i32, "B1": i32, "B2": i32})
+        out["gemv+lora " + name] = build(G._gemv_kernel, sig, dict(
+            K=k, HAS_BIAS=False, SILU_MUL=silu, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=True,
+            SCALED=False, **lora), warps)
+        if name == "qkv":
+            sig = {p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")}
+            sig.update({"pos_ptr": "*i64", "cs_ptr": "*fp32", "k_cache_ptr": "*bf16",
+                        "v_cache_ptr": "*bf16", "slot_ptr": "*i64", "ls_ptr": "*i32",
+                        "lt_ptr": "*fp32", "lb_ptr": "*bf16"})
+            sig.update({p: i32 for p in ("stride_wn", "stride_c", "stride_cb",
+                                         "stride_cs", "stride_ch", "stride_lb", "B1",
+                                         "B2")})
+            out["gemv_qkv_rope+lora"] = build(GR._gemv_qkv_rope_kernel, sig, dict(
+                K=k, NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16,
+                HAS_BIAS=False, PAIRS=GR.PAIRS, BLOCK_K=512, USE_PDL=True, **lora), 4)
+        if name in ("qkv", "gate_up"):  # their shrink in the norm's launch
+            from pagedllm.kernels import lora_norm as LN
+            sig = {p: "*bf16" for p in ("x_ptr", "res_ptr", "w_ptr", "out_ptr",
+                                        "res_out_ptr")}
+            sig.update({"slots_ptr": "*i32", "a_ptr": "*bf16", "t_ptr": "*fp32",
+                        "stride_as": i32, "n_cols": i32, "eps": "fp32"})
+            out["rms_norm_shrink " + name] = build(LN._rms_norm_shrink_kernel, sig, dict(
+                HAS_RESIDUAL=True, BLOCK=k, K=k, R=16, SR=16 * s, CHUNK=chunk,
+                BLOCK_R=16, USE_PDL=True), 16)
     print(json.dumps(out))
 """)
 
@@ -162,4 +206,99 @@ def test_lora_kernels_compile_for_sm90_without_spills(tmp_path) -> None:
     loops and dots, constexpr ternaries): compile each for sm_90 at the Llama-3-8B
     shapes, no GPU needed (the pattern of ``test_quant_gemm_sm90.py``)."""
     spills = run_script(_COMPILE, tmp_path)
-    assert len(spills) == 5 and not any(spills.values()), spills
+    assert len(spills) == 16 and not any(spills.values()), spills
+
+
+def _stacked(g: torch.Generator, n_slots: int, k: int, sizes: tuple[int, ...], r: int,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [L, S*R, K] and Bt [L, S*R, N], block-diagonal over the shards (LoRALinear)."""
+    n, s = sum(sizes), len(sizes)
+    a = torch.randn(n_slots, s * r, k, generator=g) / k ** 0.5
+    bt = torch.zeros(n_slots, s * r, n)
+    off = 0
+    for i, size in enumerate(sizes):
+        bt[:, i * r:(i + 1) * r, off:off + size] = torch.randn(n_slots, r, size, generator=g)
+        off += size
+    return a, bt
+
+
+@pytest.mark.parametrize("k,sizes,r,silu,slot", [
+    (300, (24,), 6, False, 1),       # one shard; 5 K chunks of 64 padded to 8 partials
+    (72, (16, 8, 8), 5, False, 2),   # q/k/v shards (GEMV blocks of 8 rows in one shard)
+    (130, (40,), 4, True, 0),        # down: the shrink reads silu(gate) * up
+    (64, (24, 24), 3, False, -1),    # gate/up, a row without an adapter
+])
+def test_gemv_lora_epilogue_matches_reference(k: int, sizes: tuple[int, ...], r: int,
+                                              silu: bool, slot: int, device: str) -> None:
+    """Batch 1: the split-K shrink (``lora_shrink``) then the base GEMV adding the expand
+    in its epilogue, against the plain GEMV plus the fp32 reference delta; without an
+    adapter, bit-for-bit the plain GEMV."""
+    from pagedllm.kernels.gemv import gemv
+    from pagedllm.kernels.lora import lora_shrink
+
+    g = torch.Generator().manual_seed(k + r)
+    n = sum(sizes)
+    a, bt = _stacked(g, 3, k, sizes, r)
+    x = torch.randn(1, 2 * k if silu else k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    b = torch.randn(n, generator=g)
+    slots = torch.tensor([slot], dtype=torch.int32)
+    want = (x @ w.T if not silu else _silu_mul(x) @ w.T) + b
+    want = want + lora_ref(_silu_mul(x) if silu else x, slots, a, bt)
+    bounds = tuple(int(v) for v in torch.tensor(sizes).cumsum(0)[:-1])
+    x, w, b, slots, a, bt = (z.to(device) for z in (x, w, b, slots, a, bt))
+    lora = lora_shrink(x, slots, a, bt, bounds, silu_mul=silu)
+    if k == 300:
+        assert lora.split == 8  # 5 chunks and 3 zero ones
+    got = gemv(x, w, b, silu_mul=silu, lora=lora)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    plain = gemv(x, w, b, silu_mul=silu)
+    if slot < 0:
+        assert torch.equal(got, plain)
+    else:  # the adapter really moved the output
+        assert (got - plain).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("k,sizes,r,residual,slot,dtype", [
+    (300, (24,), 6, True, 1, torch.float32),        # ragged K, padded partials
+    (256, (16, 8, 8), 5, False, 2, torch.bfloat16),  # q/k/v shards, no residual
+    (64, (24, 24), 3, True, -1, torch.bfloat16),     # gate/up, no adapter
+])
+def test_rms_norm_shrink_matches_norm_and_reference(
+        k: int, sizes: tuple[int, ...], r: int, residual: bool, slot: int,
+        dtype: torch.dtype, device: str) -> None:
+    """The norm + shrink launch (``kernels/lora_norm.py``): its norm outputs bit-equal
+    to ``kernels/norm.py``'s; the GEMV adding the expand from its partials against the
+    fp32 reference delta of the stored normalised row."""
+    from pagedllm.kernels.gemv import gemv
+    from pagedllm.kernels.lora_norm import rms_norm_shrink
+    from pagedllm.kernels.norm import fused_add_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(k + r)
+    n = sum(sizes)
+    a, bt = _stacked(g, 3, k, sizes, r)
+    x = torch.randn(1, k, generator=g).to(device, dtype)
+    res = torch.randn(1, k, generator=g).to(device, dtype) if residual else None
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device, dtype)
+    slots = torch.tensor([slot], dtype=torch.int32, device=device)
+    a, bt = a.to(device, dtype), bt.to(device, dtype)
+    bounds = tuple(int(v) for v in torch.tensor(sizes).cumsum(0)[:-1])
+    got, lora = rms_norm_shrink(x, res, nw, 1e-5, slots, a, bt, bounds)
+    if residual:
+        want = fused_add_rms_norm(x, res, nw, 1e-5)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        y = got[0]
+    else:
+        want = rms_norm(x, nw, 1e-5)
+        assert torch.equal(got, want)
+        y = got
+    out = gemv(y, w, lora=lora).float().cpu()
+    ref = (gemv(y, w).float().cpu()
+           + lora_ref(y.float().cpu(), slots.cpu(), a.float().cpu(), bt.float().cpu()))
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -6  # one more rounding to dtype
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    if slot < 0:
+        assert torch.equal(gemv(y, w, lora=lora), gemv(y, w))
+    else:
+        assert (out - gemv(y, w).float().cpu()).abs().max().item() > 1e-2

@@ -139,11 +139,12 @@ def test_cuda_graphs_and_triton_kernels_match_peft(setup) -> None:
 @pytest.mark.gpu
 def test_batch1_fused_paths_with_adapters(setup) -> None:
     """bf16 at batch 1 on CUDA (eager, so the GEMV switch below applies): the GEMV fast
-    paths with adapters -- the QKV GEMV adding the LoRA delta before RoPE and the KV
-    write, ``down_proj``'s GEMV and the fused LoRA kernel both reading
-    ``silu(gate) * up`` -- against the same engine with the GEMV off (cuBLAS, the delta
-    added after each projection): the same greedy tokens while they agree, log-probs
-    within bf16 noise, and each adapter really moves them."""
+    paths with adapters -- every GEMV adding the expand in its epilogue (the QKV GEMV
+    before RoPE and the KV write), the shrinks of qkv / gate_up in the RMSNorm's launch,
+    ``down_proj``'s GEMV and shrink both reading ``silu(gate) * up`` -- against the same
+    engine with the GEMV off (cuBLAS, the delta added after each projection): the same
+    greedy tokens while they agree, log-probs within bf16 noise, and each adapter really
+    moves them."""
     import pagedllm.layers.quantization.unquantized as unq
 
     _, _, reqs, _, root = setup
