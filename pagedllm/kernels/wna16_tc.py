@@ -58,11 +58,9 @@ import triton.language as tl
 
 from pagedllm.kernels.int8_gemm import split_k_chunk, splitk_reduce
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
+from pagedllm.kernels.wna16_tc_config import TcConfig, tc_config
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-# (block_m, block_n, block_k, group_m, warps, stages, split_k, swap, scale_after)
-TcConfig = tuple[int, int, int, int, int, int, int, int, int]
 
 
 # --------------------------------------------------------------------------- layout
@@ -281,7 +279,8 @@ def w4a16_tc_gemm(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tens
                   zeros_t: torch.Tensor | None, group_size: int,
                   config: TcConfig | None = None) -> torch.Tensor:
     """``x [M, K]`` times the K-major 4-bit weight -> ``[M, N]`` in ``x.dtype`` (module
-    doc).  ``config`` overrides :func:`wna16_tc_config.tc_config`.  CPU tensors outside
+    doc).  ``config`` (``(block_m, block_n, block_k, group_m, warps, stages, split_k, swap,
+    scale_after)``) overrides :func:`wna16_tc_config.tc_config`.  CPU tensors outside
     the interpreter get :func:`w4a16_tc_ref`."""
     n, k, group_size = _check(x, qweight_t, scales_t, zeros_t, group_size)
     if not x.is_cuda and not _INTERPRET:
@@ -293,8 +292,6 @@ def w4a16_tc_gemm(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tens
     if m == 0 or n == 0:
         return out
     if config is None:
-        from pagedllm.kernels.wna16_tc_config import tc_config
-
         config = tc_config(m, n, k, x.device)
     bm, bn, bk, gm, warps, stages, split, swap, after = config
     if group_size % bk or k % bk:
