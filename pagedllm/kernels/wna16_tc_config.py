@@ -1,5 +1,6 @@
 """Launch table of the W4A16 tensor-core GEMM (``kernels/wna16_tc.py``): which path a
-``(M, N, K)`` takes from ``tc_min_m`` rows up, and the kernel's configuration.
+``(M, N, K)`` takes from ``tc_min_m`` rows up, and the kernel's configuration
+(``PAGEDLLM_WNA16_TC_MIN_M=0`` turns the kernel off).
 
 A table is written by ``benchmarks/wna16_tc_sweep.py`` (``--table``) and shipped as
 ``kernels/tuned/wna16_tc_<device name>.json`` (``PAGEDLLM_WNA16_TC_CONFIGS`` overrides):
@@ -109,18 +110,20 @@ def prior_config(m: int, n: int, k: int, device: torch.device) -> TcConfig:
 
 @functools.lru_cache(maxsize=4096)  # eager (prefill) steps call it per layer
 def tc_choice(m: int, n: int, k: int, device: torch.device) -> Choice:
-    """``("tc", config)`` or ``("dequant", None)`` for ``m`` rows (module doc)."""
+    """``("tc", config)`` or ``("dequant", None)`` for ``m`` rows from the table (module
+    doc); ``("prior", config)`` where the table has no entry for ``(n, k)`` (the caller
+    decides: ``int_cuda`` keeps its measured dequantise threshold then)."""
     entries = _table().get((n, k))
     if entries:
         for tm, choice in entries:
             if tm >= m:
                 return choice
         return entries[-1][1]
-    return "tc", prior_config(m, n, k, device)
+    return "prior", prior_config(m, n, k, device)
 
 
 def tc_config(m: int, n: int, k: int, device: torch.device) -> TcConfig:
     """The kernel's configuration for ``m`` rows: the table's where it picked the kernel,
     else the priors."""
     kind, cfg = tc_choice(m, n, k, device)
-    return cfg if kind == "tc" and cfg is not None else prior_config(m, n, k, device)
+    return cfg if kind != "dequant" and cfg is not None else prior_config(m, n, k, device)
