@@ -24,11 +24,14 @@ each thread's codes of one word stay in that thread, consecutive in K.
 
 Two ways to meet the activations (``SWAP``, compile-time):
 
-* ``SWAP=False``: ``acc[BM, BN] += x[BM, BK] @ w^T[BK, BN]`` (the weight tile is wgmma's
-  B operand: the compiler stages it through shared memory);
-* ``SWAP=True``: ``acc^T[BN, BM] += w[BN, BK] @ x^T[BK, BM]`` -- the weight tile is the
-  A operand, which wgmma may read straight from registers, and the rows are wgmma's N
-  dimension (8..256), so 16 or 32 rows are not padded to 64.  The small-M choice.
+* ``SWAP=False``: ``acc[BM, BN] += x[BM, BK] @ w^T[BK, BN]``: the weight tile is wgmma's
+  B operand, which must sit in shared memory; Triton stores it there each step and, since
+  that one buffer is rewritten next step, waits for the wgmma to finish (PTX
+  ``wgmma.wait_group 0`` in the loop): dequantisation and MMA do not overlap.
+* ``SWAP=True``: ``acc^T[BN, BM] += w[BN, BK] @ x^T[BK, BM]``: the weight tile is the A
+  operand, which wgmma reads from registers, so the step's wgmmas stay in flight
+  (``wait_group BK/16 - 1``) while the next tile is loaded and dequantised; and the rows
+  are wgmma's N dimension (8..256), so 16 rows are not padded to 64.  The default.
 
 Scales (``SCALE_AFTER``, compile-time; ``G`` a multiple of ``BLOCK_K``, so a K tile lies
 in one group and its scale is one ``[BLOCK_N]`` row):

@@ -92,20 +92,18 @@ def auto_split(m: int, n: int, k: int, bm: int, bn: int, bk: int,
 
 
 def prior_config(m: int, n: int, k: int, device: torch.device) -> TcConfig:
-    """Priors (not measured): rows as wgmma's N dimension (``swap``) up to 64 rows, the
-    weight as the B operand in 128x128/128x256 tiles above."""
+    """Priors (compile-checked for sm_90, not yet timed): the rows as wgmma's N dimension
+    (``swap``: the dequantised weight tile is the register A operand, so the wgmmas stay
+    in flight while the next tile is dequantised) at every M."""
     if m <= 16:
-        bm, bn, bk, gm, warps, stages, swap = 16, 128, 128, 1, 4, 4, 1
+        bm, bn, bk, gm, warps, stages = 16, 128, 128, 1, 4, 4
     elif m <= 32:
-        bm, bn, bk, gm, warps, stages, swap = 32, 128, 128, 1, 4, 4, 1
+        bm, bn, bk, gm, warps, stages = 32, 128, 128, 4, 4, 4
     elif m <= 64:
-        bm, bn, bk, gm, warps, stages, swap = 64, 128, 128, 4, 4, 3, 1
+        bm, bn, bk, gm, warps, stages = 64, 128, 64, 4, 4, 4
     else:
-        bm, bn, bk, gm, warps, stages, swap = 128, 128, 128, 8, 8, 3, 0
-    group = 128 if k % 128 == 0 else k
-    if group % bk:
-        bk = 64
-    return (bm, bn, bk, gm, warps, stages, auto_split(m, n, k, bm, bn, bk, device), swap, 0)
+        bm, bn, bk, gm, warps, stages = 128, 128, 64, 8, 8, 4
+    return (bm, bn, bk, gm, warps, stages, auto_split(m, n, k, bm, bn, bk, device), 1, 0)
 
 
 @functools.lru_cache(maxsize=4096)  # eager (prefill) steps call it per layer

@@ -185,7 +185,7 @@ def test_tuned_table_routes_by_rows(tmp_path, monkeypatch) -> None:
 
 
 _SCRIPT = textwrap.dedent(r"""
-    import json, sys
+    import json, re, sys
     import torch
     from tests.kernels.sm90_compile import compile_sm90
     from pagedllm.kernels import wna16_tc as tc
@@ -210,6 +210,9 @@ _SCRIPT = textwrap.dedent(r"""
         kern, st = compile_sm90(tc._w4a16_tc_kernel, sig, consts,
                                 {"num_warps": warps, "num_stages": stages}, div)
         st["wgmma"] = kern.asm["ttgir"].count("warp_group_dot ")
+        # in-loop waits that leave wgmmas in flight (dequantisation overlaps the MMA)
+        st["async_waits"] = len(re.findall(r"wgmma.wait_group.sync.aligned [1-9]",
+                                           kern.asm["ptx"]))
         out.append({"name": name, **st})
     print(json.dumps(out))
 """)
@@ -222,6 +225,7 @@ CASES = [
     ("prior gate_up M=2048", 2048, 28672, 4096, False, False, None),
     ("scale after M=16", 16, 6144, 4096, False, True, [16, 128, 128, 1, 4, 4, 1, 1]),
     ("B operand M=256 zeros", 256, 6144, 4096, True, False, [128, 256, 64, 8, 8, 3, 0, 0]),
+    ("swap M=2048 zeros", 2048, 4096, 14336, True, False, [256, 128, 64, 8, 8, 3, 1, 0]),
 ]
 
 
@@ -233,3 +237,5 @@ def test_tc_kernel_compiles_for_sm90_on_wgmma_without_spills(tmp_path) -> None:
         assert 0 < r["registers"] <= 255, r
         assert r["wgmma"] >= 1, r  # Hopper's warp-group MMA, not mma.sync
         assert r["shared"] <= 232448, r  # an H100/H200 block's shared memory
+        if r["name"].startswith("prior"):
+            assert r["async_waits"] >= 1, r
