@@ -87,18 +87,19 @@ def _weights(n: int, k: int, device: torch.device, seed: int = 0, zeros: bool = 
             None if zp is None else zp.t().contiguous(), zp)
 
 
-def _warm(jobs: list[tuple[str, int, tuple[int, ...]]]) -> None:
-    """Worker process: compile (run once) each (projection, M, config)."""
+def _warm(jobs: list[tuple[str, int, tuple[int, ...], str]]) -> None:
+    """Worker process: compile (run once) each (projection, M, config, unpack)."""
     from pagedllm.kernels.wna16_tc import w4a16_tc_gemm
 
     dev = torch.device("cuda")
     cache: dict[str, Any] = {}
-    for name, m, cfg in jobs:
+    for name, m, cfg, cvt in jobs:
         n, k = PROJ[name]
         if name not in cache:
             cache[name] = _weights(n, k, dev)
         w = cache[name]
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        os.environ["PAGEDLLM_WNA16_TC_CVT"] = cvt
         try:
             w4a16_tc_gemm(x, w[2], w[4], None, GROUP, config=cfg)  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001  (reported by the main process's run)
@@ -141,8 +142,10 @@ def correctness(dev: torch.device, rows: tuple[int, ...]) -> list[dict[str, Any]
 def sweep(dev: torch.device, rows: tuple[int, ...], budget_s: float,
           t0: float) -> tuple[list[dict], list[dict]]:
     from pagedllm.kernels.gemv import gemv
+    from pagedllm.kernels.wna16 import wna16_ref
     from pagedllm.kernels.wna16_stripe import stripe_gemm
     from pagedllm.kernels.wna16_tc import w4a16_tc_gemm
+    from pagedllm.kernels.wna16_tc_config import prior_config
     from pagedllm.layers.quantization.int_cuda import dequant_linear
 
     res_rows: list[dict] = []
@@ -165,12 +168,28 @@ def sweep(dev: torch.device, rows: tuple[int, ...], budget_s: float,
             if m >= 16:
                 r["dequant"] = graph_us([partial(dequant_linear, x, s[1], s[3], None, 4,
                                                  GROUP, scratch) for s in sets])
+            ref = wna16_ref(x.float(), base[0], base[3], None, None, 4, GROUP)
+            cvt = os.environ.get("PAGEDLLM_WNA16_TC_CVT", "bf16x2")
+            prior = prior_config(m, n, k, dev)
+            for c, key in ((cvt, "tc_prior"), ("fp32", "tc_prior_fp32")):
+                if key == "tc_prior_fp32" and cvt == "fp32":
+                    continue
+                os.environ["PAGEDLLM_WNA16_TC_CVT"] = c
+                r[key] = graph_us([partial(w4a16_tc_gemm, x, s[2], s[4], None, GROUP,
+                                           config=prior) for s in sets])
+            os.environ["PAGEDLLM_WNA16_TC_CVT"] = cvt
             best = None
             for cfg in candidates(m, n, k, dev):
                 if time.time() - t0 > budget_s:
                     skipped.append({"proj": name, "M": m, "config": cfg})
                     continue
                 try:
+                    err = _rel(w4a16_tc_gemm(x, base[2], base[4], None, GROUP, config=cfg),
+                               ref)
+                    if not err < 1e-2:  # never ship a configuration that is wrong here
+                        print(f"config {cfg} at {name} M={m}: WRONG (rel err {err:.2e})",
+                              flush=True)
+                        continue
                     us = graph_us([partial(w4a16_tc_gemm, x, s[2], s[4], None, GROUP,
                                            config=cfg) for s in sets])
                 except Exception as e:  # noqa: BLE001  (a config that fails to compile)
@@ -197,7 +216,7 @@ def summarise(rows: list[dict]) -> dict[str, Any]:
     per_m: dict[int, dict[str, float]] = {}
     for r in rows:
         t = per_m.setdefault(r["M"], {})
-        for c in ("bf16", "stripe", "dequant", "tc"):
+        for c in ("bf16", "stripe", "dequant", "tc", "tc_prior", "tc_prior_fp32"):
             if c in r:
                 t[c] = t.get(c, 0.0) + 32 * r[c] / 1e3
         pick = min((r[c] for c in ("tc", "dequant") if c in r), default=None)
@@ -241,8 +260,12 @@ def main() -> None:
     t0 = time.time()
     dev = torch.device("cuda")
     if args.procs > 0:
-        jobs = [(name, m, cfg) for name, (n, k) in PROJ.items() for m in rows
+        from pagedllm.kernels.wna16_tc_config import prior_config
+
+        jobs = [(name, m, cfg, "bf16x2") for name, (n, k) in PROJ.items() for m in rows
                 for cfg in candidates(m, n, k, dev)]
+        jobs += [(name, m, prior_config(m, n, k, dev), "fp32")
+                 for name, (n, k) in PROJ.items() for m in rows]
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_warm, args=(jobs[i::args.procs],))
                  for i in range(args.procs)]
@@ -253,22 +276,30 @@ def main() -> None:
         print(f"warmed {len(jobs)} configurations in {time.time() - t0:.0f} s", flush=True)
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(),
                               "torch": torch.__version__}
+    os.environ["PAGEDLLM_WNA16_TC_CVT"] = "bf16x2"
     result["correctness"] = correctness(dev, rows)
     bad = [r for r in result["correctness"] if not r["ok"]]
-    print(f"correctness: {len(result['correctness']) - len(bad)} ok, {len(bad)} FAILED",
-          flush=True)
+    print(f"correctness (bf16x2 unpack): {len(result['correctness']) - len(bad)} ok, "
+          f"{len(bad)} FAILED", flush=True)
+    cvt = "bf16x2"
+    if bad:  # the PTX unpack is wrong here: sweep (and ship) the portable one
+        cvt = os.environ["PAGEDLLM_WNA16_TC_CVT"] = "fp32"
+        result["correctness_fp32"] = correctness(dev, rows)
+        bad = [r for r in result["correctness_fp32"] if not r["ok"]]
+        print(f"correctness (fp32 unpack): {len(result['correctness_fp32']) - len(bad)} "
+              f"ok, {len(bad)} FAILED", flush=True)
     res_rows, skipped = sweep(dev, rows, args.budget_s, t0)
     result["rows"], result["skipped"] = res_rows, skipped
-    result["summary"] = summarise(res_rows)
+    result["summary"] = {**summarise(res_rows), "PAGEDLLM_WNA16_TC_CVT": cvt}
     result["seconds"] = round(time.time() - t0, 1)
     print(json.dumps(result["summary"], indent=1))
-    print(f"{'proj':13} {'M':>5} {'bf16':>8} {'stripe':>8} {'dequant':>8} {'tc':>8}  "
-          "tc config (bm,bn,bk,gm,warps,stages,split,swap,after)")
+    print(f"{'proj':13} {'M':>5} {'bf16':>8} {'stripe':>8} {'dequant':>8} {'prior':>8} "
+          f"{'prior32':>8} {'tc':>8}  tc config (bm,bn,bk,gm,warps,stages,split,swap,after)")
     for r in sorted(res_rows, key=lambda r: (r["proj"], r["M"])):
         def f(key: str, r: dict = r) -> str:
             return f"{r[key]:8.1f}" if key in r else f"{'-':>8}"
         print(f"{r['proj']:13} {r['M']:5d} {f('bf16')} {f('stripe')} {f('dequant')} "
-              f"{f('tc')}  {r.get('tc_config')}")
+              f"{f('tc_prior')} {f('tc_prior_fp32')} {f('tc')}  {r.get('tc_config')}")
     print(f"skipped {len(skipped)} configurations (budget); {result['seconds']} s")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:

@@ -55,6 +55,11 @@ def _tuned_file() -> dict:
         raise ValueError(f"PAGEDLLM_WNA16_TC_CONFIGS: cannot read {path!r}: {e}") from None
 
 
+def tuned_summary() -> dict:
+    """The table's ``summary`` (the sweep's per-step totals and recommended settings)."""
+    return _tuned_file().get("summary", {})
+
+
 @functools.cache
 def _table() -> dict[tuple[int, int], list[tuple[int, Choice]]]:
     """``(n, k) -> [(m, choice), ...]`` sorted by ``m``."""

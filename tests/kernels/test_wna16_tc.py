@@ -8,8 +8,10 @@ before or after the dot, split-K, ragged M and N.  Bounds: fp32 activations and 
 against the fp32 reference: ``1e-5`` of the output's max (fp32 accumulation order; the
 interpreter runs the dot in fp32); bf16 activations: ``2**-7`` (the interpreter
 truncates to bf16 instead of rounding, output and weight).  On an H100/H200 the sm_90
-compile test checks that the priors and every configuration the sweep times build with
-no register spills, on wgmma."""
+compile test checks that the priors and a few other configurations build with no
+register spills, on wgmma, with the PTX bf16x2 unpack where it applies (ptxas checks its
+syntax; its arithmetic is checked on the GPU by ``benchmarks/wna16_tc_sweep.py``, which
+falls back to the fp32 unpack if it is wrong)."""
 
 from __future__ import annotations
 
@@ -125,7 +127,8 @@ def test_act_order_layer_routes_rows_by_count() -> None:
     ref_w = iw.dequantize(torch.float32)
     dev = torch.device(DEVICE)
     for m in (20, 3):
-        assert (_tc_route(layer, m, n, k, dev) is not None) == (m >= 16)
+        route = _tc_route(layer, m, n, k, dev)
+        assert (route is not None and route[0] == "tc") == (m >= 16)
         x = torch.randn(m, k, generator=gen)
         got = apply_cuda(layer, x.to(DEVICE)).cpu()
         ref = x @ ref_w.T
@@ -205,11 +208,13 @@ _SCRIPT = textwrap.dedent(r"""
             sig[a] = "i32"
         consts = dict(K=k, GROUP=128, HAS_ZERO=zeros, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                       GROUP_M=gm, K_CHUNK=k // 4 if split else k, SWAP=bool(swap),
-                      SCALE_AFTER=bool(after), IEEE=False, USE_PDL=True)
+                      SCALE_AFTER=bool(after), IEEE=False, FAST_CVT=not zeros,
+                      USE_PDL=True)
         div = [i for i, a in enumerate(sig) if a != "M"]
         kern, st = compile_sm90(tc._w4a16_tc_kernel, sig, consts,
                                 {"num_warps": warps, "num_stages": stages}, div)
         st["wgmma"] = kern.asm["ttgir"].count("warp_group_dot ")
+        st["bf16x2"] = kern.asm["ptx"].count("sub.rn.bf16x2")  # the PTX unpack
         # in-loop waits that leave wgmmas in flight (dequantisation overlaps the MMA)
         st["async_waits"] = len(re.findall(r"wgmma.wait_group.sync.aligned [1-9]",
                                            kern.asm["ptx"]))
@@ -239,3 +244,4 @@ def test_tc_kernel_compiles_for_sm90_on_wgmma_without_spills(tmp_path) -> None:
         assert r["shared"] <= 232448, r  # an H100/H200 block's shared memory
         if r["name"].startswith("prior"):
             assert r["async_waits"] >= 1, r
+        assert (r["bf16x2"] > 0) == ("zeros" not in r["name"]), r

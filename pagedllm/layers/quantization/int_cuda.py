@@ -210,9 +210,10 @@ def _store_tc(layer: LinearBase, iw: IntWeight, qweight: torch.Tensor, stripe: b
 
 
 def _tc_route(layer: LinearBase, m: int, n: int, k: int,
-              device: torch.device) -> tuple[int, ...] | None:
-    """The tensor-core GEMM's configuration when ``m`` rows take it, else None (the
-    striped or dequantise path).  Host ints only: graph-safe, no sync."""
+              device: torch.device) -> tuple[str, tuple[int, ...] | None] | None:
+    """From ``TC_MIN_M`` rows (with the K-major copy stored): ``("tc", config)`` or
+    ``("dequant", None)``; None below (the striped kernels' own choice).  Host ints only:
+    graph-safe, no sync."""
     if getattr(layer, "int_tc_qweight", None) is None:
         return None
     from pagedllm.kernels.wna16_tc_config import prior_config, tc_choice, tc_min_m
@@ -222,11 +223,11 @@ def _tc_route(layer: LinearBase, m: int, n: int, k: int,
     kind, cfg = tc_choice(m, n, k, device)
     lim = dequant_min_m()
     can_dequant = lim > 0 and device.type == "cuda"  # the scratch exists
-    if kind == "tc" or not can_dequant:
-        return cfg if cfg is not None else prior_config(m, n, k, device)
-    if kind == "prior" and m < lim:  # unmeasured shape: the measured threshold decides
-        return cfg
-    return None  # the table's "dequant" (or a prior at M >= DEQUANT_MIN_M)
+    if kind == "dequant" and can_dequant:
+        return "dequant", None
+    if kind == "prior" and can_dequant and m >= lim:  # unmeasured: the measured threshold
+        return "dequant", None
+    return "tc", cfg if cfg is not None else prior_config(m, n, k, device)
 
 
 def apply_cuda(layer: LinearBase, x2: torch.Tensor) -> torch.Tensor:
@@ -243,15 +244,15 @@ def apply_cuda(layer: LinearBase, x2: torch.Tensor) -> torch.Tensor:
     if layer.int_layout == "stripe":  # type: ignore[attr-defined]
         from pagedllm.kernels.wna16_stripe import stripe_gemm
 
-        cfg = _tc_route(layer, m, qw.shape[0], x2.shape[1], x2.device)
-        if cfg is not None:
+        route = _tc_route(layer, m, qw.shape[0], x2.shape[1], x2.device)
+        if route is not None and route[0] == "tc":
             from pagedllm.kernels.wna16_tc import w4a16_tc_gemm
 
             return w4a16_tc_gemm(x2, layer.int_tc_qweight,  # type: ignore[attr-defined]
                                  layer.int_tc_scales,  # type: ignore[attr-defined]
-                                 layer.int_tc_zeros, group, cfg)  # type: ignore[attr-defined,arg-type]
+                                 layer.int_tc_zeros, group, route[1])  # type: ignore[attr-defined,arg-type]
         lim = dequant_min_m()
-        if 0 < lim <= m and x2.is_cuda:
+        if (route is not None or 0 < lim <= m) and x2.is_cuda:
             return dequant_linear(x2, qw, s, z, bits, group,
                                   _scratch(x2.device, x2.dtype),
                                   dequant_chunk_rows(x2.shape[1]))
