@@ -87,21 +87,22 @@ def _weights(n: int, k: int, device: torch.device, seed: int = 0, zeros: bool = 
             None if zp is None else zp.t().contiguous(), zp)
 
 
-def _warm(jobs: list[tuple[str, int, tuple[int, ...], str]]) -> None:
-    """Worker process: compile (run once) each (projection, M, config, unpack)."""
+def _warm(jobs: list[tuple[str, int, tuple[int, ...], str, bool]]) -> None:
+    """Worker process: compile (run once) each (projection, M, config, unpack, zeros)."""
     from pagedllm.kernels.wna16_tc import w4a16_tc_gemm
 
     dev = torch.device("cuda")
     cache: dict[str, Any] = {}
-    for name, m, cfg, cvt in jobs:
+    for name, m, cfg, cvt, zeros in jobs:
         n, k = PROJ[name]
         if name not in cache:
-            cache[name] = _weights(n, k, dev)
+            cache[name] = _weights(n, k, dev, zeros=True)
         w = cache[name]
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         os.environ["PAGEDLLM_WNA16_TC_CVT"] = cvt
         try:
-            w4a16_tc_gemm(x, w[2], w[4], None, GROUP, config=cfg)  # type: ignore[arg-type]
+            w4a16_tc_gemm(x, w[2], w[4], w[5] if zeros else None, GROUP,
+                          config=cfg)  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001  (reported by the main process's run)
             print(f"warm {name} M={m} {cfg}: {type(e).__name__}: {str(e)[:200]}",
                   flush=True)
@@ -113,24 +114,27 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def correctness(dev: torch.device, rows: tuple[int, ...]) -> list[dict[str, Any]]:
-    """The kernel (priors, and one config of each bucket, with and without zero points)
-    against the fp32 reference at every projection."""
+    """The kernel (the priors, with and without zero points, and the first three
+    candidates of each row bucket) against the fp32 reference at every projection."""
     from pagedllm.kernels.wna16 import wna16_ref
     from pagedllm.kernels.wna16_tc import w4a16_tc_gemm
+    from pagedllm.kernels.wna16_tc_config import prior_config
 
     out = []
     for name, (n, k) in PROJ.items():
         qw, _, qt, sc, sct, zt, zp = _weights(n, k, dev, seed=1, zeros=True)
-        for m in sorted({16, 100, *[r for r in rows if r >= 16]}):
+        for m in rows:  # the shapes the warm-up compiled (a new shape is a new compile)
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             r: dict[str, Any] = {"proj": name, "M": m}
             ref = wna16_ref(x.float(), qw, sc, None, None, 4, GROUP)
-            refz = wna16_ref(x.float(), qw, sc, zp, None, 4, GROUP)
-            r["prior"] = _rel(w4a16_tc_gemm(x, qt, sct, None, GROUP), ref)
+            prior = prior_config(m, n, k, dev)
+            r["prior"] = _rel(w4a16_tc_gemm(x, qt, sct, None, GROUP, config=prior), ref)
+            if m >= 16:
+                refz = wna16_ref(x.float(), qw, sc, zp, None, 4, GROUP)
+                r["prior_zeros"] = _rel(w4a16_tc_gemm(x, qt, sct, zt, GROUP, config=prior),
+                                        refz)
             for i, cfg in enumerate(candidates(m, n, k, dev)[:3]):
                 r[f"cand{i}"] = _rel(w4a16_tc_gemm(x, qt, sct, None, GROUP, config=cfg), ref)
-                r[f"cand{i}_zeros"] = _rel(w4a16_tc_gemm(x, qt, sct, zt, GROUP, config=cfg),
-                                           refz)
             # bf16 output rounding (2**-8 relative) plus fp32 summation order
             r["ok"] = all(v < 1e-2 for kk, v in r.items() if kk not in ("proj", "M"))
             out.append(r)
@@ -262,10 +266,11 @@ def main() -> None:
     if args.procs > 0:
         from pagedllm.kernels.wna16_tc_config import prior_config
 
-        jobs = [(name, m, cfg, "bf16x2") for name, (n, k) in PROJ.items() for m in rows
-                for cfg in candidates(m, n, k, dev)]
-        jobs += [(name, m, prior_config(m, n, k, dev), "fp32")
-                 for name, (n, k) in PROJ.items() for m in rows]
+        jobs = [(name, m, cfg, "bf16x2", False) for name, (n, k) in PROJ.items()
+                for m in rows for cfg in candidates(m, n, k, dev)]
+        for z, cvt in ((False, "fp32"), (True, "bf16x2")):  # the priors' A/B and check
+            jobs += [(name, m, prior_config(m, n, k, dev), cvt, z)
+                     for name, (n, k) in PROJ.items() for m in rows if m >= 16 or not z]
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_warm, args=(jobs[i::args.procs],))
                  for i in range(args.procs)]

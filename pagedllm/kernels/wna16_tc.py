@@ -20,7 +20,9 @@ copies), each word read once.  It is transposed in registers (a layout relabel) 
 of ``kernels/wna16_stripe.py`` (``(h & mask) | 0x4B000000`` read as fp32 is ``2**23 +
 code * 2**o``: one LOP3 and one FMA per code, no int->float conversion) and put back in
 K order by a tree of ``tl.interleave`` (a join of in-thread values: no data movement), so
-each thread's codes of one word stay in that thread, consecutive in K.
+each thread's codes of one word stay in that thread, consecutive in K.  For symmetric
+bf16 on sm_90 a PTX bf16x2 unpack (``_ASM_SCALED``: two codes per LOP3, ``code - 8``
+and the scale in ``bf16x2`` arithmetic) halves the instructions (:func:`fast_cvt`).
 
 Two ways to meet the activations (``SWAP``, compile-time):
 
@@ -53,6 +55,7 @@ from :mod:`pagedllm.kernels.wna16_tc_config` (a tuned table, else priors).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -288,14 +291,20 @@ def _w4a16_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stri
 # --------------------------------------------------------------------------- launch
 
 
+@functools.cache
+def _sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def fast_cvt() -> bool:
-    """``PAGEDLLM_WNA16_TC_CVT``, else the tuned table's (its sweep falls back to ``fp32``
-    if the PTX unpack fails its GPU check), else ``bf16x2``: the PTX unpack (symmetric
-    bf16 only); ``fp32``: the portable unpack everywhere (A/B runs).  Read per call."""
+    """``PAGEDLLM_WNA16_TC_CVT``, else the tuned table's, else ``fp32``.  ``bf16x2``: the
+    PTX unpack (symmetric bf16 on sm_90+ only); ``fp32``: the portable unpack.  The sweep
+    writes ``bf16x2`` into its table only after that unpack passed its GPU check, so an
+    unverified unpack is never the default.  Read per call."""
     from pagedllm.kernels.wna16_tc_config import tuned_summary
 
     choice = os.environ.get("PAGEDLLM_WNA16_TC_CVT",
-                            tuned_summary().get("PAGEDLLM_WNA16_TC_CVT", "bf16x2"))
+                            tuned_summary().get("PAGEDLLM_WNA16_TC_CVT", "fp32"))
     if choice not in ("bf16x2", "fp32"):
         raise ValueError(f"PAGEDLLM_WNA16_TC_CVT: expected 'bf16x2' or 'fp32', got "
                          f"{choice!r}")
@@ -367,7 +376,7 @@ def w4a16_tc_gemm(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tens
                                                 device=x.device)
     ieee = x.dtype == torch.float32 or (_INTERPRET and x.dtype != torch.float32)
     fast = (fast_cvt() and x.dtype == torch.bfloat16 and scales_t.dtype == torch.bfloat16
-            and zeros_t is None and not _INTERPRET)
+            and zeros_t is None and not _INTERPRET and _sm90(x.device))
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
     _w4a16_tc_kernel[grid](
         x, qweight_t, scales_t, zeros_t if zeros_t is not None else scales_t, target, m, n,
