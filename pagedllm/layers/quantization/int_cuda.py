@@ -204,6 +204,8 @@ def _store_tc(layer: LinearBase, iw: IntWeight, qweight: torch.Tensor, stripe: b
 
     use = stripe and tc_min_m() > 0 and tc_applies(iw.bits, iw.k, iw.group_size, has_g_idx)
     _register(layer, "int_tc_qweight", to_kmajor(qweight) if use else None)
+    if use:  # a second copy of the weight: stored bytes, not part of the unquantised size
+        layer.int_tc_qweight.packed_factor = 0  # type: ignore[union-attr]  (weight_bytes)
     _register(layer, "int_tc_scales", iw.scales.to(dtype).t() if use else None)
     _register(layer, "int_tc_zeros",
               iw.zeros.float().t() if use and iw.zeros is not None else None)
