@@ -187,6 +187,23 @@ def test_tuned_table_routes_by_rows(tmp_path, monkeypatch) -> None:
         clear()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cvt", ["bf16x2", "fp32"])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+@pytest.mark.parametrize("m", [1, 16, 64, 256, 2048])
+def test_gpu_tc_gemm_llama3_shapes(n: int, k: int, m: int, cvt: str, monkeypatch) -> None:
+    """Real shapes with both unpacks and the priors (the PTX unpack's only check of its
+    arithmetic besides the sweep's)."""
+    monkeypatch.setenv("PAGEDLLM_WNA16_TC_CVT", cvt)
+    qw, sc, _ = _weight(n, k, 128, False, m)
+    qw, sc = qw.cuda(), sc.to(torch.bfloat16).cuda()
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    got = w4a16_tc_gemm(x, to_kmajor(qw), sc.t().contiguous(), None, 128)
+    ref = wna16_ref(x.float(), qw, sc, None, None, 4, 128)
+    # bf16 output rounding (2**-8 relative) plus fp32 accumulation-order differences
+    assert float((got.float() - ref).abs().max()) <= 2 ** -7 * float(ref.abs().max())
+
+
 _SCRIPT = textwrap.dedent(r"""
     import json, re, sys
     import torch
