@@ -198,7 +198,7 @@ def _w4a16_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stri
                      HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_CHUNK: tl.constexpr,
                      SWAP: tl.constexpr, SCALE_AFTER: tl.constexpr, IEEE: tl.constexpr,
-                     FAST_CVT: tl.constexpr, USE_PDL: tl.constexpr):
+                     FAST_CVT: tl.constexpr, EVEN_N: tl.constexpr, USE_PDL: tl.constexpr):
     """One ``[BLOCK_M, BLOCK_N]`` output tile over ``K_CHUNK`` inputs (module doc)."""
     # Nothing before the first loads of x: start dependents, wait for the predecessor.
     pdl_start(USE_PDL)
@@ -215,7 +215,10 @@ def _w4a16_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stri
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.max_contiguous(tl.multiple_of(rn % N, BLOCK_N), BLOCK_N)  # clamp: no mask
+    if EVEN_N:  # whole tiles: contiguous, aligned columns (16-byte vector loads)
+        cols = tl.max_contiguous(tl.multiple_of(rn, BLOCK_N), BLOCK_N)
+    else:  # the last tile re-reads column N - 1 (never stored): loads need no mask
+        cols = tl.minimum(rn, N - 1)
     m_ok = rm < M
     rk = tl.arange(0, BLOCK_K)
     rw = tl.arange(0, BLOCK_K // 8)
@@ -383,6 +386,7 @@ def w4a16_tc_gemm(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tens
         x.stride(0), n, m * n if split > 1 else 0, K=k, GROUP=group_size,
         HAS_ZERO=zeros_t is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
         K_CHUNK=k_chunk, SWAP=bool(swap), SCALE_AFTER=bool(after), IEEE=ieee, FAST_CVT=fast,
+        EVEN_N=n % bn == 0,
         num_warps=warps, num_stages=stages, **pdl_launch_args(x.device))
     if split > 1:
         splitk_reduce(target, out)  # fixed order: deterministic

@@ -226,7 +226,7 @@ _SCRIPT = textwrap.dedent(r"""
         consts = dict(K=k, GROUP=128, HAS_ZERO=zeros, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                       GROUP_M=gm, K_CHUNK=k // 4 if split else k, SWAP=bool(swap),
                       SCALE_AFTER=bool(after), IEEE=False, FAST_CVT=not zeros,
-                      USE_PDL=True)
+                      EVEN_N=True, USE_PDL=True)
         div = [i for i, a in enumerate(sig) if a != "M"]
         kern, st = compile_sm90(tc._w4a16_tc_kernel, sig, consts,
                                 {"num_warps": warps, "num_stages": stages}, div)
