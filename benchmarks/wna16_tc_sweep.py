@@ -4,7 +4,7 @@ cuBLAS, dequantise + cuBLAS and the striped kernel, all under CUDA-graph replay;
 per-step totals (32 layers) and writes the launch table to ship.  One device call (< 4 min):
 
     python benchmarks/wna16_tc_sweep.py --out $OUT/wna16_tc_sweep.json \\
-        --table $OUT/wna16_tc_NVIDIA_H200.json [--budget-s 170] [--rows 1,16,64,256,2048]
+        --table $OUT/wna16_tc_NVIDIA_H200.json [--budget-s 150] [--rows 1,16,64,256,1024,2048]
 
 ``--table`` is the format of ``PAGEDLLM_WNA16_TC_CONFIGS`` (``kernels/wna16_tc_config``);
 copy it to ``pagedllm/kernels/tuned/`` to ship it.  Per ``(M, projection)`` the table
@@ -259,8 +259,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="wna16_tc_sweep.json")
     ap.add_argument("--table", default=None, help="write PAGEDLLM_WNA16_TC_CONFIGS JSON")
-    ap.add_argument("--budget-s", type=float, default=170.0)
-    ap.add_argument("--procs", type=int, default=12, help="compile-warming processes")
+    ap.add_argument("--budget-s", type=float, default=150.0)
+    ap.add_argument("--procs", type=int, default=15, help="compile-warming processes")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
     args = ap.parse_args()
     rows = tuple(int(v) for v in args.rows.split(","))
