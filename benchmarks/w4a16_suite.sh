@@ -3,6 +3,8 @@
 # configurations it picked, and W8A8-INT8.  Two device calls (each < 10 min):
 #   bash benchmarks/w4a16_suite.sh sweep   # ~4 min: correctness + timings -> $OUT
 #   bash benchmarks/w4a16_suite.sh e2e     # latency + W1 of w4a16 (tuned), w8a8 latency
+#   bash benchmarks/w4a16_suite.sh tc      # ~5 min: the tensor-core W4A16 GEMM's sweep
+#                                          # (kernels/wna16_tc.py) + W1 with its table
 # e2e uses $WNA16_TABLE, else ./wna16_configs.json (copy the sweep's table into the repo
 # root: untracked files travel), else /tmp/wna16_configs.json (a still-warm machine),
 # else the built-in defaults.
@@ -27,4 +29,12 @@ if [ "$what" = e2e ]; then
     --output-json "$OUT/w1_w4a16.json" 2>&1 | grep -v "INFO.*step" | tail -8
   step python -m pagedllm bench latency --dummy llama3-8b-w8a8-int8 \
     --output-json "$OUT/lat_w8a8.json" 2>&1 | grep -v INFO | tail -8
+fi
+if [ "$what" = tc ]; then
+  step python benchmarks/wna16_tc_sweep.py --out "$OUT/wna16_tc_sweep.json" \
+    --table "$OUT/wna16_tc_NVIDIA_H200.json" --budget-s 150
+  cp "$OUT/wna16_tc_NVIDIA_H200.json" /tmp/wna16_tc_configs.json 2>/dev/null
+  export PAGEDLLM_WNA16_TC_CONFIGS=$OUT/wna16_tc_NVIDIA_H200.json
+  step python -m pagedllm bench throughput --workload W1 --dummy llama3-8b-w4a16 --no-hf \
+    --output-json "$OUT/w1_w4a16_tc.json" 2>&1 | grep -v "INFO.*step" | tail -8
 fi

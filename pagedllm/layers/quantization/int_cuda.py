@@ -7,15 +7,26 @@ to :func:`store_cuda` at load and every call to :func:`apply_cuda`.  What is sto
  act-order (g_idx) with equal groups   inputs permuted at load (groups contiguous);
                                        apply gathers x[:, perm] once per call
  K % 128 == 0, group % 128 == 0 | K    the striped layout (kernels/wna16_stripe.py)
+   and 4-bit, PAGEDLLM_WNA16_TC_MIN_M  also the K-major layout (kernels/wna16_tc.py):
+   > 0 (default 16)                    int32 [K/8, N] words, scales [K/G, N]
  anything else                         the canonical layout (kernels/wna16.py)
  PAGEDLLM_WNA16_TINYGEMM_MAX_M > 0     also torch's int4 layout (4-bit, groups 32..256)
 ```
+
+The K-major copy costs another half byte per weight (the striped copy stays for the
+decode GEMV below ``TC_MIN_M`` rows and for the dequantise path).
 
 Which kernel runs depends only on the row count ``M`` (host int): CUDA graphs and eager
 runs of one batch size agree, and nothing syncs.
 
 ```
  M <= PAGEDLLM_WNA16_TINYGEMM_MAX_M (default 0: off)   torch _weight_int4pack_mm
+ M >= PAGEDLLM_WNA16_TC_MIN_M (K-major copy stored)    the tensor-core W4A16 GEMM, or
+                                                       dequantise + cuBLAS where the tuned
+                                                       table (kernels/wna16_tc_config.py)
+                                                       measured that faster; without a
+                                                       table entry: the GEMM below
+                                                       DEQUANT_MIN_M rows, dequantise above
  M <  PAGEDLLM_WNA16_DEQUANT_MIN_M  (default 512)      wna16_stripe GEMV (M <= 4) / tile
  M >= PAGEDLLM_WNA16_DEQUANT_MIN_M                     dequantise into one shared bf16
                                                        scratch + cuBLAS F.linear (whole,
@@ -172,6 +183,7 @@ def store_cuda(layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> None:
     layer.int_bits, layer.int_group = iw.bits, iw.group_size  # type: ignore[assignment]
     if stripe and dequant_min_m() > 0 and qw.is_cuda:
         reserve_scratch(iw.n * iw.k, qw.device, dtype)
+    _store_tc(layer, iw, qweight, stripe, g_idx is not None, dtype)
     layer.int_tinygemm = None  # type: ignore[assignment]
     if (tinygemm_max_m() > 0 and iw.bits == 4 and qw.is_cuda and g_idx is None
             and iw.group_size in _TINYGEMM_GROUPS and packable(iw.n, iw.k, qw.device)):
@@ -179,6 +191,45 @@ def store_cuda(layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> None:
         s = iw.scales.float()
         layer.int_tinygemm = PackedInt4(codes, s, (8.0 - iw.zero_codes()) * s,  # type: ignore
                                         iw.group_size, qw.device)
+
+
+def _store_tc(layer: LinearBase, iw: IntWeight, qweight: torch.Tensor, stripe: bool,
+              has_g_idx: bool, dtype: torch.dtype) -> None:
+    """The K-major copy of a 4-bit striped layer for the tensor-core GEMM (module doc):
+    ``int_tc_qweight [K/8, N]``, ``int_tc_scales [K/G, N]``, ``int_tc_zeros`` (or None
+    each, when the kernel does not apply or ``PAGEDLLM_WNA16_TC_MIN_M=0``).  ``qweight``
+    is the canonical weight after any act-order permutation."""
+    from pagedllm.kernels.wna16_tc import tc_applies, to_kmajor
+    from pagedllm.kernels.wna16_tc_config import tc_min_m
+
+    use = stripe and tc_min_m() > 0 and tc_applies(iw.bits, iw.k, iw.group_size, has_g_idx)
+    _register(layer, "int_tc_qweight", to_kmajor(qweight) if use else None)
+    if use:  # a second copy of the weight: stored bytes, not part of the unquantised size
+        layer.int_tc_qweight.packed_factor = 0  # type: ignore[union-attr]  (weight_bytes)
+    _register(layer, "int_tc_scales", iw.scales.to(dtype).t() if use else None)
+    _register(layer, "int_tc_zeros",
+              iw.zeros.float().t() if use and iw.zeros is not None else None)
+
+
+def _tc_route(layer: LinearBase, m: int, n: int, k: int,
+              device: torch.device) -> tuple[str, tuple[int, ...] | None] | None:
+    """From ``TC_MIN_M`` rows (with the K-major copy stored): ``("tc", config)`` or
+    ``("dequant", None)``; None below (the striped kernels' own choice).  Host ints only:
+    graph-safe, no sync."""
+    if getattr(layer, "int_tc_qweight", None) is None:
+        return None
+    from pagedllm.kernels.wna16_tc_config import prior_config, tc_choice, tc_min_m
+
+    if m < tc_min_m():
+        return None
+    kind, cfg = tc_choice(m, n, k, device)
+    lim = dequant_min_m()
+    can_dequant = lim > 0 and device.type == "cuda"  # the scratch exists
+    if kind == "dequant" and can_dequant:
+        return "dequant", None
+    if kind == "prior" and can_dequant and m >= lim:  # unmeasured: the measured threshold
+        return "dequant", None
+    return "tc", cfg if cfg is not None else prior_config(m, n, k, device)
 
 
 def apply_cuda(layer: LinearBase, x2: torch.Tensor) -> torch.Tensor:
@@ -195,8 +246,15 @@ def apply_cuda(layer: LinearBase, x2: torch.Tensor) -> torch.Tensor:
     if layer.int_layout == "stripe":  # type: ignore[attr-defined]
         from pagedllm.kernels.wna16_stripe import stripe_gemm
 
+        route = _tc_route(layer, m, qw.shape[0], x2.shape[1], x2.device)
+        if route is not None and route[0] == "tc":
+            from pagedllm.kernels.wna16_tc import w4a16_tc_gemm
+
+            return w4a16_tc_gemm(x2, layer.int_tc_qweight,  # type: ignore[attr-defined]
+                                 layer.int_tc_scales,  # type: ignore[attr-defined]
+                                 layer.int_tc_zeros, group, route[1])  # type: ignore[attr-defined,arg-type]
         lim = dequant_min_m()
-        if 0 < lim <= m and x2.is_cuda:
+        if (route is not None or 0 < lim <= m) and x2.is_cuda:
             return dequant_linear(x2, qw, s, z, bits, group,
                                   _scratch(x2.device, x2.dtype),
                                   dequant_chunk_rows(x2.shape[1]))

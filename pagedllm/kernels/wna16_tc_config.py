@@ -1,0 +1,132 @@
+"""Launch table of the W4A16 tensor-core GEMM (``kernels/wna16_tc.py``): which path a
+``(M, N, K)`` takes from ``tc_min_m`` rows up, and the kernel's configuration
+(``PAGEDLLM_WNA16_TC_MIN_M=0`` turns the kernel off).
+
+A table is written by ``benchmarks/wna16_tc_sweep.py`` (``--table``) and shipped as
+``kernels/tuned/wna16_tc_<device name>.json`` (``PAGEDLLM_WNA16_TC_CONFIGS`` overrides):
+
+```
+ {"configs": [[m, n, k, "tc", [block_m, block_n, block_k, group_m, warps, stages,
+                              split_k, swap, scale_after]],
+              [m, n, k, "dequant", null], ...],
+  "summary": {"PAGEDLLM_WNA16_TC_MIN_M": 16, ...}}
+```
+
+An entry serves every ``M`` up to its ``m`` (the smallest swept ``m >= M`` at that
+``(n, k)``; above the largest, the largest).  ``"dequant"`` means the measured winner
+there was dequantise + cuBLAS (``int_cuda.dequant_linear``).  Shapes not in the table get
+priors (the usual Hopper Triton tiles; not measured).  Everything is keyed by host ints:
+a CUDA-graph capture and an eager run of one batch size pick the same path.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import torch
+
+from pagedllm.kernels.int8_gemm import target_programs
+
+# (block_m, block_n, block_k, group_m, warps, stages, split_k, swap, scale_after)
+TcConfig = tuple[int, int, int, int, int, int, int, int, int]
+Choice = tuple[str, "TcConfig | None"]
+DEFAULT_TC_MIN_M = 16
+
+
+def _shipped_table() -> str | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name().replace(" ", "_")
+    path = os.path.join(os.path.dirname(__file__), "tuned", f"wna16_tc_{name}.json")
+    return path if os.path.exists(path) else None
+
+
+@functools.cache
+def _tuned_file() -> dict:
+    path = os.environ.get("PAGEDLLM_WNA16_TC_CONFIGS") or _shipped_table()
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"PAGEDLLM_WNA16_TC_CONFIGS: cannot read {path!r}: {e}") from None
+
+
+def tuned_summary() -> dict:
+    """The table's ``summary`` (the sweep's per-step totals and recommended settings)."""
+    return _tuned_file().get("summary", {})
+
+
+@functools.cache
+def _table() -> dict[tuple[int, int], list[tuple[int, Choice]]]:
+    """``(n, k) -> [(m, choice), ...]`` sorted by ``m``."""
+    out: dict[tuple[int, int], list[tuple[int, Choice]]] = {}
+    for m, n, k, kind, cfg in _tuned_file().get("configs", []):
+        if kind not in ("tc", "dequant"):
+            raise ValueError(f"PAGEDLLM_WNA16_TC_CONFIGS: unknown path {kind!r}")
+        choice = (kind, None if cfg is None else tuple(int(v) for v in cfg))
+        out.setdefault((int(n), int(k)), []).append((int(m), choice))  # type: ignore[arg-type]
+    for v in out.values():
+        v.sort(key=lambda e: e[0])
+    return out
+
+
+def tc_min_m() -> int:
+    """``PAGEDLLM_WNA16_TC_MIN_M`` (0: the kernel is off), else the table's, else 16:
+    the rows from which this module picks the path."""
+    name = "PAGEDLLM_WNA16_TC_MIN_M"
+    value = os.environ.get(name)
+    if value is None:
+        tuned = _tuned_file().get("summary", {}).get(name)
+        return DEFAULT_TC_MIN_M if tuned is None else int(tuned)
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer, got {value!r}") from None
+
+
+def auto_split(m: int, n: int, k: int, bm: int, bn: int, bk: int,
+               device: torch.device) -> int:
+    """Split-K that brings the grid up to the device's target program count (narrow
+    outputs at small M), at most 16 and whole K steps."""
+    programs = -(-m // bm) * -(-n // bn)
+    return max(1, min(target_programs(device) // programs, k // bk, 16))
+
+
+def prior_config(m: int, n: int, k: int, device: torch.device) -> TcConfig:
+    """Priors (compile-checked for sm_90, not yet timed): the rows as wgmma's N dimension
+    (``swap``: the dequantised weight tile is the register A operand, so the wgmmas stay
+    in flight while the next tile is dequantised) at every M."""
+    if m <= 16:
+        bm, bn, bk, gm, warps, stages = 16, 128, 128, 1, 4, 4
+    elif m <= 32:
+        bm, bn, bk, gm, warps, stages = 32, 128, 128, 4, 4, 4
+    elif m <= 64:
+        bm, bn, bk, gm, warps, stages = 64, 128, 64, 4, 4, 4
+    else:
+        bm, bn, bk, gm, warps, stages = 128, 128, 64, 8, 8, 4
+    return (bm, bn, bk, gm, warps, stages, auto_split(m, n, k, bm, bn, bk, device), 1, 0)
+
+
+@functools.lru_cache(maxsize=4096)  # eager (prefill) steps call it per layer
+def tc_choice(m: int, n: int, k: int, device: torch.device) -> Choice:
+    """``("tc", config)`` or ``("dequant", None)`` for ``m`` rows from the table (module
+    doc); ``("prior", config)`` where the table has no entry for ``(n, k)`` (the caller
+    decides: ``int_cuda`` keeps its measured dequantise threshold then)."""
+    entries = _table().get((n, k))
+    if entries:
+        for tm, choice in entries:
+            if tm >= m:
+                return choice
+        return entries[-1][1]
+    return "prior", prior_config(m, n, k, device)
+
+
+def tc_config(m: int, n: int, k: int, device: torch.device) -> TcConfig:
+    """The kernel's configuration for ``m`` rows: the table's where it picked the kernel,
+    else the priors."""
+    kind, cfg = tc_choice(m, n, k, device)
+    return cfg if kind != "dequant" and cfg is not None else prior_config(m, n, k, device)

@@ -1,0 +1,264 @@
+"""The W4A16 tensor-core GEMM (``kernels/wna16_tc.py``), its K-major layout, its launch
+table (``kernels/wna16_tc_config.py``) and the CUDA layer routing that picks it
+(``layers/quantization/int_cuda.py``), against the torch references.
+
+Interpreter cases (``TRITON_INTERPRET=1`` without a GPU): symmetric and with zero
+points, group 128 / 256 / channel-wise, rows as wgmma's N (``swap``) or M, the scale
+before or after the dot, split-K, ragged M and N.  Bounds: fp32 activations and scales
+against the fp32 reference: ``1e-5`` of the output's max (fp32 accumulation order; the
+interpreter runs the dot in fp32); bf16 activations: ``2**-7`` (the interpreter
+truncates to bf16 instead of rounding, output and weight).  On an H100/H200 the sm_90
+compile test checks that the priors and a few other configurations build with no
+register spills, on wgmma, with the PTX bf16x2 unpack where it applies (ptxas checks its
+syntax; its arithmetic is checked on the GPU by ``benchmarks/wna16_tc_sweep.py``, which
+falls back to the fp32 unpack if it is wrong)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+from kernel_refs import DEVICE
+
+from pagedllm.kernels.wna16 import pack_codes, unpack_codes, wna16_ref
+from pagedllm.kernels.wna16_tc import from_kmajor, tc_applies, to_kmajor, w4a16_tc_gemm
+from pagedllm.layers.quantization.int_layout import IntWeight
+from tests.kernels.sm90_compile import run_script
+
+
+def _weight(n: int, k: int, group: int, zeros: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    groups = k // group
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    scales = (torch.rand(n, groups, generator=g) + 0.5) / k ** 0.5
+    zp = torch.randint(0, 16, (n, groups), generator=g).float() if zeros else None
+    return pack_codes(codes, 4), scales, zp
+
+
+def _tc_args(qw: torch.Tensor, sc: torch.Tensor, zp: torch.Tensor | None):
+    return (to_kmajor(qw).to(DEVICE), sc.t().contiguous().to(DEVICE),
+            None if zp is None else zp.t().contiguous().to(DEVICE))
+
+
+def test_kmajor_layout_words_hold_eight_consecutive_inputs_of_a_column() -> None:
+    qw, _, _ = _weight(5, 256, 128, False, 0)
+    codes = unpack_codes(qw, 4)
+    t = to_kmajor(qw)
+    assert t.shape == (32, 5) and torch.equal(from_kmajor(t), qw)
+    for s in range(8):
+        assert torch.equal((t >> (4 * s)) & 0xF, codes[:, s::8].t())
+    assert tc_applies(4, 256, 128, False) and tc_applies(4, 256, 256, False)
+    assert not tc_applies(8, 256, 128, False) and not tc_applies(4, 256, 128, True)
+    assert not tc_applies(4, 256, 64, False) and not tc_applies(4, 200, 200, False)
+
+
+# (block_m, block_n, block_k, group_m, warps, stages, split, swap, scale_after)
+CONFIGS = [(16, 32, 64, 1, 4, 2, 1, 1, 0), (16, 32, 128, 1, 4, 2, 2, 1, 1),
+           (32, 16, 64, 2, 4, 2, 3, 0, 0), (16, 32, 64, 2, 4, 2, 1, 0, 1)]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("zeros", [False, True])
+@pytest.mark.parametrize("group", [128, 256])
+def test_tc_gemm_matches_reference_fp32(cfg: tuple[int, ...], zeros: bool,
+                                        group: int) -> None:
+    """Ragged M (37 rows over 16/32-row tiles) and N (48 columns over 32: the clamped
+    column loads), split-K with a ragged last chunk (3 over 4 steps)."""
+    n, k, m = 48, 256, 37
+    qw, sc, zp = _weight(n, k, group, zeros, 1)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
+    got = w4a16_tc_gemm(x.to(DEVICE), *_tc_args(qw, sc, zp), group, config=cfg).cpu()
+    ref = wna16_ref(x, qw, sc, zp, None, 4, group)
+    assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+def test_tc_gemm_channelwise_and_priors() -> None:
+    """Channel-wise scales (G = K) with the priors' configuration (no table on CPU)."""
+    n, k = 40, 384
+    qw, sc, zp = _weight(n, k, k, True, 3)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(4))
+    got = w4a16_tc_gemm(x.to(DEVICE), *_tc_args(qw, sc, zp), -1).cpu()
+    ref = wna16_ref(x, qw, sc, zp, None, 4, k)
+    assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+@pytest.mark.parametrize("after", [0, 1])
+def test_tc_gemm_bf16(after: int) -> None:
+    n, k = 32, 256
+    qw, sc, _ = _weight(n, k, 128, False, 5)
+    sc = sc.to(torch.bfloat16)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    cfg = (16, 32, 128, 1, 4, 2, 1, 1, after)
+    got = w4a16_tc_gemm(x.to(DEVICE), *_tc_args(qw, sc, None), 128, config=cfg).cpu()
+    assert got.dtype == torch.bfloat16
+    ref = wna16_ref(x.float(), qw, sc, None, None, 4, 128)
+    assert float((got.float() - ref).abs().max()) <= 2 ** -7 * float(ref.abs().max())
+
+
+def test_tc_gemm_rejects_unsupported_groups() -> None:
+    qw, sc, _ = _weight(8, 256, 64, False, 0)
+    with pytest.raises(ValueError, match="group_size"):
+        w4a16_tc_gemm(torch.randn(16, 256), to_kmajor(qw), sc.t().contiguous(), None, 64)
+
+
+def test_act_order_layer_routes_rows_by_count() -> None:
+    """GPTQ act-order with zero points, through the CUDA layer storage: inputs permuted at
+    load, the K-major copy made from the permuted weight; 20 rows (>= TC_MIN_M) take the
+    tensor-core GEMM, 3 rows the striped kernel; both equal ``x @ w^T``."""
+    from pagedllm.layers.linear import ReplicatedLinear
+    from pagedllm.layers.quantization.int_cuda import _tc_route, apply_cuda, store_cuda
+
+    n, k, g = 32, 256, 128
+    qw, sc, zp = _weight(n, k, g, True, 7)
+    gen = torch.Generator().manual_seed(8)
+    g_idx = (torch.argsort(torch.randperm(k, generator=gen)) // g).to(torch.int32)
+    iw = IntWeight(qw, sc, zp, g_idx, 4, g)
+    with torch.device(DEVICE):
+        layer = ReplicatedLinear(k, n, bias=False, prefix="x")
+    layer.register_buffer("int_perm", None, persistent=False)
+    store_cuda(layer, IntWeight(qw.to(DEVICE), sc.to(DEVICE), zp.to(DEVICE),
+                                g_idx.to(DEVICE), 4, g), torch.float32)
+    assert layer.int_layout == "stripe" and layer.int_tc_qweight is not None
+    perm = layer.int_perm.cpu()
+    assert torch.equal(from_kmajor(layer.int_tc_qweight.cpu()),
+                       pack_codes(unpack_codes(qw, 4)[:, perm], 4))
+    ref_w = iw.dequantize(torch.float32)
+    dev = torch.device(DEVICE)
+    for m in (20, 3):
+        route = _tc_route(layer, m, n, k, dev)
+        assert (route is not None and route[0] == "tc") == (m >= 16)
+        x = torch.randn(m, k, generator=gen)
+        got = apply_cuda(layer, x.to(DEVICE)).cpu()
+        ref = x @ ref_w.T
+        assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+def test_tc_off_and_w8_keep_no_kmajor_copy(monkeypatch) -> None:
+    from pagedllm.layers.linear import ReplicatedLinear
+    from pagedllm.layers.quantization.int_cuda import store_cuda
+
+    n, k = 16, 256
+    qw, sc, _ = _weight(n, k, 128, False, 9)
+    monkeypatch.setenv("PAGEDLLM_WNA16_TC_MIN_M", "0")
+    with torch.device(DEVICE):
+        layer = ReplicatedLinear(k, n, bias=False, prefix="x")
+    store_cuda(layer, IntWeight(qw.to(DEVICE), sc.to(DEVICE), None, None, 4, 128),
+               torch.float32)
+    assert layer.int_layout == "stripe" and layer.int_tc_qweight is None
+
+
+def test_tuned_table_routes_by_rows(tmp_path, monkeypatch) -> None:
+    """``PAGEDLLM_WNA16_TC_CONFIGS`` (the sweep's ``--table``): the entry of the smallest
+    swept M >= M at (N, K) wins (the largest above), ``dequant`` entries leave the GEMM
+    (when the dequantise scratch can exist), unknown shapes get ``prior``, and the summary
+    sets TC_MIN_M unless the env var does."""
+    from pagedllm.kernels import wna16_tc_config as tcc
+
+    def clear() -> None:
+        tcc._tuned_file.cache_clear()
+        tcc._table.cache_clear()
+        tcc.tc_choice.cache_clear()
+
+    a = [16, 64, 128, 1, 4, 4, 2, 1, 0]
+    b = [128, 128, 128, 8, 8, 3, 1, 0, 0]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"configs": [[64, 64, 256, "tc", a],
+                                            [256, 64, 256, "tc", b],
+                                            [2048, 64, 256, "dequant", None]],
+                                "summary": {"PAGEDLLM_WNA16_TC_MIN_M": 32}}))
+    monkeypatch.setenv("PAGEDLLM_WNA16_TC_CONFIGS", str(path))
+    monkeypatch.delenv("PAGEDLLM_WNA16_TC_MIN_M", raising=False)
+    clear()
+    try:
+        cpu = torch.device("cpu")
+        assert tcc.tc_choice(17, 64, 256, cpu) == ("tc", tuple(a))
+        assert tcc.tc_choice(65, 64, 256, cpu) == ("tc", tuple(b))
+        assert tcc.tc_choice(300, 64, 256, cpu) == ("dequant", None)
+        assert tcc.tc_choice(9000, 64, 256, cpu) == ("dequant", None)
+        assert tcc.tc_choice(17, 128, 256, cpu)[0] == "prior"
+        assert tcc.tc_config(300, 64, 256, cpu) == tcc.prior_config(300, 64, 256, cpu)
+        assert tcc.tc_min_m() == 32
+        monkeypatch.setenv("PAGEDLLM_WNA16_TC_MIN_M", "0")
+        assert tcc.tc_min_m() == 0
+    finally:
+        monkeypatch.delenv("PAGEDLLM_WNA16_TC_CONFIGS")
+        clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cvt", ["bf16x2", "fp32"])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+@pytest.mark.parametrize("m", [1, 16, 64, 256, 2048])
+def test_gpu_tc_gemm_llama3_shapes(n: int, k: int, m: int, cvt: str, monkeypatch) -> None:
+    """Real shapes with both unpacks and the priors (the PTX unpack's only check of its
+    arithmetic besides the sweep's)."""
+    monkeypatch.setenv("PAGEDLLM_WNA16_TC_CVT", cvt)
+    qw, sc, _ = _weight(n, k, 128, False, m)
+    qw, sc = qw.cuda(), sc.to(torch.bfloat16).cuda()
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    got = w4a16_tc_gemm(x, to_kmajor(qw), sc.t().contiguous(), None, 128)
+    ref = wna16_ref(x.float(), qw, sc, None, None, 4, 128)
+    # bf16 output rounding (2**-8 relative) plus fp32 accumulation-order differences
+    assert float((got.float() - ref).abs().max()) <= 2 ** -7 * float(ref.abs().max())
+
+
+_SCRIPT = textwrap.dedent(r"""
+    import json, re, sys
+    import torch
+    from tests.kernels.sm90_compile import compile_sm90
+    from pagedllm.kernels import wna16_tc as tc
+    from pagedllm.kernels.wna16_tc_config import prior_config
+
+    H200 = torch.device("cpu")  # block shapes only; the split is set below
+    out = []
+    for name, m, n, k, zeros, split, cfg in json.loads(sys.argv[1]):
+        if cfg is None:
+            p = prior_config(m, n, k, H200)
+            cfg = list(p[:6]) + list(p[7:])  # without the split (set below)
+        bm, bn, bk, gm, warps, stages, swap, after = cfg
+        sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16",
+               "z_ptr": "*fp32" if zeros else "*bf16",
+               "out_ptr": "*fp32" if split else "*bf16"}
+        for a in ("M", "N", "stride_xm", "stride_om", "stride_os"):
+            sig[a] = "i32"
+        consts = dict(K=k, GROUP=128, HAS_ZERO=zeros, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                      GROUP_M=gm, K_CHUNK=k // 4 if split else k, SWAP=bool(swap),
+                      SCALE_AFTER=bool(after), IEEE=False, FAST_CVT=not zeros,
+                      EVEN_N=True, USE_PDL=True)
+        div = [i for i, a in enumerate(sig) if a != "M"]
+        kern, st = compile_sm90(tc._w4a16_tc_kernel, sig, consts,
+                                {"num_warps": warps, "num_stages": stages}, div)
+        st["wgmma"] = kern.asm["ttgir"].count("warp_group_dot ")
+        st["bf16x2"] = kern.asm["ptx"].count("sub.rn.bf16x2")  # the PTX unpack
+        # in-loop waits that leave wgmmas in flight (dequantisation overlaps the MMA)
+        st["async_waits"] = len(re.findall(r"wgmma.wait_group.sync.aligned [1-9]",
+                                           kern.asm["ptx"]))
+        out.append({"name": name, **st})
+    print(json.dumps(out))
+""")
+
+# (name, M, N, K, zeros, split-K, config or None = the priors): the priors of each row
+# bucket at the 8B shapes, zero points, split partials.
+CASES = [
+    ("prior o_proj M=16 split", 16, 4096, 4096, False, True, None),
+    ("prior down M=64 zeros", 64, 4096, 14336, True, False, None),
+    ("prior gate_up M=2048", 2048, 28672, 4096, False, False, None),
+    ("scale after M=16", 16, 6144, 4096, False, True, [16, 128, 128, 1, 4, 4, 1, 1]),
+    ("B operand M=256 zeros", 256, 6144, 4096, True, False, [128, 256, 64, 8, 8, 3, 0, 0]),
+    ("swap M=2048 zeros", 2048, 4096, 14336, True, False, [256, 128, 64, 8, 8, 3, 1, 0]),
+]
+
+
+def test_tc_kernel_compiles_for_sm90_on_wgmma_without_spills(tmp_path) -> None:
+    results = run_script(_SCRIPT, tmp_path, json.dumps(CASES))
+    assert [r["name"] for r in results] == [c[0] for c in CASES]
+    for r in results:
+        assert r["spill_stores"] == 0, r
+        assert 0 < r["registers"] <= 255, r
+        assert r["wgmma"] >= 1, r  # Hopper's warp-group MMA, not mma.sync
+        assert r["shared"] <= 232448, r  # an H100/H200 block's shared memory
+        if r["name"].startswith("prior"):
+            assert r["async_waits"] >= 1, r
+        assert (r["bf16x2"] > 0) == ("zeros" not in r["name"]), r
