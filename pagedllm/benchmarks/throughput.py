@@ -88,10 +88,15 @@ def _requests(args: argparse.Namespace, llm: Any) -> list[BenchRequest]:
                 for m in c1_messages(64)]
     vocab = llm.llm_engine.config.model_config.vocab_size
     if args.workload in ("W1", "W1-small"):
-        # W1's ids reach 128,000; a smaller vocabulary (Mixtral's 32,000) draws the same
-        # sequence of requests with ids below its size (same lengths, same seed).
-        return w1(args.num_prompts or 256, vocab_hi=49000 if args.workload == "W1-small"
-                  else min(vocab, 128000))
+        reqs = w1(args.num_prompts or 256, vocab_hi=49000 if args.workload == "W1-small"
+                  else 128000)
+        if vocab < 128000 and args.workload == "W1":
+            # W1's ids reach 128,000; for a smaller vocabulary (Mixtral's 32,000) fold
+            # them below its size, so the requests' lengths stay W1's exactly.
+            reqs = [BenchRequest([1000 + (t - 1000) % (vocab - 1000)
+                                  for t in r.prompt_token_ids],
+                                 r.output_len) for r in reqs]
+        return reqs
     if args.workload == "W5":
         return w5(args.num_prompts or 384)
     if args.workload == "W3":
