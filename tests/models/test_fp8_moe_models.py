@@ -21,6 +21,7 @@ branch ``moefp8``.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -119,7 +120,8 @@ def test_online_fp8_greedy_engine(arch: str, tmp_path) -> None:
 def test_compressed_tensors_fp8_moe_checkpoint(arch: str, preset: str, tmp_path) -> None:
     """Per-channel (FP8_DYNAMIC) and per-tensor + static input scales (FP8) expert
     checkpoints load as e4m3 and equal transformers on the dequantised experts (the
-    experts run weight-only; the static input scales are loaded and unused)."""
+    experts run weight-only; the static input scales are loaded and unused); so do the
+    same tensors under an HF ``quant_method: fp8`` config."""
     ckpt, ref_dir = tmp_path / "ckpt", tmp_path / "ref"
     hf = build(arch, str(ckpt))
     deq = save_compressed_tensors_moe(str(ckpt), preset)
@@ -136,6 +138,18 @@ def test_compressed_tensors_fp8_moe_checkpoint(arch: str, preset: str, tmp_path)
     assert ours.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
     prompts = _prompts((33, 20), seed=5)
     for p, got in zip(prompts, _logits(ours, cfg, prompts)):
+        torch.testing.assert_close(got, hf_logits_of(ref, p), atol=1e-4, rtol=0)
+    # The same tensors as a Hugging Face FP8 checkpoint (quant_method "fp8", attention
+    # listed as ignored): Fp8Config's MoE hook, per-channel or per-tensor + static.
+    cfg_file = ckpt / "config.json"
+    hf_cfg = json.loads(cfg_file.read_text())
+    hf_cfg["quantization_config"] = {
+        "quant_method": "fp8", "fmt": "e4m3", "ignored_layers": ["re:.*self_attn.*"],
+        "activation_scheme": "static" if preset == "FP8" else "dynamic"}
+    cfg_file.write_text(json.dumps(hf_cfg))
+    ours_hf, cfg_hf = _load(str(ckpt))
+    assert cfg_hf.model_config.quantization == "fp8"
+    for p, got in zip(prompts, _logits(ours_hf, cfg_hf, prompts)):
         torch.testing.assert_close(got, hf_logits_of(ref, p), atol=1e-4, rtol=0)
     if preset == "FP8_DYNAMIC" and os.environ.get("TRITON_INTERPRET") == "1":
         # The W_FP8 sorted Triton kernels (interpreted) in every MoE layer, prefill
@@ -191,8 +205,6 @@ def test_cuda_online_fp8_moe(arch: str, tmp_path) -> None:
 
 
 def test_block_wise_fp8_moe_checkpoint_refused(tmp_path) -> None:
-    import json
-
     build("qwen3_moe", str(tmp_path))
     cfg_file = tmp_path / "config.json"
     cfg = json.loads(cfg_file.read_text())
