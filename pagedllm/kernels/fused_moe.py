@@ -180,9 +180,10 @@ def fused_experts_sorted(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     inter = w2.shape[2]
     top_k = topk_ids.shape[1]
     p = t * top_k
-    bm, bn, bk, group_m, warps, stages = config or (
-        fp8_config if fp8 else (lambda c: c))(get_config(t, num_experts, inter, hidden,
-                                                         top_k))
+    if config is None:
+        config = get_config(t, num_experts, inter, hidden, top_k)
+        config = fp8_config(config) if fp8 else config
+    bm, bn, bk, group_m, warps, stages = config
     sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, bm)
     n_blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
