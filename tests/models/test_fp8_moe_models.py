@@ -122,6 +122,7 @@ def test_compressed_tensors_fp8_moe_checkpoint(arch: str, preset: str, tmp_path)
     checkpoints load as e4m3 and equal transformers on the dequantised experts (the
     experts run weight-only; the static input scales are loaded and unused); so do the
     same tensors under an HF ``quant_method: fp8`` config."""
+    pytest.importorskip("compressed_tensors")
     ckpt, ref_dir = tmp_path / "ckpt", tmp_path / "ref"
     hf = build(arch, str(ckpt))
     deq = save_compressed_tensors_moe(str(ckpt), preset)
