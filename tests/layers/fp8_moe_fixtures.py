@@ -40,11 +40,14 @@ def _linear_tree(weights: dict[str, torch.Tensor]) -> nn.Module:
     return root
 
 
-def save_compressed_tensors_moe(path: str, preset: str) -> dict[str, torch.Tensor]:
+def save_compressed_tensors_moe(path: str, preset: str,
+                                block: tuple[int, int] = (16, 16)) -> dict[str, torch.Tensor]:
     """Rewrite the float checkpoint in ``path`` with its experts quantised by
     compressed-tensors' ``preset`` ("FP8_DYNAMIC": per-channel weights; "FP8": per-tensor
-    weights, static input scales) and compressed (``float-quantized``); returns the
-    float state dict with each expert weight replaced by its dequantised value."""
+    weights, static input scales; "FP8_BLOCK": ``block`` weight blocks instead of the
+    preset's 128 x 128, which a tiny model cannot hold) and compressed
+    (``float-quantized``); returns the float state dict with each expert weight
+    replaced by its dequantised value."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
@@ -57,9 +60,10 @@ def save_compressed_tensors_moe(path: str, preset: str) -> dict[str, torch.Tenso
     state = load_file(file)
     experts = {k: v for k, v in state.items() if ".experts." in k and k.endswith(".weight")}
     tree = _linear_tree(experts)
-    qc = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset,
-                                                                            [EXPERTS])},
-                            ignore=["lm_head"])
+    scheme = preset_name_to_scheme(preset, [EXPERTS])
+    if scheme.weights.strategy == "block":
+        scheme.weights.block_structure = list(block)
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
     apply_quantization_config(tree, qc)
     with torch.no_grad():
         for _, mod in tree.named_modules():
@@ -70,6 +74,9 @@ def save_compressed_tensors_moe(path: str, preset: str) -> dict[str, torch.Tenso
             # min / max are the observer's whole job; the library turns them into scales.
             if scheme.weights.strategy == "channel":
                 lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+            elif scheme.weights.strategy == "block":
+                blocks = w.unflatten(0, (-1, block[0])).unflatten(2, (-1, block[1]))
+                lo, hi = blocks.amin((1, 3)), blocks.amax((1, 3))
             else:
                 lo, hi = w.amin(), w.amax()
             scale, _ = calculate_qparams(lo, hi, scheme.weights)
@@ -84,8 +91,12 @@ def save_compressed_tensors_moe(path: str, preset: str) -> dict[str, torch.Tenso
     for name in experts:
         stem = name.removesuffix("weight")
         q, s = compressed[name], compressed[stem + "weight_scale"]
-        deq[name] = q.float() * s.float().reshape(-1, 1) if s.numel() > 1 else \
-            q.float() * s.float().reshape(())
+        s = s.float()
+        if s.dim() == 2 and s.shape[1] > 1:  # block scales
+            s = s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+        else:  # per channel [out, 1], or per tensor
+            s = s.reshape(-1, 1) if s.numel() > 1 else s.reshape(())
+        deq[name] = q.float() * s
     save_file({**{k: v for k, v in state.items() if k not in experts}, **compressed}, file)
     comp.update_config(path)
     with open(os.path.join(path, "config.json")) as f:

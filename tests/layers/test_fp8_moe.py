@@ -5,6 +5,8 @@ refusals (block-wise FP8, half-given scales), and dummy weights."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -153,10 +155,63 @@ def test_tensor_parallel_slices() -> None:
     assert torch.equal(rank1.w2_weight_scale, whole.w2_weight_scale)
 
 
-def test_block_wise_fp8_refused() -> None:
-    cfg = Fp8Config(serialized=True, block_size=(128, 128))
-    with pytest.raises(ValueError, match=r"weight_block_size \[128, 128\]"):
-        FusedMoE(8, 2, 256, 256, True, quant_config=cfg, prefix="model.layers.0.mlp.experts")
+def _block_quantise(w: torch.Tensor, bo: int, bi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 ``w`` with one scale per ``bo x bi`` block (edge blocks partial), and the
+    ``[ceil(rows / bo), ceil(cols / bi)]`` scales: the fine-grained FP8 layout."""
+    rows, cols = w.shape
+    inv = torch.empty(-(-rows // bo), -(-cols // bi))
+    q = torch.empty(rows, cols, dtype=FP8_DTYPE)
+    for r in range(inv.shape[0]):
+        for c in range(inv.shape[1]):
+            blk = w[r * bo:(r + 1) * bo, c * bi:(c + 1) * bi]
+            inv[r, c] = blk.abs().amax() / 448.0
+            q[r * bo:(r + 1) * bo, c * bi:(c + 1) * bi] = (blk / inv[r, c]).to(FP8_DTYPE)
+    return q, inv
+
+
+def _block_dequant(q: torch.Tensor, inv: torch.Tensor, bo: int, bi: int) -> torch.Tensor:
+    full = inv.repeat_interleave(bo, 0).repeat_interleave(bi, 1)
+    return q.float() * full[:q.shape[0], :q.shape[1]]
+
+
+@pytest.mark.parametrize("scale_name", ["weight_scale_inv", "weight_scale"])
+def test_block_wise_fp8_folded_per_channel(scale_name: str) -> None:
+    """Block scales (edge blocks partial: I = 24, H = 40 over 16 x 16 blocks) fold at
+    load into per-channel ones: the layer then equals the block-dequantised float
+    experts up to one more e4m3 rounding; a tensor-parallel slice that is not whole
+    blocks is refused naming weight_block_size."""
+    e, h, i, b = 3, 40, 24, 16
+    w13, w2 = _float_experts(e, h, i, seed=8)
+    cfg = Fp8Config(serialized=True, block_size=(b, b))
+    if scale_name == "weight_scale_inv":  # HF's name
+        layer = FusedMoE(e, 2, h, i, True, quant_config=cfg)
+    else:  # compressed-tensors' name for block scales
+        method = Fp8MoEMethod(True, block_size=(b, b), block_scale_name=scale_name)
+        layer = FusedMoE(e, 2, h, i, True,
+                         quant_config=SimpleNamespace(get_moe_method=lambda *a: method))
+    deq13, deq2 = torch.empty_like(w13), torch.empty_like(w2)
+    for ex in range(e):
+        for shard, m, rows in (("w1", w13[ex, :i], slice(0, i)),
+                               ("w3", w13[ex, i:], slice(i, 2 * i)), ("w2", w2[ex], None)):
+            q, inv = _block_quantise(m, b, b)
+            p = layer.w2_weight if shard == "w2" else layer.w13_weight
+            ps = getattr(layer, ("w2_" if shard == "w2" else "w13_") + scale_name)
+            p.weight_loader(p, q, shard, ex)
+            ps.weight_loader(ps, inv, shard, ex)
+            if shard == "w2":
+                deq2[ex] = _block_dequant(q, inv, b, b)
+            else:
+                deq13[ex, rows] = _block_dequant(q, inv, b, b)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.w13_weight_scale.shape == (e, 2 * i) and not hasattr(
+        layer, "w13_weight_scale_inv")
+    x = torch.randn(11, h, generator=torch.Generator().manual_seed(8))
+    logits = _routing("half_idle", 11, e, 2, seed=8)
+    weights, ids = select_experts(logits, 2, True)
+    ref = fused_experts_ref(x, deq13, deq2, weights, ids)
+    assert float((layer(x, logits) - ref).norm() / ref.norm()) < 0.04
+    with pytest.raises(ValueError, match=r"weight_block_size \[16, 16\]"):
+        FusedMoE(e, 2, h, i, True, tp_size=2, tp_rank=0, quant_config=cfg)
 
 
 def test_ignored_experts_stay_unquantised() -> None:

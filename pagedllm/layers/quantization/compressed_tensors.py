@@ -160,11 +160,12 @@ class CompressedTensorsConfig(QuantizationConfig):
         return None if group is None else self._methods[group]
 
     def get_moe_method(self, layer: nn.Module, prefix: str) -> Any:
-        """The experts' method: FP8 channel / tensor schemes run as
-        ``fp8_moe.Fp8MoEMethod``; ignored (or untargeted) experts stay unquantised; a
-        block FP8 or integer scheme is a ``ValueError`` naming it.  The scheme is that
-        of expert 0's projections (Qwen and Mixtral names), which must agree."""
-        from pagedllm.layers.quantization.fp8_moe import Fp8MoEMethod, refuse_block_fp8
+        """The experts' method: FP8 channel / tensor / block schemes run as
+        ``fp8_moe.Fp8MoEMethod`` (block scales folded at load); ignored (or untargeted)
+        experts stay unquantised; an integer scheme is a ``ValueError`` naming it.  The
+        scheme is that of expert 0's projections (Qwen and Mixtral names), which must
+        agree."""
+        from pagedllm.layers.quantization.fp8_moe import Fp8MoEMethod
 
         names = [f"{prefix}.0.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
         found = {self._group_of(n) for n in names}
@@ -177,9 +178,9 @@ class CompressedTensorsConfig(QuantizationConfig):
         method = self._methods[group]
         label = _scheme_label(self.groups[group])
         if isinstance(method, Fp8LinearMethod):
-            if method.block_size is not None:
-                raise refuse_block_fp8(f"compressed-tensors block ({label})", prefix)
-            return Fp8MoEMethod(serialized=True, input_scale=method.input_scale)
+            return Fp8MoEMethod(serialized=True, input_scale=method.input_scale,
+                                block_size=method.block_size,
+                                block_scale_name=method.block_scale_name)
         raise ValueError(f"compressed-tensors scheme {label} is not supported for MoE "
                          f"experts ({prefix}); supported: {_FLOAT_SCHEMES}")
 

@@ -328,18 +328,16 @@ class Fp8Config(QuantizationConfig):
         return self.method
 
     def get_moe_method(self, layer: nn.Module, prefix: str) -> Any:
-        """FP8 experts (``fp8_moe.Fp8MoEMethod``, weight-only, per-channel scales), or
-        None when the checkpoint lists them as ignored; block-wise checkpoints are a
-        ``ValueError`` naming ``weight_block_size``."""
-        from pagedllm.layers.quantization.fp8_moe import Fp8MoEMethod, refuse_block_fp8
+        """FP8 experts (``fp8_moe.Fp8MoEMethod``, weight-only, per-channel scales;
+        ``weight_block_size`` scales folded at load), or None when the checkpoint lists
+        them as ignored."""
+        from pagedllm.layers.quantization.fp8_moe import Fp8MoEMethod
 
         if _name_matches(prefix, self.ignored):
             return None
         m = self.method
-        if m.block_size is not None:
-            raise refuse_block_fp8(f"block-wise (weight_block_size {list(m.block_size)})",
-                                   prefix)
-        return Fp8MoEMethod(serialized=m.serialized, input_scale=m.input_scale)
+        return Fp8MoEMethod(serialized=m.serialized, input_scale=m.input_scale,
+                            block_size=m.block_size)
 
     def check_device(self, device: str, dtype: str) -> None:
         if device != "cuda":
