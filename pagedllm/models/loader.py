@@ -182,8 +182,10 @@ def _init_dummy(model: nn.Module, device: torch.device, seed: int, init: str) ->
     with torch.no_grad():
         owned: set[int] = set()  # parameters a quantisation method filled itself
         for module in model.modules():
-            if isinstance(module, LinearBase) and module.quant_method.dummy_init(
-                    module, gen, init):
+            # Quantised linears and experts fill their own (e4m3, packed) storage.
+            dummy = getattr(getattr(module, "quant_method", None), "dummy_init", None)
+            if isinstance(module, (LinearBase, FusedMoE)) and dummy is not None \
+                    and dummy(module, gen, init):
                 owned.update(id(p) for p in module.parameters(recurse=False))
         for name, p in model.named_parameters():
             if id(p) in owned or not p.is_floating_point():

@@ -70,9 +70,16 @@ class MoeForCausalLM(LlamaForCausalLM):
         return int(config.num_experts)
 
     def weight_target(self, name: str) -> tuple[str, tuple[Any, ...]]:
+        """Expert tensors go to the stacked parameter of their suffix:
+        ``experts.3.gate_proj.weight`` -> ``experts.w13_weight`` and, for quantised
+        experts, ``experts.3.gate_proj.weight_scale`` -> ``experts.w13_weight_scale``
+        (``input_scale`` likewise), with ``(shard id, expert id)``."""
         if ".experts." in name:
             head, _, tail = name.partition(".experts.")
-            hit = self._expert_map.get("experts." + tail)
+            stem, _, leaf = tail.rpartition(".")
+            hit = self._expert_map.get(f"experts.{stem}.weight")
             if hit is not None:
-                return f"{head}.{hit[0]}", hit[1]
+                param = hit[0] if leaf == "weight" else \
+                    hit[0].removesuffix("_weight") + "_" + leaf
+                return f"{head}.{param}", hit[1]
         return super().weight_target(name)

@@ -118,15 +118,25 @@ class FusedMoE(nn.Module):
                       expert_id: int) -> None:
         """Copy one expert's checkpoint matrix: ``shard_id`` "w1" (gate, ``[I, H]``),
         "w3" (up) or "w2" (down, ``[H, I]``); this rank's slice of it."""
+        hit = self.expert_shard(param.data, loaded, shard_id, expert_id)
+        if hit is not None:
+            hit[0].copy_(hit[1])
+
+    def expert_shard(self, data: torch.Tensor, loaded: torch.Tensor, shard_id: str,
+                     expert_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(destination view of data [E_local, rows, cols], this rank's slice of
+        loaded)`` for one expert matrix (see ``weight_loader``), or None when the expert
+        is another expert-parallel rank's; ``ValueError`` on a shape mismatch.  Methods
+        that transform the matrix on its way in (quantise at load) use it too."""
         local = expert_id - self.expert_start
         if not 0 <= local < self.num_local_experts:
-            return  # another expert-parallel rank's expert
+            return None  # another expert-parallel rank's expert
         i = self.intermediate_per_partition
         if shard_id in ("w1", "w3"):
-            dst = param.data[local].narrow(0, 0 if shard_id == "w1" else i, i)
+            dst = data[local].narrow(0, 0 if shard_id == "w1" else i, i)
             dim = 0
         elif shard_id == "w2":
-            dst, dim = param.data[local], 1
+            dst, dim = data[local], 1
         else:
             raise ValueError(f"expert shard_id must be w1, w2 or w3, got {shard_id!r}")
         expect = list(dst.shape)
@@ -134,7 +144,7 @@ class FusedMoE(nn.Module):
         if list(loaded.shape) != expect:
             raise ValueError(f"shape mismatch for expert {expert_id} {shard_id}: parameter "
                              f"{tuple(expect)} vs checkpoint {tuple(loaded.shape)}")
-        dst.copy_(loaded.narrow(dim, self.tp_rank * dst.shape[dim], dst.shape[dim]))
+        return dst, loaded.narrow(dim, self.tp_rank * dst.shape[dim], dst.shape[dim])
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)

@@ -34,10 +34,17 @@ def sort_by_expert(topk_ids: torch.Tensor,
 
 
 def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      w13_scale: torch.Tensor | None = None,
+                      w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows then up rows), ``w2 [E, H, I]``,
     ``topk_weights/ids [T, k]`` -> ``[T, H]`` in ``x``'s dtype: the sum over each token's
-    experts of ``weight * down(silu(gate(x)) * up(x))``."""
+    experts of ``weight * down(silu(gate(x)) * up(x))``.
+
+    ``w13_scale [E, 2I]`` / ``w2_scale [E, H]``: the weights are quantised (FP8) with a
+    scale per output channel; each routed expert is upcast to ``x``'s dtype and its
+    scale applied to its rows (``(w * s) x == s * (w x)``), one expert at a time, so no
+    dequantised copy of the whole bank is ever made."""
     num_experts = w13.shape[0]
     top_k = topk_ids.shape[1]
     order, counts = sort_by_expert(topk_ids, num_experts)
@@ -50,9 +57,17 @@ def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         if n == 0:
             continue
         tok = tokens[start:start + n]
-        h = F.linear(x.index_select(0, tok), w13[e])
+        h = F.linear(x.index_select(0, tok), _expert(w13, w13_scale, e, x.dtype))
         a = F.silu(h[:, :inter]) * h[:, inter:]
-        y = F.linear(a, w2[e]) * weights[start:start + n, None]
+        y = F.linear(a, _expert(w2, w2_scale, e, x.dtype)) * weights[start:start + n, None]
         out.index_add_(0, tok, y.to(out.dtype))
         start += n
     return out
+
+
+def _expert(w: torch.Tensor, scale: torch.Tensor | None, e: int,
+            dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``e``'s matrix in ``dtype``: as stored, or upcast times its row scales."""
+    if scale is None:
+        return w[e]
+    return (w[e].float() * scale[e].float()[:, None]).to(dtype)

@@ -159,6 +159,31 @@ class CompressedTensorsConfig(QuantizationConfig):
         group = found.pop()
         return None if group is None else self._methods[group]
 
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> Any:
+        """The experts' method: FP8 channel / tensor / block schemes run as
+        ``fp8_moe.Fp8MoEMethod`` (block scales folded at load); ignored (or untargeted)
+        experts stay unquantised; an integer scheme is a ``ValueError`` naming it.  The
+        scheme is that of expert 0's projections (Qwen and Mixtral names), which must
+        agree."""
+        from pagedllm.layers.quantization.fp8_moe import Fp8MoEMethod
+
+        names = [f"{prefix}.0.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+        found = {self._group_of(n) for n in names}
+        if len(found) > 1:
+            raise ValueError(f"compressed-tensors: the expert projections of {prefix} are "
+                             f"quantised differently; pagedllm stacks them")
+        group = found.pop()
+        if group is None:
+            return None
+        method = self._methods[group]
+        label = _scheme_label(self.groups[group])
+        if isinstance(method, Fp8LinearMethod):
+            return Fp8MoEMethod(serialized=True, input_scale=method.input_scale,
+                                block_size=method.block_size,
+                                block_scale_name=method.block_scale_name)
+        raise ValueError(f"compressed-tensors scheme {label} is not supported for MoE "
+                         f"experts ({prefix}); supported: {_FLOAT_SCHEMES}")
+
     def check_device(self, device: str, dtype: str) -> None:
         self._device = device
         if any(isinstance(m, Fp8LinearMethod) for m in self._methods.values()):

@@ -327,6 +327,18 @@ class Fp8Config(QuantizationConfig):
             return None
         return self.method
 
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> Any:
+        """FP8 experts (``fp8_moe.Fp8MoEMethod``, weight-only, per-channel scales;
+        ``weight_block_size`` scales folded at load), or None when the checkpoint lists
+        them as ignored."""
+        from pagedllm.layers.quantization.fp8_moe import Fp8MoEMethod
+
+        if _name_matches(prefix, self.ignored):
+            return None
+        m = self.method
+        return Fp8MoEMethod(serialized=m.serialized, input_scale=m.input_scale,
+                            block_size=m.block_size)
+
     def check_device(self, device: str, dtype: str) -> None:
         if device != "cuda":
             return
@@ -339,6 +351,7 @@ class Fp8Config(QuantizationConfig):
         if not m.serialized:
             gran = "per-tensor" if m.weight_per_tensor else "per-channel"
             return f"fp8 (e4m3 W8A8, quantised at load, {gran} weight scales, per-token " \
-                   f"activations)"
+                   f"activations; MoE experts e4m3 weight-only, per-channel)"
         src = f"block {m.block_size} scales" if m.block_size else "weight_scale"
-        return f"fp8 (e4m3 W8A8 checkpoint, {src}, per-token activations)"
+        return f"fp8 (e4m3 W8A8 checkpoint, {src}, per-token activations; MoE experts " \
+               f"weight-only)"
