@@ -336,10 +336,43 @@ def test_gemv_lora_epilogue_matches_reference(k: int, sizes: tuple[int, ...], r:
         assert (got - plain).abs().max().item() > 1e-2
 
 
+@pytest.mark.parametrize("k,sizes,r,silu,slot", [
+    (72, (16, 8, 8), 5, False, 2),   # q/k/v shards
+    (130, (40,), 4, True, 0),        # down: silu(gate) * up rounded to fp16 first
+    (64, (24, 24), 3, False, -1),    # gate/up, no adapter: the plain GEMV bit for bit
+])
+def test_gemv_lora_epilogue_fp16(k: int, sizes: tuple[int, ...], r: int, silu: bool,
+                                 slot: int, device: str) -> None:
+    """The batch-1 path of an fp16 model: ``lora_shrink`` + the GEMV's epilogue adds the
+    fp32 delta to the fp16-rounded output and rounds once more, so it is the plain GEMV
+    plus the fp32 reference delta within :func:`_rounding_bound`."""
+    from pagedllm.kernels.gemv import gemv
+    from pagedllm.kernels.lora import lora_shrink
+
+    g = torch.Generator().manual_seed(k + r + 16)
+    a, bt = (z.to(device, torch.float16) for z in _stacked(g, 3, k, sizes, r))
+    x = torch.randn(1, 2 * k if silu else k, generator=g).to(device, torch.float16)
+    w = (torch.randn(sum(sizes), k, generator=g) / k ** 0.5).to(device, torch.float16)
+    slots = torch.tensor([slot], dtype=torch.int32, device=device)
+    bounds = tuple(int(v) for v in torch.tensor(sizes).cumsum(0)[:-1])
+    lora = lora_shrink(x, slots, a, bt, bounds, silu_mul=silu)
+    got = gemv(x, w, silu_mul=silu, lora=lora)
+    plain = gemv(x, w, silu_mul=silu)
+    assert got.dtype == torch.float16
+    if slot < 0:
+        assert torch.equal(got, plain)
+        return
+    xin = _silu_mul(x) if silu else x
+    want = plain.float() + lora_ref(xin.float(), slots, a.float(), bt.float())
+    _assert_within(got, want, _rounding_bound(xin, slots, a, bt, want, False), "epilogue")
+    assert (got.float() - plain.float()).abs().max().item() > 1e-2
+
+
 @pytest.mark.parametrize("k,sizes,r,residual,slot,dtype", [
     (300, (24,), 6, True, 1, torch.float32),        # ragged K, padded partials
     (256, (16, 8, 8), 5, False, 2, torch.bfloat16),  # q/k/v shards, no residual
     (64, (24, 24), 3, True, -1, torch.bfloat16),     # gate/up, no adapter
+    (128, (64, 32, 32), 4, True, 1, torch.float16),  # an fp16 model's q/k/v
 ])
 def test_rms_norm_shrink_matches_norm_and_reference(
         k: int, sizes: tuple[int, ...], r: int, residual: bool, slot: int,
