@@ -2,13 +2,15 @@
 the adapter delta costs per decoder layer against the base projections.
 
     python benchmarks/lora_probe.py --out lora_probe.json [--rows 1] [--sweep]
+        [--dtype float16]
 
-1. **Correctness** (bf16, 8 slots of rank 16, rows mixing every slot and -1): for each
-   projection (qkv with its 3 shards, o, gate_up with 2, down reading ``silu(gate)*up``)
-   and 1 / 4 / 16 / 256 rows, every CUDA path of ``lora/layers.py`` (``fused``, ``sgmv``,
-   ``dense``) against the fp32 torch reference ``lora_ref``; at one row the batch-1 path
-   (``lora_shrink`` + the GEMV adding the expand in its epilogue, and for qkv / gate_up
-   the shrink in the RMSNorm's launch, whose norm outputs must equal
+1. **Correctness** (bf16, or fp16 with ``--dtype float16``; 8 slots of rank 16, rows
+   mixing every slot and -1): for each projection (qkv with its 3 shards, o, gate_up
+   with 2, down reading ``silu(gate)*up``) and 1 / 4 / 16 / 256 rows, every CUDA path
+   of ``lora/layers.py`` (``fused``, ``sgmv``, ``dense``) against the fp32 torch
+   reference ``lora_ref``; at one row the batch-1 path (``lora_shrink`` + the GEMV
+   adding the expand in its epilogue, and for qkv / gate_up the shrink in the RMSNorm's
+   launch, whose norm outputs must equal
    ``fused_add_rms_norm``'s bit for bit); ``gemv_qkv_rope`` with an adapter against gemv
    + the reference delta + ``rotary_and_write_kv``; and a ``LlamaMLP`` with LoRA slots
    behind an ``RMSNorm`` linked to its ``gate_up_proj`` on the batch-1 GEMV path against
@@ -42,7 +44,7 @@ from pagedllm.kernels.norm import fused_add_rms_norm
 from pagedllm.lora.layers import SGMV_BLOCK_M, lora_dense_, lora_ref, sgmv_tiles, slot_owner
 
 DEV = torch.device("cuda")
-BF16 = torch.bfloat16
+DT = torch.bfloat16  # the model dtype (--dtype)
 L, R, LAYERS = 8, 16, 32
 # name: (in features, output shard sizes, input is [gate | up] for silu(gate)*up)
 PROJ = {"qkv": (4096, (4096, 1024, 1024), False), "o": (4096, (4096,), False),
@@ -67,7 +69,7 @@ def _slots_weights(k: int, sizes: tuple[int, ...], g: torch.Generator,
         bt[:, i * R:(i + 1) * R, off:off + size] = 0.05 * torch.randn(
             L, R, size, generator=g, device=dev)
         off += size
-    return a.to(DEV, BF16), bt.to(DEV, BF16)
+    return a.to(DEV, DT), bt.to(DEV, DT)
 
 
 def _silu_mul(gu: torch.Tensor) -> torch.Tensor:
@@ -119,12 +121,12 @@ def correctness(results: list) -> bool:
         n = sum(sizes)
         owner = slot_owner(L, a.shape[1], DEV)
         for m in (1, 4, 16, 256):
-            x = torch.randn(m, 2 * k if silu else k, generator=g).to(DEV, BF16)
+            x = torch.randn(m, 2 * k if silu else k, generator=g).to(DEV, DT)
             xin = _silu_mul(x) if silu else x
             slots = _rows_slots(m, g)
-            # A small base output, so that its bf16 rounding after the add is small
+            # A small base output, so that its rounding to DT after the add is small
             # against the delta compared: got - y against the reference delta.
-            y = (0.05 * torch.randn(m, n, generator=g)).to(DEV, BF16)
+            y = (0.05 * torch.randn(m, n, generator=g)).to(DEV, DT)
             want = lora_ref(xin.float(), slots, a.float(), bt.float())
             got = lora_fused(x, slots, a, bt, _bounds(sizes), y=y.clone(), silu_mul=silu)
             ok &= _check(f"{name} M={m} fused", got.float() - y.float(), want, results)
@@ -152,8 +154,8 @@ def _check_epilogue(name: str, x: torch.Tensor, slots: torch.Tensor, a: torch.Te
     fp32 reference delta; slot -1 leaves the GEMV's output bit-for-bit."""
     k, sizes, silu = PROJ[name]
     n = sum(sizes)
-    # Small base weights: the output's bf16 rounding stays small against the delta.
-    w = (0.05 * torch.randn(n, k, generator=g) / k ** 0.5).to(DEV, BF16)
+    # Small base weights: the output's rounding to DT stays small against the delta.
+    w = (0.05 * torch.randn(n, k, generator=g) / k ** 0.5).to(DEV, DT)
     xin = _silu_mul(x) if silu else x
     plain = gemv(x, w, silu_mul=silu)
     want = lora_ref(xin.float(), slots, a.float(), bt.float())
@@ -167,9 +169,9 @@ def _check_epilogue(name: str, x: torch.Tensor, slots: torch.Tensor, a: torch.Te
         print(f"  FAIL {name}: the GEMV with slot -1 differs from the plain GEMV")
     ok &= same
     if name in ("qkv", "gate_up"):
-        h = torch.randn(1, k, generator=g).to(DEV, BF16)
-        res = torch.randn(1, k, generator=g).to(DEV, BF16)
-        nw = (1 + 0.1 * torch.randn(k, generator=g)).to(DEV, BF16)
+        h = torch.randn(1, k, generator=g).to(DEV, DT)
+        res = torch.randn(1, k, generator=g).to(DEV, DT)
+        nw = (1 + 0.1 * torch.randn(k, generator=g)).to(DEV, DT)
         (y, r), lora = rms_norm_shrink(h, res, nw, 1e-5, slots, a, bt, _bounds(sizes))
         y_ref, r_ref = fused_add_rms_norm(h, res, nw, 1e-5)
         same = torch.equal(y, y_ref) and torch.equal(r, r_ref)
@@ -192,8 +194,8 @@ def _check_rope(results: list) -> bool:
     g = torch.Generator().manual_seed(1)
     (hq, hkv, d), k = HEADS, PROJ["qkv"][0]
     n = (hq + 2 * hkv) * d
-    x = torch.randn(1, k, generator=g).to(DEV, BF16)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEV, BF16)
+    x = torch.randn(1, k, generator=g).to(DEV, DT)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEV, DT)
     a, bt = _slots_weights(k, (hq * d, hkv * d, hkv * d), g)
     slots = torch.tensor([5], dtype=torch.int32, device=DEV)
     bounds = (hq * d, (hq + hkv) * d)
@@ -202,9 +204,9 @@ def _check_rope(results: list) -> bool:
     cs = rope.cos_sin_cache.to(DEV)
     pos = torch.tensor([1234], device=DEV)
     slot_map = torch.tensor([77], dtype=torch.int64, device=DEV)
-    cache0 = torch.zeros(2, 8, 16, hkv, d, dtype=BF16, device=DEV)
+    cache0 = torch.zeros(2, 8, 16, hkv, d, dtype=DT, device=DEV)
     ref_cache = cache0.clone()
-    qkv = (gemv(x, w).float() + delta).to(BF16)
+    qkv = (gemv(x, w).float() + delta).to(DT)
     q_ref = qkv[:, :hq * d].clone()
     rotary_and_write_kv(pos, q_ref, qkv[:, hq * d:(hq + hkv) * d], qkv[:, (hq + hkv) * d:],
                         d, cs, ref_cache, slot_map)
@@ -230,7 +232,7 @@ def _check_mlp(results: list) -> bool:
 
     g = torch.Generator().manual_seed(2)
     hidden, inter = PROJ["gate_up"][0], PROJ["gate_up"][1][0]
-    torch.set_default_dtype(BF16)
+    torch.set_default_dtype(DT)
     with torch.device(DEV):
         mlp = LlamaMLP(hidden, inter)
         norm = RMSNorm(hidden, 1e-5)
@@ -242,14 +244,14 @@ def _check_mlp(results: list) -> bool:
     mapping.token_slots[0] = 2
     mapping.active = True
     for layer in (mlp.gate_up_proj, mlp.down_proj):
-        lora = LoRALinear(layer, L, R, mapping, BF16, DEV, use_triton=True)
+        lora = LoRALinear(layer, L, R, mapping, DT, DEV, use_triton=True)
         a, bt = _slots_weights(layer.in_per_partition, tuple(layer.output_partition_sizes), g)
         lora.a.copy_(a)
         lora.bt.copy_(bt)
         layer.lora = lora
     norm.lora_next = mlp.gate_up_proj.lora
-    x = torch.randn(1, hidden, generator=g).to(DEV, BF16)
-    res = torch.randn(1, hidden, generator=g).to(DEV, BF16)
+    x = torch.randn(1, hidden, generator=g).to(DEV, DT)
+    res = torch.randn(1, hidden, generator=g).to(DEV, DT)
 
     def run() -> torch.Tensor:
         h, _ = norm(x, res)
@@ -301,9 +303,9 @@ def _chain(m: int, path: str | None, base: dict, slots_w: dict, owners: dict,
     of each, plus LoRA by ``path`` (None: base only)."""
     slots = torch.arange(m, dtype=torch.int32, device=DEV) % L  # spread evenly
     groups = _groups(slots)
-    xs = {name: torch.randn(m, 2 * k if silu else k, generator=g, device=DEV, dtype=BF16)
+    xs = {name: torch.randn(m, 2 * k if silu else k, generator=g, device=DEV, dtype=DT)
           for name, (k, _, silu) in PROJ.items()}
-    outs = {name: torch.empty(m, sum(sizes), dtype=BF16, device=DEV)
+    outs = {name: torch.empty(m, sum(sizes), dtype=DT, device=DEV)
             for name, (_, sizes, _) in PROJ.items()}
     down_in = _silu_mul(xs["down"])  # the cuBLAS path's input (M > 1)
 
@@ -342,15 +344,15 @@ def _layer_chain(lora: bool, base: dict, slots_w: dict, g: torch.Generator):
 
     (hq, hkv, d), hidden = HEADS, PROJ["qkv"][0]
     slots = torch.tensor([3], dtype=torch.int32, device=DEV)
-    norms = [(1 + 0.1 * torch.randn(2, hidden, generator=g, device=DEV)).to(BF16)
+    norms = [(1 + 0.1 * torch.randn(2, hidden, generator=g, device=DEV)).to(DT)
              for _ in range(LAYERS)]
     cs = RotaryEmbedding(d, 4096, {"rope_theta": 500000.0, "rope_type": "default"}
                          ).cos_sin_cache.to(DEV)
     pos = torch.tensor([1234], device=DEV)
     slot_map = torch.tensor([77], dtype=torch.int64, device=DEV)
-    cache = torch.zeros(2, 8, 16, hkv, d, dtype=BF16, device=DEV)
-    h0 = torch.randn(1, hidden, generator=g, device=DEV, dtype=BF16)
-    r0 = torch.randn(1, hidden, generator=g, device=DEV, dtype=BF16)
+    cache = torch.zeros(2, 8, 16, hkv, d, dtype=DT, device=DEV)
+    h0 = torch.randn(1, hidden, generator=g, device=DEV, dtype=DT)
+    r0 = torch.randn(1, hidden, generator=g, device=DEV, dtype=DT)
     b = {name: _bounds(sizes) for name, (_, sizes, _) in PROJ.items()}
 
     def norm(i: int, j: int, h: torch.Tensor, res: torch.Tensor, name: str):
@@ -384,7 +386,7 @@ def _layer_chain(lora: bool, base: dict, slots_w: dict, g: torch.Generator):
 def timing(results: list, ms: list[int]) -> None:
     g = torch.Generator(device=DEV).manual_seed(3)
     # 32 layers' weights: the base rotates through HBM (14 GB), the slots too (0.7 GB).
-    base = {name: [(torch.randn(sum(sizes), k, generator=g, device=DEV, dtype=BF16)
+    base = {name: [(torch.randn(sum(sizes), k, generator=g, device=DEV, dtype=DT)
                     .div_(k ** 0.5)) for _ in range(LAYERS)]
             for name, (k, sizes, _) in PROJ.items()}
     slots_w = {name: [_slots_weights(k, sizes, g) for _ in range(LAYERS)]
@@ -416,8 +418,8 @@ def timing(results: list, ms: list[int]) -> None:
 def _fused_us(name: str, cfg: tuple[int, int, int], g: torch.Generator) -> float:
     k, sizes, silu = PROJ[name]
     ws = [_slots_weights(k, sizes, g) for _ in range(LAYERS)]
-    x = torch.randn(1, 2 * k if silu else k, generator=g, device=DEV, dtype=BF16)
-    y = torch.zeros(1, sum(sizes), dtype=BF16, device=DEV)
+    x = torch.randn(1, 2 * k if silu else k, generator=g, device=DEV, dtype=DT)
+    y = torch.zeros(1, sum(sizes), dtype=DT, device=DEV)
     slots = torch.tensor([3], dtype=torch.int32, device=DEV)
 
     def run() -> None:
@@ -447,15 +449,20 @@ def main() -> None:
     ap.add_argument("--out", default="lora_probe.json")
     ap.add_argument("--rows", default="1,4,16,64,256,2048", help="M values to time")
     ap.add_argument("--sweep", action="store_true", help="sweep lora_fused's config")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
+                    help="model dtype of activations and weights")
     args = ap.parse_args()
+    global DT
+    DT = getattr(torch, args.dtype)
     results: list = []
-    print(f"{torch.cuda.get_device_name()}: correctness (bf16 vs the fp32 reference)")
+    print(f"{torch.cuda.get_device_name()}: correctness ({args.dtype} vs the fp32 "
+          "reference)")
     ok = correctness(results)
     timing(results, [int(m) for m in args.rows.split(",")])
     if args.sweep:
         sweep(results)
     with open(args.out, "w") as f:
-        json.dump({"ok": ok, "results": results}, f, indent=1)
+        json.dump({"ok": ok, "dtype": args.dtype, "results": results}, f, indent=1)
     print("correctness:", "ok" if ok else "FAILED")
     sys.exit(0 if ok else 1)
 

@@ -18,6 +18,9 @@ Three forms:
 Both read slot indices and weights from device buffers (no host sync) and launch fixed
 grids for a row count, so CUDA graphs capture them.  Sums are fp32; the result is added
 to ``y`` in fp32 and rounded once, and rows without an adapter are left bit-for-bit.
+(:func:`lora_sgmv` also rounds the shrink to the weights' dtype for the tensor-core
+expand, so where ``y + delta`` cancels its error is relative to ``sum_r |s_r||Bt_r|``,
+not to the result: ``tests/kernels/test_lora_kernels._rounding_bound``.)
 Oracle: ``lora/layers.lora_ref``.  ``K``, ``R`` (and the shard count) are compile-time
 constants: a layer's shapes, a handful per model.
 """
@@ -123,6 +126,10 @@ def lora_fused(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, bt: torch.
     int32, ``a [L, S*R, K]`` and ``bt [L, S*R, N]`` contiguous (the layout of
     ``lora/layers.LoRALinear``), ``shard_bounds``: the S shards' first output features
     after the first (``()`` for one shard, ``(q, q + kv)`` for q/k/v; at most 3 shards).
+    ``bt`` must be block-diagonal over the shards (shard i's rank rows zero outside shard
+    i's outputs, as ``LoRALinear.set_slot`` writes it): an output of shard i reads only
+    shard i's rank rows, so entries outside the blocks are ignored, unlike in
+    ``lora_ref`` / :func:`lora_sgmv` (which use them).
     With ``y`` ``[T, N]`` (contiguous rows) the delta is added into it in place (rows
     without an adapter untouched) and ``y`` returned; without, the fp32 delta ``[T, N]``
     is returned (zeros for rows without an adapter).  No host sync; fixed grid."""

@@ -93,11 +93,11 @@ def test_padding_slot_writes_nothing() -> None:
     _case(torch.bfloat16, 64, 2, 1, k=64, bias=False, slot=-1, pos=9, seed=fresh_seed())
 
 
-def test_lora_delta_joins_before_rotation() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lora_delta_joins_before_rotation(dtype: torch.dtype) -> None:
     """A LoRA adapter's delta (split-K shrink, expand in the epilogue) is added before
-    q/k are rotated and k/v cached."""
-    _case(torch.bfloat16, 64, 2, 1, k=64, bias=True, slot=3, pos=11, seed=fresh_seed(),
-          lora=True)
+    q/k are rotated and k/v cached; fp16 models take the same path."""
+    _case(dtype, 64, 2, 1, k=64, bias=True, slot=3, pos=11, seed=fresh_seed(), lora=True)
 
 
 def test_supported_shapes_and_errors() -> None:

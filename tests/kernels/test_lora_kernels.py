@@ -15,15 +15,69 @@ from tests.kernels.sm90_compile import run_script
 
 
 def _case(t: int, k: int, n: int, slots: int, r: int, dtype: torch.dtype, device: str,
-          ) -> tuple[torch.Tensor, ...]:
+          sizes: tuple[int, ...] | None = None) -> tuple[torch.Tensor, ...]:
+    """Rows ``x [t, k]``, ``a [slots, r, k]``, ``bt [slots, r, n]``, slots ``idx`` and a
+    base output ``y``.  With ``sizes`` (output shards summing to ``n``), ``r`` is ``S *
+    rank`` and ``bt`` is block-diagonal over the shards: ``LoRALinear``'s stacked layout,
+    the one ``lora_fused`` is specified for (it reads only shard i's rank rows for shard
+    i's outputs); without, ``bt`` is dense (fine for the shard-agnostic sgmv)."""
     g = torch.Generator().manual_seed(t * 7 + k + n)
     x = torch.randn(t, k, generator=g).to(device, dtype)
     a = torch.randn(slots, r, k, generator=g).to(device, dtype) / k ** 0.5
-    bt = torch.randn(slots, r, n, generator=g).to(device, dtype)
+    bt = torch.randn(slots, r, n, generator=g)
+    if sizes is not None:
+        rank, off = r // len(sizes), 0
+        mask = torch.zeros(r, n, dtype=torch.bool)
+        for i, size in enumerate(sizes):
+            mask[i * rank:(i + 1) * rank, off:off + size] = True
+            off += size
+        bt = bt * mask
+    bt = bt.to(device, dtype)
     # Every slot, and rows without an adapter (-1), interleaved (unsorted).
     idx = torch.randint(-1, slots, (t,), generator=g).to(device, torch.int32)
     y = torch.randn(t, n, generator=g).to(device, dtype)
     return x, a, bt, idx, y
+
+
+# Unit of the last place at 1 (the interpreter truncates bf16 conversions, so a whole
+# ulp, not the half of round-to-nearest).
+_EPS = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -23}
+
+
+def _rounding_bound(x: torch.Tensor, idx: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+                    want: torch.Tensor, shrink_rounded: bool) -> torch.Tensor:
+    """Per-element bound on ``|got - want|`` for ``got = round(y + delta)`` computed as
+    the kernels do, ``want`` the fp32 reference (inputs exact in fp32).  The terms:
+
+    * the one rounding of the output to its dtype: ``eps * |want|``;
+    * sgmv (``shrink_rounded``) rounds each shrink value ``s_r`` to the weights' dtype
+      before the expand (as vLLM's punica does): ``eps * sum_r |s_r| |Bt[r, n]|``.  With
+      cancellation (``y + delta ~ 0``) this term, not ``|want|``, dominates: a fixed
+      rtol/atol fails there although the kernel is right;
+    * fp32 sums over K and the rank (worst case ``(K + SR) * 2^-24`` of the sums of
+      absolute terms, propagated through the expand).
+
+    A wrong shard, slot or row is off by O(``sum_r |s_r| |Bt|``), far outside it."""
+    eps = _EPS[x.dtype]
+    n_slots, sr, k = a.shape
+    owner = torch.arange(n_slots, device=x.device).repeat_interleave(sr)
+    mask = idx.long().unsqueeze(1) == owner.unsqueeze(0)
+    shrunk = x.float() @ a.float().reshape(n_slots * sr, k).t()
+    absx = x.float().abs() @ a.float().abs().reshape(n_slots * sr, k).t()
+    absb = bt.float().abs().reshape(n_slots * sr, -1)
+    mag = torch.where(mask, shrunk.abs(), 0) @ absb
+    mag_x = torch.where(mask, absx, 0) @ absb
+    gamma = (k + sr) * 2.0 ** -24
+    return eps * want.abs() + (eps if shrink_rounded else 0.0) * mag + gamma * (mag + mag_x)
+
+
+def _assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor,
+                   what: str) -> None:
+    err = (got.float() - want).abs()
+    bad = err > bound
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} / {err.numel()} elements outside the rounding bound; "
+        f"worst err/bound {(err / bound.clamp_min(1e-30)).max().item():.3g}")
 
 
 def _sgmv(x, idx, a, bt, y, block_m: int = 16):
@@ -65,18 +119,41 @@ def test_sgmv_tiles_group_rows_by_slot() -> None:
     assert len(rows) == 0 and tiles.tolist() == [0]
 
 
+def _check_sharded_case(t: int, k: int, sizes: tuple[int, ...], rank: int, n_slots: int,
+                        dtype: torch.dtype, device: str, block_m: int) -> None:
+    """sgmv over all ``t`` rows and ``lora_fused`` over the first 4 (the fused path's
+    row count) on a q/k/v-like layer with block-diagonal ``Bt``, against the fp32
+    reference within :func:`_rounding_bound`; rows without an adapter bit-for-bit."""
+    from pagedllm.kernels.lora import lora_fused
+
+    n = sum(sizes)
+    x, a, bt, idx, y = _case(t, k, n, n_slots, len(sizes) * rank, dtype, device, sizes)
+    assert (idx[:4] >= 0).any() and (idx < 0).any()
+    want = y.float() + lora_ref(x.float(), idx, a.float(), bt.float())
+    got = _sgmv(x, idx, a, bt, y.clone(), block_m)
+    _assert_within(got, want, _rounding_bound(x, idx, a, bt, want, True), "sgmv")
+    assert torch.equal(got[idx < 0], y[idx < 0])
+    bounds = tuple(int(b) for b in torch.tensor(sizes).cumsum(0)[:-1])
+    got = lora_fused(x[:4], idx[:4], a, bt, bounds, y=y[:4].clone())
+    _assert_within(got, want[:4], _rounding_bound(x[:4], idx[:4], a, bt, want[:4], False),
+                   "fused")
+    assert torch.equal(got[idx[:4] < 0], y[:4][idx[:4] < 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sharded_half_precision_matches_reference(dtype: torch.dtype, device: str) -> None:
+    """The GPU-size test below at interpreter sizes: half precision, 4 fused rows,
+    3 shards (q/k/v) whose bounds halve the fused kernel's blocks, 37 sgmv rows in
+    several tiles per slot."""
+    _check_sharded_case(37, 96, (64, 32, 32), 4, 3, dtype, device, 16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_lora_kernels_gpu_sizes(dtype: torch.dtype, device: str) -> None:
-    """An 8B layer's shape (qkv: 4096 -> 6144, 3 shards of rank 16, 8 slots)."""
-    from pagedllm.kernels.lora import lora_fused
-
-    x, a, bt, idx, y = _case(300, 4096, 6144, 8, 48, dtype, device)
-    want = (y.float() + lora_ref(x.float(), idx, a.float(), bt.float()))
-    got = _sgmv(x, idx, a, bt, y.clone(), 32)
-    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
-    got = lora_fused(x[:4], idx[:4], a, bt, (4096, 5120), y=y[:4].clone())
-    torch.testing.assert_close(got.float(), want[:4], rtol=2e-2, atol=2e-2)
+    """An 8B layer's shape (qkv: 4096 -> 4096 + 1024 + 1024, 3 shards of rank 16,
+    8 slots), 300 rows."""
+    _check_sharded_case(300, 4096, (4096, 1024, 1024), 16, 8, dtype, device, 32)
 
 
 def _silu_mul(gu: torch.Tensor) -> torch.Tensor:
@@ -259,10 +336,43 @@ def test_gemv_lora_epilogue_matches_reference(k: int, sizes: tuple[int, ...], r:
         assert (got - plain).abs().max().item() > 1e-2
 
 
+@pytest.mark.parametrize("k,sizes,r,silu,slot", [
+    (72, (16, 8, 8), 5, False, 2),   # q/k/v shards
+    (130, (40,), 4, True, 0),        # down: silu(gate) * up rounded to fp16 first
+    (64, (24, 24), 3, False, -1),    # gate/up, no adapter: the plain GEMV bit for bit
+])
+def test_gemv_lora_epilogue_fp16(k: int, sizes: tuple[int, ...], r: int, silu: bool,
+                                 slot: int, device: str) -> None:
+    """The batch-1 path of an fp16 model: ``lora_shrink`` + the GEMV's epilogue adds the
+    fp32 delta to the fp16-rounded output and rounds once more, so it is the plain GEMV
+    plus the fp32 reference delta within :func:`_rounding_bound`."""
+    from pagedllm.kernels.gemv import gemv
+    from pagedllm.kernels.lora import lora_shrink
+
+    g = torch.Generator().manual_seed(k + r + 16)
+    a, bt = (z.to(device, torch.float16) for z in _stacked(g, 3, k, sizes, r))
+    x = torch.randn(1, 2 * k if silu else k, generator=g).to(device, torch.float16)
+    w = (torch.randn(sum(sizes), k, generator=g) / k ** 0.5).to(device, torch.float16)
+    slots = torch.tensor([slot], dtype=torch.int32, device=device)
+    bounds = tuple(int(v) for v in torch.tensor(sizes).cumsum(0)[:-1])
+    lora = lora_shrink(x, slots, a, bt, bounds, silu_mul=silu)
+    got = gemv(x, w, silu_mul=silu, lora=lora)
+    plain = gemv(x, w, silu_mul=silu)
+    assert got.dtype == torch.float16
+    if slot < 0:
+        assert torch.equal(got, plain)
+        return
+    xin = _silu_mul(x) if silu else x
+    want = plain.float() + lora_ref(xin.float(), slots, a.float(), bt.float())
+    _assert_within(got, want, _rounding_bound(xin, slots, a, bt, want, False), "epilogue")
+    assert (got.float() - plain.float()).abs().max().item() > 1e-2
+
+
 @pytest.mark.parametrize("k,sizes,r,residual,slot,dtype", [
     (300, (24,), 6, True, 1, torch.float32),        # ragged K, padded partials
     (256, (16, 8, 8), 5, False, 2, torch.bfloat16),  # q/k/v shards, no residual
     (64, (24, 24), 3, True, -1, torch.bfloat16),     # gate/up, no adapter
+    (128, (64, 32, 32), 4, True, 1, torch.float16),  # an fp16 model's q/k/v
 ])
 def test_rms_norm_shrink_matches_norm_and_reference(
         k: int, sizes: tuple[int, ...], r: int, residual: bool, slot: int,
