@@ -133,6 +133,8 @@ class StepHandle:
     done: bool = False
     # Speculative decoding: tokens_host is [R, spec_width] (PLACEHOLDER-padded).
     spec_width: int = 0
+    # EAGLE: the step's hidden states for the proposer (spec_decode/eagle_proposer.py).
+    target_states: Any = None
 
     def result(self) -> ModelRunnerOutput:
         if not self.done:
@@ -477,6 +479,8 @@ class ModelRunner:
                 ids, logprobs = sampled.sampled_token_ids, sampled.logprobs
             if ids is None:  # the last stage samples; see record_sampled_tokens
                 return handle
+            if self.spec is not None and self.spec.wants_target_states:
+                handle.target_states = self._target_states(order, inp, num_computed, hidden)
             self._last_sampled = ids
             self._pending = {st.req_id: j for j, st in enumerate(states)}
             self._pending_owner = handle
@@ -500,6 +504,19 @@ class ModelRunner:
         if self._prompt_lp_ids and hidden is not None:  # usually none: skip the scan
             self._prompt_logprobs(sched, order, inp, hidden, num_computed, handle.out)
         return handle
+
+    def _target_states(self, order: list[str], inp: StepInputs, num_computed: np.ndarray,
+                       hidden: torch.Tensor) -> Any:
+        """The step's hidden states as an EAGLE head reads them: the model output, or
+        for EAGLE-3 the aux states the model recorded (``LlamaModel.aux_buffer``);
+        each request's first row and its position.  Device tensors: no sync."""
+        from pagedllm.spec_decode.eagle_proposer import TargetStates
+
+        aux = getattr(getattr(self.model, "model", None), "aux_buffer", None)
+        states = hidden if aux is None else aux[:len(inp.input_ids)]
+        starts = inp.query_start_loc[:-1].tolist()
+        return TargetStates(states, {r: (starts[i], int(num_computed[i]))
+                                     for i, r in enumerate(order)})
 
     def _verifiable(self, states: list[CachedRequestState]) -> bool:
         """Whether a step's drafts can be verified: not while a sampled request needs
@@ -579,8 +596,10 @@ class ModelRunner:
         # A large batch gets no drafts from the scheduler: do not spend time on them.
         if live and len(live) <= self.spec.config.disable_by_batch_size:
             rows, states = zip(*live)
-            props = self.spec.propose(self.batch, list(rows), states, self.h2d)
+            props = self.spec.propose(self.batch, list(rows), states, self.h2d,
+                                      handle.target_states)
             handle.out.spec_token_ids = {st.req_id: d for st, d in zip(states, props) if d}
+        handle.target_states = None  # the proposer is done with them
 
     def record_sampled_tokens(self, req_ids: list[str],
                               sampled_token_ids: list[list[int]]) -> None:
