@@ -92,18 +92,21 @@ class DraftModelProposer:
 
     # -- host-side inputs -----------------------------------------------------------
     def block_tables(self, block_table: np.ndarray, num_blocks: np.ndarray,
-                     rows: np.ndarray) -> np.ndarray:
+                     rows: np.ndarray, slot: np.ndarray | None = None) -> np.ndarray:
         """Each proposing request's block table for the round: its blocks, then its
-        scratch blocks (request ``i`` of the round owns scratch ``i``), then zeros."""
+        scratch blocks (request ``i`` of the round owns scratch ``i``, or ``slot[i]``;
+        none where that is negative), then zeros."""
         width = block_table.shape[1] + self.scratch
         nb = num_blocks[rows].astype(np.int64)
         tbl = np.zeros((len(rows), width), dtype=np.int32)
         tbl[:, :block_table.shape[1]] = block_table[rows]
         col = np.arange(width)[None, :] - nb[:, None]  # offset past the own blocks
-        own_scratch = self.num_blocks + np.arange(len(rows))[:, None] * self.scratch + col
-        is_scratch = (col >= 0) & (col < self.scratch)
+        if slot is None:
+            slot = np.arange(len(rows))
+        own_scratch = self.num_blocks + slot[:, None] * self.scratch + col
+        is_scratch = (col >= 0) & (col < self.scratch) & (slot[:, None] >= 0)
         tbl[is_scratch] = own_scratch[is_scratch]
-        tbl[col >= self.scratch] = 0
+        tbl[(col >= 0) & ~is_scratch] = 0
         return tbl
 
     def _meta(self, h2d: H2D, tag: str, qsl: np.ndarray, seq_lens: np.ndarray,

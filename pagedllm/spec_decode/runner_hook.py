@@ -124,6 +124,13 @@ class SpecDecodeHook:
         """Whether the proposer reads the target step's hidden states (EAGLE heads)."""
         return self.config.method in ("eagle", "eagle3")
 
+    def observe(self, batch: Any, rows: Sequence[int], req_ids: Sequence[str], h2d: Any,
+                target: Any) -> None:
+        """EAGLE: write the head KV of a step's rows for requests that get no drafts
+        from it (``EagleProposer.observe``)."""
+        if self.draft is not None and target is not None:
+            self.draft.observe(batch, rows, req_ids, h2d, target)  # type: ignore[attr-defined]
+
     def propose(self, batch: Any, rows: list[int], states: Sequence[Any],
                 h2d: Any, target: Any = None) -> list[list[int]]:
         """Drafts for the requests ``states`` (rows ``rows`` of the runner's

@@ -70,28 +70,41 @@ def test_drafts_equal_the_reference_over_verify_rounds(target, tmp_path, method,
         batch.add(rid, [rng.randrange(VOCAB) for _ in range(rng.randint(2, 11))], [])
     rows = [batch.row_of[r] for r in ids]
     drafts: list[list[int]] = [[] for _ in ids]
-    p0 = [0, 0, 0]  # where each request's target step starts
-    for _round in range(4):
-        # The target step: each request's uncomputed tokens and its drafts, batched.
+
+    def target_step(req_idx: list[int], ends: list[int]) -> TargetStates:
+        """The target runs requests ``req_idx`` from ``p0`` up to ``ends`` (their
+        drafts after their known tokens), batched."""
         qs, poss, reqs = [], [], []
-        for i, row in enumerate(rows):
+        for i, end in zip(req_idx, ends):
+            row = rows[i]
             n = int(batch.num_tokens[row])
-            toks = batch.token_ids[row, p0[i]:n].tolist() + drafts[i]
+            toks = (batch.token_ids[row, p0[i]:n].tolist() + drafts[i])[:end - p0[i]]
             want = -(-(p0[i] + len(toks)) // BS)
             have = int(batch.num_blocks[row])
             batch.append_blocks(row, [free.pop() for _ in range(want - have)])
             qs.append(toks)
             poss.append(np.arange(p0[i], p0[i] + len(toks)))
-            reqs.append(np.full(len(toks), i))
-        tbl = prop.block_tables(batch.block_table, batch.num_blocks, np.asarray(rows))
+            reqs.append(np.full(len(toks), len(reqs)))
+        tbl = prop.block_tables(batch.block_table, batch.num_blocks,
+                                np.asarray([rows[i] for i in req_idx]))
         q = np.asarray([len(t) for t in qs])
         qsl = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
         pos, req = np.concatenate(poss), np.concatenate(reqs)
-        meta = prop._meta(_h2d, "t", qsl, (np.asarray(p0) + q).astype(np.int32), tbl,
+        starts = np.asarray([p0[i] for i in req_idx])
+        meta = prop._meta(_h2d, "t", qsl, (starts + q).astype(np.int32), tbl,
                           prop._slots(tbl, req, pos))
         hidden = model(torch.tensor(sum(qs, [])), torch.from_numpy(pos), meta)
         states = hidden if method == "eagle" else model.model.aux_buffer[:len(pos)]
-        step = TargetStates(states, {r: (int(qsl[i]), p0[i]) for i, r in enumerate(ids)})
+        return TargetStates(states, {ids[i]: (int(qsl[j]), p0[i], int(q[j]))
+                                     for j, i in enumerate(req_idx)})
+
+    # Request "a"'s prompt arrives in two chunks: the head observes the first one.
+    p0 = [0, 0, 0]  # where each request's next target step starts
+    chunk = int(batch.num_tokens[rows[0]]) // 2
+    prop.observe(batch, [rows[0]], ["a"], _h2d, target_step([0], [chunk]))
+    p0[0] = chunk
+    for _round in range(4):
+        step = target_step([0, 1, 2], [MAX_LEN] * 3)
         # Verification: a random prefix of the drafts, then a token of the target's own.
         for i, row in enumerate(rows):
             acc = rng.randint(0, len(drafts[i]))
