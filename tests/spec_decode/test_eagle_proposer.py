@@ -17,6 +17,7 @@ import torch
 
 from pagedllm.attention.torch_ref import TorchReferenceBackend
 from pagedllm.config import EngineArgs
+from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import load_model
 from pagedllm.spec_decode.eagle import enable_aux_states, load_eagle_head
 from pagedllm.spec_decode.eagle_proposer import EagleProposer, TargetStates
@@ -140,3 +141,26 @@ def test_a_head_that_does_not_fit_is_a_value_error(target, tmp_path):
                 "method": method, "num_speculative_tokens": 2}).create_engine_config()
         with pytest.raises(ValueError, match="speculative_config: model"):
             _engine_config(target_path, str(tmp_path / "missing"), method)
+
+
+@pytest.mark.parametrize("method,shape,fc_in", [("eagle", "eagle-llama3-8b", 8192),
+                                                ("eagle3", "eagle3-llama3-8b", 3 * 4096)])
+def test_benchmark_dummy_heads_fit_the_dummy_target(method, shape, fc_in, tmp_path):
+    """`pagedllm bench latency --dummy llama3-8b --draft-dummy <head>` shapes: accepted by
+    the config checks, and built (on the meta device) as the published heads are."""
+    from pagedllm.benchmarks.workloads import write_dummy_model
+    from pagedllm.spec_decode.eagle import EagleHead
+
+    (tmp_path / "t").mkdir()
+    (tmp_path / "h").mkdir()
+    config = EngineArgs(
+        model=write_dummy_model("llama3-8b", str(tmp_path / "t")), load_format="dummy",
+        skip_tokenizer_init=True, device="cpu", max_model_len=256, speculative_config={
+            "method": method, "model": write_dummy_model(shape, str(tmp_path / "h")),
+            "num_speculative_tokens": 4}).create_engine_config()
+    dc = config.scheduler_config.speculative_config.draft_model_config
+    with torch.device("meta"):
+        target = LlamaForCausalLM(config.model_config.hf_config, TorchReferenceBackend())
+        head = EagleHead(dc.hf_config, TorchReferenceBackend(), target, method)
+    assert tuple(head.fc.weight.shape) == (4096, fc_in)
+    assert dc.kv_bytes_per_token() == 2 * 8 * 128 * dc.dtype_bytes  # one layer
