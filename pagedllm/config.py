@@ -456,7 +456,8 @@ def _draft_model_config(spec: SpeculativeConfig, target: ModelConfig,
         check_head(spec.method, None if resolved.load_format == "dummy"
                    else checkpoint_shapes(resolved.directory), hf, target.hf_config)
     derived_max = int(getattr(hf, "max_position_embeddings", 2048) or 2048)
-    if derived_max < target.max_model_len:
+    # An EAGLE head's RoPE table is built to max_model_len (published heads say 2048).
+    if derived_max < target.max_model_len and spec.method == "draft_model":
         raise ValueError(
             f"speculative_config: the draft model's max_position_embeddings ({derived_max}) "
             f"is below max_model_len ({target.max_model_len}); lower max_model_len")

@@ -163,15 +163,20 @@ class EagleHead(nn.Module):
     stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping
 
     def __init__(self, config: Any, backend: AttentionBackend, target: nn.Module,
-                 method: str, *, fc_bias: bool = False, own_embed: bool = False) -> None:
+                 method: str, *, fc_bias: bool = False, own_embed: bool = False,
+                 max_positions: int = 0) -> None:
+        """``max_positions``: the RoPE table's length when longer than the config's
+        ``max_position_embeddings`` (published EAGLE-3 heads say 2048; the formula
+        holds past it, and the target's context is what the head must cover)."""
         super().__init__()
         self.config = config
         self.method = method
         h = config.hidden_size
         th = int(getattr(config, "target_hidden_size", None) or h)
         self.fc = nn.Linear((2 * h) if method == "eagle" else 3 * th, h, bias=fc_bias)
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
-                                          rope_parameters(config))
+        self.rotary_emb = RotaryEmbedding(
+            head_dim_of(config), max(int(config.max_position_embeddings), max_positions),
+            rope_parameters(config))
         # Not submodules: the target's own (neither loaded nor counted again here).
         self.__dict__["target"] = target
         self.embed_tokens: nn.Module | None = VocabParallelEmbedding(
@@ -269,7 +274,8 @@ def load_eagle_head(model_config: Any, method: str, target: nn.Module,
     with _default_dtype(_DTYPES[model_config.dtype]), torch.device(device):
         head = EagleHead(model_config.hf_config, backend, target, method,
                          fc_bias="fc.bias" in shapes,
-                         own_embed=method == "eagle3" and "embed_tokens.weight" in shapes)
+                         own_embed=method == "eagle3" and "embed_tokens.weight" in shapes,
+                         max_positions=int(model_config.max_model_len))
     if dummy:
         _init_dummy(head, device, int(model_config.seed), model_config.dummy_init)
     else:

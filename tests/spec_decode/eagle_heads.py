@@ -85,8 +85,9 @@ def write_head(path: str, method: str, target_cfg: Any, seed: int = 1, *,
         t2d[keep] = True
         t["t2d"] = t2d
         extra = dict(draft_vocab_size=dv, architectures=["LlamaForCausalLMEagle3"])
+    # A context shorter than the target's, as published EAGLE-3 heads have (2048).
     cfg = transformers.LlamaConfig(vocab_size=v, num_hidden_layers=1,
-                                   **{**SMALL, **extra})
+                                   **{**SMALL, "max_position_embeddings": 16, **extra})
     cfg.save_pretrained(path)
     save_file({k: x.contiguous() for k, x in t.items()},
               os.path.join(path, "model.safetensors"))
