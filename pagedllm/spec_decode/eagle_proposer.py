@@ -19,9 +19,9 @@ rewrites them from real states.  Requests that get no drafts from a step still g
 step 1 for its rows (``observe``): a prompt chunk before the last (at launch: its next
 tokens are prompt tokens), a step over ``disable_by_batch_size``, a request that cannot
 speculate.  Positions the target never ran (prefix-cache hits) keep the head KV their
-block holds, written by the request that filled it; a block copied on write holds none.
-Such positions can lower acceptance, never change the output (verification is
-lossless).  No state is kept per request, so preemption needs nothing.
+block holds, written by the request that filled it; a block copied on write, or swapped
+out and back (``BlockOps`` moves the target's KV only), holds none.  Such positions can
+lower acceptance, never change the output (verification is lossless).  No state is kept per request, so preemption needs nothing.
 
 The target's states of the step are handed over on the device (``TargetStates``); the
 round's one device->host transfer is the ``[R, k]`` drafts at its end.
