@@ -9,6 +9,7 @@ requests' blocks.  Also: a head that does not fit is a ValueError naming
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -44,13 +45,23 @@ def _h2d(name: str, arr: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr))
 
 
-@pytest.mark.parametrize("method,draft_vocab", [("eagle", None), ("eagle3", 40)])
-def test_drafts_equal_the_reference_over_verify_rounds(target, tmp_path, method, draft_vocab):
+@pytest.mark.parametrize("method,draft_vocab,backend_name", [
+    ("eagle", None, "torch"), ("eagle3", 40, "torch"), ("eagle3", 40, "triton")])
+def test_drafts_equal_the_reference_over_verify_rounds(target, tmp_path, method, draft_vocab,
+                                                       backend_name):
+    """``triton``: the GPU attention backend (interpreted on CPU, so 2 rounds; rotary
+    fused into its KV write), for the target and the head."""
     target_path, hf = target
     w = write_head(str(tmp_path / method), method, hf.config, draft_vocab=draft_vocab)
     config = _engine_config(target_path, str(tmp_path / method), method)
     mc, dc = config.model_config, config.scheduler_config.speculative_config.draft_model_config
     cpu, backend = torch.device("cpu"), TorchReferenceBackend()
+    if backend_name == "triton":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("runs the Triton kernels on CPU tensors: needs TRITON_INTERPRET=1")
+        from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+        backend = TritonAttentionBackend()
     model = load_model(mc, cpu, backend)
     head = load_eagle_head(dc, method, model, cpu, backend)
     if method == "eagle3":
@@ -104,7 +115,7 @@ def test_drafts_equal_the_reference_over_verify_rounds(target, tmp_path, method,
     chunk = int(batch.num_tokens[rows[0]]) // 2
     prop.observe(batch, [rows[0]], ["a"], _h2d, target_step([0], [chunk]))
     p0[0] = chunk
-    for _round in range(4):
+    for _round in range(4 if backend_name == "torch" else 2):
         step = target_step([0, 1, 2], [MAX_LEN] * 3)
         # Verification: a random prefix of the drafts, then a token of the target's own.
         for i, row in enumerate(rows):
