@@ -32,7 +32,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -54,15 +54,41 @@ def _err(msg: str) -> ValueError:
 
 
 # -- the checkpoint, before anything is built ---------------------------------------------
+def _bin_files(directory: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(directory, "pytorch_model*.bin")))
+
+
+def _torch_load(path: str) -> dict[str, torch.Tensor]:
+    # weights_only: no code runs from the file; mmap: only what is read leaves the disk.
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
 def checkpoint_shapes(directory: str) -> dict[str, list[int]]:
-    """Every tensor's shape in ``directory``'s ``*.safetensors`` (their JSON headers only:
-    nothing is read into memory)."""
+    """Every tensor's shape in ``directory``'s ``*.safetensors`` (their JSON headers
+    only), else its ``pytorch_model*.bin`` (the published EAGLE heads' format; mapped,
+    not read); ValueError naming ``speculative_config`` when it has neither."""
     shapes: dict[str, list[int]] = {}
     for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
         with open(path, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
         shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
+    if not shapes:
+        for path in _bin_files(directory):
+            shapes.update({k: list(v.shape) for k, v in _torch_load(path).items()})
+    if not shapes:
+        raise _err(f"{directory} holds no *.safetensors or pytorch_model*.bin weights")
     return shapes
+
+
+def head_weights(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of the head's checkpoint, safetensors or ``.bin``."""
+    from pagedllm.models.loader import iter_safetensors
+
+    if glob.glob(os.path.join(directory, "*.safetensors")):
+        yield from iter_safetensors(directory)
+        return
+    for path in _bin_files(directory):
+        yield from _torch_load(path).items()
 
 
 def aux_layer_ids(head_config: Any, target_layers: int) -> tuple[int, ...]:
@@ -267,7 +293,7 @@ def load_eagle_head(model_config: Any, method: str, target: nn.Module,
                     device: torch.device, backend: AttentionBackend) -> EagleHead:
     """The head of ``model_config`` (its ``ModelConfig``: path, dtype, load format) for
     ``target``, on ``device``, weights loaded (or dummy-initialised)."""
-    from pagedllm.models.loader import _DTYPES, _default_dtype, _init_dummy, iter_safetensors
+    from pagedllm.models.loader import _DTYPES, _default_dtype, _init_dummy
 
     dummy = model_config.load_format == "dummy"
     shapes = {} if dummy else checkpoint_shapes(model_config.resolved.directory)
@@ -279,7 +305,7 @@ def load_eagle_head(model_config: Any, method: str, target: nn.Module,
     if dummy:
         _init_dummy(head, device, int(model_config.seed), model_config.dummy_init)
     else:
-        head.load_weights(iter_safetensors(model_config.resolved.directory))
+        head.load_weights(head_weights(model_config.resolved.directory))
     return head.eval()
 
 

@@ -21,7 +21,8 @@ tokens are prompt tokens), a step over ``disable_by_batch_size``, a request that
 speculate.  Positions the target never ran (prefix-cache hits) keep the head KV their
 block holds, written by the request that filled it; a block copied on write, or swapped
 out and back (``BlockOps`` moves the target's KV only), holds none.  Such positions can
-lower acceptance, never change the output (verification is lossless).  No state is kept per request, so preemption needs nothing.
+lower acceptance, never change the output (verification is lossless).  No state is
+kept per request, so preemption needs nothing.
 
 The target's states of the step are handed over on the device (``TargetStates``); the
 round's one device->host transfer is the ``[R, k]`` drafts at its end.

@@ -50,10 +50,11 @@ def _layer(h: int, q_in: int, inter: int, heads: int, kv: int, g: torch.Generato
 
 def write_head(path: str, method: str, target_cfg: Any, seed: int = 1, *,
                draft_vocab: int | None = None, fc_bias: bool = True,
-               fc_in: int | None = None) -> dict[str, torch.Tensor]:
+               fc_in: int | None = None, fmt: str = "safetensors") -> dict[str, torch.Tensor]:
     """A random ``method`` head for ``target_cfg`` at ``path`` (config.json + one
-    safetensors file in the published names); returns its tensors.  ``fc_in``: a wrong
-    fc in-dim (for the error tests)."""
+    safetensors file in the published names, or with ``fmt="bin"`` the published heads'
+    ``pytorch_model.bin``); returns its tensors.  ``fc_in``: a wrong fc in-dim (for the
+    error tests)."""
     os.makedirs(path, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     h, v = target_cfg.hidden_size, target_cfg.vocab_size
@@ -89,8 +90,12 @@ def write_head(path: str, method: str, target_cfg: Any, seed: int = 1, *,
     cfg = transformers.LlamaConfig(vocab_size=v, num_hidden_layers=1,
                                    **{**SMALL, "max_position_embeddings": 16, **extra})
     cfg.save_pretrained(path)
-    save_file({k: x.contiguous() for k, x in t.items()},
-              os.path.join(path, "model.safetensors"))
+    if fmt == "bin":
+        torch.save({k: x.contiguous() for k, x in t.items()},
+                   os.path.join(path, "pytorch_model.bin"))
+    else:
+        save_file({k: x.contiguous() for k, x in t.items()},
+                  os.path.join(path, "model.safetensors"))
     return t
 
 

@@ -52,7 +52,9 @@ def test_drafts_equal_the_reference_over_verify_rounds(target, tmp_path, method,
     """``triton``: the GPU attention backend (interpreted on CPU, so 2 rounds; rotary
     fused into its KV write), for the target and the head."""
     target_path, hf = target
-    w = write_head(str(tmp_path / method), method, hf.config, draft_vocab=draft_vocab)
+    # The EAGLE-1 head as the published ones are stored: pytorch_model.bin.
+    w = write_head(str(tmp_path / method), method, hf.config, draft_vocab=draft_vocab,
+                   fmt="bin" if method == "eagle" else "safetensors")
     config = _engine_config(target_path, str(tmp_path / method), method)
     mc, dc = config.model_config, config.scheduler_config.speculative_config.draft_model_config
     cpu, backend = torch.device("cpu"), TorchReferenceBackend()
@@ -146,6 +148,11 @@ def test_a_head_that_does_not_fit_is_a_value_error(target, tmp_path):
     write_head(bad1, "eagle", hf.config, fc_in=3 * hf.config.hidden_size)
     with pytest.raises(ValueError, match=r"speculative_config: .*fc\.weight of shape"):
         _engine_config(target_path, bad1, "eagle")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    hf.config.save_pretrained(str(empty))
+    with pytest.raises(ValueError, match="speculative_config: .* no .*safetensors or "):
+        _engine_config(target_path, str(empty), "eagle")
     for method in ("eagle", "eagle3"):
         with pytest.raises(ValueError, match="speculative_config: method .* needs model"):
             EngineArgs(model=target_path, device="cpu", speculative_config={
