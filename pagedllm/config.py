@@ -16,7 +16,7 @@ from pagedllm.attention.kinds import layer_sliding_windows, uniform_sliding_wind
 from pagedllm.core.kv_cache_groups import KVCacheGroups, make_kv_cache_groups
 from pagedllm.models.resolve import ResolvedModel, resolve_model
 from pagedllm.pooling_params import PoolerConfig
-from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.config import MODEL_METHODS, SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32",
@@ -371,7 +371,7 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code, dummy_init=dummy_init,
             quantization=quantization, runner=runner, convert=convert,
             pooler_config=pooler)
-        if spec is not None and spec.method == "draft_model":
+        if spec is not None and spec.method in MODEL_METHODS:
             spec = dataclasses.replace(spec, draft_model_config=_draft_model_config(
                 spec, model_config, self.quantization, parallel.world_size, device))
         return EngineConfig(
@@ -450,8 +450,14 @@ def _draft_model_config(spec: SpeculativeConfig, target: ModelConfig,
         raise ValueError(
             f"speculative_config: the draft model {spec.model} has vocab_size {vocab}, the "
             f"target {target.vocab_size}; a draft must share the target's vocabulary")
+    if spec.method in ("eagle", "eagle3"):
+        from pagedllm.spec_decode.eagle import check_head, checkpoint_shapes
+
+        check_head(spec.method, None if resolved.load_format == "dummy"
+                   else checkpoint_shapes(resolved.directory), hf, target.hf_config)
     derived_max = int(getattr(hf, "max_position_embeddings", 2048) or 2048)
-    if derived_max < target.max_model_len:
+    # An EAGLE head's RoPE table is built to max_model_len (published heads say 2048).
+    if derived_max < target.max_model_len and spec.method == "draft_model":
         raise ValueError(
             f"speculative_config: the draft model's max_position_embeddings ({derived_max}) "
             f"is below max_model_len ({target.max_model_len}); lower max_model_len")

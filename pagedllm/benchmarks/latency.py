@@ -40,7 +40,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-dummy", default=None, choices=sorted(DUMMY_CONFIGS),
                    help="Speculative decoding with a dummy-weight draft model of this shape "
                         "(with --dummy; sets speculative_config's model; acceptance is "
-                        "meaningless with random weights: this measures the draft's cost).")
+                        "meaningless with random weights: this measures the draft's cost). "
+                        "An EAGLE head shape (eagle-llama3-8b, eagle3-llama3-8b) needs "
+                        "speculative_config's method eagle / eagle3.")
     p.add_argument("--dummy", default=None, choices=sorted(DUMMY_CONFIGS),
                    help="Benchmark a named model shape with random weights (writes its "
                         "config.json to a temp dir; implies --load-format dummy).")

@@ -93,6 +93,21 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
         "rope_theta": 500000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": True,
         "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001},
+    # EAGLE heads for llama3-8b (speculative_config "eagle" / "eagle3"; the published
+    # yuhuili/EAGLE-LLaMA3-Instruct-8B and EAGLE3-LLaMA3.1-Instruct-8B shapes).
+    "eagle-llama3-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 1, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+        "rope_theta": 500000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001},
+    "eagle3-llama3-8b": {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 1,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "draft_vocab_size": 32000, "max_position_embeddings": 8192,
+        "rope_theta": 500000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001},
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
         "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,

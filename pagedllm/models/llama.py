@@ -244,6 +244,12 @@ class LlamaModel(nn.Module):
             for i in range(n))
         self.norm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps) \
             if self.is_last else PPMissingLayer()
+        # EAGLE-3 (spec_decode/eagle.py) reads the residual stream entering some layers:
+        # layer -> its column slots in ``aux_buffer`` ([rows, slots * hidden], set at load
+        # with the layers; a static buffer, so CUDA graphs replay the copies).  Empty
+        # and None otherwise: the loop below tests one dict.
+        self.aux_layers: dict[int, list[int]] = {}
+        self.aux_buffer: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, last_only: bool = False,
@@ -260,6 +266,8 @@ class LlamaModel(nn.Module):
             else None
         last = len(self.layers) - 1
         for i in range(self.start_layer, self.end_layer):
+            if i in self.aux_layers:
+                self._record_aux(i, hidden, residual)
             hidden, residual = self.layers[i](rope, hidden, residual, meta,
                                               rows if i == last else None)
         if not self.is_last:
@@ -267,6 +275,17 @@ class LlamaModel(nn.Module):
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)  # type: ignore[misc]
         return hidden
+
+    def _record_aux(self, layer: int, hidden: torch.Tensor,
+                    residual: torch.Tensor | None) -> None:
+        """Write the residual stream entering ``layer`` (vLLM's ``hidden + residual``)
+        into its slots of ``aux_buffer``, rows ``[0, T)``."""
+        buf = self.aux_buffer
+        assert buf is not None
+        x = hidden if residual is None else hidden + residual
+        h = x.shape[-1]
+        for j in self.aux_layers[layer]:
+            buf[:x.shape[0], j * h:(j + 1) * h].copy_(x)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -10,6 +10,9 @@ asks for, validated once (vLLM's key names).  Torch-free: the scheduler reads it
   the method is inferred from ``model``) proposes its greedy continuation
   (``spec_decode/draft_model.py``).  ``EngineArgs`` resolves the path into
   ``draft_model_config`` (a ``pagedllm.config.ModelConfig``) and checks the vocabulary.
+* ``"eagle"`` / ``"eagle3"`` -- an EAGLE / EAGLE-3 head (``model``: its checkpoint, in
+  the published layout) proposes its greedy continuation from the target's hidden
+  states (``spec_decode/eagle.py``); resolved into ``draft_model_config`` likewise.
 
 ``num_speculative_tokens`` (k) drafts per request per step; the target verifies them and
 its bonus token in one forward.  ``disable_by_batch_size``: no drafts in a step where more
@@ -22,7 +25,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+# Methods whose ``model`` is a separate checkpoint with its own KV (draft_model.py).
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 # Above this many running requests a step carries no drafts.  Verifying k + 1 tokens per
 # request costs about one decode step only while the step is weight-bandwidth-bound; the
 # rule is "speculate while cost(B, k + 1) / cost(B, 1) < mean accepted length", with the
@@ -48,7 +53,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
-    # method "draft_model": the draft's path as given, and its resolved ModelConfig
+    # MODEL_METHODS: the draft's path as given, and its resolved ModelConfig
     # (filled in by EngineArgs.create_engine_config; Any: this module stays torch- and
     # config-free).
     model: str | None = None
@@ -76,8 +81,8 @@ class SpeculativeConfig:
                              f"{', '.join(METHODS)}, got {method!r}")
         if method == "ngram" and model is not None:
             raise ValueError("speculative_config: model is not used by method 'ngram'")
-        if method == "draft_model" and (not isinstance(model, str) or not model):
-            raise ValueError("speculative_config: method 'draft_model' needs model (the "
+        if method in MODEL_METHODS and (not isinstance(model, str) or not model):
+            raise ValueError(f"speculative_config: method {method!r} needs model (the "
                              f"draft's path), got {model!r}")
         if "num_speculative_tokens" not in raw:
             raise ValueError("speculative_config: num_speculative_tokens is required")

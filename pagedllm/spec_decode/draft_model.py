@@ -92,18 +92,21 @@ class DraftModelProposer:
 
     # -- host-side inputs -----------------------------------------------------------
     def block_tables(self, block_table: np.ndarray, num_blocks: np.ndarray,
-                     rows: np.ndarray) -> np.ndarray:
+                     rows: np.ndarray, slot: np.ndarray | None = None) -> np.ndarray:
         """Each proposing request's block table for the round: its blocks, then its
-        scratch blocks (request ``i`` of the round owns scratch ``i``), then zeros."""
+        scratch blocks (request ``i`` of the round owns scratch ``i``, or ``slot[i]``;
+        none where that is negative), then zeros."""
         width = block_table.shape[1] + self.scratch
         nb = num_blocks[rows].astype(np.int64)
         tbl = np.zeros((len(rows), width), dtype=np.int32)
         tbl[:, :block_table.shape[1]] = block_table[rows]
         col = np.arange(width)[None, :] - nb[:, None]  # offset past the own blocks
-        own_scratch = self.num_blocks + np.arange(len(rows))[:, None] * self.scratch + col
-        is_scratch = (col >= 0) & (col < self.scratch)
+        if slot is None:
+            slot = np.arange(len(rows))
+        own_scratch = self.num_blocks + slot[:, None] * self.scratch + col
+        is_scratch = (col >= 0) & (col < self.scratch) & (slot[:, None] >= 0)
         tbl[is_scratch] = own_scratch[is_scratch]
-        tbl[col >= self.scratch] = 0
+        tbl[(col >= 0) & ~is_scratch] = 0
         return tbl
 
     def _meta(self, h2d: H2D, tag: str, qsl: np.ndarray, seq_lens: np.ndarray,
@@ -127,9 +130,10 @@ class DraftModelProposer:
     # -- the round --------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, batch: Any, rows: Sequence[int], req_ids: Sequence[str],
-                max_drafts: Sequence[int], h2d: H2D) -> list[list[int]]:
+                max_drafts: Sequence[int], h2d: H2D, target: Any = None) -> list[list[int]]:
         """Drafts for each of ``rows`` of ``batch`` (a ``worker.input_batch.InputBatch``:
-        token ids, counts and block tables), at most ``max_drafts[i]`` (0: none)."""
+        token ids, counts and block tables), at most ``max_drafts[i]`` (0: none).
+        ``target``: the target step's states, unused (a draft model reads tokens only)."""
         out: list[list[int]] = [[] for _ in rows]
         # Step m writes position n + m - 2, which must lie in the request's blocks or
         # its scratch: at most ``room`` drafts (the scheduler's allocation makes this
@@ -191,15 +195,17 @@ class DraftModelProposer:
         return out
 
 
-def attach_draft(runner: Any, model: nn.Module, config: Any, kv_dtype: torch.dtype) -> None:
-    """Give ``runner`` (a ``ModelRunner`` with a ``draft_model`` speculative config) its
-    proposer: allocate the draft's KV tensors (the pool's block count from ``config``,
-    an ``EngineConfig`` whose memory plan already counted the draft's bytes per block,
-    plus the scratch blocks) and bind them to ``model``."""
+def attach_draft(runner: Any, model: nn.Module, config: Any, kv_dtype: torch.dtype,
+                 proposer_cls: type[DraftModelProposer] = DraftModelProposer) -> None:
+    """Give ``runner`` (a ``ModelRunner`` with a ``draft_model``, ``eagle`` or ``eagle3``
+    speculative config) its proposer, a ``proposer_cls``: allocate the draft's KV tensors
+    (the pool's block count from ``config``, an ``EngineConfig`` whose memory plan
+    already counted the draft's bytes per block, plus the scratch blocks) and bind them
+    to ``model``."""
     spec = config.scheduler_config.speculative_config
     dc = spec.draft_model_config
     cc, sc = config.cache_config, config.scheduler_config
-    proposer = DraftModelProposer(
+    proposer = proposer_cls(
         model, spec.num_speculative_tokens, cc.block_size, cc.num_blocks,
         max_rows=min(sc.max_num_seqs, spec.disable_by_batch_size),
         max_model_len=sc.max_model_len, device=runner.device)

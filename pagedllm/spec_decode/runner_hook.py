@@ -7,7 +7,8 @@
                    logits_rows   -> hidden rows of the last k_r + 1 positions of r
                    verify        -> rejection_sample: accepted drafts + 1 token per request
           runner._finish: append the emitted tokens; propose -> drafts for step N + 1
-                          (n-gram lookup, or a draft model's k greedy steps)
+                          (n-gram lookup, a draft model's k greedy steps, or an EAGLE
+                          head's, fed the target's hidden states of step N)
  scheduler: rolls num_computed_tokens back by the rejected drafts (their KV slots are
             simply overwritten later; nothing is copied or freed)
 ```
@@ -65,7 +66,8 @@ class SpecDecodeHook:
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(config.num_speculative_tokens,
                                       config.prompt_lookup_min, config.prompt_lookup_max)
-        # method "draft_model": set by the worker once the draft's KV is allocated.
+        # methods "draft_model", "eagle", "eagle3": set by the worker once the draft's KV
+        # is allocated.
         self.draft: DraftModelProposer | None = None
 
     def forget(self, req_id: str) -> None:
@@ -117,11 +119,23 @@ class SpecDecodeHook:
         return rejection_sample(logits, draft_ids, num, int(k.max()) if len(k) else 0, meta)
 
     # -- after step N: drafts for step N + 1 -------------------------------------------
+    @property
+    def wants_target_states(self) -> bool:
+        """Whether the proposer reads the target step's hidden states (EAGLE heads)."""
+        return self.config.method in ("eagle", "eagle3")
+
+    def observe(self, batch: Any, rows: Sequence[int], req_ids: Sequence[str], h2d: Any,
+                target: Any) -> None:
+        """EAGLE: write the head KV of a step's rows for requests that get no drafts
+        from it (``EagleProposer.observe``)."""
+        if self.draft is not None and target is not None:
+            self.draft.observe(batch, rows, req_ids, h2d, target)  # type: ignore[attr-defined]
+
     def propose(self, batch: Any, rows: list[int], states: Sequence[Any],
-                h2d: Any) -> list[list[int]]:
+                h2d: Any, target: Any = None) -> list[list[int]]:
         """Drafts for the requests ``states`` (rows ``rows`` of the runner's
         ``InputBatch``): at most k, and never past ``max_tokens`` or the context (the
-        bonus token needs a slot too)."""
+        bonus token needs a slot too).  ``target``: the step's ``TargetStates`` (EAGLE)."""
         token_ids, num_tokens = batch.token_ids, batch.num_tokens
         caps = []
         for row, st in zip(rows, states):
@@ -133,5 +147,6 @@ class SpecDecodeHook:
             left_ctx = self.max_model_len - int(num_tokens[row]) - 1
             caps.append(min(left_out, left_ctx))
         if self.draft is not None:
-            return self.draft.propose(batch, rows, [st.req_id for st in states], caps, h2d)
+            return self.draft.propose(batch, rows, [st.req_id for st in states], caps, h2d,
+                                      target)
         return self.proposer.propose(token_ids, num_tokens, rows, caps)

@@ -133,6 +133,8 @@ class StepHandle:
     done: bool = False
     # Speculative decoding: tokens_host is [R, spec_width] (PLACEHOLDER-padded).
     spec_width: int = 0
+    # EAGLE: the step's hidden states for the proposer (spec_decode/eagle_proposer.py).
+    target_states: Any = None
 
     def result(self) -> ModelRunnerOutput:
         if not self.done:
@@ -449,6 +451,9 @@ class ModelRunner:
         states = [self.requests[order[i]] for i in sample_idx]
         handle = StepHandle(self, ModelRunnerOutput(
             req_ids=order, sampled_token_ids=[[] for _ in order]), states, sample_idx)
+        if self.spec is not None and self.spec.wants_target_states and hidden is not None:
+            self._eagle_states(handle, order, rows, inp, num_computed, num_new, hidden,
+                               sampling)
         if len(sample_idx):
             ids, logprobs = None, None
             last_row = inp.query_start_loc[1:][sample_idx] - 1  # each request's last row
@@ -500,6 +505,28 @@ class ModelRunner:
         if self._prompt_lp_ids and hidden is not None:  # usually none: skip the scan
             self._prompt_logprobs(sched, order, inp, hidden, num_computed, handle.out)
         return handle
+
+    def _eagle_states(self, handle: StepHandle, order: list[str], rows: np.ndarray,
+                      inp: StepInputs, num_computed: np.ndarray, num_new: np.ndarray,
+                      hidden: torch.Tensor, sampling: np.ndarray) -> None:
+        """EAGLE (spec_decode/eagle_proposer.py): the step's hidden states as the head
+        reads them -- the model output, or for EAGLE-3 the aux states the model recorded
+        (``LlamaModel.aux_buffer``) -- with each request's first row, its position and
+        row count; kept for ``_propose``, and fed to the head now for requests that do
+        not sample (prompt chunks).  Device tensors only: no sync."""
+        from pagedllm.spec_decode.eagle_proposer import TargetStates
+
+        aux = getattr(getattr(self.model, "model", None), "aux_buffer", None)
+        states = hidden if aux is None else aux[:len(inp.input_ids)]
+        starts = inp.query_start_loc[:-1].tolist()
+        target = TargetStates(states, {r: (starts[i], int(num_computed[i]), int(num_new[i]))
+                                       for i, r in enumerate(order)})
+        chunks = np.flatnonzero(~sampling)
+        if len(chunks):
+            assert self.spec is not None
+            self.spec.observe(self.batch, rows[chunks].tolist(),
+                              [order[i] for i in chunks], self.h2d, target)
+        handle.target_states = target
 
     def _verifiable(self, states: list[CachedRequestState]) -> bool:
         """Whether a step's drafts can be verified: not while a sampled request needs
@@ -576,11 +603,17 @@ class ModelRunner:
         assert self.spec is not None
         live = [(self.batch.row_of[st.req_id], st) for st in handle.states
                 if st.req_id in self.batch.row_of]
-        # A large batch gets no drafts from the scheduler: do not spend time on them.
+        # A large batch gets no drafts from the scheduler: do not spend time on them
+        # (an EAGLE head still reads the step's states: its KV must follow the target).
         if live and len(live) <= self.spec.config.disable_by_batch_size:
             rows, states = zip(*live)
-            props = self.spec.propose(self.batch, list(rows), states, self.h2d)
+            props = self.spec.propose(self.batch, list(rows), states, self.h2d,
+                                      handle.target_states)
             handle.out.spec_token_ids = {st.req_id: d for st, d in zip(states, props) if d}
+        elif live and handle.target_states is not None:
+            self.spec.observe(self.batch, [row for row, _ in live],
+                              [st.req_id for _, st in live], self.h2d, handle.target_states)
+        handle.target_states = None  # the proposer is done with them
 
     def record_sampled_tokens(self, req_ids: list[str],
                               sampled_token_ids: list[list[int]]) -> None:

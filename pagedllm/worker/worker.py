@@ -128,10 +128,22 @@ class Worker:
         check_backend(self.backend, self.config.cache_config.cache_dtype)
         with parallel_context(self.parallel):  # layers take their groups from it
             self.model = load_model(self.config.model_config, self.device, self.backend)
-        # Speculative decoding with a draft model (spec_decode/draft_model.py).
+        # Speculative decoding with a draft model (spec_decode/draft_model.py) or an
+        # EAGLE head (spec_decode/eagle.py).
         draft_cfg = self._draft_config
-        self.draft_model = None if draft_cfg is None else load_model(
-            draft_cfg, self.device, self.backend)
+        spec = self.config.scheduler_config.speculative_config
+        if draft_cfg is not None and spec.method in ("eagle", "eagle3"):
+            from pagedllm.spec_decode.eagle import enable_aux_states, load_eagle_head
+
+            self.draft_model = load_eagle_head(draft_cfg, spec.method, self.model,
+                                               self.device, self.backend)
+            if spec.method == "eagle3":  # before the memory plan: it counts the buffer
+                sc = self.config.scheduler_config
+                enable_aux_states(self.model, draft_cfg.hf_config,
+                                  max(sc.max_num_batched_tokens, sc.max_num_seqs))
+        else:
+            self.draft_model = None if draft_cfg is None else load_model(
+                draft_cfg, self.device, self.backend)
         if self.device.type == "cuda":
             # Weights must be final before any kernel runs: PDL kernels read weights
             # before waiting for their predecessor (kernels/pdl.py).
@@ -173,7 +185,8 @@ class Worker:
 
     @property
     def _draft_config(self) -> object | None:
-        """The draft model's ModelConfig (speculative_config method "draft_model")."""
+        """The draft's ModelConfig (speculative_config method "draft_model", "eagle" or
+        "eagle3")."""
         spec = self.config.scheduler_config.speculative_config
         return None if spec is None else spec.draft_model_config
 
@@ -311,9 +324,12 @@ class Worker:
         self.runner = ModelRunner(self.config, self.model, self.device, self.parallel)
         self.runner.block_ops = BlockOps(self.kv_caches, self.swap_caches)
         if self.draft_model is not None:
-            from pagedllm.spec_decode.draft_model import attach_draft
+            from pagedllm.spec_decode.draft_model import DraftModelProposer, attach_draft
+            from pagedllm.spec_decode.eagle_proposer import EagleProposer
 
-            attach_draft(self.runner, self.draft_model, self.config, self.kv_dtype)
+            method = self.config.scheduler_config.speculative_config.method
+            attach_draft(self.runner, self.draft_model, self.config, self.kv_dtype,
+                         DraftModelProposer if method == "draft_model" else EagleProposer)
         # Pipeline stages exchange hidden states between graph replays: run them eagerly.
         if self.device.type == "cuda" and not self.config.device_config.enforce_eager \
                 and self.parallel.pp_size == 1:
