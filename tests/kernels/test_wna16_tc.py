@@ -131,7 +131,6 @@ def test_tc_gemm_rejects_unsupported_groups() -> None:
 
 def _use_table(monkeypatch, path, configs: list) -> None:
     """Point ``PAGEDLLM_WNA16_TC_CONFIGS`` at a table holding ``configs``."""
-    from pagedllm.kernels import wna16_tc_config as tcc
 
     path.write_text(json.dumps({"configs": configs, "summary": {}}))
     monkeypatch.setenv("PAGEDLLM_WNA16_TC_CONFIGS", str(path))
