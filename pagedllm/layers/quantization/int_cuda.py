@@ -215,8 +215,8 @@ def _store_tc(layer: LinearBase, iw: IntWeight, qweight: torch.Tensor, stripe: b
     zeros = None
     if use:
         zeros = (iw.zeros.float().t().contiguous() if iw.zeros is not None else
-                 torch.full((iw.k // iw.group_size, iw.n), 8.0, dtype=torch.float32,
-                            device=qweight.device))
+                 torch.full((iw.scales.shape[1], iw.scales.shape[0]), 8.0,
+                            dtype=torch.float32, device=qweight.device))
     _register(layer, "int_tc_zeros", zeros)
 
 
