@@ -150,9 +150,11 @@ def _read(path: str) -> dict[int, dict[str, Any]]:
     if os.path.exists(path):
         with open(path) as fh:
             for line in fh:
-                if line.strip():
+                try:  # a worker killed mid-line (deadline) leaves a partial one
                     rec = json.loads(line)
-                    got[rec["i"]] = rec
+                except ValueError:
+                    continue
+                got[rec["i"]] = rec
     return got
 
 
