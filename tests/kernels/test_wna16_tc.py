@@ -286,7 +286,8 @@ LLAMA3_8B = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096),
 def test_gpu_default_routing_llama3_8b(proj: str, zeros: bool) -> None:
     """What a W4A16 Llama-3-8B layer runs by default (``int_cuda.apply_cuda``: the tuned
     table if present -- ``PAGEDLLM_WNA16_TC_CONFIGS`` or the shipped one -- else the
-    striped / dequantise paths), at M = 1, 16, 64, 256, 2048, symmetric and with zero
+    striped / dequantise paths), at M = 1, 16, 64, 100 (ragged: between table rows),
+    256, 2048, symmetric and with zero
     points, against the dequantised weight's fp32 product.  Twice per M: the same bits
     (a race or a read of uninitialised memory shows as a difference)."""
     from pagedllm.layers.linear import ReplicatedLinear
@@ -300,7 +301,7 @@ def test_gpu_default_routing_llama3_8b(proj: str, zeros: bool) -> None:
         layer = ReplicatedLinear(k, n, bias=False, prefix=proj)
     store_cuda(layer, iw, torch.bfloat16)
     ref_w = iw.dequantize(torch.float32)
-    for m in (1, 16, 64, 256, 2048):
+    for m in (1, 16, 64, 100, 256, 2048):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         route = _tc_route(layer, m, n, k, x.device)
         got = apply_cuda(layer, x)
