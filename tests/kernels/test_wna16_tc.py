@@ -287,8 +287,8 @@ def test_gpu_default_routing_llama3_8b(proj: str, zeros: bool) -> None:
     """What a W4A16 Llama-3-8B layer runs by default (``int_cuda.apply_cuda``: the tuned
     table if present -- ``PAGEDLLM_WNA16_TC_CONFIGS`` or the shipped one -- else the
     striped / dequantise paths), at M = 1, 16, 64, 100 (ragged: between table rows),
-    256, 2048, symmetric and with zero
-    points, against the dequantised weight's fp32 product.  Twice per M: the same bits
+    256, 2048, symmetric and with zero points, against the dequantised weight's fp32
+    product.  Twice per M: the same bits
     (a race or a read of uninitialised memory shows as a difference)."""
     from pagedllm.layers.linear import ReplicatedLinear
     from pagedllm.layers.quantization.int_cuda import _tc_route, apply_cuda, store_cuda
