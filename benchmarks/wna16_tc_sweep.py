@@ -1,10 +1,11 @@
-"""W4A16 tensor-core GEMM sweep on the GPU (issue 21): correctness at the Llama-3-8B
-projections, then every candidate configuration of ``kernels/wna16_tc.py`` against bf16
-cuBLAS, dequantise + cuBLAS and the striped kernel, all under CUDA-graph replay; prints the
-per-step totals (32 layers) and writes the launch table to ship.  One device call (< 4 min):
+"""W4A16 tensor-core GEMM sweep on the GPU (issue 21): every candidate configuration of
+``kernels/wna16_tc.py`` checked for correctness at the Llama-3-8B projections, then the
+checked ones timed against bf16 cuBLAS, dequantise + cuBLAS and the striped kernel, all
+under CUDA-graph replay; prints the per-step totals (32 layers) and writes the launch
+table to ship.  One device call (< 4 min):
 
-    python benchmarks/wna16_tc_sweep.py --out $OUT/wna16_tc_sweep.json \\
-        --table $OUT/wna16_tc_NVIDIA_H200.json [--budget-s 150] [--rows 1,16,64,256,1024,2048]
+    python benchmarks/wna16_tc_sweep.py --out $OUT/wna16_tc_sweep.json \
+        --table $OUT/wna16_tc_NVIDIA_H200.json [--budget-s 150] [--rows 16,64,256,1024,2048]
 
 ``--table`` is the format of ``PAGEDLLM_WNA16_TC_CONFIGS`` (``kernels/wna16_tc_config``);
 copy it to ``pagedllm/kernels/tuned/`` to ship it.  Per ``(M, projection)`` the table
@@ -12,10 +13,21 @@ holds the faster of the best ``tc`` configuration and ``dequant``; its
 ``PAGEDLLM_WNA16_TC_MIN_M`` is the smallest swept M from which that choice beats the
 striped kernel summed over the four projections (below it the striped path stays).
 
+Safety (H200 run 1: wrong results, then an illegal address that killed the run):
+
+* Check first, in ``--procs`` worker processes (they also warm the compile cache): each
+  configuration against the fp32 reference, with zero points (the only path the layers
+  ship: symmetric weights are stored with zero = 8), twice on the same input (the bits
+  must agree: a race or a read of uninitialised memory shows).  A CUDA error is sticky
+  in a context, so a worker that hits one reports it and exits; its unchecked jobs go to
+  a fresh worker.
+* Only configurations that passed are ever run in this process (timed, re-checked
+  after timing); a CUDA error while timing stops the timing and the table is written
+  from the rows finished before it.
+
 Timing: every variant is a CUDA graph that runs one call per weight copy (> 256 MB of
 copies: every call reads its weight from HBM, as in a real step), median of 10 replays.
-Compiles are warmed first in ``--procs`` worker processes; past ``--budget-s`` the
-remaining configurations are skipped (reported).
+Past ``--budget-s`` the remaining configurations are skipped (reported).
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import tempfile
 import time
 from functools import partial
 from typing import Any
@@ -33,12 +46,15 @@ import torch.nn.functional as F
 
 from pagedllm.benchmarks.gpu_timing import graph_us
 
-ROWS = (1, 16, 64, 256, 1024, 2048)
+ROWS = (16, 64, 256, 1024, 2048)
 PROJ = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
         "down_proj": (4096, 14336)}
 GROUP = 128
 L2_FLUSH_BYTES = 256 << 20
-# (block_m, block_n, block_k, group_m, warps, stages, swap, scale_after); split: auto
+TOL = 2 ** -7  # bf16 output rounding (2**-8 relative) plus fp32 summation order
+# (block_m, block_n, block_k, group_m, warps, stages, swap, scale_after); split: auto.
+# No block_m 256 (wgmma N = 256 with the register A operand): wrong on the H200 at
+# o_proj / down M = 1024 in run 1, not reproducibly.
 GRID: dict[str, list[tuple[int, ...]]] = {
     "small": [(16, 64, 128, 1, 4, 4, 1, 0), (16, 128, 128, 1, 4, 4, 1, 0),
               (16, 128, 128, 1, 4, 4, 1, 1), (16, 128, 128, 1, 4, 6, 1, 0),
@@ -48,11 +64,11 @@ GRID: dict[str, list[tuple[int, ...]]] = {
             (64, 256, 64, 4, 8, 3, 1, 0), (64, 128, 64, 4, 8, 4, 1, 0),
             (64, 256, 128, 4, 8, 3, 1, 0), (64, 64, 128, 4, 4, 4, 1, 1),
             (32, 128, 128, 4, 4, 4, 1, 0), (64, 128, 128, 4, 4, 3, 0, 0)],
-    "large": [(128, 128, 64, 8, 8, 4, 1, 0), (256, 128, 64, 8, 8, 3, 1, 0),
-              (128, 256, 64, 8, 8, 3, 1, 0), (128, 128, 128, 8, 8, 3, 1, 0),
-              (256, 128, 128, 8, 8, 3, 1, 0), (128, 256, 128, 8, 8, 3, 1, 0),
+    "large": [(128, 128, 64, 8, 8, 4, 1, 0), (128, 256, 64, 8, 8, 3, 1, 0),
+              (128, 128, 128, 8, 8, 3, 1, 0), (128, 256, 128, 8, 8, 3, 1, 0),
               (128, 256, 64, 8, 8, 3, 0, 0), (128, 128, 128, 8, 8, 3, 0, 0)],
 }
+Job = tuple[str, int, tuple[int, ...]]
 
 
 def _bucket(m: int) -> str:
@@ -60,19 +76,23 @@ def _bucket(m: int) -> str:
 
 
 def candidates(m: int, n: int, k: int, dev: torch.device) -> list[tuple[int, ...]]:
-    """Full configurations at this shape (split-K: the dispatcher's auto split)."""
-    from pagedllm.kernels.wna16_tc_config import auto_split
+    """Full configurations at this shape, the priors' first (split-K: the dispatcher's
+    auto split, made a divisor of the K steps as the kernel does)."""
+    from pagedllm.kernels.wna16_tc import even_split
+    from pagedllm.kernels.wna16_tc_config import auto_split, prior_config
 
-    out = []
-    grid = GRID[_bucket(m)][:3] if m < 16 else GRID[_bucket(m)]  # M < 16: a glance only
-    for bm, bn, bk, gm, w, st, swap, after in grid:
-        out.append((bm, bn, bk, gm, w, st, auto_split(m, n, k, bm, bn, bk, dev), swap,
-                    after))
-    return out
+    out = [tuple(prior_config(m, n, k, dev))]
+    for bm, bn, bk, gm, w, st, swap, after in GRID[_bucket(m)]:
+        split = even_split(k, bk, auto_split(m, n, k, bm, bn, bk, dev))[1]
+        cfg = (bm, bn, bk, gm, w, st, split, swap, after)
+        if cfg not in out:
+            out.append(cfg)
+    return [(*c[:6], even_split(k, c[2], c[6])[1], *c[7:]) for c in out]
 
 
-def _weights(n: int, k: int, device: torch.device, seed: int = 0, zeros: bool = False):
-    """``(canonical qweight, striped, k-major, scales [N, K/G], scales_t, zeros_t)``."""
+def _weights(n: int, k: int, device: torch.device, seed: int = 0):
+    """``(canonical qweight, striped, k-major, scales [N, K/G], scales_t, zeros_t, zeros)``
+    with random zero points (the shipped layer path always has a zeros tensor)."""
     from pagedllm.kernels.wna16 import pack_codes
     from pagedllm.kernels.wna16_stripe import to_stripes
     from pagedllm.kernels.wna16_tc import to_kmajor
@@ -82,70 +102,123 @@ def _weights(n: int, k: int, device: torch.device, seed: int = 0, zeros: bool = 
     qw = pack_codes(codes, 4)
     sc = (torch.rand(n, k // GROUP, device=device, generator=g) * 2e-3 + 1e-3
           ).to(torch.bfloat16)
-    zp = torch.randint(0, 16, (n, k // GROUP), device=device, generator=g).float() \
-        if zeros else None
+    zp = torch.randint(0, 16, (n, k // GROUP), device=device, generator=g).float()
     return (qw, to_stripes(qw, 4), to_kmajor(qw), sc, sc.t().contiguous(),
-            None if zp is None else zp.t().contiguous(), zp)
-
-
-def _warm(jobs: list[tuple[str, int, tuple[int, ...], str, bool]]) -> None:
-    """Worker process: compile (run once) each (projection, M, config, unpack, zeros)."""
-    from pagedllm.kernels.wna16_tc import w4a16_tc_gemm
-
-    dev = torch.device("cuda")
-    cache: dict[str, Any] = {}
-    for name, m, cfg, cvt, zeros in jobs:
-        n, k = PROJ[name]
-        if name not in cache:
-            cache[name] = _weights(n, k, dev, zeros=True)
-        w = cache[name]
-        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        os.environ["PAGEDLLM_WNA16_TC_CVT"] = cvt
-        try:
-            w4a16_tc_gemm(x, w[2], w[4], w[5] if zeros else None, GROUP,
-                          config=cfg)  # type: ignore[arg-type]
-        except Exception as e:  # noqa: BLE001  (reported by the main process's run)
-            print(f"warm {name} M={m} {cfg}: {type(e).__name__}: {str(e)[:200]}",
-                  flush=True)
-    torch.cuda.synchronize()
+            zp.t().contiguous(), zp)
 
 
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
-def correctness(dev: torch.device, rows: tuple[int, ...]) -> list[dict[str, Any]]:
-    """The kernel (the priors, with and without zero points, and the first three
-    candidates of each row bucket) against the fp32 reference at every projection."""
+def _check_worker(jobs: list[tuple[int, Job]], path: str) -> None:
+    """Worker process: compile and check each job, one JSON line each to ``path``
+    (flushed); on an exception (maybe a sticky CUDA error) report it and exit."""
+    os.environ["PAGEDLLM_WNA16_TC_CVT"] = "fp32"
     from pagedllm.kernels.wna16 import wna16_ref
     from pagedllm.kernels.wna16_tc import w4a16_tc_gemm
-    from pagedllm.kernels.wna16_tc_config import prior_config
 
-    out = []
-    for name, (n, k) in PROJ.items():
-        qw, _, qt, sc, sct, zt, zp = _weights(n, k, dev, seed=1, zeros=True)
-        for m in rows:  # the shapes the warm-up compiled (a new shape is a new compile)
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            r: dict[str, Any] = {"proj": name, "M": m}
-            ref = wna16_ref(x.float(), qw, sc, None, None, 4, GROUP)
-            prior = prior_config(m, n, k, dev)
-            r["prior"] = _rel(w4a16_tc_gemm(x, qt, sct, None, GROUP, config=prior), ref)
-            if m >= 16:
-                refz = wna16_ref(x.float(), qw, sc, zp, None, 4, GROUP)
-                r["prior_zeros"] = _rel(w4a16_tc_gemm(x, qt, sct, zt, GROUP, config=prior),
-                                        refz)
-            for i, cfg in enumerate(candidates(m, n, k, dev)[:3]):
-                r[f"cand{i}"] = _rel(w4a16_tc_gemm(x, qt, sct, None, GROUP, config=cfg), ref)
-            # bf16 output rounding (2**-8 relative) plus fp32 summation order
-            r["ok"] = all(v < 1e-2 for kk, v in r.items() if kk not in ("proj", "M"))
-            out.append(r)
-            print("check", json.dumps({kk: (f"{v:.2e}" if isinstance(v, float) else v)
-                                       for kk, v in r.items()}), flush=True)
-    return out
+    dev = torch.device("cuda")
+    cache: dict[str, Any] = {}
+    with open(path, "a") as fh:
+        for i, (name, m, cfg) in jobs:
+            rec: dict[str, Any] = {"i": i}
+            try:
+                n, k = PROJ[name]
+                if name not in cache:
+                    cache[name] = _weights(n, k, dev, seed=1)
+                qw, _, qt, sc, sct, zt, zp = cache[name]
+                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                ref = wna16_ref(x.float(), qw, sc, zp, None, 4, GROUP)
+                got = w4a16_tc_gemm(x, qt, sct, zt, GROUP, config=cfg)  # type: ignore[arg-type]
+                again = w4a16_tc_gemm(x, qt, sct, zt, GROUP, config=cfg)  # type: ignore[arg-type]
+                torch.cuda.synchronize()
+                rec["err"] = _rel(got, ref)
+                rec["same_bits"] = bool(torch.equal(got, again))
+                rec["ok"] = rec["err"] < TOL and rec["same_bits"]
+            except Exception as e:  # noqa: BLE001  (reported; the context may be dead)
+                rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
+                fh.write(json.dumps(rec) + "\n")
+                fh.flush()
+                os._exit(3)
+            fh.write(json.dumps(rec) + "\n")
+            fh.flush()
 
 
-def sweep(dev: torch.device, rows: tuple[int, ...], budget_s: float,
-          t0: float) -> tuple[list[dict], list[dict]]:
+def _read(path: str) -> dict[int, dict[str, Any]]:
+    got: dict[int, dict[str, Any]] = {}
+    if os.path.exists(path):
+        with open(path) as fh:
+            for line in fh:
+                try:  # a worker killed mid-line (deadline) leaves a partial one
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                got[rec["i"]] = rec
+    return got
+
+
+def check_all(jobs: list[Job], procs: int, deadline: float) -> dict[int, dict[str, Any]]:
+    """``{job index: {"ok", "err", "same_bits" | "error"}}`` for every job, checked in
+    ``procs`` worker processes (module doc).  A worker that exits early is replaced at
+    once by a fresh one for its unchecked jobs; the first job it did not report killed
+    it (``crashed``).  Jobs not reached before ``deadline`` fail (``not checked``)."""
+    ctx = mp.get_context("spawn")
+    results: dict[int, dict[str, Any]] = {}
+    tmp = tempfile.mkdtemp(prefix="wna16_tc_check_")
+    indexed = list(enumerate(jobs))
+    queue = [indexed[i::procs] for i in range(procs) if indexed[i::procs]]
+    active: list[tuple[Any, list[tuple[int, Job]], str]] = []
+    started = 0
+
+    def start(part: list[tuple[int, Job]]) -> None:
+        nonlocal started
+        path = os.path.join(tmp, f"w{started}.jsonl")
+        started += 1
+        p = ctx.Process(target=_check_worker, args=(part, path))
+        p.start()
+        active.append((p, part, path))
+
+    for part in queue:
+        start(part)
+    while active:
+        time.sleep(0.2)
+        expired = time.time() > deadline
+        for entry in list(active):
+            p, part, path = entry
+            if p.is_alive() and not expired:
+                continue
+            if p.is_alive():
+                p.kill()
+            p.join()
+            active.remove(entry)
+            got = _read(path)
+            results.update(got)
+            left = [j for j in part if j[0] not in got]
+            if not left:
+                continue
+            if expired:
+                for i, _ in left:
+                    results[i] = {"i": i, "ok": False, "error": "not checked (budget)"}
+                continue
+            if not any("error" in rec for rec in got.values()):
+                # no reported error: the first unreported job killed it without a word
+                results[left[0][0]] = {"i": left[0][0], "ok": False,
+                                       "error": f"crashed (exit code {p.exitcode})"}
+                left = left[1:]
+            if left:
+                start(left)
+    return results
+
+
+def _is_cuda_error(e: BaseException) -> bool:
+    return "CUDA error" in str(e) or type(e).__name__ == "AcceleratorError"
+
+
+def sweep(dev: torch.device, rows: tuple[int, ...], passed: dict[Job, float],
+          budget_s: float, t0: float) -> tuple[list[dict], list[dict], str | None]:
+    """Times the baselines and every configuration in ``passed`` (checked, with its
+    error); ``(rows, skipped, fatal CUDA error or None)``."""
     from pagedllm.kernels.gemv import gemv
     from pagedllm.kernels.wna16 import wna16_ref
     from pagedllm.kernels.wna16_stripe import stripe_gemm
@@ -153,13 +226,13 @@ def sweep(dev: torch.device, rows: tuple[int, ...], budget_s: float,
     from pagedllm.kernels.wna16_tc_config import prior_config
     from pagedllm.layers.quantization.int_cuda import dequant_linear
 
+    os.environ["PAGEDLLM_WNA16_TC_CVT"] = "fp32"
     res_rows: list[dict] = []
     skipped: list[dict] = []
     for name, (n, k) in PROJ.items():
         copies = max(1, -(-L2_FLUSH_BYTES // (n * k // 2)))
         base = _weights(n, k, dev)
-        sets = [base] + [tuple(t if t is None else t.clone() for t in base)
-                         for _ in range(copies - 1)]
+        sets = [base] + [tuple(t.clone() for t in base) for _ in range(copies - 1)]
         bcopies = max(1, -(-L2_FLUSH_BYTES // (2 * n * k)))
         wb = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
         wbs = [wb] + [wb.clone() for _ in range(bcopies - 1)]
@@ -169,39 +242,37 @@ def sweep(dev: torch.device, rows: tuple[int, ...], budget_s: float,
             r: dict[str, Any] = {"proj": name, "M": m, "N": n, "K": k}
             r["bf16"] = graph_us([partial(gemv if m == 1 else F.linear, x, w) for w in wbs])
             if m <= 256:  # far behind above (docs/benchmarks.md): not worth the seconds
-                r["stripe"] = graph_us([partial(stripe_gemm, x, s[1], s[3], None, 4, GROUP)
-                                        for s in sets])
+                r["stripe"] = graph_us([partial(stripe_gemm, x, s[1], s[3], s[6], 4,
+                                                GROUP) for s in sets])
             if m >= 16:
-                r["dequant"] = graph_us([partial(dequant_linear, x, s[1], s[3], None, 4,
+                r["dequant"] = graph_us([partial(dequant_linear, x, s[1], s[3], s[6], 4,
                                                  GROUP, scratch) for s in sets])
-            ref = wna16_ref(x.float(), base[0], base[3], None, None, 4, GROUP)
-            cvt = os.environ.get("PAGEDLLM_WNA16_TC_CVT", "bf16x2")
-            prior = prior_config(m, n, k, dev)
-            for c, key in ((cvt, "tc_prior"), ("fp32", "tc_prior_fp32")):
-                if key == "tc_prior_fp32" and cvt == "fp32":
-                    continue
-                os.environ["PAGEDLLM_WNA16_TC_CVT"] = c
-                r[key] = graph_us([partial(w4a16_tc_gemm, x, s[2], s[4], None, GROUP,
-                                           config=prior) for s in sets])
-            os.environ["PAGEDLLM_WNA16_TC_CVT"] = cvt
+            ref = wna16_ref(x.float(), base[0], base[3], base[6], None, 4, GROUP)
+            prior = tuple(prior_config(m, n, k, dev))
             best = None
             for cfg in candidates(m, n, k, dev):
+                if (name, m, cfg) not in passed:
+                    continue  # failed its check (or never checked): never run here
                 if time.time() - t0 > budget_s:
                     skipped.append({"proj": name, "M": m, "config": cfg})
                     continue
                 try:
-                    err = _rel(w4a16_tc_gemm(x, base[2], base[4], None, GROUP, config=cfg),
-                               ref)
-                    if not err < 1e-2:  # never ship a configuration that is wrong here
-                        print(f"config {cfg} at {name} M={m}: WRONG (rel err {err:.2e})",
-                              flush=True)
-                        continue
-                    us = graph_us([partial(w4a16_tc_gemm, x, s[2], s[4], None, GROUP,
+                    us = graph_us([partial(w4a16_tc_gemm, x, s[2], s[4], s[5], GROUP,
                                            config=cfg) for s in sets])
-                except Exception as e:  # noqa: BLE001  (a config that fails to compile)
+                    err = _rel(w4a16_tc_gemm(x, base[2], base[4], base[5], GROUP,
+                                             config=cfg), ref)
+                except Exception as e:  # noqa: BLE001
                     print(f"config {cfg} at {name} M={m}: {type(e).__name__}: "
                           f"{str(e)[:200]}", flush=True)
+                    if _is_cuda_error(e):  # sticky: nothing more runs in this process
+                        return res_rows, skipped, f"{name} M={m} {cfg}: {e}"[:400]
                     continue
+                if not err < TOL:  # wrong after timing: never ship it
+                    print(f"config {cfg} at {name} M={m}: WRONG after timing "
+                          f"(rel err {err:.2e})", flush=True)
+                    continue
+                if cfg == prior:
+                    r["tc_prior"] = us
                 r.setdefault("tc_all", {})[",".join(map(str, cfg))] = round(us, 2)
                 if best is None or us < best[1]:
                     best = (cfg, us)
@@ -212,7 +283,7 @@ def sweep(dev: torch.device, rows: tuple[int, ...], budget_s: float,
                                       for kk, v in r.items() if kk != "tc_all"}), flush=True)
         del sets, wbs, scratch
         torch.cuda.empty_cache()
-    return res_rows, skipped
+    return res_rows, skipped, None
 
 
 def summarise(rows: list[dict]) -> dict[str, Any]:
@@ -222,7 +293,7 @@ def summarise(rows: list[dict]) -> dict[str, Any]:
     per_m: dict[int, dict[str, float]] = {}
     for r in rows:
         t = per_m.setdefault(r["M"], {})
-        for c in ("bf16", "stripe", "dequant", "tc", "tc_prior", "tc_prior_fp32"):
+        for c in ("bf16", "stripe", "dequant", "tc", "tc_prior"):
             if c in r:
                 t[c] = t.get(c, 0.0) + 32 * r[c] / 1e3
         pick = min((r[c] for c in ("tc", "dequant") if c in r), default=None)
@@ -260,61 +331,49 @@ def main() -> None:
     ap.add_argument("--out", default="wna16_tc_sweep.json")
     ap.add_argument("--table", default=None, help="write PAGEDLLM_WNA16_TC_CONFIGS JSON")
     ap.add_argument("--budget-s", type=float, default=150.0)
-    ap.add_argument("--procs", type=int, default=15, help="compile-warming processes")
+    ap.add_argument("--check-s", type=float, default=0.0,
+                    help="time for the checks (default: 60%% of the budget)")
+    ap.add_argument("--procs", type=int, default=15, help="checking worker processes")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
     args = ap.parse_args()
     rows = tuple(int(v) for v in args.rows.split(","))
     t0 = time.time()
     dev = torch.device("cuda")
-    if args.procs > 0:
-        from pagedllm.kernels.wna16_tc_config import prior_config
-
-        jobs = [(name, m, cfg, "bf16x2", False) for name, (n, k) in PROJ.items()
-                for m in rows for cfg in candidates(m, n, k, dev)]
-        for z, cvt in ((False, "fp32"), (True, "bf16x2")):  # the priors' A/B and check
-            jobs += [(name, m, prior_config(m, n, k, dev), cvt, z)
-                     for name, (n, k) in PROJ.items() for m in rows if m >= 16 or not z]
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_warm, args=(jobs[i::args.procs],))
-                 for i in range(args.procs)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        print(f"warmed {len(jobs)} configurations in {time.time() - t0:.0f} s", flush=True)
+    jobs: list[Job] = [(name, m, cfg) for name, (n, k) in PROJ.items() for m in rows
+                       for cfg in candidates(m, n, k, dev)]
+    check_s = args.check_s or 0.6 * args.budget_s
+    checks = check_all(jobs, max(1, args.procs), t0 + check_s)
+    passed = {jobs[i]: rec["err"] for i, rec in checks.items() if rec["ok"]}
+    failed = [{"proj": jobs[i][0], "M": jobs[i][1], "config": list(jobs[i][2]), **rec}
+              for i, rec in sorted(checks.items()) if not rec["ok"]]
+    for f in failed:
+        print("check FAILED", json.dumps(f), flush=True)
+    print(f"checked {len(jobs)} configurations in {time.time() - t0:.0f} s: "
+          f"{len(passed)} ok, {len(failed)} failed", flush=True)
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(),
-                              "torch": torch.__version__}
-    os.environ["PAGEDLLM_WNA16_TC_CVT"] = "bf16x2"
-    result["correctness"] = correctness(dev, rows)
-    bad = [r for r in result["correctness"] if not r["ok"]]
-    print(f"correctness (bf16x2 unpack): {len(result['correctness']) - len(bad)} ok, "
-          f"{len(bad)} FAILED", flush=True)
-    cvt = "bf16x2"
-    if bad:  # the PTX unpack is wrong here: sweep (and ship) the portable one
-        cvt = os.environ["PAGEDLLM_WNA16_TC_CVT"] = "fp32"
-        result["correctness_fp32"] = correctness(dev, rows)
-        bad = [r for r in result["correctness_fp32"] if not r["ok"]]
-        print(f"correctness (fp32 unpack): {len(result['correctness_fp32']) - len(bad)} "
-              f"ok, {len(bad)} FAILED", flush=True)
-    res_rows, skipped = sweep(dev, rows, args.budget_s, t0)
-    result["rows"], result["skipped"] = res_rows, skipped
-    result["summary"] = {**summarise(res_rows), "PAGEDLLM_WNA16_TC_CVT": cvt}
+                              "torch": torch.__version__, "checked": len(jobs),
+                              "check_failed": failed}
+    res_rows, skipped, fatal = sweep(dev, rows, passed, args.budget_s, t0)
+    result["rows"], result["skipped"], result["fatal"] = res_rows, skipped, fatal
+    result["summary"] = {**summarise(res_rows), "PAGEDLLM_WNA16_TC_CVT": "fp32"}
     result["seconds"] = round(time.time() - t0, 1)
     print(json.dumps(result["summary"], indent=1))
     print(f"{'proj':13} {'M':>5} {'bf16':>8} {'stripe':>8} {'dequant':>8} {'prior':>8} "
-          f"{'prior32':>8} {'tc':>8}  tc config (bm,bn,bk,gm,warps,stages,split,swap,after)")
+          f"{'tc':>8}  tc config (bm,bn,bk,gm,warps,stages,split,swap,after)")
     for r in sorted(res_rows, key=lambda r: (r["proj"], r["M"])):
         def f(key: str, r: dict = r) -> str:
             return f"{r[key]:8.1f}" if key in r else f"{'-':>8}"
         print(f"{r['proj']:13} {r['M']:5d} {f('bf16')} {f('stripe')} {f('dequant')} "
-              f"{f('tc_prior')} {f('tc_prior_fp32')} {f('tc')}  {r.get('tc_config')}")
+              f"{f('tc_prior')} {f('tc')}  {r.get('tc_config')}")
     print(f"skipped {len(skipped)} configurations (budget); {result['seconds']} s")
+    if fatal:
+        print(f"FATAL CUDA error while timing (table from the rows before it): {fatal}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)
     if args.table:
         src = (f"benchmarks/wna16_tc_sweep.py on one {result['device']}, Llama-3-8B "
-               f"projections, rows {args.rows}")
+               f"projections, rows {args.rows}; every tc entry passed its GPU check")
         with open(args.table, "w") as fh:
             json.dump(table(res_rows, result["summary"], src), fh, indent=1)
         print(json.dumps(table(res_rows, result["summary"], src)))

@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.int8_gemm import split_k_chunk, splitk_reduce
+from pagedllm.kernels.int8_gemm import splitk_reduce
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
 from pagedllm.kernels.wna16_tc_config import TcConfig, tc_config
 
@@ -299,15 +299,26 @@ def _sm90(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def fast_cvt() -> bool:
-    """``PAGEDLLM_WNA16_TC_CVT``, else the tuned table's, else ``fp32``.  ``bf16x2``: the
-    PTX unpack (symmetric bf16 on sm_90+ only); ``fp32``: the portable unpack.  The sweep
-    writes ``bf16x2`` into its table only after that unpack passed its GPU check, so an
-    unverified unpack is never the default.  Read per call."""
-    from pagedllm.kernels.wna16_tc_config import tuned_summary
+def even_split(k: int, block_k: int, split: int) -> tuple[int, int]:
+    """``(k_chunk, split)`` with ``split * k_chunk == k`` exactly: the largest split
+    ``<= split`` that divides the ``k / block_k`` steps.  The kernel's K loop has no
+    bound check (``K_CHUNK`` is a constexpr), so a last chunk shorter than the others
+    (``int8_gemm.split_k_chunk``'s rounding) would read ``x``, the words and the scales
+    past K -- garbage, nan, or an illegal address on the GPU (issue: H200 run 1)."""
+    steps = k // block_k
+    split = max(1, min(split, steps))
+    while steps % split:
+        split -= 1
+    return k // split, split
 
-    choice = os.environ.get("PAGEDLLM_WNA16_TC_CVT",
-                            tuned_summary().get("PAGEDLLM_WNA16_TC_CVT", "fp32"))
+
+def fast_cvt() -> bool:
+    """``PAGEDLLM_WNA16_TC_CVT`` (default ``fp32``).  ``bf16x2``: the PTX unpack
+    (symmetric bf16 on sm_90+ only), EXPERIMENTAL: it gave wrong results on an H200
+    for several configurations (block_k 64; cause not found), so only an explicit
+    setting turns it on -- never a tuned table.  ``fp32``: the portable unpack.  Read
+    per call."""
+    choice = os.environ.get("PAGEDLLM_WNA16_TC_CVT", "fp32")
     if choice not in ("bf16x2", "fp32"):
         raise ValueError(f"PAGEDLLM_WNA16_TC_CVT: expected 'bf16x2' or 'fp32', got "
                          f"{choice!r}")
@@ -374,7 +385,7 @@ def w4a16_tc_gemm(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tens
     if group_size % bk or k % bk:
         raise ValueError(f"config: block_k={bk} must divide K={k} and the group "
                          f"{group_size}")
-    k_chunk, split = split_k_chunk(k, bk, split)
+    k_chunk, split = even_split(k, bk, split)
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32,
                                                 device=x.device)
     ieee = x.dtype == torch.float32 or (_INTERPRET and x.dtype != torch.float32)

@@ -15,7 +15,9 @@ A table is written by ``benchmarks/wna16_tc_sweep.py`` (``--table``) and shipped
 An entry serves every ``M`` up to its ``m`` (the smallest swept ``m >= M`` at that
 ``(n, k)``; above the largest, the largest).  ``"dequant"`` means the measured winner
 there was dequantise + cuBLAS (``int_cuda.dequant_linear``).  Shapes not in the table get
-priors (the usual Hopper Triton tiles; not measured).  Everything is keyed by host ints:
+priors (the usual Hopper Triton tiles; not measured, not GPU-checked: ``int_cuda`` never
+routes to them -- only direct :func:`w4a16_tc_gemm` calls without a config use them).
+Without a table the kernel is off (:func:`tc_min_m` is 0).  Everything is keyed by host ints:
 a CUDA-graph capture and an eager run of one batch size pick the same path.
 """
 
@@ -74,12 +76,22 @@ def _table() -> dict[tuple[int, int], list[tuple[int, Choice]]]:
     return out
 
 
+def has_table() -> bool:
+    """Whether a tuned table (``PAGEDLLM_WNA16_TC_CONFIGS`` or the shipped one) is
+    present: its configurations passed the sweep's GPU check; nothing else did."""
+    return bool(_tuned_file().get("configs"))
+
+
 def tc_min_m() -> int:
-    """``PAGEDLLM_WNA16_TC_MIN_M`` (0: the kernel is off), else the table's, else 16:
-    the rows from which this module picks the path."""
+    """``PAGEDLLM_WNA16_TC_MIN_M`` (0: the kernel is off), else the table's (16 if it
+    has none), else 0 -- without a table the kernel is off: only GPU-checked
+    configurations are ever routed to (``int_cuda._tc_route``), so its K-major copy would
+    be dead weight.  The rows from which this module picks the path."""
     name = "PAGEDLLM_WNA16_TC_MIN_M"
     value = os.environ.get(name)
     if value is None:
+        if not has_table():
+            return 0
         tuned = _tuned_file().get("summary", {}).get(name)
         return DEFAULT_TC_MIN_M if tuned is None else int(tuned)
     try:

@@ -74,6 +74,32 @@ def test_tc_gemm_matches_reference_fp32(cfg: tuple[int, ...], zeros: bool,
     assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
 
 
+def test_even_split_never_leaves_a_short_last_chunk() -> None:
+    """The K loop has no bound check: every split must cover exactly ``K_CHUNK`` inputs
+    (``int8_gemm.split_k_chunk`` would give 4096 / 128 steps over 5 splits a last chunk
+    of 512 < 896: reads past K, nan / illegal address on the H200)."""
+    from pagedllm.kernels.wna16_tc import even_split
+
+    assert even_split(4096, 128, 5) == (1024, 4)
+    assert even_split(640, 128, 2) == (640, 1)
+    for k in (256, 640, 4096, 14336):
+        for bk in (64, 128):
+            for split in range(1, 20):
+                chunk, s = even_split(k, bk, split)
+                assert chunk * s == k and chunk % bk == 0 and 1 <= s <= split
+
+
+def test_tc_gemm_split_that_does_not_divide_the_steps() -> None:
+    """5 K steps asked to split 2 ways (the qkv prior's case in small)."""
+    n, k, m = 32, 640, 16
+    qw, sc, zp = _weight(n, k, 128, True, 11)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(12))
+    cfg = (16, 32, 128, 1, 4, 2, 2, 1, 0)
+    got = w4a16_tc_gemm(x.to(DEVICE), *_tc_args(qw, sc, zp), 128, config=cfg).cpu()
+    ref = wna16_ref(x, qw, sc, zp, None, 4, 128)
+    assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
 def test_tc_gemm_channelwise_and_priors() -> None:
     """Channel-wise scales (G = K) with the priors' configuration (no table on CPU)."""
     n, k = 40, 384
@@ -103,24 +129,57 @@ def test_tc_gemm_rejects_unsupported_groups() -> None:
         w4a16_tc_gemm(torch.randn(16, 256), to_kmajor(qw), sc.t().contiguous(), None, 64)
 
 
-def test_act_order_layer_routes_rows_by_count() -> None:
-    """GPTQ act-order with zero points, through the CUDA layer storage: inputs permuted at
-    load, the K-major copy made from the permuted weight; 20 rows (>= TC_MIN_M) take the
-    tensor-core GEMM, 3 rows the striped kernel; both equal ``x @ w^T``."""
+def _use_table(monkeypatch, path, configs: list) -> None:
+    """Point ``PAGEDLLM_WNA16_TC_CONFIGS`` at a table holding ``configs``."""
+
+    path.write_text(json.dumps({"configs": configs, "summary": {}}))
+    monkeypatch.setenv("PAGEDLLM_WNA16_TC_CONFIGS", str(path))
+    monkeypatch.delenv("PAGEDLLM_WNA16_TC_MIN_M", raising=False)
+    _clear_tables()
+
+
+def _clear_tables() -> None:
+    from pagedllm.kernels import wna16_tc_config as tcc
+
+    tcc._tuned_file.cache_clear()
+    tcc._table.cache_clear()
+    tcc.tc_choice.cache_clear()
+
+
+@pytest.fixture
+def clean_tables():
+    _clear_tables()
+    yield
+    _clear_tables()
+
+
+@pytest.mark.parametrize("zeros", [True, False])
+def test_act_order_layer_routes_rows_by_count(zeros: bool, tmp_path, monkeypatch,
+                                              clean_tables) -> None:
+    """GPTQ act-order, with zero points or symmetric (stored with zero = 8), through the
+    CUDA layer storage: inputs permuted at load, the K-major copy made from the permuted
+    weight; with a table entry 20 rows (>= TC_MIN_M) take the tensor-core GEMM, 3 rows
+    the striped kernel; both equal ``x @ w^T``."""
     from pagedllm.layers.linear import ReplicatedLinear
     from pagedllm.layers.quantization.int_cuda import _tc_route, apply_cuda, store_cuda
 
     n, k, g = 32, 256, 128
-    qw, sc, zp = _weight(n, k, g, True, 7)
+    _use_table(monkeypatch, tmp_path / "t.json",
+               [[64, n, k, "tc", [16, 32, 128, 1, 4, 2, 1, 1, 0]]])
+    qw, sc, zp = _weight(n, k, g, zeros, 7)
     gen = torch.Generator().manual_seed(8)
     g_idx = (torch.argsort(torch.randperm(k, generator=gen)) // g).to(torch.int32)
     iw = IntWeight(qw, sc, zp, g_idx, 4, g)
     with torch.device(DEVICE):
         layer = ReplicatedLinear(k, n, bias=False, prefix="x")
     layer.register_buffer("int_perm", None, persistent=False)
-    store_cuda(layer, IntWeight(qw.to(DEVICE), sc.to(DEVICE), zp.to(DEVICE),
+    store_cuda(layer, IntWeight(qw.to(DEVICE), sc.to(DEVICE),
+                                None if zp is None else zp.to(DEVICE),
                                 g_idx.to(DEVICE), 4, g), torch.float32)
     assert layer.int_layout == "stripe" and layer.int_tc_qweight is not None
+    assert layer.int_tc_zeros is not None  # symmetric: zero = 8, the one shipped path
+    if zp is None:
+        assert bool((layer.int_tc_zeros == 8.0).all())
     perm = layer.int_perm.cpu()
     assert torch.equal(from_kmajor(layer.int_tc_qweight.cpu()),
                        pack_codes(unpack_codes(qw, 4)[:, perm], 4))
@@ -133,6 +192,36 @@ def test_act_order_layer_routes_rows_by_count() -> None:
         got = apply_cuda(layer, x.to(DEVICE)).cpu()
         ref = x @ ref_w.T
         assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+def test_no_table_means_no_kmajor_copy_and_no_unchecked_route(tmp_path, monkeypatch,
+                                                              clean_tables) -> None:
+    """Only GPU-checked (table) configurations are routed to: without a table the kernel
+    is off; with one, shapes it lacks stay on the striped kernels."""
+    from pagedllm.kernels import wna16_tc_config as tcc
+    from pagedllm.layers.linear import ReplicatedLinear
+    from pagedllm.layers.quantization.int_cuda import _tc_route, store_cuda
+
+    monkeypatch.delenv("PAGEDLLM_WNA16_TC_CONFIGS", raising=False)
+    monkeypatch.delenv("PAGEDLLM_WNA16_TC_MIN_M", raising=False)
+    _clear_tables()
+    n, k = 16, 256
+    qw, sc, _ = _weight(n, k, 128, False, 9)
+    if not tcc.has_table():  # a GPU host may ship one
+        assert tcc.tc_min_m() == 0
+        with torch.device(DEVICE):
+            layer = ReplicatedLinear(k, n, bias=False, prefix="x")
+        store_cuda(layer, IntWeight(qw.to(DEVICE), sc.to(DEVICE), None, None, 4, 128),
+                   torch.float32)
+        assert layer.int_tc_qweight is None
+    _use_table(monkeypatch, tmp_path / "t.json",
+               [[64, 999, k, "tc", [16, 32, 128, 1, 4, 2, 1, 1, 0]]])
+    with torch.device(DEVICE):
+        layer = ReplicatedLinear(k, n, bias=False, prefix="x")
+    store_cuda(layer, IntWeight(qw.to(DEVICE), sc.to(DEVICE), None, None, 4, 128),
+               torch.float32)
+    assert layer.int_tc_qweight is not None
+    assert _tc_route(layer, 32, n, k, torch.device(DEVICE)) is None  # (16, 256): a prior
 
 
 def test_tc_off_and_w8_keep_no_kmajor_copy(monkeypatch) -> None:
@@ -187,19 +276,55 @@ def test_tuned_table_routes_by_rows(tmp_path, monkeypatch) -> None:
         clear()
 
 
+LLAMA3_8B = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096),
+             "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("cvt", ["bf16x2", "fp32"])
+@pytest.mark.parametrize("zeros", [False, True])
+@pytest.mark.parametrize("proj", list(LLAMA3_8B))
+def test_gpu_default_routing_llama3_8b(proj: str, zeros: bool) -> None:
+    """What a W4A16 Llama-3-8B layer runs by default (``int_cuda.apply_cuda``: the tuned
+    table if present -- ``PAGEDLLM_WNA16_TC_CONFIGS`` or the shipped one -- else the
+    striped / dequantise paths), at M = 1, 16, 64, 100 (ragged: between table rows),
+    256, 2048, symmetric and with zero points, against the dequantised weight's fp32
+    product.  Twice per M: the same bits
+    (a race or a read of uninitialised memory shows as a difference)."""
+    from pagedllm.layers.linear import ReplicatedLinear
+    from pagedllm.layers.quantization.int_cuda import _tc_route, apply_cuda, store_cuda
+
+    n, k = LLAMA3_8B[proj]
+    qw, sc, zp = _weight(n, k, 128, zeros, n + k)
+    sc = sc.to(torch.bfloat16)
+    iw = IntWeight(qw.cuda(), sc.cuda(), None if zp is None else zp.cuda(), None, 4, 128)
+    with torch.device("cuda"):
+        layer = ReplicatedLinear(k, n, bias=False, prefix=proj)
+    store_cuda(layer, iw, torch.bfloat16)
+    ref_w = iw.dequantize(torch.float32)
+    for m in (1, 16, 64, 100, 256, 2048):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        route = _tc_route(layer, m, n, k, x.device)
+        got = apply_cuda(layer, x)
+        again = apply_cuda(layer, x)
+        ref = x.float() @ ref_w.T
+        err = float((got.float() - ref).abs().max()) / float(ref.abs().max())
+        # bf16 output rounding (2**-8 relative) plus fp32 accumulation-order differences
+        assert err <= 2 ** -7, (proj, m, zeros, route, err)
+        assert torch.equal(got, again), (proj, m, zeros, route)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
 @pytest.mark.parametrize("m", [1, 16, 64, 256, 2048])
-def test_gpu_tc_gemm_llama3_shapes(n: int, k: int, m: int, cvt: str, monkeypatch) -> None:
-    """Real shapes with both unpacks and the priors (the PTX unpack's only check of its
-    arithmetic besides the sweep's)."""
-    monkeypatch.setenv("PAGEDLLM_WNA16_TC_CVT", cvt)
-    qw, sc, _ = _weight(n, k, 128, False, m)
-    qw, sc = qw.cuda(), sc.to(torch.bfloat16).cuda()
+def test_gpu_tc_gemm_llama3_shapes(n: int, k: int, m: int, monkeypatch) -> None:
+    """Real shapes with the priors, fp32 unpack, zero points (the bf16x2 PTX unpack is
+    experimental: wrong on an H200)."""
+    monkeypatch.setenv("PAGEDLLM_WNA16_TC_CVT", "fp32")
+    qw, sc, zp = _weight(n, k, 128, True, m)
+    qw, sc, zp = qw.cuda(), sc.to(torch.bfloat16).cuda(), zp.cuda()
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    got = w4a16_tc_gemm(x, to_kmajor(qw), sc.t().contiguous(), None, 128)
-    ref = wna16_ref(x.float(), qw, sc, None, None, 4, 128)
+    got = w4a16_tc_gemm(x, to_kmajor(qw), sc.t().contiguous(), zp.t().contiguous(), 128)
+    ref = wna16_ref(x.float(), qw, sc, zp, None, 4, 128)
     # bf16 output rounding (2**-8 relative) plus fp32 accumulation-order differences
     assert float((got.float() - ref).abs().max()) <= 2 ** -7 * float(ref.abs().max())
 

@@ -8,7 +8,8 @@ to :func:`store_cuda` at load and every call to :func:`apply_cuda`.  What is sto
                                        apply gathers x[:, perm] once per call
  K % 128 == 0, group % 128 == 0 | K    the striped layout (kernels/wna16_stripe.py)
    and 4-bit, PAGEDLLM_WNA16_TC_MIN_M  also the K-major layout (kernels/wna16_tc.py):
-   > 0 (default 16)                    int32 [K/8, N] words, scales [K/G, N]
+   > 0 (default: 16 with a tuned       int32 [K/8, N] words, scales [K/G, N], zeros
+   table, else 0)                      (8 for symmetric weights)
  anything else                         the canonical layout (kernels/wna16.py)
  PAGEDLLM_WNA16_TINYGEMM_MAX_M > 0     also torch's int4 layout (4-bit, groups 32..256)
 ```
@@ -24,9 +25,10 @@ runs of one batch size agree, and nothing syncs.
  M >= PAGEDLLM_WNA16_TC_MIN_M (K-major copy stored)    the tensor-core W4A16 GEMM, or
                                                        dequantise + cuBLAS where the tuned
                                                        table (kernels/wna16_tc_config.py)
-                                                       measured that faster; without a
-                                                       table entry: the GEMM below
-                                                       DEQUANT_MIN_M rows, dequantise above
+                                                       measured that faster; only GPU-
+                                                       checked table entries: without an
+                                                       entry (or a table: TC_MIN_M is 0
+                                                       then) the rows below
  M <  PAGEDLLM_WNA16_DEQUANT_MIN_M  (default 512)      wna16_stripe GEMV (M <= 4) / tile
  M >= PAGEDLLM_WNA16_DEQUANT_MIN_M                     dequantise into one shared bf16
                                                        scratch + cuBLAS F.linear (whole,
@@ -207,8 +209,15 @@ def _store_tc(layer: LinearBase, iw: IntWeight, qweight: torch.Tensor, stripe: b
     if use:  # a second copy of the weight: stored bytes, not part of the unquantised size
         layer.int_tc_qweight.packed_factor = 0  # type: ignore[union-attr]  (weight_bytes)
     _register(layer, "int_tc_scales", iw.scales.to(dtype).t() if use else None)
-    _register(layer, "int_tc_zeros",
-              iw.zeros.float().t() if use and iw.zeros is not None else None)
+    # Symmetric weights get an explicit zero point of 8: one kernel path (HAS_ZERO) for
+    # every weight, the one the sweep checks and times on the GPU (the symmetric
+    # constexpr-zero path and its PTX bf16x2 unpack are not shipped).
+    zeros = None
+    if use:
+        zeros = (iw.zeros.float().t().contiguous() if iw.zeros is not None else
+                 torch.full((iw.scales.shape[1], iw.scales.shape[0]), 8.0,
+                            dtype=torch.float32, device=qweight.device))
+    _register(layer, "int_tc_zeros", zeros)
 
 
 def _tc_route(layer: LinearBase, m: int, n: int, k: int,
@@ -218,18 +227,20 @@ def _tc_route(layer: LinearBase, m: int, n: int, k: int,
     graph-safe, no sync."""
     if getattr(layer, "int_tc_qweight", None) is None:
         return None
-    from pagedllm.kernels.wna16_tc_config import prior_config, tc_choice, tc_min_m
+    from pagedllm.kernels.wna16_tc_config import tc_choice, tc_min_m
 
     if m < tc_min_m():
         return None
     kind, cfg = tc_choice(m, n, k, device)
+    if kind == "prior" or cfg is None and kind == "tc":
+        # not in the table: never GPU-checked (the priors gave wrong results / illegal
+        # addresses on an H200 before the split-K fix): the striped kernels' own choice
+        return None
     lim = dequant_min_m()
     can_dequant = lim > 0 and device.type == "cuda"  # the scratch exists
-    if kind == "dequant" and can_dequant:
-        return "dequant", None
-    if kind == "prior" and can_dequant and m >= lim:  # unmeasured: the measured threshold
-        return "dequant", None
-    return "tc", cfg if cfg is not None else prior_config(m, n, k, device)
+    if kind == "dequant":
+        return ("dequant", None) if can_dequant else None
+    return "tc", cfg
 
 
 def apply_cuda(layer: LinearBase, x2: torch.Tensor) -> torch.Tensor:
