@@ -12,7 +12,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-SMALL: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+SMALL: dict[str, Any] = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=256,
                              architectures=["LlamaForCausalLM"])
 
