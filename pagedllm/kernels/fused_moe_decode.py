@@ -33,11 +33,13 @@ before every kernel ahead of kernel 1 (the router that wrote them) has completed
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.fused_moe_configs import DECODE_CONFIGS
+from pagedllm.kernels.fused_moe_configs import DecodeConfig, get_decode_config
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
 
 
@@ -119,6 +121,55 @@ def _decode_down_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, stride_ap
              mask=rn < HIDDEN)
 
 
+@triton.jit
+def _decode_down_slots_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, stride_ap,
+                              stride_we, stride_wn, stride_ot, TOP_K: tl.constexpr,
+                              K_P2: tl.constexpr, HIDDEN: tl.constexpr,
+                              INTER: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    # Kernel 2 with all k slots in one [K_P2, BLOCK_N, BLOCK_K] tile per step: k times
+    # the bytes in flight of the slot loop, and (BLOCK_K >= INTER) the whole weight read
+    # issued before the PDL wait, overlapping kernel 1's tail.  The sum over slots and
+    # columns is one fixed reduction tree: deterministic, no atomics.
+    pdl_trigger(USE_PDL)
+    tok = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_off = tl.minimum(rn, HIDDEN - 1).to(tl.int64) * stride_wn
+    slots = tl.arange(0, K_P2)
+    pairs = tok * TOP_K + tl.minimum(slots, TOP_K - 1)  # padding slots: weight 0 below
+    w_rows = (w_ptr + tl.load(ids_ptr + pairs).to(tl.int64)[:, None, None] * stride_we
+              + rn_off[None, :, None])
+    a_rows = act_ptr + pairs.to(tl.int64)[:, None] * stride_ap
+    rk = tl.arange(0, BLOCK_K)
+    live = (slots < TOP_K)[:, None, None]  # static all-true when TOP_K == K_P2
+    w = _load_slots(w_rows, rk, live, TOP_K, K_P2, INTER, BLOCK_K)
+    pdl_wait(USE_PDL)
+    scale = tl.load(weights_ptr + pairs, mask=slots < TOP_K, other=0.0).to(tl.float32)
+    a = _load_vec(a_rows, rk[None, :], INTER, BLOCK_K) * scale[:, None]
+    acc = w.to(tl.float32) * a[:, None, :]
+    for k0 in tl.static_range(BLOCK_K, INTER, BLOCK_K):  # none when BLOCK_K >= INTER
+        ks = k0 + rk
+        a = _load_vec(a_rows, ks[None, :], INTER, BLOCK_K) * scale[:, None]
+        w = _load_slots(w_rows, ks, live, TOP_K, K_P2, INTER, BLOCK_K)
+        acc += w.to(tl.float32) * a[:, None, :]
+    out = tl.sum(tl.sum(acc, axis=2), axis=0)
+    tl.store(out_ptr + tok.to(tl.int64) * stride_ot + rn, out.to(out_ptr.dtype.element_ty),
+             mask=rn < HIDDEN)
+
+
+@triton.jit
+def _load_slots(rows_ptr, ks, live, TOP_K: tl.constexpr, K_P2: tl.constexpr,
+                K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[K_P2, BLOCK_N, BLOCK_K]`` weights; padding slots and columns past ``K``
+    masked (no bytes read for them), unmasked when neither exists."""
+    ptrs = rows_ptr + ks[None, None, :]
+    if K % BLOCK_K == 0:
+        if TOP_K == K_P2:
+            return tl.load(ptrs)
+        return tl.load(ptrs, mask=live, other=0.0)
+    return tl.load(ptrs, mask=live & (ks < K)[None, None, :], other=0.0)
+
+
 def _block_k(k: int) -> int:
     """The largest power of two <= 512 that divides ``k`` (unmasked loads) when that is
     at least 64, else ``next_pow2(k)`` capped at 512 (masked)."""
@@ -137,18 +188,30 @@ def decode_block_n(rows: int, programs_per_row: int) -> int:
     return 8 if triton.cdiv(rows, 8) * programs_per_row >= 4 * 132 else 4
 
 
+def default_decode_config(tokens: int, top_k: int, inter: int,
+                          hidden: int) -> DecodeConfig:
+    """The heuristic for shapes ``DECODE_CONFIGS`` does not list: the slot loop with
+    :func:`decode_block_n` rows per program and :func:`_block_k` columns, 4 warps."""
+    return DecodeConfig(decode_block_n(inter, tokens * top_k), _block_k(hidden), 4,
+                        decode_block_n(hidden, tokens), _block_k(inter), 4, False)
+
+
 def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                         config: DecodeConfig | None = None,
+                         warmup: bool = False) -> torch.Tensor | None:
     """Same contract as ``kernels/fused_moe.fused_experts`` (``x [T, H]``,
     ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``topk_weights/ids [T, k]`` -> ``[T, H]`` in
     ``x``'s dtype), for any ``T``; worth it while ``T * k`` is at most about ``E``.
-    ``config`` = (gate-up BLOCK_N, down BLOCK_N, num_warps) overrides
-    ``fused_moe_configs.DECODE_CONFIGS`` / :func:`decode_block_n` (the sweep)."""
+    ``config`` overrides ``fused_moe_configs.DECODE_CONFIGS`` /
+    :func:`default_decode_config` (the sweep); ``warmup`` compiles both kernels for it
+    without running them (returns None)."""
     t, hidden = x.shape
     inter = w2.shape[2]
     top_k = topk_ids.shape[1]
     p = t * top_k
+    cfg = (config or get_decode_config(t, w13.shape[0], inter, hidden)
+           or default_decode_config(t, top_k, inter, hidden))
     ids = topk_ids.reshape(-1)
     ids = ids if ids.is_contiguous() else ids.contiguous()
     weights = topk_weights.reshape(-1)
@@ -156,18 +219,23 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         weights = weights.float().contiguous()
     act = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     pdl = pdl_launch_args(x.device)
-    config = config or DECODE_CONFIGS.get((w13.shape[0], inter, hidden))
-    bn_gate_up, bn_down, num_warps = config or (decode_block_n(inter, p),
-                                                decode_block_n(hidden, t), 4)
-    bn = bn_gate_up
-    _decode_gate_up_kernel[(p, triton.cdiv(inter, bn))](
+    bn = cfg.gate_up_block_n
+    grid = (p, triton.cdiv(inter, bn))
+    (partial(_decode_gate_up_kernel.warmup, grid=grid) if warmup
+     else _decode_gate_up_kernel[grid])(
         x, w13, ids, act, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=_block_k(hidden),
-        num_warps=num_warps, **pdl)
+        TOP_K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_N=bn,
+        BLOCK_K=cfg.gate_up_block_k, num_warps=cfg.gate_up_warps, **pdl)
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
-    bn = bn_down
-    _decode_down_kernel[(t, triton.cdiv(hidden, bn))](
-        act, w2, ids, weights, out, act.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), TOP_K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_N=bn,
-        BLOCK_K=_block_k(inter), num_warps=num_warps, **pdl)
-    return out
+    bn = cfg.down_block_n
+    grid = (t, triton.cdiv(hidden, bn))
+    args = (act, w2, ids, weights, out, act.stride(0), w2.stride(0), w2.stride(1),
+            out.stride(0))
+    consts = dict(TOP_K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_N=bn,
+                  BLOCK_K=cfg.down_block_k, num_warps=cfg.down_warps, **pdl)
+    kernel = _decode_down_kernel
+    if cfg.down_all_slots:
+        kernel = _decode_down_slots_kernel
+        consts["K_P2"] = triton.next_power_of_2(top_k)
+    (partial(kernel.warmup, grid=grid) if warmup else kernel[grid])(*args, **consts)
+    return None if warmup else out

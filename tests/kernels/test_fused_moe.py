@@ -203,3 +203,36 @@ def test_fused_topk_matches_select_experts(e: int, k: int, renorm: bool) -> None
     assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
     assert torch.equal(got_ids, ref_ids)
     torch.testing.assert_close(got_w, ref_w, atol=1e-6, rtol=1e-5)
+
+
+_DECODE_CONFIGS = [  # (gate-up BN, BK, warps, down BN, BK, warps, all slots)
+    (4, 64, 4, 2, 32, 4, False),    # the slot loop, K steps that divide H / I
+    (2, 128, 2, 4, 64, 2, True),    # all slots, whole rows (I = 48: masked columns)
+    (8, 32, 4, 1, 16, 8, True),     # all slots, several K steps, one feature each
+]
+
+
+@pytest.mark.parametrize("cfg", _DECODE_CONFIGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,e,k", [(1, 16, 8), (2, 12, 3), (5, 16, 4), (8, 8, 2)])
+def test_decode_configs_match_reference(cfg: tuple, dtype: torch.dtype, t: int, e: int,
+                                        k: int) -> None:
+    """Every decode-path variant the sweep may pick (``DecodeConfig``), T = 1..8, top-k
+    both a power of two and not (padding slots), with uneven routing across tokens (one
+    expert in every token's top-k, experts left idle), fp32 and bf16."""
+    from pagedllm.kernels.fused_moe_configs import DecodeConfig
+    from pagedllm.kernels.fused_moe_decode import fused_experts_decode
+
+    h, i = 64, 48
+    w13, w2 = _weights(e, h, i, seed=t * e + k)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(DEVICE)
+    weights, ids = _routing("one_expert_takes_all", t, e, k, seed=k)
+    assert bool((ids == 2).any(dim=1).all())  # several tokens share expert 2
+    ref = fused_experts_ref(x, w13, w2, weights, ids)
+    w13, w2, x = w13.to(dtype), w2.to(dtype), x.to(dtype)
+    if dtype == torch.bfloat16:  # the reference on the same rounded inputs
+        ref = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
+    got = fused_experts_decode(x, w13, w2, weights, ids, config=DecodeConfig(*cfg))
+    assert got is not None and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: act and out rounded
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
