@@ -147,11 +147,18 @@ def _decode_down_slots_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, str
     scale = tl.load(weights_ptr + pairs, mask=slots < TOP_K, other=0.0).to(tl.float32)
     a = _load_vec(a_rows, rk[None, :], INTER, BLOCK_K) * scale[:, None]
     acc = w.to(tl.float32) * a[:, None, :]
-    for k0 in tl.static_range(BLOCK_K, INTER, BLOCK_K):  # none when BLOCK_K >= INTER
-        ks = k0 + rk
-        a = _load_vec(a_rows, ks[None, :], INTER, BLOCK_K) * scale[:, None]
-        w = _load_slots(w_rows, ks, live, TOP_K, K_P2, INTER, BLOCK_K)
-        acc += w.to(tl.float32) * a[:, None, :]
+    if (INTER + BLOCK_K - 1) // BLOCK_K <= 8:  # unrolled: later steps' loads in flight
+        for k0 in tl.static_range(BLOCK_K, INTER, BLOCK_K):  # none if BLOCK_K >= INTER
+            ks = k0 + rk
+            a = _load_vec(a_rows, ks[None, :], INTER, BLOCK_K) * scale[:, None]
+            w = _load_slots(w_rows, ks, live, TOP_K, K_P2, INTER, BLOCK_K)
+            acc += w.to(tl.float32) * a[:, None, :]
+    else:  # long rows (Mixtral's I = 14336): a loop, not 28+ copies of the body
+        for k0 in range(BLOCK_K, INTER, BLOCK_K):
+            ks = k0 + rk
+            a = _load_vec(a_rows, ks[None, :], INTER, BLOCK_K) * scale[:, None]
+            w = _load_slots(w_rows, ks, live, TOP_K, K_P2, INTER, BLOCK_K)
+            acc += w.to(tl.float32) * a[:, None, :]
     out = tl.sum(tl.sum(acc, axis=2), axis=0)
     tl.store(out_ptr + tok.to(tl.int64) * stride_ot + rn, out.to(out_ptr.dtype.element_ty),
              mask=rn < HIDDEN)
@@ -190,10 +197,18 @@ def decode_block_n(rows: int, programs_per_row: int) -> int:
 
 def default_decode_config(tokens: int, top_k: int, inter: int,
                           hidden: int) -> DecodeConfig:
-    """The heuristic for shapes ``DECODE_CONFIGS`` does not list: the slot loop with
-    :func:`decode_block_n` rows per program and :func:`_block_k` columns, 4 warps."""
-    return DecodeConfig(decode_block_n(inter, tokens * top_k), _block_k(hidden), 4,
-                        decode_block_n(hidden, tokens), _block_k(inter), 4, False)
+    """The heuristic for shapes ``DECODE_CONFIGS`` does not list.  Gate-up:
+    :func:`decode_block_n` rows per program, :func:`_block_k` columns, 4 warps.  Down:
+    the all-slots kernel with 2 rows per program and whole rows (8 warps, <= 128 bytes
+    of weights a thread, no spills on sm_90) while one row of all ``k`` slots is at most
+    16 KB (Qwen3-30B-A3B: 8 x 1024 padded bf16), where the slot loop would be ``k *
+    I / BLOCK_K`` dependent round trips of one 16-byte load a thread; else the slot
+    loop (Mixtral: 2 slots of 14336-wide rows, already ~86% of its floor)."""
+    gate_up = (decode_block_n(inter, tokens * top_k), _block_k(hidden), 4)
+    i_p2 = triton.next_power_of_2(inter)
+    if triton.next_power_of_2(top_k) * i_p2 * 2 <= 16 * 1024:
+        return DecodeConfig(*gate_up, 2, i_p2, 8, True)
+    return DecodeConfig(*gate_up, decode_block_n(hidden, tokens), _block_k(inter), 4, False)
 
 
 def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -8,7 +8,9 @@ are chosen on the logits themselves -- the order softmax preserves -- and only t
 probabilities ``exp(l - max) / sum exp(l - max)`` are kept.  Replaces four torch
 launches (softmax, topk, sum, divide) per MoE layer, which at decode cost more than the
 experts' own launch gaps.  Outputs match ``select_experts``' contract: ``weights [T, k]``
-float32 in descending order, ``ids [T, k]`` int64.
+float32 in descending order, ``ids [T, k]`` int64.  Launched with PDL
+(``kernels/pdl.py``): it reads the logits only after its wait, and triggers first, so
+the experts' first kernel is launched while this one runs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
+
 MAX_EXPERTS = 1024  # one program holds a token's logits in registers
 
 
@@ -24,7 +28,9 @@ MAX_EXPERTS = 1024  # one program holds a token's logits in registers
 def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, stride_lt,
                          NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr,
                          TOP_K: tl.constexpr, K_P2: tl.constexpr,
-                         RENORMALIZE: tl.constexpr):
+                         RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+    # Trigger at once: the experts' gate-up kernel launches now and waits on this one.
+    pdl_start(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, E_P2)
     logits = tl.load(logits_ptr + tok * stride_lt + cols, mask=cols < NUM_EXPERTS,
@@ -61,5 +67,6 @@ def fused_topk(router_logits: torch.Tensor, top_k: int,
         _topk_softmax_kernel[(t,)](
             router_logits, weights, ids, router_logits.stride(0), NUM_EXPERTS=num_experts,
             E_P2=triton.next_power_of_2(num_experts), TOP_K=top_k,
-            K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, num_warps=1)
+            K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, num_warps=1,
+            **pdl_launch_args(router_logits.device))
     return weights, ids
