@@ -6,6 +6,8 @@ reference against a direct per-token sum."""
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -236,3 +238,49 @@ def test_decode_configs_match_reference(cfg: tuple, dtype: torch.dtype, t: int, 
     assert got is not None and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: act and out rounded
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+_COMPILE_DECODE = textwrap.dedent(r"""
+    import json
+    import triton
+    from tests.kernels.sm90_compile import compile_sm90
+    from pagedllm.kernels import fused_moe_decode as D
+
+    i32, out = "i32", {}
+    gate_up_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64",
+                   "act_ptr": "*bf16", "stride_xt": i32, "stride_we": i32,
+                   "stride_wn": i32, "stride_ap": i32}
+    down_sig = {"act_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64",
+                "weights_ptr": "*fp32", "out_ptr": "*bf16", "stride_ap": i32,
+                "stride_we": i32, "stride_wn": i32, "stride_ot": i32}
+    # Each shape's config at T = 1 and at the decode path's largest T.
+    for name, e, k, h, i, t in [("qwen3", 128, 8, 2048, 768, 1), ("qwen3", 128, 8, 2048, 768, 8),
+                                ("mixtral", 8, 2, 4096, 14336, 1),
+                                ("mixtral", 8, 2, 4096, 14336, 4)]:
+        c = D.get_decode_config(t, e, i, h) or D.default_decode_config(t, k, i, h)
+        shape = dict(TOP_K=k, HIDDEN=h, INTER=i, USE_PDL=True)
+        opts = {"launch_pdl": True}
+        out[f"{name} T={t} gate-up"] = compile_sm90(
+            D._decode_gate_up_kernel, gate_up_sig,
+            dict(shape, BLOCK_N=c.gate_up_block_n, BLOCK_K=c.gate_up_block_k),
+            dict(opts, num_warps=c.gate_up_warps), list(range(8)))[1]
+        consts = dict(shape, BLOCK_N=c.down_block_n, BLOCK_K=c.down_block_k)
+        kernel = D._decode_down_kernel
+        if c.down_all_slots:
+            kernel, consts["K_P2"] = D._decode_down_slots_kernel, triton.next_power_of_2(k)
+        out[f"{name} T={t} down"] = compile_sm90(
+            kernel, down_sig, consts, dict(opts, num_warps=c.down_warps),
+            list(range(9)))[1]
+    print(json.dumps(out))
+""")
+
+
+def test_decode_kernels_compile_for_sm90_without_spills(tmp_path) -> None:
+    """The decode path's kernels at the configs the real shapes run (``DECODE_CONFIGS``
+    or the heuristic), compiled for sm_90 without a GPU: no register spills (a spilled
+    GEMV streams its weights through local memory)."""
+    from tests.kernels.sm90_compile import run_script
+
+    stats = run_script(_COMPILE_DECODE, tmp_path)
+    assert len(stats) == 8, stats
+    assert not any(s["spill_stores"] for s in stats.values()), stats
