@@ -2,6 +2,8 @@
 
     python -m pagedllm.benchmarks.moe_bench --out moe.json [--batches 1,4,16,64,256,1024,4096]
     python -m pagedllm.benchmarks.moe_bench --sweep --out sweep.json [--budget-s 140]
+    python -m pagedllm.benchmarks.moe_bench --sweep --decode-only --out sweep.json
+    python -m pagedllm.benchmarks.moe_bench --decode-configs sweep.json --out moe.json
 
 For each shape and token batch: routing from random router logits (so the expected
 number of distinct experts hit at batch ``b`` is ``E * (1 - (1 - k/E)^b)``), a
@@ -29,10 +31,12 @@ batch-1 target is >= 0.8), ``flop_frac`` = ceiling / graph time.
 
 ``--sweep`` times candidate launch configs of the sorted path (graph-timed) at a few
 batches per shape, within ``--budget-s`` seconds (each batch's candidates are compiled
-on a thread pool first), then the decode path's 11 (BLOCK_N, BLOCK_N, warps) choices at
-T = 1 (about a minute), and prints the ``CONFIGS`` and ``DECODE_CONFIGS`` entries for
-``kernels/fused_moe_configs.py``.  Not a test:
-nothing here asserts a time.
+on a thread pool first), then the decode path's ``DecodeConfig`` choices (gate-up and
+down tiles, warps, the all-slots or slot-loop down kernel; ``_sweep_decode``) at T = 1,
+2, 4, 8, and prints the ``CONFIGS`` and ``DECODE_CONFIGS`` entries for
+``kernels/fused_moe_configs.py``; ``--decode-only`` skips the sorted path (about a
+minute a shape).  ``--decode-configs SWEEP_JSON`` then times the bench rows as if that
+sweep's ``DECODE_CONFIGS`` were pasted.  Not a test: nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -356,6 +360,22 @@ def _sweep_decode(name: str, device: torch.device,
     return dict(table=table, tried=len(times))
 
 
+def _use_swept_decode_configs(path: str) -> None:
+    """Install a ``--sweep`` JSON's decode winners into ``DECODE_CONFIGS`` (this process
+    only), so one device run can sweep and then time what pasting them would give."""
+    from pagedllm.kernels.fused_moe_configs import DECODE_CONFIGS, DecodeConfig
+
+    with open(path) as f:
+        swept = json.load(f)["sweep"]
+    for name, r in swept.items():
+        if "decode" in r:
+            e, i, h = r["key"]
+            DECODE_CONFIGS[(e, i, h)] = {int(t): DecodeConfig(*row["best"])
+                                         for t, row in r["decode"]["table"].items()}
+            print(f"# {name}: decode configs from {path}: {DECODE_CONFIGS[(e, i, h)]}",
+                  flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
@@ -367,6 +387,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="time launch configs of the sorted path instead")
     ap.add_argument("--decode-only", action="store_true",
                     help="--sweep: the decode path's configs alone (about a minute)")
+    ap.add_argument("--decode-configs", metavar="SWEEP_JSON",
+                    help="time the decode path with the DECODE_CONFIGS a --sweep run "
+                    "wrote to SWEEP_JSON (as if pasted) instead of the file's")
     ap.add_argument("--budget-s", type=float, default=140.0,
                     help="--sweep: seconds for the sorted path's configs (compiles "
                     "included); the decode path's take about a minute more")
@@ -386,6 +409,8 @@ def main(argv: list[str] | None = None) -> None:
         out: dict[str, Any] = {"sweep": sweep(shapes, args.budget_s, device,
                                            decode_only=args.decode_only)}
     else:
+        if args.decode_configs:
+            _use_swept_decode_configs(args.decode_configs)
         rows = []
         for name in shapes:
             rows += bench_shape(name, batches, args.hbm_gbs, args.tflops, device)
