@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.fused_moe_configs import DecodeConfig, get_decode_config
+from pagedllm.kernels.moe_routing import ROUTED_MAX_EXPERTS, topk_ranks, topk_softmax
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
 
 
@@ -58,11 +59,12 @@ def _load_vec(ptr, ks, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _decode_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, stride_xt, stride_we,
-                           stride_wn, stride_ap, TOP_K: tl.constexpr,
-                           HIDDEN: tl.constexpr, INTER: tl.constexpr,
+def _decode_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, logits_ptr, stride_xt,
+                           stride_we, stride_wn, stride_ap, stride_lt,
+                           TOP_K: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           USE_PDL: tl.constexpr):
+                           ROUTED: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+                           E_P2: tl.constexpr, USE_PDL: tl.constexpr):
     # Wait, then trigger: kernel 2 launches only once every program here is past its
     # wait, so everything before this kernel (the router that wrote topk_ids) is done.
     pdl_wait(USE_PDL)
@@ -70,7 +72,12 @@ def _decode_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, stride_xt, stride_we,
     pair = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_safe = tl.minimum(rn, INTER - 1).to(tl.int64)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if ROUTED:  # this pair's expert from the router logits (no routing launch)
+        _, experts, rank = topk_ranks(logits_ptr + (pair // TOP_K).to(tl.int64) * stride_lt,
+                                      NUM_EXPERTS, E_P2)
+        expert = tl.sum(tl.where(rank == pair % TOP_K, experts, 0), axis=0).to(tl.int64)
+    else:
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xt
     gate_rows = w_ptr + expert * stride_we + rn_safe[:, None] * stride_wn
     up_rows = gate_rows + INTER * stride_wn
@@ -122,11 +129,14 @@ def _decode_down_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, stride_ap
 
 
 @triton.jit
-def _decode_down_slots_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, stride_ap,
-                              stride_we, stride_wn, stride_ot, TOP_K: tl.constexpr,
-                              K_P2: tl.constexpr, HIDDEN: tl.constexpr,
-                              INTER: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+def _decode_down_slots_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, logits_ptr,
+                              stride_ap, stride_we, stride_wn, stride_ot, stride_lt,
+                              TOP_K: tl.constexpr, K_P2: tl.constexpr,
+                              HIDDEN: tl.constexpr, INTER: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              ROUTED: tl.constexpr, RENORMALIZE: tl.constexpr,
+                              NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr,
+                              USE_PDL: tl.constexpr):
     # Kernel 2 with all k slots in one [K_P2, BLOCK_N, BLOCK_K] tile per step: k times
     # the bytes in flight of the slot loop, and (BLOCK_K >= INTER) the whole weight read
     # issued before the PDL wait, overlapping kernel 1's tail.  The sum over slots and
@@ -137,14 +147,20 @@ def _decode_down_slots_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, str
     rn_off = tl.minimum(rn, HIDDEN - 1).to(tl.int64) * stride_wn
     slots = tl.arange(0, K_P2)
     pairs = tok * TOP_K + tl.minimum(slots, TOP_K - 1)  # padding slots: weight 0 below
-    w_rows = (w_ptr + tl.load(ids_ptr + pairs).to(tl.int64)[:, None, None] * stride_we
+    if ROUTED:  # the token's routing again, before the wait (logits: see module doc)
+        scale, ids = topk_softmax(logits_ptr + tok.to(tl.int64) * stride_lt, NUM_EXPERTS,
+                                  E_P2, TOP_K, K_P2, RENORMALIZE)
+    else:
+        ids = tl.load(ids_ptr + pairs)
+    w_rows = (w_ptr + ids.to(tl.int64)[:, None, None] * stride_we
               + rn_off[None, :, None])
     a_rows = act_ptr + pairs.to(tl.int64)[:, None] * stride_ap
     rk = tl.arange(0, BLOCK_K)
     live = (slots < TOP_K)[:, None, None]  # static all-true when TOP_K == K_P2
     w = _load_slots(w_rows, rk, live, TOP_K, K_P2, INTER, BLOCK_K)
     pdl_wait(USE_PDL)
-    scale = tl.load(weights_ptr + pairs, mask=slots < TOP_K, other=0.0).to(tl.float32)
+    if not ROUTED:
+        scale = tl.load(weights_ptr + pairs, mask=slots < TOP_K, other=0.0).to(tl.float32)
     a = _load_vec(a_rows, rk[None, :], INTER, BLOCK_K) * scale[:, None]
     acc = w.to(tl.float32) * a[:, None, :]
     if (INTER + BLOCK_K - 1) // BLOCK_K <= 8:  # unrolled: later steps' loads in flight
@@ -221,36 +237,87 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     ``config`` overrides ``fused_moe_configs.DECODE_CONFIGS`` /
     :func:`default_decode_config` (the sweep); ``warmup`` compiles both kernels for it
     without running them (returns None)."""
-    t, hidden = x.shape
-    inter = w2.shape[2]
-    top_k = topk_ids.shape[1]
-    p = t * top_k
-    cfg = (config or get_decode_config(t, w13.shape[0], inter, hidden)
-           or default_decode_config(t, top_k, inter, hidden))
     ids = topk_ids.reshape(-1)
     ids = ids if ids.is_contiguous() else ids.contiguous()
     weights = topk_weights.reshape(-1)
     if weights.dtype != torch.float32 or not weights.is_contiguous():
         weights = weights.float().contiguous()
+    return _launch(x, w13, w2, ids, weights, None, topk_ids.shape[1], False, config,
+                   warmup)
+
+
+def decode_config(tokens: int, top_k: int, w13: torch.Tensor,
+                  w2: torch.Tensor) -> DecodeConfig:
+    """``DECODE_CONFIGS``' entry for this bank and batch, else the heuristic."""
+    e, inter, hidden = w13.shape[0], w2.shape[2], w2.shape[1]
+    return (get_decode_config(tokens, e, inter, hidden)
+            or default_decode_config(tokens, top_k, inter, hidden))
+
+
+def can_route_in_kernel(router_logits: torch.Tensor, config: DecodeConfig) -> bool:
+    """Whether :func:`fused_moe_decode_routed` serves these logits with this config:
+    the all-slots down kernel and at most ``ROUTED_MAX_EXPERTS`` experts."""
+    return (config.down_all_slots and router_logits.dim() == 2
+            and router_logits.shape[1] <= ROUTED_MAX_EXPERTS)
+
+
+def fused_moe_decode_routed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                            router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                            config: DecodeConfig | None = None,
+                            warmup: bool = False) -> torch.Tensor | None:
+    """Routing and experts in the decode path's two launches: ``select_experts``'
+    softmax / top-k / renormalise is recomputed from ``router_logits [T, E]`` in the
+    prologue of both kernels (``moe_routing.topk_ranks``: the same experts as
+    ``fused_topk``, weights within float32 rounding) instead of a routing launch of
+    its own.  Needs :func:`can_route_in_kernel`; ``x [T, H]`` -> ``[T, H]``."""
+    cfg = config or decode_config(x.shape[0], top_k, w13, w2)
+    if not can_route_in_kernel(router_logits, cfg):
+        raise ValueError("in-kernel routing needs the all-slots down kernel and "
+                         f"<= {ROUTED_MAX_EXPERTS} experts")
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    return _launch(x, w13, w2, None, None, logits, top_k, renormalize, cfg, warmup)
+
+
+def _launch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+            ids: torch.Tensor | None, weights: torch.Tensor | None,
+            logits: torch.Tensor | None, top_k: int, renormalize: bool,
+            config: DecodeConfig | None, warmup: bool) -> torch.Tensor | None:
+    """Both kernels; routed (``logits`` given) or from ``ids`` / ``weights`` (flat)."""
+    t, hidden = x.shape
+    inter = w2.shape[2]
+    p = t * top_k
+    cfg = config or decode_config(t, top_k, w13, w2)
+    routed = logits is not None
+    # Unused pointer arguments get a tensor that exists (never dereferenced).
+    logits_arg = logits if routed else x
+    ids_arg = ids if ids is not None else x
+    weights_arg = weights if weights is not None else x
+    stride_lt = logits.stride(0) if logits is not None else 0
+    n_experts = logits.shape[1] if logits is not None else 1
+    route = dict(ROUTED=routed, NUM_EXPERTS=n_experts,
+                 E_P2=triton.next_power_of_2(n_experts))
     act = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     pdl = pdl_launch_args(x.device)
     bn = cfg.gate_up_block_n
     grid = (p, triton.cdiv(inter, bn))
     (partial(_decode_gate_up_kernel.warmup, grid=grid) if warmup
      else _decode_gate_up_kernel[grid])(
-        x, w13, ids, act, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_N=bn,
-        BLOCK_K=cfg.gate_up_block_k, num_warps=cfg.gate_up_warps, **pdl)
+        x, w13, ids_arg, act, logits_arg, x.stride(0), w13.stride(0), w13.stride(1),
+        act.stride(0), stride_lt, TOP_K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_N=bn,
+        BLOCK_K=cfg.gate_up_block_k, num_warps=cfg.gate_up_warps, **route, **pdl)
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     bn = cfg.down_block_n
     grid = (t, triton.cdiv(hidden, bn))
-    args = (act, w2, ids, weights, out, act.stride(0), w2.stride(0), w2.stride(1),
-            out.stride(0))
     consts = dict(TOP_K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_N=bn,
                   BLOCK_K=cfg.down_block_k, num_warps=cfg.down_warps, **pdl)
-    kernel = _decode_down_kernel
     if cfg.down_all_slots:
         kernel = _decode_down_slots_kernel
-        consts["K_P2"] = triton.next_power_of_2(top_k)
+        args = (act, w2, ids_arg, weights_arg, out, logits_arg, act.stride(0),
+                w2.stride(0), w2.stride(1), out.stride(0), stride_lt)
+        consts.update(route, K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize)
+    else:
+        kernel = _decode_down_kernel
+        args = (act, w2, ids_arg, weights_arg, out, act.stride(0), w2.stride(0),
+                w2.stride(1), out.stride(0))
     (partial(kernel.warmup, grid=grid) if warmup else kernel[grid])(*args, **consts)
     return None if warmup else out

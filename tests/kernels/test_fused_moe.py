@@ -248,29 +248,38 @@ _COMPILE_DECODE = textwrap.dedent(r"""
 
     i32, out = "i32", {}
     gate_up_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64",
-                   "act_ptr": "*bf16", "stride_xt": i32, "stride_we": i32,
-                   "stride_wn": i32, "stride_ap": i32}
-    down_sig = {"act_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64",
+                   "act_ptr": "*bf16", "logits_ptr": "*bf16", "stride_xt": i32,
+                   "stride_we": i32, "stride_wn": i32, "stride_ap": i32, "stride_lt": i32}
+    loop_sig = {"act_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64",
                 "weights_ptr": "*fp32", "out_ptr": "*bf16", "stride_ap": i32,
                 "stride_we": i32, "stride_wn": i32, "stride_ot": i32}
-    # Each shape's config at T = 1 and at the decode path's largest T.
-    for name, e, k, h, i, t in [("qwen3", 128, 8, 2048, 768, 1), ("qwen3", 128, 8, 2048, 768, 8),
-                                ("mixtral", 8, 2, 4096, 14336, 1),
-                                ("mixtral", 8, 2, 4096, 14336, 4)]:
+    slots_sig = {**{n: v for n, v in loop_sig.items() if not n.startswith("stride")},
+                 "logits_ptr": "*bf16",
+                 **{n: v for n, v in loop_sig.items() if n.startswith("stride")},
+                 "stride_lt": i32}
+    # Each shape's config at T = 1 and at the decode path's largest T; Qwen3's routed.
+    for name, e, k, h, i, t, routed in [
+            ("qwen3", 128, 8, 2048, 768, 1, False), ("qwen3", 128, 8, 2048, 768, 8, False),
+            ("qwen3 routed", 128, 8, 2048, 768, 1, True),
+            ("mixtral", 8, 2, 4096, 14336, 1, False),
+            ("mixtral", 8, 2, 4096, 14336, 4, False)]:
         c = D.get_decode_config(t, e, i, h) or D.default_decode_config(t, k, i, h)
+        route = dict(ROUTED=routed, NUM_EXPERTS=e if routed else 1,
+                     E_P2=triton.next_power_of_2(e) if routed else 1)
         shape = dict(TOP_K=k, HIDDEN=h, INTER=i, USE_PDL=True)
         opts = {"launch_pdl": True}
         out[f"{name} T={t} gate-up"] = compile_sm90(
             D._decode_gate_up_kernel, gate_up_sig,
-            dict(shape, BLOCK_N=c.gate_up_block_n, BLOCK_K=c.gate_up_block_k),
-            dict(opts, num_warps=c.gate_up_warps), list(range(8)))[1]
+            dict(shape, **route, BLOCK_N=c.gate_up_block_n, BLOCK_K=c.gate_up_block_k),
+            dict(opts, num_warps=c.gate_up_warps), list(range(10)))[1]
         consts = dict(shape, BLOCK_N=c.down_block_n, BLOCK_K=c.down_block_k)
-        kernel = D._decode_down_kernel
+        kernel, sig = D._decode_down_kernel, loop_sig
         if c.down_all_slots:
-            kernel, consts["K_P2"] = D._decode_down_slots_kernel, triton.next_power_of_2(k)
+            kernel, sig = D._decode_down_slots_kernel, slots_sig
+            consts.update(route, K_P2=triton.next_power_of_2(k), RENORMALIZE=True)
         out[f"{name} T={t} down"] = compile_sm90(
-            kernel, down_sig, consts, dict(opts, num_warps=c.down_warps),
-            list(range(9)))[1]
+            kernel, sig, consts, dict(opts, num_warps=c.down_warps),
+            list(range(len(sig))))[1]
     print(json.dumps(out))
 """)
 
@@ -282,5 +291,50 @@ def test_decode_kernels_compile_for_sm90_without_spills(tmp_path) -> None:
     from tests.kernels.sm90_compile import run_script
 
     stats = run_script(_COMPILE_DECODE, tmp_path)
-    assert len(stats) == 8, stats
+    assert len(stats) == 10, stats
     assert not any(s["spill_stores"] for s in stats.values()), stats
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,e,k,renorm", [(1, 16, 8, True), (3, 12, 3, False),
+                                          (8, 16, 2, True)])
+def test_routed_decode_matches_select_experts(dtype: torch.dtype, t: int, e: int, k: int,
+                                              renorm: bool) -> None:
+    """Routing inside the decode kernels (``fused_experts_routed``) equals
+    the routing launch (``fused_topk``) then the reference: T = 1..8, k a power of two and not, with and
+    without renormalisation, bf16 router logits with exact ties (expert 1 ties expert
+    5 in every token, and both are in its top-k: the lower id first, as
+    ``fused_topk``), several tokens on one expert."""
+    from pagedllm.kernels.fused_moe import fused_experts_routed
+    from pagedllm.kernels.moe_routing import fused_topk
+
+    w13, w2 = _weights(e, 32, 24, seed=e + k)
+    g = torch.Generator().manual_seed(t * 7 + k)
+    x = torch.randn(t, 32, generator=g)
+    logits = torch.randn(t, e, generator=g)
+    logits[:, 1] = logits[:, 5] = logits.max(dim=1).values + 1.0  # a tie, chosen
+    logits[:, 2] += 3.0  # expert 2 in every token's top-k
+    logits = logits.to(dtype)
+    weights, ids = fused_topk(logits.to(DEVICE), k, renorm)  # checked against torch above
+    ref = fused_experts_ref(x.to(dtype).float().to(DEVICE), w13.to(dtype).float().to(DEVICE),
+                            w2.to(dtype).float().to(DEVICE), weights, ids)
+    got = fused_experts_routed(x.to(dtype).to(DEVICE), w13.to(dtype), w2.to(dtype),
+                               logits.to(DEVICE), k, renorm)
+    assert got is not None and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+def test_routed_decode_only_where_it_applies() -> None:
+    """None (the caller routes with ``select_experts``) for sorted-path batches, more
+    experts than the in-kernel top-k holds, and a bad top-k."""
+    from pagedllm.kernels.fused_moe import fused_experts_routed
+
+    w13, w2 = _weights(8, 16, 16, seed=0)
+    x = torch.randn(40, 16).to(DEVICE)
+    assert fused_experts_routed(x, w13, w2, torch.randn(40, 8).to(DEVICE), 2, True) is None
+    assert fused_experts_routed(x[:1], w13, w2, torch.randn(1, 8).to(DEVICE), 9,
+                                True) is None
+    big = torch.zeros(256, 32, 16, device=DEVICE), torch.zeros(256, 16, 16, device=DEVICE)
+    assert fused_experts_routed(x[:1], *big, torch.randn(1, 256).to(DEVICE), 2,
+                                True) is None
