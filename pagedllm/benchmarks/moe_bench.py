@@ -20,7 +20,10 @@ reference in fp32 (every path that runs at that batch), then timings in microsec
   sorted path's ``moe_align`` alone; ``routing_graph_us``: ``select_experts`` on bf16
   router logits (one ``kernels/moe_routing`` launch on CUDA), which the layer adds;
   ``layer_graph_us``: routing and experts together as ``FusedMoE.forward`` runs them
-  (graph-replayed, own logits per call; ``layer_floor_frac`` = floor / that);
+  (graph-replayed, own logits per call; on the decode path the top-k is computed
+  inside the expert kernels; ``layer_floor_frac`` = floor / that), against
+  ``layer_unfused_graph_us`` (the routing launch, then the experts) and
+  ``layer_rel_err`` (bf16 against fp32 experts, same routing);
 * ``torch_ref_us``: the torch reference (one grouped matmul per expert), do_bench.
 
 Two bounds per row: ``floor_us``, the weight-read floor (bytes of the experts actually
@@ -82,13 +85,18 @@ def _inputs(t: int, e: int, k: int, h: int, renorm: bool, seed: int,
 
 
 def _layer(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-           k: int, renorm: bool) -> torch.Tensor:
-    """``FusedMoE.forward`` without the module: ``select_experts`` then the experts."""
-    from pagedllm.kernels.fused_moe import fused_experts
+           k: int, renorm: bool, fuse_routing: bool = True) -> torch.Tensor:
+    """``FusedMoE.forward`` without the module: routing inside the decode kernels where
+    that applies (``fused_experts_routed``), else ``select_experts`` then the experts
+    (always, with ``fuse_routing=False``)."""
+    from pagedllm.kernels.fused_moe import fused_experts, fused_experts_routed
     from pagedllm.layers.fused_moe import select_experts
 
-    weights, ids = select_experts(logits, k, renorm)
-    return fused_experts(x, w13, w2, weights, ids)
+    out = fused_experts_routed(x, w13, w2, logits, k, renorm) if fuse_routing else None
+    if out is None:
+        weights, ids = select_experts(logits, k, renorm)
+        out = fused_experts(x, w13, w2, weights, ids)
+    return out
 
 
 def bench_shape(name: str, batches: list[int], hbm_gbs: float, tflops: float,
@@ -144,6 +152,14 @@ def bench_shape(name: str, batches: list[int], hbm_gbs: float, tflops: float,
         row["layer_graph_us"] = graph_us([partial(_layer, xx, lg, w13, w2, k, renorm)
                                           for xx, lg in layer_in])
         row["layer_floor_frac"] = floor_us / row["layer_graph_us"]
+        row["layer_unfused_graph_us"] = graph_us([
+            partial(_layer, xx, lg, w13, w2, k, renorm, fuse_routing=False)
+            for xx, lg in layer_in])
+        lw, lids = select_experts(layer_in[0][1], k, renorm)
+        ref_l = fused_experts_ref(layer_in[0][0].float(), w13.float(), w2.float(), lw, lids)
+        got_l = _layer(layer_in[0][0], layer_in[0][1], w13, w2, k, renorm).float()
+        row["layer_rel_err"] = float((got_l - ref_l).abs().max()
+                                     / ref_l.abs().max().clamp_min(1e-6))
         bm = get_config(t, e, i, h, k)[0]
         row["align_graph_us"] = graph_us([partial(moe_align, ii, e, bm)
                                            for _, _, ii in inputs])
