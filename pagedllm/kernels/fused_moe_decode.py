@@ -2,10 +2,12 @@
 
 ```
  kernel 1, grid (P, I / BLOCK_N), one program per (pair, feature tile):
-     e = topk_ids[pair], t = pair // k
-     act[pair, n] = silu(x[t] . Wg[e, n]) * (x[t] . Wu[e, n])          [P, I]
+     e = topk_ids[pair] (or, routed: the expert ranked pair % k in the token's logits)
+     act[pair, n] = silu(x[t] . Wg[e, n]) * (x[t] . Wu[e, n])    t = pair // k    [P, I]
  kernel 2, grid (T, H / BLOCK_N), one program per (token, feature tile):
      out[t, n] = sum_j topk_weights[t, j] * (act[t*k+j] . W2[ids[t, j], n])   [T, H]
+     slot loop:  one [BLOCK_N, BLOCK_K] tile per (slot, K step), slot by slot
+     all slots:  one [k, BLOCK_N, BLOCK_K] tile per K step (the whole row: one step)
 ```
 
 At decode a MoE layer is a read of its routed experts' weights (``3 * H * I`` each):
@@ -14,21 +16,37 @@ expert to itself, so GEMV programs that read the expert id straight from ``topk_
 move the same bytes as the sorted grouped GEMM without its ``moe_align`` launches, its
 ``BLOCK_M`` padding rows, or tensor-core tiles that are 1/16 full.  Pairs vary fastest
 in the grid, so programs of pairs that share an expert run side by side and read the
-same weight tile through L2.  The combine over the ``k`` slots is kernel 2's loop, with
-the routing weight applied to the activation on load: no ``[P, H]`` buffer, no sum.
+same weight tile through L2.  The combine over the ``k`` slots is kernel 2's reduction,
+with the routing weight applied to the activation on load: no ``[P, H]`` buffer, no sum,
+no atomics (a fixed reduction tree: the same bits on every run).
+
+Kernel 2 at batch 1 is where the time went: Qwen3-30B-A3B's down GEMV (``H`` 2048
+outputs, rows of ``I`` 768) has few rows per program, so the slot loop is ``k * I /
+BLOCK_K`` = 24 dependent round trips of one 16-byte load per thread (PTX: one
+``ld.global.v4`` between ``bar.sync``s per step) -- latency-bound, ~8 KB in flight per
+SM where ~25 KB is needed.  The all-slots kernel loads all ``k`` experts' rows at once
+(every load of the program in flight together) and, when ``BLOCK_K`` covers the row,
+before the PDL wait, so the down weights stream while kernel 1 finishes.
 
 Like ``kernels/gemv.py``: each program owns ``BLOCK_N`` rows and walks K in ``BLOCK_K``
-steps with an elementwise ``[BLOCK_N, BLOCK_K]`` fp32 accumulator reduced once at the
-end; out-of-range rows re-read the last row (unmasked, vectorised weight loads) and are
-not stored.  ``H``, ``I``, ``k`` are compile-time constants (fixed per model), so one
-compile serves every batch size.  Which path runs depends only on ``T * k`` and ``E``
-(host ints): eager and CUDA-graph runs of a batch size take the same path.
+steps with an elementwise fp32 accumulator reduced once at the end; out-of-range rows
+re-read the last row (unmasked, vectorised weight loads) and are not stored.  ``H``,
+``I``, ``k`` are compile-time constants (fixed per model), so one compile per
+``DecodeConfig`` serves every batch size.  Which path and config run depends only on
+``T``, ``k`` and ``E`` (host ints): eager and CUDA-graph runs of a batch size agree.
+
+Routed (:func:`fused_moe_decode_routed`): both kernels take the router logits instead of
+``topk_ids`` / ``topk_weights``; kernel 1 ranks its token's experts
+(``moe_routing.topk_ranks``: one comparison tile, no serial arg-max rounds on its
+critical path), kernel 2 runs ``fused_topk``'s arg-max rounds before its wait.  Same
+experts as the routing launch (ties to the lower id), weights within float32 rounding.
 
 PDL (``kernels/pdl.py``): kernel 2 is launched while kernel 1's last programs run and
-fetches its first weight tile before it waits for ``act``.  It also reads ``topk_ids`` /
-``topk_weights`` before its wait, which is safe because kernel 1 triggers only after its
-own wait: kernel 2 cannot start before every program of kernel 1 is past that wait, i.e.
-before every kernel ahead of kernel 1 (the router that wrote them) has completed.
+fetches weight tiles before it waits for ``act``.  It also reads ``topk_ids`` /
+``topk_weights`` (or the router logits) before its wait, which is safe because kernel 1
+triggers only after its own wait: kernel 2 cannot start before every program of kernel 1
+is past that wait, i.e. before every kernel ahead of kernel 1 (the router that wrote
+them) has completed.
 """
 
 from __future__ import annotations

@@ -300,10 +300,10 @@ def test_decode_kernels_compile_for_sm90_without_spills(tmp_path) -> None:
                                           (8, 16, 2, True)])
 def test_routed_decode_matches_select_experts(dtype: torch.dtype, t: int, e: int, k: int,
                                               renorm: bool) -> None:
-    """Routing inside the decode kernels (``fused_experts_routed``) equals
-    the routing launch (``fused_topk``) then the reference: T = 1..8, k a power of two and not, with and
-    without renormalisation, bf16 router logits with exact ties (expert 1 ties expert
-    5 in every token, and both are in its top-k: the lower id first, as
+    """Routing inside the decode kernels (``fused_experts_routed``) equals the routing
+    launch (``fused_topk``) then the reference: T = 1..8, k a power of two and not,
+    with and without renormalisation, bf16 router logits with exact ties (expert 1
+    ties expert 5 in every token, both in its top-k: the lower id first, as
     ``fused_topk``), several tokens on one expert."""
     from pagedllm.kernels.fused_moe import fused_experts_routed
     from pagedllm.kernels.moe_routing import fused_topk
@@ -338,3 +338,33 @@ def test_routed_decode_only_where_it_applies() -> None:
     big = torch.zeros(256, 32, 16, device=DEVICE), torch.zeros(256, 16, 16, device=DEVICE)
     assert fused_experts_routed(x[:1], *big, torch.randn(1, 256).to(DEVICE), 2,
                                 True) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8])
+def test_routed_decode_bf16_real_shape_graphed(t: int) -> None:
+    """Qwen3-30B-A3B's shape in bf16: routing inside the decode kernels against the
+    routing launch plus the fp32 reference; captured once and replayed with new logits
+    in the same buffer, bit-identical to eager (no atomics: the same bits every run)."""
+    from pagedllm.kernels.fused_moe import fused_experts_routed
+
+    e, k, h, i = 128, 8, 2048, 768
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    w13 = (torch.randn(e, 2 * i, h, device=DEVICE, generator=g) * h ** -0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, device=DEVICE, generator=g) * i ** -0.5).bfloat16()
+    x = torch.randn(t, h, device=DEVICE, generator=g).bfloat16()
+    logits = torch.randn(t, e, device=DEVICE, generator=g).bfloat16()
+    weights, ids = select_experts(logits, k, renormalize=True)
+    ref = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
+    got = fused_experts_routed(x, w13, w2, logits, k, True)
+    assert got is not None
+    torch.testing.assert_close(got.float(), ref, atol=3e-2, rtol=3e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts_routed(x, w13, w2, logits, k, True)
+    for seed in (4, 5):
+        logits.copy_(torch.randn(t, e, device=DEVICE,
+                                 generator=torch.Generator(device=DEVICE).manual_seed(seed)))
+        graph.replay()
+        assert torch.equal(out, fused_experts_routed(x, w13, w2, logits, k, True))
+        assert torch.equal(out, fused_experts_routed(x, w13, w2, logits, k, True))
