@@ -35,7 +35,8 @@ batch-1 target is >= 0.8), ``flop_frac`` = ceiling / graph time.
 ``--sweep`` times candidate launch configs of the sorted path (graph-timed) at a few
 batches per shape, within ``--budget-s`` seconds (each batch's candidates are compiled
 on a thread pool first), then the decode path's ``DecodeConfig`` choices (gate-up and
-down tiles, warps, the all-slots or slot-loop down kernel; ``_sweep_decode``) at T = 1,
+down tiles, warps, the all-slots or slot-loop down kernel; ``_sweep_decode``, timed
+with routing as the layer runs it: in-kernel where the config allows) at T = 1,
 2, 4, 8, and prints the ``CONFIGS`` and ``DECODE_CONFIGS`` entries for
 ``kernels/fused_moe_configs.py``; ``--decode-only`` skips the sorted path (about a
 minute a shape).  ``--decode-configs SWEEP_JSON`` then times the bench rows as if that
@@ -309,15 +310,36 @@ def _decode_candidates(k: int, h: int, i: int) -> tuple[list[tuple], list[tuple]
     return gate_up, down
 
 
+def _decode_layer(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor, k: int, renorm: bool, config: Any,
+                  warmup: bool = False) -> torch.Tensor | None:
+    """The layer on the decode path with a forced ``DecodeConfig``, routing included, as
+    ``FusedMoE.forward`` runs it: in the kernels where the config allows, else the
+    routing launch then the experts."""
+    from pagedllm.kernels.fused_moe_decode import (
+        can_route_in_kernel,
+        fused_experts_decode,
+        fused_moe_decode_routed,
+    )
+    from pagedllm.layers.fused_moe import select_experts
+
+    if can_route_in_kernel(logits, config):
+        return fused_moe_decode_routed(x, w13, w2, logits, k, renorm, config, warmup)
+    weights, ids = select_experts(logits, k, renorm)
+    return fused_experts_decode(x, w13, w2, weights, ids, config, warmup)
+
+
 def _sweep_decode(name: str, device: torch.device,
                   batches: tuple[int, ...] = (1, 2, 4, 8)) -> dict[str, Any]:
-    """Graph-time the decode path's ``DecodeConfig`` choices (over 8 routings, as the
-    bench rows do): at T = 1 every gate-up choice with the heuristic's down kernel, then
-    every down choice with the best gate-up, then the best 3 x 3 pairs; at each larger T
-    (up to the path's limit) the 6 best of T = 1 and the heuristic."""
+    """Graph-time the decode path's ``DecodeConfig`` choices, routing included (the
+    layer as a decode step runs it, ``_decode_layer``; over 8 routings, as the bench
+    rows): at T = 1 every gate-up choice with the heuristic's down kernel, then every
+    down choice with the best gate-up, then the best 3 x 3 pairs; at each larger T (up
+    to the path's limit) the 6 best of T = 1 and the heuristic."""
     from pagedllm.kernels.fused_moe import DECODE_MAX_PAIRS
     from pagedllm.kernels.fused_moe_configs import DecodeConfig
-    from pagedllm.kernels.fused_moe_decode import default_decode_config, fused_experts_decode
+    from pagedllm.kernels.fused_moe_decode import default_decode_config
+    from pagedllm.layers.fused_moe import select_experts
     from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
 
     e, k, h, i, renorm = SHAPES[name]
@@ -328,30 +350,34 @@ def _sweep_decode(name: str, device: torch.device,
     base = default_decode_config(1, k, i, h)
     cands = {DecodeConfig(*g, *base[3:]) for g in gate_up}
     cands |= {DecodeConfig(*base[:3], *d) for d in down}
-    x1, w1, ids1 = _inputs(1, e, k, h, renorm, seed=1, device=device)
-    _precompile(partial(fused_experts_decode, x1, w13, w2, w1, ids1), sorted(cands))
-    inputs = {t: [_inputs(t, e, k, h, renorm, seed=t * 10 + r, device=device)
-                  for r in range(8)] for t in batches}
-    refs = {t: fused_experts_ref(xx.float(), w13.float(), w2.float(), ww, ii)
-            for t, (xx, ww, ii) in ((t, inputs[t][0]) for t in batches)}
+    g = torch.Generator(device=device).manual_seed(0)
+    inputs = {t: [(torch.randn(t, h, device=device, generator=g).bfloat16(),
+                   torch.randn(t, e, device=device, generator=g).bfloat16())
+                  for _ in range(8)] for t in batches}
+    _precompile(partial(_decode_layer, *inputs[1][0], w13, w2, k, renorm), sorted(cands))
+    refs = {}
+    for t in batches:
+        xx, lg = inputs[t][0]
+        ww, ii = select_experts(lg, k, renorm)
+        refs[t] = fused_experts_ref(xx.float(), w13.float(), w2.float(), ww, ii)
     times: dict[tuple[int, DecodeConfig], float] = {}
 
     def timed(t: int, cfg: DecodeConfig) -> float:
         if (t, cfg) in times:
             return times[(t, cfg)]
-        xx, ww, ii = inputs[t][0]
         try:
-            got = fused_experts_decode(xx, w13, w2, ww, ii, config=cfg)
+            got = _decode_layer(*inputs[t][0], w13, w2, k, renorm, cfg)
         except Exception as exc:  # a config the compiler refuses (resources)
             print(f"# {name} T={t} {tuple(cfg)}: {type(exc).__name__}", flush=True)
             times[(t, cfg)] = float("inf")
             return float("inf")
+        assert got is not None
         ref = refs[t]
         err = float((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
         us = float("inf")
         if err <= 1e-2:
-            us = graph_us([partial(fused_experts_decode, a, w13, w2, b, c, config=cfg)
-                           for a, b, c in inputs[t]], replays=5)
+            us = graph_us([partial(_decode_layer, xx, lg, w13, w2, k, renorm, cfg)
+                           for xx, lg in inputs[t]], replays=5)
         else:
             print(f"# {name} T={t} {tuple(cfg)}: rel err {err:.3g}, skipped", flush=True)
         times[(t, cfg)] = us
