@@ -334,8 +334,9 @@ def _sweep_decode(name: str, device: torch.device,
     """Graph-time the decode path's ``DecodeConfig`` choices, routing included (the
     layer as a decode step runs it, ``_decode_layer``; over 8 routings, as the bench
     rows): at T = 1 every gate-up choice with the heuristic's down kernel, then every
-    down choice with the best gate-up, then the best 3 x 3 pairs; at each larger T (up
-    to the path's limit) the 6 best of T = 1 and the heuristic."""
+    down choice with the best gate-up, then the best 3 x 3 pairs and the best 4 with a
+    routing launch instead of in-kernel routing; at each larger T (up to the path's
+    limit) the 6 best of T = 1 and the heuristic."""
     from pagedllm.kernels.fused_moe import DECODE_MAX_PAIRS
     from pagedllm.kernels.fused_moe_configs import DecodeConfig
     from pagedllm.kernels.fused_moe_decode import default_decode_config
@@ -390,7 +391,10 @@ def _sweep_decode(name: str, device: torch.device,
     best_g = sorted(gate_up, key=lambda g: timed(1, DecodeConfig(*g, *base[3:])))
     best_d = sorted(down, key=lambda d: timed(1, DecodeConfig(*best_g[0], *d)))
     pairs = [DecodeConfig(*g, *d) for g in best_g[:3] for d in best_d[:3]]
-    ranked = sorted(set(pairs) | {c for (t, c) in times if t == 1},
+    # Routing in the kernels (the default) against a routing launch, for the best few.
+    top = sorted({c for (t, c) in times if t == 1}, key=lambda c: timed(1, c))[:4]
+    unrouted = [c._replace(route_in_kernel=False) for c in top if c.down_all_slots]
+    ranked = sorted(set(pairs) | set(unrouted) | {c for (t, c) in times if t == 1},
                     key=lambda c: timed(1, c))
     table: dict[int, Any] = {}
     for t in batches:

@@ -50,7 +50,9 @@ class DecodeConfig(NamedTuple):
     row in one step, every load in flight at once); ``down_block_n`` output features
     per program, ``down_block_k`` columns of ``I`` per step.  ``down_all_slots``: the
     down kernel loads one ``[k, BLOCK_N, BLOCK_K]`` tile of all ``k`` routed experts per
-    step (and its first step before the PDL wait) instead of looping over the slots."""
+    step (and its first step before the PDL wait) instead of looping over the slots.
+    ``route_in_kernel``: with the all-slots kernel, ``FusedMoE`` computes the top-k
+    inside both kernels (no routing launch) instead of launching ``fused_topk`` first."""
 
     gate_up_block_n: int
     gate_up_block_k: int
@@ -59,6 +61,7 @@ class DecodeConfig(NamedTuple):
     down_block_k: int
     down_warps: int
     down_all_slots: bool
+    route_in_kernel: bool = True
 
 
 # The decode path, per (E, I, H): token count T -> DecodeConfig (the entry with the

@@ -274,8 +274,9 @@ def decode_config(tokens: int, top_k: int, w13: torch.Tensor,
 
 def can_route_in_kernel(router_logits: torch.Tensor, config: DecodeConfig) -> bool:
     """Whether :func:`fused_moe_decode_routed` serves these logits with this config:
-    the all-slots down kernel and at most ``ROUTED_MAX_EXPERTS`` experts."""
-    return (config.down_all_slots and router_logits.dim() == 2
+    the all-slots down kernel, ``route_in_kernel``, at most ``ROUTED_MAX_EXPERTS``
+    experts."""
+    return (config.down_all_slots and config.route_in_kernel and router_logits.dim() == 2
             and router_logits.shape[1] <= ROUTED_MAX_EXPERTS)
 
 
