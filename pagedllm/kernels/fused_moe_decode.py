@@ -91,7 +91,7 @@ def _decode_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, logits_ptr, stride_xt
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_safe = tl.minimum(rn, INTER - 1).to(tl.int64)
     if ROUTED:  # this pair's expert from the router logits (no routing launch)
-        _, experts, rank = topk_ranks(logits_ptr + (pair // TOP_K).to(tl.int64) * stride_lt,
+        experts, rank = topk_ranks(logits_ptr + (pair // TOP_K).to(tl.int64) * stride_lt,
                                       NUM_EXPERTS, E_P2)
         expert = tl.sum(tl.where(rank == pair % TOP_K, experts, 0), axis=0).to(tl.int64)
     else:

@@ -23,24 +23,21 @@ from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
 
 MAX_EXPERTS = 1024  # one program holds a token's logits in registers
 # The decode kernels that route in their prologue (``fused_moe_decode``, routed) compare
-# every expert with every other: an [E, E] tile, at most 128 x 128 (no spills).
+# every expert with every other in [E, 32] tiles; checked for spills up to 128 experts.
 ROUTED_MAX_EXPERTS = 128
 RIVALS: tl.constexpr = tl.constexpr(32)
 
 
 @triton.jit
 def topk_ranks(row_ptr, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr):
-    """One token's routing without k serial arg-max rounds (for a kernel that needs one
-    slot's expert on its critical path): ``(probs, experts, rank)``, each ``[E_P2]``:
-    the softmax probabilities, the expert ids, and each expert's place in the
-    descending order (``rank == j``: slot j; ties to the lower id, as
-    :func:`topk_softmax`; padding lanes rank last)."""
+    """One token's expert order without k serial arg-max rounds (for a kernel that
+    needs one slot's expert on its critical path): ``(experts, rank)``, each
+    ``[E_P2]``: the expert ids and each expert's place in the descending order of the
+    logits (``rank == j``: slot j; ties to the lower id, as :func:`topk_softmax`;
+    padding lanes rank last).  No softmax: the order is the logits' own."""
     cols = tl.arange(0, E_P2)
     logits = tl.load(row_ptr + cols, mask=cols < NUM_EXPERTS,
                      other=float("-inf")).to(tl.float32)
-    top = tl.max(logits, axis=0)
-    probs = tl.exp(logits - top)
-    probs = probs / tl.sum(probs, axis=0)
     # rank[e] = #experts ahead of e, over 32 rivals at a time (an [E_P2, 32] tile, not
     # [E_P2, E_P2]: registers); rivals reloaded from L1 rather than re-laid-out.
     rank = tl.zeros((E_P2,), dtype=tl.int32)
@@ -52,7 +49,7 @@ def topk_ranks(row_ptr, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr):
                                               & (rc[None, :] < cols[:, None]))
         rank += tl.sum(ahead.to(tl.int32), axis=1)
     rank = tl.where(cols < NUM_EXPERTS, rank, E_P2)
-    return probs, cols, rank
+    return cols, rank
 
 
 @triton.jit
