@@ -2,6 +2,8 @@
 
     python -m pagedllm.benchmarks.moe_bench --out moe.json [--batches 1,4,16,64,256,1024,4096]
     python -m pagedllm.benchmarks.moe_bench --sweep --out sweep.json [--budget-s 140]
+    python -m pagedllm.benchmarks.moe_bench --sweep --decode-only --out sweep.json
+    python -m pagedllm.benchmarks.moe_bench --decode-configs sweep.json --out moe.json
 
 For each shape and token batch: routing from random router logits (so the expected
 number of distinct experts hit at batch ``b`` is ``E * (1 - (1 - k/E)^b)``), a
@@ -17,6 +19,11 @@ reference in fp32 (every path that runs at that batch), then timings in microsec
   ``T * k <= 2 * DECODE_MAX_PAIRS`` (to place the switch-over); ``align_graph_us``: the
   sorted path's ``moe_align`` alone; ``routing_graph_us``: ``select_experts`` on bf16
   router logits (one ``kernels/moe_routing`` launch on CUDA), which the layer adds;
+  ``layer_graph_us``: routing and experts together as ``FusedMoE.forward`` runs them
+  (graph-replayed, own logits per call; on the decode path the top-k is computed
+  inside the expert kernels; ``layer_floor_frac`` = floor / that), against
+  ``layer_unfused_graph_us`` (the routing launch, then the experts) and
+  ``layer_rel_err`` (bf16 against fp32 experts, same routing);
 * ``torch_ref_us``: the torch reference (one grouped matmul per expert), do_bench.
 
 Two bounds per row: ``floor_us``, the weight-read floor (bytes of the experts actually
@@ -27,10 +34,13 @@ batch-1 target is >= 0.8), ``flop_frac`` = ceiling / graph time.
 
 ``--sweep`` times candidate launch configs of the sorted path (graph-timed) at a few
 batches per shape, within ``--budget-s`` seconds (each batch's candidates are compiled
-on a thread pool first), then the decode path's 11 (BLOCK_N, BLOCK_N, warps) choices at
-T = 1 (about a minute), and prints the ``CONFIGS`` and ``DECODE_CONFIGS`` entries for
-``kernels/fused_moe_configs.py``.  Not a test:
-nothing here asserts a time.
+on a thread pool first), then the decode path's ``DecodeConfig`` choices (gate-up and
+down tiles, warps, the all-slots or slot-loop down kernel; ``_sweep_decode``, timed
+with routing as the layer runs it: in-kernel where the config allows) at T = 1,
+2, 4, 8, and prints the ``CONFIGS`` and ``DECODE_CONFIGS`` entries for
+``kernels/fused_moe_configs.py``; ``--decode-only`` skips the sorted path (about a
+minute a shape).  ``--decode-configs SWEEP_JSON`` then times the bench rows as if that
+sweep's ``DECODE_CONFIGS`` were pasted.  Not a test: nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -73,6 +83,21 @@ def _inputs(t: int, e: int, k: int, h: int, renorm: bool, seed: int,
     x = torch.randn(t, h, device=device, generator=g).bfloat16()
     weights, ids = select_experts(torch.randn(t, e, device=device, generator=g), k, renorm)
     return x, weights, ids
+
+
+def _layer(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+           k: int, renorm: bool, fuse_routing: bool = True) -> torch.Tensor:
+    """``FusedMoE.forward`` without the module: routing inside the decode kernels where
+    that applies (``fused_experts_routed``), else ``select_experts`` then the experts
+    (always, with ``fuse_routing=False``)."""
+    from pagedllm.kernels.fused_moe import fused_experts, fused_experts_routed
+    from pagedllm.layers.fused_moe import select_experts
+
+    out = fused_experts_routed(x, w13, w2, logits, k, renorm) if fuse_routing else None
+    if out is None:
+        weights, ids = select_experts(logits, k, renorm)
+        out = fused_experts(x, w13, w2, weights, ids)
+    return out
 
 
 def bench_shape(name: str, batches: list[int], hbm_gbs: float, tflops: float,
@@ -121,6 +146,21 @@ def bench_shape(name: str, batches: list[int], hbm_gbs: float, tflops: float,
 
         logits = torch.randn(t, e, device=device).bfloat16()
         row["routing_graph_us"] = graph_us([partial(select_experts, logits, k, renorm)])
+        # The layer as a decode step runs it: routing from bf16 logits, then the experts.
+        gl = torch.Generator(device=device).manual_seed(t)
+        layer_in = [(xx, torch.randn(t, e, device=device, generator=gl).bfloat16())
+                    for xx, _, _ in inputs]
+        row["layer_graph_us"] = graph_us([partial(_layer, xx, lg, w13, w2, k, renorm)
+                                          for xx, lg in layer_in])
+        row["layer_floor_frac"] = floor_us / row["layer_graph_us"]
+        row["layer_unfused_graph_us"] = graph_us([
+            partial(_layer, xx, lg, w13, w2, k, renorm, fuse_routing=False)
+            for xx, lg in layer_in])
+        lw, lids = select_experts(layer_in[0][1], k, renorm)
+        ref_l = fused_experts_ref(layer_in[0][0].float(), w13.float(), w2.float(), lw, lids)
+        got_l = _layer(layer_in[0][0], layer_in[0][1], w13, w2, k, renorm).float()
+        row["layer_rel_err"] = float((got_l - ref_l).abs().max()
+                                     / ref_l.abs().max().clamp_min(1e-6))
         bm = get_config(t, e, i, h, k)[0]
         row["align_graph_us"] = graph_us([partial(moe_align, ii, e, bm)
                                            for _, _, ii in inputs])
@@ -177,8 +217,10 @@ def _precompile(call: Callable[..., Any], configs: list[Any]) -> None:
           flush=True)
 
 
-def sweep(shapes: list[str], budget_s: float, device: torch.device) -> dict[str, Any]:
-    """Best sorted-path config per (shape, batch) within the time budget."""
+def sweep(shapes: list[str], budget_s: float, device: torch.device,
+          decode_only: bool = False) -> dict[str, Any]:
+    """Best sorted-path config per (shape, batch) within the time budget (none with
+    ``decode_only``), then the decode path's per shape."""
     from pagedllm.kernels.fused_moe import fused_experts_sorted
     from pagedllm.kernels.fused_moe_configs import get_config
 
@@ -189,7 +231,7 @@ def sweep(shapes: list[str], budget_s: float, device: torch.device) -> dict[str,
         e, k, h, i, renorm = SHAPES[name]
         w13, w2 = _weights(e, h, i, device)
         deadline = t0 + per_shape * (si + 1)
-        batches = SWEEP_BATCHES[name]
+        batches = () if decode_only else SWEEP_BATCHES[name]
         table: dict[int, Any] = {}
         for bi, t in enumerate(batches):
             x, weights, ids = _inputs(t, e, k, h, renorm, seed=t, device=device)
@@ -230,6 +272,8 @@ def sweep(shapes: list[str], budget_s: float, device: torch.device) -> dict[str,
         result[name]["decode"] = _sweep_decode(name, device)
     print("\n# Paste into pagedllm/kernels/fused_moe_configs.py CONFIGS:")
     for name, r in result.items():
+        if not r["table"]:
+            continue
         e, i, h = r["key"]
         print(f"    ({e}, {i}, {h}): {{  # {name}, swept on {torch.cuda.get_device_name()}")
         for t, row in r["table"].items():
@@ -240,37 +284,142 @@ def sweep(shapes: list[str], budget_s: float, device: torch.device) -> dict[str,
     for name, r in result.items():
         if "decode" in r:
             e, i, h = r["key"]
-            d = r["decode"]
-            print(f"    ({e}, {i}, {h}): {tuple(d['best'])},  # {name}: "
-                  f"{d['best_us']:.1f} us at T=1 (heuristic {d['heuristic_us']:.1f})")
+            print(f"    ({e}, {i}, {h}): {{  # {name}, swept on {torch.cuda.get_device_name()}")
+            for t, row in r["decode"]["table"].items():
+                print(f"        {t}: DecodeConfig{tuple(row['best'])},  # "
+                      f"{row['best_us']:.1f} us (heuristic {row['heuristic_us']:.1f})")
+            print("    },")
     return result
 
 
-def _sweep_decode(name: str, device: torch.device) -> dict[str, Any]:
-    """Graph-time the decode path's (gate-up BLOCK_N, down BLOCK_N, warps) at T = 1 over
-    8 routings (as the bench rows do) and at the largest decode T as a check."""
+def _decode_candidates(k: int, h: int, i: int) -> tuple[list[tuple], list[tuple]]:
+    """Gate-up ``(BLOCK_N, BLOCK_K, warps)`` and down ``(BLOCK_N, BLOCK_K, warps, all
+    slots)`` choices worth timing: K steps of 512 up to the whole (power-of-two padded)
+    row, at most 256 bytes of weights per thread per step (registers, no spills)."""
+    import triton
+
+    def per_thread(rows: int, bk: int, warps: int) -> float:
+        return rows * bk * 2 / (32 * warps)
+
+    h_p2, i_p2 = triton.next_power_of_2(h), triton.next_power_of_2(i)
+    gate_up = [(bn, bk, w) for bn in (2, 4, 8, 16) for bk in sorted({512, 1024, h_p2})
+               for w in (4, 8) if bk <= h_p2 and per_thread(2 * bn, bk, w) <= 256]
+    down = [(bn, bk, w, True) for bn in (1, 2, 4, 8) for bk in sorted({256, 512, i_p2})
+            for w in (2, 4, 8) if bk <= i_p2 and per_thread(k * bn, bk, w) <= 256]
+    down += [(bn, bk, 4, False) for bn in (2, 4, 8) for bk in (256, 512) if bk <= i_p2]
+    return gate_up, down
+
+
+def _decode_layer(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor, k: int, renorm: bool, config: Any,
+                  warmup: bool = False) -> torch.Tensor | None:
+    """The layer on the decode path with a forced ``DecodeConfig``, routing included, as
+    ``FusedMoE.forward`` runs it: in the kernels where the config allows, else the
+    routing launch then the experts."""
+    from pagedllm.kernels.fused_moe_decode import (
+        can_route_in_kernel,
+        fused_experts_decode,
+        fused_moe_decode_routed,
+    )
+    from pagedllm.layers.fused_moe import select_experts
+
+    if can_route_in_kernel(logits, config):
+        return fused_moe_decode_routed(x, w13, w2, logits, k, renorm, config, warmup)
+    weights, ids = select_experts(logits, k, renorm)
+    return fused_experts_decode(x, w13, w2, weights, ids, config, warmup)
+
+
+def _sweep_decode(name: str, device: torch.device,
+                  batches: tuple[int, ...] = (1, 2, 4, 8)) -> dict[str, Any]:
+    """Graph-time the decode path's ``DecodeConfig`` choices, routing included (the
+    layer as a decode step runs it, ``_decode_layer``; over 8 routings, as the bench
+    rows): at T = 1 every gate-up choice with the heuristic's down kernel, then every
+    down choice with the best gate-up, then the best 3 x 3 pairs and the best 4 with a
+    routing launch instead of in-kernel routing; at each larger T (up to the path's
+    limit) the 6 best of T = 1 and the heuristic."""
     from pagedllm.kernels.fused_moe import DECODE_MAX_PAIRS
-    from pagedllm.kernels.fused_moe_decode import fused_experts_decode
+    from pagedllm.kernels.fused_moe_configs import DecodeConfig
+    from pagedllm.kernels.fused_moe_decode import default_decode_config
+    from pagedllm.layers.fused_moe import select_experts
+    from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
 
     e, k, h, i, renorm = SHAPES[name]
     w13, w2 = _weights(e, h, i, device)
     t_max = max(1, min(DECODE_MAX_PAIRS, e) // k)
-    timed = []
-    cands = [(a, b, 4) for a in (4, 8, 16) for b in (2, 4, 8)] + [(8, 4, 2), (8, 4, 8)]
-    for cfg in [None, *cands]:
-        us = []
-        for t in (1, t_max):
-            inputs = [_inputs(t, e, k, h, renorm, seed=t * 10 + r, device=device)
-                      for r in range(8)]
-            us.append(graph_us([partial(fused_experts_decode, xx, w13, w2, ww, ii,
-                                         config=cfg) for xx, ww, ii in inputs], replays=5))
-        timed.append((us[0], us[1], cfg))
-        print(json.dumps({"shape": name, "decode_config": cfg, "t1_us": us[0],
-                          f"t{t_max}_us": us[1]}), flush=True)
-    heuristic = timed[0]
-    best = min(timed[1:])
-    return dict(best=best[2], best_us=best[0], best_tmax_us=best[1], t_max=t_max,
-                heuristic_us=heuristic[0], heuristic_tmax_us=heuristic[1])
+    batches = tuple(t for t in batches if t <= t_max)
+    gate_up, down = _decode_candidates(k, h, i)
+    base = default_decode_config(1, k, i, h)
+    cands = {DecodeConfig(*g, *base[3:]) for g in gate_up}
+    cands |= {DecodeConfig(*base[:3], *d) for d in down}
+    g = torch.Generator(device=device).manual_seed(0)
+    inputs = {t: [(torch.randn(t, h, device=device, generator=g).bfloat16(),
+                   torch.randn(t, e, device=device, generator=g).bfloat16())
+                  for _ in range(8)] for t in batches}
+    _precompile(partial(_decode_layer, *inputs[1][0], w13, w2, k, renorm), sorted(cands))
+    refs = {}
+    for t in batches:
+        xx, lg = inputs[t][0]
+        ww, ii = select_experts(lg, k, renorm)
+        refs[t] = fused_experts_ref(xx.float(), w13.float(), w2.float(), ww, ii)
+    times: dict[tuple[int, DecodeConfig], float] = {}
+
+    def timed(t: int, cfg: DecodeConfig) -> float:
+        if (t, cfg) in times:
+            return times[(t, cfg)]
+        try:
+            got = _decode_layer(*inputs[t][0], w13, w2, k, renorm, cfg)
+        except Exception as exc:  # a config the compiler refuses (resources)
+            print(f"# {name} T={t} {tuple(cfg)}: {type(exc).__name__}", flush=True)
+            times[(t, cfg)] = float("inf")
+            return float("inf")
+        assert got is not None
+        ref = refs[t]
+        err = float((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+        us = float("inf")
+        if err <= 1e-2:
+            us = graph_us([partial(_decode_layer, xx, lg, w13, w2, k, renorm, cfg)
+                           for xx, lg in inputs[t]], replays=5)
+        else:
+            print(f"# {name} T={t} {tuple(cfg)}: rel err {err:.3g}, skipped", flush=True)
+        times[(t, cfg)] = us
+        print(json.dumps({"shape": name, "tokens": t, "decode_config": list(cfg),
+                          "us": us}), flush=True)
+        return us
+
+    heuristic = {t: default_decode_config(t, k, i, h) for t in batches}
+    timed(1, heuristic[1])
+    best_g = sorted(gate_up, key=lambda g: timed(1, DecodeConfig(*g, *base[3:])))
+    best_d = sorted(down, key=lambda d: timed(1, DecodeConfig(*best_g[0], *d)))
+    pairs = [DecodeConfig(*g, *d) for g in best_g[:3] for d in best_d[:3]]
+    # Routing in the kernels (the default) against a routing launch, for the best few.
+    top = sorted({c for (t, c) in times if t == 1}, key=lambda c: timed(1, c))[:4]
+    unrouted = [c._replace(route_in_kernel=False) for c in top if c.down_all_slots]
+    ranked = sorted(set(pairs) | set(unrouted) | {c for (t, c) in times if t == 1},
+                    key=lambda c: timed(1, c))
+    table: dict[int, Any] = {}
+    for t in batches:
+        pool = [heuristic[t], *ranked[:6]]
+        best = min(pool, key=lambda c: timed(t, c))
+        table[t] = dict(best=list(best), best_us=timed(t, best),
+                        heuristic=list(heuristic[t]), heuristic_us=timed(t, heuristic[t]))
+        print(json.dumps({"shape": name, "tokens": t, **table[t]}), flush=True)
+    return dict(table=table, tried=len(times))
+
+
+def _use_swept_decode_configs(path: str) -> None:
+    """Install a ``--sweep`` JSON's decode winners into ``DECODE_CONFIGS`` (this process
+    only), so one device run can sweep and then time what pasting them would give."""
+    from pagedllm.kernels.fused_moe_configs import DECODE_CONFIGS, DecodeConfig
+
+    with open(path) as f:
+        swept = json.load(f)["sweep"]
+    for name, r in swept.items():
+        if "decode" in r:
+            e, i, h = r["key"]
+            DECODE_CONFIGS[(e, i, h)] = {int(t): DecodeConfig(*row["best"])
+                                         for t, row in r["decode"]["table"].items()}
+            print(f"# {name}: decode configs from {path}: {DECODE_CONFIGS[(e, i, h)]}",
+                  flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -282,6 +431,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tflops", type=float, default=989.0)
     ap.add_argument("--sweep", action="store_true",
                     help="time launch configs of the sorted path instead")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="--sweep: the decode path's configs alone (about a minute)")
+    ap.add_argument("--decode-configs", metavar="SWEEP_JSON",
+                    help="time the decode path with the DECODE_CONFIGS a --sweep run "
+                    "wrote to SWEEP_JSON (as if pasted) instead of the file's")
     ap.add_argument("--budget-s", type=float, default=140.0,
                     help="--sweep: seconds for the sorted path's configs (compiles "
                     "included); the decode path's take about a minute more")
@@ -298,8 +452,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("moe_bench needs a CUDA device")
     device = torch.device("cuda")
     if args.sweep:
-        out: dict[str, Any] = {"sweep": sweep(shapes, args.budget_s, device)}
+        out: dict[str, Any] = {"sweep": sweep(shapes, args.budget_s, device,
+                                           decode_only=args.decode_only)}
     else:
+        if args.decode_configs:
+            _use_swept_decode_configs(args.decode_configs)
         rows = []
         for name in shapes:
             rows += bench_shape(name, batches, args.hbm_gbs, args.tflops, device)

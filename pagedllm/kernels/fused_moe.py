@@ -46,10 +46,16 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.fused_moe_configs import Config, get_config
-from pagedllm.kernels.fused_moe_decode import fused_experts_decode
+from pagedllm.kernels.fused_moe_decode import (
+    can_route_in_kernel,
+    decode_config,
+    fused_experts_decode,
+    fused_moe_decode_routed,
+)
 from pagedllm.kernels.moe_align import moe_align
 
-__all__ = ["DECODE_MAX_PAIRS", "fused_experts", "moe_align", "use_decode_path"]
+__all__ = ["DECODE_MAX_PAIRS", "fused_experts", "fused_experts_routed", "moe_align",
+           "use_decode_path"]
 
 DECODE_MAX_PAIRS = 64  # the GEMV path's bound on T * k (and T * k <= E)
 Path = Literal["auto", "decode", "sorted"]
@@ -269,3 +275,25 @@ def _check_fp8_scales(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tens
             raise ValueError(f"{name}_scale must be contiguous float32 {tuple(w.shape[:2])}, "
                              f"got {sc.dtype} {tuple(sc.shape)}")
     return True
+
+
+def fused_experts_routed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                         router_logits: torch.Tensor, top_k: int,
+                         renormalize: bool) -> torch.Tensor | None:
+    """Routing and experts in two launches (``FusedMoE.forward``'s decode steps): the
+    decode path with the top-k recomputed from ``router_logits [T, E]`` inside its
+    kernels (``fused_moe_decode.fused_moe_decode_routed``), so no routing launch and no
+    ``topk_ids`` round trip.  None where that does not apply (sorted-path batches, more
+    than ``ROUTED_MAX_EXPERTS`` experts, a slot-loop config, a bad ``top_k``): the caller
+    then routes with ``select_experts`` and calls :func:`fused_experts`."""
+    t = x.shape[0]
+    num_experts = w13.shape[0]
+    if (t == 0 or router_logits.shape != (t, num_experts) or not 0 < top_k <= num_experts
+            or not use_decode_path(t * top_k, num_experts)
+            or w13.stride(2) != 1 or w2.stride(2) != 1):
+        return None
+    cfg = decode_config(t, top_k, w13, w2)
+    if not can_route_in_kernel(router_logits, cfg):
+        return None
+    x = x if x.is_contiguous() else x.contiguous()
+    return fused_moe_decode_routed(x, w13, w2, router_logits, top_k, renormalize, cfg)

@@ -18,6 +18,8 @@ replacement table for this file.  Shapes not listed fall back to
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 Config = tuple[int, int, int, int, int, int]
 
 CONFIGS: dict[tuple[int, int, int], dict[int, Config]] = {
@@ -40,10 +42,41 @@ CONFIGS: dict[tuple[int, int, int], dict[int, Config]] = {
 }
 
 
-# The decode (GEMV) path, per (E, I, H): (gate-up BLOCK_N, down BLOCK_N, num_warps) for
-# every batch it serves.  Empty: ``fused_moe_decode.decode_block_n`` picks 8 or 4 rows
-# per program by the program count, with 4 warps; ``moe_bench --sweep`` prints entries.
-DECODE_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+class DecodeConfig(NamedTuple):
+    """Launch parameters of the decode (GEMV) path, ``kernels/fused_moe_decode.py``.
+
+    ``gate_up_block_n`` gate rows (and as many up rows) per program, reading
+    ``gate_up_block_k`` columns of ``H`` per step (``H``'s next power of two: the whole
+    row in one step, every load in flight at once); ``down_block_n`` output features
+    per program, ``down_block_k`` columns of ``I`` per step.  ``down_all_slots``: the
+    down kernel loads one ``[k, BLOCK_N, BLOCK_K]`` tile of all ``k`` routed experts per
+    step (and its first step before the PDL wait) instead of looping over the slots.
+    ``route_in_kernel``: with the all-slots kernel, ``FusedMoE`` computes the top-k
+    inside both kernels (no routing launch) instead of launching ``fused_topk`` first."""
+
+    gate_up_block_n: int
+    gate_up_block_k: int
+    gate_up_warps: int
+    down_block_n: int
+    down_block_k: int
+    down_warps: int
+    down_all_slots: bool
+    route_in_kernel: bool = True
+
+
+# The decode path, per (E, I, H): token count T -> DecodeConfig (the entry with the
+# nearest T, as ``get_config``).  Shapes not listed get ``fused_moe_decode``'s heuristic;
+# ``moe_bench --sweep`` times candidates at T = 1, 2, 4, 8 and prints entries.
+DECODE_CONFIGS: dict[tuple[int, int, int], dict[int, DecodeConfig]] = {}
+
+
+def get_decode_config(tokens: int, num_experts: int, inter: int,
+                      hidden: int) -> DecodeConfig | None:
+    """The swept decode config for ``tokens`` tokens on an ``(E, I, H)`` bank, if any."""
+    table = DECODE_CONFIGS.get((num_experts, inter, hidden))
+    if not table:
+        return None
+    return table[min(table, key=lambda m: abs(m - tokens))]
 
 
 def default_config(tokens: int, num_experts: int, top_k: int) -> Config:

@@ -6,6 +6,8 @@ reference against a direct per-token sum."""
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -203,3 +205,166 @@ def test_fused_topk_matches_select_experts(e: int, k: int, renorm: bool) -> None
     assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
     assert torch.equal(got_ids, ref_ids)
     torch.testing.assert_close(got_w, ref_w, atol=1e-6, rtol=1e-5)
+
+
+_DECODE_CONFIGS = [  # (gate-up BN, BK, warps, down BN, BK, warps, all slots)
+    (4, 64, 4, 2, 32, 4, False),    # the slot loop, K steps that divide H / I
+    (2, 128, 2, 4, 64, 2, True),    # all slots, whole rows (I = 48: masked columns)
+    (8, 32, 4, 1, 16, 8, True),     # all slots, several K steps, one feature each
+]
+
+
+@pytest.mark.parametrize("cfg", _DECODE_CONFIGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,e,k", [(1, 16, 8), (2, 12, 3), (5, 16, 4), (8, 8, 2)])
+def test_decode_configs_match_reference(cfg: tuple, dtype: torch.dtype, t: int, e: int,
+                                        k: int) -> None:
+    """Every decode-path variant the sweep may pick (``DecodeConfig``), T = 1..8, top-k
+    both a power of two and not (padding slots), with uneven routing across tokens (one
+    expert in every token's top-k, experts left idle), fp32 and bf16."""
+    from pagedllm.kernels.fused_moe_configs import DecodeConfig
+    from pagedllm.kernels.fused_moe_decode import fused_experts_decode
+
+    h, i = 64, 48
+    w13, w2 = _weights(e, h, i, seed=t * e + k)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(DEVICE)
+    weights, ids = _routing("one_expert_takes_all", t, e, k, seed=k)
+    assert bool((ids == 2).any(dim=1).all())  # several tokens share expert 2
+    ref = fused_experts_ref(x, w13, w2, weights, ids)
+    w13, w2, x = w13.to(dtype), w2.to(dtype), x.to(dtype)
+    if dtype == torch.bfloat16:  # the reference on the same rounded inputs
+        ref = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
+    got = fused_experts_decode(x, w13, w2, weights, ids, config=DecodeConfig(*cfg))
+    assert got is not None and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: act and out rounded
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+_COMPILE_DECODE = textwrap.dedent(r"""
+    import json
+    import triton
+    from tests.kernels.sm90_compile import compile_sm90
+    from pagedllm.kernels import fused_moe_decode as D
+
+    i32, out = "i32", {}
+    gate_up_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64",
+                   "act_ptr": "*bf16", "logits_ptr": "*bf16", "stride_xt": i32,
+                   "stride_we": i32, "stride_wn": i32, "stride_ap": i32, "stride_lt": i32}
+    loop_sig = {"act_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64",
+                "weights_ptr": "*fp32", "out_ptr": "*bf16", "stride_ap": i32,
+                "stride_we": i32, "stride_wn": i32, "stride_ot": i32}
+    slots_sig = {**{n: v for n, v in loop_sig.items() if not n.startswith("stride")},
+                 "logits_ptr": "*bf16",
+                 **{n: v for n, v in loop_sig.items() if n.startswith("stride")},
+                 "stride_lt": i32}
+    # Each shape's config at T = 1 and at the decode path's largest T; Qwen3's routed.
+    for name, e, k, h, i, t, routed in [
+            ("qwen3", 128, 8, 2048, 768, 1, False), ("qwen3", 128, 8, 2048, 768, 8, False),
+            ("qwen3 routed", 128, 8, 2048, 768, 1, True),
+            ("mixtral", 8, 2, 4096, 14336, 1, False),
+            ("mixtral", 8, 2, 4096, 14336, 4, False)]:
+        c = D.get_decode_config(t, e, i, h) or D.default_decode_config(t, k, i, h)
+        route = dict(ROUTED=routed, NUM_EXPERTS=e if routed else 1,
+                     E_P2=triton.next_power_of_2(e) if routed else 1)
+        shape = dict(TOP_K=k, HIDDEN=h, INTER=i, USE_PDL=True)
+        opts = {"launch_pdl": True}
+        out[f"{name} T={t} gate-up"] = compile_sm90(
+            D._decode_gate_up_kernel, gate_up_sig,
+            dict(shape, **route, BLOCK_N=c.gate_up_block_n, BLOCK_K=c.gate_up_block_k),
+            dict(opts, num_warps=c.gate_up_warps), list(range(10)))[1]
+        consts = dict(shape, BLOCK_N=c.down_block_n, BLOCK_K=c.down_block_k)
+        kernel, sig = D._decode_down_kernel, loop_sig
+        if c.down_all_slots:
+            kernel, sig = D._decode_down_slots_kernel, slots_sig
+            consts.update(route, K_P2=triton.next_power_of_2(k), RENORMALIZE=True)
+        out[f"{name} T={t} down"] = compile_sm90(
+            kernel, sig, consts, dict(opts, num_warps=c.down_warps),
+            list(range(len(sig))))[1]
+    print(json.dumps(out))
+""")
+
+
+def test_decode_kernels_compile_for_sm90_without_spills(tmp_path) -> None:
+    """The decode path's kernels at the configs the real shapes run (``DECODE_CONFIGS``
+    or the heuristic), compiled for sm_90 without a GPU: no register spills (a spilled
+    GEMV streams its weights through local memory)."""
+    from tests.kernels.sm90_compile import run_script
+
+    stats = run_script(_COMPILE_DECODE, tmp_path)
+    assert len(stats) == 10, stats
+    assert not any(s["spill_stores"] for s in stats.values()), stats
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,e,k,renorm", [(1, 16, 8, True), (3, 12, 3, False),
+                                          (8, 16, 2, True)])
+def test_routed_decode_matches_select_experts(dtype: torch.dtype, t: int, e: int, k: int,
+                                              renorm: bool) -> None:
+    """Routing inside the decode kernels (``fused_experts_routed``) equals the routing
+    launch (``fused_topk``) then the reference: T = 1..8, k a power of two and not,
+    with and without renormalisation, bf16 router logits with exact ties (expert 1
+    ties expert 5 in every token, both in its top-k: the lower id first, as
+    ``fused_topk``), several tokens on one expert."""
+    from pagedllm.kernels.fused_moe import fused_experts_routed
+    from pagedllm.kernels.moe_routing import fused_topk
+
+    w13, w2 = _weights(e, 32, 24, seed=e + k)
+    g = torch.Generator().manual_seed(t * 7 + k)
+    x = torch.randn(t, 32, generator=g)
+    logits = torch.randn(t, e, generator=g)
+    logits[:, 1] = logits[:, 5] = logits.max(dim=1).values + 1.0  # a tie, chosen
+    logits[:, 2] += 3.0  # expert 2 in every token's top-k
+    logits = logits.to(dtype)
+    weights, ids = fused_topk(logits.to(DEVICE), k, renorm)  # checked against torch above
+    ref = fused_experts_ref(x.to(dtype).float().to(DEVICE), w13.to(dtype).float().to(DEVICE),
+                            w2.to(dtype).float().to(DEVICE), weights, ids)
+    got = fused_experts_routed(x.to(dtype).to(DEVICE), w13.to(dtype), w2.to(dtype),
+                               logits.to(DEVICE), k, renorm)
+    assert got is not None and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+def test_routed_decode_only_where_it_applies() -> None:
+    """None (the caller routes with ``select_experts``) for sorted-path batches, more
+    experts than the in-kernel top-k holds, and a bad top-k."""
+    from pagedllm.kernels.fused_moe import fused_experts_routed
+
+    w13, w2 = _weights(8, 16, 16, seed=0)
+    x = torch.randn(40, 16).to(DEVICE)
+    assert fused_experts_routed(x, w13, w2, torch.randn(40, 8).to(DEVICE), 2, True) is None
+    assert fused_experts_routed(x[:1], w13, w2, torch.randn(1, 8).to(DEVICE), 9,
+                                True) is None
+    big = torch.zeros(256, 32, 16, device=DEVICE), torch.zeros(256, 16, 16, device=DEVICE)
+    assert fused_experts_routed(x[:1], *big, torch.randn(1, 256).to(DEVICE), 2,
+                                True) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8])
+def test_routed_decode_bf16_real_shape_graphed(t: int) -> None:
+    """Qwen3-30B-A3B's shape in bf16: routing inside the decode kernels against the
+    routing launch plus the fp32 reference; captured once and replayed with new logits
+    in the same buffer, bit-identical to eager (no atomics: the same bits every run)."""
+    from pagedllm.kernels.fused_moe import fused_experts_routed
+
+    e, k, h, i = 128, 8, 2048, 768
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    w13 = (torch.randn(e, 2 * i, h, device=DEVICE, generator=g) * h ** -0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, device=DEVICE, generator=g) * i ** -0.5).bfloat16()
+    x = torch.randn(t, h, device=DEVICE, generator=g).bfloat16()
+    logits = torch.randn(t, e, device=DEVICE, generator=g).bfloat16()
+    weights, ids = select_experts(logits, k, renormalize=True)
+    ref = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
+    got = fused_experts_routed(x, w13, w2, logits, k, True)
+    assert got is not None
+    torch.testing.assert_close(got.float(), ref, atol=3e-2, rtol=3e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts_routed(x, w13, w2, logits, k, True)
+    for seed in (4, 5):
+        logits.copy_(torch.randn(t, e, device=DEVICE,
+                                 generator=torch.Generator(device=DEVICE).manual_seed(seed)))
+        graph.replay()
+        assert torch.equal(out, fused_experts_routed(x, w13, w2, logits, k, True))
+        assert torch.equal(out, fused_experts_routed(x, w13, w2, logits, k, True))

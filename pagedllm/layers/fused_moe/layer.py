@@ -47,6 +47,12 @@ class FusedMoEMethodBase(ABC):
         """``x [T, H]`` routed per ``topk_*`` ``[T, k]`` -> ``[T, H]`` (this rank's
         partial sum under tensor parallelism)."""
 
+    def apply_routed(self, layer: FusedMoE, x: torch.Tensor,
+                     router_logits: torch.Tensor) -> torch.Tensor | None:
+        """Routing and experts in one call, where the method can fuse them (default:
+        never): ``[T, H]``, or None to have the layer route and call :meth:`apply`."""
+        return None
+
 
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     """Expert weights in the model dtype; the Triton fused kernel on CUDA, the torch
@@ -73,13 +79,25 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         return fused_experts_ref(x, layer.w13_weight, layer.w2_weight, topk_weights,
                                  topk_ids)
 
+    def apply_routed(self, layer: FusedMoE, x: torch.Tensor,
+                     router_logits: torch.Tensor) -> torch.Tensor | None:
+        """Decode batches on CUDA: the top-k inside the expert kernels
+        (``fused_moe.fused_experts_routed``), one launch fewer per layer."""
+        if not (x.is_cuda or layer.use_triton):
+            return None
+        from pagedllm.kernels.fused_moe import fused_experts_routed
+
+        return fused_experts_routed(x, layer.w13_weight, layer.w2_weight, router_logits,
+                                    layer.top_k, layer.renormalize)
+
 
 class FusedMoE(nn.Module):
     """Router output -> experts -> combined ``[T, H]``.
 
     ``forward(x, router_logits)``: top-k selection (``select_experts``), then the
-    quantisation method's grouped expert matmuls.  ``prefix`` is the HF module name of
-    the experts (``model.layers.3.mlp.experts``), as for linear layers.
+    quantisation method's grouped expert matmuls -- or both at once where the method's
+    ``apply_routed`` fuses them (unquantised decode batches on CUDA).  ``prefix`` is the
+    HF module name of the experts (``model.layers.3.mlp.experts``), as for linear layers.
     ``use_triton`` forces the Triton kernel on CPU tensors (tests, under
     ``TRITON_INTERPRET=1``).
     """
@@ -147,8 +165,10 @@ class FusedMoE(nn.Module):
         return dst, loaded.narrow(dim, self.tp_rank * dst.shape[dim], dst.shape[dim])
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = self.quant_method.apply(self, x, weights, ids)
+        out = self.quant_method.apply_routed(self, x, router_logits)
+        if out is None:
+            weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+            out = self.quant_method.apply(self, x, weights, ids)
         if self.tp_size > 1:
             torch.distributed.all_reduce(out)
         return out
