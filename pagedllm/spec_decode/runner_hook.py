@@ -118,10 +118,10 @@ class SpecDecodeHook:
 
     # -- after step N: drafts for step N + 1 -------------------------------------------
     def propose(self, batch: Any, rows: list[int], states: Sequence[Any],
-                h2d: Any) -> list[list[int]]:
+                h2d: Any, k: int) -> list[list[int]]:
         """Drafts for the requests ``states`` (rows ``rows`` of the runner's
-        ``InputBatch``): at most k, and never past ``max_tokens`` or the context (the
-        bonus token needs a slot too)."""
+        ``InputBatch``): at most ``k`` (<= num_speculative_tokens), and never past
+        ``max_tokens`` or the context (the bonus token needs a slot too)."""
         token_ids, num_tokens = batch.token_ids, batch.num_tokens
         caps = []
         for row, st in zip(rows, states):
@@ -131,7 +131,7 @@ class SpecDecodeHook:
                 continue
             left_out = (p.max_tokens or 0) - len(st.output_token_ids) - 1
             left_ctx = self.max_model_len - int(num_tokens[row]) - 1
-            caps.append(min(left_out, left_ctx))
+            caps.append(min(left_out, left_ctx, k))
         if self.draft is not None:
             return self.draft.propose(batch, rows, [st.req_id for st in states], caps, h2d)
         return self.proposer.propose(token_ids, num_tokens, rows, caps)

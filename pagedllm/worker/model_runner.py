@@ -131,8 +131,10 @@ class StepHandle:
     logprobs: Any = None
     event: Any = None
     done: bool = False
-    # Speculative decoding: tokens_host is [R, spec_width] (PLACEHOLDER-padded).
+    # Speculative decoding: tokens_host is [R, spec_width] (PLACEHOLDER-padded); drafts
+    # per request to propose once the tokens are in (the scheduler's policy).
     spec_width: int = 0
+    num_spec_proposals: int = 0
 
     def result(self) -> ModelRunnerOutput:
         if not self.done:
@@ -448,7 +450,8 @@ class ModelRunner:
         sample_idx = np.nonzero(sampling)[0]
         states = [self.requests[order[i]] for i in sample_idx]
         handle = StepHandle(self, ModelRunnerOutput(
-            req_ids=order, sampled_token_ids=[[] for _ in order]), states, sample_idx)
+            req_ids=order, sampled_token_ids=[[] for _ in order]), states, sample_idx,
+            num_spec_proposals=sched.num_spec_proposals)
         if len(sample_idx):
             ids, logprobs = None, None
             last_row = inp.query_start_loc[1:][sample_idx] - 1  # each request's last row
@@ -576,10 +579,12 @@ class ModelRunner:
         assert self.spec is not None
         live = [(self.batch.row_of[st.req_id], st) for st in handle.states
                 if st.req_id in self.batch.row_of]
-        # A large batch gets no drafts from the scheduler: do not spend time on them.
-        if live and len(live) <= self.spec.config.disable_by_batch_size:
+        # Only as many as the scheduler's policy expects to verify (often none at large
+        # batch): proposing costs host (n-gram) or device (draft model) time.
+        k = handle.num_spec_proposals
+        if live and k > 0:
             rows, states = zip(*live)
-            props = self.spec.propose(self.batch, list(rows), states, self.h2d)
+            props = self.spec.propose(self.batch, list(rows), states, self.h2d, k)
             handle.out.spec_token_ids = {st.req_id: d for st, d in zip(states, props) if d}
 
     def record_sampled_tokens(self, req_ids: list[str],
