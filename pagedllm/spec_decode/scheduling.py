@@ -69,11 +69,18 @@ class SpecScheduling:
     @staticmethod
     def take(req: Request, n: int, budget: int, cap: int) -> list[int]:
         """The drafts ``req`` verifies this step (they ride along its one decode token,
-        at most ``cap``, cut to the budget); clears them from the request either way."""
+        at most ``cap``, cut to the budget); clears them from the request either way.
+
+        A seeded request verifies every draft it has, whatever ``cap``: its random draws
+        depend on the drafts it verifies (``rejection_sampler.py``), so its output must
+        not depend on the policy's state or the batch (the runner proposes for it
+        always: ``runner_hook.SpecDecodeHook.propose``)."""
         drafts = req.spec_token_ids
         if not drafts:
             return drafts
         req.spec_token_ids = []
+        if req.sampling_params.seed is not None:
+            cap = len(drafts)
         if cap <= 0 or n != 1 or budget < 2:
             return []
         return drafts[:min(cap, budget - 1)]

@@ -580,9 +580,12 @@ class ModelRunner:
         live = [(self.batch.row_of[st.req_id], st) for st in handle.states
                 if st.req_id in self.batch.row_of]
         # Only as many as the scheduler's policy expects to verify (often none at large
-        # batch): proposing costs host (n-gram) or device (draft model) time.
+        # batch): proposing costs host (n-gram) or device (draft model) time.  Seeded
+        # requests get theirs always (SpecScheduling.take).
         k = handle.num_spec_proposals
-        if live and k > 0:
+        if k <= 0:
+            live = [(row, st) for row, st in live if st.params.seed is not None]
+        if live:
             rows, states = zip(*live)
             props = self.spec.propose(self.batch, list(rows), states, self.h2d, k)
             handle.out.spec_token_ids = {st.req_id: d for st, d in zip(states, props) if d}
