@@ -8,10 +8,11 @@ measured once at start-up, never guessed.
   step function: ``padded``).  No extra forward, no extra sync.
 * **Eager** (CPU, ``enforce_eager``): forwards of 1, 2, 4, ... tokens (one request, no
   KV written: slot -1) up to the largest verify step, ``min(max_num_batched_tokens,
-  max_num_seqs x (k + 1))`` and at most ``MAX_EAGER_TOKENS``, each with its logits,
-  timed twice after one warm-up forward (the faster counts).  The ladder is fixed (not
-  cut by a time budget) so that tensor-parallel ranks run the same forwards.  Only done
-  when speculative decoding is configured.
+  max_num_seqs x (k + 1))`` and at most ``MAX_EAGER_TOKENS`` (CPU: ``MAX_CPU_TOKENS``;
+  beyond, the policy takes cost as proportional to tokens), each with its logits, timed
+  twice after one warm-up forward (the faster counts).  A single rank stops climbing
+  once ``BUDGET_S`` is spent; tensor-parallel ranks run the whole ladder (they must run
+  the same forwards).  Only done when speculative decoding is configured.
 
 Both are measured at context ~0: see the policy's docstring for why that errs towards
 not speculating.  The curve is logged at start-up.
@@ -29,6 +30,8 @@ from pagedllm.spec_decode.policy import StepCostCurve
 from pagedllm.worker.input_batch import StepInputs
 
 MAX_EAGER_TOKENS = 2048
+MAX_CPU_TOKENS = 256
+BUDGET_S = 1.0
 
 
 def curve_from_graphs(graphs: Any) -> StepCostCurve | None:
@@ -79,10 +82,16 @@ def measure_eager(runner: Any, max_tokens: int) -> StepCostCurve:
                               runner.h2d("pos", inp.positions), meta, False)
         runner.model.compute_logits(hidden)
 
+    if dev.type == "cpu":
+        max_tokens = min(max_tokens, MAX_CPU_TOKENS)
     sizes = eager_ladder(max_tokens)
+    lockstep = runner.config.parallel_config.world_size > 1
+    start = time.perf_counter()
     forward(sizes[0])  # warm-up (first-call allocations)
-    points = []
+    points: list[tuple[int, float]] = []
     for t in sizes:
+        if points and not lockstep and time.perf_counter() - start > BUDGET_S:
+            break
         best = float("inf")
         for _ in range(2):
             sync()
