@@ -8,6 +8,8 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.spec_decode.policy import SpecPolicy, StepCostCurve
+from pagedllm.worker.cuda_graphs import GraphShape
+from pagedllm.worker.step_cost import curve_from_graphs, eager_ladder
 
 TEXT = ("The library opens at nine in the morning and closes at six in the evening. "
         "Visitors may borrow up to five books at a time for three weeks.")
@@ -22,6 +24,21 @@ K = 4
 # not more; as requests finish, k' grows.
 STEEP = StepCostCurve((), ((1, 1.0), (12, 1.0), (16, 3.0), (64, 12.0)), False,
                       "synthetic steep")
+
+
+def test_curve_from_graph_capture_timings_and_eager_ladder():
+    class Graphs:  # what curve_from_graphs reads of a CudaGraphRunner
+        replay_ms = {GraphShape(8, 8, True): 2.0, GraphShape(1, 1, True): 1.0,
+                     GraphShape(8, 16, False): 3.0, GraphShape(8, 8, False): 2.5}
+
+    c = curve_from_graphs(Graphs())
+    assert c is not None and c.padded
+    assert c.decode == ((1, 1.0), (8, 2.0)) and c.mixed == ((8, 2.5), (16, 3.0))
+    assert c.decode_ms(5) == 2.0 and c.mixed_ms(9) == 3.0
+    Graphs.replay_ms = {GraphShape(1, 1, True): 1.0}
+    assert curve_from_graphs(Graphs()) is None  # no chunk graphs: verify runs eagerly
+    assert eager_ladder(20) == [1, 2, 4, 8, 16, 20] and eager_ladder(1) == [1]
+    assert eager_ladder(10**6)[-1] == 2048
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +63,9 @@ def test_measured_curve_and_no_cap_by_default(spec_llm):
     spec = spec_llm.llm_engine.client.core.scheduler.spec
     curve = spec.policy.curve
     assert curve is not None and curve.source.startswith("eager forwards")
-    assert [t for t, _ in curve.mixed][:3] == [1, 2, 4] and all(
-        ms > 0 for _, ms in curve.mixed)
+    sizes, ms = zip(*curve.mixed)
+    assert sizes[0] == 1 and all(b == 2 * a for a, b in zip(sizes[:-1], sizes[1:-1]))
+    assert all(0 < a <= b for a, b in zip(ms, ms[1:]))  # non-decreasing
     assert spec.policy.max_batch is None  # disable_by_batch_size: no cap by default
 
 
