@@ -52,16 +52,18 @@ def eager_ladder(max_tokens: int) -> list[int]:
     return [*sizes, top]
 
 
-def _inputs(t: int, num_groups: int) -> StepInputs:
-    """One request of ``t`` new tokens (ids 0) whose KV is written nowhere."""
+def _inputs(t: int, num_groups: int, block_size: int) -> StepInputs:
+    """One request of ``t`` new tokens (ids 0) whose KV is written nowhere (its block
+    table: the null block 0, as many times as ``t`` tokens span)."""
     g = num_groups - 1
+    nb = -(-t // block_size)
     return StepInputs(
         input_ids=np.zeros(t, dtype=np.int64), positions=np.arange(t, dtype=np.int64),
         slot_mapping=np.full(t, -1, dtype=np.int64),
         query_start_loc=np.asarray([0, t], dtype=np.int32),
         seq_lens=np.asarray([t], dtype=np.int32),
-        block_tables=np.zeros((1, 1), dtype=np.int32), max_query_len=t, max_seq_len=t,
-        group_block_tables=np.zeros((g, 1, 1), dtype=np.int32) if g else None,
+        block_tables=np.zeros((1, nb), dtype=np.int32), max_query_len=t, max_seq_len=t,
+        group_block_tables=np.zeros((g, 1, nb), dtype=np.int32) if g else None,
         group_slot_mapping=np.full((g, t), -1, dtype=np.int64) if g else None)
 
 
@@ -76,7 +78,7 @@ def measure_eager(runner: Any, max_tokens: int) -> StepCostCurve:
             torch.cuda.synchronize(dev)
 
     def forward(t: int) -> None:
-        inp = _inputs(t, runner.num_kv_groups)
+        inp = _inputs(t, runner.num_kv_groups, runner.block_size)
         meta = runner._metadata(inp)
         hidden = runner.model(runner.h2d("ids", inp.input_ids),
                               runner.h2d("pos", inp.positions), meta, False)
