@@ -39,16 +39,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="A/B rounds (each runs both engines; the order alternates).")
     p.add_argument("--dummy", default=None, choices=sorted(DUMMY_CONFIGS),
                    help="A named model shape with random weights (implies --load-format "
-                        "dummy; prompts are G32 through --tokenizer if given, else random).")
+                        "dummy; prompts are G32 through --tokenizer if given, else random; "
+                        "the engine itself loads no tokenizer).")
     p.add_argument("--output-json", default=None, help="Write the results here as JSON.")
     add_engine_args(p)
 
 
-def _prompts(llm: Any, n: int, vocab: int) -> tuple[str, list[list[int]]]:
+def _prompts(tok: Any, n: int, vocab: int) -> tuple[str, list[list[int]]]:
     from pagedllm.benchmarks.grounded import grounded_prompts
 
-    tok = llm.get_tokenizer() if not llm.llm_engine.config.model_config \
-        .skip_tokenizer_init else None
     if tok is not None:
         base = grounded_prompts(tok)
         label = "G32 (grounded)"
@@ -72,11 +71,12 @@ def _run(llm: Any, prompts: list[list[int]], sp: Any, concurrency: int,
 def main(args: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
 
-    if args.dummy:
+    tok_path = args.tokenizer
+    if args.dummy:  # its outputs are random ids: the engine detokenizes nothing
         from pagedllm.benchmarks.workloads import write_dummy_model
 
         args.model, args.load_format = write_dummy_model(args.dummy), "dummy"
-        args.skip_tokenizer_init = args.tokenizer is None
+        args.skip_tokenizer_init, args.tokenizer = True, None
     spec_cfg = args.speculative_config or dict(DEFAULT_SPEC)
     if args.kv_cache_memory_bytes is None:  # two engines share the device
         args.kv_cache_memory_bytes = 4 << 30
@@ -87,7 +87,15 @@ def main(args: argparse.Namespace) -> int:
     llms = {"off": LLM(eargs.model, **kw),
             "spec": LLM(eargs.model, speculative_config=spec_cfg, **kw)}
     vocab = llms["off"].llm_engine.config.model_config.vocab_size
-    label, prompts = _prompts(llms["off"], args.num_prompts, vocab)
+    if not args.dummy:
+        tok = llms["off"].get_tokenizer()
+    elif tok_path is not None:  # G32 through this tokenizer (its ids must fit the vocab)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tok_path)
+    else:
+        tok = None
+    label, prompts = _prompts(tok, args.num_prompts, vocab)
     conc = args.concurrency or len(prompts)
     # ignore_eos with random weights (no meaningful EOS); both engines emit the same
     # tokens either way (greedy), so their token counts match.
