@@ -63,7 +63,9 @@ MAX_PROBE_GAP = 4096
 def _lookup(points: Sequence[tuple[int, float]], x: int, padded: bool) -> float:
     """The curve ``points`` ((size, ms), ascending) at ``x``: the smallest size >= x
     (``padded``: a step pads up to a captured graph) or linear interpolation; below the
-    first point its time; beyond the last, proportional to the size (compute-bound)."""
+    first point its time.  Beyond the last: padded (such a step runs eagerly, unmeasured)
+    or from a single point, proportional to the size (compute-bound, the pessimistic
+    bound); else the last segment's slope continued."""
     x0, y0 = points[0]
     if x <= x0:
         return y0
@@ -71,7 +73,10 @@ def _lookup(points: Sequence[tuple[int, float]], x: int, padded: bool) -> float:
         if x <= xb:
             return yb if padded else ya + (yb - ya) * (x - xa) / (xb - xa)
     xl, yl = points[-1]
-    return yl * x / xl
+    if padded or len(points) == 1:
+        return yl * x / xl
+    xa, ya = points[-2]
+    return yl + max(yl - ya, 0.0) * (x - xl) / (xl - xa)
 
 
 @dataclass(frozen=True)

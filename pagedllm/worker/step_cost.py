@@ -11,8 +11,9 @@ measured once at start-up, never guessed.
   max_num_seqs x (k + 1))`` and at most ``MAX_EAGER_TOKENS`` (CPU: ``MAX_CPU_TOKENS``;
   beyond, the policy takes cost as proportional to tokens), each with its logits, timed
   twice after one warm-up forward (the faster counts).  A single rank stops climbing
-  once ``BUDGET_S`` is spent; tensor-parallel ranks run the whole ladder (they must run
-  the same forwards).  Only done when speculative decoding is configured.
+  once ``BUDGET_S`` is spent past ``MIN_EAGER_TOKENS`` (the policy continues the last
+  segment's slope); tensor-parallel ranks run the whole ladder (they must run the same
+  forwards).  Only done when speculative decoding is configured.
 
 Both are measured at context ~0: see the policy's docstring for why that errs towards
 not speculating.  The curve is logged at start-up.
@@ -31,6 +32,7 @@ from pagedllm.worker.input_batch import StepInputs
 
 MAX_EAGER_TOKENS = 2048
 MAX_CPU_TOKENS = 256
+MIN_EAGER_TOKENS = 16
 BUDGET_S = 1.0
 
 
@@ -92,7 +94,7 @@ def measure_eager(runner: Any, max_tokens: int) -> StepCostCurve:
     forward(sizes[0])  # warm-up (first-call allocations)
     points: list[tuple[int, float]] = []
     for t in sizes:
-        if points and not lockstep and time.perf_counter() - start > BUDGET_S:
+        if t > MIN_EAGER_TOKENS and not lockstep and time.perf_counter() - start > BUDGET_S:
             break
         best = float("inf")
         for _ in range(2):

@@ -52,6 +52,7 @@ def test_curve_lookup_padded_and_interpolated_and_roundtrip():
     lin = StepCostCurve((), ((8, 3.0), (16, 5.0)), False, "y")
     assert lin.mixed_ms(12) == pytest.approx(4.0)
     assert lin.decode_ms(12) == pytest.approx(4.0)  # no decode points: the mixed curve
+    assert lin.mixed_ms(24) == pytest.approx(7.0)  # beyond, unpadded: the last slope
     assert StepCostCurve.from_dict(c.to_dict()) == c
     with pytest.raises(ValueError):
         StepCostCurve((), (), True, "empty")
