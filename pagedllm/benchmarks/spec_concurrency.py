@@ -14,6 +14,11 @@ On an H200::
 
     pagedllm bench spec --model /tmp/gg/smollm2.gguf --tokenizer .tok/smollm2
     pagedllm bench spec --dummy llama3-8b --tokenizer .tok/smollm2
+    pagedllm bench spec --dummy llama3-8b --draft-dummy llama3.2-1b
+
+(A random-weight model's greedy output soon repeats itself, which n-gram drafts predict
+perfectly: the ``--dummy`` n-gram run measures the cost side at high acceptance; the
+``--draft-dummy`` run, at ~0 acceptance, whether the policy turns speculation off.)
 """
 
 from __future__ import annotations
@@ -37,6 +42,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="Output tokens per request.")
     p.add_argument("--rounds", type=int, default=4,
                    help="A/B rounds (each runs both engines; the order alternates).")
+    p.add_argument("--workload", default="grounded", choices=["grounded", "random"],
+                   help="grounded: G32 (answers copy their input: n-gram drafts pay); "
+                        "random: random token ids of G32-like lengths (little to copy).")
+    p.add_argument("--draft-dummy", default=None, choices=sorted(DUMMY_CONFIGS),
+                   help="Speculate with a dummy-weight draft model of this shape (with "
+                        "--dummy: its random greedy continuation is almost never the "
+                        "target's, so acceptance is ~0 and the policy must turn it off).")
     p.add_argument("--dummy", default=None, choices=sorted(DUMMY_CONFIGS),
                    help="A named model shape with random weights (implies --load-format "
                         "dummy; prompts are G32 through --tokenizer if given, else random; "
@@ -45,10 +57,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
 
 
-def _prompts(tok: Any, n: int, vocab: int) -> tuple[str, list[list[int]]]:
+def _prompts(tok: Any, n: int, vocab: int, workload: str) -> tuple[str, list[list[int]]]:
     from pagedllm.benchmarks.grounded import grounded_prompts
 
-    if tok is not None:
+    if tok is not None and workload == "grounded":
         base = grounded_prompts(tok)
         label = "G32 (grounded)"
     else:  # random ids, G32-like lengths (~100-150 tokens)
@@ -78,6 +90,11 @@ def main(args: argparse.Namespace) -> int:
         args.model, args.load_format = write_dummy_model(args.dummy), "dummy"
         args.skip_tokenizer_init, args.tokenizer = True, None
     spec_cfg = args.speculative_config or dict(DEFAULT_SPEC)
+    if args.draft_dummy:
+        from pagedllm.benchmarks.workloads import write_dummy_model
+
+        spec_cfg = {"model": write_dummy_model(args.draft_dummy),
+                    "num_speculative_tokens": spec_cfg.get("num_speculative_tokens", 4)}
     if args.kv_cache_memory_bytes is None:  # two engines share the device
         args.kv_cache_memory_bytes = 4 << 30
     args.speculative_config = None
@@ -95,7 +112,7 @@ def main(args: argparse.Namespace) -> int:
         tok = AutoTokenizer.from_pretrained(tok_path)
     else:
         tok = None
-    label, prompts = _prompts(tok, args.num_prompts, vocab)
+    label, prompts = _prompts(tok, args.num_prompts, vocab, args.workload)
     conc = args.concurrency or len(prompts)
     # ignore_eos with random weights (no meaningful EOS); both engines emit the same
     # tokens either way (greedy), so their token counts match.
