@@ -1,5 +1,6 @@
-"""The verify-step cost curve behind speculation's per-step policy
-(``disable_by_batch_size``): the forward + logits time of a decode step where each of
+"""The verify-step cost curve at real contexts (an offline cross-check of the curve the
+per-step policy measures at start-up, ``worker/step_cost.py``): the forward + logits
+time of a decode step where each of
 ``B`` requests computes ``q`` tokens (``q = k + 1`` to verify ``k`` drafts), relative to
 ``q = 1``.  Speculation pays at batch ``B`` while ``cost(B, k + 1) / cost(B, 1)`` stays
 below the mean accepted length.

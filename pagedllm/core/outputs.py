@@ -90,6 +90,9 @@ class SchedulerOutput:
     # Speculative decoding: req_id -> draft tokens to verify this step (they are the
     # last ``len(drafts)`` of its ``num_scheduled_tokens``; spec_decode/).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # ... and how many drafts per request the runner proposes after this step for the
+    # next one (the per-step policy's guess; 0: none, spec_decode/policy.py).
+    num_spec_proposals: int = 0
 
     @property
     def is_empty(self) -> bool:

@@ -61,6 +61,7 @@ from pagedllm.messages import (
 )
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams, child_seed
+from pagedllm.spec_decode.policy import StepCostCurve
 from pagedllm.spec_decode.scheduling import SpecScheduling
 
 
@@ -83,7 +84,8 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, num_cpu_blocks: int = 0,
-                 padded_step_sizes: Sequence[int] = ()) -> None:
+                 padded_step_sizes: Sequence[int] = (),
+                 step_cost: StepCostCurve | None = None) -> None:
         self.config = scheduler_config
         # Token counts the runner pads a mixed step up to (its chunk CUDA graphs): the
         # throughput policy fills that padding with prompt tokens, which then cost
@@ -131,7 +133,7 @@ class Scheduler:
         self.max_num_scheduled_reqs = 0
         # Speculative decoding: drafts are scheduled tokens (spec_decode/scheduling.py).
         spec = getattr(scheduler_config, "speculative_config", None)
-        self.spec = SpecScheduling(spec) if spec is not None else None
+        self.spec = SpecScheduling(spec, step_cost) if spec is not None else None
 
     # -- admission -----------------------------------------------------------------
     def max_tokens_per_request(self) -> int:
@@ -352,7 +354,10 @@ class Scheduler:
         forks, self._pending_forks = self._pending_forks, []
         preempted_ids: set[str] = set()
         spec_tokens: dict[str, list[int]] = {}
-        spec_on = self.spec is not None and self.spec.step_enabled(len(self.running))
+        # Speculative decoding: this step's drafts per request (the per-step policy),
+        # and how many the runner proposes after it (spec_decode/scheduling.py).
+        spec_cap, spec_next = self.spec.plan(self.running) if self.spec is not None \
+            else (0, 0)
 
         # Throughput policy: how many prompt tokens (running chunks and new requests)
         # this step may compute; None = no limit beyond the budget.
@@ -381,7 +386,7 @@ class Scheduler:
                 prefill_cap -= n
             if n <= 0:
                 continue  # a beam waiting for the rest of its group (or a paced chunk)
-            drafts = SpecScheduling.take(req, n, budget, spec_on) if self.spec else ()
+            drafts = SpecScheduling.take(req, n, budget, spec_cap) if self.spec else ()
             n += len(drafts)
             blocks = kv.allocate_slots(req, n)
             while blocks is None:
@@ -515,7 +520,8 @@ class Scheduler:
             finished_req_ids=finished, preempted_req_ids=preempted_ids, forks=forks,
             swap_out=self._swap_out, swap_in=swap_in,
             block_copies=[p for c in cached for p in cow_copies.get(c.req_id, ())]
-            if cow_copies else [], scheduled_spec_decode_tokens=spec_tokens)
+            if cow_copies else [], scheduled_spec_decode_tokens=spec_tokens,
+            num_spec_proposals=spec_next)
 
     def _prefill_cap(self) -> int:
         """Throughput policy: the prompt tokens -- running requests' unfinished chunks
@@ -679,6 +685,9 @@ class Scheduler:
         stats = self.make_stats()
         stats.num_scheduled_tokens = sched.total_num_scheduled_tokens
         if self.spec is not None:
+            self.spec.end_step(len(sched.num_scheduled_tokens),
+                               sched.total_num_scheduled_tokens,
+                               sum(map(len, sched.scheduled_spec_decode_tokens.values())))
             (stats.spec_num_drafts, stats.spec_num_draft_tokens,
              stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos) = \
                 self.spec.take_stats()

@@ -26,6 +26,7 @@ from pagedllm.messages import (
     FinishReason,
 )
 from pagedllm.request import Request
+from pagedllm.spec_decode.policy import StepCostCurve
 
 logger = logging.getLogger("pagedllm")
 
@@ -40,9 +41,12 @@ class EngineCore:
         # A pooling model (runner "pooling") runs whole prompts without KV blocks.
         scheduler_cls = PoolingScheduler if config.model_config.runner == "pooling" \
             else Scheduler
+        # Speculative decoding: the policy's measured step-cost curve (worker/step_cost.py).
+        cost = self.executor.step_cost
+        extra = {"step_cost": StepCostCurve.from_dict(cost)} if cost is not None else {}
         self.scheduler = scheduler_cls(config.scheduler_config, config.cache_config,
                                    self.num_blocks, self.executor.num_cpu_blocks,
-                                   self.executor.padded_step_sizes)
+                                   self.executor.padded_step_sizes, **extra)
         self.max_model_len = config.model_config.max_model_len
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._inflight: tuple[SchedulerOutput, StepResult] | None = None

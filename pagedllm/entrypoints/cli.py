@@ -200,11 +200,12 @@ def _serve_unavailable(missing: str) -> int:
 
 
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="Benchmarks (throughput, latency, serve, soak, "
+    p = sub.add_parser("bench", help="Benchmarks (throughput, latency, spec, serve, soak, "
                        "structured, perplexity, parallel, embed).", formatter_class=HelpFormatter)
     bsub = p.add_subparsers(dest="bench_cmd", required=True)
     for name, module in (("throughput", "pagedllm.benchmarks.throughput"),
                          ("latency", "pagedllm.benchmarks.latency"),
+                         ("spec", "pagedllm.benchmarks.spec_concurrency"),
                          ("serve", "pagedllm.benchmarks.serve"),
                          ("soak", "pagedllm.benchmarks.soak"),
                          ("structured", "pagedllm.benchmarks.structured"),

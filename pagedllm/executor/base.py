@@ -28,7 +28,7 @@ it, and ``shutdown()`` leaves no process behind.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import Any, Protocol
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -44,12 +44,15 @@ class StepResult(Protocol):
 
 class Executor(ABC):
     """See the module doc.  After construction: ``config`` (with ``num_blocks``),
-    ``num_blocks``, ``num_cpu_blocks`` and ``padded_step_sizes``."""
+    ``num_blocks``, ``num_cpu_blocks``, ``padded_step_sizes`` and ``step_cost`` (the
+    output rank's measured step-cost curve as ``StepCostCurve.to_dict``, with
+    speculative decoding; else None)."""
 
     config: EngineConfig
     num_blocks: int
     num_cpu_blocks: int
     padded_step_sizes: list[int]
+    step_cost: dict[str, Any] | None = None
 
     @abstractmethod
     def execute_model_async(self, sched: SchedulerOutput) -> StepResult:

@@ -161,6 +161,7 @@ class MultiprocExecutor(Executor):
         out = caches[self.output_rank]
         self.num_cpu_blocks = out.num_cpu_blocks
         self.padded_step_sizes = list(out.padded_step_sizes)
+        self.step_cost = out.step_cost
 
     def _await_subscriptions(self) -> None:
         """Every rank's SUB is connected before the first broadcast (else PUB drops)."""

@@ -15,8 +15,10 @@ asks for, validated once (vLLM's key names).  Torch-free: the scheduler reads it
   states (``spec_decode/eagle.py``); resolved into ``draft_model_config`` likewise.
 
 ``num_speculative_tokens`` (k) drafts per request per step; the target verifies them and
-its bonus token in one forward.  ``disable_by_batch_size``: no drafts in a step where more
-requests than this run (vLLM's name); by default ``DEFAULT_DISABLE_BY_BATCH_SIZE``.
+its bonus token in one forward.  How many drafts a step verifies is decided per step
+from the measured step-cost curve and the acceptance seen (``spec_decode/policy.py``);
+``disable_by_batch_size`` (vLLM's name) is a hard cap on top: no drafts in a step where
+more requests than this run (default None: no cap, the policy alone decides).
 """
 
 from __future__ import annotations
@@ -28,13 +30,9 @@ from typing import Any
 METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # Methods whose ``model`` is a separate checkpoint with its own KV (draft_model.py).
 MODEL_METHODS = ("draft_model", "eagle", "eagle3")
-# Above this many running requests a step carries no drafts.  Verifying k + 1 tokens per
-# request costs about one decode step only while the step is weight-bandwidth-bound; the
-# rule is "speculate while cost(B, k + 1) / cost(B, 1) < mean accepted length", with the
-# curve from ``python -m pagedllm.benchmarks.spec_step_cost``.  8 is a provisional value:
-# that curve has not been measured on a GPU yet (docs/benchmarks.md, "Speculative
-# decoding").
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# No fixed batch-size cap by default: the per-step policy turns speculation down as the
+# measured cost of verifying k + 1 tokens per request outgrows the expected tokens.
+DEFAULT_DISABLE_BY_BATCH_SIZE: int | None = None
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
          "disable_by_batch_size", "model")
 
@@ -52,7 +50,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
     # MODEL_METHODS: the draft's path as given, and its resolved ModelConfig
     # (filled in by EngineArgs.create_engine_config; Any: this module stays torch- and
     # config-free).

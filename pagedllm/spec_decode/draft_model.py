@@ -207,7 +207,7 @@ def attach_draft(runner: Any, model: nn.Module, config: Any, kv_dtype: torch.dty
     cc, sc = config.cache_config, config.scheduler_config
     proposer = proposer_cls(
         model, spec.num_speculative_tokens, cc.block_size, cc.num_blocks,
-        max_rows=min(sc.max_num_seqs, spec.disable_by_batch_size),
+        max_rows=min(sc.max_num_seqs, spec.disable_by_batch_size or sc.max_num_seqs),
         max_model_len=sc.max_model_len, device=runner.device)
     shape = (2, proposer.num_cache_blocks, cc.block_size, dc.num_kv_heads, dc.head_dim)
     # Zeroed, like the target's: attention gathers whole blocks and masks the tail.

@@ -132,12 +132,15 @@ class SpecDecodeHook:
             self.draft.observe(batch, rows, req_ids, h2d, target)  # type: ignore[attr-defined]
 
     def propose(self, batch: Any, rows: list[int], states: Sequence[Any],
-                h2d: Any, target: Any = None) -> list[list[int]]:
+                h2d: Any, k: int, target: Any = None) -> list[list[int]]:
         """Drafts for the requests ``states`` (rows ``rows`` of the runner's
-        ``InputBatch``): at most k, and never past ``max_tokens`` or the context (the
-        bonus token needs a slot too).  ``target``: the step's ``TargetStates`` (EAGLE)."""
+        ``InputBatch``): at most ``k`` (the policy's count; a seeded request always gets
+        up to num_speculative_tokens, see ``SpecScheduling.take``), and never past
+        ``max_tokens`` or the context (the bonus token needs a slot too).  ``target``:
+        the step's ``TargetStates`` (EAGLE)."""
         token_ids, num_tokens = batch.token_ids, batch.num_tokens
         caps = []
+        full = self.config.num_speculative_tokens
         for row, st in zip(rows, states):
             p = st.params
             if not can_speculate(p):
@@ -145,7 +148,7 @@ class SpecDecodeHook:
                 continue
             left_out = (p.max_tokens or 0) - len(st.output_token_ids) - 1
             left_ctx = self.max_model_len - int(num_tokens[row]) - 1
-            caps.append(min(left_out, left_ctx))
+            caps.append(min(left_out, left_ctx, full if p.seed is not None else k))
         if self.draft is not None:
             return self.draft.propose(batch, rows, [st.req_id for st in states], caps, h2d,
                                       target)

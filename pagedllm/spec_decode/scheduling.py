@@ -12,40 +12,78 @@ tokens, rejected ones are rolled back by the computed-token count.
 
 Blocks holding drafts are never hashed into the prefix cache: the KV manager caches
 only blocks full of a request's *known* tokens (``all_token_ids``), and drafts never
-enter that list until accepted.  A step only carries drafts while ``running`` is at most
-``disable_by_batch_size`` (the per-step policy: large batches are compute-bound, where a
-rejected draft is paid for in full).
+enter that list until accepted.
+
+How many drafts a step carries is the per-step policy's (``spec_decode/policy.py``):
+each ``schedule`` asks it for this step's k' (0..k, from the measured step-cost curve and
+the acceptance seen so far) and for how many drafts the runner should propose after the
+step (``SchedulerOutput.num_spec_proposals``); ``end_step`` feeds it what the step
+showed (acceptance per position, and the step's wall time: the engine loop is
+synchronous while speculation is configured).
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Sequence
+
 from pagedllm.request import Request
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.policy import SpecPolicy, StepCostCurve
+
+logger = logging.getLogger("pagedllm")
 
 
 class SpecScheduling:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, curve: StepCostCurve | None = None
+                 ) -> None:
+        """``curve``: the target's measured step cost (None: flat, acceptance alone
+        decides; a scheduler without a runner)."""
         self.config = config
+        k = config.num_speculative_tokens
+        self.policy = SpecPolicy(k, curve, config.disable_by_batch_size)
+        if curve is not None:  # an engine's scheduler (not a unit test's)
+            logger.info("speculative decoding (%s, k=%d): %s", config.method, k,
+                        self.policy.describe())
         self._drafts = self._draft_tokens = self._accepted = 0
-        self._per_pos = [0] * config.num_speculative_tokens
+        self._per_pos = [0] * k
+        # This step's verification, per position (tried, accepted): the policy's input.
+        self._tries = [0] * k
+        self._hits = [0] * k
+        self._t0 = 0.0  # when this step was scheduled (perf_counter)
         # Totals since start (for benchmarks and tests; the metrics read take_stats).
         self.total_draft_tokens = self.total_accepted_tokens = self.total_drafts = 0
+        self.total_steps = self.total_spec_steps = 0  # decode steps / those with drafts
 
-    def step_enabled(self, num_running: int) -> bool:
-        """The per-step policy: drafts only while the batch is small."""
-        return num_running <= self.config.disable_by_batch_size
+    def plan(self, running: Sequence[Request]) -> tuple[int, int]:
+        """(drafts per request this step, drafts per request to propose for the next):
+        the policy's decision for the ``running`` requests and the drafts they hold."""
+        self._t0 = time.perf_counter()
+        k = self.config.num_speculative_tokens
+        hist = [0] * (k + 1)
+        for r in running:  # over requests, not tokens
+            hist[min(len(r.spec_token_ids), k)] += 1
+        return self.policy.plan(len(running), hist)
 
     @staticmethod
-    def take(req: Request, n: int, budget: int, enabled: bool) -> list[int]:
+    def take(req: Request, n: int, budget: int, cap: int) -> list[int]:
         """The drafts ``req`` verifies this step (they ride along its one decode token,
-        cut to the budget); clears them from the request either way."""
+        at most ``cap``, cut to the budget); clears them from the request either way.
+
+        A seeded request verifies every draft it has, whatever ``cap``: its random draws
+        depend on the drafts it verifies (``rejection_sampler.py``), so its output must
+        not depend on the policy's state or the batch (the runner proposes for it
+        always: ``runner_hook.SpecDecodeHook.propose``)."""
         drafts = req.spec_token_ids
         if not drafts:
             return drafts
         req.spec_token_ids = []
-        if not enabled or n != 1 or budget < 2:
+        if req.sampling_params.seed is not None:
+            cap = len(drafts)
+        if cap <= 0 or n != 1 or budget < 2:
             return []
-        return drafts[:budget - 1]
+        return drafts[:min(cap, budget - 1)]
 
     def rollback(self, req: Request, drafts: list[int], num_emitted: int) -> None:
         """``num_emitted`` tokens came back for ``len(drafts)`` drafts: forget the KV of
@@ -60,6 +98,22 @@ class SpecScheduling:
         self.total_accepted_tokens += accepted
         for i in range(accepted):  # <= k
             self._per_pos[i] += 1
+            self._hits[i] += 1
+        for i in range(min(accepted + 1, len(drafts))):  # positions verified
+            self._tries[i] += 1
+
+    def end_step(self, num_reqs: int, num_tokens: int, num_drafts: int) -> None:
+        """After ``update_from_output``: give the policy the step's acceptance and, for
+        a decode-only step (``num_tokens == num_reqs + num_drafts``), its wall time."""
+        if num_drafts:
+            self.policy.observe(self._tries, self._hits)
+            k = self.config.num_speculative_tokens
+            self._tries, self._hits = [0] * k, [0] * k
+        if num_reqs and num_tokens == num_reqs + num_drafts:
+            self.total_steps += 1
+            self.total_spec_steps += num_drafts > 0
+            self.policy.observe_time(1000 * (time.perf_counter() - self._t0), num_reqs,
+                                     num_tokens, num_drafts > 0)
 
     def take_stats(self) -> tuple[int, int, int, list[int]]:
         """(drafts, draft tokens, accepted tokens, accepted per position) since last call."""

@@ -177,6 +177,9 @@ class CudaGraphRunner:
                          for _ in range(2)]
         self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphShape, torch.Tensor] = {}
+        # Each kept graph's replay time at capture, ms (the speculation policy's step-cost
+        # curve: worker/step_cost.py).
+        self.replay_ms: dict[GraphShape, float] = {}
         self.pool = None
 
     @staticmethod
@@ -257,6 +260,7 @@ class CudaGraphRunner:
             larger[shape.decode] = ms
             self.graphs[shape] = g
             self.outputs[shape] = out
+            self.replay_ms[shape] = ms
         torch.cuda.synchronize(self.device)
         used = torch.cuda.memory_reserved(self.device) - reserved0
         self.sizes = [s for s in self.sizes if GraphShape(s, s, True) not in pruned]

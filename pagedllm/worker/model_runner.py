@@ -131,10 +131,12 @@ class StepHandle:
     logprobs: Any = None
     event: Any = None
     done: bool = False
-    # Speculative decoding: tokens_host is [R, spec_width] (PLACEHOLDER-padded).
+    # Speculative decoding: tokens_host is [R, spec_width] (PLACEHOLDER-padded); drafts
+    # per request to propose once the tokens are in (the scheduler's policy).
     spec_width: int = 0
     # EAGLE: the step's hidden states for the proposer (spec_decode/eagle_proposer.py).
     target_states: Any = None
+    num_spec_proposals: int = 0
 
     def result(self) -> ModelRunnerOutput:
         if not self.done:
@@ -450,7 +452,8 @@ class ModelRunner:
         sample_idx = np.nonzero(sampling)[0]
         states = [self.requests[order[i]] for i in sample_idx]
         handle = StepHandle(self, ModelRunnerOutput(
-            req_ids=order, sampled_token_ids=[[] for _ in order]), states, sample_idx)
+            req_ids=order, sampled_token_ids=[[] for _ in order]), states, sample_idx,
+            num_spec_proposals=sched.num_spec_proposals)
         if self.spec is not None and self.spec.wants_target_states and hidden is not None:
             self._eagle_states(handle, order, rows, inp, num_computed, num_new, hidden,
                                sampling)
@@ -603,16 +606,20 @@ class ModelRunner:
         assert self.spec is not None
         live = [(self.batch.row_of[st.req_id], st) for st in handle.states
                 if st.req_id in self.batch.row_of]
-        # A large batch gets no drafts from the scheduler: do not spend time on them
-        # (an EAGLE head still reads the step's states: its KV must follow the target).
-        if live and len(live) <= self.spec.config.disable_by_batch_size:
-            rows, states = zip(*live)
-            props = self.spec.propose(self.batch, list(rows), states, self.h2d,
+        # Only as many as the scheduler's policy expects to verify (often none at large
+        # batch): proposing costs host (n-gram) or device (draft model) time.  Seeded
+        # requests get theirs always (SpecScheduling.take).  An EAGLE head reads the
+        # step's states for every request even when nothing is proposed (a cap of 0
+        # writes its KV only): its KV must follow the target.
+        k = handle.num_spec_proposals
+        proposing = live
+        if k <= 0 and handle.target_states is None:
+            proposing = [(row, st) for row, st in live if st.params.seed is not None]
+        if proposing:
+            rows, states = zip(*proposing)
+            props = self.spec.propose(self.batch, list(rows), states, self.h2d, k,
                                       handle.target_states)
             handle.out.spec_token_ids = {st.req_id: d for st, d in zip(states, props) if d}
-        elif live and handle.target_states is not None:
-            self.spec.observe(self.batch, [row for row, _ in live],
-                              [st.req_id for _, st in live], self.h2d, handle.target_states)
         handle.target_states = None  # the proposer is done with them
 
     def record_sampled_tokens(self, req_ids: list[str],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ from pagedllm.distributed.parallel_state import (
 )
 from pagedllm.layers.linear import head_partition
 from pagedllm.models.loader import load_model, weight_bytes
+from pagedllm.spec_decode.policy import StepCostCurve
 from pagedllm.worker.block_ops import BlockOps, allocate_swap_space
 from pagedllm.worker.cuda_graphs import (
     GRAPH_MEMORY_MARGIN,
@@ -39,6 +41,7 @@ from pagedllm.worker.kv_groups import bind_kv_cache_groups
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
 from pagedllm.worker.profile import profile_run, profile_tokens, warm_logits_and_sampling
 from pagedllm.worker.startup_memory import check_cpu_kv_fits
+from pagedllm.worker.step_cost import measure_step_cost
 
 logger = logging.getLogger("pagedllm")
 
@@ -96,6 +99,8 @@ class Worker:
         self.kv_caches: list[torch.Tensor] = []
         self.swap_caches: list[torch.Tensor] = []
         self.num_cpu_blocks = 0
+        # Speculative decoding: the measured step-cost curve (worker/step_cost.py).
+        self.step_cost: StepCostCurve | None = None
         # The memory plan's share for CUDA graphs (the fixed margin when the KV cache
         # size is given outright).
         self.graph_margin = GRAPH_MEMORY_MARGIN
@@ -340,6 +345,15 @@ class Worker:
             warm_logits_and_sampling(self)
             logger.info("warmed lm_head at 1-%d rows and the sampler in %.2f s",
                         self.config.scheduler_config.max_num_seqs, time.perf_counter() - t0)
+        spec = self.config.scheduler_config.speculative_config
+        if spec is not None:  # the speculation policy's input (spec_decode/policy.py)
+            t0 = time.perf_counter()
+            sc = self.config.scheduler_config
+            self.step_cost = measure_step_cost(self.runner, sc.max_num_seqs,
+                                               sc.max_num_batched_tokens,
+                                               spec.num_speculative_tokens)
+            logger.info("step-cost curve for speculative decoding (%.2f s): %s",
+                        time.perf_counter() - t0, self.step_cost.describe())
         tokens = (num_blocks - 1) * cc.block_size
         kv_bytes = mc.kv_bytes_per_token(cc.cache_dtype)
         gained = ""
@@ -364,6 +378,10 @@ class Worker:
         when running eagerly)."""
         graphs = self.runner.graphs if self.runner is not None else None
         return list(graphs.chunk_sizes) if graphs is not None else []
+
+    def step_cost_curve(self) -> dict[str, Any] | None:
+        """The measured step-cost curve as plain lists (None without speculation)."""
+        return self.step_cost.to_dict() if self.step_cost is not None else None
 
     def set_grammar_compiler(self, compiler: object) -> None:
         """Where the runner finds structured-output grammars (the core's compiler)."""

@@ -1,0 +1,282 @@
+"""The per-step speculation policy: how many drafts per request this step verifies
+(``k'`` in ``0..num_speculative_tokens``), chosen to maximise expected emitted tokens per
+unit of time.  Torch-free: the scheduler runs it.
+
+```
+ expected tokens of a request with m drafts   E(m) = 1 + sum_{i=1..m} a_1 a_2 ... a_i
+ (a_i: P(draft i accepted | drafts < i accepted), an EMA of what verification saw)
+
+ gain(k') = [sum_r E(min(m_r, k')) / B]  /  [cost(B + sum_r min(m_r, k')) / cost(B)]
+             tokens emitted per request       time of the verify step relative to a
+             (B running, m_r drafts each)     plain decode step (the measured curve)
+
+ k' = argmax gain, and 0 unless that gain >= MIN_GAIN (3%)
+```
+
+``cost`` is a :class:`StepCostCurve`, measured by the worker at start-up (never
+guessed; ``worker/step_cost.py``): on CUDA the replay times the graph capture already
+takes of every decode graph (a plain step of B requests replays the decode graph of
+size >= B) and every chunk graph (a verify step of T tokens replays the chunk graph of
+size >= T); running eagerly (CPU, ``enforce_eager``), forwards of 1, 2, 4, ... tokens
+timed once at start-up.  Neither includes the context's attention (captured at context
+0-1): real contexts add the same KV reads to both steps, so the measured ratio is an
+upper bound -- the policy errs towards not speculating.
+
+The curve covers the forward only; what else a verify step costs (logits of k + 1 rows,
+rejection sampling, proposing) is calibrated online: the engine loop is synchronous
+while speculation is configured, so the scheduler knows each step's wall time, and the
+policy keeps one EMA of measured / predicted time for plain decode steps and one for
+verify steps (:meth:`SpecPolicy.observe_time`).  Their quotient scales every predicted
+verify cost.
+
+Acceptance starts optimistic (the prior ``PRIOR_ACCEPTANCE`` at position 1, each later
+position's prior being the estimate of the one before), so speculation is tried; when
+the policy turns drafts off because acceptance is low (the curve alone would allow
+them), it keeps *probing*: after ``probe_gap`` plain steps one step is proposed and
+verified at the prior's choice of k', the gap sized so that probes cost at most
+``PROBE_BUDGET`` (1%) of the time, and at least ``MIN_PROBE_GAP`` steps.  No randomness:
+given the same curve and the same step times, the same steps carry drafts.
+
+``disable_by_batch_size`` (vLLM's name) stays a hard cap above this: no drafts while
+more requests run.
+
+Whatever it decides, greedy output is unchanged: drafts are verified by the target.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MIN_GAIN = 1.03  # speculate only for at least 3% more expected tokens per unit time
+PRIOR_ACCEPTANCE = 0.5  # P(draft 1 accepted) before anything was verified
+PRIOR_WEIGHT = 4.0  # the prior counts as this many verified drafts per position
+DECAY = 0.9  # per verify step: the acceptance estimate remembers ~10 steps
+TIME_DECAY = 0.9  # per timed step: the time calibration likewise
+PROBE_BUDGET = 0.01  # probes take at most ~1% of the time while speculation is off
+MIN_PROBE_GAP = 16
+MAX_PROBE_GAP = 4096
+
+
+def _lookup(points: Sequence[tuple[int, float]], x: int, padded: bool) -> float:
+    """The curve ``points`` ((size, ms), ascending) at ``x``: the smallest size >= x
+    (``padded``: a step pads up to a captured graph) or linear interpolation; below the
+    first point its time.  Beyond the last: padded (such a step runs eagerly, unmeasured)
+    or from a single point, proportional to the size (compute-bound, the pessimistic
+    bound); else the last segment's slope continued."""
+    x0, y0 = points[0]
+    if x <= x0:
+        return y0
+    for (xa, ya), (xb, yb) in zip(points, points[1:]):
+        if x <= xb:
+            return yb if padded else ya + (yb - ya) * (x - xa) / (xb - xa)
+    xl, yl = points[-1]
+    if padded or len(points) == 1:
+        return yl * x / xl
+    xa, ya = points[-2]
+    return yl + max(yl - ya, 0.0) * (x - xl) / (xl - xa)
+
+
+@dataclass(frozen=True)
+class StepCostCurve:
+    """Measured forward times in ms.  ``decode``: (requests, ms) of decode-only steps
+    (empty: use ``mixed`` at one token per request); ``mixed``: (tokens, ms) of steps
+    with several tokens per request (a verify step).  ``padded``: steps pad up to the
+    next measured size (CUDA graphs), else interpolate.  ``source``: how it was
+    measured, for the start-up log."""
+
+    decode: tuple[tuple[int, float], ...]
+    mixed: tuple[tuple[int, float], ...]
+    padded: bool
+    source: str
+
+    def __post_init__(self) -> None:
+        if not self.mixed:
+            raise ValueError("StepCostCurve: no mixed-step points")
+
+    def decode_ms(self, num_reqs: int) -> float:
+        """A plain step: ``num_reqs`` requests of one token."""
+        if self.decode:
+            return _lookup(self.decode, num_reqs, self.padded)
+        return _lookup(self.mixed, num_reqs, self.padded)
+
+    def mixed_ms(self, num_tokens: int) -> float:
+        """A verify step of ``num_tokens`` scheduled tokens."""
+        return _lookup(self.mixed, num_tokens, self.padded)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain lists (msgpack across processes)."""
+        return {"decode": [list(p) for p in self.decode],
+                "mixed": [list(p) for p in self.mixed],
+                "padded": self.padded, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StepCostCurve:
+        return cls(tuple((int(a), float(b)) for a, b in d["decode"]),
+                   tuple((int(a), float(b)) for a, b in d["mixed"]),
+                   bool(d["padded"]), str(d["source"]))
+
+    def describe(self) -> str:
+        def fmt(pts: Sequence[tuple[int, float]]) -> str:
+            return " ".join(f"{n}:{ms:.2f}" for n, ms in pts)
+        dec = f"decode (requests:ms) {fmt(self.decode)}; " if self.decode else ""
+        return f"{self.source}: {dec}verify (tokens:ms) {fmt(self.mixed)}"
+
+
+class AcceptanceEstimate:
+    """Per draft position i, an EMA of P(draft i accepted | drafts < i accepted),
+    shrunk towards a prior: position 1's is ``prior``, position i's the estimate of
+    position i - 1 (a position never tried looks like the one before it)."""
+
+    def __init__(self, k: int, prior: float = PRIOR_ACCEPTANCE,
+                 weight: float = PRIOR_WEIGHT, decay: float = DECAY) -> None:
+        self.k, self.prior, self.weight, self.decay = k, prior, weight, decay
+        self.hits = [0.0] * k
+        self.tries = [0.0] * k
+
+    def update(self, tries: Sequence[int], hits: Sequence[int]) -> None:
+        """One verify step's counts: ``tries[i]`` drafts at position i + 1 were checked
+        (their predecessors all accepted), ``hits[i]`` of them accepted."""
+        d = self.decay
+        for i in range(self.k):  # over positions (<= 32), not tokens
+            self.tries[i] = d * self.tries[i] + tries[i]
+            self.hits[i] = d * self.hits[i] + hits[i]
+
+    def rates(self) -> list[float]:
+        out, prev = [], self.prior
+        for h, t in zip(self.hits, self.tries):
+            prev = (h + self.weight * prev) / (t + self.weight)
+            out.append(prev)
+        return out
+
+
+def expected_tokens(rates: Sequence[float]) -> list[float]:
+    """E(m) for m = 0..len(rates): tokens a request with m drafts emits on average."""
+    out, p = [1.0], 1.0
+    for a in rates:
+        p *= a
+        out.append(out[-1] + p)
+    return out
+
+
+class SpecPolicy:
+    """See the module doc.  Per step the scheduler calls :meth:`plan` (this step's k'
+    given the running requests' draft counts, and how many drafts the runner should
+    propose for the next step), then after the step :meth:`observe` (acceptance) and
+    :meth:`observe_time` (wall time)."""
+
+    def __init__(self, k: int, curve: StepCostCurve | None,
+                 max_batch: int | None = None, min_gain: float = MIN_GAIN) -> None:
+        """``curve`` None (no measurement, e.g. a scheduler without a runner): cost is
+        taken as flat, so only acceptance decides."""
+        self.k = k
+        self.curve = curve
+        self.max_batch = max_batch
+        self.min_gain = min_gain
+        self.acceptance = AcceptanceEstimate(k)
+        self._prior_rates = AcceptanceEstimate(k).rates()
+        # EMAs of measured and of predicted step time, [plain, verify] steps
+        self._time = [[0.0, 0.0], [0.0, 0.0]]
+        self._idle = 0  # plain steps since speculation was last tried
+        self._probe_next = False
+        self.num_probes = 0
+
+    # -- the decision --------------------------------------------------------------------
+    def _cost_ratio(self, num_reqs: int, num_tokens: int) -> float:
+        """Predicted time of a verify step of ``num_tokens`` tokens over that of a plain
+        step of ``num_reqs``, calibrated by the measured step times."""
+        if self.curve is None:
+            return 1.0
+        raw = self.curve.mixed_ms(num_tokens) / self.curve.decode_ms(num_reqs)
+        return raw * self.time_factor(True) / self.time_factor(False)
+
+    def time_factor(self, verify: bool) -> float:
+        """Measured over predicted time of plain (or verify) steps so far; 1 before any
+        plain step was timed, and a verify step's is taken as a plain step's until one
+        was timed (same overheads)."""
+        measured, predicted = self._time[verify]
+        if predicted > 0:
+            return measured / predicted
+        return self.time_factor(False) if verify else 1.0
+
+    def best(self, num_reqs: int, hist: Sequence[int],
+             rates: Sequence[float]) -> tuple[int, float]:
+        """(k', gain) maximising gain for ``num_reqs`` requests of which ``hist[m]``
+        have m drafts ready (m = 0..k), under acceptance ``rates``; k' = 0 (gain 1.0)
+        when no k' reaches ``min_gain``."""
+        if num_reqs <= 0 or (self.max_batch is not None and num_reqs > self.max_batch):
+            return 0, 1.0
+        e = expected_tokens(rates)
+        best_k, best_gain = 0, 1.0
+        for kp in range(1, self.k + 1):  # over k' (<= 32) x draft counts (<= 33)
+            extra = emitted = 0.0
+            for m, n in enumerate(hist):
+                if n:
+                    c = min(m, kp)
+                    extra += n * c
+                    emitted += n * (e[c] - 1.0)
+            if not extra:
+                break  # no request has drafts
+            gain = (1.0 + emitted / num_reqs) / self._cost_ratio(
+                num_reqs, num_reqs + int(extra))
+            if gain > best_gain:
+                best_k, best_gain = kp, gain
+        return (best_k, best_gain) if best_gain >= self.min_gain else (0, 1.0)
+
+    def plan(self, num_reqs: int, hist: Sequence[int]) -> tuple[int, int]:
+        """(k' for this step, drafts per request to propose for the next step).
+
+        ``hist[m]``: how many of the ``num_reqs`` running requests hold m drafts.  The
+        proposal count assumes the next step looks like this one with full drafts."""
+        rates = self.acceptance.rates()
+        if self._probe_next:  # drafts were proposed for a probe: verify at the prior
+            self._probe_next = False
+            self.num_probes += 1
+            k_now = self.best(num_reqs, hist, self._prior_rates)[0]
+        else:
+            k_now = self.best(num_reqs, hist, rates)[0]
+        full = [0] * self.k + [num_reqs]
+        k_next = self.best(num_reqs, full, rates)[0]
+        if k_next:
+            self._idle = 0
+            return k_now, k_next
+        k_prior, gain = self.best(num_reqs, full, self._prior_rates)
+        if not k_prior:
+            return k_now, 0  # the curve says no whatever acceptance: nothing to probe
+        self._idle += 1
+        if self._idle >= self.probe_gap(num_reqs, k_prior):
+            self._idle = 0
+            self._probe_next = True
+            return k_now, k_prior
+        return k_now, 0
+
+    def probe_gap(self, num_reqs: int, k: int) -> int:
+        """Plain steps between probes: a probe at k' drafts per request costs about
+        cost_ratio - 1 plain steps more than a plain step, held to ``PROBE_BUDGET``."""
+        extra = self._cost_ratio(num_reqs, num_reqs * (k + 1)) - 1.0
+        gap = math.ceil(max(extra, 0.0) / PROBE_BUDGET)
+        return min(max(gap, MIN_PROBE_GAP), MAX_PROBE_GAP)
+
+    # -- what the step showed ----------------------------------------------------------------
+    def observe(self, tries: Sequence[int], hits: Sequence[int]) -> None:
+        """Per-position counts of one verify step (``AcceptanceEstimate.update``)."""
+        self.acceptance.update(tries, hits)
+
+    def observe_time(self, ms: float, num_reqs: int, num_tokens: int, verify: bool) -> None:
+        """A decode-only step (every request one token, plus drafts when ``verify``)
+        took ``ms`` of wall time: calibrate the curve's prediction for its kind."""
+        if self.curve is None or num_reqs <= 0:
+            return
+        pred = self.curve.mixed_ms(num_tokens) if verify else self.curve.decode_ms(num_reqs)
+        t = self._time[verify]
+        t[0] = TIME_DECAY * t[0] + ms
+        t[1] = TIME_DECAY * t[1] + pred
+
+    def describe(self) -> str:
+        cap = "none" if self.max_batch is None else str(self.max_batch)
+        curve = self.curve.describe() if self.curve is not None else "none (flat cost)"
+        return (f"per-step k' in 0..{self.k} maximising expected tokens per unit time "
+                f"(min gain {self.min_gain:.2f}, prior acceptance {PRIOR_ACCEPTANCE}, "
+                f"disable_by_batch_size {cap}); step cost {curve}")
