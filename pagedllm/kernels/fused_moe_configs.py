@@ -67,7 +67,18 @@ class DecodeConfig(NamedTuple):
 # The decode path, per (E, I, H): token count T -> DecodeConfig (the entry with the
 # nearest T, as ``get_config``).  Shapes not listed get ``fused_moe_decode``'s heuristic;
 # ``moe_bench --sweep`` times candidates at T = 1, 2, 4, 8 and prints entries.
-DECODE_CONFIGS: dict[tuple[int, int, int], dict[int, DecodeConfig]] = {}
+DECODE_CONFIGS: dict[tuple[int, int, int], dict[int, DecodeConfig]] = {
+    # `python -m pagedllm.benchmarks.moe_bench --sweep --decode-only --shapes
+    # qwen3-30b-a3b` on one H200 (2026-12-02); the whole layer call under graph replay.
+    # The K split of every reduction is the same at each T (gate-up 2048, down 256), so
+    # a token's sums do not depend on how many tokens share the step.
+    (128, 768, 2048): {  # qwen3-30b-a3b
+        1: DecodeConfig(4, 2048, 4, 8, 256, 4, True, False),  # 23.2 us (heuristic 39.2)
+        2: DecodeConfig(4, 2048, 4, 4, 256, 4, True, False),  # 39.9 us (heuristic 67.3)
+        4: DecodeConfig(4, 2048, 4, 4, 256, 4, True, False),  # 69.4 us (heuristic 124.9)
+        8: DecodeConfig(4, 2048, 4, 4, 256, 4, True, False),  # 120.2 us (heuristic 234.9)
+    },
+}
 
 
 def get_decode_config(tokens: int, num_experts: int, inter: int,
