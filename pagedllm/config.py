@@ -288,10 +288,10 @@ class EngineArgs:
         if spec is not None and self.pipeline_parallel_size != 1:
             raise ValueError("speculative_config is not supported with "
                              "pipeline_parallel_size > 1")
-        if spec is not None and self.async_scheduling:
-            # The next step's drafts come from this step's accepted tokens.
+        if spec is not None and spec.method != "ngram" and self.async_scheduling:
+            # A draft model's / EAGLE head's KV follows every step's accepted tokens.
             raise ValueError("async_scheduling is not supported with speculative_config "
-                             "(leave it unset: it is then off)")
+                             f"method {spec.method!r} (leave it unset: it is then off)")
 
         device = self.device
         if device == "auto":
@@ -394,9 +394,10 @@ class EngineArgs:
                 preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
                 max_swap_blocks_per_step=max(1, SWAP_BYTES_PER_STEP // (
                     model_config.kv_bytes_per_token(cache_dtype) * self.block_size)),
-                # Speculation needs each step's accepted tokens to propose the next
-                # step's drafts, so it runs synchronously.
-                async_scheduling=spec is None and (
+                # A draft model / EAGLE head follows each step's accepted tokens, so it
+                # runs synchronously; n-gram speculation pauses async scheduling only
+                # while the policy wants proposals (Scheduler.requires_sync).
+                async_scheduling=(spec is None or spec.method == "ngram") and (
                     device == "cuda" if self.async_scheduling is None
                     else bool(self.async_scheduling)),
                 max_loras=lora.max_loras if lora else 0,

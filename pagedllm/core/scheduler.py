@@ -740,8 +740,11 @@ class Scheduler:
         next step is scheduled: penalties read the generated tokens, forks and beams
         rearrange sequences, prompt logprobs and swapping are synchronous.  Async
         scheduling pauses then.  (``min_tokens`` needs only the *count* of generated
-        tokens, which the runner knows including the one in flight.)"""
+        tokens, which the runner knows including the one in flight.)  Speculative
+        decoding: while proposals are wanted (``SpecScheduling.needs_sync``)."""
         if self.beam_groups or self.config.preemption_mode == "swap":
+            return True
+        if self.spec is not None and self.spec.needs_sync(self.running):
             return True
         # Candidates only: a request's parameters never change, and fork_ids only empties.
         return any(_needs_sync(r) for r in self._may_need_sync.values())

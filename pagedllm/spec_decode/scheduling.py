@@ -55,6 +55,8 @@ class SpecScheduling:
         # Totals since start (for benchmarks and tests; the metrics read take_stats).
         self.total_draft_tokens = self.total_accepted_tokens = self.total_drafts = 0
         self.total_steps = self.total_spec_steps = 0  # decode steps / those with drafts
+        # The last plan asked the runner for proposals (the next step needs them).
+        self._proposing = True
 
     def plan(self, running: Sequence[Request]) -> tuple[int, int]:
         """(drafts per request this step, drafts per request to propose for the next):
@@ -64,7 +66,23 @@ class SpecScheduling:
         hist = [0] * (k + 1)
         for r in running:  # over requests, not tokens
             hist[min(len(r.spec_token_ids), k)] += 1
-        return self.policy.plan(len(running), hist)
+        k_now, k_next = self.policy.plan(len(running), hist)
+        self._proposing = k_next > 0
+        return k_now, k_next
+
+    def needs_sync(self, running: Sequence[Request]) -> bool:
+        """Whether the next step must wait for this one's tokens (async scheduling pauses).
+
+        A proposer drafts from a step's emitted tokens, so the step after one that
+        proposes runs synchronously; while the policy has speculation off (no proposals)
+        nothing needs them and an n-gram engine keeps async scheduling, so a large batch
+        pays nothing for speculation being enabled.  Draft models and EAGLE heads follow
+        the target every step (their KV), so they always run synchronously, as do
+        seeded requests (they propose and verify every step: ``take``)."""
+        if self.config.method != "ngram" or self._proposing:
+            return True
+        return any(r.sampling_params.seed is not None or r.spec_token_ids
+                   for r in running)
 
     @staticmethod
     def take(req: Request, n: int, budget: int, cap: int) -> list[int]:

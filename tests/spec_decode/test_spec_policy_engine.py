@@ -93,3 +93,53 @@ def test_greedy_identical_whatever_the_policy_decides(want, spec_llm, curve):
     if curve == "steep":  # speculated, but not always at full k, and not every step
         assert 0 < spec_steps < steps
         assert draft_tokens < K * drafts
+
+
+@pytest.fixture(scope="module")
+def async_spec_llm():
+    return LLM(kv_cache_memory_bytes=32 << 20, max_model_len=256,
+               max_num_batched_tokens=256, quantization="none", async_scheduling=True,
+               speculative_config={"method": "ngram", "num_speculative_tokens": K,
+                                   "prompt_lookup_max": 3})
+
+
+@pytest.mark.parametrize("curve", ["steep", "linear"])
+def test_ngram_keeps_async_scheduling_while_the_policy_is_off(want, async_spec_llm, curve):
+    """n-gram speculation pauses async scheduling only while proposals are wanted: with a
+    compute-bound curve (no drafts after the optimistic start) most steps run async; with
+    a steep one some steps speculate, and the output is the same either way."""
+    core = async_spec_llm.llm_engine.client.core
+    assert core.async_scheduling
+    spec = core.scheduler.spec
+    measured = spec.policy.curve
+    spec.policy = SpecPolicy(K, STEEP if curve == "steep" else StepCostCurve(
+        (), ((1, 1.0), (1024, 1024.0)), False, "synthetic linear"))
+    seen: list[bool] = []
+    real = core.scheduler.requires_sync
+
+    def spy() -> bool:
+        seen.append(real())
+        return seen[-1]
+
+    core.scheduler.requires_sync = spy
+    before = spec.total_spec_steps
+    try:
+        got = _run(async_spec_llm)
+    finally:
+        core.scheduler.requires_sync = real
+        spec.policy = SpecPolicy(K, measured)
+    assert got == want
+    if curve == "linear":
+        assert spec.total_spec_steps == before
+        assert seen.count(False) > len(seen) // 2  # mostly async
+    else:
+        assert spec.total_spec_steps > before and True in seen
+
+
+def test_async_scheduling_refused_with_a_draft_model():
+    from pagedllm.config import EngineArgs
+
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineArgs(model="x", async_scheduling=True,
+                   speculative_config={"method": "draft_model", "model": "y",
+                                       "num_speculative_tokens": 2}).create_engine_config()
