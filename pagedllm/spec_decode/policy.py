@@ -26,7 +26,8 @@ The curve covers the forward only; what else a verify step costs (logits of k + 
 rejection sampling, proposing) is calibrated online: the engine loop is synchronous
 while speculation is configured, so the scheduler knows each step's wall time, and the
 policy keeps one EMA of measured / predicted time for plain decode steps and one for
-verify steps (:meth:`SpecPolicy.observe_time`).  Their quotient scales every predicted
+speculating steps -- verifying drafts and proposing the next: a draft model's forwards
+count here (:meth:`SpecPolicy.observe_time`).  Their quotient scales every predicted
 verify cost.
 
 Acceptance starts optimistic (the prior ``PRIOR_ACCEPTANCE`` at position 1, each later
@@ -193,13 +194,12 @@ class SpecPolicy:
         return raw * self.time_factor(True) / self.time_factor(False)
 
     def time_factor(self, verify: bool) -> float:
-        """Measured over predicted time of plain (or verify) steps so far; 1 before any
-        plain step was timed, and a verify step's is taken as a plain step's until one
-        was timed (same overheads)."""
-        measured, predicted = self._time[verify]
-        if predicted > 0:
-            return measured / predicted
-        return self.time_factor(False) if verify else 1.0
+        """Measured over predicted time of plain (or speculating) steps so far; until
+        one of a kind was timed, the other kind's (same overheads), or 1."""
+        for measured, predicted in (self._time[verify], self._time[not verify]):
+            if predicted > 0:
+                return measured / predicted
+        return 1.0
 
     def best(self, num_reqs: int, hist: Sequence[int],
              rates: Sequence[float]) -> tuple[int, float]:
