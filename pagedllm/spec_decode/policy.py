@@ -28,7 +28,9 @@ while speculation is configured, so the scheduler knows each step's wall time, a
 policy keeps one EMA of measured / predicted time for plain decode steps and one for
 speculating steps -- verifying drafts and proposing the next: a draft model's forwards
 count here (:meth:`SpecPolicy.observe_time`).  Their quotient scales every predicted
-verify cost.
+verify cost.  Speculation that stays on times no plain step, so every
+``PLAIN_PROBE_GAP`` speculating steps (the first after ``FIRST_PLAIN_PROBE``) it
+proposes nothing for two steps, the second of which is a plain step to time.
 
 Acceptance starts optimistic (the prior ``PRIOR_ACCEPTANCE`` at position 1, each later
 position's prior being the estimate of the one before), so speculation is tried; when
@@ -59,6 +61,11 @@ TIME_DECAY = 0.9  # per timed step: the time calibration likewise
 PROBE_BUDGET = 0.01  # probes take at most ~1% of the time while speculation is off
 MIN_PROBE_GAP = 16
 MAX_PROBE_GAP = 4096
+# While speculating: a plain step is timed after this many speculating steps (the first
+# one sooner), so that the calibration compares like with like; two steps without
+# proposals each time (~1.5% of the speculation's gain).
+PLAIN_PROBE_GAP = 128
+FIRST_PLAIN_PROBE = 8
 
 
 def _lookup(points: Sequence[tuple[int, float]], x: int, padded: bool) -> float:
@@ -183,6 +190,11 @@ class SpecPolicy:
         self._idle = 0  # plain steps since speculation was last tried
         self._probe_next = False
         self.num_probes = 0
+        # Speculating steps since a plain step was last timed, and the plain steps left
+        # of a plain probe (below).
+        self._spec_run = 0
+        self._plain_left = 0
+        self.num_plain_probes = 0
 
     # -- the decision --------------------------------------------------------------------
     def _cost_ratio(self, num_reqs: int, num_tokens: int) -> float:
@@ -239,8 +251,21 @@ class SpecPolicy:
             k_now = self.best(num_reqs, hist, rates)[0]
         full = [0] * self.k + [num_reqs]
         k_next = self.best(num_reqs, full, rates)[0]
+        if self._plain_left:  # a plain probe: propose nothing for two steps
+            self._plain_left -= 1
+            return k_now, 0
         if k_next:
             self._idle = 0
+            self._spec_run += 1
+            if self._spec_run >= (PLAIN_PROBE_GAP if self._time[False][1] else
+                                  FIRST_PLAIN_PROBE):
+                # While speculation stays on no plain step is timed, so the calibration
+                # would compare speculating steps with stale (or no) plain ones: two
+                # steps without proposals give one plain step to time.
+                self._spec_run = 0
+                self._plain_left = 1
+                self.num_plain_probes += 1
+                return k_now, 0
             return k_now, k_next
         k_prior, gain = self.best(num_reqs, full, self._prior_rates)
         if not k_prior:
@@ -269,6 +294,8 @@ class SpecPolicy:
         took ``ms`` of wall time: calibrate the curve's prediction for its kind."""
         if self.curve is None or num_reqs <= 0:
             return
+        if not verify:
+            self._spec_run = 0
         pred = self.curve.mixed_ms(num_tokens) if verify else self.curve.decode_ms(num_reqs)
         t = self._time[verify]
         t[0] = TIME_DECAY * t[0] + ms

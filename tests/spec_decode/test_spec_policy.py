@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.spec_decode.policy import (
+    FIRST_PLAIN_PROBE,
     MIN_PROBE_GAP,
+    PLAIN_PROBE_GAP,
     PROBE_BUDGET,
     AcceptanceEstimate,
     SpecPolicy,
@@ -178,3 +180,22 @@ def test_deterministic():
                 reject_all(p, 32) if i % 3 else accept_all(p, 32, 1)
         return out
     assert run() == run()
+
+
+def test_plain_probe_times_a_plain_step_while_speculating():
+    p = SpecPolicy(K, FLAT)
+    accept_all(p, 8)
+    plans = [p.plan(8, full(8)) for _ in range(FIRST_PLAIN_PROBE + 1)]
+    assert plans[:FIRST_PLAIN_PROBE - 1] == [(K, K)] * (FIRST_PLAIN_PROBE - 1)
+    assert plans[FIRST_PLAIN_PROBE - 1:] == [(K, 0), (K, 0)]  # two steps, no proposals
+    p.observe_time(5.0, 8, 8, verify=False)  # the second was plain: timed
+    assert p.num_plain_probes == 1
+    later = [p.plan(8, full(8)) for _ in range(PLAIN_PROBE_GAP)]
+    assert later[:-1] == [(K, K)] * (PLAIN_PROBE_GAP - 1) and later[-1] == (K, 0)
+    # A draft step costing 10x a plain one: once both are timed, speculation stops.
+    q = SpecPolicy(K, FLAT)
+    accept_all(q, 8)
+    for _ in range(3):
+        q.observe_time(50.0, 8, 8 * (K + 1), verify=True)
+    q.observe_time(5.0, 8, 8, verify=False)
+    assert q.plan(8, full(8)) == (0, 0)
