@@ -148,6 +148,8 @@ def main(args: argparse.Namespace) -> int:
            "mean_accepted_length": 1 + accepted / max(1, drafts),
            "acceptance_rate": accepted / max(1, draft_tokens),
            "decode_steps": steps, "steps_with_drafts": spec_steps, "probes": probes,
+           "plain_probes": spec.policy.num_plain_probes,
+           "time_factors": [spec.policy.time_factor(False), spec.policy.time_factor(True)],
            "acceptance_estimate": [round(a, 3) for a in spec.policy.acceptance.rates()],
            "step_cost": spec.policy.curve.describe() if spec.policy.curve else None,
            "device": llms["off"].llm_engine.config.device_config.device,
@@ -161,7 +163,8 @@ def main(args: argparse.Namespace) -> int:
           f"(acceptance rate {res['acceptance_rate']:.1%}); decode steps with drafts "
           f"{spec_steps}/{steps} ({probes} probes); acceptance estimate per position "
           f"{res['acceptance_estimate']}")
-    print(f"  step cost: {res['step_cost']}")
+    print(f"  step cost: {res['step_cost']}; measured/predicted step time: plain "
+          f"{res['time_factors'][0]:.2f}, speculating {res['time_factors'][1]:.2f}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(res, f, indent=2)

@@ -687,7 +687,8 @@ class Scheduler:
         if self.spec is not None:
             self.spec.end_step(len(sched.num_scheduled_tokens),
                                sched.total_num_scheduled_tokens,
-                               sum(map(len, sched.scheduled_spec_decode_tokens.values())))
+                               sum(map(len, sched.scheduled_spec_decode_tokens.values())),
+                               sched.num_spec_proposals > 0)
             (stats.spec_num_drafts, stats.spec_num_draft_tokens,
              stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos) = \
                 self.spec.take_stats()

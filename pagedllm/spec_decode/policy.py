@@ -26,15 +26,21 @@ The curve covers the forward only; what else a verify step costs (logits of k + 
 rejection sampling, proposing) is calibrated online: the engine loop is synchronous
 while speculation is configured, so the scheduler knows each step's wall time, and the
 policy keeps one EMA of measured / predicted time for plain decode steps and one for
-verify steps (:meth:`SpecPolicy.observe_time`).  Their quotient scales every predicted
-verify cost.
+speculating steps -- verifying drafts and proposing the next: a draft model's forwards
+count here (:meth:`SpecPolicy.observe_time`).  Their quotient scales every predicted
+verify cost.  Speculation that stays on times no plain step, so every
+``PLAIN_PROBE_GAP`` speculating steps (the first after ``FIRST_PLAIN_PROBE``) it
+proposes nothing for two steps, the second of which is a plain step to time.
 
 Acceptance starts optimistic (the prior ``PRIOR_ACCEPTANCE`` at position 1, each later
 position's prior being the estimate of the one before), so speculation is tried; when
-the policy turns drafts off because acceptance is low (the curve alone would allow
-them), it keeps *probing*: after ``probe_gap`` plain steps one step is proposed and
-verified at the prior's choice of k', the gap sized so that probes cost at most
-``PROBE_BUDGET`` (1%) of the time, and at least ``MIN_PROBE_GAP`` steps.  No randomness:
+the policy turns drafts off while the uncalibrated curve would allow them at the prior's
+acceptance (low acceptance, or a costly calibration), it keeps *probing*: after
+``probe_gap`` plain steps drafts are proposed for one step, which verifies them at the
+prior's choice of k' and proposes again (so it is timed as a speculating step); the gap
+is sized so that probes cost at most ``PROBE_BUDGET`` (1%) of the time (calibrated),
+and at least ``MIN_PROBE_GAP`` steps.  The first timed step of each kind is not counted
+(first-call costs), and a step counts at most twice the current factor (stalls).  No randomness:
 given the same curve and the same step times, the same steps carry drafts.
 
 ``disable_by_batch_size`` (vLLM's name) stays a hard cap above this: no drafts while
@@ -58,6 +64,11 @@ TIME_DECAY = 0.9  # per timed step: the time calibration likewise
 PROBE_BUDGET = 0.01  # probes take at most ~1% of the time while speculation is off
 MIN_PROBE_GAP = 16
 MAX_PROBE_GAP = 4096
+# While speculating: a plain step is timed after this many speculating steps (the first
+# one sooner), so that the calibration compares like with like; two steps without
+# proposals each time (~1.5% of the speculation's gain).
+PLAIN_PROBE_GAP = 128
+FIRST_PLAIN_PROBE = 8
 
 
 def _lookup(points: Sequence[tuple[int, float]], x: int, padded: bool) -> float:
@@ -179,30 +190,38 @@ class SpecPolicy:
         self._prior_rates = AcceptanceEstimate(k).rates()
         # EMAs of measured and of predicted step time, [plain, verify] steps
         self._time = [[0.0, 0.0], [0.0, 0.0]]
+        self._seen = [False, False]  # a step of the kind was timed (and not counted)
         self._idle = 0  # plain steps since speculation was last tried
         self._probe_next = False
         self.num_probes = 0
+        # Speculating steps since a plain step was last timed, and the plain steps left
+        # of a plain probe (below).
+        self._spec_run = 0
+        self._plain_left = 0
+        self.num_plain_probes = 0
 
     # -- the decision --------------------------------------------------------------------
-    def _cost_ratio(self, num_reqs: int, num_tokens: int) -> float:
+    def _cost_ratio(self, num_reqs: int, num_tokens: int, calibrated: bool = True,
+                    ) -> float:
         """Predicted time of a verify step of ``num_tokens`` tokens over that of a plain
-        step of ``num_reqs``, calibrated by the measured step times."""
+        step of ``num_reqs``, calibrated by the measured step times (or not)."""
         if self.curve is None:
             return 1.0
         raw = self.curve.mixed_ms(num_tokens) / self.curve.decode_ms(num_reqs)
+        if not calibrated:
+            return raw
         return raw * self.time_factor(True) / self.time_factor(False)
 
     def time_factor(self, verify: bool) -> float:
-        """Measured over predicted time of plain (or verify) steps so far; 1 before any
-        plain step was timed, and a verify step's is taken as a plain step's until one
-        was timed (same overheads)."""
-        measured, predicted = self._time[verify]
-        if predicted > 0:
-            return measured / predicted
-        return self.time_factor(False) if verify else 1.0
+        """Measured over predicted time of plain (or speculating) steps so far; until
+        one of a kind was timed, the other kind's (same overheads), or 1."""
+        for measured, predicted in (self._time[verify], self._time[not verify]):
+            if predicted > 0:
+                return measured / predicted
+        return 1.0
 
-    def best(self, num_reqs: int, hist: Sequence[int],
-             rates: Sequence[float]) -> tuple[int, float]:
+    def best(self, num_reqs: int, hist: Sequence[int], rates: Sequence[float],
+             calibrated: bool = True) -> tuple[int, float]:
         """(k', gain) maximising gain for ``num_reqs`` requests of which ``hist[m]``
         have m drafts ready (m = 0..k), under acceptance ``rates``; k' = 0 (gain 1.0)
         when no k' reaches ``min_gain``."""
@@ -220,7 +239,7 @@ class SpecPolicy:
             if not extra:
                 break  # no request has drafts
             gain = (1.0 + emitted / num_reqs) / self._cost_ratio(
-                num_reqs, num_reqs + int(extra))
+                num_reqs, num_reqs + int(extra), calibrated)
             if gain > best_gain:
                 best_k, best_gain = kp, gain
         return (best_k, best_gain) if best_gain >= self.min_gain else (0, 1.0)
@@ -231,18 +250,34 @@ class SpecPolicy:
         ``hist[m]``: how many of the ``num_reqs`` running requests hold m drafts.  The
         proposal count assumes the next step looks like this one with full drafts."""
         rates = self.acceptance.rates()
-        if self._probe_next:  # drafts were proposed for a probe: verify at the prior
+        full = [0] * self.k + [num_reqs]
+        if self._probe_next:  # drafts were proposed for a probe: verify at the prior,
+            # and propose again, so that the probe is timed as a speculating step
             self._probe_next = False
             self.num_probes += 1
-            k_now = self.best(num_reqs, hist, self._prior_rates)[0]
-        else:
-            k_now = self.best(num_reqs, hist, rates)[0]
-        full = [0] * self.k + [num_reqs]
+            k_now = self.best(num_reqs, hist, self._prior_rates, calibrated=False)[0]
+            return k_now, k_now
+        k_now = self.best(num_reqs, hist, rates)[0]
         k_next = self.best(num_reqs, full, rates)[0]
+        if self._plain_left:  # a plain probe: propose nothing for two steps
+            self._plain_left -= 1
+            return k_now, 0
         if k_next:
             self._idle = 0
+            self._spec_run += 1
+            if self._spec_run >= (PLAIN_PROBE_GAP if self._time[False][1] else
+                                  FIRST_PLAIN_PROBE):
+                # While speculation stays on no plain step is timed, so the calibration
+                # would compare speculating steps with stale (or no) plain ones: two
+                # steps without proposals give one plain step to time.
+                self._spec_run = 0
+                self._plain_left = 1
+                self.num_plain_probes += 1
+                return k_now, 0
             return k_now, k_next
-        k_prior, gain = self.best(num_reqs, full, self._prior_rates)
+        # Probe while the measured curve alone (not its calibration, which may be stale)
+        # allows speculation at the prior's acceptance.
+        k_prior = self.best(num_reqs, full, self._prior_rates, calibrated=False)[0]
         if not k_prior:
             return k_now, 0  # the curve says no whatever acceptance: nothing to probe
         self._idle += 1
@@ -269,8 +304,15 @@ class SpecPolicy:
         took ``ms`` of wall time: calibrate the curve's prediction for its kind."""
         if self.curve is None or num_reqs <= 0:
             return
+        if not verify:
+            self._spec_run = 0
+        if not self._seen[verify]:  # its first-call costs (allocations, kernel loads)
+            self._seen[verify] = True
+            return
         pred = self.curve.mixed_ms(num_tokens) if verify else self.curve.decode_ms(num_reqs)
         t = self._time[verify]
+        if t[1] > 0:  # an outlier (a stall) counts at most twice the current factor
+            ms = min(ms, 2.0 * pred * t[0] / t[1])
         t[0] = TIME_DECAY * t[0] + ms
         t[1] = TIME_DECAY * t[1] + pred
 

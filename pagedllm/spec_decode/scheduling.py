@@ -120,9 +120,12 @@ class SpecScheduling:
         for i in range(min(accepted + 1, len(drafts))):  # positions verified
             self._tries[i] += 1
 
-    def end_step(self, num_reqs: int, num_tokens: int, num_drafts: int) -> None:
+    def end_step(self, num_reqs: int, num_tokens: int, num_drafts: int,
+                 proposed: bool) -> None:
         """After ``update_from_output``: give the policy the step's acceptance and, for
-        a decode-only step (``num_tokens == num_reqs + num_drafts``), its wall time."""
+        a decode-only step (``num_tokens == num_reqs + num_drafts``), its wall time --
+        as a speculating step's if it verified drafts and proposed more (``proposed``:
+        what steady speculation costs), as a plain step's if it did neither."""
         if num_drafts:
             self.policy.observe(self._tries, self._hits)
             k = self.config.num_speculative_tokens
@@ -130,8 +133,9 @@ class SpecScheduling:
         if num_reqs and num_tokens == num_reqs + num_drafts:
             self.total_steps += 1
             self.total_spec_steps += num_drafts > 0
-            self.policy.observe_time(1000 * (time.perf_counter() - self._t0), num_reqs,
-                                     num_tokens, num_drafts > 0)
+            if (num_drafts > 0) == proposed:  # not a step of switching on or off
+                self.policy.observe_time(1000 * (time.perf_counter() - self._t0),
+                                         num_reqs, num_tokens, proposed)
 
     def take_stats(self) -> tuple[int, int, int, list[int]]:
         """(drafts, draft tokens, accepted tokens, accepted per position) since last call."""

@@ -13,8 +13,8 @@ import torch
 import transformers
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.spec_decode.policy import SpecPolicy, StepCostCurve
 from tests.models.tiny_models import COMMON, VOCAB, randomize
+from tests.spec_decode.flat_cost import pin_flat_step_cost
 
 NEW, BLOCK, WINDOW = 24, 16, 16
 KV_HEADS, HEAD_DIM = 2, 16
@@ -114,8 +114,7 @@ def test_swap_forks_and_speculation_with_hybrid_groups(model) -> None:
                                                  "prompt_lookup_max": 3})
     # Rollback is what is tested here: a flat step cost, so that drafts are verified
     # whatever this (shared, noisy) CPU measured at start-up (spec_decode/policy.py).
-    sched_spec = spec.llm_engine.client.core.scheduler.spec
-    sched_spec.policy = SpecPolicy(3, StepCostCurve((), ((1, 1.0), (4096, 1.0)), False, "flat"))
+    pin_flat_step_cost(spec, 3)
     outs = spec.generate(_prompts()[2:], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref[2:]
     assert spec.llm_engine.client.core.scheduler.spec.total_accepted_tokens > 0

@@ -14,6 +14,7 @@ import transformers
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
+from tests.spec_decode.flat_cost import pin_flat_step_cost
 from tests.spec_decode.test_spec_greedy import PROMPTS
 
 PLAIN = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -40,9 +41,11 @@ def default_vocab() -> int:
 def _spec_llm(draft: str, kv_mib: int) -> LLM:
     # A KV cache of ~9 blocks (target and draft KV per block): the four sequences do not
     # fit at once (preemption); the shared "Text: ..." prefix gives prefix-cache hits.
-    return LLM(kv_cache_memory_bytes=kv_mib << 20, max_model_len=128,
-               max_num_batched_tokens=256, quantization="none",
-               speculative_config={"model": draft, "num_speculative_tokens": 4})
+    llm = LLM(kv_cache_memory_bytes=kv_mib << 20, max_model_len=128,
+              max_num_batched_tokens=256, quantization="none",
+              speculative_config={"model": draft, "num_speculative_tokens": 4})
+    pin_flat_step_cost(llm, 4)
+    return llm
 
 
 @pytest.fixture(scope="module")

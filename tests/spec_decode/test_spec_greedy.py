@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from tests.spec_decode.flat_cost import pin_flat_step_cost
 
 TEXT = ("The library opens at nine in the morning and closes at six in the evening. "
         "Visitors may borrow up to five books at a time for three weeks.")
@@ -19,10 +20,12 @@ PROMPTS = [f"Text: {TEXT}\n{task}" for task in (
 @pytest.fixture(scope="module")
 def spec_llm():
     # A KV cache of ~9 blocks: the four sequences do not fit at once (preemption).
-    return LLM(kv_cache_memory_bytes=7 << 20, max_model_len=128,
-               max_num_batched_tokens=256, quantization="none",
-               speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                   "prompt_lookup_max": 3})
+    llm = LLM(kv_cache_memory_bytes=7 << 20, max_model_len=128,
+              max_num_batched_tokens=256, quantization="none",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                  "prompt_lookup_max": 3})
+    pin_flat_step_cost(llm, 4)
+    return llm
 
 
 def test_greedy_identical_batched_preempted_prefix_hits(llm, spec_llm):

@@ -1,0 +1,16 @@
+"""Tests of lossless verification pin a flat step cost: drafts are then verified
+whatever a shared, noisy CPU measured at start-up (spec_decode/policy.py; the policy's
+own tests are test_spec_policy*.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.spec_decode.policy import SpecPolicy, StepCostCurve
+
+FLAT = StepCostCurve((), ((1, 1.0), (1 << 20, 1.0)), False, "flat (test)")
+
+
+def pin_flat_step_cost(llm: Any, k: int) -> None:
+    """Give ``llm``'s speculation policy a flat step-cost curve."""
+    llm.llm_engine.client.core.scheduler.spec.policy = SpecPolicy(k, FLAT)
