@@ -617,6 +617,7 @@ class Scheduler:
                            out: ModelRunnerOutput) -> EngineCoreOutputs:
         """Append sampled tokens, apply stop rules, free finished requests' blocks."""
         outputs: list[EngineCoreOutput] = []
+        asked = got = 0  # speculative decoding: requests asked for drafts, given some
         beam_ready: dict[str, BeamGroup] = {}
         requests = self.requests
         running_status = RequestStatus.RUNNING
@@ -639,6 +640,9 @@ class Scheduler:
                 if drafts:
                     self.spec.rollback(req, drafts, len(tokens))
                 req.spec_token_ids = out.spec_token_ids.get(rid) or []
+                if sched.num_spec_proposals > 0 and tokens and was_running:
+                    asked += 1
+                    got += bool(req.spec_token_ids)
             # (A request preempted while its step was in flight still takes that token:
             # it was sampled from the right state, and dropping it would change a
             # seeded request's output.)
@@ -685,6 +689,7 @@ class Scheduler:
         stats = self.make_stats()
         stats.num_scheduled_tokens = sched.total_num_scheduled_tokens
         if self.spec is not None:
+            self.spec.observe_proposals(asked, got)
             self.spec.end_step(len(sched.num_scheduled_tokens),
                                sched.total_num_scheduled_tokens,
                                sum(map(len, sched.scheduled_spec_decode_tokens.values())),

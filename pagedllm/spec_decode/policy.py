@@ -58,6 +58,7 @@ from typing import Any
 
 MIN_GAIN = 1.03  # speculate only for at least 3% more expected tokens per unit time
 PRIOR_ACCEPTANCE = 0.5  # P(draft 1 accepted) before anything was verified
+AVAIL_PRIOR_WEIGHT = 4.0  # the draft-availability prior (1.0) counts as 4 requests
 PRIOR_WEIGHT = 4.0  # the prior counts as this many verified drafts per position
 DECAY = 0.9  # per verify step: the acceptance estimate remembers ~10 steps
 TIME_DECAY = 0.9  # per timed step: the time calibration likewise
@@ -187,6 +188,7 @@ class SpecPolicy:
         self.max_batch = max_batch
         self.min_gain = min_gain
         self.acceptance = AcceptanceEstimate(k)
+        self._avail = [0.0, 0.0]  # EMAs of requests given drafts, of requests asked
         self._prior_rates = AcceptanceEstimate(k).rates()
         # EMAs of measured and of predicted step time, [plain, verify] steps
         self._time = [[0.0, 0.0], [0.0, 0.0]]
@@ -251,6 +253,10 @@ class SpecPolicy:
         proposal count assumes the next step looks like this one with full drafts."""
         rates = self.acceptance.rates()
         full = [0] * self.k + [num_reqs]
+        # What the next step can expect: only the share of requests whose proposer has
+        # been finding drafts (n-gram finds none in text that never repeats) brings any.
+        m = round(num_reqs * self.availability())
+        expected = [num_reqs - m] + [0] * (self.k - 1) + [m]
         if self._probe_next:  # drafts were proposed for a probe: verify at the prior,
             # and propose again, so that the probe is timed as a speculating step
             self._probe_next = False
@@ -258,7 +264,7 @@ class SpecPolicy:
             k_now = self.best(num_reqs, hist, self._prior_rates, calibrated=False)[0]
             return k_now, k_now
         k_now = self.best(num_reqs, hist, rates)[0]
-        k_next = self.best(num_reqs, full, rates)[0]
+        k_next = self.best(num_reqs, expected, rates)[0]
         if self._plain_left:  # a plain probe: propose nothing for two steps
             self._plain_left -= 1
             return k_now, 0
@@ -298,6 +304,19 @@ class SpecPolicy:
     def observe(self, tries: Sequence[int], hits: Sequence[int]) -> None:
         """Per-position counts of one verify step (``AcceptanceEstimate.update``)."""
         self.acceptance.update(tries, hits)
+
+    def observe_proposals(self, asked: int, got: int) -> None:
+        """After a step that proposed: ``got`` of the ``asked`` requests received drafts."""
+        d = DECAY
+        self._avail[0] = d * self._avail[0] + got
+        self._avail[1] = d * self._avail[1] + asked
+
+    def availability(self) -> float:
+        """The share of requests a proposal round gives drafts to (an EMA over proposing
+        steps, shrunk towards 1: before anything was proposed, everyone is expected to
+        get drafts)."""
+        got, asked = self._avail
+        return (got + AVAIL_PRIOR_WEIGHT) / (asked + AVAIL_PRIOR_WEIGHT)
 
     def observe_time(self, ms: float, num_reqs: int, num_tokens: int, verify: bool) -> None:
         """A decode-only step (every request one token, plus drafts when ``verify``)

@@ -18,14 +18,16 @@ How many drafts a step carries is the per-step policy's (``spec_decode/policy.py
 each ``schedule`` asks it for this step's k' (0..k, from the measured step-cost curve and
 the acceptance seen so far) and for how many drafts the runner should propose after the
 step (``SchedulerOutput.num_spec_proposals``); ``end_step`` feeds it what the step
-showed (acceptance per position, and the step's wall time: the engine loop is
-synchronous while speculation is configured).
+showed (acceptance per position, and the step's wall time from its ``schedule`` to its
+output: a loop period, whether the step ran synchronously -- while proposals are wanted
+-- or, for n-gram with the policy off, under async scheduling).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 
 from pagedllm.request import Request
@@ -51,7 +53,9 @@ class SpecScheduling:
         # This step's verification, per position (tried, accepted): the policy's input.
         self._tries = [0] * k
         self._hits = [0] * k
-        self._t0 = 0.0  # when this step was scheduled (perf_counter)
+        # When each step in flight was scheduled (perf_counter), oldest first: with async
+        # scheduling step N + 1 is planned before step N's output is taken.
+        self._t0: deque[float] = deque()
         # Totals since start (for benchmarks and tests; the metrics read take_stats).
         self.total_draft_tokens = self.total_accepted_tokens = self.total_drafts = 0
         self.total_steps = self.total_spec_steps = 0  # decode steps / those with drafts
@@ -61,7 +65,7 @@ class SpecScheduling:
     def plan(self, running: Sequence[Request]) -> tuple[int, int]:
         """(drafts per request this step, drafts per request to propose for the next):
         the policy's decision for the ``running`` requests and the drafts they hold."""
-        self._t0 = time.perf_counter()
+        self._t0.append(time.perf_counter())
         k = self.config.num_speculative_tokens
         hist = [0] * (k + 1)
         for r in running:  # over requests, not tokens
@@ -120,6 +124,11 @@ class SpecScheduling:
         for i in range(min(accepted + 1, len(drafts))):  # positions verified
             self._tries[i] += 1
 
+    def observe_proposals(self, asked: int, got: int) -> None:
+        """A step's proposal round: ``got`` of the ``asked`` requests received drafts."""
+        if asked:
+            self.policy.observe_proposals(asked, got)
+
     def end_step(self, num_reqs: int, num_tokens: int, num_drafts: int,
                  proposed: bool) -> None:
         """After ``update_from_output``: give the policy the step's acceptance and, for
@@ -130,11 +139,12 @@ class SpecScheduling:
             self.policy.observe(self._tries, self._hits)
             k = self.config.num_speculative_tokens
             self._tries, self._hits = [0] * k, [0] * k
-        if num_reqs and num_tokens == num_reqs + num_drafts:
+        t0 = self._t0.popleft() if self._t0 else None
+        if num_reqs and num_tokens == num_reqs + num_drafts and t0 is not None:
             self.total_steps += 1
             self.total_spec_steps += num_drafts > 0
             if (num_drafts > 0) == proposed:  # not a step of switching on or off
-                self.policy.observe_time(1000 * (time.perf_counter() - self._t0),
+                self.policy.observe_time(1000 * (time.perf_counter() - t0),
                                          num_reqs, num_tokens, proposed)
 
     def take_stats(self) -> tuple[int, int, int, list[int]]:

@@ -202,3 +202,22 @@ def test_plain_probe_times_a_plain_step_while_speculating():
         q.observe_time(50.0, 8, 8 * (K + 1), verify=True)
         q.observe_time(5.0, 8, 8, verify=False)
     assert q.plan(8, full(8)) == (0, 0)
+
+
+def test_no_drafts_found_stops_proposing_then_probes():
+    """A proposer that finds nothing (n-gram on text that never repeats) leaves every
+    draft position untried, so acceptance alone keeps its optimistic prior; the share of
+    requests given drafts turns proposing off (so async scheduling can resume), and
+    probes re-check it at bounded cost."""
+    p = SpecPolicy(K, FLAT)
+    b = 64
+    assert p.plan(b, [b] + [0] * K)[1] == K  # optimistic: propose
+    assert p.availability() == 1.0
+    for _ in range(10):
+        p.observe_proposals(b, 0)
+    assert p.availability() < 0.01
+    nexts = [p.plan(b, [b] + [0] * K)[1] for _ in range(3 * MIN_PROBE_GAP)]
+    assert nexts[0] == 0 and 0 < sum(1 for n in nexts if n) <= 3  # probes only
+    for _ in range(10):  # drafts found again (the text started to repeat)
+        p.observe_proposals(b, b)
+    assert p.plan(b, [b] + [0] * K)[1] == K
