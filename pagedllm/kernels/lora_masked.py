@@ -132,13 +132,15 @@ def lora_masked_shrink(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor,
     """``t [M, L*SR]``: row m's ``x[m] A[slots[m]]^T`` in columns ``[s*SR, (s+1)*SR)`` of
     its slot ``s``, zeros elsewhere (and everywhere for ``slots[m] < 0``).  One launch.
 
-    ``x [M, K]`` (unit column stride), ``slots [M]`` int32, ``a [L, SR, K]`` contiguous,
-    ``counters``: :func:`new_counters` (zero; left zero).  ``t`` is in ``out_dtype``
-    (default ``x``'s), fp32 sums rounded once.  No host sync; the grid depends on
+    ``x [M, K]`` (copied if its columns are strided), ``slots [M]`` int32, ``a [L, SR,
+    K]`` contiguous, ``counters``: :func:`new_counters` (zero; left zero).  ``t`` is in
+    ``out_dtype`` (default ``x``'s), fp32 sums rounded once.  No host sync; the grid depends on
     ``M`` and the shapes only (graph-capturable)."""
     m, k = x.shape
     n_slots, sr, ka = a.shape
-    if ka != k or x.stride(1) != 1:
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if ka != k:
         raise ValueError(f"lora_masked_shrink: x {tuple(x.shape)} / a {tuple(a.shape)}")
     assert a.is_contiguous() and slots.dtype == torch.int32
     lsr = n_slots * sr

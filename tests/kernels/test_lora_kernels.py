@@ -138,6 +138,43 @@ def _check_sharded_case(t: int, k: int, sizes: tuple[int, ...], rank: int, n_slo
     _assert_within(got, want[:4], _rounding_bound(x[:4], idx[:4], a, bt, want[:4], False),
                    "fused")
     assert torch.equal(got[idx[:4] < 0], y[:4][idx[:4] < 0])
+    # The masked split-K shrink + one addmm (kernels/lora_masked.py), default config:
+    # its shrink is rounded to the weights' dtype before the expand, as sgmv's is.
+    from pagedllm.kernels.lora_masked import lora_masked_, new_counters
+
+    counters = new_counters(torch.device(device))
+    got = lora_masked_(x, idx, a, bt, counters, y.clone())
+    _assert_within(got, want, _rounding_bound(x, idx, a, bt, want, True), "masked")
+    assert torch.equal(got[idx < 0], y[idx < 0])
+    assert not counters.any()
+
+
+@pytest.mark.parametrize("t,k,slots,r,config", [
+    (37, 600, 3, 6, (16, 16, 64, 10)),   # K split in 10: the last program sums in order
+    (37, 600, 3, 6, (64, 32, 1024, 1)),  # one split: stored directly
+    (70, 130, 4, 12, None),              # the default config (16 splits of 256 -> 1)
+    (40, 200, 8, 16, (16, 16, 64, 4)),   # one slot per column block: idle tiles skip
+])
+def test_masked_shrink_matches_reference(t: int, k: int, slots: int, r: int,
+                                         config: tuple[int, int, int, int] | None,
+                                         device: str) -> None:
+    """``lora_masked_shrink``: each row's own slot's columns hold ``x A^T``, every
+    other column exact zeros (also for rows without an adapter), whatever the split;
+    the counters are left zero for the next launch (graph replays)."""
+    from pagedllm.kernels.lora_masked import lora_masked_shrink, new_counters
+
+    x, a, _, idx, _ = _case(t, k, 8, slots, r, torch.float32, device)
+    if slots == 8:  # rows of slots 0 and 5 only: most column blocks have no row
+        idx = torch.where(idx % 2 == 0, 0, 5).to(idx.dtype)
+    counters = new_counters(torch.device(device))
+    for _ in range(2):  # a second launch finds the counters reset
+        got = lora_masked_shrink(x, idx, a, counters, config=config)
+        owner = torch.arange(slots, device=device).repeat_interleave(r)
+        mask = idx.long().unsqueeze(1) == owner.unsqueeze(0)
+        full = x @ a.reshape(slots * r, k).t()
+        torch.testing.assert_close(got[mask], full[mask], rtol=1e-5, atol=1e-5)
+        assert not got[~mask].any()
+        assert not counters.any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
