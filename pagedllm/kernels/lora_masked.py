@@ -41,19 +41,21 @@ from pagedllm.kernels.lora import _dot, _ieee
 
 # Programs a launch aims at (an H200 has 132 SMs) and the most K splits of a tile.
 TARGET_PROGRAMS = 128
-MAX_SPLIT = 16
+MAX_SPLIT = 16  # a multiple of 4 (the fixup's unrolled loop)
 MIN_CHUNK = 256
 # Counters a launch with SPLIT > 1 may use (one per tile; such launches have fewer
 # tiles than TARGET_PROGRAMS).
 N_COUNTERS = 1024
+BLOCK_K = 64
 
 
 @triton.jit
 def _masked_shrink_kernel(x_ptr, slots_ptr, a_ptr, t_ptr, ws_ptr, cnt_ptr, M, LSR,
-                          stride_x, stride_t, stride_ws, K: tl.constexpr, SR: tl.constexpr,
-                          CHUNK: tl.constexpr, SPLIT: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                          stride_x, stride_t, stride_ws, SPLIT, K: tl.constexpr,
+                          CHUNK: tl.constexpr, SR: tl.constexpr, SR_P2: tl.constexpr,
+                          BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          IEEE: tl.constexpr, MAX_SPLIT: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -88,15 +90,40 @@ def _masked_shrink_kernel(x_ptr, slots_ptr, a_ptr, t_ptr, ws_ptr, cnt_ptr, M, LS
         else:
             ws = ws_ptr + rm[:, None].to(tl.int64) * LSR + rn[None, :]
             tl.store(ws + pid_k * stride_ws, acc, mask=keep)
+            if pid_k == 0:  # the entries the mask drops; the last program writes the rest
+                tl.store(t_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=t_ptr.dtype.element_ty),
+                         mask=out_ok & ~keep)
             tl.debug_barrier()  # every thread's partial stored before the release
             tile = pid_m * tl.num_programs(1) + pid_n
             arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT - 1:  # the last of the tile: sum in split order
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in range(SPLIT):
-                    total += tl.load(ws + s * stride_ws, mask=keep, other=0.0,
-                                     cache_modifier=".cg")
-                tl.store(t_ptrs, total.to(t_ptr.dtype.element_ty), mask=out_ok)
+                # Only the kept entries, gathered: row m's columns slot_m*SR + j inside
+                # this block ([BLOCK_M, SR_P2], not the mostly-masked [BLOCK_M, BLOCK_N]).
+                rj = tl.arange(0, SR_P2)
+                n0 = pid_n * BLOCK_N
+                cols = tl.maximum(slot, 0)[:, None] * SR + rj[None, :]
+                g_ok = ((slot >= 0) & m_ok)[:, None] & (rj < SR)[None, :] \
+                    & (cols >= n0) & (cols < n0 + BLOCK_N) & (cols < LSR)
+                gp = ws_ptr + rm[:, None].to(tl.int64) * LSR + cols
+                total = tl.zeros((BLOCK_M, SR_P2), dtype=tl.float32)
+                # Unrolled, four splits' loads at a time in flight (one L2 round trip,
+                # not four), added in split order; splits past SPLIT load nothing and
+                # add exact zeros.
+                for s0 in tl.static_range(0, MAX_SPLIT, 4):
+                    p0 = tl.load(gp + s0 * stride_ws, mask=g_ok & (s0 < SPLIT), other=0.0,
+                                 cache_modifier=".cg")
+                    p1 = tl.load(gp + (s0 + 1) * stride_ws, mask=g_ok & (s0 + 1 < SPLIT),
+                                 other=0.0, cache_modifier=".cg")
+                    p2 = tl.load(gp + (s0 + 2) * stride_ws, mask=g_ok & (s0 + 2 < SPLIT),
+                                 other=0.0, cache_modifier=".cg")
+                    p3 = tl.load(gp + (s0 + 3) * stride_ws, mask=g_ok & (s0 + 3 < SPLIT),
+                                 other=0.0, cache_modifier=".cg")
+                    total += p0
+                    total += p1
+                    total += p2
+                    total += p3
+                tl.store(t_ptr + rm[:, None].to(tl.int64) * stride_t + cols,
+                         total.to(t_ptr.dtype.element_ty), mask=g_ok)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
     elif pid_k == 0:  # no row of the tile has a slot among its columns
         tl.store(t_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=t_ptr.dtype.element_ty),
@@ -105,15 +132,17 @@ def _masked_shrink_kernel(x_ptr, slots_ptr, a_ptr, t_ptr, ws_ptr, cnt_ptr, M, LS
 
 def masked_config(m: int, lsr: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, CHUNK, SPLIT) for ``m`` rows, ``lsr`` = L*S*R columns and ``k``
-    inputs: tiles of up to [64, 128] (BLOCK_N 128 covers all 8 slots of a rank-16
-    projection: x is read once per column block), then K split into power-of-two chunks
-    of >= 256 so that tiles x SPLIT ~ TARGET_PROGRAMS (SPLIT <= 16).  Few distinct
-    chunks, so few compiled variants.  Written without a GPU: ``benchmarks/
-    lora_probe.py`` times it."""
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    inputs: tiles of [64, 128] (one Hopper wgmma m64n128; the FLOPs are negligible, so
+    fewer rows do not take a smaller tile: the compiled variants are the CHUNKs; BLOCK_N
+    128 covers all 8 slots of a rank-16 projection: x is read once per column block),
+    then K split into power-of-two chunks of >= 256 so that tiles x SPLIT ~
+    TARGET_PROGRAMS (SPLIT <= 16).  Written without a GPU: ``benchmarks/lora_probe.py``
+    times it."""
+    block_m = 64
     block_n = min(128, max(16, triton.next_power_of_2(lsr)))
     tiles = triton.cdiv(m, block_m) * triton.cdiv(lsr, block_n)
     want = max(1, min(MAX_SPLIT, triton.cdiv(TARGET_PROGRAMS, tiles)))
+    # A power of two (a compile-time constant: a few variants per K).
     chunk = max(MIN_CHUNK, triton.next_power_of_2(triton.cdiv(k, want)))
     split = triton.cdiv(k, chunk)
     if split > 1 and tiles > N_COUNTERS:  # not reached with the constants above
@@ -149,13 +178,13 @@ def lora_masked_shrink(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor,
         return t
     block_m, block_n, chunk, split = config or masked_config(m, lsr, k)
     grid = (triton.cdiv(m, block_m), triton.cdiv(lsr, block_n), split)
-    assert split == 1 or grid[0] * grid[1] <= counters.numel()
+    assert split == 1 or grid[0] * grid[1] <= counters.numel() and split <= MAX_SPLIT
     ws = torch.empty(split, m, lsr, dtype=torch.float32, device=x.device) \
         if split > 1 else t
     _masked_shrink_kernel[grid](
-        x, slots, a, t, ws, counters, m, lsr, x.stride(0), t.stride(0), m * lsr, K=k, SR=sr,
-        CHUNK=chunk, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=64, IEEE=_ieee(x.dtype), num_warps=4)
+        x, slots, a, t, ws, counters, m, lsr, x.stride(0), t.stride(0), m * lsr, split,
+        K=k, CHUNK=chunk, SR=sr, SR_P2=triton.next_power_of_2(sr), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=BLOCK_K, IEEE=_ieee(x.dtype), MAX_SPLIT=MAX_SPLIT, num_warps=8)
     return t
 
 

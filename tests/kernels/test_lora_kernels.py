@@ -242,7 +242,7 @@ _COMPILE = textwrap.dedent(r"""
     from pagedllm.kernels import lora as L
 
     def build(kernel, sig, consts, warps):
-        div = [i for i, n in enumerate(sig) if n not in ("B1", "B2", "eps")]
+        div = [i for i, n in enumerate(sig) if n not in ("B1", "B2", "eps", "SPLIT")]
         return compile_sm90(kernel, sig, consts, {"num_warps": warps},
                             div)[1]["spill_stores"]
 
@@ -320,11 +320,13 @@ _COMPILE = textwrap.dedent(r"""
             bm, bn, chunk, split = LM.masked_config(m, 8 * 16 * s, k)
             sig = {"x_ptr": "*bf16", "slots_ptr": "*i32", "a_ptr": "*bf16",
                    "t_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": i32,
-                   "LSR": i32, "stride_x": i32, "stride_t": i32, "stride_ws": i32}
+                   "LSR": i32, "stride_x": i32, "stride_t": i32, "stride_ws": i32,
+                   "SPLIT": i32}
             out[f"masked {name} M={m} split={split}"] = build(
                 LM._masked_shrink_kernel, sig, dict(
-                    K=k, SR=16 * s, CHUNK=chunk, SPLIT=split, BLOCK_M=bm, BLOCK_N=bn,
-                    BLOCK_K=64, IEEE=False), 4)
+                    K=k, CHUNK=chunk, MAX_SPLIT=LM.MAX_SPLIT, SR=16 * s,
+                    SR_P2=triton.next_power_of_2(16 * s), BLOCK_M=bm, BLOCK_N=bn,
+                    BLOCK_K=LM.BLOCK_K, IEEE=False), 8)
     print(json.dumps(out))
 """)
 
