@@ -16,9 +16,10 @@ the A reads (up to 3.7 MB per projection at the 8B shape) over ~128 programs.
 Split K without a second launch and deterministically: program (i, j, s) writes its
 fp32 partial of tile (i, j) to a workspace (only the entries the mask keeps), then
 increments the tile's counter; the last of the SPLIT programs to arrive sums the SPLIT
-partials in split order (fixed: the result does not depend on arrival order), rounds
-once to ``t``'s dtype, writes the whole tile (zeros where masked) and resets the
-counter to 0 for the next launch (so CUDA graph replays find it zeroed).  Ordering: a
+partials in split order (fixed: the result does not depend on arrival order), reading
+only the kept entries (each row's slot columns in the tile, gathered), rounds once to
+``t``'s dtype, writes them, and resets the counter to 0 for the next launch (so CUDA
+graph replays find it zeroed); split 0 writes the tile's masked-off zeros.  Ordering: a
 CTA barrier before the counter's acq_rel atomic releases every thread's partial stores
 (PTX release is cumulative, as in CUTLASS's semaphore); the last program re-reads the
 partials bypassing L1 (``.cg``).  Tiles where no row has a slot among the tile's
