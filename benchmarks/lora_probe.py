@@ -6,8 +6,10 @@ the adapter delta costs per decoder layer against the base projections.
 
 1. **Correctness** (bf16, or fp16 with ``--dtype float16``; 8 slots of rank 16, rows
    mixing every slot and -1): for each projection (qkv with its 3 shards, o, gate_up
-   with 2, down reading ``silu(gate)*up``) and 1 / 4 / 16 / 256 rows, every CUDA path
-   of ``lora/layers.py`` (``fused``, ``sgmv``, ``dense``) against the fp32 torch
+   with 2, down reading ``silu(gate)*up``) and 1 / 4 / 16 / 64 / 256 / 2048 rows, every
+   CUDA path of ``lora/layers.py`` (``fused``, ``sgmv``, ``dense``, ``masked``: the
+   split-K masked shrink + one addmm, run twice so that its counters must come back
+   zeroed, rows without an adapter bit-for-bit) against the fp32 torch
    reference ``lora_ref``; at one row the batch-1 path (``lora_shrink`` + the GEMV
    adding the expand in its epilogue, and for qkv / gate_up the shrink in the RMSNorm's
    launch, whose norm outputs must equal
@@ -39,6 +41,7 @@ import torch
 
 from pagedllm.kernels.gemv import gemv
 from pagedllm.kernels.lora import fused_config, lora_fused, lora_sgmv, lora_shrink
+from pagedllm.kernels.lora_masked import lora_masked_, new_counters
 from pagedllm.kernels.lora_norm import rms_norm_shrink
 from pagedllm.kernels.norm import fused_add_rms_norm
 from pagedllm.lora.layers import SGMV_BLOCK_M, lora_dense_, lora_ref, sgmv_tiles, slot_owner
@@ -120,7 +123,7 @@ def correctness(results: list) -> bool:
         a, bt = _slots_weights(k, sizes, g)
         n = sum(sizes)
         owner = slot_owner(L, a.shape[1], DEV)
-        for m in (1, 4, 16, 256):
+        for m in (1, 4, 16, 64, 256, 2048):
             x = torch.randn(m, 2 * k if silu else k, generator=g).to(DEV, DT)
             xin = _silu_mul(x) if silu else x
             slots = _rows_slots(m, g)
@@ -138,6 +141,16 @@ def correctness(results: list) -> bool:
             ok &= _check(f"{name} M={m} sgmv", got.float() - y.float(), want, results)
             got = lora_dense_(xin, slots, a, bt, owner, y.clone())
             ok &= _check(f"{name} M={m} dense", got.float() - y.float(), want, results)
+            counters = new_counters(DEV)
+            for rep in range(2):  # twice: the split-K counters must come back zeroed
+                got = lora_masked_(xin, slots, a, bt, counters, y.clone())
+                ok &= _check(f"{name} M={m} masked#{rep}", got.float() - y.float(), want,
+                             results)
+            same = bool(torch.equal(got[slots < 0], y[slots < 0])) and not counters.any()
+            ok &= same
+            if not same:
+                print(f"  FAIL {name} M={m} masked: a row without an adapter changed or "
+                      "the counters were left non-zero")
             if m == 1:
                 d = lora_fused(x, slots, a, bt, _bounds(sizes), silu_mul=silu)
                 ok &= _check(f"{name} M=1 fused fp32 delta", d, want, results)
@@ -308,6 +321,7 @@ def _chain(m: int, path: str | None, base: dict, slots_w: dict, owners: dict,
     outs = {name: torch.empty(m, sum(sizes), dtype=DT, device=DEV)
             for name, (_, sizes, _) in PROJ.items()}
     down_in = _silu_mul(xs["down"])  # the cuBLAS path's input (M > 1)
+    counters = new_counters(DEV)
 
     def run() -> None:
         for i in range(LAYERS):
@@ -329,6 +343,8 @@ def _chain(m: int, path: str | None, base: dict, slots_w: dict, owners: dict,
                     _sgmv(xin, slots, a, bt, y, groups)
                 elif path == "dense":
                     lora_dense_(xin, slots, a, bt, owners[name], y)
+                elif path == "masked":
+                    lora_masked_(xin, slots, a, bt, counters, y)
     return run
 
 
@@ -396,7 +412,7 @@ def timing(results: list, ms: list[int]) -> None:
         t_base = _graph_us(_chain(m, None, base, slots_w, owners, g))
         row = {"M": m, "base_us_per_layer": t_base / LAYERS}
         print(f"M={m}: base {t_base / LAYERS:.1f} µs per layer (4 projections)")
-        for path in ("epilogue", "fused", "sgmv", "dense"):
+        for path in ("epilogue", "fused", "sgmv", "dense", "masked"):
             if path == "fused" and m > 64 or path == "epilogue" and m > 1:
                 continue  # fused: recomputes the shrink per output block; epilogue: 1 row
             t = _graph_us(_chain(m, path, base, slots_w, owners, g))

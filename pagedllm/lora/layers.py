@@ -23,11 +23,14 @@ slot per request on such steps (the token map otherwise).
 The CPU path (and the kernels' oracle) is :func:`lora_ref`: dense over all slots with a
 per-token mask -- no loop over tokens or adapters, no host sync.  On CUDA the path
 depends on the row count only (:func:`lora_path`): up to ``FUSED_MAX_ROWS`` rows the
-one-launch ``kernels/lora.lora_fused``; above, the
-dense masked form on cuBLAS (:func:`lora_dense_`); the segmented ``kernels/lora.lora_sgmv``
-over the rows the manager grouped by slot on the host (:func:`sgmv_tiles`, published with
-the slot map) up to ``PAGEDLLM_LORA_SGMV_MAX_ROWS`` rows (0 by default: slower than
-cuBLAS on the H200 as measured; an A/B switch).
+one-launch ``kernels/lora.lora_fused``; above, up to ``PAGEDLLM_LORA_MASKED_MAX_ROWS``
+(every step by default) the two-launch masked form (``kernels/lora_masked.py``: a
+split-K shrink writing each row's slot columns, zeros elsewhere, then one cuBLAS
+``addmm_`` over all slots), past it the dense masked form on cuBLAS (:func:`lora_dense_`,
+~4 launches); the segmented ``kernels/lora.lora_sgmv`` over the rows the manager grouped
+by slot on the host (:func:`sgmv_tiles`, published with the slot map) up to
+``PAGEDLLM_LORA_SGMV_MAX_ROWS`` rows (0 by default: slower than cuBLAS on the H200 as
+measured; an A/B switch).
 
 Where a layer runs as the batch-1 GEMV (one row, ``layers/linear.gemv_applies``: decode
 at batch 1) the delta rides on the base kernels instead, so an adapter adds at most one
@@ -111,12 +114,15 @@ class LoRAMapping:
     (one row per scheduled token) and ``last`` (the last layer's rows after attention:
     one per request on steps the model prunes to each request's last token, else the
     token map).  ``active`` is False in an eager step where no request has an adapter
-    (layers then skip the LoRA work entirely); graph capture sets it True."""
+    (layers then skip the LoRA work entirely); graph capture sets it True.
+    ``counters``: the masked shrink's split-K counters (``kernels/lora_masked.py``),
+    zero between launches, shared by the layers (their launches are sequential)."""
 
     def __init__(self, max_tokens: int, device: torch.device, n_slots: int = 1) -> None:
         self.tokens = SlotMap(max_tokens, n_slots, device)
         self.last = SlotMap(max_tokens, n_slots, device)
         self.active = False
+        self.counters = torch.zeros(1024, dtype=torch.int32, device=device)  # N_COUNTERS
 
     @property
     def token_slots(self) -> torch.Tensor:
@@ -167,20 +173,27 @@ def _rows_env(name: str, default: int) -> int:
 # ``benchmarks/lora_probe.py`` on an H200 (docs/benchmarks.md, run 17): per layer at the
 # Llama-3-8B shapes the dense cuBLAS form added 69-81 us at 4-256 rows against sgmv's
 # 110-185 us (equal at 2,048), and W1 over 8 adapters ran 7,065 vs 6,486 tok/s; the
-# fused kernel wins at 1 row (42 vs 68 us).  So sgmv is off by default; the environment
-# variables override both for an A/B run.
+# fused kernel wins at 1 row (42 vs 68 us).  So sgmv is off by default.  The masked
+# two-launch form (kernels/lora_masked.py) does the dense form's work in 2 launches
+# instead of ~4 (its split-K shrink spreads the A reads): the default above the fused
+# rows, written without a GPU (benchmarks/lora_probe.py times it; 0 restores dense).
+# The environment variables override all three for an A/B run.
 FUSED_MAX_ROWS = _rows_env("PAGEDLLM_LORA_FUSED_MAX_ROWS", 4)
 SGMV_MAX_ROWS = _rows_env("PAGEDLLM_LORA_SGMV_MAX_ROWS", 0)
+MASKED_MAX_ROWS = _rows_env("PAGEDLLM_LORA_MASKED_MAX_ROWS", 1 << 30)
 
 
 def lora_path(rows: int, use_triton: bool) -> str:
-    """``"fused"``, ``"sgmv"``, ``"dense"`` (cuBLAS) or ``"ref"`` (the CPU): a function of
-    the row count only, so graph capture and eager runs of one size agree."""
+    """``"fused"``, ``"sgmv"``, ``"masked"``, ``"dense"`` (cuBLAS) or ``"ref"`` (the
+    CPU): a function of the row count only, so graph capture and eager runs of one size
+    agree."""
     if not use_triton:
         return "ref"
     if rows <= FUSED_MAX_ROWS:
         return "fused"
-    return "sgmv" if rows <= SGMV_MAX_ROWS else "dense"
+    if rows <= SGMV_MAX_ROWS:
+        return "sgmv"
+    return "masked" if rows <= MASKED_MAX_ROWS else "dense"
 
 
 class LoRALinear:
@@ -263,6 +276,10 @@ class LoRALinear:
 
             m = self._map()
             return lora_sgmv(x, m.rows, m.tiles, self.a, self.bt, y, SGMV_BLOCK_M)
+        if path == "masked":
+            from pagedllm.kernels.lora_masked import lora_masked_
+
+            return lora_masked_(x, slots, self.a, self.bt, self.mapping.counters, y)
         if path == "dense":
             return lora_dense_(x, slots, self.a, self.bt, self.owner, y)
         return y.add_(lora_ref(x, slots, self.a, self.bt, self.owner).to(y.dtype))

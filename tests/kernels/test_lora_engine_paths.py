@@ -28,8 +28,8 @@ N_TOKENS = 4
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU tests/lora runs these paths natively")
-@pytest.mark.parametrize("gemv", [False, True])
-def test_triton_lora_paths_match_peft(tmp_path, monkeypatch, gemv: bool) -> None:
+@pytest.mark.parametrize("gemv,many", [(False, "sgmv"), (True, "sgmv"), (False, "masked")])
+def test_triton_lora_paths_match_peft(tmp_path, monkeypatch, gemv: bool, many: str) -> None:
     root = str(tmp_path)
     base = tiny_llama(os.path.join(root, "base"))
     adapters = make_adapters(base, root, merge=False)
@@ -40,9 +40,21 @@ def test_triton_lora_paths_match_peft(tmp_path, monkeypatch, gemv: bool) -> None
     mgr = llm.llm_engine.client.core.executor.worker.runner.lora
     # What the manager does on CUDA with the segmented kernels switched on
     # (PAGEDLLM_LORA_SGMV_MAX_ROWS; off by default): group rows by slot, run the Triton
-    # kernels.
-    monkeypatch.setattr(lora_layers, "SGMV_MAX_ROWS", 1 << 30)
-    mgr.grouped = True
+    # kernels.  ``many="masked"``: the default for steps above the fused rows, the split-K
+    # masked shrink + one addmm (kernels/lora_masked.py).
+    if many == "sgmv":
+        monkeypatch.setattr(lora_layers, "SGMV_MAX_ROWS", 1 << 30)
+        mgr.grouped = True
+    else:
+        monkeypatch.setattr(lora_layers, "SGMV_MAX_ROWS", 0)
+        monkeypatch.setattr(lora_layers, "MASKED_MAX_ROWS", 1 << 30)
+    paths: list[str] = []
+    real_path = lora_layers.lora_path
+
+    def counted_path(rows: int, use_triton: bool) -> str:
+        paths.append(real_path(rows, use_triton))
+        return paths[-1]
+    monkeypatch.setattr(lora_layers, "lora_path", counted_path)
     for layer in mgr.layers.values():
         layer.use_triton = True
     assert FUSED_MAX_ROWS == 4  # the split the step sizes below exercise
@@ -90,6 +102,7 @@ def test_triton_lora_paths_match_peft(tmp_path, monkeypatch, gemv: bool) -> None
     # one row per request, then 8-row decode steps (segmented).
     pairs = [(i, j) for i in range(len(prompts)) for j in range(len(models))]
     assert run([(prompts[i], loras[j]) for i, j in pairs]) == [want[p] for p in pairs]
+    assert many in paths and "fused" in paths  # both forms ran with adapters active
     # One request at a time with an adapter: prefill (segmented, pruned to 1 row: fused,
     # or the GEMV with the LoRA epilogue) and 1-row decodes (the same).
     for j in range(len(models)) if gemv else [0]:

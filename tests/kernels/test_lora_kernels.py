@@ -138,6 +138,43 @@ def _check_sharded_case(t: int, k: int, sizes: tuple[int, ...], rank: int, n_slo
     _assert_within(got, want[:4], _rounding_bound(x[:4], idx[:4], a, bt, want[:4], False),
                    "fused")
     assert torch.equal(got[idx[:4] < 0], y[:4][idx[:4] < 0])
+    # The masked split-K shrink + one addmm (kernels/lora_masked.py), default config:
+    # its shrink is rounded to the weights' dtype before the expand, as sgmv's is.
+    from pagedllm.kernels.lora_masked import lora_masked_, new_counters
+
+    counters = new_counters(torch.device(device))
+    got = lora_masked_(x, idx, a, bt, counters, y.clone())
+    _assert_within(got, want, _rounding_bound(x, idx, a, bt, want, True), "masked")
+    assert torch.equal(got[idx < 0], y[idx < 0])
+    assert not counters.any()
+
+
+@pytest.mark.parametrize("t,k,slots,r,config", [
+    (37, 600, 3, 6, (16, 16, 64, 10)),   # K split in 10: the last program sums in order
+    (37, 600, 3, 6, (64, 32, 1024, 1)),  # one split: stored directly
+    (70, 130, 4, 12, None),              # the default config (16 splits of 256 -> 1)
+    (40, 200, 8, 16, (16, 16, 64, 4)),   # one slot per column block: idle tiles skip
+])
+def test_masked_shrink_matches_reference(t: int, k: int, slots: int, r: int,
+                                         config: tuple[int, int, int, int] | None,
+                                         device: str) -> None:
+    """``lora_masked_shrink``: each row's own slot's columns hold ``x A^T``, every
+    other column exact zeros (also for rows without an adapter), whatever the split;
+    the counters are left zero for the next launch (graph replays)."""
+    from pagedllm.kernels.lora_masked import lora_masked_shrink, new_counters
+
+    x, a, _, idx, _ = _case(t, k, 8, slots, r, torch.float32, device)
+    if slots == 8:  # rows of slots 0 and 5 only: most column blocks have no row
+        idx = torch.where(idx % 2 == 0, 0, 5).to(idx.dtype)
+    counters = new_counters(torch.device(device))
+    for _ in range(2):  # a second launch finds the counters reset
+        got = lora_masked_shrink(x, idx, a, counters, config=config)
+        owner = torch.arange(slots, device=device).repeat_interleave(r)
+        mask = idx.long().unsqueeze(1) == owner.unsqueeze(0)
+        full = x @ a.reshape(slots * r, k).t()
+        torch.testing.assert_close(got[mask], full[mask], rtol=1e-5, atol=1e-5)
+        assert not got[~mask].any()
+        assert not counters.any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -205,7 +242,7 @@ _COMPILE = textwrap.dedent(r"""
     from pagedllm.kernels import lora as L
 
     def build(kernel, sig, consts, warps):
-        div = [i for i, n in enumerate(sig) if n not in ("B1", "B2", "eps")]
+        div = [i for i, n in enumerate(sig) if n not in ("B1", "B2", "eps", "SPLIT")]
         return compile_sm90(kernel, sig, consts, {"num_warps": warps},
                             div)[1]["spill_stores"]
 
@@ -274,6 +311,22 @@ _COMPILE = textwrap.dedent(r"""
             out["rms_norm_shrink " + name] = build(LN._rms_norm_shrink_kernel, sig, dict(
                 HAS_RESIDUAL=True, BLOCK=k, K=k, R=16, SR=16 * s, CHUNK=chunk,
                 BLOCK_R=16, USE_PDL=True), 16)
+    # Many rows: the masked split-K shrink (kernels/lora_masked.py) at M = 16, 256
+    # (split K, the in-kernel fixup) and 2048 (one split), 8 slots of rank 16.
+    from pagedllm.kernels import lora_masked as LM
+    for name, k, s in [("qkv", 4096, 3), ("gate_up", 4096, 2), ("o", 4096, 1),
+                       ("down", 14336, 1)]:
+        for m in (16, 256, 2048):
+            bm, bn, chunk, split = LM.masked_config(m, 8 * 16 * s, k)
+            sig = {"x_ptr": "*bf16", "slots_ptr": "*i32", "a_ptr": "*bf16",
+                   "t_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": i32,
+                   "LSR": i32, "stride_x": i32, "stride_t": i32, "stride_ws": i32,
+                   "SPLIT": i32}
+            out[f"masked {name} M={m} split={split}"] = build(
+                LM._masked_shrink_kernel, sig, dict(
+                    K=k, CHUNK=chunk, MAX_SPLIT=LM.MAX_SPLIT, SR=16 * s,
+                    SR_P2=triton.next_power_of_2(16 * s), BLOCK_M=bm, BLOCK_N=bn,
+                    BLOCK_K=LM.BLOCK_K, IEEE=False), 8)
     print(json.dumps(out))
 """)
 
@@ -283,7 +336,7 @@ def test_lora_kernels_compile_for_sm90_without_spills(tmp_path) -> None:
     loops and dots, constexpr ternaries): compile each for sm_90 at the Llama-3-8B
     shapes, no GPU needed (the pattern of ``test_quant_gemm_sm90.py``)."""
     spills = run_script(_COMPILE, tmp_path)
-    assert len(spills) == 16 and not any(spills.values()), spills
+    assert len(spills) == 28 and not any(spills.values()), spills
 
 
 def _stacked(g: torch.Generator, n_slots: int, k: int, sizes: tuple[int, ...], r: int,
