@@ -24,7 +24,7 @@ The CPU path (and the kernels' oracle) is :func:`lora_ref`: dense over all slots
 per-token mask -- no loop over tokens or adapters, no host sync.  On CUDA the path
 depends on the row count only (:func:`lora_path`): up to ``FUSED_MAX_ROWS`` rows the
 one-launch ``kernels/lora.lora_fused``; above, up to ``PAGEDLLM_LORA_MASKED_MAX_ROWS``
-(every step by default) the two-launch masked form (``kernels/lora_masked.py``: a
+(0 by default: slower over W1 on the H200) the two-launch masked form (``kernels/lora_masked.py``: a
 split-K shrink writing each row's slot columns, zeros elsewhere, then one cuBLAS
 ``addmm_`` over all slots), past it the dense masked form on cuBLAS (:func:`lora_dense_`,
 ~4 launches); the segmented ``kernels/lora.lora_sgmv`` over the rows the manager grouped
@@ -175,12 +175,14 @@ def _rows_env(name: str, default: int) -> int:
 # 110-185 us (equal at 2,048), and W1 over 8 adapters ran 7,065 vs 6,486 tok/s; the
 # fused kernel wins at 1 row (42 vs 68 us).  So sgmv is off by default.  The masked
 # two-launch form (kernels/lora_masked.py) does the dense form's work in 2 launches
-# instead of ~4 (its split-K shrink spreads the A reads): the default above the fused
-# rows, written without a GPU (benchmarks/lora_probe.py times it; 0 restores dense).
+# instead of ~4 (its split-K shrink spreads the A reads).  On the H200 (2026-12-02) it
+# was faster per layer from 16 to 256 rows (+53 vs +71-75 us over the base GEMMs) but
+# W1 over 8 adapters ran at 6,426 tok/s against the dense form's 7,136 (base 8,644), so
+# it is off by default until that is understood (PAGEDLLM_LORA_MASKED_MAX_ROWS=N opts in).
 # The environment variables override all three for an A/B run.
 FUSED_MAX_ROWS = _rows_env("PAGEDLLM_LORA_FUSED_MAX_ROWS", 4)
 SGMV_MAX_ROWS = _rows_env("PAGEDLLM_LORA_SGMV_MAX_ROWS", 0)
-MASKED_MAX_ROWS = _rows_env("PAGEDLLM_LORA_MASKED_MAX_ROWS", 1 << 30)
+MASKED_MAX_ROWS = _rows_env("PAGEDLLM_LORA_MASKED_MAX_ROWS", 0)
 
 
 def lora_path(rows: int, use_triton: bool) -> str:
