@@ -36,7 +36,6 @@ in a fixed order by one reduce kernel: deterministic, graph-safe (shapes only).
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 import torch
@@ -45,6 +44,7 @@ import triton.language as tl
 
 from pagedllm.kernels.int8_gemm import split_k_chunk, splitk_reduce, target_programs
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_start, pdl_trigger, pdl_wait
+from pagedllm.kernels.tuned_tables import load_tuned_table
 from pagedllm.kernels.wna16 import pack_codes, unpack_codes
 
 STRIPE = 128  # inputs per stripe
@@ -323,26 +323,9 @@ StripeConfig = tuple[int, int, int, int, int, int]  # block_m, block_n, stripes,
 GEMV_MAX_M = min(4, int(os.environ.get("PAGEDLLM_WNA16_GEMV_MAX_M", "4")))
 
 
-def _shipped_table() -> str | None:
-    """The table swept on this GPU model and shipped with the package
-    (``kernels/tuned/wna16_<device name>.json``, as vLLM ships its fused-MoE tables)."""
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name().replace(" ", "_")
-    path = os.path.join(os.path.dirname(__file__), "tuned", f"wna16_{name}.json")
-    return path if os.path.exists(path) else None
-
-
 @functools.cache
 def _tuned_file() -> dict:
-    path = os.environ.get("PAGEDLLM_WNA16_CONFIGS") or _shipped_table()
-    if not path:
-        return {}
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"PAGEDLLM_WNA16_CONFIGS: cannot read {path!r}: {e}") from None
+    return load_tuned_table("wna16", "PAGEDLLM_WNA16_CONFIGS")
 
 
 def tuned_threshold(name: str) -> int | None:

@@ -24,12 +24,12 @@ a CUDA-graph capture and an eager run of one batch size pick the same path.
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 import torch
 
 from pagedllm.kernels.int8_gemm import target_programs
+from pagedllm.kernels.tuned_tables import load_tuned_table
 
 # (block_m, block_n, block_k, group_m, warps, stages, split_k, swap, scale_after)
 TcConfig = tuple[int, int, int, int, int, int, int, int, int]
@@ -37,24 +37,9 @@ Choice = tuple[str, "TcConfig | None"]
 DEFAULT_TC_MIN_M = 16
 
 
-def _shipped_table() -> str | None:
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name().replace(" ", "_")
-    path = os.path.join(os.path.dirname(__file__), "tuned", f"wna16_tc_{name}.json")
-    return path if os.path.exists(path) else None
-
-
 @functools.cache
 def _tuned_file() -> dict:
-    path = os.environ.get("PAGEDLLM_WNA16_TC_CONFIGS") or _shipped_table()
-    if not path:
-        return {}
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"PAGEDLLM_WNA16_TC_CONFIGS: cannot read {path!r}: {e}") from None
+    return load_tuned_table("wna16_tc", "PAGEDLLM_WNA16_TC_CONFIGS")
 
 
 def tuned_summary() -> dict:

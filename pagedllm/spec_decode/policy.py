@@ -298,7 +298,11 @@ class SpecPolicy:
         cost_ratio - 1 plain steps more than a plain step, held to ``PROBE_BUDGET``."""
         extra = self._cost_ratio(num_reqs, num_reqs * (k + 1)) - 1.0
         gap = math.ceil(max(extra, 0.0) / PROBE_BUDGET)
-        return min(max(gap, MIN_PROBE_GAP), MAX_PROBE_GAP)
+        # While proposals find nothing the probe is for that, and it costs more than its
+        # verify step: a synchronous step (n-gram pauses async scheduling for it).
+        # Probe less often as the share of requests given drafts falls (up to 8x).
+        gap = math.ceil(max(gap, MIN_PROBE_GAP) / max(self.availability(), 0.125))
+        return min(gap, MAX_PROBE_GAP)
 
     # -- what the step showed ----------------------------------------------------------------
     def observe(self, tries: Sequence[int], hits: Sequence[int]) -> None:

@@ -56,6 +56,7 @@ class SpecScheduling:
         # When each step in flight was scheduled (perf_counter), oldest first: with async
         # scheduling step N + 1 is planned before step N's output is taken.
         self._t0: deque[float] = deque()
+        self._last_end: float | None = None  # when the last step's output was taken
         # Totals since start (for benchmarks and tests; the metrics read take_stats).
         self.total_draft_tokens = self.total_accepted_tokens = self.total_drafts = 0
         self.total_steps = self.total_spec_steps = 0  # decode steps / those with drafts
@@ -140,12 +141,14 @@ class SpecScheduling:
             k = self.config.num_speculative_tokens
             self._tries, self._hits = [0] * k, [0] * k
         t0 = self._t0.popleft() if self._t0 else None
+        now = time.perf_counter()
+        last, self._last_end = self._last_end, now
         if num_reqs and num_tokens == num_reqs + num_drafts and t0 is not None:
             self.total_steps += 1
             self.total_spec_steps += num_drafts > 0
             if (num_drafts > 0) == proposed:  # not a step of switching on or off
-                self.policy.observe_time(1000 * (time.perf_counter() - t0),
-                                         num_reqs, num_tokens, proposed)
+                self.policy.observe_time(1000 * _period(t0, last, now), num_reqs,
+                                         num_tokens, proposed)
 
     def take_stats(self) -> tuple[int, int, int, list[int]]:
         """(drafts, draft tokens, accepted tokens, accepted per position) since last call."""
@@ -153,3 +156,17 @@ class SpecScheduling:
         self._drafts = self._draft_tokens = self._accepted = 0
         self._per_pos = [0] * self.config.num_speculative_tokens
         return s
+
+
+def _period(t0: float, last: float | None, now: float) -> float:
+    """The wall time a step costs the loop, comparable between the two ways it runs:
+    scheduled after the previous step's output was taken (synchronous: from the end of
+    that step, i.e. its own schedule, launch and wait plus the loop's work in between;
+    an idle gap longer than the step is left out), or while it was still in flight
+    (async scheduling: the period between two outputs, as the steps overlap)."""
+    if last is None:
+        return now - t0
+    if t0 >= last:
+        gap = t0 - last
+        return now - t0 + (gap if gap <= now - t0 else 0.0)
+    return now - last

@@ -216,8 +216,10 @@ def test_no_drafts_found_stops_proposing_then_probes():
     for _ in range(10):
         p.observe_proposals(b, 0)
     assert p.availability() < 0.01
-    nexts = [p.plan(b, [b] + [0] * K)[1] for _ in range(3 * MIN_PROBE_GAP)]
-    assert nexts[0] == 0 and 0 < sum(1 for n in nexts if n) <= 3  # probes only
+    # Probes only, and 8x rarer than at full availability (each is a synchronous step).
+    assert p.probe_gap(b, 1) >= 8 * MIN_PROBE_GAP
+    nexts = [p.plan(b, [b] + [0] * K)[1] for _ in range(3 * 8 * MIN_PROBE_GAP)]
+    assert nexts[0] == 0 and 0 < sum(1 for n in nexts if n) <= 3
     for _ in range(10):  # drafts found again (the text started to repeat)
         p.observe_proposals(b, b)
     assert p.plan(b, [b] + [0] * K)[1] == K

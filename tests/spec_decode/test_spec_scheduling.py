@@ -168,3 +168,12 @@ def test_property_drafts_and_rollback_leak_no_blocks(ops, num_blocks, caching, s
         so = s.schedule()
         s.update_from_output(so, runner.execute_model(so))
     assert_all_free(s)
+
+
+def test_step_period_sync_async_and_idle():
+    from pagedllm.spec_decode.scheduling import _period
+
+    assert _period(10.0, None, 12.0) == 2.0  # the first step: its own time
+    assert _period(10.0, 9.5, 12.0) == 2.5  # synchronous: from the previous output
+    assert _period(10.0, 5.0, 12.0) == 2.0  # after an idle gap longer than the step
+    assert _period(10.0, 11.0, 12.0) == 1.0  # in flight with the previous: the period
