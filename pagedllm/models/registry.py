@@ -55,7 +55,8 @@ class ArchitectureInfo:
 
 _ENCODER = dict(attention="bidirectional (no KV cache)", tensor_parallel=False,
                 prefix_caching=False, cuda_graphs=False, pipeline_parallel=False)
-_MOE_QUANT = "linear layers; experts need a method with MoE support (others refused)"
+_MOE_QUANT = ("linear layers; experts: FP8 (`--quantization fp8`; HF FP8 and "
+              "compressed-tensors FP8 checkpoints, block-wise included); others refused")
 
 ARCHITECTURES: dict[str, ArchitectureInfo] = {
     "LlamaForCausalLM": ArchitectureInfo(LlamaForCausalLM, "Llama 2/3, SmolLM2"),
