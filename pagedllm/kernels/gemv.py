@@ -28,7 +28,7 @@ scales (``x_scale [1, 1]``, ``w_scale [N]``) the kernel computes the W8A8 produc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -36,8 +36,24 @@ import triton.language as tl
 
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
 
-if TYPE_CHECKING:
-    from pagedllm.kernels.lora import GemvLoRA
+
+@dataclass(frozen=True)
+class GemvLoRA:
+    """The operands a batch-1 GEMV's epilogue needs to add one row's adapter delta:
+    ``partials [SPLIT, S*R]`` fp32 (:func:`lora_shrink`; summed over SPLIT they are the
+    row's shrink), ``bt [L, S*R, N]`` (contiguous), ``slots [1]`` int32 (-1: no adapter,
+    the output is then bit-for-bit the plain GEMV's), ``rank`` R and the shard bounds
+    ``(B1, B2)`` (N where absent: ``kernels/lora.py``'s stacked layout)."""
+
+    partials: torch.Tensor
+    bt: torch.Tensor
+    slots: torch.Tensor
+    rank: int
+    bounds: tuple[int, int]
+
+    @property
+    def split(self) -> int:
+        return self.partials.shape[0]
 
 
 @triton.jit

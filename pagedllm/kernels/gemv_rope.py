@@ -45,7 +45,7 @@ from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
 from pagedllm.kernels.rotary import _cos_sin, _rope
 
 if TYPE_CHECKING:
-    from pagedllm.kernels.lora import GemvLoRA
+    from pagedllm.kernels.gemv import GemvLoRA
 
 PAIRS = 4  # rotation pairs per program: 8 rows, as gemv_config's BLOCK_N
 

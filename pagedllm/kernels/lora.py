@@ -28,13 +28,12 @@ constants: a layer's shapes, a handful per model.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.gemv import _load_x
+from pagedllm.kernels.gemv import GemvLoRA, _load_x
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
 
 # -- one launch: shrink and expand fused ------------------------------------------------
@@ -291,25 +290,6 @@ def lora_sgmv(x: torch.Tensor, rows: torch.Tensor, tiles: torch.Tensor, a: torch
 # GEMV program sums the SPLIT partials of its shard in a fixed order in its epilogue
 # (1 KB from L2).  No shrink is recomputed, no atomics: two launches' worth of
 # deterministic fp32 sums per projection, one of them the base GEMV's own.
-
-
-@dataclass(frozen=True)
-class GemvLoRA:
-    """The operands a batch-1 GEMV's epilogue needs to add one row's adapter delta:
-    ``partials [SPLIT, S*R]`` fp32 (:func:`lora_shrink`; summed over SPLIT they are the
-    row's shrink), ``bt [L, S*R, N]`` (contiguous), ``slots [1]`` int32 (-1: no adapter,
-    the output is then bit-for-bit the plain GEMV's), ``rank`` R and the shard bounds
-    ``(B1, B2)`` (N where absent: ``kernels/lora.py``'s stacked layout)."""
-
-    partials: torch.Tensor
-    bt: torch.Tensor
-    slots: torch.Tensor
-    rank: int
-    bounds: tuple[int, int]
-
-    @property
-    def split(self) -> int:
-        return self.partials.shape[0]
 
 
 @triton.jit

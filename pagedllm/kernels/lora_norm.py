@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.lora import GemvLoRA, shrink_config
+from pagedllm.kernels.gemv import GemvLoRA
+from pagedllm.kernels.lora import shrink_config
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
 
 

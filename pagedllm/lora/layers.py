@@ -54,7 +54,7 @@ import torch
 from pagedllm.lora.peft import LoRAWeights
 
 if TYPE_CHECKING:
-    from pagedllm.kernels.lora import GemvLoRA
+    from pagedllm.kernels.gemv import GemvLoRA
 
 # Rows per tile of the segmented kernels (``kernels/lora.lora_sgmv``'s ``block_m``): the
 # host groups rows into tiles of this size.
