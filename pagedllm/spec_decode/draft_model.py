@@ -123,6 +123,20 @@ class DraftModelProposer:
             query_start_loc_cpu=torch.from_numpy(qsl),
             seq_lens_cpu=torch.from_numpy(seq_lens), block_size=self.block_size)
 
+    def _later_steps(self, base: np.ndarray, caps: np.ndarray, tbl: np.ndarray,
+                     m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Draft steps 2..m, one token per request at position ``base + j``: positions
+        and KV slots ``[m - 1, R]`` and the one-token query starts.  A request past its
+        cap rides along at a clamped position with slot -1 (no KV written)."""
+        num_req = len(base)
+        j = np.arange(2, m + 1)[:, None]  # [m - 1, 1]
+        pos_all = base[None, :] + j
+        live = j <= caps[None, :]
+        pos_all = np.where(live, pos_all, np.minimum(pos_all, self.max_model_len - 1))
+        reqs = np.broadcast_to(np.arange(num_req), pos_all.shape)
+        slots_all = np.where(live, self._slots(tbl, reqs, pos_all), -1)
+        return pos_all, slots_all, np.arange(num_req + 1, dtype=np.int32)
+
     def _slots(self, tbl: np.ndarray, req: np.ndarray, pos: np.ndarray) -> np.ndarray:
         bs = self.block_size
         return tbl[req, pos // bs].astype(np.int64) * bs + pos % bs
@@ -171,13 +185,7 @@ class DraftModelProposer:
         # cap rides along (its rows are discarded) without writing KV.
         m = int(caps.max())
         if m > 1:
-            j = np.arange(2, m + 1)[:, None]  # [m - 1, 1]
-            pos_all = n[None, :] + j - 2
-            live = j <= caps[None, :]
-            pos_all = np.where(live, pos_all, np.minimum(pos_all, self.max_model_len - 1))
-            reqs = np.broadcast_to(np.arange(num_req), pos_all.shape)
-            slots_all = np.where(live, self._slots(tbl, reqs, pos_all), -1)
-            qsl1 = np.arange(num_req + 1, dtype=np.int32)
+            pos_all, slots_all, qsl1 = self._later_steps(n - 2, caps, tbl, m)
             for step in range(m - 1):  # over the k draft positions, not over tokens
                 p = pos_all[step]
                 meta = self._meta(h2d, str(step + 1), qsl1, (p + 1).astype(np.int32), tbl,

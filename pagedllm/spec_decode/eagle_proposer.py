@@ -111,13 +111,7 @@ class EagleProposer(DraftModelProposer):
         # Steps 2..m: one token per request at position n + j - 3.  A request past its
         # cap rides along (its rows are discarded) without writing KV.
         if m > 1:
-            j = np.arange(2, m + 1)[:, None]  # [m - 1, 1]
-            pos_all = n[None, :] + j - 3
-            live = j <= caps[None, :]
-            pos_all = np.where(live, pos_all, np.minimum(pos_all, self.max_model_len - 1))
-            reqs = np.broadcast_to(np.arange(num_req), pos_all.shape)
-            slots_all = np.where(live, self._slots(tbl, reqs, pos_all), -1)
-            qsl1 = np.arange(num_req + 1, dtype=np.int32)
+            pos_all, slots_all, qsl1 = self._later_steps(n - 3, caps, tbl, m)
             for step in range(m - 1):  # over the k draft positions, not over tokens
                 p = pos_all[step]
                 meta = self._meta(h2d, str(step + 1), qsl1, (p + 1).astype(np.int32), tbl,
