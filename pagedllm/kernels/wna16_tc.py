@@ -64,6 +64,7 @@ import triton.language as tl
 
 from pagedllm.kernels.int8_gemm import splitk_reduce
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
+from pagedllm.kernels.wna16_stripe import _slot
 from pagedllm.kernels.wna16_tc_config import TcConfig, tc_config
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -91,21 +92,6 @@ def from_kmajor(qweight_t: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- kernel
-
-
-@triton.jit
-def _code(w, hi, s: tl.constexpr, z):
-    """fp32 ``code - z`` of slot ``s`` of the words ``w`` (``hi = w >> 16``), exact."""
-    OFF: tl.constexpr = (s % 4) * 4
-    MASK: tl.constexpr = 0xF << OFF
-    if s < 4:
-        h = w
-    else:
-        h = hi
-    v = ((h & MASK) | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + code * 2**OFF
-    INV: tl.constexpr = 1.0 / (1 << OFF)
-    BIAS: tl.constexpr = 8388608.0 / (1 << OFF)
-    return v * INV - (BIAS + z)
 
 
 # Symmetric 4-bit codes -> bf16 pairs with bf16x2 arithmetic (sm_90 PTX): the nibbles
@@ -159,14 +145,14 @@ def _dequant_nk(words_nk, sc, z, dtype: tl.constexpr, SCALE_AFTER: tl.constexpr)
     """Words ``[BN, BK / 8]`` -> ``[BN, BK]`` in ``dtype``, K in input order:
     ``code - z`` (``SCALE_AFTER``) or ``(code - z) * sc`` rounded as the reference."""
     hi = words_nk >> 16
-    c0 = _code(words_nk, hi, 0, z)
-    c1 = _code(words_nk, hi, 1, z)
-    c2 = _code(words_nk, hi, 2, z)
-    c3 = _code(words_nk, hi, 3, z)
-    c4 = _code(words_nk, hi, 4, z)
-    c5 = _code(words_nk, hi, 5, z)
-    c6 = _code(words_nk, hi, 6, z)
-    c7 = _code(words_nk, hi, 7, z)
+    c0 = _slot(words_nk, hi, 0, 4, z)
+    c1 = _slot(words_nk, hi, 1, 4, z)
+    c2 = _slot(words_nk, hi, 2, 4, z)
+    c3 = _slot(words_nk, hi, 3, 4, z)
+    c4 = _slot(words_nk, hi, 4, 4, z)
+    c5 = _slot(words_nk, hi, 5, 4, z)
+    c6 = _slot(words_nk, hi, 6, 4, z)
+    c7 = _slot(words_nk, hi, 7, 4, z)
     if not SCALE_AFTER:
         # the reference's product, (code - zero) * scale rounded to the scale's dtype:
         # the fp32 product of a small integer and a bf16/fp16 scale is exact
