@@ -44,7 +44,14 @@ from pagedllm.kernels.lora import fused_config, lora_fused, lora_sgmv, lora_shri
 from pagedllm.kernels.lora_masked import lora_masked_, new_counters
 from pagedllm.kernels.lora_norm import rms_norm_shrink
 from pagedllm.kernels.norm import fused_add_rms_norm
-from pagedllm.lora.layers import SGMV_BLOCK_M, lora_dense_, lora_ref, sgmv_tiles, slot_owner
+from pagedllm.lora.layers import (
+    SGMV_BLOCK_M,
+    diag_blocks,
+    lora_dense_,
+    lora_ref,
+    sgmv_tiles,
+    slot_owner,
+)
 
 DEV = torch.device("cuda")
 DT = torch.bfloat16  # the model dtype (--dtype)
@@ -107,6 +114,20 @@ def _sgmv(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, bt: torch.Tenso
     return lora_sgmv(x, rows, tiles, a, bt, y, SGMV_BLOCK_M)
 
 
+def _ids() -> torch.Tensor:
+    return torch.arange(L, dtype=torch.int32, device=DEV)
+
+
+def _dense_one_expand(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor,
+                      bt: torch.Tensor, owner: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The dense form before run 19 (A/B only): one expand over all ``L*S*R`` rows of
+    the block-diagonal ``Bt`` (multiplying its zero blocks)."""
+    n_slots, r, k = a.shape
+    shrunk = x @ a.reshape(n_slots * r, k).t()
+    shrunk.mul_(slots.to(owner.dtype).unsqueeze(1) == owner.unsqueeze(0))
+    return y.addmm_(shrunk, bt.reshape(n_slots * r, -1))
+
+
 def _check(name: str, got: torch.Tensor, want: torch.Tensor, results: list) -> bool:
     err = (got.float() - want.float()).abs().max().item()
     scale = want.float().abs().max().item() + 1e-6
@@ -123,6 +144,7 @@ def correctness(results: list) -> bool:
         a, bt = _slots_weights(k, sizes, g)
         n = sum(sizes)
         owner = slot_owner(L, a.shape[1], DEV)
+        bts, ids = diag_blocks(bt, sizes), _ids()
         for m in (1, 4, 16, 64, 256, 2048):
             x = torch.randn(m, 2 * k if silu else k, generator=g).to(DEV, DT)
             xin = _silu_mul(x) if silu else x
@@ -139,8 +161,10 @@ def correctness(results: list) -> bool:
                 print(f"  FAIL {name} M={m} fused: a row without an adapter changed")
             got = _sgmv(xin, slots, a, bt, y.clone())
             ok &= _check(f"{name} M={m} sgmv", got.float() - y.float(), want, results)
-            got = lora_dense_(xin, slots, a, bt, owner, y.clone())
+            got = lora_dense_(xin, slots, a, bts, ids, y.clone())
             ok &= _check(f"{name} M={m} dense", got.float() - y.float(), want, results)
+            got = _dense_one_expand(xin, slots, a, bt, owner, y.clone())
+            ok &= _check(f"{name} M={m} dense1", got.float() - y.float(), want, results)
             counters = new_counters(DEV)
             for rep in range(2):  # twice: the split-K counters must come back zeroed
                 got = lora_masked_(xin, slots, a, bt, counters, y.clone())
@@ -261,6 +285,8 @@ def _check_mlp(results: list) -> bool:
         a, bt = _slots_weights(layer.in_per_partition, tuple(layer.output_partition_sizes), g)
         lora.a.copy_(a)
         lora.bt.copy_(bt)
+        for blk, want in zip(lora.bts, diag_blocks(bt, tuple(layer.output_partition_sizes))):
+            blk.copy_(want)
         layer.lora = lora
     norm.lora_next = mlp.gate_up_proj.lora
     x = torch.randn(1, hidden, generator=g).to(DEV, DT)
@@ -321,6 +347,9 @@ def _chain(m: int, path: str | None, base: dict, slots_w: dict, owners: dict,
     outs = {name: torch.empty(m, sum(sizes), dtype=DT, device=DEV)
             for name, (_, sizes, _) in PROJ.items()}
     down_in = _silu_mul(xs["down"])  # the cuBLAS path's input (M > 1)
+    ids = _ids()
+    bts_w = {name: [diag_blocks(bt, sizes) for _, bt in slots_w[name]]
+             for name, (_, sizes, _) in PROJ.items()} if path == "dense" else {}
     counters = new_counters(DEV)
 
     def run() -> None:
@@ -342,7 +371,9 @@ def _chain(m: int, path: str | None, base: dict, slots_w: dict, owners: dict,
                 elif path == "sgmv":
                     _sgmv(xin, slots, a, bt, y, groups)
                 elif path == "dense":
-                    lora_dense_(xin, slots, a, bt, owners[name], y)
+                    lora_dense_(xin, slots, a, bts_w[name][i], ids, y)
+                elif path == "dense1":
+                    _dense_one_expand(xin, slots, a, bt, owners[name], y)
                 elif path == "masked":
                     lora_masked_(xin, slots, a, bt, counters, y)
     return run
@@ -412,7 +443,7 @@ def timing(results: list, ms: list[int]) -> None:
         t_base = _graph_us(_chain(m, None, base, slots_w, owners, g))
         row = {"M": m, "base_us_per_layer": t_base / LAYERS}
         print(f"M={m}: base {t_base / LAYERS:.1f} µs per layer (4 projections)")
-        for path in ("epilogue", "fused", "sgmv", "dense", "masked"):
+        for path in ("epilogue", "fused", "sgmv", "dense", "dense1", "masked"):
             if path == "fused" and m > 64 or path == "epilogue" and m > 1:
                 continue  # fused: recomputes the shrink per output block; epilogue: 1 row
             t = _graph_us(_chain(m, path, base, slots_w, owners, g))

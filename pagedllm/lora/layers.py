@@ -20,14 +20,16 @@ The last decoder layer's modules after attention (``o_proj``, ``gate_up_proj``,
 pruning they run on one row per request (``models/llama.py``), so that map holds one
 slot per request on such steps (the token map otherwise).
 
-The CPU path (and the kernels' oracle) is :func:`lora_ref`: dense over all slots with a
-per-token mask -- no loop over tokens or adapters, no host sync.  On CUDA the path
+The kernels' oracle is :func:`lora_ref`: dense over all slots with a per-token mask --
+no loop over tokens or adapters, no host sync.  The CPU path is its GEMM form
+:func:`lora_dense_` (the expand per shard: no multiplies by ``Bt``'s zero blocks).  On
+CUDA the path
 depends on the row count only (:func:`lora_path`): up to ``FUSED_MAX_ROWS`` rows the
 one-launch ``kernels/lora.lora_fused``; above, up to ``PAGEDLLM_LORA_MASKED_MAX_ROWS``
 (0 by default: slower over W1 on the H200) the two-launch masked form (``kernels/lora_masked.py``: a
 split-K shrink writing each row's slot columns, zeros elsewhere, then one cuBLAS
 ``addmm_`` over all slots), past it the dense masked form on cuBLAS (:func:`lora_dense_`,
-~4 launches); the segmented ``kernels/lora.lora_sgmv`` over the rows the manager grouped
+2 + S launches); the segmented ``kernels/lora.lora_sgmv`` over the rows the manager grouped
 by slot on the host (:func:`sgmv_tiles`, published with the slot map) up to
 ``PAGEDLLM_LORA_SGMV_MAX_ROWS`` rows (0 by default: slower than cuBLAS on the H200 as
 measured; an A/B switch).
@@ -154,15 +156,44 @@ def lora_ref(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor,
     return torch.where(mask, shrunk, 0) @ bt.reshape(n_slots * r, -1)
 
 
-def lora_dense_(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
-                owner: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``y += lora_ref(x, slots, a, bt)`` in place, in ``y``'s dtype, in three GEMM-sized
-    launches (shrink over all slots, mask, expand accumulated into ``y``) for large steps
-    on the GPU, where two dense GEMMs over a few hundred columns beat per-row kernels."""
-    n_slots, r, k = a.shape
-    shrunk = x @ a.reshape(n_slots * r, k).t()
-    shrunk.mul_(slots.to(owner.dtype).unsqueeze(1) == owner.unsqueeze(0))
-    return y.addmm_(shrunk, bt.reshape(n_slots * r, -1))
+def lora_dense_(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor,
+                bts: list[torch.Tensor], slot_ids: torch.Tensor,
+                y: torch.Tensor) -> torch.Tensor:
+    """``y += lora_ref(x, slots, a, bt)`` in place, in ``y``'s dtype: one shrink GEMM
+    over all slots, one masking launch, then one expand GEMM *per shard* accumulated
+    into that shard's columns of ``y`` (cuBLAS ``addmm_`` on the column slice).
+
+    ``bts[i] [L*R, n_i]``: shard ``i``'s diagonal block of every slot's ``Bt`` (rows
+    ``slot*R .. slot*R+R``), outputs ``sum(n_i)`` in shard order; ``slot_ids``: ``arange
+    (L)`` (int32, on the device).  Why per shard: ``Bt`` is block-diagonal over a fused
+    layer's shards, so one expand over ``L*S*R`` rows would multiply ``(S-1)/S`` zeros
+    (2/3 of qkv's expand, 1/2 of gate_up's); the masked shrink is re-laid out
+    ``[T, S, L, R]`` by the masking launch itself, so each shard's operand is a strided
+    view.  No host sync; shapes depend on ``x`` only (graph-safe)."""
+    n_slots, sr, k = a.shape
+    n_shards, m = len(bts), x.shape[0]
+    r = sr // n_shards
+    shrunk = (x @ a.reshape(n_slots * sr, k).t()).view(m, n_slots, n_shards, r)
+    keep = (slots.unsqueeze(1) == slot_ids.unsqueeze(0)).view(m, n_slots, 1, 1)
+    s = torch.empty(m, n_shards, n_slots, r, dtype=shrunk.dtype, device=x.device)
+    torch.mul(shrunk, keep, out=s.transpose(1, 2))
+    lo = 0
+    for i, bt_i in enumerate(bts):  # S <= 3 launches, not a loop over tokens
+        hi = lo + bt_i.shape[1]
+        y[:, lo:hi].addmm_(s[:, i].reshape(m, n_slots * r), bt_i)
+        lo = hi
+    return y
+
+
+def diag_blocks(bt: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    """``bt [L, S*R, N]`` (block-diagonal over shards of ``sizes``) -> the compact
+    ``[L*R, n_i]`` blocks :func:`lora_dense_` expands with (copies)."""
+    n_slots, sr, _ = bt.shape
+    r, lo, out = sr // len(sizes), 0, []
+    for i, size in enumerate(sizes):
+        out.append(bt[:, i * r:(i + 1) * r, lo:lo + size].reshape(n_slots * r, size))
+        lo += size
+    return out
 
 
 def _rows_env(name: str, default: int) -> int:
@@ -221,15 +252,25 @@ class LoRALinear:
         self.bt = torch.zeros(max_loras, n_shards * max_rank, n, dtype=dtype,
                               device=device)
         self.use_triton = use_triton
-        self.owner = slot_owner(max_loras, n_shards * max_rank, device)
+        self.slot_ids = torch.arange(max_loras, dtype=torch.int32, device=device)
+        # lora_dense_'s expand operands: each shard's diagonal block of every slot's Bt,
+        # compact (a copy for fused layers; a view of ``bt`` for one shard).
+        if n_shards == 1:
+            self.bts = [self.bt.view(max_loras * max_rank, n)]
+        else:
+            self.bts = [torch.zeros(max_loras * max_rank, size, dtype=dtype, device=device)
+                        for size in sizes]
         # The shrink a norm computed for its output (:meth:`norm`), until read.
         self._pending: tuple[torch.Tensor, GemvLoRA] | None = None
 
     @staticmethod
     def bytes_per_slot(layer: torch.nn.Module, max_rank: int, dtype: torch.dtype) -> int:
         """Device bytes one adapter slot takes on ``layer`` (A and Bt)."""
-        rows = len(layer.output_partition_sizes) * max_rank
-        return rows * (layer.in_per_partition + layer.out_per_partition) * dtype.itemsize
+        n_shards = len(layer.output_partition_sizes)
+        rows = n_shards * max_rank
+        compact = max_rank * layer.out_per_partition if n_shards > 1 else 0  # ``bts``
+        return (rows * (layer.in_per_partition + layer.out_per_partition) + compact) \
+            * dtype.itemsize
 
     def set_slot(self, slot: int, shards: list[LoRAWeights | None] | None) -> None:
         """Write one adapter's weights for this layer into ``slot`` (None: the adapter
@@ -237,6 +278,7 @@ class LoRALinear:
         self.a[slot].zero_()
         self.bt[slot].zero_()
         if shards is None:
+            self._copy_blocks(slot)
             return
         layer, big_r = self.layer, self.max_rank
         for i, w in enumerate(shards):
@@ -257,6 +299,17 @@ class LoRALinear:
                     off, src = 0, layer.tp_rank * size
                 self.bt[slot, rows, off:off + size].copy_(b[src:src + size].t())
             self.a[slot, rows].copy_(a)
+        self._copy_blocks(slot)
+
+    def _copy_blocks(self, slot: int) -> None:
+        """Refresh ``bts`` (lora_dense_'s compact expand blocks) from ``bt[slot]``."""
+        if len(self.bts) == 1:
+            return  # a view of bt
+        r, lo = self.max_rank, 0
+        for i, bt_i in enumerate(self.bts):
+            hi = lo + bt_i.shape[1]
+            bt_i[slot * r:(slot + 1) * r].copy_(self.bt[slot, i * r:(i + 1) * r, lo:hi])
+            lo = hi
 
     def _map(self) -> SlotMap:
         return self.mapping.last if self.last_rows else self.mapping.tokens
@@ -282,9 +335,7 @@ class LoRALinear:
             from pagedllm.kernels.lora_masked import lora_masked_
 
             return lora_masked_(x, slots, self.a, self.bt, self.mapping.counters, y)
-        if path == "dense":
-            return lora_dense_(x, slots, self.a, self.bt, self.owner, y)
-        return y.add_(lora_ref(x, slots, self.a, self.bt, self.owner).to(y.dtype))
+        return lora_dense_(x, slots, self.a, self.bts, self.slot_ids, y)  # dense, ref
 
     def gemv_lora(self, x: torch.Tensor, silu_mul: bool = False) -> GemvLoRA | None:
         """For a batch-1 GEMV of this layer (``x [1, K]``; ``[1, 2K]`` read as

@@ -159,4 +159,6 @@ def test_slots_lru_never_evicts_an_adapter_in_use(tmp_path) -> None:
     from pagedllm.lora.manager import lora_slot_bytes
 
     assert lora_slot_bytes(model, 2, 4, torch.float32) == sum(
-        (lo.a.numel() + lo.bt.numel()) * 4 for lo in mgr.layers.values())
+        (lo.a.numel() + lo.bt.numel()
+         + (sum(b.numel() for b in lo.bts) if len(lo.bts) > 1 else 0)) * 4
+        for lo in mgr.layers.values())
