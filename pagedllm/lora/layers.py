@@ -26,7 +26,7 @@ no loop over tokens or adapters, no host sync.  The CPU path is its GEMM form
 CUDA the path
 depends on the row count only (:func:`lora_path`): up to ``FUSED_MAX_ROWS`` rows the
 one-launch ``kernels/lora.lora_fused``; above, up to ``PAGEDLLM_LORA_MASKED_MAX_ROWS``
-(0 by default: slower over W1 on the H200) the two-launch masked form (``kernels/lora_masked.py``: a
+(512 by default: a large batch's decode steps) the two-launch masked form (``kernels/lora_masked.py``: a
 split-K shrink writing each row's slot columns, zeros elsewhere, then one cuBLAS
 ``addmm_`` over all slots), past it the dense masked form on cuBLAS (:func:`lora_dense_`,
 2 + S launches); the segmented ``kernels/lora.lora_sgmv`` over the rows the manager grouped
@@ -201,19 +201,19 @@ def _rows_env(name: str, default: int) -> int:
 
 
 # Row-count thresholds of the CUDA paths (see the module doc), from
-# ``benchmarks/lora_probe.py`` on an H200 (docs/benchmarks.md, run 17): per layer at the
-# Llama-3-8B shapes the dense cuBLAS form added 69-81 us at 4-256 rows against sgmv's
-# 110-185 us (equal at 2,048), and W1 over 8 adapters ran 7,065 vs 6,486 tok/s; the
-# fused kernel wins at 1 row (42 vs 68 us).  So sgmv is off by default.  The masked
-# two-launch form (kernels/lora_masked.py) does the dense form's work in 2 launches
-# instead of ~4 (its split-K shrink spreads the A reads).  On the H200 (2026-12-02) it
-# was faster per layer from 16 to 256 rows (+53 vs +71-75 us over the base GEMMs) but
-# W1 over 8 adapters ran at 6,426 tok/s against the dense form's 7,136 (base 8,644), so
-# it is off by default until that is understood (PAGEDLLM_LORA_MASKED_MAX_ROWS=N opts in).
-# The environment variables override all three for an A/B run.
+# ``benchmarks/lora_probe.py`` and W1 on an H200 (docs/benchmarks.md, runs 17-19).  Per
+# decoder layer at the Llama-3-8B shapes (4 projections, 8 slots, rank 16): the fused
+# kernel wins at 1 row (42 vs 68 us for the dense form); at 256 rows the masked
+# two-launch form (kernels/lora_masked.py, split-K shrink: the A reads spread over the
+# GPU) adds 73 us, the dense cuBLAS form 102, sgmv 203; at 2,048 rows dense 194, masked
+# 219; at 8,192 dense 696, masked 780, sgmv 656.  W1 over 8 adapters (base 8,625):
+# masked up to 512 rows 7,390 tok/s, dense above 4 rows 7,007 (run 19); masked for
+# every size 6,426 (run 18; its large prefill chunks).  So: fused, then masked up to
+# 512 rows (decode steps of a large batch), then dense.  The environment variables
+# override all three for an A/B run.
 FUSED_MAX_ROWS = _rows_env("PAGEDLLM_LORA_FUSED_MAX_ROWS", 4)
 SGMV_MAX_ROWS = _rows_env("PAGEDLLM_LORA_SGMV_MAX_ROWS", 0)
-MASKED_MAX_ROWS = _rows_env("PAGEDLLM_LORA_MASKED_MAX_ROWS", 0)
+MASKED_MAX_ROWS = _rows_env("PAGEDLLM_LORA_MASKED_MAX_ROWS", 512)
 
 
 def lora_path(rows: int, use_triton: bool) -> str:

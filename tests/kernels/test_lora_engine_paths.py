@@ -40,8 +40,8 @@ def test_triton_lora_paths_match_peft(tmp_path, monkeypatch, gemv: bool, many: s
     mgr = llm.llm_engine.client.core.executor.worker.runner.lora
     # What the manager does on CUDA with the segmented kernels switched on
     # (PAGEDLLM_LORA_SGMV_MAX_ROWS; off by default): group rows by slot, run the Triton
-    # kernels.  ``many="masked"``: the opt-in path for steps above the fused rows
-    # (PAGEDLLM_LORA_MASKED_MAX_ROWS), the split-K masked shrink + one addmm.
+    # kernels.  ``many="masked"``: the path for steps above the fused rows up to
+    # PAGEDLLM_LORA_MASKED_MAX_ROWS (here every step), the split-K masked shrink + one addmm.
     if many == "sgmv":
         monkeypatch.setattr(lora_layers, "SGMV_MAX_ROWS", 1 << 30)
         mgr.grouped = True
