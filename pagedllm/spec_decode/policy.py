@@ -23,14 +23,19 @@ timed once at start-up.  Neither includes the context's attention (captured at c
 upper bound -- the policy errs towards not speculating.
 
 The curve covers the forward only; what else a verify step costs (logits of k + 1 rows,
-rejection sampling, proposing) is calibrated online: the engine loop is synchronous
-while speculation is configured, so the scheduler knows each step's wall time, and the
-policy keeps one EMA of measured / predicted time for plain decode steps and one for
-speculating steps -- verifying drafts and proposing the next: a draft model's forwards
-count here (:meth:`SpecPolicy.observe_time`).  Their quotient scales every predicted
-verify cost.  Speculation that stays on times no plain step, so every
-``PLAIN_PROBE_GAP`` speculating steps (the first after ``FIRST_PLAIN_PROBE``) it
-proposes nothing for two steps, the second of which is a plain step to time.
+rejection sampling, proposing, and the host's work, which async scheduling hides for
+plain steps but not for speculating ones, as they run synchronously) is calibrated
+online from each step's wall time (a loop period: ``scheduling._period``): the policy
+keeps EMAs of measured / predicted time for plain decode steps and for speculating steps
+-- verifying drafts and proposing the next: a draft model's forwards count here
+(:meth:`SpecPolicy.observe_time`) -- per batch-size bucket (1, 2-3, 4-7, ...: host costs
+grow with the requests, not with the forward's time), and their quotient at the bucket
+nearest the step's (each kind from its nearest timed bucket) scales the predicted verify
+cost.  Speculation that stays on times no plain step, so every ``PLAIN_PROBE_GAP``
+speculating steps (the first after ``FIRST_PLAIN_PROBE``) it proposes nothing for three
+steps: the first verifies the last drafts, the second is plain but follows a synchronous
+step, the third is a plain step in the loop's steady state, the one timed
+(``SpecScheduling.end_step`` times a plain step only after a plain step).
 
 Acceptance starts optimistic (the prior ``PRIOR_ACCEPTANCE`` at position 1, each later
 position's prior being the estimate of the one before), so speculation is tried; when
@@ -70,6 +75,11 @@ MAX_PROBE_GAP = 4096
 # proposals each time (~1.5% of the speculation's gain).
 PLAIN_PROBE_GAP = 128
 FIRST_PLAIN_PROBE = 8
+
+
+def _bucket(num_reqs: int) -> int:
+    """The time calibration's batch-size bucket: 1, 2-3, 4-7, 8-15, ... -> 1, 2, 3, 4, ..."""
+    return num_reqs.bit_length()
 
 
 def _lookup(points: Sequence[tuple[int, float]], x: int, padded: bool) -> float:
@@ -190,8 +200,10 @@ class SpecPolicy:
         self.acceptance = AcceptanceEstimate(k)
         self._avail = [0.0, 0.0]  # EMAs of requests given drafts, of requests asked
         self._prior_rates = AcceptanceEstimate(k).rates()
-        # EMAs of measured and of predicted step time, [plain, verify] steps
+        # EMAs of measured and of predicted step time, [plain, verify] steps: over all
+        # steps, and per batch-size bucket (``_bucket``)
         self._time = [[0.0, 0.0], [0.0, 0.0]]
+        self._btime: dict[int, list[list[float]]] = {}
         self._seen = [False, False]  # a step of the kind was timed (and not counted)
         self._idle = 0  # plain steps since speculation was last tried
         self._probe_next = False
@@ -210,13 +222,22 @@ class SpecPolicy:
         if self.curve is None:
             return 1.0
         raw = self.curve.mixed_ms(num_tokens) / self.curve.decode_ms(num_reqs)
-        if not calibrated:
-            return raw
-        return raw * self.time_factor(True) / self.time_factor(False)
+        if not calibrated or self._time[True][1] <= 0 or self._time[False][1] <= 0:
+            return raw  # (until both kinds were timed there is nothing to compare)
+        return raw * self.time_factor(True, num_reqs) / self.time_factor(False, num_reqs)
 
-    def time_factor(self, verify: bool) -> float:
-        """Measured over predicted time of plain (or speculating) steps so far; until
-        one of a kind was timed, the other kind's (same overheads), or 1."""
+    def time_factor(self, verify: bool, num_reqs: int | None = None) -> float:
+        """Measured over predicted time of plain (or speculating) steps so far: at the
+        timed bucket nearest ``num_reqs``'s (the smaller on a tie), or over all steps
+        (``num_reqs`` None, or no step of the kind timed in any bucket); until one of a
+        kind was timed, the other kind's (same overheads), or 1."""
+        if num_reqs is not None:
+            b = _bucket(num_reqs)
+            timed = [key for key, t in self._btime.items() if t[verify][1] > 0]
+            if timed:  # over buckets (<= 64), not requests
+                measured, predicted = self._btime[min(timed, key=lambda key: (
+                    abs(key - b), key))][verify]
+                return measured / predicted
         for measured, predicted in (self._time[verify], self._time[not verify]):
             if predicted > 0:
                 return measured / predicted
@@ -265,7 +286,7 @@ class SpecPolicy:
             return k_now, k_now
         k_now = self.best(num_reqs, hist, rates)[0]
         k_next = self.best(num_reqs, expected, rates)[0]
-        if self._plain_left:  # a plain probe: propose nothing for two steps
+        if self._plain_left:  # a plain probe: propose nothing for three steps
             self._plain_left -= 1
             return k_now, 0
         if k_next:
@@ -274,10 +295,10 @@ class SpecPolicy:
             if self._spec_run >= (PLAIN_PROBE_GAP if self._time[False][1] else
                                   FIRST_PLAIN_PROBE):
                 # While speculation stays on no plain step is timed, so the calibration
-                # would compare speculating steps with stale (or no) plain ones: two
-                # steps without proposals give one plain step to time.
+                # would compare speculating steps with stale (or no) plain ones: three
+                # steps without proposals give one steady plain step to time.
                 self._spec_run = 0
-                self._plain_left = 1
+                self._plain_left = 2
                 self.num_plain_probes += 1
                 return k_now, 0
             return k_now, k_next
@@ -333,11 +354,12 @@ class SpecPolicy:
             self._seen[verify] = True
             return
         pred = self.curve.mixed_ms(num_tokens) if verify else self.curve.decode_ms(num_reqs)
-        t = self._time[verify]
-        if t[1] > 0:  # an outlier (a stall) counts at most twice the current factor
-            ms = min(ms, 2.0 * pred * t[0] / t[1])
-        t[0] = TIME_DECAY * t[0] + ms
-        t[1] = TIME_DECAY * t[1] + pred
+        bucket = self._btime.setdefault(_bucket(num_reqs), [[0.0, 0.0], [0.0, 0.0]])
+        for t in (self._time[verify], bucket[verify]):
+            # An outlier (a stall) counts at most twice the current factor.
+            m = min(ms, 2.0 * pred * t[0] / t[1]) if t[1] > 0 else ms
+            t[0] = TIME_DECAY * t[0] + m
+            t[1] = TIME_DECAY * t[1] + pred
 
     def describe(self) -> str:
         cap = "none" if self.max_batch is None else str(self.max_batch)

@@ -57,6 +57,9 @@ class SpecScheduling:
         # scheduling step N + 1 is planned before step N's output is taken.
         self._t0: deque[float] = deque()
         self._last_end: float | None = None  # when the last step's output was taken
+        # The last step verified no drafts and proposed none: the next plain step runs
+        # in the loop's steady state (under async scheduling, overlapped), so it is timed.
+        self._prev_plain = False
         # Totals since start (for benchmarks and tests; the metrics read take_stats).
         self.total_draft_tokens = self.total_accepted_tokens = self.total_drafts = 0
         self.total_steps = self.total_spec_steps = 0  # decode steps / those with drafts
@@ -135,7 +138,9 @@ class SpecScheduling:
         """After ``update_from_output``: give the policy the step's acceptance and, for
         a decode-only step (``num_tokens == num_reqs + num_drafts``), its wall time --
         as a speculating step's if it verified drafts and proposed more (``proposed``:
-        what steady speculation costs), as a plain step's if it did neither."""
+        what steady speculation costs), as a plain step's if it did neither and the step
+        before did neither either (a plain step right after a synchronous one is not
+        what plain decoding costs under async scheduling)."""
         if num_drafts:
             self.policy.observe(self._tries, self._hits)
             k = self.config.num_speculative_tokens
@@ -143,10 +148,13 @@ class SpecScheduling:
         t0 = self._t0.popleft() if self._t0 else None
         now = time.perf_counter()
         last, self._last_end = self._last_end, now
+        plain, prev_plain = not num_drafts and not proposed, self._prev_plain
+        self._prev_plain = plain
         if num_reqs and num_tokens == num_reqs + num_drafts and t0 is not None:
             self.total_steps += 1
             self.total_spec_steps += num_drafts > 0
-            if (num_drafts > 0) == proposed:  # not a step of switching on or off
+            # Not a step of switching on or off; a plain one in steady state.
+            if (num_drafts > 0) == proposed and (prev_plain or not plain):
                 self.policy.observe_time(1000 * _period(t0, last, now), num_reqs,
                                          num_tokens, proposed)
 

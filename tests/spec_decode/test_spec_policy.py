@@ -187,11 +187,11 @@ def test_deterministic():
 def test_plain_probe_times_a_plain_step_while_speculating():
     p = SpecPolicy(K, FLAT)
     accept_all(p, 8)
-    plans = [p.plan(8, full(8)) for _ in range(FIRST_PLAIN_PROBE + 1)]
+    plans = [p.plan(8, full(8)) for _ in range(FIRST_PLAIN_PROBE + 2)]
     assert plans[:FIRST_PLAIN_PROBE - 1] == [(K, K)] * (FIRST_PLAIN_PROBE - 1)
-    assert plans[FIRST_PLAIN_PROBE - 1:] == [(K, 0), (K, 0)]  # two steps, no proposals
-    p.observe_time(5.0, 8, 8, verify=False)  # the second was plain: timed (the first
-    p.observe_time(5.0, 8, 8, verify=False)  # of its kind is not counted)
+    assert plans[FIRST_PLAIN_PROBE - 1:] == [(K, 0)] * 3  # three steps, no proposals
+    p.observe_time(5.0, 8, 8, verify=False)  # the third was plain and steady: timed
+    p.observe_time(5.0, 8, 8, verify=False)  # (the first of its kind is not counted)
     assert p.num_plain_probes == 1
     later = [p.plan(8, full(8)) for _ in range(PLAIN_PROBE_GAP)]
     assert later[:-1] == [(K, K)] * (PLAIN_PROBE_GAP - 1) and later[-1] == (K, 0)
@@ -223,3 +223,26 @@ def test_no_drafts_found_stops_proposing_then_probes():
     for _ in range(10):  # drafts found again (the text started to repeat)
         p.observe_proposals(b, b)
     assert p.plan(b, [b] + [0] * K)[1] == K
+
+
+def test_time_calibration_per_batch_size_bucket():
+    """Host costs grow with the requests, not with the forward: a speculating step that
+    costs what a plain one does at 4 requests but 6x at 64 (more than the 5 tokens a
+    request emits at full acceptance; run 19's host-bound 135M model: synchronous verify
+    steps against overlapped plain ones) speculates at 4 and not at 64; a bucket never
+    timed takes the nearest timed one's factor."""
+    p = SpecPolicy(K, FLAT)
+    accept_all(p, 64)
+    for b, spec_ms in ((4, 5.0), (64, 30.0)):
+        for _ in range(6):
+            p.observe_time(5.0, b, b, verify=False)
+            p.observe_time(spec_ms, b, b * (K + 1), verify=True)
+    assert p.time_factor(True, 64) / p.time_factor(False, 64) == pytest.approx(6.0)
+    assert p.time_factor(True, 4) / p.time_factor(False, 4) == pytest.approx(1.0)
+    assert p.plan(4, full(4))[0] == K
+    assert p.plan(64, full(64))[0] == 0
+    assert p.plan(100, full(100))[0] == 0  # bucket 64-127
+    assert p.plan(40, full(40))[0] == 0  # 32-63: nearest timed is 64-127
+    assert p.plan(2, full(2))[0] == K  # 2-3: nearest timed is 4-7
+    # Over all steps (what `bench spec` prints) the factors mix both sizes.
+    assert 1.0 < p.time_factor(True) / p.time_factor(False) < 6.0

@@ -177,3 +177,25 @@ def test_step_period_sync_async_and_idle():
     assert _period(10.0, 9.5, 12.0) == 2.5  # synchronous: from the previous output
     assert _period(10.0, 5.0, 12.0) == 2.0  # after an idle gap longer than the step
     assert _period(10.0, 11.0, 12.0) == 1.0  # in flight with the previous: the period
+
+
+def test_plain_steps_timed_only_in_steady_state():
+    """A plain step right after a speculating (synchronous) one is not what plain
+    decoding costs under async scheduling: the policy is given only plain steps that
+    follow a plain step, and speculating steps that verify and propose."""
+    from pagedllm.spec_decode.policy import StepCostCurve
+    from pagedllm.spec_decode.scheduling import SpecScheduling
+
+    curve = StepCostCurve(((8, 1.0),), ((8, 1.0), (64, 1.0)), True, "flat")
+    sched = SpecScheduling(SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+                           curve)
+    timed: list[bool] = []
+    real = sched.policy.observe_time
+    sched.policy.observe_time = lambda ms, n, t, verify: (timed.append(verify),
+                                                         real(ms, n, t, verify))
+    # (drafts verified, proposed): spec, spec, verify-only, plain, plain, plain, switch-on
+    for drafts, proposed in ((32, True), (32, True), (32, False), (0, False), (0, False),
+                             (0, False), (0, True)):
+        sched._t0.append(0.0)
+        sched.end_step(8, 8 + drafts, drafts, proposed)
+    assert timed == [True, True, False, False]
