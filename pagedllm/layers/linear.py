@@ -61,6 +61,18 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def load_weight(param: torch.Tensor, loaded: torch.Tensor, *shard: object) -> None:
+    """Copy a checkpoint tensor into ``param`` (no autograd) through the parameter's own
+    ``weight_loader`` (sharded, fused or quantised parameters; ``shard`` names the part
+    of a fused parameter) or, for a plain one, :func:`default_weight_loader`."""
+    loader = getattr(param, "weight_loader", None)
+    with torch.no_grad():
+        if loader is None:
+            default_weight_loader(param, loaded)
+        else:
+            loader(param, loaded, *shard)
+
+
 def _copy_shard(dst: torch.Tensor, loaded: torch.Tensor, dim: int, start: int,
                 total: int, what: str) -> None:
     """Copy ``loaded[start : start + dst.shape[dim]]`` along ``dim`` into ``dst``: this

@@ -26,7 +26,8 @@ no loop over tokens or adapters, no host sync.  The CPU path is its GEMM form
 CUDA the path
 depends on the row count only (:func:`lora_path`): up to ``FUSED_MAX_ROWS`` rows the
 one-launch ``kernels/lora.lora_fused``; above, up to ``PAGEDLLM_LORA_MASKED_MAX_ROWS``
-(512 by default: a large batch's decode steps) the two-launch masked form (``kernels/lora_masked.py``: a
+(512 by default: a large batch's decode steps) the two-launch masked form
+(``kernels/lora_masked.py``: a
 split-K shrink writing each row's slot columns, zeros elsewhere, then one cuBLAS
 ``addmm_`` over all slots), past it the dense masked form on cuBLAS (:func:`lora_dense_`,
 2 + S launches); the segmented ``kernels/lora.lora_sgmv`` over the rows the manager grouped

@@ -32,7 +32,7 @@ from pagedllm.layers.linear import (
     ColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    default_weight_loader,
+    load_weight,
 )
 from pagedllm.layers.pooler import PoolingType, pool
 from pagedllm.layers.quantization.base import QuantizationConfig
@@ -191,12 +191,7 @@ class BertModel(nn.Module):
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
                                  f"{type(self).__name__}")
-            loader = getattr(param, "weight_loader", None)
-            with torch.no_grad():
-                if loader is None:
-                    default_weight_loader(param, tensor)
-                else:
-                    loader(param, tensor, *shard)
+            load_weight(param, tensor, *shard)
             loaded.add(name)
         missing = sorted(set(params) - loaded)
         if missing:

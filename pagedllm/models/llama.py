@@ -32,8 +32,8 @@ from pagedllm.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    default_weight_loader,
     gemv_applies,
+    load_weight,
 )
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.quantization.base import QuantizationConfig
@@ -373,13 +373,8 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
                                  f"{type(self).__name__}")
-            loader = getattr(param, "weight_loader", None)
             try:
-                with torch.no_grad():
-                    if loader is None:
-                        default_weight_loader(param, tensor)
-                    else:
-                        loader(param, tensor, *shard_args)
+                load_weight(param, tensor, *shard_args)
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
             loaded.add(target)

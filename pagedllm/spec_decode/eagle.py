@@ -41,7 +41,7 @@ from torch import nn
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.layers.linear import QKVParallelLinear, default_weight_loader
+from pagedllm.layers.linear import QKVParallelLinear, load_weight
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, head_dim_of
@@ -277,12 +277,7 @@ class EagleHead(nn.Module):
             param = params.get(target)
             if param is None:
                 raise _err(f"{self.method} head tensor {name!r} matches no parameter")
-            loader = getattr(param, "weight_loader", None)
-            with torch.no_grad():
-                if loader is None:
-                    default_weight_loader(param, tensor)
-                else:
-                    loader(param, tensor, *shard)
+            load_weight(param, tensor, *shard)
             loaded.add(target)
         missing = sorted(set(params) - loaded)
         if missing:
