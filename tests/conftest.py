@@ -47,6 +47,29 @@ def default_model_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def hf_default_model(default_model_path):
+    """transformers' own float32 model of the default GGUF, the reference of the parity
+    tests.  Loaded once per session: transformers dequantises the GGUF in Python, ~17 s
+    on two cores each time.  Shared, so read-only: a test that changes weights works on
+    a ``copy.deepcopy`` (as ``tests/lora/fixtures.make_adapters`` does)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    d, f = os.path.split(default_model_path)
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_default_tokenizer(default_model_path):
+    """transformers' tokenizer of the default GGUF (read from the GGUF: seconds), once per
+    session; shared, so read-only."""
+    from transformers import AutoTokenizer
+
+    d, f = os.path.split(default_model_path)
+    return AutoTokenizer.from_pretrained(d, gguf_file=f)
+
+
+@pytest.fixture(scope="session")
 def llm(default_model_path):
     """One engine on the default model for the whole session (start-up is the slow part)."""
     from pagedllm import LLM

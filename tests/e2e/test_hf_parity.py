@@ -4,8 +4,6 @@ under a KV pool so small that requests are preempted and recomputed."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -36,12 +34,8 @@ def prompts(llm) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_reference(default_model_path, prompts) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    d, f = os.path.split(default_model_path)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    model.eval()
+def hf_reference(hf_default_model, prompts) -> list[list[int]]:
+    model = hf_default_model
     refs = []
     with torch.inference_mode():
         for p in prompts:

@@ -5,8 +5,6 @@ independently seeded requests; beam search equals Hugging Face's."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -80,11 +78,8 @@ def test_n4_shares_the_prompt_and_equals_independent_seeded_requests(llm, prompt
 
 
 @pytest.fixture(scope="module")
-def hf_model(default_model_path):
-    from transformers import AutoModelForCausalLM
-
-    d, f = os.path.split(default_model_path)
-    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+def hf_model(hf_default_model):
+    return hf_default_model
 
 
 @pytest.mark.parametrize("width,length_penalty", [(2, 1.0), (3, 0.5)])

@@ -37,17 +37,12 @@ def test_split_whole_and_streamed(name: str, text: str, reasoning: str | None,
         assert (r + dr or None, c + dc or None) == (reasoning, content)
 
 
-def test_grammar_starts_after_reasoning_end(default_model_path: str) -> None:
-    import os
-
-    from transformers import AutoTokenizer
-
+def test_grammar_starts_after_reasoning_end(hf_default_tokenizer) -> None:
     from pagedllm.structured_output.backend import GrammarCompiler
     from pagedllm.structured_output.matcher import GrammarState, fill_bitmask
     from pagedllm.structured_output.params import StructuredOutputsParams
 
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(default_model_path),
-                                        gguf_file=os.path.basename(default_model_path))
+    tok = hf_default_tokenizer
     vocab = len(tok)
     end = tok("</think>", add_special_tokens=False).input_ids
     so = StructuredOutputsParams(regex="[0-9]+", reasoning_end_token_ids=end)

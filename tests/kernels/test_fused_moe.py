@@ -214,10 +214,20 @@ _DECODE_CONFIGS = [  # (gate-up BN, BK, warps, down BN, BK, warps, all slots)
 ]
 
 
-@pytest.mark.parametrize("cfg", _DECODE_CONFIGS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,e,k", [(1, 16, 8), (2, 12, 3), (5, 16, 4), (8, 8, 2)])
-def test_decode_configs_match_reference(cfg: tuple, dtype: torch.dtype, t: int, e: int,
+# Each variant in fp32 and bf16, with top-k a power of two and not (3: padding slots),
+# T = 1 and T > 1; T and the expert counts spread over the variants (the full product,
+# 24 cases, took ~2 minutes under the interpreter for no more code paths).
+_DECODE_CASES = [  # (config index, dtype, T, E, top-k)
+    (0, torch.float32, 1, 16, 8), (0, torch.bfloat16, 2, 12, 3),
+    (0, torch.float32, 8, 8, 2),
+    (1, torch.float32, 2, 12, 3), (1, torch.bfloat16, 8, 8, 2),
+    (2, torch.float32, 5, 16, 4), (2, torch.bfloat16, 1, 16, 8),
+    (2, torch.bfloat16, 2, 12, 3),
+]
+
+
+@pytest.mark.parametrize("ci,dtype,t,e,k", _DECODE_CASES)
+def test_decode_configs_match_reference(ci: int, dtype: torch.dtype, t: int, e: int,
                                         k: int) -> None:
     """Every decode-path variant the sweep may pick (``DecodeConfig``), T = 1..8, top-k
     both a power of two and not (padding slots), with uneven routing across tokens (one
@@ -225,6 +235,7 @@ def test_decode_configs_match_reference(cfg: tuple, dtype: torch.dtype, t: int, 
     from pagedllm.kernels.fused_moe_configs import DecodeConfig
     from pagedllm.kernels.fused_moe_decode import fused_experts_decode
 
+    cfg = _DECODE_CONFIGS[ci]
     h, i = 64, 48
     w13, w2 = _weights(e, h, i, seed=t * e + k)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(DEVICE)
@@ -295,11 +306,11 @@ def test_decode_kernels_compile_for_sm90_without_spills(tmp_path) -> None:
     assert not any(s["spill_stores"] for s in stats.values()), stats
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,e,k,renorm", [(1, 16, 8, True), (3, 12, 3, False),
-                                          (8, 16, 2, True)])
-def test_routed_decode_matches_select_experts(dtype: torch.dtype, t: int, e: int, k: int,
-                                              renorm: bool) -> None:
+@pytest.mark.parametrize("t,e,k,renorm,dtype", [  # each shape once, both dtypes
+    (1, 16, 8, True, torch.float32), (3, 12, 3, False, torch.bfloat16),
+    (8, 16, 2, True, torch.bfloat16)])
+def test_routed_decode_matches_select_experts(t: int, e: int, k: int, renorm: bool,
+                                              dtype: torch.dtype) -> None:
     """Routing inside the decode kernels (``fused_experts_routed``) equals the routing
     launch (``fused_topk``) then the reference: T = 1..8, k a power of two and not,
     with and without renormalisation, bf16 router logits with exact ties (expert 1

@@ -31,12 +31,10 @@ def engine_config():
 
 
 @pytest.fixture(scope="module")
-def hf_model(engine_config):
-    from transformers import AutoModelForCausalLM
-
-    r = engine_config.model_config.resolved
-    return AutoModelForCausalLM.from_pretrained(r.directory, gguf_file=r.gguf_file,
-                                                dtype=torch.float32).eval()
+def hf_model(engine_config, default_model_path, hf_default_model):
+    r = engine_config.model_config.resolved  # the file the shared HF model was read from
+    assert os.path.samefile(os.path.join(r.directory, r.gguf_file), default_model_path)
+    return hf_default_model
 
 
 @pytest.fixture(scope="module")

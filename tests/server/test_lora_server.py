@@ -13,7 +13,6 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-import torch
 
 from tests.lora.fixtures import hf_greedy, make_adapters
 from tests.server.harness import running_server
@@ -26,16 +25,13 @@ SPECS = [("a1", 8, 16, False, ["q_proj", "v_proj", "down_proj"]),
 
 
 @pytest.fixture(scope="module")
-def lora_env(tmp_path_factory) -> Iterator[tuple]:
-    from transformers import AutoModelForCausalLM
-
+def lora_env(tmp_path_factory, hf_default_model) -> Iterator[tuple]:
     from pagedllm.config import EngineArgs
 
     mc = EngineArgs(device="cpu", quantization="none").create_engine_config().model_config
     r = mc.resolved
     tok = r.load_tokenizer(False)
-    base = AutoModelForCausalLM.from_pretrained(r.directory, gguf_file=r.gguf_file,
-                                                dtype=torch.float32).eval()
+    base = hf_default_model  # the default GGUF in fp32; make_adapters deep-copies it
     root = str(tmp_path_factory.mktemp("server-lora"))
     adapters = make_adapters(base, root, SPECS, seed=7, scale=0.05, merge=False)
     # Greedy text of transformers + PEFT (the server returns text).

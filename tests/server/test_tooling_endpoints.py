@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterator
 
 import httpx
@@ -29,11 +28,8 @@ PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(default_model_path: str):  # type: ignore[no-untyped-def]
-    from transformers import AutoTokenizer
-
-    d, f = os.path.split(default_model_path)
-    return AutoTokenizer.from_pretrained(d, gguf_file=f)
+def hf_tokenizer(hf_default_tokenizer):  # type: ignore[no-untyped-def]
+    return hf_default_tokenizer
 
 
 def test_lm_eval_remote_tokenizer_flow(server: ServerProcess, hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -78,10 +74,8 @@ def fp32_server() -> Iterator[ServerProcess]:
 
 
 def test_completion_prompt_logprobs_match_transformers(fp32_server: ServerProcess,
-                                                       default_model_path: str,
+                                                       hf_default_model,
                                                        hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
-    from transformers import AutoModelForCausalLM
-
     r = httpx.post(fp32_server.url + "/v1/completions", timeout=120, json={
         "model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0,
         "prompt_logprobs": 2})
@@ -91,8 +85,7 @@ def test_completion_prompt_logprobs_match_transformers(fp32_server: ServerProces
     ids = hf_tokenizer(PROMPT).input_ids
     assert len(plp) == len(ids) and plp[0] is None
 
-    d, f = os.path.split(default_model_path)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    model = hf_default_model
     with torch.inference_mode():
         ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
     for pos in range(1, len(ids)):

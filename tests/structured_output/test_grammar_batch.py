@@ -5,7 +5,6 @@ the tokenizer's (not a multiple of 32, so a bitmask word straddles the boundary)
 
 from __future__ import annotations
 
-import os
 import random
 
 import numpy as np
@@ -23,17 +22,14 @@ def _allowed(row: torch.Tensor, vocab: int) -> np.ndarray:
 
 
 def test_batched_advance_and_fill_match_the_per_request_path(
-        default_model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from transformers import AutoTokenizer
-
+        hf_default_tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedllm.structured_output import batch
     from pagedllm.structured_output.backend import GrammarCompiler, tokenizer_size
     from pagedllm.structured_output.batch import GrammarBatch
     from pagedllm.structured_output.matcher import GrammarState, fill_bitmask
     from pagedllm.structured_output.params import StructuredOutputsParams as SO
 
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(default_model_path),
-                                        gguf_file=os.path.basename(default_model_path))
+    tok = hf_default_tokenizer
     n_tok = tokenizer_size(tok)
     vocab = n_tok + 1000 + 7  # the model pads its embedding past the tokenizer
     compiler = GrammarCompiler(lambda: tok, vocab)
