@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,10 +54,14 @@ def _reads_output(p: SamplingParams) -> bool:
 
 def can_speculate(params: SamplingParams) -> bool:
     """Requests that get drafts: not those reporting per-token logprobs, beams, or
-    token constraints (grammars, allowed/bad words, logits processors): those read one
-    token per step."""
+    token constraints other than a grammar (allowed/bad words, logits processors): those
+    read one token per step.  A grammar constrains every verify position
+    (``GrammarState.fill_drafts``), except one a reasoning parser switches on mid-output
+    (the switch could fall inside the drafts)."""
+    so = params.structured_outputs
     return (params.logprobs is None and not params.use_beam_search
-            and params.structured_outputs is None and not params.allowed_token_ids
+            and (so is None or not so.reasoning_end_token_ids)
+            and not params.allowed_token_ids
             and not params.bad_words_token_ids and not params.logits_processors)
 
 
@@ -102,8 +107,13 @@ class SpecDecodeHook:
 
     def verify(self, logits: torch.Tensor, states: Sequence[Any],
                drafts: Sequence[list[int]], k: np.ndarray, device: torch.device,
-               vocab_size: int, to_device: Any) -> VerifyOutput:
-        """Rejection-sample the step's ``states`` (``drafts[i]``: request i's drafts)."""
+               vocab_size: int, to_device: Any,
+               grammar_bitmask: torch.Tensor | None = None) -> VerifyOutput:
+        """Rejection-sample the step's ``states`` (``drafts[i]``: request i's drafts).
+        ``grammar_bitmask``: one row per verify row (``GrammarState.fill_drafts``; all
+        ones for requests without a grammar), applied to the target's logits before
+        verification, so a draft the grammar forbids is rejected and the distribution
+        sampled is the constrained one -- as without speculation."""
         views: list[Any] = []
         flat: list[int] = []
         for st, d in zip(states, drafts):
@@ -114,6 +124,11 @@ class SpecDecodeHook:
             flat.extend(d)
             flat.append(-1)
         meta = SamplingMetadata.build(views, device, vocab_size)
+        if grammar_bitmask is not None:
+            from pagedllm.sample import token_constraints
+
+            meta = dataclasses.replace(meta, constraints=token_constraints.build(
+                views, device, vocab_size, grammar_bitmask))
         draft_ids = to_device("spec_drafts", np.asarray(flat, dtype=np.int64))
         num = to_device("spec_num", k)
         return rejection_sample(logits, draft_ids, num, int(k.max()) if len(k) else 0, meta)

@@ -114,6 +114,34 @@ class GrammarState:
             bitmask[row, self.words:] = 0
 
 
+    def fill_drafts(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int]) -> None:
+        """Speculative decoding: the allowed tokens at each of a verify step's
+        ``len(drafts) + 1`` positions, into ``bitmask[row .. row + len(drafts)]``:
+        position ``j`` as if ``drafts[:j]`` had been accepted.  The matcher walks the
+        drafts and rolls back (xgrammar: unlimited rollback), so its state is unchanged.
+        At the first draft the grammar refuses (or a stop token: the request ends there)
+        the walk stops; that draft is masked out at its own position, so verification
+        rejects it and the rows after it are never read (left all-allowed).  A state not
+        (or no longer) constraining fills every position like its first.  Called once
+        per request with drafts: a loop over <= k positions, not over tokens."""
+        self.fill(bitmask, row)
+        if not self.active or self.failed or self.ended:
+            bitmask[row + 1:row + 1 + len(drafts)] = bitmask[row]
+            return
+        taken = 0
+        for j, t in enumerate(drafts):
+            if t in self._stops or not self.matcher.accept_token(t):
+                bitmask[row + 1 + j:row + 1 + len(drafts)] = -1
+                break
+            taken += 1
+            self.fill(bitmask, row + 1 + j)
+        if taken:
+            self.matcher.rollback(taken)
+        for i in range(row, row + 1 + taken):  # a position allowing nothing: its stops
+            if not bitmask[i].any():
+                allow_only(bitmask[i].numpy(), self.stop_token_ids)
+
+
 def allow_only(words: np.ndarray, token_ids: Sequence[int]) -> None:
     """Set the bitmask row ``words`` (int32) to allow exactly ``token_ids``."""
     words[:] = 0

@@ -467,9 +467,10 @@ class ModelRunner:
             if k is not None and hidden is not None:  # verify drafts (spec_decode/)
                 logits = self.model.compute_logits(hidden[self.h2d(
                     "logits_idx", SpecDecodeHook.logits_rows(last_row + 1, k))])
+                step_drafts = [drafts.get(st.req_id, []) for st in states]
                 ids = self.spec.verify(  # type: ignore[union-attr]
-                    logits, states, [drafts.get(st.req_id, []) for st in states], k,
-                    self.device, self.vocab_size, self.h2d).token_ids
+                    logits, states, step_drafts, k, self.device, self.vocab_size, self.h2d,
+                    self._draft_bitmask(states, step_drafts, pending[sample_idx])).token_ids
                 handle.spec_width = ids.shape[1]
             elif hidden is not None:  # None: a pipeline stage before the last
                 rows = sample_idx if last_only else last_row
@@ -533,9 +534,35 @@ class ModelRunner:
 
     def _verifiable(self, states: list[CachedRequestState]) -> bool:
         """Whether a step's drafts can be verified: not while a sampled request needs
-        the one-token sampler path (logprobs, token constraints)."""
+        the one-token sampler path (logprobs, token constraints other than a grammar,
+        or a grammar a reasoning parser has yet to switch on)."""
         return not any(st.params.logprobs is not None for st in states) and not (
-            self._constrained and self._has_constraints(states))
+            self._constrained and any(
+                st.params.allowed_token_ids or st.params.bad_words_token_ids
+                or st.params.logits_processors
+                or (st.grammar is not None and st.grammar.reasoning_end)
+                for st in states))
+
+    def _draft_bitmask(self, states: list[CachedRequestState], drafts: list[list[int]],
+                       pending: np.ndarray) -> Any:
+        """A verify step's grammar bitmask (one row per verify row, each request's
+        ``len(drafts) + 1`` consecutive: ``GrammarState.fill_drafts``), or None when no
+        request has a grammar.  Like :meth:`_constraints`, waits for the tokens of a
+        step still in flight first (the masks follow every token)."""
+        if not any(st.grammar is not None for st in states):
+            return None
+        if pending.any() and self._pending_owner is not None:
+            self._pending_owner.result()
+        host = self.h2d.staging("grammar_bitmask", (sum(len(d) + 1 for d in drafts),
+                                                    self._bitmask_words), torch.int32)
+        row = 0
+        for st, d in zip(states, drafts):  # over requests; <= k + 1 rows each
+            if st.grammar is None:
+                host[row:row + len(d) + 1] = -1
+            else:
+                st.grammar.fill_drafts(host, row, d)
+            row += len(d) + 1
+        return self.h2d.upload(host[:row], side=True)
 
     @staticmethod
     def _has_constraints(states: list[CachedRequestState]) -> bool:
@@ -586,10 +613,19 @@ class ModelRunner:
             self._propose(handle)
 
     def _finish_spec(self, handle: StepHandle, tokens: list[list[int]]) -> None:
-        """``_finish`` for a verify step: several tokens per request."""
+        """``_finish`` for a verify step: several tokens per request (grammars advance
+        over them in rounds: round j gives every request its j-th token, one xgrammar
+        call a round, <= k + 1 rounds)."""
         assert handle.sample_idx is not None
+        g_rounds: list[tuple[list[Any], list[int]]] = []
         for i, st, row_toks in zip(handle.sample_idx, handle.states, tokens):
             toks = [t for t in row_toks if t >= 0]
+            if st.grammar is not None:
+                for j, t in enumerate(toks):  # <= k + 1
+                    if j == len(g_rounds):
+                        g_rounds.append(([], []))
+                    g_rounds[j][0].append(st.grammar)
+                    g_rounds[j][1].append(t)
             st.output_token_ids.extend(toks)
             handle.out.sampled_token_ids[i] = toks
             row = self.batch.row_of.get(st.req_id)
@@ -597,6 +633,8 @@ class ModelRunner:
                 n = int(self.batch.num_tokens[row])
                 self.batch.token_ids[row, n:n + len(toks)] = toks
                 self.batch.num_tokens[row] = n + len(toks)
+        for g_states, g_toks in g_rounds:
+            self._grammar_batch().advance(g_states, g_toks)
         if self._pending_owner is handle:
             self._pending, self._pending_owner = {}, None
         self._propose(handle)
