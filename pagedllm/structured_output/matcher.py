@@ -113,7 +113,6 @@ class GrammarState:
             bitmask[row, :self.words] = own[0]
             bitmask[row, self.words:] = 0
 
-
     def fill_drafts(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int]) -> None:
         """Speculative decoding: the allowed tokens at each of a verify step's
         ``len(drafts) + 1`` positions, into ``bitmask[row .. row + len(drafts)]``:
