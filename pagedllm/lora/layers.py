@@ -306,11 +306,10 @@ class LoRALinear:
         """Refresh ``bts`` (lora_dense_'s compact expand blocks) from ``bt[slot]``."""
         if len(self.bts) == 1:
             return  # a view of bt
-        r, lo = self.max_rank, 0
-        for i, bt_i in enumerate(self.bts):
-            hi = lo + bt_i.shape[1]
-            bt_i[slot * r:(slot + 1) * r].copy_(self.bt[slot, i * r:(i + 1) * r, lo:hi])
-            lo = hi
+        r = self.max_rank
+        sizes = tuple(b.shape[1] for b in self.bts)
+        for dst, src in zip(self.bts, diag_blocks(self.bt[slot:slot + 1], sizes)):
+            dst[slot * r:(slot + 1) * r].copy_(src)
 
     def _map(self) -> SlotMap:
         return self.mapping.last if self.last_rows else self.mapping.tokens

@@ -100,18 +100,24 @@ class GrammarState:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write this request's allowed next tokens into ``bitmask[row]`` (a host int32
-        tensor as wide as the model's vocabulary needs)."""
+        tensor as wide as the model's vocabulary needs).  A grammar that allows nothing
+        at all (an unsatisfiable regex) gets its stop tokens instead: the request ends
+        rather than sampling garbage."""
         if not self.active:
             bitmask[row].fill_(-1)
-        elif self.failed or self.ended:
+            return
+        if self.failed or self.ended:
             allow_only(bitmask[row].numpy(), self.stop_token_ids)
-        elif self.words == bitmask.shape[1]:
+            return
+        if self.words == bitmask.shape[1]:
             self.matcher.fill_next_token_bitmask(bitmask, row)
         else:  # xgrammar ignores strides: fill a row of its own width, then copy it in
             own = torch.empty(1, self.words, dtype=torch.int32)
             self.matcher.fill_next_token_bitmask(own, 0)
             bitmask[row, :self.words] = own[0]
             bitmask[row, self.words:] = 0
+        if not bitmask[row].any():
+            allow_only(bitmask[row].numpy(), self.stop_token_ids)
 
     def fill_drafts(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int]) -> None:
         """Speculative decoding: the allowed tokens at each of a verify step's
@@ -136,9 +142,6 @@ class GrammarState:
             self.fill(bitmask, row + 1 + j)
         if taken:
             self.matcher.rollback(taken)
-        for i in range(row, row + 1 + taken):  # a position allowing nothing: its stops
-            if not bitmask[i].any():
-                allow_only(bitmask[i].numpy(), self.stop_token_ids)
 
 
 def allow_only(words: np.ndarray, token_ids: Sequence[int]) -> None:
@@ -156,7 +159,8 @@ def fill_bitmask(states: Sequence[GrammarState | None], vocab_size: int,
     state -- a request without a grammar -- allows every token).
 
     ``out`` (e.g. a pinned buffer with at least that many rows) is filled in place.
-    A row that allows no token at all is given its stop tokens instead."""
+    A row that allows no token at all is given its stop tokens instead
+    (:meth:`GrammarState.fill`)."""
     rows, width = len(states), xgr.get_bitmask_shape(1, vocab_size)[1]
     mask = out[:rows] if out is not None else torch.empty(rows, width, dtype=torch.int32)
     for i, st in enumerate(states):
@@ -164,11 +168,6 @@ def fill_bitmask(states: Sequence[GrammarState | None], vocab_size: int,
             mask[i].fill_(-1)
         else:
             st.fill(mask, i)
-    empty = np.flatnonzero(~mask.numpy().any(axis=1))
-    for i in empty:
-        st = states[int(i)]
-        assert st is not None
-        allow_only(mask[int(i)].numpy(), st.stop_token_ids)
     return mask
 
 
