@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.cpu import rms_norm as cpu_rms_norm
+
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32 like Hugging Face.
@@ -50,6 +52,8 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return rms_norm(x, self.weight, self.eps)
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if cpu_rms_norm.applies(x, self.weight, residual):  # float32 CPU rows: one C call
+            return cpu_rms_norm.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

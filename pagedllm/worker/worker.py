@@ -54,7 +54,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def make_backend(device: torch.device) -> AttentionBackend:
-    """Triton on CUDA when available, the torch reference otherwise."""
+    """Triton on CUDA when available; on the CPU the torch reference with C decode steps
+    (``attention/cpu_backend.py``)."""
     if device.type == "cuda":
         try:
             from pagedllm.attention.triton_backend import TritonAttentionBackend
@@ -62,6 +63,10 @@ def make_backend(device: torch.device) -> AttentionBackend:
             return TritonAttentionBackend()
         except ImportError:  # pragma: no cover - triton missing on a GPU box
             logger.warning("triton not available; using the torch reference attention")
+    if device.type == "cpu":
+        from pagedllm.attention.cpu_backend import CpuBackend
+
+        return CpuBackend()
     from pagedllm.attention.torch_ref import TorchReferenceBackend
 
     return TorchReferenceBackend()

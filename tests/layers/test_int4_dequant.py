@@ -25,9 +25,11 @@ N, K = 128, 256
 @pytest.fixture(autouse=True, scope="module")
 def _path_on():
     """The path is opt-in (PAGEDLLM_INT4_DEQUANT=1); switched on for this module only, so
-    no other test's batches take it."""
+    no other test's batches take it.  It reads torch's packed layout, which VNNI CPUs
+    replace by their own (``int4_vnni.py``) unless ``PAGEDLLM_INT4_VNNI=0``."""
     mp = pytest.MonkeyPatch()
     mp.setenv("PAGEDLLM_INT4_DEQUANT", "1")
+    mp.setenv("PAGEDLLM_INT4_VNNI", "0")
     mp.setattr(int4_dequant, "_tried", False)
     mp.setattr(int4_dequant, "_lib", None)
     try:

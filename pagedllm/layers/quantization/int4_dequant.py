@@ -14,10 +14,8 @@ Numerics: ``w = sum_p (v_p - 8) * scale_p + zero_p`` is computed in fp32 from th
 bf16 scale/zero the int4 kernel reads and rounded once to bf16 (relative error <= 2^-9
 per weight; the int4 kernel keeps it in fp32); products accumulate in fp32 in both.
 
-The dequantiser is ``csrc/int4_dequant.c``, compiled at first use with the system C
-compiler (``$CC``, else ``cc``; ``-O3 -march=native -fopenmp``, linked against the libgomp
-torch has already loaded) into ``$PAGEDLLM_KERNEL_CACHE`` (default
-``~/.cache/pagedllm/kernels``), keyed by source, flags and CPU flags.  Without a compiler,
+The dequantiser is ``csrc/int4_dequant.c``, compiled at first use by ``cpu/build.py``
+(the system C compiler, ``-O3 -march=native -fopenmp``, cached on disk).  Without a compiler,
 or if the build fails, ``available()`` is False and every M stays on the int4 kernel
 (logged once); so do CPUs without native bf16 GEMMs (no avx512_bf16 or AMX: there a
 bf16 GEMM is emulated).
@@ -32,18 +30,15 @@ Measured gain: ~1.8x less CPU per step at 64 requests (docs/benchmarks.md).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from pagedllm.cpu import build
 
 logger = logging.getLogger(__name__)
 
@@ -55,57 +50,23 @@ CHUNK_COLS = 4096  # output columns per scratch fill (a multiple of 64)
 MAX_PARTS = 4  # csrc/int4_dequant.c
 
 _SRC = Path(__file__).with_name("csrc") / "int4_dequant.c"
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
 _tried = False
 _lock = threading.Lock()
 _local = threading.local()
 
 
-def _cpu_key() -> str:
-    try:
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                      if ln.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
-
-
-def _build() -> ctypes.CDLL | None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        logger.info("int4 dequantiser: no C compiler; large batches use the int4 kernel")
-        return None
-    src = _SRC.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode() + _cpu_key().encode())
-    cache = Path(os.environ.get("PAGEDLLM_KERNEL_CACHE",
-                                Path.home() / ".cache" / "pagedllm" / "kernels"))
-    so = cache / f"int4_dequant_{key.hexdigest()[:16]}.so"
-    if not so.exists():
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-            os.close(fd)
-            subprocess.run([cc, *_FLAGS, str(_SRC), "-o", tmp], check=True,
-                           capture_output=True, timeout=120)
-            os.replace(tmp, so)  # atomic: concurrent builders never load a partial file
-        except (OSError, subprocess.SubprocessError) as e:
-            err = getattr(e, "stderr", b"") or b""
-            logger.info("int4 dequantiser: build failed (%s%s); large batches use the "
-                        "int4 kernel", e, (": " + err.decode(errors="replace")[-300:])
-                        if err else "")
-            return None
-    try:
-        lib = ctypes.CDLL(str(so))
-    except OSError as e:
-        logger.info("int4 dequantiser: cannot load %s (%s)", so, e)
-        return None
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.int4_dequant_t
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                    ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int,
                    ctypes.c_int, ctypes.c_int]
-    return lib
+
+
+def _build() -> ctypes.CDLL | None:
+    return build.load(_SRC, "int4 dequantiser (large batches use the int4 kernel)",
+                      _declare)
 
 
 def _fast_bf16_gemm() -> bool:
@@ -136,9 +97,10 @@ def available() -> bool:
 
 def supports(parts: list[Any]) -> bool:
     """Whether these ``int4pack.PackedInt4`` parts (typed ``Any``: int4pack imports this
-    module) can take this path (CPU layout, N % 64 == 0, <= 4 parts)."""
+    module) can take this path (torch's CPU layout, N % 64 == 0, <= 4 parts)."""
     p0 = parts[0]
-    return (len(parts) <= MAX_PARTS and p0.device.type == "cpu" and p0.n % 64 == 0
+    return (len(parts) <= MAX_PARTS and p0.layout == "torch" and p0.device.type == "cpu"
+            and p0.n % 64 == 0
             and all((p.n, p.k, p.group) == (p0.n, p0.k, p0.group) for p in parts))
 
 

@@ -15,21 +15,24 @@ The CPU packed layout (``[N, K/2]`` bytes, read off torch's packing): rows in ti
 64; inside tile ``t`` byte ``(k // 2) * 64 + (k % 2) * 32 + n % 32`` of the tile holds
 ``v[64 t + n, k]`` in its low nibble for ``n % 64 < 32``, high nibble otherwise.
 ``gather_rows`` uses it so that an embedding can share its tied lm_head's storage.
+
+On a CPU with AVX512-VNNI (``int4_vnni.py``) a part is packed in that kernel's "vnni4"
+layout instead (``layout == "vnni4"``), and ``x`` goes in and comes out in float32.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedllm.layers.quantization import int4_dequant
+from pagedllm.layers.quantization import int4_dequant, int4_vnni
 
 ACT_DTYPE = torch.bfloat16
 _TILE_N = 64
 
 
 class PackedInt4:
-    """One int4 part on one device: ``packed`` (the kernel's layout) and ``scale_zero``
-    ``[K/g, N, 2]`` bf16."""
+    """One int4 part on one device: ``packed`` (the kernel's layout: ``layout`` is
+    ``"torch"`` or, on VNNI CPUs, ``"vnni4"``) and ``scale_zero`` ``[K/g, N, 2]`` bf16."""
 
     def __init__(self, v: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  group: int, device: torch.device) -> None:
@@ -41,7 +44,12 @@ class PackedInt4:
         self.device = torch.device(device)
         self.scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(
             device=self.device, dtype=ACT_DTYPE)
-        if self.device.type == "cpu":
+        self.layout = "torch"
+        if self.device.type == "cpu" and int4_vnni.packable(n, k, group) \
+                and int4_vnni.available():
+            self.layout = "vnni4"
+            self.packed = int4_vnni.pack(v)
+        elif self.device.type == "cpu":
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 v.to(torch.int32).contiguous(), 2)
         else:
@@ -51,7 +59,9 @@ class PackedInt4:
                                                                      tiles)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, K]`` bf16 -> ``[M, N]`` bf16."""
+        """``x [M, K]`` bf16 -> ``[M, N]`` bf16 (float32 in and out for ``"vnni4"``)."""
+        if self.layout == "vnni4":
+            return int4_vnni.mm(x, [self])
         if self.device.type == "cpu":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
                                                               self.scale_zero)
@@ -62,6 +72,8 @@ class PackedInt4:
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The codes ``v[ids]`` as uint8 ``[T, K]`` (CPU layout only; module doc)."""
+        if self.layout == "vnni4":
+            return int4_vnni.gather_rows(self.packed, self.n, self.k, ids)
         if self.device.type != "cpu" or self.n % _TILE_N:
             raise ValueError("gather_rows needs the CPU layout and N % 64 == 0")
         tiles = self.packed.view(self.n // _TILE_N, self.k // 2, 2, 32)
@@ -74,7 +86,10 @@ class PackedInt4:
 def mm_parts(x: torch.Tensor, parts: list[PackedInt4]) -> torch.Tensor:
     """``sum_p x W_p^T`` in ``x``'s dtype (``x`` goes in as bf16; parts are summed in
     fp32).  On the CPU, ``M >= int4_dequant.DEQUANT_MIN_ROWS`` rows go through a bf16
-    scratch and one GEMM (``int4_dequant.py``) instead of the int4 kernel."""
+    scratch and one GEMM (``int4_dequant.py``) instead of the int4 kernel; parts in the
+    ``"vnni4"`` layout take ``int4_vnni.mm`` for every M."""
+    if parts[0].layout == "vnni4" and len(parts) <= int4_vnni.MAX_PARTS:
+        return int4_vnni.mm(x, parts).to(x.dtype)
     xb = x.to(ACT_DTYPE)
     if (xb.shape[0] >= int4_dequant.DEQUANT_MIN_ROWS and int4_dequant.supports(parts)
             and int4_dequant.available()):

@@ -1,0 +1,213 @@
+/* Decode-only paged attention on the CPU, fused with rotary embedding and the KV write.
+ *
+ * Built at first use by pagedllm/cpu/build.py (-O3 -march=native -fopenmp) and called
+ * through ctypes by pagedllm/cpu/decode_attention.py, which states the contract; this
+ * file keeps the layouts:
+ *
+ *   q        [T, Hq, D] float32, token and head strides qs, qh; rotated in place
+ *   k, v     [T, Hk, D] float32, strides ks, kh and vs, vh; k is rotated on its way
+ *            into the cache (k itself is left as it was)
+ *   cos_sin  [P, R] float32: cos in [0, R/2), sin in [R/2, R) (neox rotation of the
+ *            first R features: x1 = x[:R/2], x2 = x[R/2:R] ->
+ *            (x1 cos - x2 sin, x2 cos + x1 sin)); R = 0: no rotation
+ *   pos      [T] int64 positions
+ *   cache    [2, NB, BS, Hk, D] float32 (keys, then values)
+ *   slots    [T] int64 (block * BS + offset; < 0: not written)
+ *   tables   [T, tstride] int32 block tables (token t is request t: one query each)
+ *   seq_lens [T] int32, the key count of each request including the new token
+ *   out      [T, Hq, D] float32, contiguous
+ *
+ * Query head h reads KV head h / (Hq / Hk) (GQA).  With window W > 0 a query sees the
+ * keys at positions >= seq_len - W only; with softcap c > 0 a score s becomes
+ * c * tanh(s / c) (both as the torch reference does).  Scores are computed into a
+ * per-(token, KV head) buffer, then one exact softmax (max-subtracted) and the weighted
+ * sum of values.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* Separate roundings, as torch computes x1 * cos - x2 * sin (no fused multiply-add). */
+__attribute__((optimize("fp-contract=off")))
+static void rotate(float *dst, const float *src, const float *cs, int d, int r) {
+    const int h = r / 2;
+    for (int i = 0; i < h; i++) {
+        float x1 = src[i], x2 = src[i + h], c = cs[i], s = cs[i + h];
+        float a = x1 * c, b = x2 * s, e = x2 * c, f = x1 * s;
+        dst[i] = a - b;
+        dst[i + h] = e + f;
+    }
+    for (int i = r; i < d; i++) dst[i] = src[i];
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+static float dot(const float *a, const float *b, int d) {
+#if defined(__AVX512F__)
+    if (d % 16 == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int i = 0; i < d; i += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+    float s = 0.f;
+    for (int i = 0; i < d; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* o += p * v over d floats. */
+static void axpy(float *o, float p, const float *v, int d) {
+#if defined(__AVX512F__)
+    if (d % 16 == 0) {
+        const __m512 pv = _mm512_set1_ps(p);
+        for (int i = 0; i < d; i += 16)
+            _mm512_storeu_ps(o + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + i),
+                                                    _mm512_loadu_ps(o + i)));
+        return;
+    }
+#endif
+    for (int i = 0; i < d; i++) o[i] += p * v[i];
+}
+
+#if defined(__AVX512F__)
+/* o = sum_j p[j] v_j for a head dim D known at compile time: the D / 16 sums stay in
+ * registers across keys (a sum kept in memory waits on its own store every key). */
+static inline __attribute__((always_inline)) void pv_acc(
+    float *o, const float *p, const float *vc, const int32_t *table, int bs, int nkv,
+    int hk, int lo, int n, const int D) {
+    __m512 acc[D / 16];
+    for (int i = 0; i < D / 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int j0 = lo - lo % bs; j0 < n; j0 += bs) {
+        const long base = (long)table[j0 / bs] * bs;
+        const int a = j0 > lo ? j0 : lo, e = j0 + bs < n ? j0 + bs : n;
+        for (int j = a; j < e; j++) {
+            const float *vr = vc + ((base + j - j0) * nkv + hk) * D;
+            const __m512 pj = _mm512_set1_ps(p[j]);
+            for (int i = 0; i < D / 16; i++)
+                acc[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 16 * i), acc[i]);
+        }
+    }
+    for (int i = 0; i < D / 16; i++) _mm512_storeu_ps(o + 16 * i, acc[i]);
+}
+#endif
+
+/* One (token, KV head): its G query heads against keys [lo, n). */
+static void attend_one(int t, int hk, int hq, int nkv, int d, const float *q, long qs,
+                       long qh,
+                       const float *kc, const float *vc, int bs, const int32_t *table,
+                       int lo, int n, float scale, float cap, float *out, float *sc) {
+    const int g = hq / nkv;
+    const float *qt = q + (long)t * qs;
+    /* Block by block: a key's row is table[j / bs] * bs + j % bs, without a division
+     * per key. */
+    for (int j0 = lo - lo % bs; j0 < n; j0 += bs) {
+        const long base = (long)table[j0 / bs] * bs;
+        const int a = j0 > lo ? j0 : lo, e = j0 + bs < n ? j0 + bs : n;
+        for (int j = a; j < e; j++) {
+            const float *kr = kc + ((base + j - j0) * nkv + hk) * d;
+            for (int gi = 0; gi < g; gi++) {
+                float s = dot(qt + (long)(hk * g + gi) * qh, kr, d) * scale;
+                if (cap > 0.f) s = tanhf(s / cap) * cap;
+                sc[(long)gi * n + j] = s;
+            }
+        }
+    }
+    float inv[g];
+    for (int gi = 0; gi < g; gi++) {
+        float *s = sc + (long)gi * n, m = -INFINITY, sum = 0.f;
+        for (int j = lo; j < n; j++) m = s[j] > m ? s[j] : m;
+        for (int j = lo; j < n; j++) {
+            s[j] = expf(s[j] - m);
+            sum += s[j];
+        }
+        inv[gi] = 1.f / sum;
+        float *o = out + ((long)t * hq + hk * g + gi) * d;
+        for (int i = 0; i < d; i++) o[i] = 0.f;
+    }
+    for (int gi = 0; gi < g; gi++) {
+        float *o = out + ((long)t * hq + hk * g + gi) * d;
+        const float *p = sc + (long)gi * n;
+#if defined(__AVX512F__)
+        if (d == 64) {
+            pv_acc(o, p, vc, table, bs, nkv, hk, lo, n, 64);
+            continue;
+        }
+        if (d == 128) {
+            pv_acc(o, p, vc, table, bs, nkv, hk, lo, n, 128);
+            continue;
+        }
+#endif
+        for (int j0 = lo - lo % bs; j0 < n; j0 += bs) {
+            const long base = (long)table[j0 / bs] * bs;
+            const int a = j0 > lo ? j0 : lo, e = j0 + bs < n ? j0 + bs : n;
+            for (int j = a; j < e; j++)
+                axpy(o, p[j], vc + ((base + j - j0) * nkv + hk) * d, d);
+        }
+    }
+    for (int gi = 0; gi < g; gi++) {
+        float *o = out + ((long)t * hq + hk * g + gi) * d;
+        for (int i = 0; i < d; i++) o[i] *= inv[gi];
+    }
+}
+
+/* Returns 0, or -1 when the scores buffer cannot be allocated (nothing attended). */
+int decode_attention(int t_count, int hq, int hk, int d, int r, float *q, long qs, long qh,
+                     const float *k, long ks, long kh, const float *v, long vs, long vh,
+                     const float *cos_sin, const int64_t *pos, float *cache, long nb,
+                     int bs, const int64_t *slots, const int32_t *tables, long tstride,
+                     const int32_t *seq_lens, float scale, int window, float cap,
+                     float *out, int nthreads) {
+    const long plane = nb * bs * hk * d;
+    float *kc = cache, *vc = cache + plane;
+    /* Rotate q in place and write the rotated k and v into the cache. */
+    for (int t = 0; t < t_count; t++) {
+        const float *cs = r ? cos_sin + pos[t] * r : 0;
+        if (r)
+            for (int h = 0; h < hq; h++) {
+                float *x = q + (long)t * qs + (long)h * qh;
+                float tmp[r];
+                rotate(tmp, x, cs, r, r);
+                for (int i = 0; i < r; i++) x[i] = tmp[i];
+            }
+        if (slots[t] < 0) continue;
+        float *kd = kc + slots[t] * hk * d, *vd = vc + slots[t] * hk * d;
+        for (int h = 0; h < hk; h++) {
+            const float *ksrc = k + (long)t * ks + (long)h * kh;
+            if (r)
+                rotate(kd + (long)h * d, ksrc, cs, d, r);
+            else
+                for (int i = 0; i < d; i++) kd[(long)h * d + i] = ksrc[i];
+            for (int i = 0; i < d; i++) vd[(long)h * d + i] = v[(long)t * vs + (long)h * vh + i];
+        }
+    }
+    int max_len = 1;
+    long work = 0;
+    for (int t = 0; t < t_count; t++) {
+        max_len = seq_lens[t] > max_len ? seq_lens[t] : max_len;
+        work += seq_lens[t];
+    }
+    /* Below ~64K multiply-adds a fork-join costs more than it saves. */
+    int threads = work * hq * d < 65536 ? 1 : nthreads;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *sc = malloc(sizeof(float) * (size_t)(hq / hk) * max_len);
+        if (!sc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long i = 0; i < (long)t_count * hk; i++) {
+            if (!sc) continue;
+            int t = (int)(i / hk), h = (int)(i % hk), n = seq_lens[t];
+            int lo = window > 0 && n > window ? n - window : 0;
+            attend_one(t, h, hq, hk, d, q, qs, qh, kc, vc, bs, tables + (long)t * tstride, lo,
+                       n, scale, cap, out, sc);
+        }
+        free(sc);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,213 @@
+/* CPU int4 GEMM with AVX512-VNNI: y = x (sum_p W_p)^T for packed int4 weights.
+ *
+ * Built at first use by pagedllm/cpu/build.py (-O3 -march=native -fopenmp) and called
+ * through ctypes by int4_vnni.py, which states the contract.  Layouts:
+ *
+ *   packed[p]  the "vnni4" layout of v [N, K] (codes 0..15), N % 32 == 0, K % 32 == 0:
+ *              [N/32 units][K/4 quads][64 bytes]; byte 32h + 2i + j of (unit u, quad q)
+ *              holds v[32u + i, 4q + 2h + j] in its low nibble and v[32u + 16 + i,
+ *              4q + 2h + j] in its high nibble (h, j < 2, i < 16).  Masking, shifting
+ *              and widening 32 bytes gives 16 rows x 2 consecutive k as int16 pairs:
+ *              one vpdpwssd multiplies them with two int16 values of x broadcast to
+ *              every row.
+ *   sz[p]      [K/g][N][2] bf16 (scale s, zero z): w = (v - 8) * s + z
+ *   x          [M, K] float32, row stride ldx;  y [M, N] float32, row stride ldy
+ *
+ * x is quantised per row and per 32 columns to int16 (d = max|x| / 32767, q = round(x /
+ * d): a relative error of at most 2^-16 of the block's largest value, below bf16's
+ * 2^-9).  Per row r of W and group G:
+ *
+ *   sum_{k in G} x_k w_rk = s_r * sum_{b in G} d_b * sum_{k in b} q_k (v_rk - 8)
+ *                           + z_r * sum_{k in G} x_k
+ *
+ * the inner sums exact in int32 (the offset 8 taken out with the codes' own sum), the
+ * rest in float32 in a fixed order: a row's result depends on x's row alone, never on M
+ * or on how the work was split over threads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_VNNI 1
+#else
+#define HAVE_VNNI 0
+#endif
+
+#define MAX_PARTS 4
+#define MB 4 /* rows of x per pass over a unit's weights */
+
+int int4_vnni_supported(void) { return HAVE_VNNI; }
+
+/* Repack v [N, K] (uint8 codes, row-major) into the vnni4 layout (out: N * K / 2). */
+int int4_vnni_pack(const uint8_t *v, int n, int k, uint8_t *out) {
+    if (n % 32 || k % 32) return -1;
+    for (int u = 0; u < n / 32; u++)
+        for (int q = 0; q < k / 4; q++) {
+            uint8_t *o = out + ((size_t)u * (k / 4) + q) * 64;
+            for (int h = 0; h < 2; h++)
+                for (int i = 0; i < 16; i++)
+                    for (int j = 0; j < 2; j++) {
+                        const int kk = 4 * q + 2 * h + j;
+                        uint8_t lo = v[(size_t)(32 * u + i) * k + kk] & 15;
+                        uint8_t hi = v[(size_t)(32 * u + 16 + i) * k + kk] & 15;
+                        o[32 * h + 2 * i + j] = (uint8_t)(lo | hi << 4);
+                    }
+        }
+    return 0;
+}
+
+/* x row -> int16 codes, per-32 scales d, per-32 sums of x (float32, in order) and of
+ * the codes (times 8, the codes' offset). */
+static void quantize_row(const float *x, int k, int16_t *q, float *d, float *sum,
+                         int32_t *qsum8) {
+    for (int b = 0; b < k / 32; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.f, s = 0.f;
+        for (int i = 0; i < 32; i++) {
+            float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;
+            s += xb[i];
+        }
+        float db = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
+        int32_t qs = 0;
+        for (int i = 0; i < 32; i++) {
+            q[32 * b + i] = (int16_t)lrintf(xb[i] * inv);
+            qs += q[32 * b + i];
+        }
+        qsum8[b] = 8 * qs;
+        d[b] = db;
+        sum[b] = s;
+    }
+}
+
+#if HAVE_VNNI
+/* One 32-row unit of one part, rows [m0, m0 + mb) of x: y[m][32u + i] += ... */
+static inline __attribute__((always_inline)) void unit_rows(
+    const uint8_t *w, const uint16_t *sz, int n, int k, int g, int u, const int16_t *xq,
+    const float *xd, const float *xs, const int32_t *xq8, int m0, int mb,
+    float acc[MB][32]) {
+    const __m256i mask = _mm256_set1_epi8(15);
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int grp = 0; grp < k / g; grp++) {
+        /* 32 (s, z) bf16 pairs -> float32 s and z - 8 s (a bf16 is a float's top half). */
+        const uint16_t *p = sz + ((size_t)grp * n + (size_t)u * 32) * 2;
+        const __m512i p0 = _mm512_loadu_si512((const void *)p);
+        const __m512i p1 = _mm512_loadu_si512((const void *)(p + 32));
+        const __m512 s0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));
+        const __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
+        const __m512 b0 = _mm512_castsi512_ps(_mm512_and_si512(p0, high));
+        const __m512 b1 = _mm512_castsi512_ps(_mm512_and_si512(p1, high));
+        __m512 t[MB][2];
+        float gsum[MB];
+        for (int m = 0; m < mb; m++) {
+            t[m][0] = t[m][1] = _mm512_setzero_ps();
+            gsum[m] = 0.f;
+        }
+        for (int b = grp * g / 32; b < (grp + 1) * g / 32; b++) {
+            /* ch independent sums per row and half: vpdpwssd's latency (~5 cycles) would
+             * otherwise bound one row's 16 dependent products per block. */
+            const int ch = mb == 1 ? 4 : mb == 2 ? 2 : 1;
+            __m512i ia[MB][4][2];
+            for (int m = 0; m < mb; m++)
+                for (int c = 0; c < ch; c++) ia[m][c][0] = ia[m][c][1] = _mm512_setzero_si512();
+            for (int q2 = 8 * b; q2 < 8 * b + 8; q2 += 2)
+            for (int qq = 0; qq < 2; qq++) { /* constant chain indices once unrolled */
+                const int q = q2 + qq;
+                const uint8_t *cq = w + ((size_t)u * (k / 4) + q) * 64;
+                for (int h = 0; h < 2; h++) { /* k = 4q + 2h, 4q + 2h + 1 */
+                    const int c = (2 * qq + h) % ch;
+                    __m256i bv = _mm256_loadu_si256((const __m256i *)(cq + 32 * h));
+                    __m512i lo = _mm512_cvtepu8_epi16(_mm256_and_si256(bv, mask));
+                    __m512i hi = _mm512_cvtepu8_epi16(
+                        _mm256_and_si256(_mm256_srli_epi16(bv, 4), mask));
+                    for (int m = 0; m < mb; m++) {
+                        int32_t xv;
+                        memcpy(&xv, xq + (size_t)(m0 + m) * k + 4 * q + 2 * h, 4);
+                        __m512i xb = _mm512_set1_epi32(xv);
+                        ia[m][c][0] = _mm512_dpwssd_epi32(ia[m][c][0], lo, xb);
+                        ia[m][c][1] = _mm512_dpwssd_epi32(ia[m][c][1], hi, xb);
+                    }
+                }
+            }
+            for (int m = 0; m < mb; m++)
+                for (int c = 1; c < ch; c++) {
+                    ia[m][0][0] = _mm512_add_epi32(ia[m][0][0], ia[m][c][0]);
+                    ia[m][0][1] = _mm512_add_epi32(ia[m][0][1], ia[m][c][1]);
+                }
+            for (int m = 0; m < mb; m++) {
+                const size_t r = (size_t)(m0 + m) * (k / 32) + b;
+                const __m512 dv = _mm512_set1_ps(xd[r]);
+                const __m512i off = _mm512_set1_epi32(xq8[r]);
+                t[m][0] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(_mm512_sub_epi32(ia[m][0][0], off)), dv, t[m][0]);
+                t[m][1] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(_mm512_sub_epi32(ia[m][0][1], off)), dv, t[m][1]);
+                gsum[m] += xs[r];
+            }
+        }
+        for (int m = 0; m < mb; m++) {
+            __m512 gs = _mm512_set1_ps(gsum[m]);
+            __m512 a0 = _mm512_loadu_ps(acc[m]), a1 = _mm512_loadu_ps(acc[m] + 16);
+            a0 = _mm512_add_ps(a0, _mm512_add_ps(_mm512_mul_ps(t[m][0], s0), _mm512_mul_ps(b0, gs)));
+            a1 = _mm512_add_ps(a1, _mm512_add_ps(_mm512_mul_ps(t[m][1], s1), _mm512_mul_ps(b1, gs)));
+            _mm512_storeu_ps(acc[m], a0);
+            _mm512_storeu_ps(acc[m] + 16, a1);
+        }
+    }
+}
+#endif
+
+/* Returns 0; -1 for arguments outside the contract or a CPU without VNNI (nothing
+ * written); -2 when the activation buffer cannot be allocated. */
+int int4_vnni_gemm(int nparts, const uint8_t **packed, const uint16_t **sz, int n, int k,
+                   int g, const float *x, long ldx, int m, float *y, long ldy, int nthreads) {
+#if HAVE_VNNI
+    if (nparts < 1 || nparts > MAX_PARTS || n % 32 || k % 32 || g % 32 || k % g || m < 1 ||
+        ldx < k || ldy < n)
+        return -1;
+    int16_t *xq = malloc(sizeof(int16_t) * (size_t)m * k);
+    float *xd = malloc(sizeof(float) * (size_t)m * (k / 32) * 3);
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return -2;
+    }
+    const size_t nb = (size_t)m * (k / 32);
+    float *xs = xd + nb;
+    int32_t *xq8 = (int32_t *)(xd + 2 * nb);
+    for (int r = 0; r < m; r++)
+        quantize_row(x + (size_t)r * ldx, k, xq + (size_t)r * k, xd + (size_t)r * (k / 32),
+                     xs + (size_t)r * (k / 32), xq8 + (size_t)r * (k / 32));
+    const int units = n / 32;
+    /* A fork-join costs a few microseconds: not worth it below ~32K weight bytes. */
+    const int threads = (long)n * k * (m < 4 ? m : 4) < 65536 ? 1 : nthreads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int u = 0; u < units; u++) {
+        float acc[MB][32];
+        for (int m0 = 0; m0 < m; m0 += MB) {
+            const int mb = m - m0 < MB ? m - m0 : MB;
+            memset(acc, 0, sizeof(acc));
+            for (int p = 0; p < nparts; p++) {
+                const uint8_t *w = packed[p];
+                switch (mb) { /* constant row counts: the loops over m unroll */
+                case 1: unit_rows(w, sz[p], n, k, g, u, xq, xd, xs, xq8, m0, 1, acc); break;
+                case 2: unit_rows(w, sz[p], n, k, g, u, xq, xd, xs, xq8, m0, 2, acc); break;
+                case 3: unit_rows(w, sz[p], n, k, g, u, xq, xd, xs, xq8, m0, 3, acc); break;
+                default: unit_rows(w, sz[p], n, k, g, u, xq, xd, xs, xq8, m0, 4, acc); break;
+                }
+            }
+            for (int r = 0; r < mb; r++)
+                memcpy(y + (size_t)(m0 + r) * ldy + (size_t)u * 32, acc[r], sizeof(float) * 32);
+        }
+    }
+    free(xq);
+    free(xd);
+    return 0;
+#else
+    (void)nparts; (void)packed; (void)sz; (void)n; (void)k; (void)g; (void)x; (void)ldx;
+    (void)m; (void)y; (void)ldy; (void)nthreads;
+    return -1;
+#endif
+}

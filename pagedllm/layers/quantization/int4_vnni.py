@@ -1,0 +1,112 @@
+"""The CPU int4 GEMM for packed int4 weights on CPUs with AVX512-VNNI (``csrc/int4_vnni.c``).
+
+torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) converts every weight to
+float32 and multiplies in float32 for every 4 rows of ``x``: on this project's 2-core
+test machine it reads the default model's 81 MB of codes at ~10 GB/s at batch 1 and
+costs ~8 ms per token hot (13 ms in the model), the largest share of a decode step.
+This kernel keeps the weights as 4-bit codes in a layout of its own ("vnni4", see the C
+file), quantises each row of ``x`` to int16 per 32 columns and multiplies with
+``vpdpwssd``, 32 exact integer products per instruction, scaling by the weight's float32
+scale and zero per group.
+
+Numerics: the activations' int16 rounding (at most 2^-16 of each 32-column block's
+largest value) replaces the int4 kernel's bf16 rounding (2^-9 relative; int8, as
+llama.cpp quantises activations, measured 2x the perplexity change of bf16 on the default
+model); the weights are exactly the format's (scale and zero as stored, in bf16).  A row's
+result depends on that row alone: the same for any number of rows, any thread count.
+
+Used for every ``PackedInt4`` on a CPU whose kernel builds and reports VNNI (the
+layout is chosen when the weight is packed); ``PAGEDLLM_INT4_VNNI=0`` keeps torch's
+layout and kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedllm.cpu import build
+
+_SRC = Path(__file__).with_name("csrc") / "int4_vnni.c"
+MAX_PARTS = 4  # csrc/int4_vnni.c
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+_L = ctypes.c_long
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.int4_vnni_supported.restype = _I
+    lib.int4_vnni_supported.argtypes = []
+    lib.int4_vnni_pack.restype = _I
+    lib.int4_vnni_pack.argtypes = [_P, _I, _I, _P]
+    lib.int4_vnni_gemm.restype = _I
+    lib.int4_vnni_gemm.argtypes = [_I, _P, _P, _I, _I, _I, _P, _L, _I, _P, _L, _I]
+
+
+def _lib() -> ctypes.CDLL | None:
+    lib = build.load(_SRC, "CPU int4 VNNI GEMM", _declare)
+    return lib if lib is not None and lib.int4_vnni_supported() else None
+
+
+def available() -> bool:
+    """Whether CPU int4 weights take this kernel: not switched off
+    (``PAGEDLLM_INT4_VNNI=0``), the library built, and this CPU has AVX512-VNNI."""
+    return os.environ.get("PAGEDLLM_INT4_VNNI", "1") != "0" and _lib() is not None
+
+
+def packable(n: int, k: int, group: int) -> bool:
+    """Whether an ``[n, k]`` weight of group ``group`` fits the layout."""
+    return n % 32 == 0 and k % 32 == 0 and group % 32 == 0 and k % group == 0
+
+
+def pack(v: torch.Tensor) -> torch.Tensor:
+    """Codes ``v [N, K]`` (0..15, any integer dtype) -> the vnni4 bytes ``[N * K / 2]``
+    uint8.  Needs ``available()`` and ``packable``."""
+    lib = _lib()
+    assert lib is not None
+    n, k = v.shape
+    codes = v.to(torch.uint8).contiguous()
+    out = torch.empty(n * k // 2, dtype=torch.uint8)
+    if lib.int4_vnni_pack(codes.data_ptr(), n, k, out.data_ptr()) != 0:
+        raise ValueError(f"int4 vnni4 layout needs N % 32 == 0 and K % 32 == 0, got "
+                         f"[{n}, {k}]")
+    return out
+
+
+def gather_rows(packed: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """The codes ``v[ids]`` as uint8 ``[T, K]`` read back from the vnni4 bytes (an
+    embedding shares its tied LM head's storage this way)."""
+    quads = packed.view(n // 32, k // 4, 2, 16, 2)
+    r = ids % 32
+    b = quads[ids // 32, :, :, r % 16, :]  # [T, K/4, 2, 2]: k = 4 q + 2 h + j
+    shift = ((r >= 16).to(torch.uint8) * 4).view(-1, 1)
+    return (b.reshape(ids.shape[0], k) >> shift) & 0x0F
+
+
+def mm(x: torch.Tensor, parts: list[Any]) -> torch.Tensor:
+    """``x [M, K]`` float32 -> ``x (sum_p W_p)^T [M, N]`` float32 for ``PackedInt4`` parts
+    (typed ``Any``: int4pack imports this module) in the vnni4 layout, all of one shape
+    and group."""
+    lib = _lib()
+    assert lib is not None
+    p0 = parts[0]
+    xc = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
+    m = xc.shape[0]
+    y = torch.empty(m, p0.n, dtype=torch.float32)
+    if m == 0:
+        return y
+    packed = (ctypes.c_void_p * len(parts))(*[p.packed.data_ptr() for p in parts])
+    sz = (ctypes.c_void_p * len(parts))(*[p.scale_zero.data_ptr() for p in parts])
+    rc = lib.int4_vnni_gemm(len(parts), packed, sz, p0.n, p0.k, p0.group, xc.data_ptr(),
+                            xc.stride(0), m, y.data_ptr(), y.stride(0),
+                            torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError("int4 VNNI GEMM: cannot allocate the activation buffer")
+    if rc != 0:
+        raise ValueError(f"int4 VNNI GEMM: bad arguments n={p0.n} k={p0.k} g={p0.group} "
+                         f"parts={len(parts)}")
+    return y

@@ -1,0 +1,103 @@
+"""The CPU int4 GEMM for VNNI CPUs (``layers/quantization/int4_vnni.py``).
+
+Fixtures: GGUF Q4_1 (one int4 part) and Q8_0 (two parts) tensors written by gguf-py's
+quantiser, split by ``gguf_blocks.int4_parts``, packed by ``PackedInt4``.  References:
+the float64 product with the weight as the parts store it (scale and zero in bf16), with
+x itself and with x rounded to int16 per 32 columns as the kernel documents, and the
+float64 product with gguf-py's own dequantisation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from pagedllm.layers.quantization import gguf_blocks as gb
+from pagedllm.layers.quantization import int4_vnni
+from pagedllm.layers.quantization.int4pack import PackedInt4, mm_parts
+
+pytestmark = pytest.mark.skipif(not int4_vnni.available(),
+                                reason="no C compiler or no AVX512-VNNI on this CPU")
+
+
+def _parts(qtype: Q, n: int, k: int) -> tuple[list[PackedInt4], torch.Tensor, list]:
+    w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
+    raw = quantize(w, qtype)
+    gguf_ref = torch.from_numpy(dequantize(raw, qtype).reshape(n, k)).double()
+    split = gb.int4_parts(torch.from_numpy(raw), qtype, k)
+    parts = [PackedInt4(v, s, z, gb.GROUP, torch.device("cpu")) for v, s, z in split]
+    return parts, gguf_ref, split
+
+
+def _stored_weight(split: list, group: int) -> torch.Tensor:
+    """sum_p (v_p - 8) * s_p + z_p in float64 with s, z rounded to bf16 as stored."""
+    w = 0
+    for v, s, z in split:
+        s64 = s.to(torch.bfloat16).double().repeat_interleave(group, 1)
+        z64 = z.to(torch.bfloat16).double().repeat_interleave(group, 1)
+        w = w + (v.double() - 8) * s64 + z64
+    return w
+
+
+def _int16_rows(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the kernel rounds it: per 32 columns to d * round(x / d), d = amax /
+    32767 (the zero term uses x itself; a close enough reference either way)."""
+    b = x.view(x.shape[0], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
+    return (torch.round(b * inv) * (amax / 32767)).view_as(x)
+
+
+@pytest.mark.parametrize("qtype,n,k", [(Q.Q4_1, 96, 256), (Q.Q8_0, 128, 576)],
+                         ids=["q4_1", "q8_0-two-parts"])
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_matches_the_stored_weights(qtype: Q, n: int, k: int, m: int) -> None:
+    parts, gguf_ref, split = _parts(qtype, n, k)
+    assert all(p.layout == "vnni4" for p in parts)
+    x = torch.randn(m, k)
+    y = mm_parts(x, parts)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    w = _stored_weight(split, gb.GROUP)
+    exact = x.double() @ w.t()
+    scale = exact.abs().max()
+    # int16 activations: within 1e-4 of the exact product.
+    assert (y.double() - exact).abs().max() / scale < 1e-4
+    assert (y.double() - _int16_rows(x).double() @ w.t()).abs().max() / scale < 2e-5
+    # The format's own dequantisation differs only by the bf16 rounding of its scales.
+    assert (y.double() - x.double() @ gguf_ref.t()).abs().max() / scale < 1e-2
+
+
+def test_rows_do_not_depend_on_the_batch_or_threads() -> None:
+    parts, _, _ = _parts(Q.Q4_1, 256, 512)
+    x = torch.randn(9, 512)
+    together = mm_parts(x, parts)
+    alone = torch.cat([mm_parts(x[i:i + 1], parts) for i in range(9)])
+    assert torch.equal(together, alone)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(mm_parts(x, parts), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_gathered_rows_are_the_codes_and_layout_switch() -> None:
+    g = torch.Generator().manual_seed(0)
+    v = torch.randint(0, 16, (128, 64), generator=g)
+    s, z = torch.rand(128, 2, generator=g), torch.randn(128, 2, generator=g)
+    part = PackedInt4(v, s, z, 32, torch.device("cpu"))
+    ids = torch.tensor([0, 15, 16, 31, 32, 77, 127])
+    assert torch.equal(part.gather_rows(ids).long(), v[ids])
+    assert part.packed.numel() == 128 * 64 // 2  # 4 bits per weight, as torch's layout
+
+
+def test_switched_off_keeps_torchs_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDLLM_INT4_VNNI", "0")
+    parts, gguf_ref, _ = _parts(Q.Q4_1, 64, 128)
+    assert parts[0].layout == "torch"
+    x = torch.randn(2, 128)
+    want = x.double() @ gguf_ref.t()
+    assert ((mm_parts(x, parts).double() - want).abs().max() / want.abs().max()) < 2e-2
