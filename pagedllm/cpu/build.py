@@ -73,7 +73,10 @@ def load(src: Path, what: str,
          declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
     """The library built from ``src`` (compiled on the first call of the process, cached
     on disk), after ``declare(lib)`` has set its functions' ``argtypes``/``restype``; None
-    (logged once, as ``what``) when it cannot be built or loaded."""
+    (logged once, as ``what``) when it cannot be built or loaded.  After the first call
+    for ``src`` it is a dict lookup (kernels call it per use)."""
+    if src in _loaded:
+        return _loaded[src]
     with _lock:
         if src in _loaded:
             return _loaded[src]

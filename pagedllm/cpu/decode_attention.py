@@ -34,13 +34,8 @@ def _declare(lib: ctypes.CDLL) -> None:
                                      _P, _P, _P, _L, _I, _P, _P, _L, _P, _F, _I, _F, _P, _I]
 
 
-_loaded: list[ctypes.CDLL | None] = []  # [lib] once tried: no lock per call
-
-
 def _lib() -> ctypes.CDLL | None:
-    if not _loaded:
-        _loaded.append(build.load(_SRC, "CPU decode attention", _declare))
-    return _loaded[0]
+    return build.load(_SRC, "CPU decode attention", _declare)
 
 
 def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -19,7 +19,6 @@ from pagedllm.cpu import build
 _SRC = Path(__file__).with_name("csrc") / "rms_norm.c"
 _P = ctypes.c_void_p
 _L = ctypes.c_long
-_loaded: list[ctypes.CDLL | None] = []
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -29,9 +28,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def _lib() -> ctypes.CDLL | None:
-    if not _loaded:
-        _loaded.append(build.load(_SRC, "CPU RMSNorm", _declare))
-    return _loaded[0]
+    return build.load(_SRC, "CPU RMSNorm", _declare)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:

@@ -27,7 +27,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* Separate roundings, as torch computes x1 * cos - x2 * sin (no fused multiply-add). */
+/* Separate roundings, as torch computes x1 * cos - x2 * sin (no fused multiply-add).
+ * dst may be src: each pair (i, i + r/2) is read before it is written. */
 __attribute__((optimize("fp-contract=off")))
 static void rotate(float *dst, const float *src, const float *cs, int d, int r) {
     const int h = r / 2;
@@ -124,8 +125,6 @@ static void attend_one(int t, int hk, int hq, int nkv, int d, const float *q, lo
             sum += s[j];
         }
         inv[gi] = 1.f / sum;
-        float *o = out + ((long)t * hq + hk * g + gi) * d;
-        for (int i = 0; i < d; i++) o[i] = 0.f;
     }
     for (int gi = 0; gi < g; gi++) {
         float *o = out + ((long)t * hq + hk * g + gi) * d;
@@ -140,6 +139,7 @@ static void attend_one(int t, int hk, int hq, int nkv, int d, const float *q, lo
             continue;
         }
 #endif
+        for (int i = 0; i < d; i++) o[i] = 0.f;
         for (int j0 = lo - lo % bs; j0 < n; j0 += bs) {
             const long base = (long)table[j0 / bs] * bs;
             const int a = j0 > lo ? j0 : lo, e = j0 + bs < n ? j0 + bs : n;
@@ -168,9 +168,7 @@ int decode_attention(int t_count, int hq, int hk, int d, int r, float *q, long q
         if (r)
             for (int h = 0; h < hq; h++) {
                 float *x = q + (long)t * qs + (long)h * qh;
-                float tmp[r];
-                rotate(tmp, x, cs, r, r);
-                for (int i = 0; i < r; i++) x[i] = tmp[i];
+                rotate(x, x, cs, r, r);
             }
         if (slots[t] < 0) continue;
         float *kd = kc + slots[t] * hk * d, *vd = vc + slots[t] * hk * d;

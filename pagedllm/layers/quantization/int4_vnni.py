@@ -23,6 +23,7 @@ layout and kernel.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.int4_vnni_gemm.argtypes = [_I, _P, _P, _I, _I, _I, _P, _L, _I, _P, _L, _I]
 
 
+@functools.cache  # the CPU check too: once per process, not per GEMM
 def _lib() -> ctypes.CDLL | None:
     lib = build.load(_SRC, "CPU int4 VNNI GEMM", _declare)
     return lib if lib is not None and lib.int4_vnni_supported() else None
@@ -90,7 +92,10 @@ def gather_rows(packed: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torc
 def mm(x: torch.Tensor, parts: list[Any]) -> torch.Tensor:
     """``x [M, K]`` float32 -> ``x (sum_p W_p)^T [M, N]`` float32 for ``PackedInt4`` parts
     (typed ``Any``: int4pack imports this module) in the vnni4 layout, all of one shape
-    and group."""
+    and group; any number of them (the kernel takes ``MAX_PARTS`` per call)."""
+    if len(parts) > MAX_PARTS:
+        return sum((mm(x, parts[i:i + MAX_PARTS]) for i in range(0, len(parts), MAX_PARTS)),
+                   torch.zeros(x.shape[0], parts[0].n))
     lib = _lib()
     assert lib is not None
     p0 = parts[0]

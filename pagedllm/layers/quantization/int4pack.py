@@ -88,7 +88,7 @@ def mm_parts(x: torch.Tensor, parts: list[PackedInt4]) -> torch.Tensor:
     fp32).  On the CPU, ``M >= int4_dequant.DEQUANT_MIN_ROWS`` rows go through a bf16
     scratch and one GEMM (``int4_dequant.py``) instead of the int4 kernel; parts in the
     ``"vnni4"`` layout take ``int4_vnni.mm`` for every M."""
-    if parts[0].layout == "vnni4" and len(parts) <= int4_vnni.MAX_PARTS:
+    if parts[0].layout == "vnni4":
         return int4_vnni.mm(x, parts).to(x.dtype)
     xb = x.to(ACT_DTYPE)
     if (xb.shape[0] >= int4_dequant.DEQUANT_MIN_ROWS and int4_dequant.supports(parts)
