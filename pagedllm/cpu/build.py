@@ -4,7 +4,8 @@ The CPU kernels (``pagedllm/cpu/csrc``, ``layers/quantization/csrc``) are plain 
 OpenMP, built by the system C compiler (``$CC``, else ``cc`` or ``gcc``) with ``-O3
 -march=native -fopenmp`` into ``$PAGEDLLM_KERNEL_CACHE`` (default
 ``~/.cache/pagedllm/kernels``), keyed by the source, the flags and this CPU's feature
-flags, so a second process (or a test run) loads the cached library without compiling.
+flags, so a second process (or a test run) loads the cached library without compiling;
+the key covers the files a source ``#include "..."``s too (a kernel may include others).
 The OpenMP runtime is the libgomp torch has already loaded, so the kernels share torch's
 thread pool rather than starting a second one.
 
@@ -19,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -42,12 +44,25 @@ def _cpu_key() -> str:
     return platform.machine() + flags
 
 
+def _source_bytes(src: Path, seen: set[Path] | None = None) -> bytes:
+    """``src`` and, recursively, every local file it ``#include "..."``s."""
+    seen = set() if seen is None else seen
+    if src in seen:
+        return b""
+    seen.add(src)
+    text = src.read_bytes()
+    out = text
+    for name in re.findall(rb'^#include "([^"]+)"', text, flags=re.M):
+        out += _source_bytes((src.parent / name.decode()).resolve(), seen)
+    return out
+
+
 def _compile(src: Path, what: str) -> Path | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         logger.info("%s: no C compiler; the torch path runs instead", what)
         return None
-    key = hashlib.sha256(src.read_bytes() + " ".join([cc, *FLAGS]).encode()
+    key = hashlib.sha256(_source_bytes(src) + " ".join([cc, *FLAGS]).encode()
                          + _cpu_key().encode())
     cache = Path(os.environ.get("PAGEDLLM_KERNEL_CACHE",
                                 Path.home() / ".cache" / "pagedllm" / "kernels"))

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.cpu import silu_mul as cpu_silu_mul
+
 
 class SiluAndMul(nn.Module):
     """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of last dim ``2d`` (the fused gate_up
@@ -17,5 +19,7 @@ class SiluAndMul(nn.Module):
             from pagedllm.kernels.activation import silu_and_mul
 
             return silu_and_mul(x)  # one Triton kernel instead of three torch ops
+        if cpu_silu_mul.applies(x):  # float32 CPU rows: one C call
+            return cpu_silu_mul.silu_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

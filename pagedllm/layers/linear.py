@@ -210,6 +210,14 @@ class LinearBase(nn.Module):
             return self.weight
         return None
 
+    @property
+    def int4_segments(self) -> list[list[Any]] | None:
+        """``quant_method.int4_segments`` (packed int4 parts a fused CPU path may read),
+        or None when a bias or a LoRA adapter would add to the product."""
+        if self.bias is not None or self.lora is not None:
+            return None
+        return self.quant_method.int4_segments(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._apply(x, self.bias)
 

@@ -24,6 +24,7 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.kinds import AttentionKind, layer_sliding_windows
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.rope import RopeInputs
+from pagedllm.cpu.decode_stack import DecodeStack, StackLayer
 from pagedllm.distributed.parallel_state import current_parallel_state, layer_range
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
@@ -250,6 +251,10 @@ class LlamaModel(nn.Module):
         # and None otherwise: the loop below tests one dict.
         self.aux_layers: dict[int, list[int]] = {}
         self.aux_buffer: torch.Tensor | None = None
+        # The CPU decode stack (cpu/decode_stack.py): planned at the first CPU step
+        # (weights packed, caches bound), False when the layers do not fit it; reset
+        # when the caches are rebound.
+        self.cpu_stack: DecodeStack | None | bool = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, last_only: bool = False,
@@ -265,16 +270,59 @@ class LlamaModel(nn.Module):
         rows = meta.query_start_loc[1:] - 1 if last_only and meta.max_query_len > 1 \
             else None
         last = len(self.layers) - 1
-        for i in range(self.start_layer, self.end_layer):
-            if i in self.aux_layers:
-                self._record_aux(i, hidden, residual)
-            hidden, residual = self.layers[i](rope, hidden, residual, meta,
-                                              rows if i == last else None)
+        stack = self._cpu_stack(hidden, meta)
+        if stack is not None:  # a CPU decode step: every layer in one C call
+            hidden, residual = stack.run(hidden, residual, rope, meta)
+        else:
+            for i in range(self.start_layer, self.end_layer):
+                if i in self.aux_layers:
+                    self._record_aux(i, hidden, residual)
+                hidden, residual = self.layers[i](rope, hidden, residual, meta,
+                                                  rows if i == last else None)
         if not self.is_last:
             assert residual is not None
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)  # type: ignore[misc]
         return hidden
+
+    def _cpu_stack(self, hidden: torch.Tensor, meta: AttentionMetadata) -> DecodeStack | None:
+        """The CPU decode stack when it takes this step (its ``applies``), else None."""
+        if hidden.is_cuda or self.aux_layers:
+            return None
+        if self.cpu_stack is None:
+            self.cpu_stack = self._plan_cpu_stack() or False
+        stack = self.cpu_stack
+        return stack if stack and stack.applies(hidden, meta) else None
+
+    def _plan_cpu_stack(self) -> DecodeStack | None:
+        """The stack over this stage's layers, when each is exactly the plain Llama layer
+        it computes: this class's attention and MLP without biases, q/k norms or LoRA,
+        packed int4 projections, the CPU backend, one KV cache group."""
+        layers = [self.layers[i] for i in range(self.start_layer, self.end_layer)]
+        plain = []
+        for lay in layers:
+            attn, mlp = lay.self_attn, lay.mlp
+            if type(lay) is not LlamaDecoderLayer or type(attn) is not LlamaAttention \
+                    or type(mlp) is not LlamaMLP or attn.qk_norm \
+                    or attn.attn.backend.name != "cpu" or attn.attn.kv_group \
+                    or attn.attn.calculate_kv_scales \
+                    or lay.input_layernorm.lora_next is not None \
+                    or lay.post_attention_layernorm.lora_next is not None:
+                return None
+            segs = [attn.qkv_proj.int4_segments, attn.o_proj.int4_segments,
+                    mlp.gate_up_proj.int4_segments, mlp.down_proj.int4_segments]
+            if any(s is None for s in segs):
+                return None
+            kind = attn.attn.kind
+            plain.append(StackLayer(
+                lay.input_layernorm.weight.data, lay.post_attention_layernorm.weight.data,
+                *segs, attn.attn.kv_cache, attn.attn.scale,  # type: ignore[arg-type]
+                kind.sliding_window or 0, kind.logits_soft_cap or 0.0))
+        a0, m0 = layers[0].self_attn, layers[0].mlp
+        return DecodeStack.build(plain, a0.qkv_proj.input_size, a0.num_heads,
+                                 a0.num_kv_heads, a0.head_dim,
+                                 m0.down_proj.in_per_partition,
+                                 layers[0].input_layernorm.eps)
 
     def _record_aux(self, layer: int, hidden: torch.Tensor,
                     residual: torch.Tensor | None) -> None:
@@ -355,6 +403,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(layers)} layers")
         for layer, cache in zip(layers, kv_caches):
             layer.self_attn.attn.kv_cache = cache
+        self.model.cpu_stack = None  # planned again with the new caches
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raises ``ValueError`` naming the tensor on an unknown

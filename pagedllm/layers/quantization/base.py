@@ -85,6 +85,14 @@ class LinearMethodBase(ABC):
         ``process_weights_after_loading`` runs as after a real load)."""
         return False
 
+    def int4_segments(self, layer: LinearBase) -> list[list[Any]] | None:
+        """The layer's weight as packed int4 parts (``int4pack.PackedInt4``) that fused
+        CPU paths multiply themselves (``cpu/decode_stack.py``): segments concatenated
+        along the output dimension, each the sum of its parts; None when it is stored
+        any other way, or when ``apply`` does more than ``sum_p x W_p^T`` per segment
+        (an input permutation, say)."""
+        return None
+
     def weight_bytes(self, layer: LinearBase) -> int:
         """Bytes this layer's weights occupy (for the start-up log)."""
         return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))

@@ -160,6 +160,10 @@ class GGUFLinearMethod(LinearMethodBase):
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if bias is None else y + bias
 
+    def int4_segments(self, layer: LinearBase) -> list[list[Any]] | None:
+        segs = layer.gguf_segments  # type: ignore[attr-defined]
+        return [seg for _, seg in segs] if all(packed for packed, _ in segs) else None
+
     def dummy_init(self, layer: LinearBase, generator: torch.Generator, init: str) -> bool:
         raise ValueError("quantization 'gguf' needs a GGUF checkpoint, not load_format "
                          "'dummy'")

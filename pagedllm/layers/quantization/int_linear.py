@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -189,6 +189,11 @@ class IntLinearMethod(LinearMethodBase):
             _register(layer, f"int4_p{j}_scale_zero", p.scale_zero)
         layer.int4_parts = parts  # type: ignore[assignment]
         return "int4pack"
+
+    def int4_segments(self, layer: LinearBase) -> list[list[Any]] | None:
+        if getattr(layer, "int_kind", None) != "int4pack" or layer.int_perm is not None:
+            return None
+        return [layer.int4_parts]  # type: ignore[attr-defined]
 
     def _store_dense(self, layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> str:
         layer.int_perm = None  # type: ignore[assignment]  (the weight is not permuted)

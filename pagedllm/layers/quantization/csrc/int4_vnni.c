@@ -161,8 +161,9 @@ static inline __attribute__((always_inline)) void unit_rows(
 
 /* Returns 0; -1 for arguments outside the contract or a CPU without VNNI (nothing
  * written); -2 when the activation buffer cannot be allocated. */
-int int4_vnni_gemm(int nparts, const uint8_t **packed, const uint16_t **sz, int n, int k,
-                   int g, const float *x, long ldx, int m, float *y, long ldy, int nthreads) {
+int int4_vnni_gemm(int nparts, const uint8_t *const *packed, const uint16_t *const *sz,
+                   int n, int k, int g, const float *x, long ldx, int m, float *y, long ldy,
+                   int nthreads) {
 #if HAVE_VNNI
     if (nparts < 1 || nparts > MAX_PARTS || n % 32 || k % 32 || g % 32 || k % g || m < 1 ||
         ldx < k || ldy < n)
