@@ -115,8 +115,9 @@ class DecodeStack:
     def build(cls, layers: list[StackLayer], hidden: int, heads: int, kv_heads: int,
               head_dim: int, inter: int, eps: float) -> DecodeStack | None:
         """The stack over ``layers`` (all of one shape), or None when it is switched off
-        (``PAGEDLLM_CPU_STACK=0``), the library is not built or a layer does not fit: a projection not wholly packed int4 in the vnni4
-        layout, a norm weight or cache not float32 and contiguous."""
+        (``PAGEDLLM_CPU_STACK=0``), the library is not built or a layer does not fit: a
+        projection not wholly packed int4 in the vnni4 layout, a norm weight or cache not
+        float32 and contiguous."""
         if not layers or os.environ.get("PAGEDLLM_CPU_STACK", "1") == "0" or _lib() is None:
             return None
         qkv_n = (heads + 2 * kv_heads) * head_dim
