@@ -72,7 +72,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-cpp-python", default=None, metavar="PYTHON",
                    help="Batch-1 rows of a GGUF model: also time llama.cpp on the same "
                         "file and prompts, run by this Python interpreter, which must have "
-                        "llama-cpp-python installed (benchmarks/llamacpp_ref.py); "
+                        "llama-cpp-python installed (pagedllm/benchmarks/llamacpp_ref.py); "
                         "skipped with a note when not given.")
     p.add_argument("--dummy", default=None, choices=sorted(DUMMY_CONFIGS),
                    help="Benchmark a named model shape with random weights (writes its "
