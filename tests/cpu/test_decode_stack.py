@@ -102,5 +102,10 @@ def test_silu_mul_matches_torch() -> None:
     big = ref.abs() > 1e-30
     assert ((got - ref).abs()[big] / ref.abs()[big]).max() < 5e-7
     assert (got - ref).abs()[~big].max() < 1e-30
-    # A row's result does not depend on the rows around it.
+    # A row's result does not depend on the rows around it ...
     assert torch.equal(silu_mul.silu_mul(x[5:6]), got[5:6])
+    # ... nor an element's on whether it fell in a 16-wide vector or in the scalar tail.
+    y = x.clone()
+    y[:, 192:200], y[:, 392:400] = y[:, :8], y[:, 200:208]
+    out = silu_mul.silu_mul(y)
+    assert torch.equal(out[:, 192:200], out[:, :8])

@@ -21,11 +21,13 @@
  * keys at positions >= seq_len - W only; with softcap c > 0 a score s becomes
  * c * tanh(s / c) (both as the torch reference does).  Scores are computed into a
  * per-(token, KV head) buffer, then one exact softmax (max-subtracted) and the weighted
- * sum of values.
+ * sum of values (exp from vexp.h, about 1 ulp).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "vexp.h"
 
 /* Separate roundings, as torch computes x1 * cos - x2 * sin (no fused multiply-add).
  * dst may be src: each pair (i, i + r/2) is read before it is written. */
@@ -120,8 +122,20 @@ static void attend_one(int t, int hk, int hq, int nkv, int d, const float *q, lo
     for (int gi = 0; gi < g; gi++) {
         float *s = sc + (long)gi * n, m = -INFINITY, sum = 0.f;
         for (int j = lo; j < n; j++) m = s[j] > m ? s[j] : m;
-        for (int j = lo; j < n; j++) {
-            s[j] = expf(s[j] - m);
+        int j = lo;
+#if defined(__AVX512F__)
+        /* 16 exponentials at a time (vexp.h); the sum in 16 lanes, then the tail */
+        const __m512 mv = _mm512_set1_ps(m);
+        __m512 sv = _mm512_setzero_ps();
+        for (; j + 16 <= n; j += 16) {
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+            _mm512_storeu_ps(s + j, e);
+            sv = _mm512_add_ps(sv, e);
+        }
+        sum = _mm512_reduce_add_ps(sv);
+#endif
+        for (; j < n; j++) {
+            s[j] = exp_scalar(s[j] - m);
             sum += s[j];
         }
         inv[gi] = 1.f / sum;
