@@ -408,6 +408,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raises ``ValueError`` naming the tensor on an unknown
         name or a shape mismatch, and listing parameters the checkpoint did not provide."""
+        self.model.cpu_stack = None  # its pointers would be the old weights'
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
