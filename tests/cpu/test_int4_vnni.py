@@ -1,7 +1,8 @@
 """The CPU int4 GEMM for VNNI CPUs (``layers/quantization/int4_vnni.py``).
 
 Fixtures: GGUF Q4_1 (one int4 part) and Q8_0 (two parts) tensors written by gguf-py's
-quantiser, split by ``gguf_blocks.int4_parts``, packed by ``PackedInt4``.  References:
+quantiser, split by ``gguf_blocks.int4_parts``, packed by ``PackedInt4``; a Q8_0 table as
+one ``PackedInt8`` (the 8-bit kernel the embedding and LM head take).  References:
 the float64 product with the weight as the parts store it (scale and zero in bf16), with
 x itself and with x rounded to int16 per 32 columns as the kernel documents, and the
 float64 product with gguf-py's own dequantisation.
@@ -17,7 +18,7 @@ from gguf.quants import dequantize, quantize
 
 from pagedllm.layers.quantization import gguf_blocks as gb
 from pagedllm.layers.quantization import int4_vnni
-from pagedllm.layers.quantization.int4pack import PackedInt4, mm_parts
+from pagedllm.layers.quantization.int4pack import PackedInt4, PackedInt8, mm_parts
 
 pytestmark = pytest.mark.skipif(not int4_vnni.available(),
                                 reason="no C compiler or no AVX512-VNNI on this CPU")
@@ -101,3 +102,36 @@ def test_switched_off_keeps_torchs_layout(monkeypatch: pytest.MonkeyPatch) -> No
     x = torch.randn(2, 128)
     want = x.double() @ gguf_ref.t()
     assert ((mm_parts(x, parts).double() - want).abs().max() / want.abs().max()) < 2e-2
+
+
+def _q8_table(n: int, k: int) -> tuple[PackedInt8, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q8_0 table by gguf-py's quantiser as one ``PackedInt8`` (the codes ``q + 128``),
+    gguf-py's dequantisation in float64, the codes and the block scales."""
+    w = np.random.default_rng(1).standard_normal((n, k)).astype(np.float32)
+    raw = quantize(w, Q.Q8_0)
+    ref = torch.from_numpy(dequantize(raw, Q.Q8_0).reshape(n, k)).double()
+    u, d = gb.q8_0_codes(torch.from_numpy(raw), k)
+    return PackedInt8(u, d, torch.zeros_like(d), gb.GROUP), ref, u, d
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 33])
+def test_int8_table_matches_gguf_py(m: int) -> None:
+    part, ref, u, d = _q8_table(96, 576)
+    assert part.packed.numel() == 96 * 576  # one byte per weight
+    x = torch.randn(m, 576)
+    y = mm_parts(x, [part])
+    # The stored weight: (u - 128) * d with d in bf16 (Q8_0's d is fp16: bf16 rounds it).
+    stored = (u.double() - 128) * d.to(torch.bfloat16).double().repeat_interleave(gb.GROUP, 1)
+    exact = x.double() @ stored.t()
+    scale = exact.abs().max()
+    assert (y.double() - exact).abs().max() / scale < 1e-4
+    assert (y.double() - x.double() @ ref.t()).abs().max() / scale < 1e-2
+
+
+def test_int8_table_rows_and_codes() -> None:
+    part, _, u, _ = _q8_table(64, 128)
+    x = torch.randn(7, 128)
+    together = mm_parts(x, [part])
+    assert torch.equal(together, torch.cat([mm_parts(x[i:i + 1], [part]) for i in range(7)]))
+    ids = torch.tensor([0, 15, 16, 31, 63])
+    assert torch.equal(part.gather_rows(ids), u[ids])

@@ -173,6 +173,18 @@ def int4_parts(raw: torch.Tensor, qtype: int, k: int, what: str = "tensor") -> l
     raise ValueError(f"{what}: GGUF type {qt.name} has no int4 decomposition")
 
 
+def q8_0_codes(raw: torch.Tensor, k: int, what: str = "tensor"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor as ``(codes uint8 [N, K] = q + 128, d float32 [N, K/32])``:
+    ``value = d * (code - 128)`` (the codes ``code_from_parts`` rebuilds from the two
+    int4 parts)."""
+    b = _blocks(raw, Q.Q8_0, k, what)
+    n = b.shape[0]
+    d = _f16(b[..., 0:2], what)
+    u = (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    return u.reshape(n, k), d
+
+
 # The high part's code bias (Q5_K stores hi + 8), per two-part type.
 _HI_BIAS = {Q.Q8_0: 0, Q.Q5_K: 8}
 # code -> value offset: value = a * (code - off) + b.

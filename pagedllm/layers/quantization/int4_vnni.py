@@ -15,6 +15,10 @@ llama.cpp quantises activations, measured 2x the perplexity change of bf16 on th
 model); the weights are exactly the format's (scale and zero as stored, in bf16).  A row's
 result depends on that row alone: the same for any number of rows, any thread count.
 
+A table of 8-bit codes (a GGUF Q8_0 embedding and LM head: ``int4pack.PackedInt8``)
+takes ``mm8``, the same scheme with one byte per weight ("vnni8" layout): as two int4
+parts it would cost twice the instructions for the same bytes.
+
 Used for every ``PackedInt4`` on a CPU whose kernel builds and reports VNNI (the
 layout is chosen when the weight is packed); ``PAGEDLLM_INT4_VNNI=0`` keeps torch's
 layout and kernel.
@@ -46,6 +50,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.int4_vnni_pack.argtypes = [_P, _I, _I, _P]
     lib.int4_vnni_gemm.restype = _I
     lib.int4_vnni_gemm.argtypes = [_I, _P, _P, _I, _I, _I, _P, _L, _I, _P, _L, _I]
+    lib.int8_vnni_pack.restype = _I
+    lib.int8_vnni_pack.argtypes = [_P, _I, _I, _P]
+    lib.int8_vnni_gemm.restype = _I
+    lib.int8_vnni_gemm.argtypes = [_P, _P, _I, _I, _I, _P, _L, _I, _P, _L, _I]
 
 
 @functools.cache  # the CPU check too: once per process, not per GEMM
@@ -114,4 +122,44 @@ def mm(x: torch.Tensor, parts: list[Any]) -> torch.Tensor:
     if rc != 0:
         raise ValueError(f"int4 VNNI GEMM: bad arguments n={p0.n} k={p0.k} g={p0.group} "
                          f"parts={len(parts)}")
+    return y
+
+
+def pack8(v: torch.Tensor) -> torch.Tensor:
+    """Codes ``v [N, K]`` (0..255) -> the vnni8 bytes ``[N * K]`` uint8.  Needs
+    ``available()``, ``N % 16 == 0`` and ``K % 32 == 0``."""
+    lib = _lib()
+    assert lib is not None
+    n, k = v.shape
+    codes = v.to(torch.uint8).contiguous()
+    out = torch.empty(n * k, dtype=torch.uint8)
+    if lib.int8_vnni_pack(codes.data_ptr(), n, k, out.data_ptr()) != 0:
+        raise ValueError(f"int8 vnni8 layout needs N % 16 == 0 and K % 32 == 0, got [{n}, {k}]")
+    return out
+
+
+def gather_rows8(packed: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """The codes ``v[ids]`` as uint8 ``[T, K]`` read back from the vnni8 bytes."""
+    pairs = packed.view(n // 16, k // 2, 16, 2)
+    return pairs[ids // 16, :, ids % 16, :].reshape(ids.shape[0], k)
+
+
+def mm8(x: torch.Tensor, part: Any) -> torch.Tensor:
+    """``x [M, K]`` float32 -> ``x W^T [M, N]`` float32 for one ``PackedInt8`` (typed
+    ``Any``: int4pack imports this module)."""
+    lib = _lib()
+    assert lib is not None
+    xc = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
+    m = xc.shape[0]
+    y = torch.empty(m, part.n, dtype=torch.float32)
+    if m == 0:
+        return y
+    rc = lib.int8_vnni_gemm(part.packed.data_ptr(), part.scale_zero.data_ptr(), part.n,
+                            part.k, part.group, xc.data_ptr(), xc.stride(0), m, y.data_ptr(),
+                            y.stride(0), torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError("int8 VNNI GEMM: cannot allocate the activation buffer")
+    if rc != 0:
+        raise ValueError(f"int8 VNNI GEMM: bad arguments n={part.n} k={part.k} "
+                         f"g={part.group}")
     return y

@@ -83,6 +83,35 @@ class PackedInt4:
         return (b.reshape(ids.shape[0], self.k) >> shift) & 0x0F
 
 
+class PackedInt8:
+    """A weight of 8-bit codes on a VNNI CPU: ``w[n, k] = (v[n, k] - 128) * scale[n, k // g]
+    + zero[n, k // g]``, ``v`` in [0, 255], ``packed`` in ``int4_vnni``'s "vnni8" layout,
+    ``scale_zero`` ``[K/g, N, 2]`` bf16 as ``PackedInt4``'s.  ``mm_parts`` takes it as a
+    one-part list.  Needs ``int4_vnni.available()``, ``N % 16 == 0``, ``K % 32 == 0``."""
+
+    layout = "vnni8"
+
+    def __init__(self, v: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 group: int) -> None:
+        n, k = v.shape
+        self.n, self.k, self.group = n, k, group
+        self.device = torch.device("cpu")
+        self.scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(
+            ACT_DTYPE)
+        self.packed = int4_vnni.pack8(v)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, K]`` -> ``[M, N]`` float32."""
+        return int4_vnni.mm8(x, self)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed, self.scale_zero]
+
+    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The codes ``v[ids]`` as uint8 ``[T, K]``."""
+        return int4_vnni.gather_rows8(self.packed, self.n, self.k, ids)
+
+
 def mm_parts(x: torch.Tensor, parts: list[PackedInt4]) -> torch.Tensor:
     """``sum_p x W_p^T`` in ``x``'s dtype (``x`` goes in as bf16; parts are summed in
     fp32).  On the CPU, ``M >= int4_dequant.DEQUANT_MIN_ROWS`` rows go through a bf16
@@ -90,6 +119,8 @@ def mm_parts(x: torch.Tensor, parts: list[PackedInt4]) -> torch.Tensor:
     ``"vnni4"`` layout take ``int4_vnni.mm`` for every M."""
     if parts[0].layout == "vnni4":
         return int4_vnni.mm(x, parts).to(x.dtype)
+    if parts[0].layout == "vnni8":
+        return parts[0].mm(x).to(x.dtype)
     xb = x.to(ACT_DTYPE)
     if (xb.shape[0] >= int4_dequant.DEQUANT_MIN_ROWS and int4_dequant.supports(parts)
             and int4_dequant.available()):

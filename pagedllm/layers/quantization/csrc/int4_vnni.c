@@ -23,6 +23,13 @@
  * the inner sums exact in int32 (the offset 8 taken out with the codes' own sum), the
  * rest in float32 in a fixed order: a row's result depends on x's row alone, never on M
  * or on how the work was split over threads.
+ *
+ * int8_vnni_gemm is the same product for one weight of 8-bit codes (a GGUF Q8_0 table,
+ * which as two int4 parts would cost twice the instructions), layout "vnni8":
+ *
+ *   packed     [N/16 units][K/2 pairs][32 bytes]; byte 2i + j of (unit u, pair p) holds
+ *              v[16u + i, 2p + j] (codes 0..255); widened, 32 bytes are 16 rows x 2 k
+ *   sz         as above, with w = (v - 128) * s + z
  */
 #include <math.h>
 #include <stdint.h>
@@ -83,6 +90,19 @@ static void quantize_row(const float *x, int k, int16_t *q, float *d, float *sum
 #endif
 
 #if HAVE_VNNI
+/* The float steps after the integer sums, with explicit fused multiply-adds so that the
+ * compiler's contraction choices cannot change them. */
+static inline __attribute__((always_inline)) __m512 block_step(__m512i ia, __m512i off,
+                                                               __m512 dv, __m512 t) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ia, off)), dv, t);
+}
+
+static inline __attribute__((always_inline)) __m512 group_finish(__m512 acc, __m512 t,
+                                                                 __m512 s, __m512 z,
+                                                                 float gsum) {
+    return _mm512_add_ps(acc, _mm512_fmadd_ps(t, s, _mm512_mul_ps(z, _mm512_set1_ps(gsum))));
+}
+
 /* One 32-row unit of one part, rows [m0, m0 + mb) of x: y[m][32u + i] += ... */
 static inline __attribute__((always_inline)) void unit_rows(
     const uint8_t *w, const uint16_t *sz, int n, int k, int g, int u, const int16_t *xq,
@@ -140,24 +160,130 @@ static inline __attribute__((always_inline)) void unit_rows(
                 const size_t r = (size_t)(m0 + m) * (k / 32) + b;
                 const __m512 dv = _mm512_set1_ps(xd[r]);
                 const __m512i off = _mm512_set1_epi32(xq8[r]);
-                t[m][0] = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(_mm512_sub_epi32(ia[m][0][0], off)), dv, t[m][0]);
-                t[m][1] = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(_mm512_sub_epi32(ia[m][0][1], off)), dv, t[m][1]);
+                t[m][0] = block_step(ia[m][0][0], off, dv, t[m][0]);
+                t[m][1] = block_step(ia[m][0][1], off, dv, t[m][1]);
                 gsum[m] += xs[r];
             }
         }
         for (int m = 0; m < mb; m++) {
-            __m512 gs = _mm512_set1_ps(gsum[m]);
-            __m512 a0 = _mm512_loadu_ps(acc[m]), a1 = _mm512_loadu_ps(acc[m] + 16);
-            a0 = _mm512_add_ps(a0, _mm512_add_ps(_mm512_mul_ps(t[m][0], s0), _mm512_mul_ps(b0, gs)));
-            a1 = _mm512_add_ps(a1, _mm512_add_ps(_mm512_mul_ps(t[m][1], s1), _mm512_mul_ps(b1, gs)));
-            _mm512_storeu_ps(acc[m], a0);
-            _mm512_storeu_ps(acc[m] + 16, a1);
+            _mm512_storeu_ps(acc[m], group_finish(_mm512_loadu_ps(acc[m]), t[m][0], s0, b0,
+                                                  gsum[m]));
+            _mm512_storeu_ps(acc[m] + 16, group_finish(_mm512_loadu_ps(acc[m] + 16), t[m][1],
+                                                       s1, b1, gsum[m]));
         }
     }
 }
 #endif
+
+/* Repack v [N, K] (uint8 codes, row-major) into the vnni8 layout (out: N * K bytes). */
+int int8_vnni_pack(const uint8_t *v, int n, int k, uint8_t *out) {
+    if (n % 16 || k % 32) return -1;
+    for (int u = 0; u < n / 16; u++)
+        for (int p = 0; p < k / 2; p++)
+            for (int i = 0; i < 16; i++)
+                for (int j = 0; j < 2; j++)
+                    out[((size_t)u * (k / 2) + p) * 32 + 2 * i + j] =
+                        v[(size_t)(16 * u + i) * k + 2 * p + j];
+    return 0;
+}
+
+#if HAVE_VNNI
+/* One 16-row unit of a vnni8 weight, rows [m0, m0 + mb) of x: y[m][16u + i] += ... */
+static inline __attribute__((always_inline)) void unit8_rows(
+    const uint8_t *w, const uint16_t *sz, int n, int k, int g, int u, const int16_t *xq,
+    const float *xd, const float *xs, const int32_t *xq8, int m0, int mb,
+    float acc[MB][16]) {
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int grp = 0; grp < k / g; grp++) {
+        const __m512i p0 = _mm512_loadu_si512((const void *)(sz + ((size_t)grp * n +
+                                                                    (size_t)u * 16) * 2));
+        const __m512 s0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));
+        const __m512 b0 = _mm512_castsi512_ps(_mm512_and_si512(p0, high));
+        __m512 t[MB];
+        float gsum[MB];
+        for (int m = 0; m < mb; m++) {
+            t[m] = _mm512_setzero_ps();
+            gsum[m] = 0.f;
+        }
+        for (int b = grp * g / 32; b < (grp + 1) * g / 32; b++) {
+            const int ch = mb == 1 ? 4 : mb == 2 ? 2 : 1; /* as in unit_rows */
+            __m512i ia[MB][4];
+            for (int m = 0; m < mb; m++)
+                for (int c = 0; c < ch; c++) ia[m][c] = _mm512_setzero_si512();
+            for (int p = 16 * b; p < 16 * b + 16; p++) { /* k = 2p, 2p + 1 */
+                const int c = p % ch;
+                const __m512i wv = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                    (const __m256i *)(w + ((size_t)u * (k / 2) + p) * 32)));
+                for (int m = 0; m < mb; m++) {
+                    int32_t xv;
+                    memcpy(&xv, xq + (size_t)(m0 + m) * k + 2 * p, 4);
+                    ia[m][c] = _mm512_dpwssd_epi32(ia[m][c], wv, _mm512_set1_epi32(xv));
+                }
+            }
+            for (int m = 0; m < mb; m++) {
+                for (int c = 1; c < ch; c++) ia[m][0] = _mm512_add_epi32(ia[m][0], ia[m][c]);
+                const size_t r = (size_t)(m0 + m) * (k / 32) + b;
+                /* the codes' offset 128: 16 times xq8's 8 times the codes' sum */
+                t[m] = block_step(ia[m][0], _mm512_set1_epi32(16 * xq8[r]),
+                                  _mm512_set1_ps(xd[r]), t[m]);
+                gsum[m] += xs[r];
+            }
+        }
+        for (int m = 0; m < mb; m++)
+            _mm512_storeu_ps(acc[m], group_finish(_mm512_loadu_ps(acc[m]), t[m], s0, b0,
+                                                  gsum[m]));
+    }
+}
+#endif
+
+/* int8_vnni_gemm: y = x W^T for one vnni8 weight (N % 16 == 0); returns as below. */
+int int8_vnni_gemm(const uint8_t *packed, const uint16_t *sz, int n, int k, int g,
+                   const float *x, long ldx, int m, float *y, long ldy, int nthreads) {
+#if HAVE_VNNI
+    if (n % 16 || k % 32 || g % 32 || k % g || m < 1 || ldx < k || ldy < n) return -1;
+    int16_t *xq = malloc(sizeof(int16_t) * (size_t)m * k);
+    float *xd = malloc(sizeof(float) * (size_t)m * (k / 32) * 3);
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return -2;
+    }
+    const size_t nb = (size_t)m * (k / 32);
+    float *xs = xd + nb;
+    int32_t *xq8 = (int32_t *)(xd + 2 * nb);
+    const int threads = (long)n * k * (m < 4 ? m : 4) < 131072 ? 1 : nthreads;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+    for (int r = 0; r < m; r++)
+        quantize_row(x + (size_t)r * ldx, k, xq + (size_t)r * k, xd + (size_t)r * (k / 32),
+                     xs + (size_t)r * (k / 32), xq8 + (size_t)r * (k / 32));
+#pragma omp for schedule(static)
+    for (int u = 0; u < n / 16; u++) {
+        float acc[MB][16];
+        for (int m0 = 0; m0 < m; m0 += MB) {
+            const int mb = m - m0 < MB ? m - m0 : MB;
+            memset(acc, 0, sizeof(acc));
+            switch (mb) {
+            case 1: unit8_rows(packed, sz, n, k, g, u, xq, xd, xs, xq8, m0, 1, acc); break;
+            case 2: unit8_rows(packed, sz, n, k, g, u, xq, xd, xs, xq8, m0, 2, acc); break;
+            case 3: unit8_rows(packed, sz, n, k, g, u, xq, xd, xs, xq8, m0, 3, acc); break;
+            default: unit8_rows(packed, sz, n, k, g, u, xq, xd, xs, xq8, m0, 4, acc); break;
+            }
+            for (int r = 0; r < mb; r++)
+                memcpy(y + (size_t)(m0 + r) * ldy + (size_t)u * 16, acc[r], sizeof(float) * 16);
+        }
+    }
+    }
+    free(xq);
+    free(xd);
+    return 0;
+#else
+    (void)packed; (void)sz; (void)n; (void)k; (void)g; (void)x; (void)ldx; (void)m; (void)y;
+    (void)ldy; (void)nthreads;
+    return -1;
+#endif
+}
 
 /* Returns 0; -1 for arguments outside the contract or a CPU without VNNI (nothing
  * written); -2 when the activation buffer cannot be allocated. */
