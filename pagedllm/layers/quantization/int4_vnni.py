@@ -117,12 +117,17 @@ def mm(x: torch.Tensor, parts: list[Any]) -> torch.Tensor:
     rc = lib.int4_vnni_gemm(len(parts), packed, sz, p0.n, p0.k, p0.group, xc.data_ptr(),
                             xc.stride(0), m, y.data_ptr(), y.stride(0),
                             torch.get_num_threads())
-    if rc == -2:
-        raise MemoryError("int4 VNNI GEMM: cannot allocate the activation buffer")
-    if rc != 0:
-        raise ValueError(f"int4 VNNI GEMM: bad arguments n={p0.n} k={p0.k} g={p0.group} "
-                         f"parts={len(parts)}")
+    _check(rc, "int4", p0, len(parts))
     return y
+
+
+def _check(rc: int, bits: str, part: Any, nparts: int) -> None:
+    """A kernel's return code as the exception it means (0: nothing)."""
+    if rc == -2:
+        raise MemoryError(f"{bits} VNNI GEMM: cannot allocate the activation buffer")
+    if rc != 0:
+        raise ValueError(f"{bits} VNNI GEMM: bad arguments n={part.n} k={part.k} "
+                         f"g={part.group} parts={nparts}")
 
 
 def pack8(v: torch.Tensor) -> torch.Tensor:
@@ -157,9 +162,5 @@ def mm8(x: torch.Tensor, part: Any) -> torch.Tensor:
     rc = lib.int8_vnni_gemm(part.packed.data_ptr(), part.scale_zero.data_ptr(), part.n,
                             part.k, part.group, xc.data_ptr(), xc.stride(0), m, y.data_ptr(),
                             y.stride(0), torch.get_num_threads())
-    if rc == -2:
-        raise MemoryError("int8 VNNI GEMM: cannot allocate the activation buffer")
-    if rc != 0:
-        raise ValueError(f"int8 VNNI GEMM: bad arguments n={part.n} k={part.k} "
-                         f"g={part.group}")
+    _check(rc, "int8", part, 1)
     return y

@@ -87,6 +87,44 @@ static void quantize_row(const float *x, int k, int16_t *q, float *d, float *sum
         sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
     }
 }
+
+/* The rows of x as the kernels read them: int16 codes q [m][k], and per 32 columns the
+ * scale d, the sum s of x and 8 times the codes' sum q8 ([m][k / 32] each). */
+typedef struct {
+    int16_t *q;
+    float *d, *s;
+    int32_t *q8;
+} XRows;
+
+/* 0, or -2 (nothing to free) when the buffers cannot be allocated. */
+static int xrows_alloc(XRows *r, int m, int k) {
+    const size_t nb = (size_t)m * (k / 32);
+    r->q = malloc(sizeof(int16_t) * (size_t)m * k);
+    r->d = malloc(sizeof(float) * nb * 3);
+    if (!r->q || !r->d) {
+        free(r->q);
+        free(r->d);
+        return -2;
+    }
+    r->s = r->d + nb;
+    r->q8 = (int32_t *)(r->d + 2 * nb);
+    return 0;
+}
+
+static void xrows_free(XRows *r) {
+    free(r->q);
+    free(r->d);
+}
+
+/* Quantise the m rows, shared out over the enclosing parallel region's threads (at 64
+ * rows this was ~20% of a small projection's time on one thread); the loop's barrier
+ * publishes them. */
+static void xrows_fill(const XRows *r, const float *x, long ldx, int m, int k) {
+#pragma omp for schedule(static)
+    for (int i = 0; i < m; i++)
+        quantize_row(x + (size_t)i * ldx, k, r->q + (size_t)i * k, r->d + (size_t)i * (k / 32),
+                     r->s + (size_t)i * (k / 32), r->q8 + (size_t)i * (k / 32));
+}
 #endif
 
 #if HAVE_VNNI
@@ -105,9 +143,11 @@ static inline __attribute__((always_inline)) __m512 group_finish(__m512 acc, __m
 
 /* One 32-row unit of one part, rows [m0, m0 + mb) of x: y[m][32u + i] += ... */
 static inline __attribute__((always_inline)) void unit_rows(
-    const uint8_t *w, const uint16_t *sz, int n, int k, int g, int u, const int16_t *xq,
-    const float *xd, const float *xs, const int32_t *xq8, int m0, int mb,
-    float acc[MB][32]) {
+    const uint8_t *w, const uint16_t *sz, int n, int k, int g, int u, const XRows *xr,
+    int m0, int mb, float acc[MB][32]) {
+    const int16_t *xq = xr->q;
+    const float *xd = xr->d, *xs = xr->s;
+    const int32_t *xq8 = xr->q8;
     const __m256i mask = _mm256_set1_epi8(15);
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int grp = 0; grp < k / g; grp++) {
@@ -190,9 +230,11 @@ int int8_vnni_pack(const uint8_t *v, int n, int k, uint8_t *out) {
 #if HAVE_VNNI
 /* One 16-row unit of a vnni8 weight, rows [m0, m0 + mb) of x: y[m][16u + i] += ... */
 static inline __attribute__((always_inline)) void unit8_rows(
-    const uint8_t *w, const uint16_t *sz, int n, int k, int g, int u, const int16_t *xq,
-    const float *xd, const float *xs, const int32_t *xq8, int m0, int mb,
-    float acc[MB][16]) {
+    const uint8_t *w, const uint16_t *sz, int n, int k, int g, int u, const XRows *xr,
+    int m0, int mb, float acc[MB][16]) {
+    const int16_t *xq = xr->q;
+    const float *xd = xr->d, *xs = xr->s;
+    const int32_t *xq8 = xr->q8;
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int grp = 0; grp < k / g; grp++) {
         const __m512i p0 = _mm512_loadu_si512((const void *)(sz + ((size_t)grp * n +
@@ -241,23 +283,13 @@ int int8_vnni_gemm(const uint8_t *packed, const uint16_t *sz, int n, int k, int 
                    const float *x, long ldx, int m, float *y, long ldy, int nthreads) {
 #if HAVE_VNNI
     if (n % 16 || k % 32 || g % 32 || k % g || m < 1 || ldx < k || ldy < n) return -1;
-    int16_t *xq = malloc(sizeof(int16_t) * (size_t)m * k);
-    float *xd = malloc(sizeof(float) * (size_t)m * (k / 32) * 3);
-    if (!xq || !xd) {
-        free(xq);
-        free(xd);
-        return -2;
-    }
-    const size_t nb = (size_t)m * (k / 32);
-    float *xs = xd + nb;
-    int32_t *xq8 = (int32_t *)(xd + 2 * nb);
-    const int threads = (long)n * k * (m < 4 ? m : 4) < 131072 ? 1 : nthreads;
+    XRows xr;
+    if (xrows_alloc(&xr, m, k)) return -2;
+    /* As int4_vnni_gemm: one thread below ~32K weight bytes. */
+    const int threads = (long)n * k * (m < 4 ? m : 4) < 32768 ? 1 : nthreads;
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
-    for (int r = 0; r < m; r++)
-        quantize_row(x + (size_t)r * ldx, k, xq + (size_t)r * k, xd + (size_t)r * (k / 32),
-                     xs + (size_t)r * (k / 32), xq8 + (size_t)r * (k / 32));
+    xrows_fill(&xr, x, ldx, m, k);
 #pragma omp for schedule(static)
     for (int u = 0; u < n / 16; u++) {
         float acc[MB][16];
@@ -265,18 +297,17 @@ int int8_vnni_gemm(const uint8_t *packed, const uint16_t *sz, int n, int k, int 
             const int mb = m - m0 < MB ? m - m0 : MB;
             memset(acc, 0, sizeof(acc));
             switch (mb) {
-            case 1: unit8_rows(packed, sz, n, k, g, u, xq, xd, xs, xq8, m0, 1, acc); break;
-            case 2: unit8_rows(packed, sz, n, k, g, u, xq, xd, xs, xq8, m0, 2, acc); break;
-            case 3: unit8_rows(packed, sz, n, k, g, u, xq, xd, xs, xq8, m0, 3, acc); break;
-            default: unit8_rows(packed, sz, n, k, g, u, xq, xd, xs, xq8, m0, 4, acc); break;
+            case 1: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 1, acc); break;
+            case 2: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 2, acc); break;
+            case 3: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 3, acc); break;
+            default: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 4, acc); break;
             }
             for (int r = 0; r < mb; r++)
                 memcpy(y + (size_t)(m0 + r) * ldy + (size_t)u * 16, acc[r], sizeof(float) * 16);
         }
     }
     }
-    free(xq);
-    free(xd);
+    xrows_free(&xr);
     return 0;
 #else
     (void)packed; (void)sz; (void)n; (void)k; (void)g; (void)x; (void)ldx; (void)m; (void)y;
@@ -294,27 +325,14 @@ int int4_vnni_gemm(int nparts, const uint8_t *const *packed, const uint16_t *con
     if (nparts < 1 || nparts > MAX_PARTS || n % 32 || k % 32 || g % 32 || k % g || m < 1 ||
         ldx < k || ldy < n)
         return -1;
-    int16_t *xq = malloc(sizeof(int16_t) * (size_t)m * k);
-    float *xd = malloc(sizeof(float) * (size_t)m * (k / 32) * 3);
-    if (!xq || !xd) {
-        free(xq);
-        free(xd);
-        return -2;
-    }
-    const size_t nb = (size_t)m * (k / 32);
-    float *xs = xd + nb;
-    int32_t *xq8 = (int32_t *)(xd + 2 * nb);
+    XRows xr;
+    if (xrows_alloc(&xr, m, k)) return -2;
     const int units = n / 32;
     /* A fork-join costs a few microseconds: not worth it below ~32K weight bytes. */
     const int threads = (long)n * k * (m < 4 ? m : 4) < 65536 ? 1 : nthreads;
 #pragma omp parallel num_threads(threads)
     {
-    /* The rows' quantisation is shared out too (at 64 rows it was ~20% of a small
-     * projection's time on one thread); the loop's barrier publishes it. */
-#pragma omp for schedule(static)
-    for (int r = 0; r < m; r++)
-        quantize_row(x + (size_t)r * ldx, k, xq + (size_t)r * k, xd + (size_t)r * (k / 32),
-                     xs + (size_t)r * (k / 32), xq8 + (size_t)r * (k / 32));
+    xrows_fill(&xr, x, ldx, m, k);
 #pragma omp for schedule(static)
     for (int u = 0; u < units; u++) {
         float acc[MB][32];
@@ -324,10 +342,10 @@ int int4_vnni_gemm(int nparts, const uint8_t *const *packed, const uint16_t *con
             for (int p = 0; p < nparts; p++) {
                 const uint8_t *w = packed[p];
                 switch (mb) { /* constant row counts: the loops over m unroll */
-                case 1: unit_rows(w, sz[p], n, k, g, u, xq, xd, xs, xq8, m0, 1, acc); break;
-                case 2: unit_rows(w, sz[p], n, k, g, u, xq, xd, xs, xq8, m0, 2, acc); break;
-                case 3: unit_rows(w, sz[p], n, k, g, u, xq, xd, xs, xq8, m0, 3, acc); break;
-                default: unit_rows(w, sz[p], n, k, g, u, xq, xd, xs, xq8, m0, 4, acc); break;
+                case 1: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 1, acc); break;
+                case 2: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 2, acc); break;
+                case 3: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 3, acc); break;
+                default: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 4, acc); break;
                 }
             }
             for (int r = 0; r < mb; r++)
@@ -335,8 +353,7 @@ int int4_vnni_gemm(int nparts, const uint8_t *const *packed, const uint16_t *con
         }
     }
     }
-    free(xq);
-    free(xd);
+    xrows_free(&xr);
     return 0;
 #else
     (void)nparts; (void)packed; (void)sz; (void)n; (void)k; (void)g; (void)x; (void)ldx;
