@@ -299,6 +299,8 @@ class LlamaModel(nn.Module):
         it computes: this class's attention and MLP without biases, q/k norms or LoRA,
         packed int4 projections, the CPU backend, one KV cache group."""
         layers = [self.layers[i] for i in range(self.start_layer, self.end_layer)]
+        if not layers:
+            return None
         plain = []
         for lay in layers:
             attn, mlp = lay.self_attn, lay.mlp
@@ -311,7 +313,7 @@ class LlamaModel(nn.Module):
                 return None
             segs = [attn.qkv_proj.int4_segments, attn.o_proj.int4_segments,
                     mlp.gate_up_proj.int4_segments, mlp.down_proj.int4_segments]
-            if any(s is None for s in segs):
+            if any(s is None for s in segs) or attn.attn.kv_cache is None:
                 return None
             kind = attn.attn.kind
             plain.append(StackLayer(
