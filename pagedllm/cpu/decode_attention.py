@@ -51,6 +51,14 @@ def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             and value.stride(-1) == 1 and kv_cache.is_contiguous() and _lib() is not None)
 
 
+def step_indices(rope: RopeInputs, meta: AttentionMetadata
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's positions and slot mapping as the int64 arrays the C kernels read."""
+    pos, slots = rope.positions, meta.slot_mapping
+    return (pos if pos.dtype is torch.int64 else pos.long(),
+            slots if slots.dtype is torch.int64 else slots.long())
+
+
 def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, rope: RopeInputs,
         kind: AttentionKind) -> torch.Tensor:
@@ -64,12 +72,7 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     hk = key.shape[1]
     _, nb, bs, _, _ = kv_cache.shape
     out = torch.empty(t, hq, d, dtype=query.dtype)
-    pos = rope.positions
-    if pos.dtype != torch.int64:
-        pos = pos.long()
-    slots = meta.slot_mapping
-    if slots.dtype != torch.int64:
-        slots = slots.long()
+    pos, slots = step_indices(rope, meta)
     tables = meta.block_tables
     rc = lib.decode_attention(
         t, hq, hk, d, rope.cos_sin_cache.shape[-1], query.data_ptr(), query.stride(0),

@@ -29,10 +29,11 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.rope import RopeInputs
 from pagedllm.cpu import build
+from pagedllm.cpu.decode_attention import step_indices
+from pagedllm.layers.quantization.int4_vnni import MAX_PARTS
 
 _SRC = Path(__file__).with_name("csrc") / "decode_stack.c"
 MAX_SEGS = 4  # csrc/decode_stack.c
-MAX_PARTS = 4  # layers/quantization/csrc/int4_vnni.c
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _L = ctypes.c_long
@@ -103,12 +104,11 @@ def _linear(segs: list[list[Any]], n: int, k: int) -> _Linear | None:
 class DecodeStack:
     """The C stack over a model's decoder layers; ``build`` checks, ``run`` computes."""
 
-    def __init__(self, layers: list[StackLayer], c_layers: Any, hidden: int, heads: int,
-                 kv_heads: int, head_dim: int, inter: int, eps: float) -> None:
+    def __init__(self, layers: list[StackLayer], c_layers: Any, heads: int, kv_heads: int,
+                 head_dim: int, inter: int, eps: float) -> None:
         self.layers = layers  # keeps every tensor the C structs point into alive
         self.c_layers = c_layers
-        self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, \
-            head_dim
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.inter, self.eps = inter, eps
 
     @classmethod
@@ -137,7 +137,7 @@ class DecodeStack:
                 lay.cache.data_ptr()
             c.nb, c.window, c.softcap, c.scale = lay.cache.shape[1], lay.window, \
                 lay.softcap, lay.scale
-        return cls(layers, arr, hidden, heads, kv_heads, head_dim, inter, eps)
+        return cls(layers, arr, heads, kv_heads, head_dim, inter, eps)
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A step in which every request decodes one token (one row each), float32 rows
@@ -154,11 +154,11 @@ class DecodeStack:
         lib = _lib()
         assert lib is not None
         t, h = hidden.shape
-        out = hidden.contiguous().clone()  # the inputs stay as they were
-        res = torch.empty_like(out) if residual is None else residual.contiguous().clone()
-        pos = rope.positions if rope.positions.dtype is torch.int64 else rope.positions.long()
-        slots = meta.slot_mapping if meta.slot_mapping.dtype is torch.int64 \
-            else meta.slot_mapping.long()
+        # Contiguous copies: the inputs stay as they were.
+        out = hidden.clone(memory_format=torch.contiguous_format)
+        res = torch.empty_like(out) if residual is None \
+            else residual.clone(memory_format=torch.contiguous_format)
+        pos, slots = step_indices(rope, meta)
         tables = meta.block_tables
         cos_sin = rope.cos_sin_cache
         rc = lib.decode_stack(
