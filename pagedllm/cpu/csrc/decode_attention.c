@@ -76,24 +76,120 @@ static void axpy(float *o, float p, const float *v, int d) {
 }
 
 #if defined(__AVX512F__)
-/* o = sum_j p[j] v_j for a head dim D known at compile time: the D / 16 sums stay in
- * registers across keys (a sum kept in memory waits on its own store every key). */
+/* Lane i of the result = the sum of v[i]'s 16 lanes.  Every input goes through the same
+ * tree, ((e0 + e2) + (e1 + e3)) within each 128-bit lane and then (L0 + L1) + (L2 + L3)
+ * over the lanes, so a key's score does not depend on its place among the 16: 45
+ * instructions for 16 sums, against 8 dependent ones per sum for a reduce each. */
+static inline __attribute__((always_inline)) __m512 hsum16(const __m512 *v) {
+    __m512 w[8], x[4], z[2];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)
+        z[i] = _mm512_add_ps(
+            _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+            _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Scores of the g query heads of qt (head stride qh) against keys [lo, n), 16 keys at a
+ * time: per key and head the D / 16 products summed lane-wise in a fixed order, then the
+ * 16 keys' lanes summed by hsum16 and scaled.  sc[gi * n + j] gets head gi's score of
+ * key j (before any soft-cap). */
+static inline __attribute__((always_inline)) void qk16(
+    float *sc, const float *qt, long qh, int g, int hk, const float *kc,
+    const int32_t *table, int bs, int nkv, int lo, int n, float scale, const int D) {
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int j0 = lo; j0 < n; j0 += 16) {
+        const int m = n - j0 < 16 ? n - j0 : 16;
+        const float *rows[16];
+        for (int j = 0; j < m; j++) {
+            const int key = j0 + j;
+            rows[j] = kc + (((long)table[key / bs] * bs + key % bs) * nkv + hk) * D;
+        }
+        for (int gi = 0; gi < g; gi++) {
+            const float *qg = qt + (long)(hk * g + gi) * qh;
+            __m512 qv[D / 16], v[16];
+            for (int i = 0; i < D / 16; i++) qv[i] = _mm512_loadu_ps(qg + 16 * i);
+            for (int j = 0; j < 16; j++) {
+                if (j >= m) {
+                    v[j] = _mm512_setzero_ps();
+                    continue;
+                }
+                __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(rows[j]));
+                for (int i = 1; i < D / 16; i++)
+                    a = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(rows[j] + 16 * i), a);
+                v[j] = a;
+            }
+            _mm512_mask_storeu_ps(sc + (long)gi * n + j0, (__mmask16)((1u << m) - 1),
+                                  _mm512_mul_ps(hsum16(v), sv));
+        }
+    }
+}
+
+/* o_h = sum_j p_h[j] v_j for HC heads at once (their D / 16 sums each stay in registers
+ * across keys, and each value row is loaded once for the HC heads); per head and lane
+ * the keys are summed in order, as one head alone would be. */
 static inline __attribute__((always_inline)) void pv_acc(
-    float *o, const float *p, const float *vc, const int32_t *table, int bs, int nkv,
-    int hk, int lo, int n, const int D) {
-    __m512 acc[D / 16];
-    for (int i = 0; i < D / 16; i++) acc[i] = _mm512_setzero_ps();
+    float *const *o, const float *const *p, const float *vc, const int32_t *table, int bs,
+    int nkv, int hk, int lo, int n, const int D, const int HC) {
+    __m512 acc[HC][D / 16];
+#pragma GCC unroll 16
+    for (int h = 0; h < HC; h++)
+#pragma GCC unroll 16
+        for (int i = 0; i < D / 16; i++) acc[h][i] = _mm512_setzero_ps();
     for (int j0 = lo - lo % bs; j0 < n; j0 += bs) {
         const long base = (long)table[j0 / bs] * bs;
         const int a = j0 > lo ? j0 : lo, e = j0 + bs < n ? j0 + bs : n;
         for (int j = a; j < e; j++) {
             const float *vr = vc + ((base + j - j0) * nkv + hk) * D;
-            const __m512 pj = _mm512_set1_ps(p[j]);
-            for (int i = 0; i < D / 16; i++)
-                acc[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 16 * i), acc[i]);
+            __m512 vv[D / 16];
+#pragma GCC unroll 16
+            for (int i = 0; i < D / 16; i++) vv[i] = _mm512_loadu_ps(vr + 16 * i);
+#pragma GCC unroll 16
+            for (int h = 0; h < HC; h++) {
+                const __m512 pj = _mm512_set1_ps(p[h][j]);
+#pragma GCC unroll 16
+                for (int i = 0; i < D / 16; i++)
+                    acc[h][i] = _mm512_fmadd_ps(pj, vv[i], acc[h][i]);
+            }
         }
     }
-    for (int i = 0; i < D / 16; i++) _mm512_storeu_ps(o + 16 * i, acc[i]);
+#pragma GCC unroll 16
+    for (int h = 0; h < HC; h++)
+#pragma GCC unroll 16
+        for (int i = 0; i < D / 16; i++) _mm512_storeu_ps(o[h] + 16 * i, acc[h][i]);
+}
+
+/* The g heads' weighted sums, HMAX heads a pass (16 accumulators at most). */
+static void pv_heads(float *out_t, const float *sc, int g, int hk, const float *vc,
+                     const int32_t *table, int bs, int nkv, int lo, int n, int d) {
+    for (int g0 = 0; g0 < g;) {
+        const int left = g - g0, hc = d == 64 ? (left < 4 ? left : 4) : (left < 2 ? left : 2);
+        float *o[4];
+        const float *p[4];
+        for (int h = 0; h < hc; h++) {
+            o[h] = out_t + (long)(hk * g + g0 + h) * d;
+            p[h] = sc + (long)(g0 + h) * n;
+        }
+        if (d == 64) {
+            switch (hc) {
+            case 4: pv_acc(o, p, vc, table, bs, nkv, hk, lo, n, 64, 4); break;
+            case 3: pv_acc(o, p, vc, table, bs, nkv, hk, lo, n, 64, 3); break;
+            case 2: pv_acc(o, p, vc, table, bs, nkv, hk, lo, n, 64, 2); break;
+            default: pv_acc(o, p, vc, table, bs, nkv, hk, lo, n, 64, 1); break;
+            }
+        } else if (hc == 2) {
+            pv_acc(o, p, vc, table, bs, nkv, hk, lo, n, 128, 2);
+        } else {
+            pv_acc(o, p, vc, table, bs, nkv, hk, lo, n, 128, 1);
+        }
+        g0 += hc;
+    }
 }
 #endif
 
@@ -104,9 +200,22 @@ static void attend_one(int t, int hk, int hq, int nkv, int d, const float *q, lo
                        int lo, int n, float scale, float cap, float *out, float *sc) {
     const int g = hq / nkv;
     const float *qt = q + (long)t * qs;
+#if defined(__AVX512F__)
+    const int fast = (d == 64 || d == 128);
+    if (d == 64) qk16(sc, qt, qh, g, hk, kc, table, bs, nkv, lo, n, scale, 64);
+    if (d == 128) qk16(sc, qt, qh, g, hk, kc, table, bs, nkv, lo, n, scale, 128);
+    if (fast && cap > 0.f)
+        for (int gi = 0; gi < g; gi++)
+            for (int j = lo; j < n; j++) {
+                float *s = sc + (long)gi * n + j;
+                *s = tanhf(*s / cap) * cap;
+            }
+#else
+    const int fast = 0;
+#endif
     /* Block by block: a key's row is table[j / bs] * bs + j % bs, without a division
      * per key. */
-    for (int j0 = lo - lo % bs; j0 < n; j0 += bs) {
+    for (int j0 = lo - lo % bs; j0 < n && !fast; j0 += bs) {
         const long base = (long)table[j0 / bs] * bs;
         const int a = j0 > lo ? j0 : lo, e = j0 + bs < n ? j0 + bs : n;
         for (int j = a; j < e; j++) {
@@ -121,8 +230,16 @@ static void attend_one(int t, int hk, int hq, int nkv, int d, const float *q, lo
     float inv[g];
     for (int gi = 0; gi < g; gi++) {
         float *s = sc + (long)gi * n, m = -INFINITY, sum = 0.f;
-        for (int j = lo; j < n; j++) m = s[j] > m ? s[j] : m;
         int j = lo;
+#if defined(__AVX512F__)
+        /* The max 16 lanes at a time (one vmaxss chain per key was a sixth of the time);
+         * a NaN score is skipped either way (vmaxps returns its second operand). */
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (; j + 16 <= n; j += 16) mx = _mm512_max_ps(_mm512_loadu_ps(s + j), mx);
+        m = _mm512_reduce_max_ps(mx);
+#endif
+        for (; j < n; j++) m = s[j] > m ? s[j] : m;
+        j = lo;
 #if defined(__AVX512F__)
         /* 16 exponentials at a time (vexp.h); the sum in 16 lanes, then the tail */
         const __m512 mv = _mm512_set1_ps(m);
@@ -140,19 +257,12 @@ static void attend_one(int t, int hk, int hq, int nkv, int d, const float *q, lo
         }
         inv[gi] = 1.f / sum;
     }
-    for (int gi = 0; gi < g; gi++) {
+#if defined(__AVX512F__)
+    if (fast) pv_heads(out + (long)t * hq * d, sc, g, hk, vc, table, bs, nkv, lo, n, d);
+#endif
+    for (int gi = 0; gi < g && !fast; gi++) {
         float *o = out + ((long)t * hq + hk * g + gi) * d;
         const float *p = sc + (long)gi * n;
-#if defined(__AVX512F__)
-        if (d == 64) {
-            pv_acc(o, p, vc, table, bs, nkv, hk, lo, n, 64);
-            continue;
-        }
-        if (d == 128) {
-            pv_acc(o, p, vc, table, bs, nkv, hk, lo, n, 128);
-            continue;
-        }
-#endif
         for (int i = 0; i < d; i++) o[i] = 0.f;
         for (int j0 = lo - lo % bs; j0 < n; j0 += bs) {
             const long base = (long)table[j0 / bs] * bs;
