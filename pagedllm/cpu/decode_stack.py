@@ -41,7 +41,8 @@ _F = ctypes.c_float
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("nseg", _I), ("k", _I), ("nparts", _I * MAX_SEGS), ("n", _I * MAX_SEGS),
+    _fields_ = [("nseg", _I), ("k", _I), ("act8", _I), ("nparts", _I * MAX_SEGS),
+                ("n", _I * MAX_SEGS),
                 ("group", _I * MAX_SEGS), ("packed", (_P * MAX_PARTS) * MAX_SEGS),
                 ("sz", (_P * MAX_PARTS) * MAX_SEGS)]
 
@@ -85,13 +86,17 @@ class StackLayer:
 
 def _linear(segs: list[list[Any]], n: int, k: int) -> _Linear | None:
     """The C description of ``segs`` as an ``[n, k]`` weight, or None when it does not
-    fit (a part not in the vnni4 layout, too many segments or parts, shapes off)."""
+    fit (parts not all in one of the vnni4 / vnni4x8 layouts, too many segments or parts,
+    shapes off)."""
     if not segs or len(segs) > MAX_SEGS or sum(s[0].n for s in segs) != n:
         return None
-    lin = _Linear(nseg=len(segs), k=k)
+    layout = segs[0][0].layout
+    if layout not in ("vnni4", "vnni4x8"):
+        return None
+    lin = _Linear(nseg=len(segs), k=k, act8=layout == "vnni4x8")
     for i, parts in enumerate(segs):
         if not 0 < len(parts) <= MAX_PARTS or any(
-                p.layout != "vnni4" or p.k != k or p.n != parts[0].n
+                p.layout != layout or p.k != k or p.n != parts[0].n
                 or p.group != parts[0].group for p in parts):
             return None
         lin.nparts[i], lin.n[i], lin.group[i] = len(parts), parts[0].n, parts[0].group

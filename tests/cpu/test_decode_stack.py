@@ -7,7 +7,8 @@ run twice on one model, once with the stack and once with it switched off; every
 step's logits and the KV caches it writes must be bit-identical (the stack runs the same
 C kernels in the same order).  Also: what the stack does not take (fp32 weights, a
 prompt step) stays on the per-module path, and the C SiLU-and-multiply it shares with
-that path agrees with torch's.
+that path agrees with torch's.  Both activation widths of GGUF products
+(``PAGEDLLM_GGUF_ACT_BITS``: int8, the default, and int16) go through the stack.
 """
 
 from __future__ import annotations
@@ -59,12 +60,17 @@ def _decode(model, mc, stack: bool) -> tuple[list[torch.Tensor], list[torch.Tens
     return logits, s.caches
 
 
-def test_stack_is_bit_identical_to_the_module_path(tmp_path) -> None:
+@pytest.mark.parametrize("bits", ["8", "16"])
+def test_stack_is_bit_identical_to_the_module_path(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                   bits: str) -> None:
+    monkeypatch.setenv("PAGEDLLM_GGUF_ACT_BITS", bits)  # int8 (default) / int16 activations
     path = str(tmp_path / "mixed.gguf")
     _write(path, STACK_TYPES, Q.Q8_0)
     model, mc = _model(path)
     got, got_caches = _decode(model, mc, stack=True)
     assert isinstance(model.model.cpu_stack, decode_stack.DecodeStack)
+    layout = model.model.cpu_stack.layers[0].qkv[0][0].layout
+    assert layout == ("vnni4x8" if bits == "8" else "vnni4")
     parts = [len(s) for s in model.model.cpu_stack.layers[0].qkv]
     assert len(parts) > 1 and max(parts) > 1  # several segments, and parts, exercised
     ref, ref_caches = _decode(model, mc, stack=False)
@@ -81,6 +87,15 @@ def test_fp32_weights_keep_the_module_path(tmp_path) -> None:
     model, mc = _model(path, "none")
     _decode(model, mc, stack=True)
     assert model.model.cpu_stack is False  # planned once, refused: no packed int4
+
+
+def test_bad_activation_width_is_a_clear_error(tmp_path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    path = str(tmp_path / "q.gguf")
+    _write(path, {"attn_q": Q.Q4_1}, None)
+    monkeypatch.setenv("PAGEDLLM_GGUF_ACT_BITS", "4")
+    with pytest.raises(ValueError, match="PAGEDLLM_GGUF_ACT_BITS must be 8 or 16"):
+        _model(path)
 
 
 def test_switch_off(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,9 +23,10 @@
 #define MAX_SEGS 4
 
 /* y [T, sum of n] = x [T, k] W^T, W the concatenation (along N) of nseg segments, each
- * the sum of nparts[s] vnni4 int4 parts of shape [n[s], k] and group group[s]. */
+ * the sum of nparts[s] int4 parts of shape [n[s], k] and group group[s], all in the
+ * vnni4 layout (act8 = 0) or all in vnni4x8 (act8 = 1: int8 activations). */
 typedef struct {
-    int nseg, k;
+    int nseg, k, act8;
     int nparts[MAX_SEGS], n[MAX_SEGS], group[MAX_SEGS];
     const uint8_t *packed[MAX_SEGS][MAX_PARTS];
     const uint16_t *sz[MAX_SEGS][MAX_PARTS];
@@ -45,7 +46,7 @@ static int linear(const Linear *l, const float *x, long ldx, int t, float *y, lo
     long col = 0;
     for (int s = 0; s < l->nseg; s++) {
         int rc = int4_vnni_gemm(l->nparts[s], l->packed[s], l->sz[s], l->n[s], l->k,
-                                l->group[s], x, ldx, t, y + col, ldy, nthreads);
+                                l->group[s], x, ldx, t, y + col, ldy, nthreads, l->act8);
         if (rc) return rc;
         col += l->n[s];
     }

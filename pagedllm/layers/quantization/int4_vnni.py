@@ -47,13 +47,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.int4_vnni_supported.restype = _I
     lib.int4_vnni_supported.argtypes = []
     lib.int4_vnni_pack.restype = _I
-    lib.int4_vnni_pack.argtypes = [_P, _I, _I, _P]
+    lib.int4_vnni_pack.argtypes = [_P, _I, _I, _P, _I]
     lib.int4_vnni_gemm.restype = _I
-    lib.int4_vnni_gemm.argtypes = [_I, _P, _P, _I, _I, _I, _P, _L, _I, _P, _L, _I]
+    lib.int4_vnni_gemm.argtypes = [_I, _P, _P, _I, _I, _I, _P, _L, _I, _P, _L, _I, _I]
     lib.int8_vnni_pack.restype = _I
-    lib.int8_vnni_pack.argtypes = [_P, _I, _I, _P]
+    lib.int8_vnni_pack.argtypes = [_P, _I, _I, _P, _I]
     lib.int8_vnni_gemm.restype = _I
-    lib.int8_vnni_gemm.argtypes = [_P, _P, _I, _I, _I, _P, _L, _I, _P, _L, _I]
+    lib.int8_vnni_gemm.argtypes = [_P, _P, _I, _I, _I, _P, _L, _I, _P, _L, _I, _I]
 
 
 @functools.cache  # the CPU check too: once per process, not per GEMM
@@ -73,26 +73,30 @@ def packable(n: int, k: int, group: int) -> bool:
     return n % 32 == 0 and k % 32 == 0 and group % 32 == 0 and k % group == 0
 
 
-def pack(v: torch.Tensor) -> torch.Tensor:
+def pack(v: torch.Tensor, act8: bool = False) -> torch.Tensor:
     """Codes ``v [N, K]`` (0..15, any integer dtype) -> the vnni4 bytes ``[N * K / 2]``
-    uint8.  Needs ``available()`` and ``packable``."""
+    uint8 (vnni4x8 with ``act8``: for int8 activations).  Needs ``available()`` and
+    ``packable``."""
     lib = _lib()
     assert lib is not None
     n, k = v.shape
     codes = v.to(torch.uint8).contiguous()
     out = torch.empty(n * k // 2, dtype=torch.uint8)
-    if lib.int4_vnni_pack(codes.data_ptr(), n, k, out.data_ptr()) != 0:
+    if lib.int4_vnni_pack(codes.data_ptr(), n, k, out.data_ptr(), int(act8)) != 0:
         raise ValueError(f"int4 vnni4 layout needs N % 32 == 0 and K % 32 == 0, got "
                          f"[{n}, {k}]")
     return out
 
 
-def gather_rows(packed: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
-    """The codes ``v[ids]`` as uint8 ``[T, K]`` read back from the vnni4 bytes (an
-    embedding shares its tied LM head's storage this way)."""
-    quads = packed.view(n // 32, k // 4, 2, 16, 2)
+def gather_rows(packed: torch.Tensor, n: int, k: int, ids: torch.Tensor,
+                act8: bool = False) -> torch.Tensor:
+    """The codes ``v[ids]`` as uint8 ``[T, K]`` read back from the vnni4 bytes (vnni4x8
+    with ``act8``; an embedding shares its tied LM head's storage this way)."""
     r = ids % 32
-    b = quads[ids // 32, :, :, r % 16, :]  # [T, K/4, 2, 2]: k = 4 q + 2 h + j
+    if act8:
+        b = packed.view(n // 32, k // 4, 16, 4)[ids // 32, :, r % 16, :]  # k = 4 q + j
+    else:
+        b = packed.view(n // 32, k // 4, 2, 16, 2)[ids // 32, :, :, r % 16, :]  # 4q + 2h + j
     shift = ((r >= 16).to(torch.uint8) * 4).view(-1, 1)
     return (b.reshape(ids.shape[0], k) >> shift) & 0x0F
 
@@ -116,7 +120,7 @@ def mm(x: torch.Tensor, parts: list[Any]) -> torch.Tensor:
     sz = (ctypes.c_void_p * len(parts))(*[p.scale_zero.data_ptr() for p in parts])
     rc = lib.int4_vnni_gemm(len(parts), packed, sz, p0.n, p0.k, p0.group, xc.data_ptr(),
                             xc.stride(0), m, y.data_ptr(), y.stride(0),
-                            torch.get_num_threads())
+                            torch.get_num_threads(), int(p0.layout == "vnni4x8"))
     _check(rc, "int4", p0, len(parts))
     return y
 
@@ -130,23 +134,26 @@ def _check(rc: int, bits: str, part: Any, nparts: int) -> None:
                          f"g={part.group} parts={nparts}")
 
 
-def pack8(v: torch.Tensor) -> torch.Tensor:
-    """Codes ``v [N, K]`` (0..255) -> the vnni8 bytes ``[N * K]`` uint8.  Needs
-    ``available()``, ``N % 16 == 0`` and ``K % 32 == 0``."""
+def pack8(v: torch.Tensor, act8: bool = False) -> torch.Tensor:
+    """Codes ``v [N, K]`` (0..255) -> the vnni8 bytes ``[N * K]`` uint8 (vnni8x8 with
+    ``act8``).  Needs ``available()``, ``N % 16 == 0`` and ``K % 32 == 0``."""
     lib = _lib()
     assert lib is not None
     n, k = v.shape
     codes = v.to(torch.uint8).contiguous()
     out = torch.empty(n * k, dtype=torch.uint8)
-    if lib.int8_vnni_pack(codes.data_ptr(), n, k, out.data_ptr()) != 0:
+    if lib.int8_vnni_pack(codes.data_ptr(), n, k, out.data_ptr(), int(act8)) != 0:
         raise ValueError(f"int8 vnni8 layout needs N % 16 == 0 and K % 32 == 0, got [{n}, {k}]")
     return out
 
 
-def gather_rows8(packed: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
-    """The codes ``v[ids]`` as uint8 ``[T, K]`` read back from the vnni8 bytes."""
-    pairs = packed.view(n // 16, k // 2, 16, 2)
-    return pairs[ids // 16, :, ids % 16, :].reshape(ids.shape[0], k)
+def gather_rows8(packed: torch.Tensor, n: int, k: int, ids: torch.Tensor,
+                 act8: bool = False) -> torch.Tensor:
+    """The codes ``v[ids]`` as uint8 ``[T, K]`` read back from the vnni8 bytes (vnni8x8
+    with ``act8``)."""
+    w = 4 if act8 else 2
+    runs = packed.view(n // 16, k // w, 16, w)
+    return runs[ids // 16, :, ids % 16, :].reshape(ids.shape[0], k)
 
 
 def mm8(x: torch.Tensor, part: Any) -> torch.Tensor:
@@ -161,6 +168,7 @@ def mm8(x: torch.Tensor, part: Any) -> torch.Tensor:
         return y
     rc = lib.int8_vnni_gemm(part.packed.data_ptr(), part.scale_zero.data_ptr(), part.n,
                             part.k, part.group, xc.data_ptr(), xc.stride(0), m, y.data_ptr(),
-                            y.stride(0), torch.get_num_threads())
+                            y.stride(0), torch.get_num_threads(),
+                            int(part.layout == "vnni8x8"))
     _check(rc, "int8", part, 1)
     return y

@@ -17,7 +17,9 @@ The CPU packed layout (``[N, K/2]`` bytes, read off torch's packing): rows in ti
 ``gather_rows`` uses it so that an embedding can share its tied lm_head's storage.
 
 On a CPU with AVX512-VNNI (``int4_vnni.py``) a part is packed in that kernel's "vnni4"
-layout instead (``layout == "vnni4"``), and ``x`` goes in and comes out in float32.
+layout instead (``layout == "vnni4"``; ``"vnni4x8"`` for a weight made with ``act8``,
+whose products take int8 activations as ggml's do), and ``x`` goes in and comes out in
+float32.
 """
 
 from __future__ import annotations
@@ -28,14 +30,17 @@ from pagedllm.layers.quantization import int4_dequant, int4_vnni
 
 ACT_DTYPE = torch.bfloat16
 _TILE_N = 64
+VNNI4 = ("vnni4", "vnni4x8")  # the int4_vnni kernel's int4 layouts
 
 
 class PackedInt4:
     """One int4 part on one device: ``packed`` (the kernel's layout: ``layout`` is
-    ``"torch"`` or, on VNNI CPUs, ``"vnni4"``) and ``scale_zero`` ``[K/g, N, 2]`` bf16."""
+    ``"torch"`` or, on VNNI CPUs, ``"vnni4"``, or ``"vnni4x8"`` with ``act8``: the
+    activations quantised to int8 per 32 columns instead of int16, ``int4_vnni.py``) and
+    ``scale_zero`` ``[K/g, N, 2]`` bf16."""
 
     def __init__(self, v: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 group: int, device: torch.device) -> None:
+                 group: int, device: torch.device, act8: bool = False) -> None:
         n, k = v.shape
         if k % group or group not in (32, 64, 128, 256):
             raise ValueError(f"int4 group {group} must be 32, 64, 128 or 256 and divide "
@@ -47,8 +52,8 @@ class PackedInt4:
         self.layout = "torch"
         if self.device.type == "cpu" and int4_vnni.packable(n, k, group) \
                 and int4_vnni.available():
-            self.layout = "vnni4"
-            self.packed = int4_vnni.pack(v)
+            self.layout = "vnni4x8" if act8 else "vnni4"
+            self.packed = int4_vnni.pack(v, act8)
         elif self.device.type == "cpu":
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 v.to(torch.int32).contiguous(), 2)
@@ -59,8 +64,8 @@ class PackedInt4:
                                                                      tiles)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, K]`` bf16 -> ``[M, N]`` bf16 (float32 in and out for ``"vnni4"``)."""
-        if self.layout == "vnni4":
+        """``x [M, K]`` bf16 -> ``[M, N]`` bf16 (float32 in and out for the vnni layouts)."""
+        if self.layout in VNNI4:
             return int4_vnni.mm(x, [self])
         if self.device.type == "cpu":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
@@ -72,8 +77,9 @@ class PackedInt4:
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The codes ``v[ids]`` as uint8 ``[T, K]`` (CPU layout only; module doc)."""
-        if self.layout == "vnni4":
-            return int4_vnni.gather_rows(self.packed, self.n, self.k, ids)
+        if self.layout in VNNI4:
+            return int4_vnni.gather_rows(self.packed, self.n, self.k, ids,
+                                         self.layout == "vnni4x8")
         if self.device.type != "cpu" or self.n % _TILE_N:
             raise ValueError("gather_rows needs the CPU layout and N % 64 == 0")
         tiles = self.packed.view(self.n // _TILE_N, self.k // 2, 2, 32)
@@ -86,19 +92,19 @@ class PackedInt4:
 class PackedInt8:
     """A weight of 8-bit codes on a VNNI CPU: ``w[n, k] = (v[n, k] - 128) * scale[n, k // g]
     + zero[n, k // g]``, ``v`` in [0, 255], ``packed`` in ``int4_vnni``'s "vnni8" layout,
-    ``scale_zero`` ``[K/g, N, 2]`` bf16 as ``PackedInt4``'s.  ``mm_parts`` takes it as a
-    one-part list.  Needs ``int4_vnni.available()``, ``N % 16 == 0``, ``K % 32 == 0``."""
-
-    layout = "vnni8"
+    ``scale_zero`` ``[K/g, N, 2]`` bf16 as ``PackedInt4``'s (``"vnni8x8"`` with ``act8``,
+    int8 activations).  ``mm_parts`` takes it as a one-part list.  Needs
+    ``int4_vnni.available()``, ``N % 16 == 0``, ``K % 32 == 0``."""
 
     def __init__(self, v: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 group: int) -> None:
+                 group: int, act8: bool = False) -> None:
         n, k = v.shape
         self.n, self.k, self.group = n, k, group
         self.device = torch.device("cpu")
         self.scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(
             ACT_DTYPE)
-        self.packed = int4_vnni.pack8(v)
+        self.layout = "vnni8x8" if act8 else "vnni8"
+        self.packed = int4_vnni.pack8(v, act8)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, K]`` -> ``[M, N]`` float32."""
@@ -109,17 +115,18 @@ class PackedInt8:
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The codes ``v[ids]`` as uint8 ``[T, K]``."""
-        return int4_vnni.gather_rows8(self.packed, self.n, self.k, ids)
+        return int4_vnni.gather_rows8(self.packed, self.n, self.k, ids,
+                                      self.layout == "vnni8x8")
 
 
 def mm_parts(x: torch.Tensor, parts: list[PackedInt4]) -> torch.Tensor:
     """``sum_p x W_p^T`` in ``x``'s dtype (``x`` goes in as bf16; parts are summed in
     fp32).  On the CPU, ``M >= int4_dequant.DEQUANT_MIN_ROWS`` rows go through a bf16
-    scratch and one GEMM (``int4_dequant.py``) instead of the int4 kernel; parts in the
-    ``"vnni4"`` layout take ``int4_vnni.mm`` for every M."""
-    if parts[0].layout == "vnni4":
+    scratch and one GEMM (``int4_dequant.py``) instead of the int4 kernel; parts in a
+    vnni layout take ``int4_vnni`` for every M."""
+    if parts[0].layout in VNNI4:
         return int4_vnni.mm(x, parts).to(x.dtype)
-    if parts[0].layout == "vnni8":
+    if parts[0].layout in ("vnni8", "vnni8x8"):
         return parts[0].mm(x).to(x.dtype)
     xb = x.to(ACT_DTYPE)
     if (xb.shape[0] >= int4_dequant.DEQUANT_MIN_ROWS and int4_dequant.supports(parts)
