@@ -10,14 +10,21 @@ file), quantises each row of ``x`` to int16 per 32 columns and multiplies with
 scale and zero per group.
 
 Numerics: the activations' int16 rounding (at most 2^-16 of each 32-column block's
-largest value) replaces the int4 kernel's bf16 rounding (2^-9 relative; int8, as
-llama.cpp quantises activations, measured 2x the perplexity change of bf16 on the default
-model); the weights are exactly the format's (scale and zero as stored, in bf16).  A row's
-result depends on that row alone: the same for any number of rows, any thread count.
+largest value) replaces the int4 kernel's bf16 rounding (2^-9 relative); the weights are
+exactly the format's (scale and zero as stored, in bf16).  A row's result depends on that
+row alone: the same for any number of rows, any thread count.
+
+Weights packed with ``act8`` (GGUF's, by default: ``gguf.act8``) take int8 activations
+instead, as ggml computes its own block types: ``vpdpbusd`` multiplies 64 codes by int8
+x per instruction without widening, about 1.5x the int16 path on the default model's
+projections.  On that model (``bench perplexity``, 4,096 tokens) the GGUF path against
+the float32 dequantised one moves perplexity by +0.36% with int8 activations and by
+-0.03% with int16 (``docs/benchmarks.md``).
 
 A table of 8-bit codes (a GGUF Q8_0 embedding and LM head: ``int4pack.PackedInt8``)
-takes ``mm8``, the same scheme with one byte per weight ("vnni8" layout): as two int4
-parts it would cost twice the instructions for the same bytes.
+takes ``mm8``, the same scheme with one byte per weight ("vnni8" layout, "vnni8x8" with
+int8 activations): as two int4 parts it would cost twice the instructions for the same
+bytes.
 
 Used for every ``PackedInt4`` on a CPU whose kernel builds and reports VNNI (the
 layout is chosen when the weight is packed); ``PAGEDLLM_INT4_VNNI=0`` keeps torch's
