@@ -4,9 +4,9 @@ per-token quantiser in compressed-tensors' arithmetic, against their references.
 
 Interpreter cases (``TRITON_INTERPRET=1`` without a GPU): bits 4 and 8, symmetric and
 with zero points, group 128 / 256 / channel-wise, the GEMV (M 1 and 3) and the tensor-core
-tile (M 17), split-K with a ragged last chunk.  Bounds: fp32 accumulation against the
-fp32 reference (the interpreter runs the dot in fp32 too); the dequantise kernel and the
-layouts are exact."""
+tile (M 17), split-K with a ragged last chunk, the GEMV's register prefetch.  Bounds:
+fp32 accumulation against the fp32 reference (the interpreter runs the dot in fp32 too);
+the dequantise kernel and the layouts are exact."""
 
 from __future__ import annotations
 
@@ -70,6 +70,23 @@ def test_stripe_gemm_split_k_with_a_ragged_chunk(config: tuple[int, ...]) -> Non
                       zp.to(DEVICE), 4, 128, config=config).cpu()
     ref = wna16_ref(x, qw, sc, zp, None, 4, 128)
     assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+@pytest.mark.parametrize("m,zeros,split", [(1, False, 1), (3, True, 1), (1, True, 2)])
+def test_gemv_register_prefetch_is_bit_identical(m: int, zeros: bool, split: int) -> None:
+    """The GEMV's ``ahead`` flag (a tuned-table option) only moves loads: the same sums in
+    the same order as without it, split-K chunks included."""
+    n, k = 24, 1024
+    qw, sc, zp = _weight(n, k, 4, 128, zeros, 9)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    args = (to_stripes(qw, 4).to(DEVICE), sc.to(DEVICE),
+            None if zp is None else zp.to(DEVICE), 4, 128)
+    bm = 1 if m == 1 else 4
+    plain = stripe_gemm(x, *args, config=(bm, 8, 2, 4, 1, split))
+    ahead = stripe_gemm(x, *args, config=(bm, 8, 2, 4, 1, split, 1))
+    assert torch.equal(plain, ahead)
+    ref = wna16_ref(x.cpu(), qw, sc, zp, None, 4, 128)
+    assert float((ahead.cpu() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
 
 
 @pytest.mark.parametrize("bits,zeros", [(4, True), (8, False)])
