@@ -19,7 +19,7 @@ from pagedllm.layers.quantization.fp8 import (
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(3, 64), (5, 6000)])
+@pytest.mark.parametrize("shape", [(3, 64), (5, 6000), (2, 14336)])
 def test_per_token_quant_matches_reference(shape: tuple[int, int],
                                            dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(sum(shape))
