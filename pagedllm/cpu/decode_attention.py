@@ -38,17 +38,23 @@ def _lib() -> ctypes.CDLL | None:
     return build.load(_SRC, "CPU decode attention", _declare)
 
 
-def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """Whether ``run`` takes this call: a step in which every request decodes one token,
-    float32 activations and cache (not fp8) on the CPU, unit inner strides, and the
-    library built.  Shapes and types only, never data; the metadata's documented dtypes
-    (int32 tables and lengths, float32 rotary tables) are taken as given."""
-    return (meta.max_query_len == 1 and meta.num_actual_tokens == meta.num_reqs
-            and query.dtype is torch.float32 and kv_cache.dtype is torch.float32
+def takes_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kv_cache: torch.Tensor) -> bool:
+    """Whether ``run`` can take rows of these tensors: float32 activations and cache (not
+    fp8) on the CPU, unit inner strides, and the library built."""
+    return (query.dtype is torch.float32 and kv_cache.dtype is torch.float32
             and key.dtype is torch.float32 and value.dtype is torch.float32
             and not query.is_cuda and query.stride(-1) == 1 and key.stride(-1) == 1
             and value.stride(-1) == 1 and kv_cache.is_contiguous() and _lib() is not None)
+
+
+def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Whether ``run`` takes this call: a step in which every request decodes one token,
+    and ``takes_rows``.  Shapes and types only, never data; the metadata's documented
+    dtypes (int32 tables and lengths, float32 rotary tables) are taken as given."""
+    return (meta.max_query_len == 1 and meta.num_actual_tokens == meta.num_reqs
+            and takes_rows(query, key, value, kv_cache))
 
 
 def step_indices(rope: RopeInputs, meta: AttentionMetadata

@@ -88,3 +88,43 @@ def test_unwritten_slot_and_other_steps_fall_back() -> None:
     assert not decode_attention.applies(q.bfloat16(), k.bfloat16(), v.bfloat16(),
                                         cache.bfloat16(), meta)
     assert not decode_attention.applies(q, k, v, cache.to(torch.float8_e4m3fn), meta)
+
+
+def test_one_token_rows_of_a_mixed_step_equal_a_decode_step() -> None:
+    """In a step mixing prompt chunks with one-token requests, the one-token rows are
+    the C kernel's, bit for bit what the same requests get in a decode-only step (so a
+    token's result does not depend on its step's other requests); the prompt rows are
+    the torch reference's, and the cache is the reference's."""
+    g = torch.Generator().manual_seed(11)
+    hq, hk, d = 6, 2, 64
+    ctx, qlens = [37, 0, 16, 20], [1, 5, 1, 3]
+    need = [(c + n) // BS + 1 for c, n in zip(ctx, qlens)]
+    perm = (torch.randperm(sum(need) + 2, generator=g) + 1).tolist()
+    tables = [[perm.pop() for _ in range(n)] for n in need]
+    cache = torch.randn(2, sum(need) + 3, BS, hk, d, generator=g)
+    t = sum(qlens)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g)
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d:].view(t, hk, d)
+    cos_sin = torch.randn(256, d, generator=g)
+    mixed = build_metadata(ctx, qlens, tables, BS)
+    rope = RopeInputs(positions_for(ctx, qlens), cos_sin, torch.float32)
+    ref_cache = cache.clone()
+    ref = TorchReferenceBackend().forward_rope(q.clone(), k.clone(), v.clone(), ref_cache,
+                                               mixed, d ** -0.5, rope)
+    got_cache = cache.clone()
+    got = CpuBackend().forward_rope(q.clone(), k.clone(), v.clone(), got_cache, mixed,
+                                    d ** -0.5, rope)
+    assert torch.equal(got_cache, ref_cache)
+    rows = [0, 6]  # the one-token requests' rows (requests 0 and 2)
+    prompt_rows = [1, 2, 3, 4, 5, 7, 8, 9]
+    assert torch.equal(got[prompt_rows], ref[prompt_rows])
+    torch.testing.assert_close(got[rows], ref[rows], rtol=1e-5, atol=1e-5)
+    # The same two requests alone, in a decode-only step (the C path).
+    alone = build_metadata([ctx[0], ctx[2]], [1, 1], [tables[0], tables[2]], BS)
+    alone_rope = RopeInputs(positions_for([ctx[0], ctx[2]], [1, 1]), cos_sin, torch.float32)
+    assert decode_attention.applies(q[rows], k[rows], v[rows], cache, alone)
+    want = CpuBackend().forward_rope(q[rows].clone(), k[rows].clone(), v[rows].clone(),
+                                     cache.clone(), alone, d ** -0.5, alone_rope)
+    assert torch.equal(got[rows], want)
