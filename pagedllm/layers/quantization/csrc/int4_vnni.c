@@ -174,14 +174,21 @@ static inline __attribute__((always_inline)) __m512 group_finish(__m512 acc, __m
     return _mm512_add_ps(acc, _mm512_fmadd_ps(t, s, _mm512_mul_ps(z, _mm512_set1_ps(gsum))));
 }
 
-/* One 32-row unit of one part, rows [m0, m0 + mb) of x: y[m][32u + i] += ... */
+/* One 32-row unit of one part, rows [m0, m0 + mb) of x: y[m][32u + i] += ...  a8 (a
+ * constant at each call, so each width compiles to its own loop): the vnni4x8 layout and
+ * int8 x -- per quad one 64-byte load, a mask and a shift give 16 rows x 4 k for each
+ * half of the unit, each multiplied with four int8 values of x broadcast to every row
+ * (vpdpbusd: codes unsigned, x signed); else vnni4 and int16 x (vpdpwssd on widened
+ * pairs). */
 static inline __attribute__((always_inline)) void unit_rows(
     const uint8_t *w, const uint16_t *sz, int n, int k, int g, int u, const XRows *xr,
-    int m0, int mb, float acc[MB][32]) {
+    int m0, int mb, float acc[MB][32], const int a8) {
     const int16_t *xq = (const int16_t *)xr->q;
+    const int8_t *xq1 = (const int8_t *)xr->q;
     const float *xd = xr->d, *xs = xr->s;
     const int32_t *xq8 = xr->q8;
     const __m256i mask = _mm256_set1_epi8(15);
+    const __m512i mask64 = _mm512_set1_epi8(15);
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int grp = 0; grp < k / g; grp++) {
         /* 32 (s, z) bf16 pairs -> float32 s and z - 8 s (a bf16 is a float's top half). */
@@ -205,93 +212,41 @@ static inline __attribute__((always_inline)) void unit_rows(
             __m512i ia[MB][4][2];
             for (int m = 0; m < mb; m++)
                 for (int c = 0; c < ch; c++) ia[m][c][0] = ia[m][c][1] = _mm512_setzero_si512();
-            for (int q2 = 8 * b; q2 < 8 * b + 8; q2 += 2)
-            for (int qq = 0; qq < 2; qq++) { /* constant chain indices once unrolled */
-                const int q = q2 + qq;
-                const uint8_t *cq = w + ((size_t)u * (k / 4) + q) * 64;
-                for (int h = 0; h < 2; h++) { /* k = 4q + 2h, 4q + 2h + 1 */
-                    const int c = (2 * qq + h) % ch;
-                    __m256i bv = _mm256_loadu_si256((const __m256i *)(cq + 32 * h));
-                    __m512i lo = _mm512_cvtepu8_epi16(_mm256_and_si256(bv, mask));
-                    __m512i hi = _mm512_cvtepu8_epi16(
-                        _mm256_and_si256(_mm256_srli_epi16(bv, 4), mask));
+            if (a8) {
+#pragma GCC unroll 8
+                for (int qq = 0; qq < 8; qq++) { /* k = 4q .. 4q + 3 */
+                    const int q = 8 * b + qq, c = qq % ch;
+                    const __m512i wv = _mm512_loadu_si512(
+                        (const void *)(w + ((size_t)u * (k / 4) + q) * 64));
+                    const __m512i lo = _mm512_and_si512(wv, mask64);
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), mask64);
                     for (int m = 0; m < mb; m++) {
                         int32_t xv;
-                        memcpy(&xv, xq + (size_t)(m0 + m) * k + 4 * q + 2 * h, 4);
-                        __m512i xb = _mm512_set1_epi32(xv);
-                        ia[m][c][0] = _mm512_dpwssd_epi32(ia[m][c][0], lo, xb);
-                        ia[m][c][1] = _mm512_dpwssd_epi32(ia[m][c][1], hi, xb);
+                        memcpy(&xv, xq1 + (size_t)(m0 + m) * k + 4 * q, 4);
+                        const __m512i xb = _mm512_set1_epi32(xv);
+                        ia[m][c][0] = _mm512_dpbusd_epi32(ia[m][c][0], lo, xb);
+                        ia[m][c][1] = _mm512_dpbusd_epi32(ia[m][c][1], hi, xb);
                     }
                 }
-            }
-            for (int m = 0; m < mb; m++)
-                for (int c = 1; c < ch; c++) {
-                    ia[m][0][0] = _mm512_add_epi32(ia[m][0][0], ia[m][c][0]);
-                    ia[m][0][1] = _mm512_add_epi32(ia[m][0][1], ia[m][c][1]);
-                }
-            for (int m = 0; m < mb; m++) {
-                const size_t r = (size_t)(m0 + m) * (k / 32) + b;
-                const __m512 dv = _mm512_set1_ps(xd[r]);
-                const __m512i off = _mm512_set1_epi32(xq8[r]);
-                t[m][0] = block_step(ia[m][0][0], off, dv, t[m][0]);
-                t[m][1] = block_step(ia[m][0][1], off, dv, t[m][1]);
-                gsum[m] += xs[r];
-            }
-        }
-        for (int m = 0; m < mb; m++) {
-            _mm512_storeu_ps(acc[m], group_finish(_mm512_loadu_ps(acc[m]), t[m][0], s0, b0,
-                                                  gsum[m]));
-            _mm512_storeu_ps(acc[m] + 16, group_finish(_mm512_loadu_ps(acc[m] + 16), t[m][1],
-                                                       s1, b1, gsum[m]));
-        }
-    }
-}
-#endif
-
-#if HAVE_VNNI
-/* unit_rows for the vnni4x8 layout and int8 x (act8): per quad one 64-byte load, a mask
- * and a shift give 16 rows x 4 k for each half of the unit, each multiplied with four
- * int8 values of x broadcast to every row (vpdpbusd: codes unsigned, x signed). */
-static inline __attribute__((always_inline)) void unit_rows_a8(
-    const uint8_t *w, const uint16_t *sz, int n, int k, int g, int u, const XRows *xr,
-    int m0, int mb, float acc[MB][32]) {
-    const int8_t *xq = (const int8_t *)xr->q;
-    const float *xd = xr->d, *xs = xr->s;
-    const int32_t *xq8 = xr->q8;
-    const __m512i mask = _mm512_set1_epi8(15);
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
-    for (int grp = 0; grp < k / g; grp++) {
-        const uint16_t *p = sz + ((size_t)grp * n + (size_t)u * 32) * 2;
-        const __m512i p0 = _mm512_loadu_si512((const void *)p);
-        const __m512i p1 = _mm512_loadu_si512((const void *)(p + 32));
-        const __m512 s0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));
-        const __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
-        const __m512 b0 = _mm512_castsi512_ps(_mm512_and_si512(p0, high));
-        const __m512 b1 = _mm512_castsi512_ps(_mm512_and_si512(p1, high));
-        __m512 t[MB][2];
-        float gsum[MB];
-        for (int m = 0; m < mb; m++) {
-            t[m][0] = t[m][1] = _mm512_setzero_ps();
-            gsum[m] = 0.f;
-        }
-        for (int b = grp * g / 32; b < (grp + 1) * g / 32; b++) {
-            const int ch = mb == 1 ? 4 : mb == 2 ? 2 : 1; /* as in unit_rows */
-            __m512i ia[MB][4][2];
-            for (int m = 0; m < mb; m++)
-                for (int c = 0; c < ch; c++) ia[m][c][0] = ia[m][c][1] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-            for (int qq = 0; qq < 8; qq++) { /* k = 4q .. 4q + 3 */
-                const int q = 8 * b + qq, c = qq % ch;
-                const __m512i wv = _mm512_loadu_si512(
-                    (const void *)(w + ((size_t)u * (k / 4) + q) * 64));
-                const __m512i lo = _mm512_and_si512(wv, mask);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), mask);
-                for (int m = 0; m < mb; m++) {
-                    int32_t xv;
-                    memcpy(&xv, xq + (size_t)(m0 + m) * k + 4 * q, 4);
-                    const __m512i xb = _mm512_set1_epi32(xv);
-                    ia[m][c][0] = _mm512_dpbusd_epi32(ia[m][c][0], lo, xb);
-                    ia[m][c][1] = _mm512_dpbusd_epi32(ia[m][c][1], hi, xb);
+            } else {
+                for (int q2 = 8 * b; q2 < 8 * b + 8; q2 += 2)
+                for (int qq = 0; qq < 2; qq++) { /* constant chain indices once unrolled */
+                    const int q = q2 + qq;
+                    const uint8_t *cq = w + ((size_t)u * (k / 4) + q) * 64;
+                    for (int h = 0; h < 2; h++) { /* k = 4q + 2h, 4q + 2h + 1 */
+                        const int c = (2 * qq + h) % ch;
+                        __m256i bv = _mm256_loadu_si256((const __m256i *)(cq + 32 * h));
+                        __m512i lo = _mm512_cvtepu8_epi16(_mm256_and_si256(bv, mask));
+                        __m512i hi = _mm512_cvtepu8_epi16(
+                            _mm256_and_si256(_mm256_srli_epi16(bv, 4), mask));
+                        for (int m = 0; m < mb; m++) {
+                            int32_t xv;
+                            memcpy(&xv, xq + (size_t)(m0 + m) * k + 4 * q + 2 * h, 4);
+                            __m512i xb = _mm512_set1_epi32(xv);
+                            ia[m][c][0] = _mm512_dpwssd_epi32(ia[m][c][0], lo, xb);
+                            ia[m][c][1] = _mm512_dpwssd_epi32(ia[m][c][1], hi, xb);
+                        }
+                    }
                 }
             }
             for (int m = 0; m < mb; m++)
@@ -322,30 +277,25 @@ static inline __attribute__((always_inline)) void unit_rows_a8(
  * (out: N * K bytes either way). */
 int int8_vnni_pack(const uint8_t *v, int n, int k, uint8_t *out, int act8) {
     if (n % 16 || k % 32) return -1;
-    if (act8) {
-        for (int u = 0; u < n / 16; u++)
-            for (int q = 0; q < k / 4; q++)
-                for (int i = 0; i < 16; i++)
-                    for (int j = 0; j < 4; j++)
-                        out[((size_t)u * (k / 4) + q) * 64 + 4 * i + j] =
-                            v[(size_t)(16 * u + i) * k + 4 * q + j];
-        return 0;
-    }
+    const int r = act8 ? 4 : 2; /* consecutive k per row in a run */
     for (int u = 0; u < n / 16; u++)
-        for (int p = 0; p < k / 2; p++)
+        for (int p = 0; p < k / r; p++)
             for (int i = 0; i < 16; i++)
-                for (int j = 0; j < 2; j++)
-                    out[((size_t)u * (k / 2) + p) * 32 + 2 * i + j] =
-                        v[(size_t)(16 * u + i) * k + 2 * p + j];
+                for (int j = 0; j < r; j++)
+                    out[((size_t)u * (k / r) + p) * 16 * r + r * i + j] =
+                        v[(size_t)(16 * u + i) * k + r * p + j];
     return 0;
 }
 
 #if HAVE_VNNI
-/* One 16-row unit of a vnni8 weight, rows [m0, m0 + mb) of x: y[m][16u + i] += ... */
+/* One 16-row unit of an 8-bit weight, rows [m0, m0 + mb) of x: y[m][16u + i] += ...
+ * a8 (a constant at each call): the vnni8x8 layout and int8 x, 64 bytes = 16 rows x 4 k
+ * per vpdpbusd; else vnni8 and int16 x, 32 bytes widened = 16 rows x 2 k per vpdpwssd. */
 static inline __attribute__((always_inline)) void unit8_rows(
     const uint8_t *w, const uint16_t *sz, int n, int k, int g, int u, const XRows *xr,
-    int m0, int mb, float acc[MB][16]) {
+    int m0, int mb, float acc[MB][16], const int a8) {
     const int16_t *xq = (const int16_t *)xr->q;
+    const int8_t *xq1 = (const int8_t *)xr->q;
     const float *xd = xr->d, *xs = xr->s;
     const int32_t *xq8 = xr->q8;
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
@@ -365,14 +315,28 @@ static inline __attribute__((always_inline)) void unit8_rows(
             __m512i ia[MB][4];
             for (int m = 0; m < mb; m++)
                 for (int c = 0; c < ch; c++) ia[m][c] = _mm512_setzero_si512();
-            for (int p = 16 * b; p < 16 * b + 16; p++) { /* k = 2p, 2p + 1 */
-                const int c = p % ch;
-                const __m512i wv = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
-                    (const __m256i *)(w + ((size_t)u * (k / 2) + p) * 32)));
-                for (int m = 0; m < mb; m++) {
-                    int32_t xv;
-                    memcpy(&xv, xq + (size_t)(m0 + m) * k + 2 * p, 4);
-                    ia[m][c] = _mm512_dpwssd_epi32(ia[m][c], wv, _mm512_set1_epi32(xv));
+            if (a8) {
+#pragma GCC unroll 8
+                for (int qq = 0; qq < 8; qq++) { /* k = 4q .. 4q + 3 */
+                    const int q = 8 * b + qq, c = qq % ch;
+                    const __m512i wv = _mm512_loadu_si512(
+                        (const void *)(w + ((size_t)u * (k / 4) + q) * 64));
+                    for (int m = 0; m < mb; m++) {
+                        int32_t xv;
+                        memcpy(&xv, xq1 + (size_t)(m0 + m) * k + 4 * q, 4);
+                        ia[m][c] = _mm512_dpbusd_epi32(ia[m][c], wv, _mm512_set1_epi32(xv));
+                    }
+                }
+            } else {
+                for (int p = 16 * b; p < 16 * b + 16; p++) { /* k = 2p, 2p + 1 */
+                    const int c = p % ch;
+                    const __m512i wv = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                        (const __m256i *)(w + ((size_t)u * (k / 2) + p) * 32)));
+                    for (int m = 0; m < mb; m++) {
+                        int32_t xv;
+                        memcpy(&xv, xq + (size_t)(m0 + m) * k + 2 * p, 4);
+                        ia[m][c] = _mm512_dpwssd_epi32(ia[m][c], wv, _mm512_set1_epi32(xv));
+                    }
                 }
             }
             for (int m = 0; m < mb; m++) {
@@ -391,56 +355,6 @@ static inline __attribute__((always_inline)) void unit8_rows(
 }
 #endif
 
-#if HAVE_VNNI
-/* unit8_rows for the vnni8x8 layout and int8 x (act8): 64 bytes are 16 rows x 4 k. */
-static inline __attribute__((always_inline)) void unit8_rows_a8(
-    const uint8_t *w, const uint16_t *sz, int n, int k, int g, int u, const XRows *xr,
-    int m0, int mb, float acc[MB][16]) {
-    const int8_t *xq = (const int8_t *)xr->q;
-    const float *xd = xr->d, *xs = xr->s;
-    const int32_t *xq8 = xr->q8;
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
-    for (int grp = 0; grp < k / g; grp++) {
-        const __m512i p0 = _mm512_loadu_si512((const void *)(sz + ((size_t)grp * n +
-                                                                    (size_t)u * 16) * 2));
-        const __m512 s0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));
-        const __m512 b0 = _mm512_castsi512_ps(_mm512_and_si512(p0, high));
-        __m512 t[MB];
-        float gsum[MB];
-        for (int m = 0; m < mb; m++) {
-            t[m] = _mm512_setzero_ps();
-            gsum[m] = 0.f;
-        }
-        for (int b = grp * g / 32; b < (grp + 1) * g / 32; b++) {
-            const int ch = mb == 1 ? 4 : mb == 2 ? 2 : 1; /* as in unit_rows */
-            __m512i ia[MB][4];
-            for (int m = 0; m < mb; m++)
-                for (int c = 0; c < ch; c++) ia[m][c] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-            for (int qq = 0; qq < 8; qq++) {
-                const int q = 8 * b + qq, c = qq % ch;
-                const __m512i wv = _mm512_loadu_si512(
-                    (const void *)(w + ((size_t)u * (k / 4) + q) * 64));
-                for (int m = 0; m < mb; m++) {
-                    int32_t xv;
-                    memcpy(&xv, xq + (size_t)(m0 + m) * k + 4 * q, 4);
-                    ia[m][c] = _mm512_dpbusd_epi32(ia[m][c], wv, _mm512_set1_epi32(xv));
-                }
-            }
-            for (int m = 0; m < mb; m++) {
-                for (int c = 1; c < ch; c++) ia[m][0] = _mm512_add_epi32(ia[m][0], ia[m][c]);
-                const size_t r = (size_t)(m0 + m) * (k / 32) + b;
-                t[m] = block_step(ia[m][0], _mm512_set1_epi32(16 * xq8[r]),
-                                  _mm512_set1_ps(xd[r]), t[m]);
-                gsum[m] += xs[r];
-            }
-        }
-        for (int m = 0; m < mb; m++)
-            _mm512_storeu_ps(acc[m], group_finish(_mm512_loadu_ps(acc[m]), t[m], s0, b0,
-                                                  gsum[m]));
-    }
-}
-#endif
 
 /* int8_vnni_gemm: y = x W^T for one vnni8 weight (N % 16 == 0); returns as below. */
 int int8_vnni_gemm(const uint8_t *packed, const uint16_t *sz, int n, int k, int g,
@@ -462,14 +376,14 @@ int int8_vnni_gemm(const uint8_t *packed, const uint16_t *sz, int n, int k, int 
             const int mb = m - m0 < MB ? m - m0 : MB;
             memset(acc, 0, sizeof(acc));
             switch (act8 ? mb + 4 : mb) {
-            case 1: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 1, acc); break;
-            case 2: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 2, acc); break;
-            case 3: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 3, acc); break;
-            case 4: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 4, acc); break;
-            case 5: unit8_rows_a8(packed, sz, n, k, g, u, &xr, m0, 1, acc); break;
-            case 6: unit8_rows_a8(packed, sz, n, k, g, u, &xr, m0, 2, acc); break;
-            case 7: unit8_rows_a8(packed, sz, n, k, g, u, &xr, m0, 3, acc); break;
-            default: unit8_rows_a8(packed, sz, n, k, g, u, &xr, m0, 4, acc); break;
+            case 1: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 1, acc, 0); break;
+            case 2: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 2, acc, 0); break;
+            case 3: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 3, acc, 0); break;
+            case 4: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 4, acc, 0); break;
+            case 5: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 1, acc, 1); break;
+            case 6: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 2, acc, 1); break;
+            case 7: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 3, acc, 1); break;
+            default: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 4, acc, 1); break;
             }
             for (int r = 0; r < mb; r++)
                 memcpy(y + (size_t)(m0 + r) * ldy + (size_t)u * 16, acc[r], sizeof(float) * 16);
@@ -512,14 +426,14 @@ int int4_vnni_gemm(int nparts, const uint8_t *const *packed, const uint16_t *con
             for (int p = 0; p < nparts; p++) {
                 const uint8_t *w = packed[p];
                 switch (act8 ? mb + 4 : mb) { /* constant row counts: loops over m unroll */
-                case 1: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 1, acc); break;
-                case 2: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 2, acc); break;
-                case 3: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 3, acc); break;
-                case 4: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 4, acc); break;
-                case 5: unit_rows_a8(w, sz[p], n, k, g, u, &xr, m0, 1, acc); break;
-                case 6: unit_rows_a8(w, sz[p], n, k, g, u, &xr, m0, 2, acc); break;
-                case 7: unit_rows_a8(w, sz[p], n, k, g, u, &xr, m0, 3, acc); break;
-                default: unit_rows_a8(w, sz[p], n, k, g, u, &xr, m0, 4, acc); break;
+                case 1: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 1, acc, 0); break;
+                case 2: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 2, acc, 0); break;
+                case 3: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 3, acc, 0); break;
+                case 4: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 4, acc, 0); break;
+                case 5: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 1, acc, 1); break;
+                case 6: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 2, acc, 1); break;
+                case 7: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 3, acc, 1); break;
+                default: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 4, acc, 1); break;
                 }
             }
             for (int r = 0; r < mb; r++)
