@@ -446,8 +446,7 @@ def stripe_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     cfg = config or stripe_config(m, n, k, x.device)
     bm, bn, stripes, warps, stages, split = cfg[:6]
     k_chunk, split = split_k_chunk(k, stripes * STRIPE, split)
-    ahead = len(cfg) > 6 and bool(cfg[6]) and k % k_chunk == 0 \
-        and k_chunk % (stripes * STRIPE) == 0
+    ahead = len(cfg) > 6 and bool(cfg[6]) and k % k_chunk == 0  # the kernel's EVEN
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32,
                                                 device=x.device)
     pdl = pdl_launch_args(x.device)
