@@ -16,6 +16,19 @@ from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
 
 
 @triton.jit
+def silu_mul_tile(gate, up):
+    """``silu(gate) * up`` for loaded tiles in the model dtype, rounded as ``F.silu(gate)
+    * up`` rounds (silu in fp32 -> dtype, then the product -> dtype), returned in that
+    dtype.  Every kernel that computes the activation (this one, the batch-1 GEMV that
+    fuses it) does it here, so fused and unfused paths agree bit for bit."""
+    g = gate.to(tl.float32)
+    # silu(g) = g * sigmoid(g), written with an explicit division (as torch does) rather
+    # than an approximate reciprocal.
+    act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr,
                          USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
@@ -24,11 +37,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.co
     mask = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    # silu(g) = g * sigmoid(g), written with an explicit division (as torch does) rather
-    # than an approximate reciprocal.
-    act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype)
-    out = act.to(tl.float32) * up.to(tl.float32)
+    out = silu_mul_tile(gate, up)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

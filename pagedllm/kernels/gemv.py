@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.activation import silu_mul_tile
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
 
 
@@ -59,8 +60,7 @@ class GemvLoRA:
 @triton.jit
 def _load_x(x_ptr, ks, k_ok, K: tl.constexpr, SILU_MUL: tl.constexpr, MASKED: tl.constexpr):
     """The input chunk ``ks`` in fp32.  With ``SILU_MUL``, ``x = silu(gate) * up`` from
-    ``[gate | up]`` (K each), rounded exactly as ``kernels/activation.py`` rounds it: silu
-    in fp32 -> dtype, then the product -> dtype."""
+    ``[gate | up]`` (K each), rounded as ``kernels/activation.silu_mul_tile`` rounds it."""
     if SILU_MUL:
         if MASKED:
             g = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
@@ -68,9 +68,7 @@ def _load_x(x_ptr, ks, k_ok, K: tl.constexpr, SILU_MUL: tl.constexpr, MASKED: tl
         else:
             g = tl.load(x_ptr + ks)
             u = tl.load(x_ptr + K + ks)
-        gf = g.to(tl.float32)
-        act = tl.div_rn(gf, 1.0 + tl.exp(-gf)).to(g.dtype)
-        return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+        return silu_mul_tile(g, u).to(tl.float32)
     if MASKED:
         return tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
     return tl.load(x_ptr + ks).to(tl.float32)

@@ -15,13 +15,17 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.fp8_quant import round_e4m3
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
+from pagedllm.layers.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX
 
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
-    n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    n_cols, eps, q_ptr, s_ptr, stride_q, min_scale, HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr, QUANT: tl.constexpr = False,
+    FP8_MAX_C: tl.constexpr = FP8_MAX,
 ):
     pdl_trigger(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -40,8 +44,15 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / n_cols
     y = (xf * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
-    out = y.to(tl.float32) * w.to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = (y.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+    if QUANT:  # the stored row's per-token e4m3 quantisation (kernels/fp8_quant.py's)
+        of = out.to(tl.float32)
+        scale = tl.maximum(tl.div_rn(tl.max(tl.where(mask, tl.abs(of), 0.0), 0), FP8_MAX_C),
+                           min_scale)
+        tl.store(s_ptr + row, scale)
+        q = round_e4m3(tl.div_rn(of, scale))
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -51,7 +62,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            eps: float, out: torch.Tensor, res_out: torch.Tensor | None) -> None:
+            eps: float, out: torch.Tensor, res_out: torch.Tensor | None,
+            quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     x2 = _rows(x)
     n_rows, n_cols = x2.shape
     assert weight.shape == (n_cols,), (weight.shape, n_cols)
@@ -61,10 +73,12 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     r2 = _rows(residual) if residual is not None else x2
     ro2 = _rows(res_out) if res_out is not None else o2
     block = triton.next_power_of_2(n_cols)
+    q, s = quant if quant is not None else (o2, o2)
     _rms_norm_kernel[(n_rows,)](
         x2, r2, weight, o2, ro2, x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
-        n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=min(16, max(1, block // 256)), **pdl_launch_args(x.device),
+        n_cols, eps, q, s, q.stride(0), _MIN_SCALE, HAS_RESIDUAL=residual is not None,
+        BLOCK=block, num_warps=min(16, max(1, block // 256)), QUANT=quant is not None,
+        **pdl_launch_args(x.device),
     )
 
 
@@ -98,3 +112,21 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         out, res_out = torch.empty_like(x), torch.empty_like(residual)
     _launch(x, residual, weight, eps, out, res_out)
     return out, res_out
+
+
+def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                      torch.Tensor]:
+    """:func:`rms_norm` (``residual`` None) or :func:`fused_add_rms_norm` that also
+    quantises each normalised row to e4m3 per token, in the same launch:
+    ``(out, new residual or None, q [T, H] e4m3, scale [T, 1] fp32)``.  ``out`` is
+    bit-identical to the plain kernels' and ``(q, scale)`` to
+    ``kernels/fp8_quant.quantize_fp8_per_token(out)``: the row is in registers, so the
+    quantiser's launch and its read of the row are saved (an FP8 projection reads it
+    next: ``layers/quantization/fp8.py``).  ``x``: ``[T, H]`` with contiguous rows."""
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(residual) if residual is not None else None
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    _launch(x, residual, weight, eps, out, res_out, (q, scale))
+    return out, res_out, q, scale

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,6 +27,9 @@ class RMSNorm(nn.Module):
         # Multi-LoRA: the ``LoRALinear`` of the projection reading this norm's output
         # (set by the LoRA manager); at batch 1 its shrink runs in the norm's launch.
         self.lora_next: Any = None
+        # The projection (``LinearBase``) reading this norm's output, where its
+        # quantisation method fuses work into the norm (``link_norms``).
+        self.linear_next: Any = None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -45,6 +49,11 @@ class RMSNorm(nn.Module):
             fused = self.lora_next.norm(x, residual, self.weight, self.eps)
             if fused is not None:
                 return fused
+        if self.linear_next is not None:  # + the next projection's input quantisation
+            lin = self.linear_next
+            fused = lin.quant_method.rms_norm_input(lin, x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
         if x.is_cuda and x.dtype != torch.float32:
             # One fused Triton kernel (add + statistics + scale) with HF's rounding order.
             from pagedllm.kernels.norm import fused_add_rms_norm, rms_norm
@@ -58,6 +67,37 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+# A decoder layer's norms and the projections that read their outputs.
+_NORM_READERS = (("input_layernorm", "self_attn", "qkv_proj"),
+                 ("post_attention_layernorm", "mlp", "gate_up_proj"))
+
+
+def norm_readers(model: nn.Module) -> Iterator[tuple[RMSNorm, nn.Module]]:
+    """Each decoder layer's ``RMSNorm`` with the projection that reads its output
+    (``input_layernorm`` -> ``self_attn.qkv_proj``, ``post_attention_layernorm`` ->
+    ``mlp.gate_up_proj``), where both exist."""
+    for m in model.modules():
+        for norm, parent, proj in _NORM_READERS:
+            n = getattr(m, norm, None)
+            lin = getattr(getattr(m, parent, None), proj, None)
+            if isinstance(n, RMSNorm) and lin is not None:
+                yield n, lin
+
+
+def link_norms(model: nn.Module) -> None:
+    """Link each decoder-layer norm to the projection reading its output
+    (``RMSNorm.linear_next``) where that projection's quantisation method fuses work
+    into the norm (``LinearMethodBase.rms_norm_input``: FP8's per-token quantiser).
+    Run once after loading."""
+    from pagedllm.layers.quantization.base import LinearMethodBase
+
+    for norm, lin in norm_readers(model):
+        method = getattr(lin, "quant_method", None)
+        if method is not None and \
+                type(method).rms_norm_input is not LinearMethodBase.rms_norm_input:
+            norm.linear_next = lin
 
 
 class GemmaRMSNorm(nn.Module):

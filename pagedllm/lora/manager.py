@@ -51,20 +51,14 @@ def runs_on_pruned_rows(name: str, last_layer: int) -> bool:
 
 def link_norms(model: nn.Module) -> None:
     """Give each decoder layer's RMSNorm the ``LoRALinear`` of the projection that reads
-    its output (``input_layernorm`` -> ``self_attn.qkv_proj``,
-    ``post_attention_layernorm`` -> ``mlp.gate_up_proj``): at batch 1 the norm's launch
-    then computes that projection's shrink (``LoRALinear.norm``).  A projection that
-    gets another tensor runs its own shrink, so a model that does not fit the pattern
-    stays correct."""
-    from pagedllm.layers.norm import RMSNorm
+    its output (``layers/norm.norm_readers``): at batch 1 the norm's launch then computes
+    that projection's shrink (``LoRALinear.norm``).  A projection that gets another
+    tensor runs its own shrink, so a model that does not fit the pattern stays correct."""
+    from pagedllm.layers.norm import norm_readers
 
-    for m in model.modules():
-        for norm, parent, proj in (("input_layernorm", "self_attn", "qkv_proj"),
-                                   ("post_attention_layernorm", "mlp", "gate_up_proj")):
-            n = getattr(m, norm, None)
-            lin = getattr(getattr(m, parent, None), proj, None)
-            if isinstance(n, RMSNorm) and getattr(lin, "lora", None) is not None:
-                n.lora_next = lin.lora
+    for n, lin in norm_readers(model):
+        if getattr(lin, "lora", None) is not None:
+            n.lora_next = lin.lora
 
 
 def lora_slot_bytes(model: nn.Module, max_loras: int, max_lora_rank: int,

@@ -45,6 +45,7 @@ from pagedllm.distributed.parallel_state import current_parallel_state
 from pagedllm.layers.embedding import VocabParallelEmbedding
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.linear import LinearBase
+from pagedllm.layers.norm import link_norms
 from pagedllm.layers.quantization import get_quantization_config_class
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.models.lazy_weight import LazyWeight, ReadCounter
@@ -129,6 +130,7 @@ def load_model(model_config: Any, device: torch.device, backend: AttentionBacken
                 module.quant_method.process_weights_after_loading(module)  # type: ignore
             elif isinstance(module, VocabParallelEmbedding) and module.quant_method:
                 module.quant_method.process_weights_after_loading(module)
+    link_norms(model)  # norms that do part of the next projection's work
     if counter is not None and counter.whole:
         logger.info("tensor-parallel rank %d: %s", current_parallel_state().tp.rank_in_group,
                     counter.summary())

@@ -39,6 +39,31 @@ def test_per_token_quant_matches_reference(shape: tuple[int, int],
         assert torch.equal(q.float(), rq.float())
 
 
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("shape", [(1, 4096), (5, 96), (3, 1000)])
+def test_rms_norm_fp8_equals_norm_then_quant(shape: tuple[int, int], residual: bool,
+                                              ) -> None:
+    """The RMSNorm that also quantises its output gives bit for bit the plain norm's
+    output and residual, and the quantiser's values for that output."""
+    from pagedllm.kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_fp8
+
+    g = torch.Generator().manual_seed(shape[1] + residual)
+    x, r = (torch.randn(shape, generator=g).to(torch.bfloat16).to(DEVICE) for _ in "xr")
+    x[0] = 0.0 if not residual else x[0]  # a zero row (scale at its floor)
+    w = (torch.rand(shape[1], generator=g) + 0.5).to(torch.bfloat16).to(DEVICE)
+    out, res_out, q, s = rms_norm_fp8(x, r if residual else None, w, 1e-5)
+    if residual:
+        ref, ref_res = fused_add_rms_norm(x, r, w, 1e-5)
+        assert torch.equal(res_out, ref_res)
+    else:
+        ref = rms_norm(x, w, 1e-5)
+        assert res_out is None
+    assert torch.equal(out, ref)
+    rq, rs = quantize_fp8_per_token(ref)
+    assert torch.equal(s, rs)
+    assert torch.equal(q.float(), rq.float())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="torch._scaled_mm needs an FP8 GPU")
 @pytest.mark.parametrize("tokens", [1, 7, 256, 2048])

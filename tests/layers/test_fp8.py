@@ -173,12 +173,46 @@ def test_online_fp8_and_dummy(tmp_path) -> None:
     ours, model, cfg = _logits(str(tmp_path), PROMPTS, quantization="fp8")
     assert model.model.layers[0].mlp.gate_up_proj.weight.dtype == FP8_DTYPE
     assert model.model.embed_tokens.weight.dtype == torch.float32
+    # The loader links each norm to the FP8 projection reading it (on CUDA the norm
+    # quantises that projection's input: test_fused_quantisers_change_nothing).
+    layer = model.model.layers[0]
+    assert layer.input_layernorm.linear_next is layer.self_attn.qkv_proj
+    assert layer.post_attention_layernorm.linear_next is layer.mlp.gate_up_proj
     for o, r in zip(ours, ref):
         assert _rel_err(o, r) < 0.15
     dummy, model, _ = _logits(str(tmp_path), PROMPTS, quantization="fp8",
                               load_format="dummy")
     assert model.model.layers[0].self_attn.o_proj.weight.dtype == FP8_DTYPE
     assert all(torch.isfinite(d).all() for d in dummy)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available()
+                         and torch.cuda.get_device_capability() >= (8, 9)),
+                    reason="needs an FP8 GPU")
+def test_fused_quantisers_change_nothing(tmp_path) -> None:
+    """On CUDA the RMSNorms quantise qkv_proj's and gate_up_proj's inputs: the logits
+    (prefill of two requests, then a batch-1 decode step) equal bit for bit those of the
+    norms and quantisers run apart."""
+    tiny_llama(seed=4).save_pretrained(str(tmp_path))
+    cfg = EngineArgs(model=str(tmp_path), device="cuda", dtype="bfloat16",
+                     quantization="fp8").create_engine_config()
+    model = load_model(cfg.model_config, torch.device("cuda"), TorchReferenceBackend())
+    mc = cfg.model_config
+
+    def run() -> list[torch.Tensor]:
+        s = PagedSession(model, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                         num_blocks=32, dtype=torch.bfloat16, device="cuda")
+        first = s.step({i: p for i, p in enumerate(PROMPTS)})
+        return [*first.values(), s.step({0: [17]})[0]]
+
+    fused = run()
+    norms = [m for m in model.modules() if getattr(m, "linear_next", None) is not None]
+    assert len(norms) == 2 * mc.num_layers
+    for n in norms:
+        n.linear_next = None
+    for a, b in zip(fused, run()):
+        assert torch.equal(a, b)
 
 
 def test_kv_cache_dtype_validation_and_planner(tmp_path) -> None:

@@ -78,6 +78,17 @@ class LinearMethodBase(ABC):
               bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T + bias``."""
 
+    def rms_norm_input(self, layer: LinearBase, x: torch.Tensor,
+                       residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """The RMSNorm whose output ``layer`` reads next (``layers/norm.RMSNorm`` linked
+        by ``layers/norm.link_norms``), with part of this method's work on that output
+        done in the same launch; the RMSNorm's result, or None where this method does not
+        fuse (the norm then runs on its own).  A method that fuses keeps its part for
+        :meth:`apply` of that very output tensor (any other input is processed as
+        usual), so a model that does not fit the pattern stays correct."""
+        return None
+
     def dummy_init(self, layer: LinearBase, generator: torch.Generator,  # noqa: B027
                    init: str) -> bool:
         """Fill the layer's weights for ``load_format="dummy"``; return False to let the

@@ -203,7 +203,10 @@ class Fp8LinearMethod(LinearMethodBase):
               bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.input_scale:  # static: one checkpoint scale for every token
+        ready, layer.fp8_input = getattr(layer, "fp8_input", None), None
+        if ready is not None and ready[0] is x:  # quantised by the norm before
+            x_q, x_s = ready[1], ready[2]
+        elif self.input_scale:  # static: one checkpoint scale for every token
             x_s = layer.input_scale_max.expand(x2.shape[0], 1).contiguous()
             x_q = (x2.float() / x_s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         elif x2.is_cuda:
@@ -212,20 +215,42 @@ class Fp8LinearMethod(LinearMethodBase):
             x_q, x_s = quantize_fp8_per_token(x2)
         else:
             x_q, x_s = quantize_fp8_rows(x2)
-        if x2.is_cuda and x2.shape[0] == 1 and gemv_enabled():
+        y = self._matmul(layer, x_q, x_s, bias, x.dtype)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    def rms_norm_input(self, layer: LinearBase, x: torch.Tensor,
+                       residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        # On CUDA the norm kernel also quantises its output row per token (it holds the
+        # row in registers): one launch and one read of the row less per norm.  The
+        # quantised row waits on the layer for apply() of that very output tensor.
+        if not x.is_cuda or self.input_scale or x.dim() != 2 \
+                or x.dtype not in (torch.bfloat16, torch.float16) or x.stride(1) != 1 \
+                or (residual is not None and residual.stride(1) != 1):
+            return None
+        from pagedllm.kernels.norm import rms_norm_fp8
+
+        out, res_out, q, s = rms_norm_fp8(x, residual, weight, eps)
+        layer.fp8_input = (out, q, s)
+        return out if res_out is None else (out, res_out)
+
+    @staticmethod
+    def _matmul(layer: LinearBase, x_q: torch.Tensor, x_s: torch.Tensor,
+                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        """``(x_q @ weight^T) * x_s * weight_scale + bias`` in ``out_dtype`` for quantised
+        rows ``x_q [T, in]`` and their scales ``x_s [T, 1]``."""
+        if x_q.is_cuda and x_q.shape[0] == 1 and gemv_enabled():
             # Batch-1 decode: one read of the e4m3 weight (kernels/gemv.py), where
             # cuBLASLt's FP8 GEMM at M = 1 ran W4 slower than the bf16 GEMV.
             from pagedllm.kernels.gemv import gemv
 
-            y = gemv(x_q, layer.weight, bias, out=torch.empty(
-                1, layer.weight.shape[0], dtype=x.dtype, device=x.device),
+            return gemv(x_q, layer.weight, bias, out=torch.empty(
+                1, layer.weight.shape[0], dtype=out_dtype, device=x_q.device),
                 x_scale=x_s, w_scale=layer.weight_scale)
-        elif x2.is_cuda:
-            y = _scaled_mm(x_q, x_s, layer, bias, x.dtype)
-        else:
-            y = fp8_linear_reference(x_q, x_s, layer.weight, layer.weight_scale, bias,
-                                     x.dtype)
-        return y.reshape(*shape[:-1], y.shape[-1])
+        if x_q.is_cuda:
+            return _scaled_mm(x_q, x_s, layer, bias, out_dtype)
+        return fp8_linear_reference(x_q, x_s, layer.weight, layer.weight_scale, bias,
+                                    out_dtype)
 
 
 def _scale_loader(layer: LinearBase) -> Any:
