@@ -90,11 +90,8 @@ def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, min_scale,
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty),
                  mask=cols < N_COLS)
     else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, N_COLS, BLOCK):
-            amax = tl.maximum(amax, tl.abs(_load_row(x_ptr, row, stride_x, start + cols,
-                                                     N_COLS)))
-        scale = tl.maximum(tl.div_rn(tl.max(amax, 0), FP8_MAX_C), min_scale)
+        amax = row_absmax(x_ptr, row, stride_x, N_COLS, BLOCK)
+        scale = tl.maximum(tl.div_rn(amax, FP8_MAX_C), min_scale)
         tl.store(s_ptr + row, scale)
         for start in range(0, N_COLS, BLOCK):
             c = start + cols

@@ -215,7 +215,19 @@ class Fp8LinearMethod(LinearMethodBase):
             x_q, x_s = quantize_fp8_per_token(x2)
         else:
             x_q, x_s = quantize_fp8_rows(x2)
-        y = self._matmul(layer, x_q, x_s, bias, x.dtype)
+        if x2.is_cuda and x2.shape[0] == 1 and gemv_enabled():
+            # Batch-1 decode: one read of the e4m3 weight (kernels/gemv.py), where
+            # cuBLASLt's FP8 GEMM at M = 1 ran W4 slower than the bf16 GEMV.
+            from pagedllm.kernels.gemv import gemv
+
+            y = gemv(x_q, layer.weight, bias, out=torch.empty(
+                1, layer.weight.shape[0], dtype=x.dtype, device=x.device),
+                x_scale=x_s, w_scale=layer.weight_scale)
+        elif x2.is_cuda:
+            y = _scaled_mm(x_q, x_s, layer, bias, x.dtype)
+        else:
+            y = fp8_linear_reference(x_q, x_s, layer.weight, layer.weight_scale, bias,
+                                     x.dtype)
         return y.reshape(*shape[:-1], y.shape[-1])
 
     def rms_norm_input(self, layer: LinearBase, x: torch.Tensor,
@@ -233,24 +245,6 @@ class Fp8LinearMethod(LinearMethodBase):
         out, res_out, q, s = rms_norm_fp8(x, residual, weight, eps)
         layer.fp8_input = (out, q, s)
         return out if res_out is None else (out, res_out)
-
-    @staticmethod
-    def _matmul(layer: LinearBase, x_q: torch.Tensor, x_s: torch.Tensor,
-                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-        """``(x_q @ weight^T) * x_s * weight_scale + bias`` in ``out_dtype`` for quantised
-        rows ``x_q [T, in]`` and their scales ``x_s [T, 1]``."""
-        if x_q.is_cuda and x_q.shape[0] == 1 and gemv_enabled():
-            # Batch-1 decode: one read of the e4m3 weight (kernels/gemv.py), where
-            # cuBLASLt's FP8 GEMM at M = 1 ran W4 slower than the bf16 GEMV.
-            from pagedllm.kernels.gemv import gemv
-
-            return gemv(x_q, layer.weight, bias, out=torch.empty(
-                1, layer.weight.shape[0], dtype=out_dtype, device=x_q.device),
-                x_scale=x_s, w_scale=layer.weight_scale)
-        if x_q.is_cuda:
-            return _scaled_mm(x_q, x_s, layer, bias, out_dtype)
-        return fp8_linear_reference(x_q, x_s, layer.weight, layer.weight_scale, bias,
-                                    out_dtype)
 
 
 def _scale_loader(layer: LinearBase) -> Any:
