@@ -30,6 +30,8 @@ def category(name: str) -> str:
         return "gemm"
     if "memcpy" in n or "memset" in n:
         return "copy"
+    if "quant" in n:  # the FP8 per-token activation quantiser
+        return "quant"
     return "other"
 
 
@@ -41,6 +43,10 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--scheduling-policy", default="fcfs",
                     choices=["fcfs", "priority", "throughput"])
+    ap.add_argument("--quantization", default=None,
+                    help="as pagedllm's --quantization (e.g. fp8); default: none")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="as pagedllm's --kv-cache-dtype (auto or fp8)")
     ap.add_argument("--no-cprofile", action="store_true",
                     help="CUDA kernels only (cProfile slows the host ~2x, which would "
                     "understate how busy the GPU is)")
@@ -60,7 +66,8 @@ def main() -> None:
     vocab_hi = 49000 if a.dummy == "smollm2-135m" else 128000
     llm = LLM(write_dummy_model(a.dummy), load_format="dummy", skip_tokenizer_init=True,
               max_num_batched_tokens=a.max_num_batched_tokens,
-              scheduling_policy=a.scheduling_policy)
+              scheduling_policy=a.scheduling_policy, quantization=a.quantization,
+              kv_cache_dtype=a.kv_cache_dtype)
     if a.w4:
         prompts = [w4(1, vocab_hi=vocab_hi)]
         out_lens = [256]
