@@ -23,7 +23,9 @@ Where the weights come from (``Fp8Config.from_config``):
   which hands the same ``Fp8LinearMethod`` its per-channel or per-tensor scales.
 
 The GEMM is ``torch._scaled_mm`` (cuBLASLt, row-wise scales) on CUDA GPUs of compute
-capability >= 8.9; on the CPU (and as every GPU path's oracle) the reference upcasts the
+capability >= 8.9, except where the tuned table of ``kernels/fp8_gemm.py`` routes a
+decode-sized batch to its Triton kernel and at one row (the e4m3 GEMV of
+``kernels/gemv.py``); on the CPU (and as every GPU path's oracle) the reference upcasts the
 stored e4m3 values and multiplies in float32 -- the same quantised operands, so the two
 differ only by accumulation order.  Embeddings and lm_head are never quantised.
 """
@@ -224,7 +226,14 @@ class Fp8LinearMethod(LinearMethodBase):
                 1, layer.weight.shape[0], dtype=x.dtype, device=x.device),
                 x_scale=x_s, w_scale=layer.weight_scale)
         elif x2.is_cuda:
-            y = _scaled_mm(x_q, x_s, layer, bias, x.dtype)
+            from pagedllm.kernels.fp8_gemm import fp8_gemm, fp8_gemm_route
+
+            w = layer.weight
+            cfg = fp8_gemm_route(x2.shape[0], w.shape[0], w.shape[1])
+            if cfg is not None:  # decode-sized M, where cuBLASLt's one tile idles SMs
+                y = fp8_gemm(x_q, x_s, w, layer.weight_scale, bias, x.dtype, cfg)
+            else:
+                y = _scaled_mm(x_q, x_s, layer, bias, x.dtype)
         else:
             y = fp8_linear_reference(x_q, x_s, layer.weight, layer.weight_scale, bias,
                                      x.dtype)
