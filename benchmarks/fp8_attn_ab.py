@@ -1,12 +1,13 @@
-"""A/B of the paged-attention kernel over an fp8 KV cache: K/V upcast to bf16 before each
-product (the default) against ``FP8_MMA`` (both products on e4m3 operands), with a bf16
-cache as the yardstick.  Llama-3-8B head shape (32 query / 8 KV heads, 128 dims),
+"""A/B of the paged-attention kernel over an fp8 KV cache: K/V upcast to fp16 with the
+bf16 query in fp16 (the default, ``KV_FP8 == 2``), K/V upcast to bf16 (the earlier path,
+``PAGEDLLM_ATTN_FP8_F16=0``) and ``FP8_MMA`` 1 and 2 (both products on e4m3 operands),
+with a bf16 cache as the yardstick.  Llama-3-8B head shape (32 query / 8 KV heads, 128 dims),
 block size 16, decode batches and a prompt chunk at 2k-8k tokens of context.
 
     python benchmarks/fp8_attn_ab.py [--out $OUT/fp8_attn_ab.json]
 
 Per shape: median microseconds (``triton.testing.do_bench``) of bf16 cache, fp8 cache
-upcast, fp8 cache FP8_MMA 1 and 2 (``paged_attention``'s ``fp8_mma``); and the max /
+via fp16, via bf16, FP8_MMA 1 and 2 (``paged_attention``'s ``fp8_mma``); and the max /
 mean |error| of the fp8 kernels against a dense
 float32 softmax(q k^T) v over the same dequantised cache (shapes of <= 32 requests; the
 bf16 kernel's error is printed as well, for scale).  Runs on a GPU only.
@@ -22,6 +23,7 @@ import torch
 import triton.testing
 
 from pagedllm.attention.kv_cache_dtype import FP8_KV_DTYPE, quantize_kv
+from pagedllm.kernels import paged_attention as pa
 from pagedllm.kernels.paged_attention import paged_attention
 
 HEADS, KV_HEADS, DIM, BS = 32, 8, 128, 16
@@ -76,8 +78,10 @@ def dense_reference(c: dict, scale: float) -> torch.Tensor:
     return out
 
 
-def run(c: dict, cache: torch.Tensor, mma: bool, scale: float) -> torch.Tensor:
+def run(c: dict, cache: torch.Tensor, mma: int, scale: float,
+        f16: bool = True) -> torch.Tensor:
     fp8 = cache.dtype == FP8_KV_DTYPE
+    pa._FP8_F16 = f16
     return paged_attention(c["q"], cache, c["tables"], c["seq"], c["qsl"],
                            num_reqs=len(c["q_lens"]), max_query_len=max(c["q_lens"]),
                            scale=scale, k_scale=K_SCALE if fp8 else 1.0,
@@ -103,44 +107,39 @@ def main() -> None:
         chunk = 8 if args.smoke else 512
         shapes[f"chunk {chunk} + 16 decodes ctx{ctx}"] = ([chunk] + [1] * 16, [ctx] * 17)
     rows = []
-    print(f"{'shape':<34}{'bf16 us':>9}{'fp8 us':>9}{'mma1 us':>9}{'mma2 us':>9}"
-          f"{'mma1/fp8':>9}{'mma2/fp8':>9}{'err bf16':>10}{'err fp8':>10}{'err mma1':>10}"
-          f"{'err mma2':>10}{'mean fp8':>10}{'mean mma1':>10}{'mean mma2':>10}")
+    labels = ("bf16", "fp8", "fp8bf16", "fp8mma", "fp8mma2")
+    print(f"{'shape':<34}" + "".join(f"{v + ' us':>12}" for v in labels)
+          + "".join(f"{'err ' + v:>14}" for v in labels) + "  (max |err|; mean in the JSON)")
     for name, (q_lens, ctx) in shapes.items():
         c = make_case(q_lens, ctx, gen)
-        t = {}
         row: dict = {"shape": name}
-        variants = (("bf16", c["bf16"], 0), ("fp8", c["fp8"], 0), ("fp8mma", c["fp8"], 1),
-                    ("fp8mma2", c["fp8"], 2))
-        for label, cache, mma in variants:
+        variants = (("bf16", c["bf16"], 0, True), ("fp8", c["fp8"], 0, True),
+                    ("fp8bf16", c["fp8"], 0, False), ("fp8mma", c["fp8"], 1, True),
+                    ("fp8mma2", c["fp8"], 2, True))
+        for label, cache, mma, f16 in variants:
             try:  # a variant that fails to compile is reported, not fatal
-                t[label] = 0.0 if args.smoke else triton.testing.do_bench(
-                    lambda c=c, cache=cache, mma=mma: run(c, cache, mma, scale),
+                row[f"{label}_us"] = 0.0 if args.smoke else triton.testing.do_bench(
+                    lambda c=c, cache=cache, mma=mma, f16=f16: run(c, cache, mma, scale,
+                                                                   f16),
                     warmup=50, rep=300) * 1e3
             except Exception as e:  # noqa: BLE001
-                t[label] = float("nan")
+                row[f"{label}_us"] = float("nan")
                 row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(f"{name} {label}: {row[f'{label}_error']}", flush=True)
-        row.update({f"{k}_us": v for k, v in t.items()})
         if len(q_lens) <= 32:
             ref = dense_reference(c, scale)
-            for label, cache, mma in variants:
+            for label, cache, mma, f16 in variants:
                 if f"{label}_error" in row:
                     continue
-                err = (run(c, cache, mma, scale).float() - ref).abs()
+                err = (run(c, cache, mma, scale, f16).float() - ref).abs()
                 row[f"{label}_max_err"] = err.max().item()
                 row[f"{label}_mean_err"] = err.mean().item()
             row["ref_mean_abs"] = ref.abs().mean().item()
+        pa._FP8_F16 = True
         rows.append(row)
-        def e(k: str, row: dict = row) -> str:  # noqa: E306
-            return f"{row[k]:>10.4f}" if k in row else f"{'-':>10}"
-
-        f8 = max(t["fp8"], 1e-9)
-        print(f"{name:<34}{t['bf16']:>9.1f}{t['fp8']:>9.1f}{t['fp8mma']:>9.1f}"
-              f"{t['fp8mma2']:>9.1f}{t['fp8mma'] / f8:>9.3f}{t['fp8mma2'] / f8:>9.3f}"
-              f"{e('bf16_max_err')}{e('fp8_max_err')}{e('fp8mma_max_err')}"
-              f"{e('fp8mma2_max_err')}{e('fp8_mean_err')}{e('fp8mma_mean_err')}"
-              f"{e('fp8mma2_mean_err')}", flush=True)
+        print(f"{name:<34}" + "".join(f"{row[v + '_us']:>12.1f}" for v in labels)
+              + "".join(f"{row[v + '_max_err']:>14.4f}" if v + "_max_err" in row
+                        else f"{'-':>14}" for v in labels), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": DEV if args.smoke else torch.cuda.get_device_name(),

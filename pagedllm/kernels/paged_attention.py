@@ -280,6 +280,12 @@ def _attn_program(
         pdl_wait(USE_PDL)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if KV_FP8 == 2:
+        # A bf16 query over an fp8 cache multiplies in fp16: e4m3 -> fp16 is exact and
+        # one instruction per two values, e4m3 -> bf16 is not (it goes through fp16 and
+        # fp32), and that conversion of every K / V value made the fp8 cache slower than
+        # bf16.  fp16 keeps more of q's mantissa than bf16; |q| is clamped to fp16's max.
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     qk_scale = scale_log2
     q_lo = q
     qk_lo = scale_log2
@@ -470,6 +476,7 @@ class AttentionLaunch:
 _TWO_LAUNCHES = os.environ.get("PAGEDLLM_ATTN_TWO_LAUNCHES", "0") == "1"
 # FP8 products for an fp8 KV cache (A/B switch; see paged_attention's ``fp8_mma``).
 _FP8_MMA = int(os.environ.get("PAGEDLLM_ATTN_FP8_MMA", "0") or 0)
+_FP8_F16 = os.environ.get("PAGEDLLM_ATTN_FP8_F16", "1") != "0"
 
 
 def _interpreting() -> bool:
@@ -639,7 +646,12 @@ def paged_attention(
     if mma not in (0, 1, 2):
         raise ValueError(f"fp8_mma must be 0, 1 or 2, got {fp8_mma!r}")
     mma = mma if fp8 and mma and _fp8_mma_ok(query.device) else 0
-    kv = _KVScales(float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0, fp8, mma)
+    # KV_FP8: 0 = a cache in the model dtype, 1 = fp8 upcast to q's dtype, 2 = fp8 with
+    # a bf16 query multiplied in fp16 (_attn_program; PAGEDLLM_ATTN_FP8_F16=0 for 1).
+    kv_fp8 = 0 if not fp8 else 2 if (query.dtype == torch.bfloat16 and not mma
+                                     and _FP8_F16) else 1
+    kv = _KVScales(float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0, kv_fp8,
+                   mma)
     if launch is None and num_splits is None and max_query_len > 1 and num_reqs > 1:
         # A mixed batch runs its decodes with the decode plan's small tiles (BLOCK_M =
         # the GQA group of one token) and its prompt chunks with 64-row tiles: 64-row
@@ -680,11 +692,11 @@ def paged_attention(
 
 @dataclass(frozen=True)
 class _KVScales:
-    """An fp8 cache's scales as the kernels take them (1.0 and False for other caches)."""
+    """An fp8 cache's scales as the kernels take them (1.0 and 0 for other caches)."""
 
     k_scale: float = 1.0
     v_scale: float = 1.0
-    fp8: bool = False
+    fp8: int = 0  # the kernels' KV_FP8 (paged_attention): 0, or 1 / 2 for an fp8 cache
     fp8_mma: int = 0  # products on e4m3 operands (FP8_MMA 1 or 2); implies fp8
 
 
