@@ -47,8 +47,10 @@ def test_fp8_gemm_matches_reference(config, mnk, with_bias: bool) -> None:
         got = fg.fp8_gemm(x_q, x_s, w_q, w_s, b, out_dtype, config)
         ref = fp8_linear_reference(x_q, x_s, w_q, w_s, b, torch.float32)
         assert got.dtype == out_dtype and got.shape == (m, n)
-        # fp32 sums of the same e4m3 products in another order, one rounding at the end.
-        tol = 1e-5 if out_dtype == torch.float32 else 2 ** -8
+        # fp32 sums of the same e4m3 products in another order, one rounding at the end;
+        # on Hopper the tensor cores sum each K step's FP8 products with fewer mantissa
+        # bits before they join the fp32 accumulator (measured: 3.8e-5 of the largest).
+        tol = 2 ** -8 if out_dtype != torch.float32 else 5e-4 if ON_GPU else 1e-5
         err = (got.float() - ref).abs().max().item()
         assert err <= tol * ref.abs().max().item() + 1e-6, (config, out_dtype, err)
         assert torch.all(got[0].float() == (b.float() if with_bias else 0.0))
