@@ -74,7 +74,8 @@ def triton_fn(x_q, x_scale, ws, w_scale, cfg):
 def candidates(m: int, n: int, k: int, sms: int) -> list[Fp8GemmConfig]:
     """Launch configurations worth timing at ``m`` rows: the rows as wgmma's N dimension
     (swap) at every M, the plain layout from 64 rows; 64- and 128-wide weight tiles;
-    split-K to one and to two waves of programs."""
+    split-K to one and to two waves of programs; above 64 rows (where the 2026-12-03
+    sweep found cuBLASLt level with these) also 3 or 5 stages and 8 warps."""
     bm0 = min(128, max(16, triton.next_power_of_2(m)))
     out: list[Fp8GemmConfig] = []
     for swap in ((1,) if m <= 64 else (1, 0)):
@@ -90,6 +91,9 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[Fp8GemmConfig]:
                                  for w in (1, 2)})
                 for split in splits:
                     out.append((bm, bn, bk, warps, 4, split, swap))
+                if m > 64 and swap:  # with the one-wave split only
+                    out += [(bm, bn, bk, w, st, splits[0], swap)
+                            for w, st in ((4, 3), (4, 5), (8, 4))]
     return out
 
 
