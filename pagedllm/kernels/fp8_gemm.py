@@ -44,7 +44,7 @@ import triton.language as tl
 
 from pagedllm.kernels.int8_gemm import split_k_chunk, splitk_reduce
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
-from pagedllm.kernels.tuned_tables import load_tuned_table
+from pagedllm.kernels.tuned_tables import load_tuned_table, shipped_table
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -176,3 +176,15 @@ def fp8_gemm_route(m: int, n: int, k: int) -> Fp8GemmConfig | None:
         if tm >= m:
             return cfg
     return None
+
+
+def routing_summary() -> str:
+    """One line for the start-up log: where this GPU's FP8 GEMMs run."""
+    table = _table()
+    if not table:
+        return "FP8 GEMMs: cuBLASLt from 2 rows (no Triton FP8 GEMM table for this GPU)"
+    src = os.environ.get("PAGEDLLM_FP8_GEMM_CONFIGS") or shipped_table("fp8_gemm") or ""
+    top = max((m for entries in table.values() for m, cfg in entries if cfg is not None),
+              default=0)
+    return (f"FP8 GEMMs: Triton up to {top} rows at {len(table)} weight shapes "
+            f"({os.path.basename(src)}), cuBLASLt otherwise")

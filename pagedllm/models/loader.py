@@ -100,7 +100,8 @@ def load_model(model_config: Any, device: torch.device, backend: AttentionBacken
         model = cls(hf_config, backend, quant_config) if quant_config is not None \
             else cls(hf_config, backend)
     # For the start-up log (worker.py): the method and its layout in one line.
-    model.quant_description = quant_config.describe() if quant_config is not None else None
+    model.quant_description = None if quant_config is None else "; ".join(
+        d for d in (quant_config.describe(), quant_config.describe_kernels(device)) if d)
     fmt = model_config.load_format
     resolved = model_config.resolved
     # A pipeline stage reads (and dequantises) only its own tensors (models/llama.py).

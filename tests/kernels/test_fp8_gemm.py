@@ -121,3 +121,21 @@ def test_shipped_table_configs_at_llama_shapes() -> None:
                 ref = fp8_linear_reference(x_q, x_s, w_q, w_s, None, torch.float32)
                 err = (got.float() - ref).abs().max().item()
                 assert err <= 2 ** -7 * ref.abs().max().item(), (n, k, rows, cfg, err)
+
+
+def test_routing_summary_names_the_table(tmp_path, monkeypatch) -> None:
+    """The start-up log's line: the table's file and reach, or cuBLASLt without one."""
+    path = tmp_path / "fp8_gemm_X.json"
+    path.write_text(json.dumps({"configs": [
+        [16, 4096, 4096, "triton", [16, 64, 128, 4, 4, 8, 1]],
+        [64, 4096, 4096, "cublas", None],
+        [32, 6144, 4096, "triton", [32, 64, 128, 4, 4, 2, 1]]]}))
+    monkeypatch.setenv("PAGEDLLM_FP8_GEMM_CONFIGS", str(path))
+    fg._table.cache_clear()
+    assert fg.routing_summary() == ("FP8 GEMMs: Triton up to 32 rows at 2 weight shapes "
+                                    "(fp8_gemm_X.json), cuBLASLt otherwise")
+    path.write_text(json.dumps({"configs": []}))
+    fg._table.cache_clear()
+    assert fg.routing_summary().startswith("FP8 GEMMs: cuBLASLt from 2 rows (no Triton")
+    monkeypatch.delenv("PAGEDLLM_FP8_GEMM_CONFIGS")
+    fg._table.cache_clear()

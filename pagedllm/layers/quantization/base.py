@@ -160,3 +160,8 @@ class QuantizationConfig(ABC):
     def describe(self) -> str:
         """One line for the start-up log (format, bits, group size)."""
         return self.name
+
+    def describe_kernels(self, device: torch.device) -> str | None:
+        """What runs this method's layers on ``device``, for the start-up log (None:
+        nothing to add)."""
+        return None

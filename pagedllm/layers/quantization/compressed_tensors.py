@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import torch
 from torch import nn
 
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, kernel_label
@@ -194,6 +195,13 @@ class CompressedTensorsConfig(QuantizationConfig):
             check = getattr(m, "check_device", None)
             if check is not None:
                 check(device, dtype)
+
+    def describe_kernels(self, device: torch.device) -> str | None:
+        if not any(isinstance(m, Fp8LinearMethod) for m in self._methods.values()):
+            return None
+        from pagedllm.layers.quantization.fp8 import Fp8Config
+
+        return Fp8Config().describe_kernels(device)
 
     def describe(self) -> str:
         labels = []

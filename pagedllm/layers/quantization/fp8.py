@@ -374,6 +374,13 @@ class Fp8Config(QuantizationConfig):
         check_fp8_capability(torch.cuda.get_device_capability(idx),
                              torch.cuda.get_device_name(idx))
 
+    def describe_kernels(self, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return None
+        from pagedllm.kernels.fp8_gemm import routing_summary
+
+        return routing_summary()
+
     def describe(self) -> str:
         m = self.method
         if not m.serialized:
