@@ -29,9 +29,13 @@
 #   w2       online serving at 10 and 20 req/s (benchmarks/w2_suite.sh; RATES to change)
 #   w3       shared prefix, prefix caching on vs off (benchmarks/w3_suite.sh gpu)
 #   startup  cold then warm server start to the first /health 200 (startup_probe.sh)
-#   profile  per-step host profile and kernel totals of W1 (profile_step.py)
-#   fp8attn  paged attention over an fp8 cache, upcast vs FP8_MMA 1 / 2, Llama-3-8B heads
-#            at 2k-8k context (fp8_attn_ab.py), then the gpu tests of test_fp8_kv.py
+#   profile  per-step host profile and kernel totals of W1 (profile_step.py; PROFILE_ARGS
+#            adds flags, e.g. "--quantization fp8")
+#   fp8attn  paged attention over an fp8 cache (fp16 / bf16 upcast, FP8_MMA 1 / 2),
+#            Llama-3-8B heads at 2k-8k context (fp8_attn_ab.py), then test_fp8_kv.py
+#   fp8gemm  sweep the Triton FP8 GEMM against cuBLASLt at decode-sized M and write
+#            $OUT/fp8_gemm_<GPU>.json (fp8_gemm_sweep.py; ship it under
+#            pagedllm/kernels/tuned/), then test_fp8_gemm.py
 #   pytest   every kernel test on the GPU, the gpu-marked model/sampler tests, then the
 #            attention grid (~100 kernel variants; long)
 #
@@ -165,8 +169,12 @@ for part in $PARTS; do
     fp8attn)
       step python benchmarks/fp8_attn_ab.py --out "$OUT/fp8_attn_ab.json"
       step python -m pytest -q -m gpu tests/kernels/test_fp8_kv.py ;;
+    fp8gemm)
+      step python benchmarks/fp8_gemm_sweep.py --ms 2,4,8,16,32,64,96,128,192,256,384,512 \
+        --table "$OUT/fp8_gemm_$(python -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "_"))').json"
+      step python -m pytest -q tests/kernels/test_fp8_gemm.py ;;
     profile) step python benchmarks/profile_step.py --dummy llama3-8b --num-prompts 256 \
-      --no-cprofile --out "$OUT" ;;
+      --no-cprofile --out "$OUT" ${PROFILE_ARGS:-} ;;
     pytest)
       step timeout 300 python -m pytest tests/kernels -q -rf -p no:cacheprovider \
         -k "not test_gpu_grid"
