@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.int8_gemm import split_k_chunk, splitk_reduce
+from pagedllm.kernels.int8_gemm import nmajor_tile, split_k_chunk, splitk_reduce
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
 from pagedllm.kernels.tuned_tables import load_tuned_table, shipped_table
 
@@ -58,16 +58,8 @@ def _fp8_gemm_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      K_CHUNK: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
                      IMPRECISE: tl.constexpr, USE_PDL: tl.constexpr):
-    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    # N-major order: the row tiles of one weight tile run together and share it in L2.
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_n = pid // num_m
-    pid_m = pid % num_m
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = rm < M
-    n_ok = rn < N
+    rm, rn, m_ok, n_ok = nmajor_tile(M, N, BLOCK_M, BLOCK_N)
     x_rows = tl.minimum(rm, M - 1).to(tl.int64)  # out-of-range rows re-read row M - 1
     w_rows = tl.minimum(rn, N - 1).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)

@@ -197,21 +197,25 @@ def splitk_reduce(partials: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def nmajor_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(rows, cols, rows_ok, cols_ok)`` of this program's ``[BLOCK_M, BLOCK_N]`` output
+    tile (axis 0 of the grid).  N-major order: the programs of one weight tile run
+    together, so the tile is read from HBM once and the other row tiles find it in L2
+    (x is small enough to stay)."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    rm = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rm, rn, rm < M, rn < N
+
+
+@triton.jit
 def _int8_gemm_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, out_ptr, M, N, K, stride_xm,
                       stride_wn, stride_om, stride_os, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       K_CHUNK: tl.constexpr):
-    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    # N-major order: the programs of one weight tile run together, so the tile is read
-    # from HBM once and the other row tiles find it in L2 (x is small enough to stay).
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_n = pid // num_m
-    pid_m = pid % num_m
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = rm < M
-    n_ok = rn < N
+    rm, rn, m_ok, n_ok = nmajor_tile(M, N, BLOCK_M, BLOCK_N)
     rows = tl.minimum(rn, N - 1).to(tl.int64)  # out-of-range rows re-read row N-1
     x_rows = xq_ptr + rm.to(tl.int64)[:, None] * stride_xm
     k_start = pid_k * K_CHUNK  # static trip count, as in kernels/wna16.py
