@@ -83,7 +83,9 @@ def apply(self, layer, x, bias):  # type: ignore[no-untyped-def]
     xa, wa = {"w8a8": (_q(x2), w8), "w8": (x2, w8), "a8": (_q(x2), w),
               "w8a8_g128": (_q_group(x2), w8), "float": (x2, w),
               "w8_mant3": (x2, layer._probe_m3),
-              "w8a8_pt": (_q_tensor(x2), _q_tensor(w))}[mode]
+              "w8a8_pt": (_q_tensor(x2), _q_tensor(w)),
+              "a8_pt": (_q_tensor(x2), w), "w8_pt": (x2, _q_tensor(w)),
+              "w8_a8pt": (_q_tensor(x2), w8), "w8pt_a8": (_q(x2), _q_tensor(w))}[mode]
     y = xa @ wa.t()
     if STATS_ON:
         ref = x2 @ w.t()
