@@ -15,7 +15,10 @@ of ``pagedllm bench perplexity``'s text, against the unquantised engine:
 * ``w8_mant3``: weights rounded to 3 mantissa bits with an unbounded exponent (no
   subnormals, no saturation: e4m3's floor under any choice of scales), float activations;
 * ``w8a8_pt``: vLLM's online ``quantization="fp8"`` (per-tensor weights, dynamic
-  per-tensor activations);
+  per-tensor activations); the mixes ``w8pt_a8`` (per-tensor weights, per-token
+  activations) and ``w8_a8pt`` (per-channel, per-tensor), and each part alone:
+  ``w8_pt`` (per-tensor e4m3 weights, float activations), ``a8_pt`` (float weights,
+  per-tensor e4m3 activations);
 * ``skip_<proj>``: W8A8 with one kind of projection left in float (``qkv_proj``,
   ``o_proj``, ``gate_up_proj``, ``down_proj``), vLLM's ``ignored_layers``.
 
