@@ -16,12 +16,14 @@ cuBLASLt.  The printout also has each M's per-layer totals (the four projections
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
 import torch
 import triton
 
+from pagedllm.benchmarks.gpu_timing import graph_us
 from pagedllm.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm
 
 SHAPES = {
@@ -32,43 +34,17 @@ SHAPES = {
 F8 = torch.float8_e4m3fn
 
 
-def replay_us(fn, copies: int, reps: int = 5) -> float:
-    """Median microseconds of one call, from CUDA-graph replays of ``copies`` calls."""
-    fn(0)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(copies):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(copies):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (2 * copies))
-    return sorted(times)[len(times) // 2]
+def cublas_calls(x_q, x_scale, ws, w_scale) -> list:
+    """cuBLASLt's row-wise FP8 GEMM, one call per weight copy."""
+    return [functools.partial(torch._scaled_mm, x_q, w.t(), scale_a=x_scale,
+                              scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16)
+            for w in ws]
 
 
-def cublas_fn(x_q, x_scale, ws, w_scale):
-    """Call ``i``: cuBLASLt's row-wise FP8 GEMM on weight copy ``i``."""
-    return lambda i: torch._scaled_mm(x_q, ws[i % len(ws)].t(), scale_a=x_scale,
-                                      scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16)
-
-
-def triton_fn(x_q, x_scale, ws, w_scale, cfg):
-    """Call ``i``: the Triton FP8 GEMM with ``cfg`` on weight copy ``i``."""
-    return lambda i: fp8_gemm(x_q, x_scale, ws[i % len(ws)], w_scale, None,
-                              torch.bfloat16, cfg)
+def triton_calls(x_q, x_scale, ws, w_scale, cfg) -> list:
+    """The Triton FP8 GEMM with ``cfg``, one call per weight copy."""
+    return [functools.partial(fp8_gemm, x_q, x_scale, w, w_scale, None, torch.bfloat16,
+                              cfg) for w in ws]
 
 
 def candidates(m: int, n: int, k: int, sms: int) -> list[Fp8GemmConfig]:
@@ -126,7 +102,7 @@ def main() -> None:
             x_scale = torch.rand(m, 1, device=dev) + 0.5
             ref = (x_q.float() @ ws[0].float().t()) * x_scale * w_scale
             scale = float(ref.abs().max())
-            base = replay_us(cublas_fn(x_q, x_scale, ws, w_scale), copies)
+            base = graph_us(cublas_calls(x_q, x_scale, ws, w_scale))
             best: tuple[float, Fp8GemmConfig | None] = (base, None)
             for cfg in candidates(m, n, k, sms):
                 try:
@@ -135,7 +111,7 @@ def main() -> None:
                     if not err <= a.tol:
                         print(f"  {cfg}: error {err:.2e}, skipped", flush=True)
                         continue
-                    us = replay_us(triton_fn(x_q, x_scale, ws, w_scale, cfg), copies)
+                    us = graph_us(triton_calls(x_q, x_scale, ws, w_scale, cfg))
                 except Exception as e:  # a config the compiler refuses: not a candidate
                     print(f"  {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue

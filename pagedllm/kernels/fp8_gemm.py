@@ -46,8 +46,6 @@ from pagedllm.kernels.int8_gemm import nmajor_tile, split_k_chunk, splitk_reduce
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
 from pagedllm.kernels.tuned_tables import load_tuned_table, shipped_table
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 # (block_m, block_n, block_k, warps, stages, split_k, swap)
 Fp8GemmConfig = tuple[int, int, int, int, int, int, int]
 
