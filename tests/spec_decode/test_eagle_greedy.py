@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from pagedllm import LLM, SamplingParams
 from tests.spec_decode.eagle_heads import tiny_target, write_head
+from tests.spec_decode.flat_cost import pin_flat_step_cost
 
 VOCAB = 96
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -55,6 +56,9 @@ def _run(target: str, spec: dict | None, kv_bytes: int) -> tuple[list[list[int]]
     llm = LLM(model=target, device="cpu", skip_tokenizer_init=True, max_model_len=64,
               max_num_batched_tokens=16, kv_cache_memory_bytes=kv_bytes,
               speculative_config=spec)
+    if spec is not None:  # drafts are verified whatever the shared CPU timed
+        pin_flat_step_cost(llm, spec["num_speculative_tokens"],
+                           spec.get("disable_by_batch_size"))
     outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], llm
 
