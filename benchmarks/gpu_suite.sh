@@ -8,10 +8,12 @@
 #   check    gpu_check.py (greedy agreement: async/sync/eager/PDL off/prune off) and the
 #            GPU parity, CUDA-graph and PDL tests
 #   w4       single-stream latency (pagedllm bench latency)
-#   w1       offline throughput, throughput policy (pagedllm bench throughput --workload W1)
-#   w1fcfs   W1 under the default FCFS policy
+#   w1       offline throughput at the defaults (pagedllm bench throughput --workload W1;
+#            the offline default policy is throughput)
+#   w1fcfs   W1 under the FCFS policy (--scheduling-policy fcfs, the server's default)
 #   w1small  W1-small on the SmolLM2-135M shape (host overhead)
 #   w5       long prompts (W5: 384 requests, 64-2048 in, 16-768 out), default policy
+#   w5fcfs   W5 under the FCFS policy
 #   loracheck  issue 26 on the GPU: benchmarks/lora_probe.py (the LoRA kernels against
 #            the fp32 reference at Llama-3-8B shapes, the fused GEMV paths with an adapter,
 #            the delta per layer at M = 1..256 against the base GEMV/GEMM; exits 1 on a
@@ -21,7 +23,7 @@
 #   hybrid   issue 23's target: Gemma-3-12B shape, W5 with the hybrid KV cache manager
 #            vs --disable-hybrid-kv-cache-manager (tok/s, peak KV blocks/GiB in use), then
 #            the GPU greedy check of tests/e2e/test_hybrid_kv_greedy.py (CUDA graphs)
-#   lora     issue 26's targets: W1 (fcfs) base vs 8 dummy rank-16 adapters spread over
+#   lora     issue 26's targets: W1 (default policy) base vs 8 dummy rank-16 adapters spread over
 #            the requests, W4 base vs one adapter (bench ... --lora N).  LORA_VARIANTS
 #            adds W1 variants, e.g. "lora8_pair256=PAGEDLLM_LORA_PAIR_MAX_ROWS=256,--lora,8"
 #   specdraft  speculative decoding with a draft model (issue 25): SmolLM2 GGUF
@@ -39,13 +41,13 @@
 #   pytest   every kernel test on the GPU, the gpu-marked model/sampler tests, then the
 #            attention grid (~100 kernel variants; long)
 #
-# A/B variants, same lease, interleaved (for w4 / w1 / w1fcfs / w1small):
+# A/B variants, same lease, interleaved (for w4 / w1 / w1fcfs / w1small / w5 / w5fcfs):
 #   VARIANTS="base= pdl_off=PAGEDLLM_PDL=0 gemv_off=PAGEDLLM_GEMV=0" ROUNDS=2 \
 #     bash benchmarks/gpu_suite.sh w1 w4
 # Each variant is NAME=SPEC, SPEC a comma-separated list of environment settings
 # (VAR=VALUE) and engine flags (from the first --flag on), e.g. FP8 against bf16:
 #   VARIANTS="bf16= fp8=--quantization,fp8 fp8kv=--quantization,fp8,--kv-cache-dtype,fp8" \
-#     bash benchmarks/gpu_suite.sh w1fcfs w4 w5
+#     bash benchmarks/gpu_suite.sh w1 w4 w5
 # Results are $OUT/<part>_<name>_<round>.json.  EXTRA_ARGS adds engine flags to every run (e.g.
 # "--max-num-batched-tokens 8192"); REPEATS sets W1's repeats per process (default 2).
 # CLOCKS=1 logs the GPU's SM clock, power and throttle reasons every 200 ms and prints
@@ -125,12 +127,14 @@ for part in $PARTS; do
       step timeout 240 python -m pytest tests/e2e/test_gpu_parity.py \
         tests/e2e/test_cuda_graphs.py tests/kernels/test_pdl.py -m gpu -q -p no:cacheprovider ;;
     w4) ab w4 python -m pagedllm bench latency --dummy llama3-8b ;;
-    w1) ab w1 $W1 --scheduling-policy throughput ;;
-    w1fcfs) ab w1fcfs $W1 ;;
+    w1) ab w1 $W1 ;;
+    w1fcfs) ab w1fcfs $W1 --scheduling-policy fcfs ;;
     w1small) ab w1small python -m pagedllm bench throughput --workload W1-small \
-      --dummy smollm2-135m --no-hf --scheduling-policy throughput ;;
+      --dummy smollm2-135m --no-hf ;;
     w5) ab w5 python -m pagedllm bench throughput --workload W5 --dummy llama3-8b --no-hf \
       --repeats "${REPEATS:-1}" ;;
+    w5fcfs) ab w5fcfs python -m pagedllm bench throughput --workload W5 --dummy llama3-8b \
+      --no-hf --repeats "${REPEATS:-1}" --scheduling-policy fcfs ;;
     loracheck)
       step timeout 300 python benchmarks/lora_probe.py --out "$OUT/lora_probe.json" \
         --rows "${LORA_ROWS:-1,4,16,64,256,2048}" ${LORA_SWEEP:+--sweep}

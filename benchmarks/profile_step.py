@@ -41,8 +41,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--out", default=".")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--scheduling-policy", default="fcfs",
-                    choices=["fcfs", "priority", "throughput"])
+    ap.add_argument("--scheduling-policy", default=None,
+                    choices=["fcfs", "priority", "throughput"],
+                    help="default: the offline LLM's (throughput)")
     ap.add_argument("--quantization", default=None,
                     help="as pagedllm's --quantization (e.g. fp8); default: none")
     ap.add_argument("--kv-cache-dtype", default="auto",

@@ -3,6 +3,12 @@ fitted to the H200 measurements of run 9 (docs/benchmarks.md), to compare schedu
 policies before spending device time.
 
 Usage: python benchmarks/schedule_sim.py [--policy fcfs throughput ...] [--steps FILE]
+       [--workload W1 W5 uniform bimodal small many long-prompt long-output]
+
+``--workload``: W1 (default) and W5 as BENCHMARKS.md draws them, and batches of other
+shapes, all of known length (``ignore_eos``: the throughput policy plans only with such
+requests; others run as under FCFS whatever the policy) -- to check a policy on more
+than the two workloads a device run measures.
 
 The scheduler runs as the engine drives it (async scheduling, 8,192-token budget,
 max_num_seqs 256, prefix caching on); a null runner "samples" a token whenever a
@@ -26,7 +32,7 @@ import json
 
 from scheduler_cost import _NullRunner  # benchmarks/, on sys.path when run as a script
 
-from pagedllm.benchmarks.workloads import w1
+from pagedllm.benchmarks.workloads import BenchRequest, w1, w5
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.request import Request
@@ -62,14 +68,43 @@ def decode_att_ms(batch: int, ctx_tokens: int) -> float:
     return ctx_tokens * _KV_BYTES_PER_TOKEN / (bw * 1e12) * 1e3
 
 
+# Batches of known length besides W1 and W5 (name: W1's generator's arguments).
+_SHAPES: dict[str, dict] = {
+    "uniform": dict(num_requests=256, olen_range=(256, 256)),  # equal lengths: FCFS
+    "bimodal": dict(num_requests=256, seed=1, olen_range=(32, 1024)),
+    "small": dict(num_requests=16, seed=2),
+    "many": dict(num_requests=1024, seed=3),  # 4x max_num_seqs
+    "long-prompt": dict(num_requests=256, seed=4, plen_range=(1024, 4096),
+                        olen_range=(8, 64)),
+    "long-output": dict(num_requests=256, seed=5, plen_range=(16, 64),
+                        olen_range=(256, 1024)),
+}
+WORKLOADS = ["W1", "W5", *_SHAPES]
+
+
+def workload(name: str, num_prompts: int = 256) -> list[BenchRequest]:
+    if name == "W1":
+        return w1(num_prompts)
+    if name == "W5":
+        return w5()
+    if name == "bimodal":  # each output either short or long
+        reqs = w1(**_SHAPES[name])
+        for r in reqs:
+            r.output_len = 32 if r.output_len < 528 else 1024
+        return reqs
+    return w1(**_SHAPES[name])
+
+
 def simulate(policy: str, budget: int = 8192, num_prompts: int = 256,
              fill: bool = True, batches: bool = False,
-             num_blocks: int = 256 * 2048 // 16 + 1) -> list[dict]:
-    """W1's steps under ``policy``; ``fill``: the scheduler knows the chunk-graph sizes
-    (as the engine tells it with CUDA graphs on).  ``batches``: each step also lists its
-    requests as ``[query_len, seq_len]`` pairs in the scheduler's order (what attention
-    sees; ``mixed_attn_ab.py`` replays them)."""
-    reqs = w1(num_prompts)
+             num_blocks: int = 256 * 2048 // 16 + 1,
+             reqs: list[BenchRequest] | None = None) -> list[dict]:
+    """W1's (or ``reqs``') steps under ``policy``; ``fill``: the scheduler knows the
+    chunk-graph sizes (as the engine tells it with CUDA graphs on).  ``batches``: each
+    step also lists its requests as ``[query_len, seq_len]`` pairs in the scheduler's
+    order (what attention sees; ``mixed_attn_ab.py`` replays them).  ``num_blocks``
+    must hold every running request whole (the null runner cannot recompute)."""
+    reqs = w1(num_prompts) if reqs is None else reqs
     max_len = 8192
     s = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=budget,
                                   max_model_len=max_len, async_scheduling=True,
@@ -142,25 +177,36 @@ def main() -> None:
     ap.add_argument("--steps", help="write each policy's steps (JSON lines) here")
     ap.add_argument("--no-fill", action="store_true",
                     help="the scheduler does not know the chunk-graph sizes")
+    ap.add_argument("--workload", nargs="+", default=["W1"], choices=WORKLOADS)
+    ap.add_argument("--num-blocks", type=int, default=53_000,
+                    help="KV blocks of 16 tokens (default: about the H200's for the "
+                         "Llama-3-8B shape in bf16 at 0.9 memory use)")
     a = ap.parse_args()
-    print(f"{'policy':>12}{'steps':>7}{'GEMM s':>8}{'attn s':>8}{'other s':>8}"
-          f"{'idle s':>8}{'total s':>9}{'out tok/s':>10}{'min M':>7}{'median M':>9}")
-    out_tokens = sum(r.output_len for r in w1(256))
-    for pol in a.policy:
-        steps = simulate(pol, a.budget, fill=not a.no_fill)
-        parts = {k: 0.0 for k in ("gemm", "attention", "other", "idle")}
-        for st in steps:
-            for k, v in price(st).items():
-                parts[k] += v / 1e3
-        total = sum(parts.values())
-        ms = sorted(st["tokens"] for st in steps)
-        print(f"{pol:>12}{len(steps):>7}{parts['gemm']:>8.2f}{parts['attention']:>8.2f}"
-              f"{parts['other']:>8.2f}{parts['idle']:>8.2f}{total:>9.2f}"
-              f"{out_tokens / total:>10,.0f}{ms[0]:>7}{ms[len(ms) // 2]:>9}")
-        if a.steps:
-            with open(f"{a.steps}.{pol}.jsonl", "w") as f:
-                for st in steps:
-                    f.write(json.dumps(st) + "\n")
+    print(f"{'workload':>12}{'policy':>12}{'steps':>7}{'GEMM s':>8}{'attn s':>8}"
+          f"{'other s':>8}{'idle s':>8}{'total s':>9}{'out tok/s':>10}{'vs first':>9}"
+          f"{'min M':>7}{'median M':>9}")
+    for name in a.workload:
+        reqs = workload(name)
+        out_tokens = sum(r.output_len for r in reqs)
+        first = None
+        for pol in a.policy:
+            steps = simulate(pol, a.budget, fill=not a.no_fill, num_blocks=a.num_blocks,
+                             reqs=reqs)
+            parts = {k: 0.0 for k in ("gemm", "attention", "other", "idle")}
+            for st in steps:
+                for k, v in price(st).items():
+                    parts[k] += v / 1e3
+            total = sum(parts.values())
+            first = first or total
+            ms = sorted(st["tokens"] for st in steps)
+            print(f"{name:>12}{pol:>12}{len(steps):>7}{parts['gemm']:>8.2f}"
+                  f"{parts['attention']:>8.2f}{parts['other']:>8.2f}{parts['idle']:>8.2f}"
+                  f"{total:>9.2f}{out_tokens / total:>10,.0f}{first / total:>8.3f}x"
+                  f"{ms[0]:>7}{ms[len(ms) // 2]:>9}")
+            if a.steps:
+                with open(f"{a.steps}.{name}.{pol}.jsonl", "w") as f:
+                    for st in steps:
+                        f.write(json.dumps(st) + "\n")
 
 
 if __name__ == "__main__":

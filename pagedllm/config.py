@@ -218,7 +218,9 @@ class EngineArgs:
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    scheduling_policy: str = "fcfs"
+    # "fcfs" | "priority" | "throughput"; None: the entry point's default -- fcfs for a
+    # server or a bare engine, throughput for the offline ``LLM`` (entrypoints/llm.py).
+    scheduling_policy: str | None = None
     device: str = "auto"
     enforce_eager: bool = False
     max_cudagraph_capture_size: int = 2048  # tokens of the largest chunk CUDA graph
@@ -269,9 +271,10 @@ class EngineArgs:
         g = self.gpu_memory_utilization
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 < g <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")
-        if self.scheduling_policy not in ("fcfs", "priority", "throughput"):
+        policy = "fcfs" if self.scheduling_policy is None else self.scheduling_policy
+        if policy not in ("fcfs", "priority", "throughput"):
             raise ValueError("scheduling_policy must be 'fcfs', 'priority' or 'throughput', "
-                             f"got {self.scheduling_policy!r}")
+                             f"got {policy!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.num_threads is not None:
@@ -390,7 +393,7 @@ class EngineArgs:
                     and self.pipeline_parallel_size == 1)),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
-                max_model_len=max_model_len, policy=self.scheduling_policy,  # type: ignore
+                max_model_len=max_model_len, policy=policy,  # type: ignore
                 preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
                 max_swap_blocks_per_step=max(1, SWAP_BYTES_PER_STEP // (
                     model_config.kv_bytes_per_token(cache_dtype) * self.block_size)),

@@ -66,6 +66,7 @@ class Request:
         "pooling_params",
         "lora_request",
         "spec_token_ids",
+        "length_known",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -98,6 +99,12 @@ class Request:
         self.num_preemptions = 0
         assert sampling_params.max_tokens is not None, "engine fills in max_tokens"
         self.max_tokens: int = sampling_params.max_tokens
+        # It generates exactly max_tokens tokens: no EOS, stop token, stop string or
+        # grammar can end it earlier (the throughput policy plans only with such lengths).
+        sp = sampling_params
+        self.length_known: bool = not sp.stop and sp.structured_outputs is None and (
+            sp.min_tokens >= self.max_tokens
+            or (sp.ignore_eos and not sp.stop_token_ids))
         self.num_cached_tokens = -1  # set when first scheduled (prefix-cache hits)
         self.first_scheduled_time: float | None = None
         self._first_scheduled_reported = False

@@ -23,8 +23,12 @@ def test_throughput_plot(tmp_path) -> None:
                "--num-prompts", "2", "--batch-sizes", "1,2", "--repeats", "1", "--no-hf",
                "--plot", str(png), "--output-json", str(out))
     assert r.returncode == 0, r.stderr
-    rows = json.loads(out.read_text())["rows"]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
     assert [row["config"] for row in rows] == ["batch 1", "batch 2"]
+    # An offline run: the throughput policy by default, and the report says so.
+    assert report["meta"]["scheduling_policy"] == "throughput"
+    assert "throughput policy" in r.stdout
     image = matplotlib.image.imread(png)
     assert image.shape[0] > 200 and image.std() > 0
 

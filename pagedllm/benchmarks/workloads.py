@@ -198,7 +198,7 @@ def write_dummy_model(name: str, directory: str | None = None) -> str:
 
 def engine_summary(llm: Any) -> dict[str, Any]:
     """What ran, for a benchmark's header and JSON: the weights' quantisation, the KV
-    cache's element type and blocks."""
+    cache's element type and blocks, the scheduling policy."""
     cfg = llm.llm_engine.config
     core = getattr(getattr(llm.llm_engine, "client", None), "core", None)
     blocks = getattr(core, "num_blocks", None) or cfg.cache_config.num_blocks
@@ -207,7 +207,8 @@ def engine_summary(llm: Any) -> dict[str, Any]:
             "quantization": cfg.model_config.quantization or "none",
             "kv_cache_dtype": cfg.cache_config.cache_dtype,
             "kv_blocks": blocks, "kv_block_bytes": kv_block_bytes(llm),
-            "kv_cache_groups": groups.describe() if groups is not None else None}
+            "kv_cache_groups": groups.describe() if groups is not None else None,
+            "scheduling_policy": cfg.scheduler_config.policy}
 
 
 def kv_block_bytes(llm: Any) -> int:
@@ -234,6 +235,7 @@ def summary_line(s: dict[str, Any]) -> str:
     if s.get("kv_block_bytes"):
         blocks += f" of {s['kv_block_bytes'] / 2**20:.2f} MiB"
     groups = f"; {s['kv_cache_groups']}" if s.get("kv_cache_groups") else ""
+    policy = f", {s['scheduling_policy']} policy" if s.get("scheduling_policy") else ""
     return (f"dtype {s['dtype']}, quantization {s['quantization']}, kv_cache_dtype "
-            f"{s['kv_cache_dtype']}{blocks}{groups}")
+            f"{s['kv_cache_dtype']}{blocks}{groups}{policy}")
 

@@ -97,21 +97,32 @@ class PriorityQueue(RequestQueue):
         return iter(sorted(self._heap))
 
 
-# A LongestFirstQueue entry: (-tokens it may still generate, arrival time, request id,
+# A LongestFirstQueue entry: (-tokens it will still generate, arrival time, request id,
 # tokens to compute, request).  The first three are the order (request ids are unique,
 # so tuples never compare further); the counts are taken when the request is queued.
 _Entry = tuple[int, float, str, int, Request]
+# The first field of a request whose length is not known (``Request.length_known``):
+# ahead of every other, and due now whatever the horizon (no pacing plans with it).
+DUE_NOW = -(1 << 60)
+
+
+def _key(request: Request) -> int:
+    if not request.length_known:
+        return DUE_NOW
+    return request.num_output_tokens - request.max_tokens
 
 
 def _entry(request: Request) -> _Entry:
-    return (request.num_output_tokens - request.max_tokens, request.arrival_time,
-            request.request_id, request.num_tokens, request)
+    return (_key(request), request.arrival_time, request.request_id, request.num_tokens,
+            request)
 
 
 class LongestFirstQueue(RequestQueue):
     """The throughput policy's queue: longest ``max_tokens`` first, ties by arrival then
     request id (the longest-processing-time rule for makespan); preempted requests go
-    ahead of all of them, the latest preempted first, as in ``FCFSQueue``.
+    ahead of all of them, the latest preempted first, as in ``FCFSQueue``.  A request
+    whose length is not known (it may stop at EOS, a stop token or string) goes first,
+    by arrival, and is due now: with only such requests this is FCFS.
 
     ```
     _preempted (deque, LIFO) ──► _sorted (list, ascending key = longest first)
@@ -156,8 +167,8 @@ class LongestFirstQueue(RequestQueue):
                 break
         else:
             q = self._sorted
-            i = bisect.bisect_left(q, (request.num_output_tokens - request.max_tokens,
-                                       request.arrival_time, request.request_id))
+            i = bisect.bisect_left(q, (_key(request), request.arrival_time,
+                                       request.request_id))
             if i >= len(q) or q[i][4] is not request:
                 # Its output count changed since it was queued (a beam): look it up.
                 i = next(k for k, x in enumerate(q) if x[4] is request)
@@ -165,10 +176,14 @@ class LongestFirstQueue(RequestQueue):
         self._tokens -= e[3]
 
     def longest_remaining_output(self) -> int:
-        """The most tokens any waiting request may still generate (0 when empty)."""
-        best = -self._sorted[0][0] if self._sorted else 0
+        """The most tokens any waiting request of known length will still generate
+        (0 when there is none)."""
+        q = self._sorted
+        i = bisect.bisect_left(q, (DUE_NOW + 1,))  # past the requests of unknown length
+        best = -q[i][0] if i < len(q) else 0
         for e in self._preempted:
-            best = max(best, -e[0])
+            if e[0] != DUE_NOW:
+                best = max(best, -e[0])
         return best
 
     def paced_rate(self, running_tokens: int, horizon: int, limit: int,

@@ -12,9 +12,11 @@ a prompt (chunked prefill), or one token (decode).  The scheduler grants them in
             and max_num_seqs allow -- skipped in a step that had to preempt
 ```
 
-The throughput policy (offline batches) changes two things only: the waiting order
-(longest ``max_tokens`` first) and how many prompt tokens a step may compute while
-requests wait (prefill paced over the decode horizon: ``Scheduler._prefill_cap``).
+The throughput policy (offline batches; the default of ``LLM``) changes two things
+only, and only for requests whose length is known (no EOS, stop token or stop string can
+end them early): the waiting order (longest ``max_tokens`` first) and how many prompt
+tokens a step may compute while requests wait (prefill paced over the decode horizon:
+``Scheduler._prefill_cap``).  Other requests go first and are never delayed.
 
 A prompt longer than the remaining budget is cut into a chunk; the rest comes next step,
 mixed with other requests' decode tokens.  Work per step is O(number of requests): no
@@ -51,7 +53,7 @@ from pagedllm.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagedllm.core.request_queue import LongestFirstQueue, make_queue
+from pagedllm.core.request_queue import DUE_NOW, LongestFirstQueue, make_queue
 from pagedllm.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -543,7 +545,11 @@ class Scheduler:
         and ``S_j`` the tokens of the first ``j`` waiting requests (the first 512 only,
         to bound the per-step cost).  When every request
         has the same ``max_tokens`` the first deadline is step 0 and the rule is
-        "prefill everything now", as under FCFS.
+        "prefill everything now", as under FCFS.  Only requests of known length
+        (``Request.length_known``: they cannot stop before ``max_tokens``) are planned
+        with: one that may stop early sets no horizon and is due now (its ``max_tokens``
+        is only a bound, and pacing by it could delay prompts for steps that never
+        come), so a batch of such requests runs as under FCFS.
 
         With CUDA graphs the runner pads a mixed step up to its graph's size, so the cap
         is raised to fill that padding (``padded_step_sizes``).  A waiting request's
@@ -558,13 +564,15 @@ class Scheduler:
         chunk_out = 0  # the longest output of a request with an unfinished chunk
         for r in self.running:
             left = r.num_tokens - r.num_computed_tokens
-            rest = r.max_tokens - r.num_output_tokens
+            # A request of unknown length sets no horizon (it may stop at any step), and
+            # its unfinished chunk is due now.
+            rest = r.max_tokens - r.num_output_tokens if r.length_known else -DUE_NOW
             if left > 1:
                 p_run += left
                 chunk_out = max(chunk_out, rest)
             elif r.num_placeholders or left == 1:
                 decodes += 1
-            if rest > horizon:
+            if rest > horizon and r.length_known:
                 horizon = rest
         budget = self.config.max_num_batched_tokens
         rate = waiting.paced_rate(p_run, horizon, limit=budget,

@@ -76,13 +76,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="Token budget of one engine step (prompt chunks + decodes). "
                         "Default 8192 on CUDA, 2048 on the CPU.")
-    g.add_argument("--scheduling-policy", default="fcfs",
+    g.add_argument("--scheduling-policy", default=None,
                    choices=["fcfs", "priority", "throughput"],
                    help="fcfs: first come first served; priority: lower 'priority' "
                         "value first, then arrival; throughput: for offline batches -- "
-                        "longest max_tokens first, and prefill paced over the decode "
-                        "horizon so decode steps carry it (not for online serving: it "
-                        "delays prompts).")
+                        "requests of known length (ignore_eos, or min_tokens == "
+                        "max_tokens) longest first, their prefill paced over the decode "
+                        "horizon so decode steps carry it; others first come first "
+                        "served (not for online serving: it delays prompts). Default: "
+                        "throughput for offline runs (bench throughput), fcfs otherwise.")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="Where to run. auto = cuda when available.")
     g.add_argument("--enforce-eager", action="store_true",

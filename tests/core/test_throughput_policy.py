@@ -12,6 +12,8 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.request_queue import LongestFirstQueue
 from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_from_cli
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
 from tests.core.fake_runner import FakeRunner
 from tests.core.test_scheduler import assert_all_free, make_scheduler, req, run_to_completion
 
@@ -174,6 +176,84 @@ def test_config_and_cli_accept_throughput():
         EngineArgs(scheduling_policy="lpt").create_engine_config()
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    assert p.parse_args([]).scheduling_policy == "fcfs"  # the default stays FCFS
+    # No flag: the entry point's default (an engine's or a server's is FCFS; the
+    # offline LLM's is throughput: tests/engine/test_llm_api.py).
+    assert engine_args_from_cli(p.parse_args([])).scheduling_policy is None
+    assert EngineArgs().create_engine_config().scheduler_config.policy == "fcfs"
     args = p.parse_args(["--scheduling-policy", "throughput"])
     assert engine_args_from_cli(args).scheduling_policy == "throughput"
+
+
+def _params(kind: str, max_tokens: int) -> SamplingParams:
+    return {"ignore_eos": SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            "min_tokens": SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens),
+            "eos": SamplingParams(max_tokens=max_tokens),
+            "stop_token": SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                         stop_token_ids=[5]),
+            "stop_string": SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                          stop=["x"]),
+            "short_min": SamplingParams(max_tokens=max_tokens, min_tokens=1)}[kind]
+
+
+@pytest.mark.parametrize("kind,known", [("ignore_eos", True), ("min_tokens", True),
+                                        ("eos", False), ("stop_token", False),
+                                        ("stop_string", False), ("short_min", False)])
+def test_length_known_only_when_nothing_can_stop_the_request_early(kind, known):
+    r = Request("a", [1, 2, 3], _params(kind, 8), eos_token_id=2)
+    assert r.length_known is known
+
+
+def _mixed(policy: str, kinds: list[str], seed: int = 0):
+    """A W1-like batch whose requests are of the given kinds (cycled); the runner samples
+    token 7, which stops none of them (eos and stop token are other ids)."""
+    rng = random.Random(seed)
+    s = make_scheduler(num_blocks=48 * 1600 // 16 + 1, block_size=16, budget=2048,
+                       max_seqs=48, policy=policy, max_model_len=2048)
+    for i in range(48):
+        plen, olen = rng.randint(64, 512), rng.randint(16, 256)
+        sp = _params(kinds[i % len(kinds)], olen)
+        s.add_request(Request(f"r{i}", list(range(1 + i, 1 + i + plen)), sp,
+                              eos_token_id=2, arrival_time=float(i)))
+    runner = _LightRunner()
+    outs, _ = run_to_completion(s, runner)  # type: ignore[arg-type]
+    assert_all_free(s)
+    return runner.steps, outs
+
+
+def test_requests_of_unknown_length_run_as_under_fcfs():
+    """A batch whose requests may stop at EOS or a stop token (their max_tokens is only
+    a bound) is not reordered or paced: the run is FCFS's, step for step."""
+    for kinds in (["eos"], ["stop_token", "eos", "stop_string"]):
+        assert _mixed("throughput", kinds) == _mixed("fcfs", kinds)
+
+
+def test_requests_of_unknown_length_go_first_and_are_never_paced():
+    """Mixed with requests of known length, the others are admitted first, in arrival
+    order, with their whole prompts as budget allows; the known ones are then paced."""
+    steps, outs = _mixed("throughput", ["ignore_eos", "eos"])
+    fcfs_steps, fcfs_outs = _mixed("fcfs", ["ignore_eos", "eos"])
+    assert outs == fcfs_outs
+    admitted = [nr.req_id for so in steps for nr in so.new_reqs]
+    unknown = [f"r{i}" for i in range(1, 48, 2)]
+    assert admitted[:24] == unknown
+    # Not paced: each of their prompts is computed no later than under FCFS (where
+    # they alternate with the known ones), and the run is no longer.
+    done, fcfs_done = _prompt_done_step(steps), _prompt_done_step(fcfs_steps)
+    assert all(done[rid] <= fcfs_done[rid] for rid in unknown)
+    assert max(done[rid] for rid in unknown) < max(done.values())  # the others paced
+    assert len(steps) <= len(fcfs_steps) + 2
+
+
+def _prompt_done_step(steps: list[SchedulerOutput]) -> dict[str, int]:
+    """The step at which each request's prompt was fully computed."""
+    left: dict[str, int] = {}
+    done: dict[str, int] = {}
+    for i, so in enumerate(steps):
+        for nr in so.new_reqs:
+            left[nr.req_id] = len(nr.prompt_token_ids)
+        for rid, n in so.num_scheduled_tokens.items():
+            if rid not in done:
+                left[rid] -= n
+                if left[rid] <= 0:
+                    done[rid] = i
+    return done

@@ -139,20 +139,22 @@ def test_chat_uses_template(llm):
 
 
 def test_throughput_policy_gives_fcfs_greedy_outputs(llm):
-    """Longest-first order and paced (chunked) prefill change when tokens are computed,
-    never which: greedy outputs equal FCFS's (the session engine)."""
+    """The offline API's default policy is throughput (the session engine runs it).
+    Longest-first order and paced (chunked) prefill change when tokens are computed,
+    never which: greedy outputs equal FCFS's."""
     from pagedllm import LLM
 
+    assert llm.llm_engine.config.scheduler_config.policy == "throughput"
     prompts = [PROMPT, "Hello there, how are you today? I am", "Count: 1, 2,",
                "The capital of France is a city that"]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
               for m in (4, 16, 8, 12)]
-    thr = LLM(kv_cache_memory_bytes=16 << 20, max_model_len=256,
-              max_num_batched_tokens=256, scheduling_policy="throughput",
-              quantization="none")
-    assert thr.llm_engine.config.scheduler_config.policy == "throughput"
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in thr.generate(prompts, params, use_tqdm=False)]
+    fcfs = LLM(kv_cache_memory_bytes=16 << 20, max_model_len=256,
+               max_num_batched_tokens=256, scheduling_policy="fcfs",
+               quantization="none")
+    assert fcfs.llm_engine.config.scheduler_config.policy == "fcfs"
+    want = [o.outputs[0].token_ids for o in fcfs.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want and [len(t) for t in got] == [4, 16, 8, 12]
 
 
