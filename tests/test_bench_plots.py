@@ -26,9 +26,9 @@ def test_throughput_plot(tmp_path) -> None:
     report = json.loads(out.read_text())
     rows = report["rows"]
     assert [row["config"] for row in rows] == ["batch 1", "batch 2"]
-    # An offline run: the throughput policy by default, and the report says so.
-    assert report["meta"]["scheduling_policy"] == "throughput"
-    assert "throughput policy" in r.stdout
+    # The report names the policy: an offline run's default, FCFS on the CPU.
+    assert report["meta"]["scheduling_policy"] == "fcfs"
+    assert "fcfs policy" in r.stdout
     image = matplotlib.image.imread(png)
     assert image.shape[0] > 200 and image.std() > 0
 

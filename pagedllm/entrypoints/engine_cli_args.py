@@ -84,7 +84,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "max_tokens) longest first, their prefill paced over the decode "
                         "horizon so decode steps carry it; others first come first "
                         "served (not for online serving: it delays prompts). Default: "
-                        "throughput for offline runs (bench throughput), fcfs otherwise.")
+                        "throughput for offline runs on CUDA (bench throughput), fcfs "
+                        "otherwise (a server; the CPU, where pacing slows decode steps).")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="Where to run. auto = cuda when available.")
     g.add_argument("--enforce-eager", action="store_true",

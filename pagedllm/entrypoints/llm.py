@@ -10,7 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from pagedllm.config import EngineArgs
+from pagedllm.config import EngineArgs, offline_scheduling_policy
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm_pooling import PoolingMixin
@@ -42,10 +42,11 @@ class LLM(PoolingMixin):
     ``LLM()`` runs the embedded default model (SmolLM2-135M-Instruct); any ``EngineArgs``
     field (``dtype``, ``max_model_len``, ``kv_cache_memory_bytes``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``block_size``, ``seed``, ...) may be passed by keyword.
-    Its ``scheduling_policy`` defaults to ``"throughput"`` (a server's to ``"fcfs"``):
-    requests that run to a known ``max_tokens`` (``ignore_eos``, or ``min_tokens ==
-    max_tokens``) are ordered and their prompts paced for the shortest total time;
-    all others run first come, first served.
+    On CUDA its ``scheduling_policy`` defaults to ``"throughput"`` (a server's, and the
+    CPU's, to ``"fcfs"``: ``config.offline_scheduling_policy``): requests that run to a
+    known ``max_tokens`` (``ignore_eos``, or ``min_tokens == max_tokens``) are ordered
+    and their prompts paced for the shortest total time; all others run first come,
+    first served.
     Pooling models (``runner="pooling"``, chosen automatically for encoders and
     cross-encoders) serve ``embed``/``classify``/``score``/``encode``
     (``entrypoints/llm_pooling.py``) instead of ``generate``.
@@ -60,7 +61,8 @@ class LLM(PoolingMixin):
         if kwargs.get("scheduling_policy") is None:
             # An offline batch: only its total time counts (docs/architecture.md,
             # "Scheduling policies"; requests that may stop early run as under FCFS).
-            kwargs["scheduling_policy"] = "throughput"
+            kwargs["scheduling_policy"] = offline_scheduling_policy(
+                kwargs.get("device", "auto"))
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine(self.engine_args.create_engine_config(), max_logprobs)
         self._counter = itertools.count()

@@ -139,22 +139,25 @@ def test_chat_uses_template(llm):
 
 
 def test_throughput_policy_gives_fcfs_greedy_outputs(llm):
-    """The offline API's default policy is throughput (the session engine runs it).
-    Longest-first order and paced (chunked) prefill change when tokens are computed,
-    never which: greedy outputs equal FCFS's."""
+    """The offline API's default policy is FCFS on the CPU (the session engine) and
+    throughput on CUDA.  Longest-first order and paced (chunked) prefill change when
+    tokens are computed, never which: greedy outputs equal FCFS's."""
     from pagedllm import LLM
+    from pagedllm.config import offline_scheduling_policy
 
-    assert llm.llm_engine.config.scheduler_config.policy == "throughput"
+    assert llm.llm_engine.config.scheduler_config.policy == "fcfs"
+    assert offline_scheduling_policy("cpu") == "fcfs"
+    assert offline_scheduling_policy("cuda") == "throughput"
     prompts = [PROMPT, "Hello there, how are you today? I am", "Count: 1, 2,",
                "The capital of France is a city that"]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
               for m in (4, 16, 8, 12)]
-    fcfs = LLM(kv_cache_memory_bytes=16 << 20, max_model_len=256,
-               max_num_batched_tokens=256, scheduling_policy="fcfs",
-               quantization="none")
-    assert fcfs.llm_engine.config.scheduler_config.policy == "fcfs"
-    want = [o.outputs[0].token_ids for o in fcfs.generate(prompts, params, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    thr = LLM(kv_cache_memory_bytes=16 << 20, max_model_len=256,
+              max_num_batched_tokens=256, scheduling_policy="throughput",
+              quantization="none")
+    assert thr.llm_engine.config.scheduler_config.policy == "throughput"
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in thr.generate(prompts, params, use_tqdm=False)]
     assert got == want and [len(t) for t in got] == [4, 16, 8, 12]
 
 
