@@ -40,12 +40,17 @@ class CpuBackend(TorchReferenceBackend):
     ) -> torch.Tensor:
         if decode_attention.applies(query, key, value, kv_cache, meta):
             return decode_attention.run(query, key, value, kv_cache, meta, scale, rope, kind)
-        out = super().forward_rope(query, key, value, kv_cache, meta, scale, rope, kind,
-                                   k_scale, v_scale)
-        if (meta.num_reqs > 1 and not meta.kv_groups and query.shape[0] ==
+        if not (meta.num_reqs > 1 and not meta.kv_groups and query.shape[0] ==
                 meta.num_actual_tokens and decode_attention.takes_rows(query, key, value,
                                                                        kv_cache)):
-            self._decode_rows(out, query, key, value, kv_cache, meta, scale, rope, kind)
+            return super().forward_rope(query, key, value, kv_cache, meta, scale, rope,
+                                        kind, k_scale, v_scale)
+        # A mixed step: the torch reference writes every row's K/V and attends the
+        # prompt rows only; the one-token rows come from the C kernel (module doc).
+        self.write_kv(rope.rotate(key), value, kv_cache, meta, k_scale, v_scale)
+        out = self.attend(rope.rotate(query), kv_cache, meta, scale, kind, k_scale,
+                          v_scale, decodes=False)
+        self._decode_rows(out, query, key, value, kv_cache, meta, scale, rope, kind)
         return out
 
     @staticmethod

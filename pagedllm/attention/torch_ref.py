@@ -179,7 +179,9 @@ class TorchReferenceBackend(AttentionBackend):
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, kind: AttentionKind = FULL, k_scale: float = 1.0,
-               v_scale: float = 1.0) -> torch.Tensor:
+               v_scale: float = 1.0, decodes: bool = True) -> torch.Tensor:
+        """``decodes`` False: the rows of one-token requests in a mixed step are left
+        unset (a caller that computes them itself: ``cpu_backend.py``)."""
         if meta.num_reqs == 0 or meta.num_actual_tokens == 0:
             return torch.empty_like(query)
         k_cache = _Dequant(kv_cache[0], k_scale, query.dtype)
@@ -189,7 +191,7 @@ class TorchReferenceBackend(AttentionBackend):
         if plan.all_decode and plan.num_decodes == query.shape[0]:
             return self._decodes(query, k_cache, v_cache, meta, plan, scale, kind)  # no copy
         out = torch.empty_like(query)
-        if plan.num_decodes:
+        if plan.num_decodes and decodes:
             o = self._decodes(query, k_cache, v_cache, meta, plan, scale, kind)
             if plan.decode_tokens is None:
                 out[:plan.num_decodes] = o
