@@ -12,7 +12,7 @@ a prompt (chunked prefill), or one token (decode).  The scheduler grants them in
             and max_num_seqs allow -- skipped in a step that had to preempt
 ```
 
-The throughput policy (offline batches; the default of ``LLM``) changes two things
+The throughput policy (offline batches; ``LLM``'s default on CUDA) changes two things
 only, and only for requests whose length is known (no EOS, stop token or stop string can
 end them early): the waiting order (longest ``max_tokens`` first) and how many prompt
 tokens a step may compute while requests wait (prefill paced over the decode horizon:
