@@ -564,16 +564,16 @@ class Scheduler:
         chunk_out = 0  # the longest output of a request with an unfinished chunk
         for r in self.running:
             left = r.num_tokens - r.num_computed_tokens
-            # A request of unknown length sets no horizon (it may stop at any step), and
-            # its unfinished chunk is due now.
-            rest = r.max_tokens - r.num_output_tokens if r.length_known else -DUE_NOW
+            if r.length_known:
+                rest = r.max_tokens - r.num_output_tokens
+                horizon = max(horizon, rest)
+            else:  # it may stop at any step: it sets no horizon, and its chunk is due now
+                rest = -DUE_NOW
             if left > 1:
                 p_run += left
                 chunk_out = max(chunk_out, rest)
             elif r.num_placeholders or left == 1:
                 decodes += 1
-            if rest > horizon and r.length_known:
-                horizon = rest
         budget = self.config.max_num_batched_tokens
         rate = waiting.paced_rate(p_run, horizon, limit=budget,
                                   running_slack=horizon - chunk_out)
