@@ -1,14 +1,17 @@
 """Where W8A8's perplexity cost comes from (CPU, fp32 compute, the SmolLM2 GGUF).
 
     PYTHONPATH=. python benchmarks/fp8_w8a8_probe.py [--num-tokens 2048] [--window 512]
-        [--modes w8a8,w8,a8,...]
+        [--text opticks|python-docs] [--modes w8a8,w8,a8,...]
 
-Each mode is one engine with ``quantization="fp8"`` (per-channel e4m3 weights, per-token
-e4m3 activations) whose CPU linear (``Fp8LinearMethod.apply``) is swapped, for this probe
-only, to isolate one source of error; perplexity over the first ``--num-tokens`` tokens
+Each mode is one engine with ``quantization="fp8"`` (since 2026-12-03 per-tensor e4m3
+weights, per-token e4m3 activations: the ``w8pt_a8`` mode) whose CPU linear
+(``Fp8LinearMethod.apply``) is swapped, for this probe only, to isolate one source of
+error; perplexity over the first ``--num-tokens`` tokens
 of ``pagedllm bench perplexity``'s text, against the unquantised engine:
 
-* ``w8a8``: as shipped;   ``w8``: e4m3 weights, float activations;
+* ``w8a8``: per-channel e4m3 weights, per-token e4m3 activations (shipped until
+  2026-12-03, and what FP8_DYNAMIC checkpoints hold); ``w8``: per-channel e4m3 weights,
+  float activations;
 * ``a8``: float weights, per-token e4m3 activations;
 * ``w8a8_g128``: activations with one scale per 128 columns of a token (vLLM's
   per-token-group activation quantisation of block-FP8 checkpoints), e4m3 weights;
@@ -19,11 +22,11 @@ of ``pagedllm bench perplexity``'s text, against the unquantised engine:
   activations) and ``w8_a8pt`` (per-channel, per-tensor), and each part alone:
   ``w8_pt`` (per-tensor e4m3 weights, float activations), ``a8_pt`` (float weights,
   per-tensor e4m3 activations);
-* ``skip_<proj>``: W8A8 with one kind of projection left in float (``qkv_proj``,
+* ``skip_<proj>``: ``w8a8`` with one kind of projection left in float (``qkv_proj``,
   ``o_proj``, ``gate_up_proj``, ``down_proj``), vLLM's ``ignored_layers``.
 
 ``--stats`` also prints, per projection kind, the relative output error ||y8 - y|| / ||y||
-of the shipped W8A8 linear and of its weight-only and activation-only parts, and the
+of the ``w8a8`` linear and of its weight-only and activation-only parts, and the
 activations' mean per-token amax / rms (outliers).
 """
 
@@ -71,6 +74,7 @@ def _q_tensor(x: torch.Tensor) -> torch.Tensor:
 def process(self, layer) -> None:  # type: ignore[no-untyped-def]
     layer._probe_w = layer.weight.data.float().clone()
     layer._probe_m3 = _mant3(layer._probe_w)
+    layer._probe_w8 = _q(layer._probe_w)  # per-channel, whatever the engine stores
     _orig_process(self, layer)
 
 
@@ -78,7 +82,7 @@ def apply(self, layer, x, bias):  # type: ignore[no-untyped-def]
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).float()
     w = layer._probe_w
-    w8 = layer.weight.float() * layer.weight_scale.view(-1, 1)
+    w8 = layer._probe_w8
     kind = getattr(layer, "_probe_kind", "?")
     mode = MODE
     if mode.startswith("skip_"):
@@ -125,6 +129,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--modes", default="w8a8,w8,a8,w8a8_g128,w8a8_pt,skip_qkv_proj,"
                                        "skip_o_proj,skip_gate_up_proj,skip_down_proj")
+    ap.add_argument("--text", default="opticks", choices=["opticks", "python-docs"])
     ap.add_argument("--stats", action="store_true")
     args = ap.parse_args()
     from pagedllm import LLM
@@ -133,10 +138,10 @@ def main() -> None:
     fp8mod.Fp8LinearMethod.process_weights_after_loading = process  # type: ignore
     fp8mod.Fp8LinearMethod.apply = apply  # type: ignore
     # No prefix caching: every mode recomputes the same windows.
-    kw = dict(device="cpu", max_model_len=1024, kv_cache_memory_bytes=64 << 20,
+    kw = dict(device="cpu", max_model_len=args.window + 1, kv_cache_memory_bytes=64 << 20,
               enable_prefix_caching=False)
     base = LLM(None, quantization="none", **kw)
-    ids = base.get_tokenizer()(corpus_text("opticks")[0],
+    ids = base.get_tokenizer()(corpus_text(args.text)[0],
                                add_special_tokens=False)["input_ids"][:args.num_tokens]
     windows = [ids[i:i + args.window] for i in range(0, len(ids), args.window)]
     p0 = perplexity(base, windows)

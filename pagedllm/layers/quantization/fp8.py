@@ -12,8 +12,9 @@ Where the weights come from (``Fp8Config.from_config``):
 
 * an unquantised (bf16 / fp16 / fp32) checkpoint with ``quantization="fp8"``: the layer
   registers a plain weight, the loader (or ``load_format="dummy"``) fills it, and
-  ``process_weights_after_loading`` quantises it (per output channel by default; per
-  tensor with ``Fp8Config(weight_per_tensor=True)``), as vLLM does at load time;
+  ``process_weights_after_loading`` quantises it with one scale per (fused) weight
+  tensor, stored broadcast over the output channels, as vLLM does at load time
+  (``Fp8Config(weight_per_tensor=False)``: one scale per output channel);
 * a Hugging Face FP8 checkpoint (``quantization_config.quant_method == "fp8"``):
   ``weight`` is e4m3 with ``weight_scale`` (per tensor or per channel) or
   ``weight_scale_inv`` (``weight_block_size`` blocks, transformers' fine-grained FP8).
@@ -333,7 +334,10 @@ class Fp8Config(QuantizationConfig):
     def from_config(cls, hf_config: Any, model_config: Any) -> Fp8Config:
         qc = getattr(hf_config, "quantization_config", None)
         if qc is None:
-            return cls()
+            # Quantised at load: one weight scale per tensor, as vLLM's online fp8 does.
+            # Measured on SmolLM2 (docs/benchmarks.md, "where fp8's perplexity cost comes
+            # from"), it costs less than per-channel scales on every sample tried.
+            return cls(weight_per_tensor=True)
         if not isinstance(qc, dict):
             qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
         fmt = qc.get("fmt", "e4m3")
