@@ -25,9 +25,9 @@ stores them.
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
+from fp8_w8a8_probe import perplexity  # this folder: run as benchmarks/fp8_kv_probe.py
 
 from pagedllm.attention import torch_ref
 from pagedllm.attention.kv_cache_dtype import FP8_KV_DTYPE, FP8_KV_MAX
@@ -67,16 +67,6 @@ def _round(x: torch.Tensor, which: str) -> torch.Tensor:
 def write_kv(self, key, value, kv_cache, meta, k_scale=1.0, v_scale=1.0):  # type: ignore
     return _orig_write(self, _round(key, "k"), _round(value, "v"), kv_cache, meta,
                        k_scale, v_scale)
-
-
-def perplexity(llm, windows: list[list[int]]) -> float:  # type: ignore[no-untyped-def]
-    from pagedllm import SamplingParams
-
-    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": w} for w in windows], sp, use_tqdm=False)
-    lps = [o.prompt_logprobs[i][o.prompt_token_ids[i]].logprob
-           for o in outs for i in range(1, len(o.prompt_token_ids))]
-    return math.exp(-sum(lps) / len(lps))
 
 
 def main() -> None:
