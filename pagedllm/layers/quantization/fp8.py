@@ -13,8 +13,9 @@ Where the weights come from (``Fp8Config.from_config``):
 * an unquantised (bf16 / fp16 / fp32) checkpoint with ``quantization="fp8"``: the layer
   registers a plain weight, the loader (or ``load_format="dummy"``) fills it, and
   ``process_weights_after_loading`` quantises it with one scale per (fused) weight
-  tensor, stored broadcast over the output channels, as vLLM does at load time
-  (``Fp8Config(weight_per_tensor=False)``: one scale per output channel);
+  tensor, stored broadcast over the output channels, as vLLM does at load time (under
+  tensor parallelism: each rank's shard has its own, as in vLLM;
+  ``Fp8Config(weight_per_tensor=False)``: one scale per output channel);
 * a Hugging Face FP8 checkpoint (``quantization_config.quant_method == "fp8"``):
   ``weight`` is e4m3 with ``weight_scale`` (per tensor or per channel) or
   ``weight_scale_inv`` (``weight_block_size`` blocks, transformers' fine-grained FP8).
