@@ -30,14 +30,17 @@ import torch
 from fp8_w8a8_probe import perplexity  # this folder: run as benchmarks/fp8_kv_probe.py
 
 from pagedllm.attention import torch_ref
-from pagedllm.attention.kv_cache_dtype import FP8_KV_DTYPE, FP8_KV_MAX
+from pagedllm.attention.kv_cache_dtype import quantize_kv
+from pagedllm.layers.kv_scales import scales_from_amax
+from pagedllm.layers.quantization.fp8 import quantize_fp8_rows
 
 MODE = "off"
 _orig_write = torch_ref.TorchReferenceBackend.write_kv
 
 
-def _e4m3(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    return (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE).float() * scale
+def _e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """What the fp8 cache stores at ``scale``, read back (the engine's own rounding)."""
+    return (quantize_kv(x, scale).float() * scale).to(x.dtype)
 
 
 def _mant(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -52,13 +55,13 @@ def _round(x: torch.Tensor, which: str) -> torch.Tensor:
     if mode == "off":
         return x
     if mode == "kv8":
-        return _e4m3(x, 1.0).to(x.dtype)
-    if mode == "kv8_amax":
-        amax = x.abs().amax().clamp(min=1e-8)
-        return _e4m3(x, amax / (200.0 if which == "k" else 100.0)).to(x.dtype)
-    if mode == "kv8_head":
-        s = (x.abs().amax(-1, keepdim=True) / FP8_KV_MAX).clamp(min=1e-12)
-        return _e4m3(x, s).to(x.dtype)
+        return _e4m3(x, 1.0)
+    if mode == "kv8_amax":  # calculate_kv_scales' rule, on every write
+        k_scale, v_scale = scales_from_amax(x, x)
+        return _e4m3(x, k_scale if which == "k" else v_scale)
+    if mode == "kv8_head":  # [tokens, heads, head_dim]: one scale per token and head
+        q, s = quantize_fp8_rows(x)
+        return (q.float() * s).to(x.dtype)
     if mode.startswith("kv_mant"):
         return _mant(x, int(mode[len("kv_mant"):])).to(x.dtype)
     raise ValueError(f"unknown mode {MODE!r}")
