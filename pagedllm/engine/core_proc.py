@@ -29,9 +29,6 @@ The loop (``EngineCoreProc.run``):
 An exception in ``step()`` is fatal: the core sends ``EngineCoreOutputs(engine_error=...)``
 (first line only: no traceback or paths leave the process), logs the traceback and exits
 with status 1.  A start-up failure is reported in ``EngineCoreReady(error=...)``, exit 1.
-
-Test hook: ``PAGEDLLM_FAULT_STEP_ERROR_AFTER=N`` makes the N+1-th step raise (used by the
-server tests for the "model forward raises" fault).
 """
 
 from __future__ import annotations
@@ -65,8 +62,6 @@ KIND_ABORT = b"X"
 KIND_SHUTDOWN = b"S"
 KIND_READY = b"R"
 KIND_OUTPUTS = b"O"
-
-FAULT_ENV = "PAGEDLLM_FAULT_STEP_ERROR_AFTER"
 
 
 class EngineCoreReady(msgspec.Struct, omit_defaults=True):
@@ -117,9 +112,6 @@ class EngineCoreProc:
         self.add_decoder = msgspec.msgpack.Decoder(list[EngineCoreRequest])
         self.abort_decoder = msgspec.msgpack.Decoder(list[str])
         self.last_publish = 0.0
-        self.num_steps = 0
-        fault = os.environ.get(FAULT_ENV)
-        self.fail_after: int | None = int(fault) if fault else None
         self.stop = False
 
     # ------------------------------------------------------------------ sending
@@ -208,11 +200,7 @@ class EngineCoreProc:
             if self.stop:
                 break
             if self.core.has_unfinished_requests():
-                if self.fail_after is not None and self.num_steps >= self.fail_after:
-                    raise RuntimeError(f"injected fault after {self.num_steps} steps "
-                                       f"({FAULT_ENV})")
                 outputs = self.core.step()
-                self.num_steps += 1
                 self.publish(outputs)
             elif aborted or time.monotonic() - self.last_publish >= self.heartbeat_interval:
                 # Heartbeat; after aborts it also carries the freed-blocks snapshot.

@@ -23,6 +23,28 @@ from collections.abc import Iterator
 import httpx
 import psutil
 
+HOOKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_hooks")
+
+# Seconds per engine step on a paced server: a 200-token request lasts at least 10 s,
+# far longer than any test waits before it disconnects, cancels, signals or kills.
+PACE_S = 0.05
+
+
+def hooks_env(*, step_pace_s: float = 0.0, fail_after_steps: int | None = None,
+               leak_bytes_per_request: int = 0) -> dict[str, str]:
+    """The environment that installs ``engine_hooks/sitecustomize.py``'s test hooks in a
+    server (its API process and engine cores); pass it as ``running_server(env=...)``."""
+    env = {"PYTHONPATH": os.pathsep.join(
+        p for p in (HOOKS_DIR, os.environ.get("PYTHONPATH", "")) if p)}
+    if step_pace_s:
+        env["PAGEDLLM_TEST_STEP_PACE_S"] = str(step_pace_s)
+    if fail_after_steps is not None:
+        env["PAGEDLLM_TEST_FAIL_AFTER_STEPS"] = str(fail_after_steps)
+    if leak_bytes_per_request:
+        env["PAGEDLLM_TEST_LEAK_BYTES_PER_REQUEST"] = str(leak_bytes_per_request)
+    return env
+
+
 # Small context and batch: start-up and every request stay cheap on a 2-core CPU.
 BASE_ARGS = ["--max-model-len", "256", "--max-num-seqs", "8"]
 START_TIMEOUT = 240.0

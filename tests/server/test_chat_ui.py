@@ -79,7 +79,9 @@ def test_chat_streams_the_api_reply(browser, server: ServerProcess) -> None:  # 
     page.close()
 
 
-def test_stop_mid_stream(browser, server: ServerProcess) -> None:  # type: ignore[no-untyped-def]
+def test_stop_mid_stream(browser, paced_server: ServerProcess) -> None:  # type: ignore[no-untyped-def]
+    """Stop aborts the stream in the engine (paced: its 200 tokens take at least 10 s)."""
+    server = paced_server
     before = server.metrics().get(ABORTS, 0)
     page, _ = _open(browser, server.url)
     page.wait_for_function("() => document.querySelector('#model').value !== ''")

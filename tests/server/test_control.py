@@ -13,8 +13,17 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server.harness import ServerProcess, kv_idle, running_server, wait_until
+from tests.server.harness import (
+    PACE_S,
+    ServerProcess,
+    hooks_env,
+    kv_idle,
+    running_server,
+    wait_until,
+)
 
+# On ``paced_server`` (conftest.py) a LONG request lasts at least 200 * PACE_S = 10 s:
+# every disconnect, cancel and time-out below happens while it is still generating.
 LONG = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
         "temperature": 0}
 ABORTS = 'vllm:request_success_total{finished_reason="abort"}'
@@ -27,7 +36,8 @@ def _data_events(lines: Iterator[str]) -> Iterator[dict[str, Any] | str]:
             yield payload if payload == "[DONE]" else json.loads(payload)
 
 
-def test_stream_disconnect_aborts_and_frees_blocks(server: ServerProcess) -> None:
+def test_stream_disconnect_aborts_and_frees_blocks(paced_server: ServerProcess) -> None:
+    server = paced_server
     before = server.metrics().get(ABORTS, 0)
     with server.client() as c:
         with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
@@ -42,15 +52,20 @@ def test_stream_disconnect_aborts_and_frees_blocks(server: ServerProcess) -> Non
                       timeout=30), server.metrics()
 
 
-def test_non_streaming_disconnect_aborts(server: ServerProcess) -> None:
+def test_non_streaming_disconnect_aborts(paced_server: ServerProcess) -> None:
+    """A client that gives up on a non-streaming request (read time-out at 1.5 s, long
+    before the paced request's 10 s) aborts it in the engine and frees its blocks."""
+    server = paced_server
     before = server.metrics().get(ABORTS, 0)
+    assert LONG["max_tokens"] * PACE_S > 4 * 1.5
     with server.client(timeout=1.5) as c, pytest.raises(httpx.ReadTimeout):
         c.post("/v1/completions", json=LONG)
     assert wait_until(lambda: kv_idle(server) and server.metrics()[ABORTS] == before + 1,
                       timeout=30), server.metrics()
 
 
-def test_chat_stream_disconnect_aborts(server: ServerProcess) -> None:
+def test_chat_stream_disconnect_aborts(paced_server: ServerProcess) -> None:
+    server = paced_server
     body = {"messages": [{"role": "user", "content": "Tell me a story."}],
             "max_tokens": 200, "ignore_eos": True, "stream": True}
     with server.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -60,7 +75,8 @@ def test_chat_stream_disconnect_aborts(server: ServerProcess) -> None:
     assert wait_until(lambda: kv_idle(server), timeout=30), server.metrics()
 
 
-def test_cancel_by_id_streaming(server: ServerProcess) -> None:
+def test_cancel_by_id_streaming(paced_server: ServerProcess) -> None:
+    server = paced_server
     with server.client() as c:
         with c.stream("POST", "/v1/completions", json={**LONG, "stream": True},
                       headers={"X-Request-Id": "cancel-me"}) as r:
@@ -80,7 +96,8 @@ def test_cancel_by_id_streaming(server: ServerProcess) -> None:
     assert wait_until(lambda: kv_idle(server), timeout=30)
 
 
-def test_cancel_by_id_non_streaming(server: ServerProcess) -> None:
+def test_cancel_by_id_non_streaming(paced_server: ServerProcess) -> None:
+    server = paced_server
     result: dict[str, Any] = {}
 
     def run() -> None:
@@ -133,8 +150,9 @@ def test_many_client_timeouts_then_new_request(server: ServerProcess) -> None:
 
 @pytest.fixture(scope="module")
 def small_server() -> Iterator[ServerProcess]:
-    """One running slot and one queued slot."""
-    with running_server("--max-num-queued-requests", "1",
+    """One running slot and one queued slot, paced: a 16-token request holds its slot for
+    at least 16 * PACE_S = 0.8 s, so the burst below always finds both slots taken."""
+    with running_server("--max-num-queued-requests", "1", env=hooks_env(step_pace_s=PACE_S),
                         base_args=["--max-model-len", "256", "--max-num-seqs", "1"]) as s:
         yield s
 

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import psutil
 
-from tests.server.harness import running_server, wait_until
+from tests.server.harness import PACE_S, hooks_env, running_server, wait_until
 from tests.server.test_lifecycle import STREAM, _consume, _gone
 
 PROMPTS = [f"Count from {i} to {i + 5}:" for i in range(6)]
@@ -32,7 +32,9 @@ def test_dp2_spreads_requests_and_reports_a_killed_engine() -> None:
         with ThreadPoolExecutor(6) as pool:
             ref = list(pool.map(lambda p: _complete(one.url, p), PROMPTS))
         one_blocks = one.metrics()["pagedllm:kv_cache_total_blocks"]
-    with running_server("-dp", "2", "--max-num-seqs", "4") as s:
+    # Paced: the stream that is running when an engine is killed lasts at least 10 s.
+    with running_server("-dp", "2", "--max-num-seqs", "4",
+                        env=hooks_env(step_pace_s=PACE_S)) as s:
         pids = [int(p) for p in re.search(
             r"data-parallel engines ready \(pids \[(\d+), (\d+)\]\)", s.log()).groups()]
         with ThreadPoolExecutor(6) as pool:

@@ -15,7 +15,9 @@ from typing import Any
 import httpx
 import psutil
 
-from tests.server.harness import ServerProcess, running_server, wait_until
+from tests.server.harness import PACE_S, ServerProcess, hooks_env, running_server, wait_until
+
+PACED = hooks_env(step_pace_s=PACE_S)
 
 STREAM = {"prompt": "Once upon a time", "ignore_eos": True, "temperature": 0,
           "stream": True}
@@ -66,8 +68,10 @@ def _finish_reasons(events: list[Any]) -> list[str | None]:
 
 def test_sigterm_drains_then_aborts() -> None:
     """SIGTERM: 503 for new requests and /health; a short in-flight request finishes
-    normally; a long one is aborted at --shutdown-timeout; exit 0, no processes left."""
-    with running_server("--shutdown-timeout", "10", base_args=[
+    normally; a long one is aborted at --shutdown-timeout; exit 0, no processes left.
+    Paced, the long request needs at least 1000 * PACE_S = 50 s: it cannot finish inside
+    the 10 s drain on any machine."""
+    with running_server("--shutdown-timeout", "10", env=PACED, base_args=[
             "--max-model-len", "1024", "--max-num-seqs", "2"]) as s:
         engine_pid = s.engine_pid()
         short_t, short = _stream_in_thread(s, 4)
@@ -93,8 +97,9 @@ def test_sigterm_drains_then_aborts() -> None:
 def test_second_sigterm_ends_requests_with_errors_at_once() -> None:
     """A second SIGTERM while draining stops at once: a stream in flight gets an SSE
     error event and [DONE], a non-streaming request a JSON 503 (not a text/plain 500
-    after ~6 s), exit 0."""
-    with running_server("--shutdown-timeout", "120", base_args=[
+    after ~6 s), exit 0.  Paced: both requests (at least 50 s each) are still running at
+    the second signal."""
+    with running_server("--shutdown-timeout", "120", env=PACED, base_args=[
             "--max-model-len", "1024", "--max-num-seqs", "2"]) as s:
         stream_t, stream = _stream_in_thread(s, 1000)
         plain: dict[str, Any] = {}
@@ -127,7 +132,9 @@ def test_second_sigterm_ends_requests_with_errors_at_once() -> None:
 
 
 def test_health_follows_heartbeat_then_engine_core_killed() -> None:
-    with running_server("--health-heartbeat-timeout", "2") as s:
+    """A stopped engine loop turns /health 503 and back; a killed engine core ends the
+    stream in flight (paced: at least 10 s long) with an in-band error."""
+    with running_server("--health-heartbeat-timeout", "2", env=PACED) as s:
         engine_pid = s.engine_pid()
         # A stuck engine loop (the process exists but makes no progress) is unhealthy.
         os.kill(engine_pid, signal.SIGSTOP)
@@ -165,7 +172,7 @@ def test_health_follows_heartbeat_then_engine_core_killed() -> None:
 def test_model_step_failure() -> None:
     """The model forward raises after N steps: in-flight requests get an error, /health
     turns 503, the server exits non-zero, no orphan processes."""
-    with running_server(env={"PAGEDLLM_FAULT_STEP_ERROR_AFTER": "3"}) as s:
+    with running_server(env=hooks_env(fail_after_steps=3)) as s:
         engine_pid = s.engine_pid()
         kids = [p.pid for p in s.descendants()]
         result: dict[str, Any] = {}

@@ -12,8 +12,7 @@ import threading
 
 import httpx
 
-from pagedllm.entrypoints.openai.leak_hook import LEAK_ENV
-from tests.server.harness import running_server
+from tests.server.harness import PACE_S, hooks_env, running_server
 
 SOAK = [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "soak"]
 
@@ -45,8 +44,10 @@ def test_short_soak_passes() -> None:
 
 
 def test_soak_catches_a_memory_leak_and_blocks_in_use() -> None:
-    """12 s of traffic: ~50 requests leak ~600 MB on a 2-core CPU, 6x the 100 MB bound."""
-    with running_server(env={LEAK_ENV: str(12 << 20)},
+    """12 s of traffic: ~50 requests leak ~600 MB on a 2-core CPU, 6x the 100 MB bound.
+    Paced, the held 4,000-token request lasts at least 4000 * PACE_S = 200 s: it is still
+    running (its blocks in use) when the soak drains, on any machine."""
+    with running_server(env=hooks_env(step_pace_s=PACE_S, leak_bytes_per_request=12 << 20),
                         base_args=["--max-model-len", "4096", "--max-num-seqs", "8"]) as s:
         held = threading.Event()
         release = threading.Event()

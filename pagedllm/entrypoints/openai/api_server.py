@@ -45,7 +45,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.mp_client import EngineDeadError, EngineStartupError
-from pagedllm.entrypoints.openai import leak_hook
 from pagedllm.entrypoints.openai.chat_ui import UI_PATHS, add_chat_ui
 from pagedllm.entrypoints.openai.errors import error_body, error_response, install_error_handlers
 from pagedllm.entrypoints.openai.http_limits import (
@@ -553,7 +552,6 @@ async def _serve(args: argparse.Namespace) -> int:
         await state.template_sandbox.start()
     app = build_app(state, api_keys=api_keys, allowed_origins=args.allowed_origins,
                     max_body_bytes=args.max_request_body_bytes, ui=not args.no_ui)
-    app = leak_hook.wrap(app)  # unchanged unless a test sets its env var
     fd_limit = raise_fd_limit()
     limits = HTTPLimits(
         max_header_bytes=args.h11_max_incomplete_event_size,
