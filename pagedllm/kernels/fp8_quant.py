@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
-from pagedllm.layers.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX
+from pagedllm.kernels.quant_common import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 # The interpreter's fp32 -> fp8 cast rounds wrongly (ties away from even, and mantissa
 # carries lost: 0.494 became 0.25 in triton 3.6), so under TRITON_INTERPRET the kernels
@@ -114,7 +114,7 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     # whole kernel (down_proj's 14,336 inputs in 4,096-column passes took 6 us on an
     # H200, the other projections' 4,096 columns 2 us).  Same values either way.
     block = min(16384, triton.next_power_of_2(c))
-    _per_token_quant_kernel[(t,)](x, q, s, x.stride(0), q.stride(0), _MIN_SCALE,
+    _per_token_quant_kernel[(t,)](x, q, s, x.stride(0), q.stride(0), FP8_MIN_SCALE,
                                   N_COLS=c, FP8_MAX_C=FP8_MAX, BLOCK=block,
                                   num_warps=16 if block >= 8192 else 8 if block >= 2048
                                   else 4, **pdl_launch_args(x.device))

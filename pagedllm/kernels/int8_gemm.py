@@ -148,7 +148,7 @@ def quant_per_token_int8(x: torch.Tensor, compressed_tensors: bool = False
                          f"{tuple(x.shape)}")
     if not _triton_ok(x):
         if compressed_tensors:
-            from pagedllm.layers.quantization.int8_w8a8 import quantize_int8_per_token
+            from pagedllm.kernels.quant_common import quantize_int8_per_token
 
             return quantize_int8_per_token(x)
         return quant_per_token_int8_ref(x)

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from pagedllm.kernels.fp8_quant import round_e4m3
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
-from pagedllm.layers.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX
+from pagedllm.kernels.quant_common import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 
 @triton.jit
@@ -76,7 +76,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     q, s = quant if quant is not None else (o2, o2)
     _rms_norm_kernel[(n_rows,)](
         x2, r2, weight, o2, ro2, x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
-        n_cols, eps, q, s, q.stride(0), _MIN_SCALE, HAS_RESIDUAL=residual is not None,
+        n_cols, eps, q, s, q.stride(0), FP8_MIN_SCALE, HAS_RESIDUAL=residual is not None,
         BLOCK=block, num_warps=min(16, max(1, block // 256)), QUANT=quant is not None,
         **pdl_launch_args(x.device),
     )

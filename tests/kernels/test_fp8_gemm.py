@@ -11,7 +11,8 @@ import torch
 from kernel_refs import DEVICE, ON_GPU
 
 from pagedllm.kernels import fp8_gemm as fg
-from pagedllm.layers.quantization.fp8 import fp8_linear_reference, quantize_fp8_rows
+from pagedllm.kernels.quant_common import quantize_fp8_rows
+from pagedllm.layers.quantization.fp8 import fp8_linear_reference
 
 
 def _operands(m: int, n: int, k: int, seed: int):

@@ -10,12 +10,9 @@ import torch
 from kernel_refs import DEVICE, ON_GPU
 
 from pagedllm.kernels.fp8_quant import quantize_fp8_per_token
+from pagedllm.kernels.quant_common import quantize_fp8_rows
 from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from pagedllm.layers.quantization.fp8 import (
-    Fp8Config,
-    fp8_linear_reference,
-    quantize_fp8_rows,
-)
+from pagedllm.layers.quantization.fp8 import Fp8Config, fp8_linear_reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,9 +15,9 @@ import torch
 from kernel_refs import DEVICE
 
 from pagedllm.kernels.fused_moe import fused_experts, fused_experts_sorted
+from pagedllm.kernels.quant_common import quantize_fp8_rows
 from pagedllm.layers.fused_moe import select_experts
 from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
-from pagedllm.layers.quantization.fp8 import quantize_fp8_rows
 from tests.kernels.sm90_compile import run_script
 
 

@@ -9,18 +9,13 @@ import torch
 
 from pagedllm.attention.torch_ref import TorchReferenceBackend
 from pagedllm.config import EngineArgs
+from pagedllm.kernels.quant_common import FP8_DTYPE, FP8_MAX, quantize_fp8_rows
 from pagedllm.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
-from pagedllm.layers.quantization.fp8 import (
-    FP8_DTYPE,
-    FP8_MAX,
-    Fp8Config,
-    check_fp8_capability,
-    quantize_fp8_rows,
-)
+from pagedllm.layers.quantization.fp8 import Fp8Config, check_fp8_capability
 from pagedllm.models.loader import load_model
 from tests.layers.fp8_fixtures import save_compressed_tensors, save_hf_fp8, tiny_llama
 from tests.models.paged import PagedSession

@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pagedllm.kernels.quant_common import FP8_DTYPE, quantize_fp8_rows
 from pagedllm.layers.fused_moe import FusedMoE, select_experts
 from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
-from pagedllm.layers.quantization.fp8 import FP8_DTYPE, Fp8Config, quantize_fp8_rows
+from pagedllm.layers.quantization.fp8 import Fp8Config
 from pagedllm.layers.quantization.fp8_moe import Fp8MoEMethod
 
 

@@ -32,8 +32,8 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.torch_ref import TorchReferenceBackend
 from pagedllm.config import EngineArgs
+from pagedllm.kernels.quant_common import FP8_DTYPE
 from pagedllm.layers.fused_moe import FusedMoE
-from pagedllm.layers.quantization.fp8 import FP8_DTYPE
 from pagedllm.layers.quantization.fp8_moe import Fp8MoEMethod
 from pagedllm.models.loader import load_model, weight_bytes
 from tests.layers.fp8_moe_fixtures import save_compressed_tensors_moe

@@ -39,6 +39,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from pagedllm.kernels.quant_common import (
+    FP8_DTYPE,
+    FP8_MAX,
+    quantize_fp8_rows,
+    quantize_fp8_tensor,
+)
 from pagedllm.layers.quantization.base import (
     LinearMethodBase,
     QuantizationConfig,
@@ -49,28 +55,8 @@ from pagedllm.layers.quantization.unquantized import gemv_enabled
 if TYPE_CHECKING:
     from pagedllm.layers.linear import LinearBase
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-# Smallest scale: an all-zero row quantises to zeros instead of dividing by zero.
-_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 # (major, minor) compute capability from which cuBLASLt has FP8 GEMMs (Ada, Hopper).
 FP8_MIN_CAPABILITY = (8, 9)
-
-
-def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row (per-token / per-output-channel) e4m3 quantisation of a 2-D tensor:
-    ``(q [R, C] e4m3, scale [R, 1] fp32)`` with ``q * scale ~= x``; values saturate at
-    +-448 times the scale, so nothing overflows to NaN."""
-    amax = x.abs().amax(dim=-1, keepdim=True).float()
-    scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
-    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
-
-
-def quantize_fp8_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor e4m3 quantisation: ``(q, scale [] fp32)``."""
-    scale = (x.abs().amax().float() / FP8_MAX).clamp(min=_MIN_SCALE)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def fp8_linear_reference(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,

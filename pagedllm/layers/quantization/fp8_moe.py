@@ -47,14 +47,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.layers.fused_moe.layer import FusedMoE, FusedMoEMethodBase
-from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
-from pagedllm.layers.quantization.base import set_weight_attrs
-from pagedllm.layers.quantization.fp8 import (
+from pagedllm.kernels.quant_common import (
     FP8_DTYPE,
     quantize_fp8_rows,
     quantize_fp8_tensor,
 )
+from pagedllm.layers.fused_moe.layer import FusedMoE, FusedMoEMethodBase
+from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
+from pagedllm.layers.quantization.base import set_weight_attrs
 
 __all__ = ["Fp8MoEMethod", "refuse_block_fp8"]
 

@@ -23,23 +23,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from pagedllm.kernels.quant_common import quantize_int8_per_token
 from pagedllm.layers.quantization.base import LinearMethodBase, set_weight_attrs
 
 if TYPE_CHECKING:
     from pagedllm.layers.linear import LinearBase
-
-_INT8_HALF_RANGE = 127.5  # (127 - (-128)) / 2: compressed-tensors' symmetric int8 range
-
-
-def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [T, K]`` -> ``(x_q int8 [T, K], x_scale fp32 [T, 1])``, the library's dynamic
-    per-token symmetric quantisation (module doc), computed in ``x``'s dtype."""
-    amax = x.abs().amax(dim=-1, keepdim=True)
-    scale = amax / _INT8_HALF_RANGE
-    scale = torch.where(scale == 0, torch.finfo(x.dtype).eps, scale)
-    q = torch.round(torch.clamp(x / scale, -128, 127)).to(torch.int8)
-    return q, scale.float()
-
 
 def int8_mm_cpu(x_q: torch.Tensor, w_qt: torch.Tensor) -> torch.Tensor:
     """Exact ``x_q @ w_qt`` (``[T, K] x [K, N]`` int8) as int32 (or an integer-valued
