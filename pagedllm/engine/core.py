@@ -18,7 +18,8 @@ from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.core.pooling_scheduler import PoolingScheduler
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.step_trace import StepTrace
-from pagedllm.executor.base import StepResult, make_executor
+from pagedllm.executor.base import StepResult
+from pagedllm.executor.factory import make_executor
 from pagedllm.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,

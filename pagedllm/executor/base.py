@@ -81,21 +81,3 @@ def output_rank(config: EngineConfig) -> int:
     (rank 0 without pipeline parallelism)."""
     pc = config.parallel_config
     return pc.world_size - pc.tensor_parallel_size
-
-
-def make_executor(config: EngineConfig) -> Executor:
-    """The executor of ``config.parallel_config.distributed_executor_backend``."""
-    backend = config.parallel_config.distributed_executor_backend
-    if backend == "uni":
-        from pagedllm.executor.uniproc import UniProcExecutor
-
-        return UniProcExecutor(config)
-    if backend == "mp":
-        from pagedllm.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(config)
-    if backend == "ray":
-        from pagedllm.executor.ray_executor import RayExecutor
-
-        return RayExecutor(config)
-    raise ValueError(f"distributed_executor_backend must be uni, mp or ray, got {backend!r}")

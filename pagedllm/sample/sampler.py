@@ -223,10 +223,10 @@ class Sampler(nn.Module):
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
         if meta.constraints is not None:  # grammars, allowed/bad tokens, processors
-            from pagedllm.sample import token_constraints
+            from pagedllm.sample.token_constraints import apply as apply_constraints
 
-            logits = token_constraints.apply(logits, meta.constraints,
-                                             owned=owned or logits is not given)
+            logits = apply_constraints(logits, meta.constraints,
+                                       owned=owned or logits is not given)
         return logits
 
     @staticmethod
