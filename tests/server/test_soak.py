@@ -22,8 +22,11 @@ def _soak(*args: str) -> tuple[int, dict, str]:
         p = subprocess.run([*SOAK, *args, "--output", out.name], capture_output=True,
                            text=True, timeout=600)
         with open(out.name, encoding="utf-8") as f:
-            summary = json.load(f) if p.returncode in (0, 1) else {}
-    return p.returncode, summary, p.stdout + p.stderr
+            written = f.read()
+    text = p.stdout + p.stderr
+    # 0 and 1 are the soak's verdicts, each with its summary; anything else is a crash.
+    assert p.returncode in (0, 1) and written, f"soak exited {p.returncode}:\n{text}"
+    return p.returncode, json.loads(written), text
 
 
 def test_short_soak_passes() -> None:
