@@ -22,8 +22,8 @@ import sys
 
 import torch
 import triton
+from gpu_timing import graph_us
 
-from pagedllm.benchmarks.gpu_timing import graph_us
 from pagedllm.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm
 
 SHAPES = {

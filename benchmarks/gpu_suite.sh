@@ -5,8 +5,8 @@
 #   bash benchmarks/gpu_suite.sh [PART ...]          (repo root; results under $OUT)
 #
 # PARTS (default: check w4 w1 w1small):
-#   check    gpu_check.py (greedy agreement: async/sync/eager/PDL off/prune off) and the
-#            GPU parity, CUDA-graph and PDL tests
+#   check    gpu_check.py (greedy agreement: async/sync/eager) and the GPU parity,
+#            CUDA-graph and PDL tests (PDL on against off, bit for bit)
 #   w4       single-stream latency (pagedllm bench latency)
 #   w1       offline throughput at the defaults (pagedllm bench throughput --workload W1;
 #            the offline default policy is throughput)
@@ -14,18 +14,13 @@
 #   w1small  W1-small on the SmolLM2-135M shape (host overhead)
 #   w5       long prompts (W5: 384 requests, 64-2048 in, 16-768 out), default policy
 #   w5fcfs   W5 under the FCFS policy
-#   loracheck  issue 26 on the GPU: benchmarks/lora_probe.py (the LoRA kernels against
-#            the fp32 reference at Llama-3-8B shapes, the fused GEMV paths with an adapter,
-#            the delta per layer at M = 1..256 against the base GEMV/GEMM; exits 1 on a
-#            mismatch; LORA_SWEEP=1 adds the fused kernel's config sweep, LORA_ROWS=1
-#            times M = 1 only, the batch-1 path and the decoder layer), then the LoRA
-#            kernel / gemv_rope tests and the gpu-marked LoRA tests
+#   loracheck  the LoRA kernel / gemv_rope tests and the LoRA tests on the GPU
 #   hybrid   issue 23's target: Gemma-3-12B shape, W5 with the hybrid KV cache manager
 #            vs --disable-hybrid-kv-cache-manager (tok/s, peak KV blocks/GiB in use), then
 #            the GPU greedy check of tests/e2e/test_hybrid_kv_greedy.py (CUDA graphs)
 #   lora     issue 26's targets: W1 (default policy) base vs 8 dummy rank-16 adapters spread over
 #            the requests, W4 base vs one adapter (bench ... --lora N).  LORA_VARIANTS
-#            adds W1 variants, e.g. "lora8_pair256=PAGEDLLM_LORA_PAIR_MAX_ROWS=256,--lora,8"
+#            adds W1 variants, e.g. "lora16=--lora,16"
 #   specdraft  speculative decoding with a draft model (issue 25): SmolLM2 GGUF
 #            ($SMOLLM2_GGUF) self-draft and n-gram on G32, 8B dummy with a 1B dummy draft
 #   w2       online serving at 10 and 20 req/s (benchmarks/w2_suite.sh; RATES to change)
@@ -33,8 +28,7 @@
 #   startup  cold then warm server start to the first /health 200 (startup_probe.sh)
 #   profile  per-step host profile and kernel totals of W1 (profile_step.py; PROFILE_ARGS
 #            adds flags, e.g. "--quantization fp8")
-#   fp8attn  paged attention over an fp8 cache (fp16 / bf16 upcast, FP8_MMA 1 / 2),
-#            Llama-3-8B heads at 2k-8k context (fp8_attn_ab.py), then test_fp8_kv.py
+#   fp8attn  the fp8 KV cache's kernel tests on the GPU (test_fp8_kv.py)
 #   fp8gemm  sweep the Triton FP8 GEMM against cuBLASLt at decode-sized M and write
 #            $OUT/fp8_gemm_<GPU>.json (fp8_gemm_sweep.py; ship it under
 #            pagedllm/kernels/tuned/), then test_fp8_gemm.py
@@ -42,8 +36,7 @@
 #            attention grid (~100 kernel variants; long)
 #
 # A/B variants, same lease, interleaved (for w4 / w1 / w1fcfs / w1small / w5 / w5fcfs):
-#   VARIANTS="base= pdl_off=PAGEDLLM_PDL=0 gemv_off=PAGEDLLM_GEMV=0" ROUNDS=2 \
-#     bash benchmarks/gpu_suite.sh w1 w4
+#   VARIANTS="base= eager=--enforce-eager" ROUNDS=2 bash benchmarks/gpu_suite.sh w1 w4
 # Each variant is NAME=SPEC, SPEC a comma-separated list of environment settings
 # (VAR=VALUE) and engine flags (from the first --flag on), e.g. FP8 against bf16:
 #   VARIANTS="bf16= fp8=--quantization,fp8 fp8kv=--quantization,fp8,--kv-cache-dtype,fp8" \
@@ -136,8 +129,6 @@ for part in $PARTS; do
     w5fcfs) ab w5fcfs python -m pagedllm bench throughput --workload W5 --dummy llama3-8b \
       --no-hf --repeats "${REPEATS:-1}" --scheduling-policy fcfs ;;
     loracheck)
-      step timeout 300 python benchmarks/lora_probe.py --out "$OUT/lora_probe.json" \
-        --rows "${LORA_ROWS:-1,4,16,64,256,2048}" ${LORA_SWEEP:+--sweep}
       step timeout 240 python -m pytest tests/kernels/test_lora_kernels.py \
         tests/kernels/test_gemv_rope.py tests/lora -q -rf -p no:cacheprovider ;;
     hybrid)
@@ -171,7 +162,6 @@ for part in $PARTS; do
     w3) step bash benchmarks/w3_suite.sh gpu ;;
     startup) step bash benchmarks/startup_probe.sh 2 ;;
     fp8attn)
-      step python benchmarks/fp8_attn_ab.py --out "$OUT/fp8_attn_ab.json"
       step python -m pytest -q -m gpu tests/kernels/test_fp8_kv.py ;;
     fp8gemm)
       step python benchmarks/fp8_gemm_sweep.py --ms 2,4,8,16,32,64,96,128,192,256,384,512 \

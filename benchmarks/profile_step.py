@@ -57,13 +57,16 @@ def main() -> None:
                     help="also split the kernel time by engine step (steps are delimited "
                     "by the sampling kernel; their token and request counts come from "
                     "PAGEDLLM_STEP_TRACE) and print it by step kind and batch size; "
-                    "writes steps.jsonl.  Run with PAGEDLLM_PDL=0: with PDL a kernel's "
-                    "duration includes its wait for the one before")
+                    "writes steps.jsonl.  Turns PDL off (with PDL a kernel's duration "
+                    "includes its wait for the one before)")
     a = ap.parse_args()
     trace_path = os.path.join(a.out, "step_trace.jsonl")
     if a.per_step:
         open(trace_path, "w").close()
         os.environ["PAGEDLLM_STEP_TRACE"] = trace_path
+        from pagedllm.kernels import pdl  # the engine runs in this process
+
+        pdl._capability_ok = lambda index: False  # as before Hopper: no PDL
     vocab_hi = 49000 if a.dummy == "smollm2-135m" else 128000
     llm = LLM(write_dummy_model(a.dummy), load_format="dummy", skip_tokenizer_init=True,
               max_num_batched_tokens=a.max_num_batched_tokens,
@@ -154,18 +157,8 @@ def per_step(prof, trace_path: str, skip: int, out_dir: str) -> None:
         busy, cur_s, cur_e = 0.0, None, None
         by: dict[str, float] = {}
         t = trace[i] if i < len(trace) else {}
-        # Under PAGEDLLM_ATTN_TWO_LAUNCHES=1 a mixed step of several requests runs
-        # attention as two _paged_attn_kernel launches per layer, decodes first, then
-        # prompt chunks; by default it is one _mixed_attn_kernel launch (not split here).
-        two_launches = bool(t.get("chunks")) and (t.get("reqs") or 0) > 1
-        n_attn = 0
         for s0, e0, name in st:
             c = category(name)
-            if c == "attention" and "paged_attn" in name:
-                if two_launches:
-                    part = "attn_dec" if n_attn % 2 == 0 else "attn_pre"
-                    by[part] = by.get(part, 0.0) + (e0 - s0)
-                n_attn += 1
             by[c] = by.get(c, 0.0) + (e0 - s0)
             if cur_e is None or s0 > cur_e:
                 busy += 0.0 if cur_e is None else cur_e - cur_s
@@ -199,7 +192,7 @@ def per_step(prof, trace_path: str, skip: int, out_dir: str) -> None:
     groups: dict[str, list[dict]] = {}
     for r in rows:
         groups.setdefault(bucket(r), []).append(r)
-    cols = ("span", "gemm", "attention", "attn_dec", "attn_pre", "other", "copy", "idle")
+    cols = ("span", "gemm", "attention", "other", "copy", "idle")
     print(f"{'kind':14s} {'steps':>5s} {'tokens':>7s} {'prompt':>7s} " + " ".join(
         f"{c + ' s':>11s}" for c in cols) + "   (totals; per step in ms after /)")
     for name in sorted(groups, key=lambda g: (not g.startswith("mixed"), g)):

@@ -102,7 +102,7 @@ def simulate(policy: str, budget: int = 8192, num_prompts: int = 256,
     """W1's (or ``reqs``') steps under ``policy``; ``fill``: the scheduler knows the
     chunk-graph sizes (as the engine tells it with CUDA graphs on).  ``batches``: each
     step also lists its requests as ``[query_len, seq_len]`` pairs in the scheduler's
-    order (what attention sees; ``mixed_attn_ab.py`` replays them).  ``num_blocks``
+    order (what attention sees).  ``num_blocks``
     must hold every running request whole (the null runner cannot recompute)."""
     reqs = w1(num_prompts) if reqs is None else reqs
     max_len = 8192

@@ -21,7 +21,7 @@ Variants (W4, symmetric, group 128, bf16 activations, as ``--dummy llama3-8b-w4a
 * ``stripe``: ``kernels/wna16_stripe.py``, each configuration of a small grid (the GEMV
   for M <= 4, the tensor-core tile for M >= 2);
 * ``dequant``: ``stripe_dequantize`` into a bf16 scratch + cuBLAS (M >= 64), whole and
-  in 16 / 32 MB chunks (``PAGEDLLM_WNA16_DEQUANT_CHUNK_MB``: each chunk still in L2).
+  in 16 / 32 MB chunks (the table's ``dequant_chunk_mb``: each chunk still in L2).
 
 M <= 64 is timed as CUDA-graph replays over weight copies (> 256 MB: every call reads
 HBM, no launch gaps: a decode step's cost); larger M with ``triton.testing.do_bench``.
@@ -42,8 +42,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from pagedllm.benchmarks.gpu_timing import bench_us, graph_us
+from gpu_timing import bench_us, graph_us
 
 ROWS = (1, 2, 4, 8, 16, 64, 256, 2048)
 PROJ = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
@@ -274,7 +273,7 @@ def sweep(dev: torch.device, budget_s: float, t0: float) -> tuple[list[dict], li
             if m >= 64:
                 res["dequant"] = _time([partial(_dequant_linear, x, st, sc, scratch)
                                         for _, st, sc in sets], m)
-                for mb in CHUNK_MB:  # PAGEDLLM_WNA16_DEQUANT_CHUNK_MB candidates
+                for mb in CHUNK_MB:  # dequant_chunk_mb candidates
                     rows_c = max(128, (mb << 20) // (2 * k) // 128 * 128)
                     res[f"dequant_chunk{mb}"] = res["dequant"] if rows_c >= n else _time(
                         [partial(_dequant_linear, x, st, sc, scratch, rows_c)
@@ -339,9 +338,9 @@ def summarise(rows: list[dict]) -> dict[str, Any]:
             break
     return {"per_step_ms_x32_layers": {str(m): {k: round(v, 3) for k, v in t.items()}
                                        for m, t in sorted(complete.items())},
-            "PAGEDLLM_WNA16_DEQUANT_MIN_M": deq_ms[0] if deq_ms else 0,
-            "PAGEDLLM_WNA16_DEQUANT_CHUNK_MB": variants[deq],
-            "PAGEDLLM_WNA16_TINYGEMM_MAX_M": tiny_max}
+            "dequant_min_m": deq_ms[0] if deq_ms else 0,
+            "dequant_chunk_mb": variants[deq],
+            "tinygemm_max_m": tiny_max}
 
 
 def main() -> None:

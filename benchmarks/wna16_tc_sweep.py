@@ -10,7 +10,7 @@ table to ship.  One device call (< 4 min):
 ``--table`` is the format of ``PAGEDLLM_WNA16_TC_CONFIGS`` (``kernels/wna16_tc_config``);
 copy it to ``pagedllm/kernels/tuned/`` to ship it.  Per ``(M, projection)`` the table
 holds the faster of the best ``tc`` configuration and ``dequant``; its
-``PAGEDLLM_WNA16_TC_MIN_M`` is the smallest swept M from which that choice beats the
+``summary.tc_min_m`` is the smallest swept M from which that choice beats the
 striped kernel summed over the four projections (below it the striped path stays).
 
 Safety (H200 run 1: wrong results, then an illegal address that killed the run):
@@ -43,8 +43,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from pagedllm.benchmarks.gpu_timing import graph_us
+from gpu_timing import graph_us
 
 ROWS = (16, 64, 256, 1024, 2048)
 PROJ = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
@@ -114,7 +113,6 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 def _check_worker(jobs: list[tuple[int, Job]], path: str) -> None:
     """Worker process: compile and check each job, one JSON line each to ``path``
     (flushed); on an exception (maybe a sticky CUDA error) report it and exit."""
-    os.environ["PAGEDLLM_WNA16_TC_CVT"] = "fp32"
     from pagedllm.kernels.wna16 import wna16_ref
     from pagedllm.kernels.wna16_tc import w4a16_tc_gemm
 
@@ -226,7 +224,6 @@ def sweep(dev: torch.device, rows: tuple[int, ...], passed: dict[Job, float],
     from pagedllm.kernels.wna16_tc_config import prior_config
     from pagedllm.layers.quantization.int_cuda import dequant_linear
 
-    os.environ["PAGEDLLM_WNA16_TC_CVT"] = "fp32"
     res_rows: list[dict] = []
     skipped: list[dict] = []
     for name, (n, k) in PROJ.items():
@@ -311,7 +308,7 @@ def summarise(rows: list[dict]) -> dict[str, Any]:
             break
     return {"per_step_ms_x32_layers": {str(m): {k: round(v, 3) for k, v in t.items()}
                                        for m, t in sorted(complete.items())},
-            "PAGEDLLM_WNA16_TC_MIN_M": min_m}
+            "tc_min_m": min_m}
 
 
 def table(rows: list[dict], summary: dict[str, Any], source: str) -> dict[str, Any]:
@@ -355,7 +352,7 @@ def main() -> None:
                               "check_failed": failed}
     res_rows, skipped, fatal = sweep(dev, rows, passed, args.budget_s, t0)
     result["rows"], result["skipped"], result["fatal"] = res_rows, skipped, fatal
-    result["summary"] = {**summarise(res_rows), "PAGEDLLM_WNA16_TC_CVT": "fp32"}
+    result["summary"] = summarise(res_rows)
     result["seconds"] = round(time.time() - t0, 1)
     print(json.dumps(result["summary"], indent=1))
     print(f"{'proj':13} {'M':>5} {'bf16':>8} {'stripe':>8} {'dequant':>8} {'prior':>8} "

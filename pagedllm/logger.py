@@ -4,8 +4,9 @@ it), so start-up decisions (KV blocks, concurrency, graph sizes) are visible."""
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
+
+from pagedllm import envs
 
 # One timestamp format for every line a server prints: the API process, the engine-core
 # process (engine/core_proc.py) and uvicorn's access log.
@@ -19,7 +20,7 @@ def init_logger() -> logging.Logger:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt=DATE_FORMAT))
         logger.addHandler(handler)
-        logger.setLevel(os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper())
+        logger.setLevel(envs.logging_level())
         logger.propagate = False
     return logger
 

@@ -31,6 +31,7 @@ import tempfile
 import time
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.benchmarks.workloads import DUMMY_CONFIGS, engine_summary, summary_line, w4
 from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_from_cli
 
@@ -171,12 +172,12 @@ def main(args: argparse.Namespace) -> int:
         args.tokenizer = args.tokenizer or default_model_path()
     eargs = engine_args_from_cli(args)
     # The engine core's step trace (host/device split), unless the caller set one.
-    own_trace = not os.environ.get("PAGEDLLM_STEP_TRACE")
-    if own_trace:
+    trace = envs.step_trace_path()
+    own_trace = trace is None
+    if trace is None:
         fd, trace = tempfile.mkstemp(prefix="structured-trace-", suffix=".jsonl")
         os.close(fd)
-        os.environ["PAGEDLLM_STEP_TRACE"] = trace
-    trace = os.environ["PAGEDLLM_STEP_TRACE"]
+        os.environ["PAGEDLLM_STEP_TRACE"] = trace  # for the engine core built below
     llm = LLM(eargs.model, **{k: v for k, v in vars(eargs).items()
                               if k not in ("model", "extra")})
     hi = min(llm.llm_engine.config.model_config.vocab_size, 40000)

@@ -28,6 +28,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from pagedllm import envs
+
 logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -64,8 +66,7 @@ def _compile(src: Path, what: str) -> Path | None:
         return None
     key = hashlib.sha256(_source_bytes(src) + " ".join([cc, *FLAGS]).encode()
                          + _cpu_key().encode())
-    cache = Path(os.environ.get("PAGEDLLM_KERNEL_CACHE",
-                                Path.home() / ".cache" / "pagedllm" / "kernels"))
+    cache = Path(envs.kernel_cache_dir())
     so = cache / f"{src.stem}_{key.hexdigest()[:16]}.so"
     if so.exists():
         return so

@@ -12,14 +12,12 @@ The model decides what its layers are (``StackLayer``: the two norm weights, the
 projections as packed int4 segments, the layer's KV cache and attention kind) and calls
 ``DecodeStack.build`` once; ``run`` takes a step when ``applies`` says so: every request
 decodes one token, float32 activations on the CPU.  Everything else (prompts, chunks,
-speculative verification, other weight formats) stays on the per-module path, and so
-does every step with ``PAGEDLLM_CPU_STACK=0``.
+speculative verification, other weight formats) stays on the per-module path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,11 +117,11 @@ class DecodeStack:
     @classmethod
     def build(cls, layers: list[StackLayer], hidden: int, heads: int, kv_heads: int,
               head_dim: int, inter: int, eps: float) -> DecodeStack | None:
-        """The stack over ``layers`` (all of one shape), or None when it is switched off
-        (``PAGEDLLM_CPU_STACK=0``), the library is not built or a layer does not fit: a
+        """The stack over ``layers`` (all of one shape), or None when the library is not
+        built or a layer does not fit: a
         projection not wholly packed int4 in the vnni4 layout, a norm weight or cache not
         float32 and contiguous."""
-        if not layers or os.environ.get("PAGEDLLM_CPU_STACK", "1") == "0" or _lib() is None:
+        if not layers or _lib() is None:
             return None
         qkv_n = (heads + 2 * kv_heads) * head_dim
         arr = (_Layer * len(layers))()

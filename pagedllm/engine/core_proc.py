@@ -43,6 +43,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from pagedllm import envs
 from pagedllm.engine.transport_auth import CoreKeys
 from pagedllm.gc_heap import freeze_gc_heap
 from pagedllm.logger import DATE_FORMAT
@@ -215,7 +216,7 @@ class EngineCoreProc:
 
 def _setup_logging() -> None:
     logging.basicConfig(
-        level=os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO"),
+        level=envs.logging_level(),
         format=f"%(levelname)s %(asctime)s [EngineCore pid={os.getpid()}] %(message)s",
         datefmt=DATE_FORMAT,
         stream=sys.stderr)

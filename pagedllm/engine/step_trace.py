@@ -20,12 +20,12 @@ sets it for W2.
 from __future__ import annotations
 
 import json
-import os
 from typing import IO
 
+from pagedllm import envs
 from pagedllm.core.outputs import SchedulerOutput
 
-TRACE_ENV = "PAGEDLLM_STEP_TRACE"
+TRACE_ENV = "PAGEDLLM_STEP_TRACE"  # read through envs.step_trace_path()
 
 
 class StepTrace:
@@ -36,7 +36,7 @@ class StepTrace:
 
     @classmethod
     def from_env(cls) -> StepTrace | None:
-        path = os.environ.get(TRACE_ENV)
+        path = envs.step_trace_path()
         return cls(path) if path else None
 
     def record(self, sched: SchedulerOutput, t_wall: float, t0: float, t1: float,

@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from pagedllm import envs
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("pagedllm")
@@ -92,7 +93,7 @@ def run_worker(config: Any, rank: int, local_rank: int, init_method: str,
     # The process to outlive: the engine core (``parent_pid``) or the fork server it
     # started us from, which exits with it (multiproc.py).
     parent_pid = os.getppid()
-    logging.basicConfig(level=os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=envs.logging_level(),
                         format=f"%(levelname)s %(asctime)s [rank {rank} pid={os.getpid()}]"
                         " %(message)s", stream=sys.stderr)
     # Ctrl-C reaches the whole process group: the engine core decides when ranks stop.

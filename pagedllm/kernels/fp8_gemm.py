@@ -44,7 +44,7 @@ import triton.language as tl
 
 from pagedllm.kernels.int8_gemm import nmajor_tile, split_k_chunk, splitk_reduce
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
-from pagedllm.kernels.tuned_tables import load_tuned_table, shipped_table
+from pagedllm.kernels.tuned_tables import load_tuned_table, table_path
 
 # (block_m, block_n, block_k, warps, stages, split_k, swap)
 Fp8GemmConfig = tuple[int, int, int, int, int, int, int]
@@ -143,8 +143,7 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
 def _table() -> dict[tuple[int, int], list[tuple[int, Fp8GemmConfig | None]]]:
     """``(n, k) -> [(m, config or None for cuBLASLt), ...]`` sorted by ``m``."""
     out: dict[tuple[int, int], list[tuple[int, Fp8GemmConfig | None]]] = {}
-    for m, n, k, kind, cfg in load_tuned_table(
-            "fp8_gemm", "PAGEDLLM_FP8_GEMM_CONFIGS").get("configs", []):
+    for m, n, k, kind, cfg in load_tuned_table("fp8_gemm").get("configs", []):
         if kind not in ("triton", "cublas"):
             raise ValueError(f"PAGEDLLM_FP8_GEMM_CONFIGS: unknown path {kind!r}")
         conf = None if kind == "cublas" else tuple(int(v) for v in cfg)
@@ -173,7 +172,7 @@ def routing_summary() -> str:
     table = _table()
     if not table:
         return "FP8 GEMMs: cuBLASLt from 2 rows (no Triton FP8 GEMM table for this GPU)"
-    src = os.environ.get("PAGEDLLM_FP8_GEMM_CONFIGS") or shipped_table("fp8_gemm") or ""
+    src = table_path("fp8_gemm") or ""
     top = max((m for entries in table.values() for m, cfg in entries if cfg is not None),
               default=0)
     return (f"FP8 GEMMs: Triton up to {top} rows at {len(table)} weight shapes "

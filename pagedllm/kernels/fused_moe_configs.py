@@ -9,8 +9,8 @@ takes ``BLOCK_N / 2`` gate and ``BLOCK_N / 2`` up columns (the same MMA work as 
 The defaults are vLLM's tuned H200 tables for the same expert shapes
 (``vllm/model_executor/layers/fused_moe/configs/E=128,N=768,device_name=NVIDIA_H200.json``
 and ``E=8,N=14336,...``), thinned to a few distinct entries: every distinct entry is
-another compile of both kernels, paid at start-up.  ``python -m
-pagedllm.benchmarks.moe_bench --sweep`` times candidates on the device and prints a
+another compile of both kernels, paid at start-up.  ``python
+benchmarks/moe_bench.py --sweep`` times candidates on the device and prints a
 replacement table for this file.  Shapes not listed fall back to
 :func:`default_config`.  ``DECODE_CONFIGS`` does the same for the GEMV decode path
 (``kernels/fused_moe_decode.py``).
@@ -68,7 +68,7 @@ class DecodeConfig(NamedTuple):
 # nearest T, as ``get_config``).  Shapes not listed get ``fused_moe_decode``'s heuristic;
 # ``moe_bench --sweep`` times candidates at T = 1, 2, 4, 8 and prints entries.
 DECODE_CONFIGS: dict[tuple[int, int, int], dict[int, DecodeConfig]] = {
-    # `python -m pagedllm.benchmarks.moe_bench --sweep --decode-only --shapes
+    # `python benchmarks/moe_bench.py --sweep --decode-only --shapes
     # qwen3-30b-a3b` on one H200 (2026-12-02); the whole layer call under graph replay.
     # The K split of every reduction is the same at each T (gate-up 2048, down 256), so
     # a token's sums do not depend on how many tokens share the step.

@@ -101,7 +101,7 @@ def fused_config(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps): about 64 programs per row (each program's cost is
     its shard's shrink, so more blocks only add L2 traffic) and a [R, 2048] shrink tile
     over 8 warps (2 steps at K = 4096, 7 at 14336).  Written without a GPU:
-    ``benchmarks/lora_probe.py --sweep`` times the alternatives on one."""
+    ``benchmarks/lora_probe.py --sweep`` (in git history) timed the alternatives on one."""
     block_n = max(64, min(512, triton.next_power_of_2(max(n // 64, 1))))
     return block_n, min(2048, triton.next_power_of_2(k)), 8
 

@@ -138,7 +138,7 @@ def masked_config(m: int, lsr: int, k: int) -> tuple[int, int, int, int]:
     128 covers all 8 slots of a rank-16 projection: x is read once per column block),
     then K split into power-of-two chunks of >= 256 so that tiles x SPLIT ~
     TARGET_PROGRAMS (SPLIT <= 16).  Written without a GPU: ``benchmarks/lora_probe.py``
-    times it."""
+    (in git history) timed it."""
     block_m = 64
     block_n = min(128, max(16, triton.next_power_of_2(lsr)))
     tiles = triton.cdiv(m, block_m) * triton.cdiv(lsr, block_n)

@@ -37,15 +37,16 @@ are upcast to the query's dtype as they are loaded, ``k_scale`` is folded into t
 softmax scale on the host and ``v_scale`` multiplies the accumulator once before it is
 stored (the split partials are linear in V, so the merge needs no scale).
 
-``FP8_MMA`` (an fp8 cache only; ``fp8_mma=`` / ``PAGEDLLM_ATTN_FP8_MMA``, off by default,
-an A/B candidate for Hopper) multiplies in fp8 instead, FlashAttention-3 style: the
-program quantises its Q tile to e4m3 once, one scale per row (token x head) folded with
-the softmax scale and ``k_scale`` into a per-row score scale; QK^T is a ``tl.dot`` of
-e4m3 operands with fp32 accumulation; P (in [0, 1]) is multiplied by 2^8 and cast to
-e4m3 for the P@V product with the e4m3 V tile, and the 2^-8 joins ``v_scale`` at the
-end.  ``FP8_MMA=2`` also quantises Q's rounding residual and adds its product (one more
-MMA per tile for about 7 bits of Q: the single e4m3 Q dominated the error in a torch
-simulation with peaked softmaxes).  No K/V tile is converted.
+``FP8_MMA`` (an fp8 cache only; ``fp8_mma=``, off by default: on the H200 it was faster
+for large decode batches, slower for prompt chunks and far less accurate) multiplies in
+fp8 instead, FlashAttention-3 style: the program quantises its Q tile to e4m3 once, one
+scale per row (token x head) folded with the softmax scale and ``k_scale`` into a
+per-row score scale; QK^T is a ``tl.dot`` of e4m3 operands with fp32 accumulation; P (in
+[0, 1]) is multiplied by 2^8 and cast to e4m3 for the P@V product with the e4m3 V tile,
+and the 2^-8 joins ``v_scale`` at the end.  ``FP8_MMA=2`` also quantises Q's rounding
+residual and adds its product (one more MMA per tile for about 7 bits of Q: the single
+e4m3 Q dominated the error in a torch simulation with peaked softmaxes).  No K/V tile is
+converted.
 
 The split decision is made on the host from ints that a CUDA graph keeps fixed (number of
 requests, max query length, heads, SM count), never from device tensors; the kernel
@@ -473,12 +474,6 @@ class AttentionLaunch:
     num_stages: int = 2
 
 
-_TWO_LAUNCHES = os.environ.get("PAGEDLLM_ATTN_TWO_LAUNCHES", "0") == "1"
-# FP8 products for an fp8 KV cache (A/B switch; see paged_attention's ``fp8_mma``).
-_FP8_MMA = int(os.environ.get("PAGEDLLM_ATTN_FP8_MMA", "0") or 0)
-_FP8_F16 = os.environ.get("PAGEDLLM_ATTN_FP8_F16", "1") != "0"
-
-
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -583,7 +578,7 @@ def plan_attention(
             # Beside decodes, a step's few hundred prompt tokens make about one wave of
             # long programs, each a chain of dependent tiles: longer, deeper-pipelined
             # tiles shorten the chains.  W1's mixed steps (throughput policy, replayed by
-            # benchmarks/mixed_attn_ab.py on an H200, 2026-12-01, three leases): 2.02,
+            # benchmarks/mixed_attn_ab.py, now in git history; H200, 2026-12-01): 2.02,
             # 1.98 and 2.03 s of attention against 2.07, 2.01 and 2.06 s with TILE_N 32
             # and 2 stages.  Shared memory stays near the decode plan's (82 KB against
             # 74 KB: still two programs per multiprocessor).  Other head sizes keep the
@@ -627,8 +622,8 @@ def paged_attention(
       fp8_mma: with an fp8 ``kv_cache``, run both products on e4m3 operands instead of
         upcasting K/V to the query's dtype: 1 = Q quantised per row (token x head), P
         scaled by 2^8; 2 = as 1, plus Q's rounding residual as a second e4m3 product
-        (about 7 bits of Q for one more MMA per tile); 0 = off.  None =
-        ``PAGEDLLM_ATTN_FP8_MMA`` (0 by default).  Needs FP8 tensor cores (compute
+        (about 7 bits of Q for one more MMA per tile); 0 or None = off (the engine's
+        path).  Needs FP8 tensor cores (compute
         capability >= 8.9) or the interpreter; elsewhere it is ignored.
     """
     kind = dict(WINDOW=int(sliding_window or 0), SOFTCAP=float(soft_cap or 0.0))
@@ -642,14 +637,13 @@ def paged_attention(
     if num_tokens == 0 or num_reqs == 0:
         return out
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    mma = int(_FP8_MMA if fp8_mma is None else fp8_mma)
+    mma = int(fp8_mma or 0)
     if mma not in (0, 1, 2):
         raise ValueError(f"fp8_mma must be 0, 1 or 2, got {fp8_mma!r}")
     mma = mma if fp8 and mma and _fp8_mma_ok(query.device) else 0
     # KV_FP8: 0 = a cache in the model dtype, 1 = fp8 upcast to q's dtype, 2 = fp8 with
-    # a bf16 query multiplied in fp16 (_attn_program; PAGEDLLM_ATTN_FP8_F16=0 for 1).
-    kv_fp8 = 0 if not fp8 else 2 if (query.dtype == torch.bfloat16 and not mma
-                                     and _FP8_F16) else 1
+    # a bf16 query multiplied in fp16 (_attn_program: faster than via bf16 on the H200).
+    kv_fp8 = 0 if not fp8 else 2 if (query.dtype == torch.bfloat16 and not mma) else 1
     kv = _KVScales(float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0, kv_fp8,
                    mma)
     if launch is None and num_splits is None and max_query_len > 1 and num_reqs > 1:
@@ -662,22 +656,16 @@ def paged_attention(
         # decodes: as a second launch they took 1.2 ms of W1's mixed steps of ~450
         # tokens under the throughput policy (~300 prompt tokens in ~150 programs, each
         # walking its whole context: one long wave), on top of 3.7-5.4 ms of decode
-        # attention (H200, 2026-12-01).  ``PAGEDLLM_ATTN_TWO_LAUNCHES=1`` restores the
-        # two launches (for A/B runs).  (A lone request with several tokens is a prompt
-        # chunk: it keeps the single launch below.)
+        # attention (H200, 2026-12-01).  (A lone request with several tokens is a
+        # prompt chunk: it keeps the single launch below.)
         sms = device_sm_count(query.device)
         dec, pre = (plan_attention(num_reqs=num_reqs, max_query_len=mql, num_heads=num_heads,
                                    num_kv_heads=num_kv_heads, block_size=block_size,
                                    sm_count=sms, num_splits=1, head_dim=head_dim,
-                                   beside_decodes=not _TWO_LAUNCHES)
+                                   beside_decodes=True)
                     for mql in (1, max_query_len))
-        if _TWO_LAUNCHES:
-            for q_filter, plan in ((1, dec), (2, pre)):
-                _launch(query, kv_cache, block_tables, seq_lens, query_start_loc, num_reqs,
-                        scale, out, plan, q_filter, kind=kind, kv=kv)
-        else:
-            _mixed_launch(query, kv_cache, block_tables, seq_lens, query_start_loc,
-                          num_reqs, scale, out, pre, dec, kv, kind)
+        _mixed_launch(query, kv_cache, block_tables, seq_lens, query_start_loc,
+                      num_reqs, scale, out, pre, dec, kv, kind)
         return out
     if launch is None:
         launch = plan_attention(

@@ -32,8 +32,8 @@ its wait every earlier kernel in the stream has finished.  Kernels without PDL (
 torch ops) keep ordinary stream order, and mixing the two is safe in both directions.
 
 CUDA graphs keep the dependency (stream capture records a programmatic edge), so the
-overlap also happens on replay.  ``PAGEDLLM_PDL=0`` turns PDL off (A/B runs); it is off
-in the Triton interpreter and below compute capability 9.0.
+overlap also happens on replay.  PDL is off in the Triton interpreter and below compute
+capability 9.0 (tests/kernels/test_pdl.py compares both by patching ``_capability_ok``).
 """
 
 from __future__ import annotations
@@ -53,11 +53,9 @@ def _capability_ok(index: int) -> bool:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels launched on ``device`` use PDL (read per launch, so the env var
-    and the interpreter switch take effect without a restart)."""
+    """Whether kernels launched on ``device`` use PDL (read per launch, so the
+    interpreter switch takes effect without a restart)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return False
-    if os.environ.get("PAGEDLLM_PDL", "1") == "0":
         return False
     return _capability_ok(device.index if device.index is not None
                           else torch.cuda.current_device())

@@ -1,6 +1,7 @@
 """Launch tables swept on one GPU model: shipped with the package as
 ``kernels/tuned/<prefix>_<device name>.json`` (as vLLM ships its fused-MoE tables), or
-named by an environment variable for an A/B run."""
+named by an environment variable (``envs.TUNED_TABLE_ENV``: a table a sweep in
+``benchmarks/`` wrote for another GPU model)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import os
 
 import torch
+
+from pagedllm import envs
 
 
 def shipped_table(prefix: str) -> str | None:
@@ -19,14 +22,20 @@ def shipped_table(prefix: str) -> str | None:
     return path if os.path.exists(path) else None
 
 
-def load_tuned_table(prefix: str, env: str) -> dict:
-    """The table ``$env`` names, else the shipped one, else ``{}``; a file that cannot be
-    read is a ``ValueError`` naming the variable."""
-    path = os.environ.get(env) or shipped_table(prefix)
+def table_path(prefix: str) -> str | None:
+    """The table the environment names for ``prefix``, else the shipped one, else None."""
+    return envs.tuned_table_path(prefix) or shipped_table(prefix)
+
+
+def load_tuned_table(prefix: str) -> dict:
+    """The table of :func:`table_path`, else ``{}``; a file that cannot be read is a
+    ``ValueError`` naming the variable."""
+    path = table_path(prefix)
     if not path:
         return {}
     try:
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{env}: cannot read {path!r}: {e}") from None
+        raise ValueError(f"{envs.TUNED_TABLE_ENV[prefix]}: cannot read {path!r}: {e}"
+                         ) from None

@@ -337,16 +337,17 @@ StripeConfig = tuple[int, ...]  # block_m, block_n, stripes, warps, stages, spli
 # [, ahead] (block_m 1, 2, 4: the GEMV kernel; >= 16: the tensor-core kernel; ahead 1:
 # the GEMV's register prefetch, ``_stripe_gemv_kernel``'s AHEAD, where K divides evenly)
 
-GEMV_MAX_M = min(4, int(os.environ.get("PAGEDLLM_WNA16_GEMV_MAX_M", "4")))
+GEMV_MAX_M = 4  # rows the GEMV kernel takes (block_m 1, 2, 4)
 
 
 @functools.cache
 def _tuned_file() -> dict:
-    return load_tuned_table("wna16", "PAGEDLLM_WNA16_CONFIGS")
+    return load_tuned_table("wna16")
 
 
 def tuned_threshold(name: str) -> int | None:
-    """A threshold the sweep recommended (``summary[name]`` of the tuned file), if any."""
+    """A dispatch threshold the sweep recommended (``summary[name]`` of the tuned file:
+    ``dequant_min_m``, ``dequant_chunk_mb``, ``tinygemm_max_m``), if any."""
     value = _tuned_file().get("summary", {}).get(name)
     return None if value is None else int(value)
 

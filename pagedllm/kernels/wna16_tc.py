@@ -20,9 +20,9 @@ copies), each word read once.  It is transposed in registers (a layout relabel) 
 of ``kernels/wna16_stripe.py`` (``(h & mask) | 0x4B000000`` read as fp32 is ``2**23 +
 code * 2**o``: one LOP3 and one FMA per code, no int->float conversion) and put back in
 K order by a tree of ``tl.interleave`` (a join of in-thread values: no data movement), so
-each thread's codes of one word stay in that thread, consecutive in K.  For symmetric
-bf16 on sm_90 a PTX bf16x2 unpack (``_ASM_SCALED``: two codes per LOP3, ``code - 8``
-and the scale in ``bf16x2`` arithmetic) halves the instructions (:func:`fast_cvt`).
+each thread's codes of one word stay in that thread, consecutive in K.  (A PTX bf16x2
+unpack for symmetric bf16, two codes per LOP3, gave wrong results on an H200 for several
+configurations and was removed; git has it.)
 
 Two ways to meet the activations (``SWAP``, compile-time):
 
@@ -55,7 +55,6 @@ from :mod:`pagedllm.kernels.wna16_tc_config` (a tuned table, else priors).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -92,52 +91,6 @@ def from_kmajor(qweight_t: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- kernel
-
-
-# Symmetric 4-bit codes -> bf16 pairs with bf16x2 arithmetic (sm_90 PTX): the nibbles
-# s and s + 4 of a word sit 16 bits apart, so one LOP3 ``(w >> 4s) & 0x000F000F |
-# 0x43004300`` makes two bf16 ``128 + code`` (the code lands in the mantissa, exact),
-# one ``sub.bf16x2`` takes 136 off (``code - 8``, exact) and one ``mul.bf16x2`` applies
-# the scale (correctly rounded: the reference's bf16 product).  2 instructions an element
-# instead of the fp32 path's 3.5.  Outputs: slots 0..7; inputs: the word, the fp32 scale.
-_ASM_SCALED_TEXT = """{
-.reg .b32 t0, t1, t2, t3, w, s, b;
-cvt.rn.bf16x2.f32 s, $9, $9;
-mov.b32 b, 0x43084308;
-lop3.b32 t0, $8, 0x000F000F, 0x43004300, 0xEA;
-shr.u32 w, $8, 4;
-lop3.b32 t1, w, 0x000F000F, 0x43004300, 0xEA;
-shr.u32 w, $8, 8;
-lop3.b32 t2, w, 0x000F000F, 0x43004300, 0xEA;
-shr.u32 w, $8, 12;
-lop3.b32 t3, w, 0x000F000F, 0x43004300, 0xEA;
-sub.rn.bf16x2 t0, t0, b;
-sub.rn.bf16x2 t1, t1, b;
-sub.rn.bf16x2 t2, t2, b;
-sub.rn.bf16x2 t3, t3, b;
-mul.rn.bf16x2 t0, t0, s;
-mul.rn.bf16x2 t1, t1, s;
-mul.rn.bf16x2 t2, t2, s;
-mul.rn.bf16x2 t3, t3, s;
-mov.b32 {$0, $4}, t0;
-mov.b32 {$1, $5}, t1;
-mov.b32 {$2, $6}, t2;
-mov.b32 {$3, $7}, t3;
-}"""
-_ASM_SCALED = tl.constexpr(_ASM_SCALED_TEXT)
-_ASM_UNSCALED = tl.constexpr(_ASM_SCALED_TEXT.replace("mul.rn.bf16x2", "// mul"))
-
-
-@triton.jit
-def _dequant_bf16x2(words_nk, sc, SCALE_AFTER: tl.constexpr):
-    """Symmetric words ``[BN, BK / 8]`` -> ``[BN, BK]`` bf16 with the PTX above, K in
-    input order: ``code - 8`` (``SCALE_AFTER``) or ``(code - 8) * sc``."""
-    c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-        _ASM_UNSCALED if SCALE_AFTER else _ASM_SCALED, "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
-        [words_nk, sc.to(tl.float32)], dtype=(tl.bfloat16, ) * 8, is_pure=True, pack=1)
-    even = tl.interleave(tl.interleave(c0, c4), tl.interleave(c2, c6))
-    odd = tl.interleave(tl.interleave(c1, c5), tl.interleave(c3, c7))
-    return tl.interleave(even, odd)
 
 
 @triton.jit
@@ -184,7 +137,7 @@ def _w4a16_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stri
                      HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_CHUNK: tl.constexpr,
                      SWAP: tl.constexpr, SCALE_AFTER: tl.constexpr, IEEE: tl.constexpr,
-                     FAST_CVT: tl.constexpr, EVEN_N: tl.constexpr, USE_PDL: tl.constexpr):
+                     EVEN_N: tl.constexpr, USE_PDL: tl.constexpr):
     """One ``[BLOCK_M, BLOCK_N]`` output tile over ``K_CHUNK`` inputs (module doc)."""
     # Nothing before the first loads of x: start dependents, wait for the predecessor.
     pdl_start(USE_PDL)
@@ -232,9 +185,7 @@ def _w4a16_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stri
             z_next = tl.load(z_ptr + g_next * N + cols)
         else:
             z = 8.0
-        if FAST_CVT:
-            w_nk = _dequant_bf16x2(tl.trans(words), sc[:, None], SCALE_AFTER)
-        elif SCALE_AFTER:
+        if SCALE_AFTER:
             w_nk = _dequant_nk(tl.trans(words), sc, z, x_ptr.dtype.element_ty, True)
         else:
             w_nk = _dequant_nk(tl.trans(words), sc[:, None], z, x_ptr.dtype.element_ty,
@@ -280,11 +231,6 @@ def _w4a16_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stri
 # --------------------------------------------------------------------------- launch
 
 
-@functools.cache
-def _sm90(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def even_split(k: int, block_k: int, split: int) -> tuple[int, int]:
     """``(k_chunk, split)`` with ``split * k_chunk == k`` exactly: the largest split
     ``<= split`` that divides the ``k / block_k`` steps.  The kernel's K loop has no
@@ -296,19 +242,6 @@ def even_split(k: int, block_k: int, split: int) -> tuple[int, int]:
     while steps % split:
         split -= 1
     return k // split, split
-
-
-def fast_cvt() -> bool:
-    """``PAGEDLLM_WNA16_TC_CVT`` (default ``fp32``).  ``bf16x2``: the PTX unpack
-    (symmetric bf16 on sm_90+ only), EXPERIMENTAL: it gave wrong results on an H200
-    for several configurations (block_k 64; cause not found), so only an explicit
-    setting turns it on -- never a tuned table.  ``fp32``: the portable unpack.  Read
-    per call."""
-    choice = os.environ.get("PAGEDLLM_WNA16_TC_CVT", "fp32")
-    if choice not in ("bf16x2", "fp32"):
-        raise ValueError(f"PAGEDLLM_WNA16_TC_CVT: expected 'bf16x2' or 'fp32', got "
-                         f"{choice!r}")
-    return choice == "bf16x2"
 
 
 def _check(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor,
@@ -375,14 +308,12 @@ def w4a16_tc_gemm(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tens
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32,
                                                 device=x.device)
     ieee = x.dtype == torch.float32 or (_INTERPRET and x.dtype != torch.float32)
-    fast = (fast_cvt() and x.dtype == torch.bfloat16 and scales_t.dtype == torch.bfloat16
-            and zeros_t is None and not _INTERPRET and _sm90(x.device))
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
     _w4a16_tc_kernel[grid](
         x, qweight_t, scales_t, zeros_t if zeros_t is not None else scales_t, target, m, n,
         x.stride(0), n, m * n if split > 1 else 0, K=k, GROUP=group_size,
         HAS_ZERO=zeros_t is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
-        K_CHUNK=k_chunk, SWAP=bool(swap), SCALE_AFTER=bool(after), IEEE=ieee, FAST_CVT=fast,
+        K_CHUNK=k_chunk, SWAP=bool(swap), SCALE_AFTER=bool(after), IEEE=ieee,
         EVEN_N=n % bn == 0,
         num_warps=warps, num_stages=stages, **pdl_launch_args(x.device))
     if split > 1:

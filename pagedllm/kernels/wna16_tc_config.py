@@ -1,6 +1,5 @@
 """Launch table of the W4A16 tensor-core GEMM (``kernels/wna16_tc.py``): which path a
-``(M, N, K)`` takes from ``tc_min_m`` rows up, and the kernel's configuration
-(``PAGEDLLM_WNA16_TC_MIN_M=0`` turns the kernel off).
+``(M, N, K)`` takes from ``tc_min_m`` rows up, and the kernel's configuration.
 
 A table is written by ``benchmarks/wna16_tc_sweep.py`` (``--table``) and shipped as
 ``kernels/tuned/wna16_tc_<device name>.json`` (``PAGEDLLM_WNA16_TC_CONFIGS`` overrides):
@@ -9,7 +8,7 @@ A table is written by ``benchmarks/wna16_tc_sweep.py`` (``--table``) and shipped
  {"configs": [[m, n, k, "tc", [block_m, block_n, block_k, group_m, warps, stages,
                               split_k, swap, scale_after]],
               [m, n, k, "dequant", null], ...],
-  "summary": {"PAGEDLLM_WNA16_TC_MIN_M": 16, ...}}
+  "summary": {"tc_min_m": 16, ...}}
 ```
 
 An entry serves every ``M`` up to its ``m`` (the smallest swept ``m >= M`` at that
@@ -24,7 +23,6 @@ a CUDA-graph capture and an eager run of one batch size pick the same path.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -39,7 +37,7 @@ DEFAULT_TC_MIN_M = 16
 
 @functools.cache
 def _tuned_file() -> dict:
-    return load_tuned_table("wna16_tc", "PAGEDLLM_WNA16_TC_CONFIGS")
+    return load_tuned_table("wna16_tc")
 
 
 def tuned_summary() -> dict:
@@ -68,21 +66,14 @@ def has_table() -> bool:
 
 
 def tc_min_m() -> int:
-    """``PAGEDLLM_WNA16_TC_MIN_M`` (0: the kernel is off), else the table's (16 if it
-    has none), else 0 -- without a table the kernel is off: only GPU-checked
-    configurations are ever routed to (``int_cuda._tc_route``), so its K-major copy would
-    be dead weight.  The rows from which this module picks the path."""
-    name = "PAGEDLLM_WNA16_TC_MIN_M"
-    value = os.environ.get(name)
-    if value is None:
-        if not has_table():
-            return 0
-        tuned = _tuned_file().get("summary", {}).get(name)
-        return DEFAULT_TC_MIN_M if tuned is None else int(tuned)
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name}: expected an integer, got {value!r}") from None
+    """The rows from which this module picks the path (0: the kernel is off): the table's
+    ``summary["tc_min_m"]`` (16 if it has none), else 0 -- without a table the kernel is
+    off: only GPU-checked configurations are ever routed to (``int_cuda._tc_route``), so
+    its K-major copy would be dead weight."""
+    if not has_table():
+        return 0
+    tuned = _tuned_file().get("summary", {}).get("tc_min_m")
+    return DEFAULT_TC_MIN_M if tuned is None else int(tuned)
 
 
 def auto_split(m: int, n: int, k: int, bm: int, bn: int, bk: int,

@@ -25,15 +25,14 @@ no loop over tokens or adapters, no host sync.  The CPU path is its GEMM form
 :func:`lora_dense_` (the expand per shard: no multiplies by ``Bt``'s zero blocks).  On
 CUDA the path
 depends on the row count only (:func:`lora_path`): up to ``FUSED_MAX_ROWS`` rows the
-one-launch ``kernels/lora.lora_fused``; above, up to ``PAGEDLLM_LORA_MASKED_MAX_ROWS``
+one-launch ``kernels/lora.lora_fused``; above, up to ``MASKED_MAX_ROWS``
 (512 by default: a large batch's decode steps) the two-launch masked form
 (``kernels/lora_masked.py``: a
 split-K shrink writing each row's slot columns, zeros elsewhere, then one cuBLAS
 ``addmm_`` over all slots), past it the dense masked form on cuBLAS (:func:`lora_dense_`,
 2 + S launches); the segmented ``kernels/lora.lora_sgmv`` over the rows the manager grouped
 by slot on the host (:func:`sgmv_tiles`, published with the slot map) up to
-``PAGEDLLM_LORA_SGMV_MAX_ROWS`` rows (0 by default: slower than cuBLAS on the H200 as
-measured; an A/B switch).
+``SGMV_MAX_ROWS`` rows (0: slower than cuBLAS on the H200 as measured, so unused).
 
 Where a layer runs as the batch-1 GEMV (one row, ``layers/linear.gemv_applies``: decode
 at batch 1) the delta rides on the base kernels instead, so an adapter adds at most one
@@ -48,7 +47,6 @@ for the QKV GEMV that rotates q/k and writes the KV cache: the delta joins befor
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -197,10 +195,6 @@ def diag_blocks(bt: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:
     return out
 
 
-def _rows_env(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
-
-
 # Row-count thresholds of the CUDA paths (see the module doc), from
 # ``benchmarks/lora_probe.py`` and W1 on an H200 (docs/benchmarks.md, runs 17-19).  Per
 # decoder layer at the Llama-3-8B shapes (4 projections, 8 slots, rank 16): the fused
@@ -210,11 +204,11 @@ def _rows_env(name: str, default: int) -> int:
 # 219; at 8,192 dense 696, masked 780, sgmv 656.  W1 over 8 adapters (base 8,625):
 # masked up to 512 rows 7,390 tok/s, dense above 4 rows 7,007 (run 19); masked for
 # every size 6,426 (run 18; its large prefill chunks).  So: fused, then masked up to
-# 512 rows (decode steps of a large batch), then dense.  The environment variables
-# override all three for an A/B run.
-FUSED_MAX_ROWS = _rows_env("PAGEDLLM_LORA_FUSED_MAX_ROWS", 4)
-SGMV_MAX_ROWS = _rows_env("PAGEDLLM_LORA_SGMV_MAX_ROWS", 0)
-MASKED_MAX_ROWS = _rows_env("PAGEDLLM_LORA_MASKED_MAX_ROWS", 512)
+# 512 rows (decode steps of a large batch), then dense.  (Tests patch these constants to
+# reach every path at small sizes.)
+FUSED_MAX_ROWS = 4
+SGMV_MAX_ROWS = 0
+MASKED_MAX_ROWS = 512
 
 
 def lora_path(rows: int, use_triton: bool) -> str:

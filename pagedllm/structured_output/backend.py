@@ -17,7 +17,6 @@ xgrammar's messages start with a C++ source location (``[time] /project/cpp/x.cc
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 from collections import OrderedDict
@@ -30,11 +29,10 @@ import xgrammar as xgr
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
-# Longest run of optional whitespace a JSON-schema grammar allows (room for indentation).
-# PAGEDLLM_MAX_JSON_WHITESPACE=0 lifts the bound (vLLM's behaviour), for A/B runs: the
-# bound costs xgrammar 25-45 us a row per mask where whitespace may come next, against
-# ~2 us unbounded (docs/benchmarks.md).
-MAX_WHITESPACE: int | None = int(os.environ.get("PAGEDLLM_MAX_JSON_WHITESPACE", "16")) or None
+# Longest run of optional whitespace a JSON-schema grammar allows (room for indentation;
+# vLLM leaves it unbounded).  The bound costs xgrammar 25-45 us a row per mask where
+# whitespace may come next, against ~2 us unbounded (docs/benchmarks.md).
+MAX_WHITESPACE = 16
 
 
 def clean_error(e: BaseException) -> str:

@@ -39,6 +39,8 @@ from dataclasses import dataclass, fields
 from types import SimpleNamespace
 from typing import Any
 
+from pagedllm import envs
+
 logger = logging.getLogger("pagedllm")
 
 # Engine arguments the helper takes over (those that decide shapes and code paths).
@@ -53,7 +55,7 @@ _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _enabled() -> bool:
-    return os.environ.get("PAGEDLLM_KERNEL_WARMUP", "1") != "0"
+    return envs.kernel_warmup()
 
 
 def _nvidia_gpu_present() -> bool:

@@ -8,7 +8,6 @@ bottom; the only device->host sync is the wait in ``_finish`` (one per step).
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,8 +185,8 @@ class ModelRunner:
         # Swap and copy-on-write moves on the KV tensors (set by the worker).
         self.block_ops: BlockOps | None = None
         # The model's last layer runs past attention only on the rows logits come from
-        # (models/llama.py); PAGEDLLM_PRUNE_LAST_LAYER=0 runs it on every row (for A/B).
-        self.last_only = os.environ.get("PAGEDLLM_PRUNE_LAST_LAYER", "1") != "0"
+        # (models/llama.py); speculative decoding turns it off below.
+        self.last_only = True
         # structured_output.backend.GrammarCompiler, set by the engine core on its first
         # structured-output request (its grammars are compiled before the request runs).
         self.grammar_compiler: Any = None

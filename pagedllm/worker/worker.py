@@ -344,8 +344,8 @@ class Worker:
         if self.device.type == "cuda" and not self.config.device_config.enforce_eager \
                 and self.parallel.pp_size == 1:
             self.runner.capture_cuda_graphs(self.graph_margin)
-        if self.device.type == "cuda" and os.environ.get("PAGEDLLM_WARM_LOGITS", "1") != "0" \
-                and self.parallel.pp.is_last:  # only the last stage has an LM head
+        # Only the last pipeline stage has an LM head.
+        if self.device.type == "cuda" and self.parallel.pp.is_last:
             t0 = time.perf_counter()
             warm_logits_and_sampling(self)
             logger.info("warmed lm_head at 1-%d rows and the sampler in %.2f s",

@@ -7,8 +7,8 @@ run twice on one model, once with the stack and once with it switched off; every
 step's logits and the KV caches it writes must be bit-identical (the stack runs the same
 C kernels in the same order).  Also: what the stack does not take (fp32 weights, a
 prompt step) stays on the per-module path, and the C SiLU-and-multiply it shares with
-that path agrees with torch's.  Both activation widths of GGUF products
-(``PAGEDLLM_GGUF_ACT_BITS``: int8, the default, and int16) go through the stack.
+that path agrees with torch's.  Both activation widths of int4 products (int8, GGUF's,
+and int16, the other formats') go through the stack.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from gguf.constants import GGMLQuantizationType as Q
 from pagedllm.attention.cpu_backend import CpuBackend
 from pagedllm.config import EngineArgs
 from pagedllm.cpu import decode_stack, silu_mul
-from pagedllm.layers.quantization import int4_vnni
+from pagedllm.layers.quantization import gguf, int4_vnni
 from pagedllm.models.loader import load_model
 from tests.models.paged import PagedSession
 from tests.models.test_gguf_quantised import TYPES, V, _write
@@ -63,7 +63,9 @@ def _decode(model, mc, stack: bool) -> tuple[list[torch.Tensor], list[torch.Tens
 @pytest.mark.parametrize("bits", ["8", "16"])
 def test_stack_is_bit_identical_to_the_module_path(tmp_path, monkeypatch: pytest.MonkeyPatch,
                                                    bits: str) -> None:
-    monkeypatch.setenv("PAGEDLLM_GGUF_ACT_BITS", bits)  # int8 (default) / int16 activations
+    # GGUF weights take int8 activations (gguf.ACT8); int16 ones are the layout other
+    # int4 formats take on the CPU (int_linear), so the stack runs both.
+    monkeypatch.setattr(gguf, "ACT8", bits == "8")
     path = str(tmp_path / "mixed.gguf")
     _write(path, STACK_TYPES, Q.Q8_0)
     model, mc = _model(path)
@@ -87,24 +89,6 @@ def test_fp32_weights_keep_the_module_path(tmp_path) -> None:
     model, mc = _model(path, "none")
     _decode(model, mc, stack=True)
     assert model.model.cpu_stack is False  # planned once, refused: no packed int4
-
-
-def test_bad_activation_width_is_a_clear_error(tmp_path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    path = str(tmp_path / "q.gguf")
-    _write(path, {"attn_q": Q.Q4_1}, None)
-    monkeypatch.setenv("PAGEDLLM_GGUF_ACT_BITS", "4")
-    with pytest.raises(ValueError, match="PAGEDLLM_GGUF_ACT_BITS must be 8 or 16"):
-        _model(path)
-
-
-def test_switch_off(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = str(tmp_path / "mixed.gguf")
-    _write(path, STACK_TYPES, Q.Q8_0)
-    monkeypatch.setenv("PAGEDLLM_CPU_STACK", "0")
-    model, mc = _model(path)
-    _decode(model, mc, stack=True)
-    assert model.model.cpu_stack is False
 
 
 def test_silu_mul_matches_torch() -> None:

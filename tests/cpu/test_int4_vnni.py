@@ -110,8 +110,8 @@ def test_gathered_rows_are_the_codes_and_layout_switch(act8: bool) -> None:
     assert part.packed.numel() == 128 * 64 // 2  # 4 bits per weight, as torch's layout
 
 
-def test_switched_off_keeps_torchs_layout(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PAGEDLLM_INT4_VNNI", "0")
+def test_without_vnni_keeps_torchs_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(int4_vnni, "available", lambda: False)  # a CPU without VNNI
     parts, gguf_ref, _ = _parts(Q.Q4_1, 64, 128)
     assert parts[0].layout == "torch"
     x = torch.randn(2, 128)

@@ -7,8 +7,8 @@ split-K shrink plus the GEMV adding the expand in its epilogue (``LoRALinear.gem
 qkv's 3 shards, o, gate_up, and down reading ``silu(gate) * up``), the shrinks of qkv
 and gate_up in the launch of the RMSNorm before them (``kernels/lora_norm.py``).  Greedy tokens must
 equal transformers + PEFT in fp32.  (The QKV + RoPE GEMV needs the Triton attention
-backend: ``tests/kernels/test_gemv_rope.py``, ``tests/lora``'s gpu-marked test and
-``benchmarks/lora_probe.py`` cover it with an adapter.)
+backend: ``tests/kernels/test_gemv_rope.py`` and ``tests/lora``'s gpu-marked test
+cover it with an adapter.)
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ def test_triton_lora_paths_match_peft(tmp_path, monkeypatch, gemv: bool, many: s
               max_num_batched_tokens=48)
     mgr = llm.llm_engine.client.core.executor.worker.runner.lora
     # What the manager does on CUDA with the segmented kernels switched on
-    # (PAGEDLLM_LORA_SGMV_MAX_ROWS; off by default): group rows by slot, run the Triton
+    # (SGMV_MAX_ROWS; 0, off, by default): group rows by slot, run the Triton
     # kernels.  ``many="masked"``: the path for steps above the fused rows up to
-    # PAGEDLLM_LORA_MASKED_MAX_ROWS (here every step), the split-K masked shrink + one addmm.
+    # MASKED_MAX_ROWS (here every step), the split-K masked shrink + one addmm.
     if many == "sgmv":
         monkeypatch.setattr(lora_layers, "SGMV_MAX_ROWS", 1 << 30)
         mgr.grouped = True

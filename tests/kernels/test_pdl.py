@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.kernels import pdl as pdl_mod
 from pagedllm.kernels.pdl import pdl_enabled, pdl_launch_args
 
 
@@ -22,7 +23,7 @@ def test_pdl_is_off_without_a_hopper_gpu(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl_enabled(torch.device("cuda", 0))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv("PAGEDLLM_PDL", "0")
+    monkeypatch.setattr(pdl_mod, "_capability_ok", lambda index: False)  # before Hopper
     assert not pdl_enabled(torch.device("cuda", 0))
 
 
@@ -90,7 +91,7 @@ def test_pdl_chain_equals_serial_eager_and_graphed(monkeypatch: pytest.MonkeyPat
     kv0 = state["kv"].clone()
 
     def run(pdl: str, graphed: bool) -> torch.Tensor:
-        monkeypatch.setenv("PAGEDLLM_PDL", pdl)
+        monkeypatch.setattr(pdl_mod, "_capability_ok", lambda index: pdl == "1")
         state["kv"].copy_(kv0)
         if not graphed:
             out = _layer_chain(state, 8)

@@ -175,7 +175,7 @@ def test_gpu_stripe_gemm_llama3_shapes(n: int, k: int, m: int) -> None:
 def test_tuned_table_overrides_configs_and_thresholds(tmp_path, monkeypatch) -> None:
     """``PAGEDLLM_WNA16_CONFIGS`` (the sweep's ``--table``): the entry of the smallest
     swept M >= M at (N, K) wins, other shapes keep the priors, and its summary sets the
-    dispatch thresholds unless the env var does."""
+    dispatch thresholds."""
     import json
 
     from pagedllm.kernels import wna16_stripe as ws
@@ -189,9 +189,8 @@ def test_tuned_table_overrides_configs_and_thresholds(tmp_path, monkeypatch) -> 
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"configs": [[4, 64, 256, [4, 4, 1, 4, 1, 1]],
                                             [64, 64, 256, [16, 32, 2, 4, 3, 2]]],
-                                "summary": {"PAGEDLLM_WNA16_DEQUANT_MIN_M": 256}}))
+                                "summary": {"dequant_min_m": 256}}))
     monkeypatch.setenv("PAGEDLLM_WNA16_CONFIGS", str(path))
-    monkeypatch.delenv("PAGEDLLM_WNA16_DEQUANT_MIN_M", raising=False)
     clear()
     try:
         cpu = torch.device("cpu")
@@ -199,8 +198,6 @@ def test_tuned_table_overrides_configs_and_thresholds(tmp_path, monkeypatch) -> 
         assert ws.stripe_config(5, 64, 256, cpu) == (16, 32, 2, 4, 3, 2)
         assert ws.stripe_config(3, 128, 256, cpu)[0] == 4  # not in the table: priors
         assert int_cuda.dequant_min_m() == 256
-        monkeypatch.setenv("PAGEDLLM_WNA16_DEQUANT_MIN_M", "0")
-        assert int_cuda.dequant_min_m() == 0
     finally:
         monkeypatch.delenv("PAGEDLLM_WNA16_CONFIGS")
         clear()

@@ -134,7 +134,6 @@ def _use_table(monkeypatch, path, configs: list) -> None:
 
     path.write_text(json.dumps({"configs": configs, "summary": {}}))
     monkeypatch.setenv("PAGEDLLM_WNA16_TC_CONFIGS", str(path))
-    monkeypatch.delenv("PAGEDLLM_WNA16_TC_MIN_M", raising=False)
     _clear_tables()
 
 
@@ -203,7 +202,6 @@ def test_no_table_means_no_kmajor_copy_and_no_unchecked_route(tmp_path, monkeypa
     from pagedllm.layers.quantization.int_cuda import _tc_route, store_cuda
 
     monkeypatch.delenv("PAGEDLLM_WNA16_TC_CONFIGS", raising=False)
-    monkeypatch.delenv("PAGEDLLM_WNA16_TC_MIN_M", raising=False)
     _clear_tables()
     n, k = 16, 256
     qw, sc, _ = _weight(n, k, 128, False, 9)
@@ -225,12 +223,13 @@ def test_no_table_means_no_kmajor_copy_and_no_unchecked_route(tmp_path, monkeypa
 
 
 def test_tc_off_and_w8_keep_no_kmajor_copy(monkeypatch) -> None:
+    from pagedllm.kernels import wna16_tc_config as tcc
     from pagedllm.layers.linear import ReplicatedLinear
     from pagedllm.layers.quantization.int_cuda import store_cuda
 
     n, k = 16, 256
     qw, sc, _ = _weight(n, k, 128, False, 9)
-    monkeypatch.setenv("PAGEDLLM_WNA16_TC_MIN_M", "0")
+    monkeypatch.setattr(tcc, "tc_min_m", lambda: 0)  # a table with tc_min_m 0, or none
     with torch.device(DEVICE):
         layer = ReplicatedLinear(k, n, bias=False, prefix="x")
     store_cuda(layer, IntWeight(qw.to(DEVICE), sc.to(DEVICE), None, None, 4, 128),
@@ -242,7 +241,7 @@ def test_tuned_table_routes_by_rows(tmp_path, monkeypatch) -> None:
     """``PAGEDLLM_WNA16_TC_CONFIGS`` (the sweep's ``--table``): the entry of the smallest
     swept M >= M at (N, K) wins (the largest above), ``dequant`` entries leave the GEMM
     (when the dequantise scratch can exist), unknown shapes get ``prior``, and the summary
-    sets TC_MIN_M unless the env var does."""
+    sets ``tc_min_m``."""
     from pagedllm.kernels import wna16_tc_config as tcc
 
     def clear() -> None:
@@ -256,9 +255,8 @@ def test_tuned_table_routes_by_rows(tmp_path, monkeypatch) -> None:
     path.write_text(json.dumps({"configs": [[64, 64, 256, "tc", a],
                                             [256, 64, 256, "tc", b],
                                             [2048, 64, 256, "dequant", None]],
-                                "summary": {"PAGEDLLM_WNA16_TC_MIN_M": 32}}))
+                                "summary": {"tc_min_m": 32}}))
     monkeypatch.setenv("PAGEDLLM_WNA16_TC_CONFIGS", str(path))
-    monkeypatch.delenv("PAGEDLLM_WNA16_TC_MIN_M", raising=False)
     clear()
     try:
         cpu = torch.device("cpu")
@@ -269,8 +267,6 @@ def test_tuned_table_routes_by_rows(tmp_path, monkeypatch) -> None:
         assert tcc.tc_choice(17, 128, 256, cpu)[0] == "prior"
         assert tcc.tc_config(300, 64, 256, cpu) == tcc.prior_config(300, 64, 256, cpu)
         assert tcc.tc_min_m() == 32
-        monkeypatch.setenv("PAGEDLLM_WNA16_TC_MIN_M", "0")
-        assert tcc.tc_min_m() == 0
     finally:
         monkeypatch.delenv("PAGEDLLM_WNA16_TC_CONFIGS")
         clear()
@@ -317,9 +313,7 @@ def test_gpu_default_routing_llama3_8b(proj: str, zeros: bool) -> None:
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
 @pytest.mark.parametrize("m", [1, 16, 64, 256, 2048])
 def test_gpu_tc_gemm_llama3_shapes(n: int, k: int, m: int, monkeypatch) -> None:
-    """Real shapes with the priors, fp32 unpack, zero points (the bf16x2 PTX unpack is
-    experimental: wrong on an H200)."""
-    monkeypatch.setenv("PAGEDLLM_WNA16_TC_CVT", "fp32")
+    """Real shapes with the priors, zero points."""
     qw, sc, zp = _weight(n, k, 128, True, m)
     qw, sc, zp = qw.cuda(), sc.to(torch.bfloat16).cuda(), zp.cuda()
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -350,13 +344,11 @@ _SCRIPT = textwrap.dedent(r"""
             sig[a] = "i32"
         consts = dict(K=k, GROUP=128, HAS_ZERO=zeros, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                       GROUP_M=gm, K_CHUNK=k // 4 if split else k, SWAP=bool(swap),
-                      SCALE_AFTER=bool(after), IEEE=False, FAST_CVT=not zeros,
-                      EVEN_N=True, USE_PDL=True)
+                      SCALE_AFTER=bool(after), IEEE=False, EVEN_N=True, USE_PDL=True)
         div = [i for i, a in enumerate(sig) if a != "M"]
         kern, st = compile_sm90(tc._w4a16_tc_kernel, sig, consts,
                                 {"num_warps": warps, "num_stages": stages}, div)
         st["wgmma"] = kern.asm["ttgir"].count("warp_group_dot ")
-        st["bf16x2"] = kern.asm["ptx"].count("sub.rn.bf16x2")  # the PTX unpack
         # in-loop waits that leave wgmmas in flight (dequantisation overlaps the MMA)
         st["async_waits"] = len(re.findall(r"wgmma.wait_group.sync.aligned [1-9]",
                                            kern.asm["ptx"]))
@@ -386,4 +378,3 @@ def test_tc_kernel_compiles_for_sm90_on_wgmma_without_spills(tmp_path) -> None:
         assert r["shared"] <= 232448, r  # an H100/H200 block's shared memory
         if r["name"].startswith("prior"):
             assert r["async_waits"] >= 1, r
-        assert (r["bf16x2"] > 0) == ("zeros" not in r["name"]), r

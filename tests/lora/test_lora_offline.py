@@ -137,7 +137,7 @@ def test_cuda_graphs_and_triton_kernels_match_peft(setup) -> None:
 
 
 @pytest.mark.gpu
-def test_batch1_fused_paths_with_adapters(setup) -> None:
+def test_batch1_fused_paths_with_adapters(setup, monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 at batch 1 on CUDA (eager, so the GEMV switch below applies): the GEMV fast
     paths with adapters -- every GEMV adding the expand in its epilogue (the QKV GEMV
     before RoPE and the KV write), the shrinks of qkv / gate_up in the RMSNorm's launch,
@@ -145,7 +145,10 @@ def test_batch1_fused_paths_with_adapters(setup) -> None:
     engine with the GEMV off (cuBLAS, the delta added after each projection): the same
     greedy tokens while they agree, log-probs within bf16 noise, and each adapter really
     moves them."""
+    import pagedllm.layers.linear as linear
     import pagedllm.layers.quantization.unquantized as unq
+
+    gemv_shape = unq.gemv_shape
 
     _, _, reqs, _, root = setup
     llm = LLM(os.path.join(root, "base"), skip_tokenizer_init=True, device="cuda",
@@ -155,25 +158,24 @@ def test_batch1_fused_paths_with_adapters(setup) -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True, logprobs=3)
 
     def run(lora, gemv: bool):
-        unq._GEMV = gemv
+        shape = gemv_shape if gemv else (lambda x, w: False)  # off: cuBLAS everywhere
+        monkeypatch.setattr(unq, "gemv_shape", shape)
+        monkeypatch.setattr(linear, "gemv_shape", shape)
         out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], sp, use_tqdm=False,
                            lora_request=lora)[0].outputs[0]
         return list(out.token_ids), out.logprobs
 
-    try:
-        _, base_lp = run(None, True)
-        for req in reqs:
-            (tok, lp), (tok_ref, lp_ref) = run(req, True), run(req, False)
-            assert tok[0] == tok_ref[0], req.lora_name
-            for i in range(N_TOKENS):  # steps 1.. are batch-1 decodes: the GEMV paths
-                for t, want in lp_ref[i].items():
-                    if t in lp[i]:
-                        assert abs(lp[i][t].logprob - want.logprob) < 0.1, (req, i, t)
-                if tok[i] != tok_ref[i]:
-                    break  # a near tie flipped: later steps see different inputs
-            # The first token's distribution (same inputs as the base run) moved.
-            assert lp[0].keys() != base_lp[0].keys() or any(
-                abs(lp[0][t].logprob - base_lp[0][t].logprob) > 0.05 for t in lp[0]), \
-                f"{req.lora_name} changed nothing"
-    finally:
-        unq._GEMV = None
+    _, base_lp = run(None, True)
+    for req in reqs:
+        (tok, lp), (tok_ref, lp_ref) = run(req, True), run(req, False)
+        assert tok[0] == tok_ref[0], req.lora_name
+        for i in range(N_TOKENS):  # steps 1.. are batch-1 decodes: the GEMV paths
+            for t, want in lp_ref[i].items():
+                if t in lp[i]:
+                    assert abs(lp[i][t].logprob - want.logprob) < 0.1, (req, i, t)
+            if tok[i] != tok_ref[i]:
+                break  # a near tie flipped: later steps see different inputs
+        # The first token's distribution (same inputs as the base run) moved.
+        assert lp[0].keys() != base_lp[0].keys() or any(
+            abs(lp[0][t].logprob - base_lp[0][t].logprob) > 0.05 for t in lp[0]), \
+            f"{req.lora_name} changed nothing"

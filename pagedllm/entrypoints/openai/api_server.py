@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagedllm import envs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.mp_client import EngineDeadError, EngineStartupError
 from pagedllm.entrypoints.openai.chat_ui import UI_PATHS, add_chat_ui
@@ -490,8 +491,8 @@ async def _serve(args: argparse.Namespace) -> int:
                                       served_model_name=names[0] if names else None)
     chat_template = _load_chat_template(args.chat_template)
     api_keys = list(args.api_key or [])
-    if not api_keys and os.environ.get("PAGEDLLM_API_KEY"):
-        api_keys = [os.environ["PAGEDLLM_API_KEY"]]
+    if not api_keys and envs.api_key():
+        api_keys = [envs.api_key()]
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:

@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pagedllm import envs
 from pagedllm.entrypoints.openai.protocol import RequestError
 from pagedllm.lora.request import LoRARequest
-
-RUNTIME_ENV = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING")
 
 
 class ServerLoRAs:
@@ -65,7 +63,7 @@ class ServerLoRAs:
 
 
 def runtime_updating_allowed() -> bool:
-    return any(os.environ.get(k, "").lower() in ("1", "true") for k in RUNTIME_ENV)
+    return envs.allow_runtime_lora_updating()
 
 
 def add_lora_routes(app: FastAPI, state: Any) -> None:

@@ -35,6 +35,8 @@ import sys
 from types import FrameType
 from typing import Any
 
+from pagedllm import envs
+
 
 class RenderTimeout(BaseException):
     """Raised by SIGALRM in the render.  A BaseException: template code cannot catch it."""
@@ -91,7 +93,7 @@ def main() -> None:
     os.nice(10)
     signal.signal(signal.SIGALRM, _on_alarm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    _limit_memory(int(os.environ.get("PAGEDLLM_TEMPLATE_MEMORY_BYTES", str(1 << 30))))
+    _limit_memory(envs.template_memory_bytes())
     out = sys.stdout
     out.write('{"ready": true}\n')
     out.flush()

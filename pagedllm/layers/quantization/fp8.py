@@ -50,7 +50,6 @@ from pagedllm.layers.quantization.base import (
     QuantizationConfig,
     set_weight_attrs,
 )
-from pagedllm.layers.quantization.unquantized import gemv_enabled
 
 if TYPE_CHECKING:
     from pagedllm.layers.linear import LinearBase
@@ -205,7 +204,7 @@ class Fp8LinearMethod(LinearMethodBase):
             x_q, x_s = quantize_fp8_per_token(x2)
         else:
             x_q, x_s = quantize_fp8_rows(x2)
-        if x2.is_cuda and x2.shape[0] == 1 and gemv_enabled():
+        if x2.is_cuda and x2.shape[0] == 1:
             # Batch-1 decode: one read of the e4m3 weight (kernels/gemv.py), where
             # cuBLASLt's FP8 GEMM at M = 1 ran W4 slower than the bf16 GEMV.
             from pagedllm.kernels.gemv import gemv

@@ -27,15 +27,13 @@ int8 activations): as two int4 parts it would cost twice the instructions for th
 bytes.
 
 Used for every ``PackedInt4`` on a CPU whose kernel builds and reports VNNI (the
-layout is chosen when the weight is packed); ``PAGEDLLM_INT4_VNNI=0`` keeps torch's
-layout and kernel.
+layout is chosen when the weight is packed); elsewhere torch's layout and kernel.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +68,9 @@ def _lib() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether CPU int4 weights take this kernel: not switched off
-    (``PAGEDLLM_INT4_VNNI=0``), the library built, and this CPU has AVX512-VNNI."""
-    return os.environ.get("PAGEDLLM_INT4_VNNI", "1") != "0" and _lib() is not None
+    """Whether CPU int4 weights take this kernel: the library built, and this CPU has
+    AVX512-VNNI."""
+    return _lib() is not None
 
 
 def packable(n: int, k: int, group: int) -> bool:

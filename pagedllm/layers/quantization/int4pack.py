@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.layers.quantization import int4_dequant, int4_vnni
+from pagedllm.layers.quantization import int4_vnni
 
 ACT_DTYPE = torch.bfloat16
 _TILE_N = 64
@@ -121,17 +121,13 @@ class PackedInt8:
 
 def mm_parts(x: torch.Tensor, parts: list[PackedInt4]) -> torch.Tensor:
     """``sum_p x W_p^T`` in ``x``'s dtype (``x`` goes in as bf16; parts are summed in
-    fp32).  On the CPU, ``M >= int4_dequant.DEQUANT_MIN_ROWS`` rows go through a bf16
-    scratch and one GEMM (``int4_dequant.py``) instead of the int4 kernel; parts in a
-    vnni layout take ``int4_vnni`` for every M."""
+    fp32).  Parts in a vnni layout take ``int4_vnni`` for every M; torch's layout its
+    int4 kernel."""
     if parts[0].layout in VNNI4:
         return int4_vnni.mm(x, parts).to(x.dtype)
     if parts[0].layout in ("vnni8", "vnni8x8"):
         return parts[0].mm(x).to(x.dtype)
     xb = x.to(ACT_DTYPE)
-    if (xb.shape[0] >= int4_dequant.DEQUANT_MIN_ROWS and int4_dequant.supports(parts)
-            and int4_dequant.available()):
-        return int4_dequant.mm(xb, parts).to(x.dtype)
     y = parts[0].mm(xb)
     if len(parts) == 1:
         return y.to(x.dtype)

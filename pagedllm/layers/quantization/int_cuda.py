@@ -7,33 +7,35 @@ to :func:`store_cuda` at load and every call to :func:`apply_cuda`.  What is sto
  act-order (g_idx) with equal groups   inputs permuted at load (groups contiguous);
                                        apply gathers x[:, perm] once per call
  K % 128 == 0, group % 128 == 0 | K    the striped layout (kernels/wna16_stripe.py)
-   and 4-bit, PAGEDLLM_WNA16_TC_MIN_M  also the K-major layout (kernels/wna16_tc.py):
-   > 0 (default: 16 with a tuned       int32 [K/8, N] words, scales [K/G, N], zeros
-   table, else 0)                      (8 for symmetric weights)
+   and 4-bit, tc_min_m > 0             also the K-major layout (kernels/wna16_tc.py):
+   (16 with a tuned table, else 0)     int32 [K/8, N] words, scales [K/G, N], zeros
+                                       (8 for symmetric weights)
  anything else                         the canonical layout (kernels/wna16.py)
- PAGEDLLM_WNA16_TINYGEMM_MAX_M > 0     also torch's int4 layout (4-bit, groups 32..256)
+ tinygemm_max_m > 0                    also torch's int4 layout (4-bit, groups 32..256)
 ```
 
 The K-major copy costs another half byte per weight (the striped copy stays for the
 decode GEMV below ``TC_MIN_M`` rows and for the dequantise path).
 
 Which kernel runs depends only on the row count ``M`` (host int): CUDA graphs and eager
-runs of one batch size agree, and nothing syncs.
+runs of one batch size agree, and nothing syncs.  The thresholds are the tuned table's
+(``summary`` of ``kernels/tuned/wna16_<GPU>.json`` / ``wna16_tc_<GPU>.json``, written by
+the sweeps in ``benchmarks/``), else the defaults below.
 
 ```
- M <= PAGEDLLM_WNA16_TINYGEMM_MAX_M (default 0: off)   torch _weight_int4pack_mm
- M >= PAGEDLLM_WNA16_TC_MIN_M (K-major copy stored)    the tensor-core W4A16 GEMM, or
+ M <= tinygemm_max_m (default 0: off)                 torch _weight_int4pack_mm
+ M >= tc_min_m (K-major copy stored)                   the tensor-core W4A16 GEMM, or
                                                        dequantise + cuBLAS where the tuned
                                                        table (kernels/wna16_tc_config.py)
                                                        measured that faster; only GPU-
                                                        checked table entries: without an
                                                        entry (or a table: TC_MIN_M is 0
                                                        then) the rows below
- M <  PAGEDLLM_WNA16_DEQUANT_MIN_M  (default 512)      wna16_stripe GEMV (M <= 4) / tile
- M >= PAGEDLLM_WNA16_DEQUANT_MIN_M                     dequantise into one shared bf16
+ M <  dequant_min_m  (default 512)                    wna16_stripe GEMV (M <= 4) / tile
+ M >= dequant_min_m                                    dequantise into one shared bf16
                                                        scratch + cuBLAS F.linear (whole,
-                                                       or PAGEDLLM_WNA16_DEQUANT_CHUNK_MB
-                                                       chunks that stay in L2)
+                                                       or dequant_chunk_mb chunks that
+                                                       stay in L2)
 ```
 
 The dequantise path writes and re-reads the weight in bf16 (about 2.5x a bf16 layer's
@@ -41,13 +43,12 @@ weight traffic), so it pays only where the GEMM is compute-bound (large M: prefi
 scratch is one buffer per (device, dtype) the size of the largest such layer (Llama-3-8B
 gate_up: 28672 x 4096 bf16, 235 MB), allocated at load so the KV-cache planner counts it
 as weights.  Layers run one after another on one stream, so they share it (also inside a
-CUDA graph).  ``PAGEDLLM_WNA16_DEQUANT_MIN_M=0`` turns it off (the Triton tile for every
-M); ``PAGEDLLM_WNA16_KERNEL=canonical`` keeps the previous kernel (A/B runs).
+CUDA graph).  A table's ``dequant_min_m`` of 0 turns it off (the Triton tile for every
+M).
 """
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,28 +64,9 @@ _TINYGEMM_GROUPS = (32, 64, 128, 256)
 _SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, str(default))
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name}: expected an integer, got {value!r}") from None
-
-
-def kernel_choice() -> str:
-    """``PAGEDLLM_WNA16_KERNEL``: ``stripe`` (default) or ``canonical``."""
-    choice = os.environ.get("PAGEDLLM_WNA16_KERNEL", "stripe")
-    if choice not in ("stripe", "canonical"):
-        raise ValueError(f"PAGEDLLM_WNA16_KERNEL: expected 'stripe' or 'canonical', "
-                         f"got {choice!r}")
-    return choice
-
-
 def _threshold(name: str, default: int) -> int:
-    """The env var, else the tuned file's recommendation (``PAGEDLLM_WNA16_CONFIGS``),
-    else ``default``."""
-    if name in os.environ:
-        return _env_int(name, default)
+    """The tuned file's recommendation (``kernels/wna16_stripe.tuned_threshold``), else
+    ``default``."""
     from pagedllm.kernels.wna16_stripe import tuned_threshold
 
     tuned = tuned_threshold(name)
@@ -93,21 +75,21 @@ def _threshold(name: str, default: int) -> int:
 
 def dequant_min_m() -> int:
     """Rows from which the dequantise + cuBLAS path runs (0: never)."""
-    return _threshold("PAGEDLLM_WNA16_DEQUANT_MIN_M", 512)
+    return _threshold("dequant_min_m", 512)
 
 
 def tinygemm_max_m() -> int:
     """Rows up to which torch's int4 kernel runs (0: never)."""
-    return _threshold("PAGEDLLM_WNA16_TINYGEMM_MAX_M", 0)
+    return _threshold("tinygemm_max_m", 0)
 
 
 def dequant_chunk_rows(k: int) -> int:
-    """``PAGEDLLM_WNA16_DEQUANT_CHUNK_MB`` (default 0: whole layers) as weight rows: the
+    """The table's ``dequant_chunk_mb`` (default 0: whole layers) as weight rows: the
     dequantise path then runs chunk by chunk through one chunk-sized piece of the
     scratch, so that the bf16 chunk is still in L2 when cuBLAS reads it (and is
     overwritten there by the next chunk, never written back) -- at the cost of more,
     narrower GEMMs."""
-    mb = _threshold("PAGEDLLM_WNA16_DEQUANT_CHUNK_MB", 0)
+    mb = _threshold("dequant_chunk_mb", 0)
     return 0 if mb <= 0 else max(128, (mb << 20) // (2 * k) // 128 * 128)
 
 
@@ -169,12 +151,8 @@ def store_cuda(layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> None:
 
             qweight = pack_codes(iw.codes()[:, perm], iw.bits)
             g_idx = None
-    stripe = kernel_choice() == "stripe" and stripe_applies(iw.bits, iw.k, iw.group_size,
-                                                            g_idx is not None)
+    stripe = stripe_applies(iw.bits, iw.k, iw.group_size, g_idx is not None)
     layer.int_layout = "stripe" if stripe else "canonical"  # type: ignore[assignment]
-    if perm is not None and not stripe and kernel_choice() == "canonical":
-        # The canonical kernel reads g_idx itself: keep the A/B baseline as it was.
-        perm, qweight, g_idx = None, iw.qweight, iw.g_idx
     layer.int_perm = perm  # type: ignore[assignment]
     _register(layer, "int_qweight", to_stripes(qweight, iw.bits) if stripe else qweight)
     qw = layer.int_qweight
@@ -199,7 +177,7 @@ def _store_tc(layer: LinearBase, iw: IntWeight, qweight: torch.Tensor, stripe: b
               has_g_idx: bool, dtype: torch.dtype) -> None:
     """The K-major copy of a 4-bit striped layer for the tensor-core GEMM (module doc):
     ``int_tc_qweight [K/8, N]``, ``int_tc_scales [K/G, N]``, ``int_tc_zeros`` (or None
-    each, when the kernel does not apply or ``PAGEDLLM_WNA16_TC_MIN_M=0``).  ``qweight``
+    each, when the kernel does not apply or ``tc_min_m`` is 0).  ``qweight``
     is the canonical weight after any act-order permutation."""
     from pagedllm.kernels.wna16_tc import tc_applies, to_kmajor
     from pagedllm.kernels.wna16_tc_config import tc_min_m

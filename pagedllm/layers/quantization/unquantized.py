@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.quantization.base import LinearBase, LinearMethodBase, set_weight_attrs
-
-
-def gemv_enabled() -> bool:
-    """``PAGEDLLM_GEMV=0`` turns the GEMV off (cuBLAS everywhere), for A/B benchmarks."""
-    global _GEMV
-    if _GEMV is None:
-        _GEMV = os.environ.get("PAGEDLLM_GEMV", "1") != "0"
-    return _GEMV
-
-
-_GEMV: bool | None = None
 
 
 def gemv_shape(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -28,7 +15,7 @@ def gemv_shape(x: torch.Tensor, weight: torch.Tensor) -> bool:
     kernels (H200 figures in docs/benchmarks.md).  The choice depends only on the row
     count, so a CUDA graph and an eager run of one batch size agree."""
     return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
-            and weight.dtype in (torch.bfloat16, torch.float16) and gemv_enabled())
+            and weight.dtype in (torch.bfloat16, torch.float16))
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor,

@@ -1,7 +1,7 @@
 """The ``quant`` section of ``kernel_bench``: INT4/INT8 weight GEMMs at the Llama-3-8B
 projections against bf16 ``F.linear``.
 
-    python -m pagedllm.benchmarks.kernel_bench --sections quant --out quant.json
+    python benchmarks/kernel_bench.py --sections quant --out quant.json
 
 For each projection (fused qkv 6144x4096, o_proj 4096x4096, fused gate_up 28672x4096,
 down_proj 4096x14336) and each row count M in 1, 16, 64, 256, 2048:
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from gpu_timing import bench_us, graph_us
 
-from pagedllm.benchmarks.gpu_timing import bench_us, graph_us
 from pagedllm.kernels.int8_gemm import int8_gemm, int8_gemm_ref, quant_per_token_int8
 from pagedllm.kernels.wna16 import pack_codes, unpack_codes, wna16_gemm, wna16_ref
 from pagedllm.layers.quantization.int4pack import PackedInt4

@@ -1,9 +1,9 @@
 """GPU microbenchmark of the fused-MoE kernels at Qwen3-30B-A3B and Mixtral-8x7B shapes.
 
-    python -m pagedllm.benchmarks.moe_bench --out moe.json [--batches 1,4,16,64,256,1024,4096]
-    python -m pagedllm.benchmarks.moe_bench --sweep --out sweep.json [--budget-s 140]
-    python -m pagedllm.benchmarks.moe_bench --sweep --decode-only --out sweep.json
-    python -m pagedllm.benchmarks.moe_bench --decode-configs sweep.json --out moe.json
+    python benchmarks/moe_bench.py --out moe.json [--batches 1,4,16,64,256,1024,4096]
+    python benchmarks/moe_bench.py --sweep --out sweep.json [--budget-s 140]
+    python benchmarks/moe_bench.py --sweep --decode-only --out sweep.json
+    python benchmarks/moe_bench.py --decode-configs sweep.json --out moe.json
 
 For each shape and token batch: routing from random router logits (so the expected
 number of distinct experts hit at batch ``b`` is ``E * (1 - (1 - k/E)^b)``), a
@@ -53,8 +53,7 @@ from functools import partial
 from typing import Any
 
 import torch
-
-from pagedllm.benchmarks.gpu_timing import bench_us, graph_us
+from gpu_timing import bench_us, graph_us
 
 SHAPES = {  # name: (experts, top_k, hidden, moe intermediate, renormalise)
     "qwen3-30b-a3b": (128, 8, 2048, 768, True),

@@ -5,14 +5,13 @@ time of a decode step where each of
 ``q = 1``.  Speculation pays at batch ``B`` while ``cost(B, k + 1) / cost(B, 1)`` stays
 below the mean accepted length.
 
-``python -m pagedllm.benchmarks.spec_step_cost [--batch-sizes 1,2,4] [--k 4] [--dummy NAME]``
+``python benchmarks/spec_step_cost.py [--batch-sizes 1,2,4] [--k 4] [--dummy NAME]``
 (any engine flag of ``pagedllm bench latency`` too, e.g. ``--dummy llama3-8b`` on a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -27,7 +26,7 @@ def main() -> None:
     from pagedllm import LLM
     from pagedllm.worker.input_batch import InputBatch
 
-    p = argparse.ArgumentParser(prog="python -m pagedllm.benchmarks.spec_step_cost")
+    p = argparse.ArgumentParser(prog="benchmarks/spec_step_cost.py")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--context", type=int, default=256, help="Tokens already in the cache.")
@@ -38,8 +37,17 @@ def main() -> None:
     add_engine_args(p)
     args = p.parse_args()
     # Verify steps need every row's hidden state; with speculation on, the runner captures
-    # its chunk graphs that way (model_runner), so time those graphs here too.
-    os.environ.setdefault("PAGEDLLM_PRUNE_LAST_LAYER", "0")
+    # its chunk graphs that way (model_runner), so time those graphs here too: the engine
+    # runs in this process, so its runner is built with ``last_only`` off.
+    from pagedllm.worker.model_runner import ModelRunner
+
+    init = ModelRunner.__init__
+
+    def init_all_rows(self: ModelRunner, *a: object, **kw: object) -> None:
+        init(self, *a, **kw)  # type: ignore[arg-type]
+        self.last_only = False
+
+    ModelRunner.__init__ = init_all_rows  # type: ignore[method-assign]
     if args.dummy:
         args.model, args.load_format = write_dummy_model(args.dummy), "dummy"
         args.skip_tokenizer_init = True

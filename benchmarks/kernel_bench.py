@@ -1,6 +1,6 @@
 """GPU microbenchmark of the Triton kernels at Llama-3-8B shapes.
 
-    python -m pagedllm.benchmarks.kernel_bench --out kernels.json [--quick] [--sweep]
+    python benchmarks/kernel_bench.py --out kernels.json [--quick] [--sweep]
 
 Sections (each checks correctness before timing, and records the error):
 
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
         date=time.strftime("%Y-%m-%d %H:%M:%S"))
     t0 = time.time()
     if "quant" in sections:  # first: it needs the memory the paged KV setup takes
-        from pagedllm.benchmarks.quant_gemm_bench import bench_quant
+        from quant_gemm_bench import bench_quant  # this folder (run as a script)
 
         print("quantised GEMMs (us; GB/s of weight + activation traffic):")
         result["quant"] = bench_quant(device, rows=(1, 16, 2048) if args.quick else

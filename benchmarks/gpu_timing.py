@@ -1,5 +1,6 @@
-"""GPU timing helpers shared by the kernel benchmarks (``quant_gemm_bench``,
-``moe_bench``, ``benchmarks/wna16_sweep.py``): medians in microseconds, never asserted."""
+"""GPU timing helpers shared by the kernel benchmarks of this folder (``quant_gemm_bench``,
+``moe_bench``, the ``*_sweep.py`` scripts; imported as ``gpu_timing``: run them as
+``python benchmarks/NAME.py``): medians in microseconds, never asserted."""
 
 from __future__ import annotations
 
