@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pagedllm import envs
+import pagedllm.envs as envs
 
 # One timestamp format for every line a server prints: the API process, the engine-core
 # process (engine/core_proc.py) and uvicorn's access log.

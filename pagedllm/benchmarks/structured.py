@@ -31,7 +31,7 @@ import tempfile
 import time
 from typing import Any
 
-from pagedllm import envs
+import pagedllm.envs as envs
 from pagedllm.benchmarks.workloads import DUMMY_CONFIGS, engine_summary, summary_line, w4
 from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_from_cli
 

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from pagedllm import envs
+import pagedllm.envs as envs
 
 logger = logging.getLogger(__name__)
 

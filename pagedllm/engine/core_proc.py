@@ -43,7 +43,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from pagedllm import envs
+import pagedllm.envs as envs
 from pagedllm.engine.transport_auth import CoreKeys
 from pagedllm.gc_heap import freeze_gc_heap
 from pagedllm.logger import DATE_FORMAT

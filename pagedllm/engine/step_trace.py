@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import IO
 
-from pagedllm import envs
+import pagedllm.envs as envs
 from pagedllm.core.outputs import SchedulerOutput
 
 TRACE_ENV = "PAGEDLLM_STEP_TRACE"  # read through envs.step_trace_path()

@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from pagedllm import envs
+import pagedllm.envs as envs
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("pagedllm")

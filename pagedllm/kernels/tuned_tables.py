@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from pagedllm import envs
+import pagedllm.envs as envs
 
 
 def shipped_table(prefix: str) -> str | None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, fields
 from types import SimpleNamespace
 from typing import Any
 
-from pagedllm import envs
+import pagedllm.envs as envs
 
 logger = logging.getLogger("pagedllm")
 

@@ -43,7 +43,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedllm import envs
+import pagedllm.envs as envs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.mp_client import EngineDeadError, EngineStartupError
 from pagedllm.entrypoints.openai.chat_ui import UI_PATHS, add_chat_ui

@@ -26,7 +26,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm import envs
+import pagedllm.envs as envs
 from pagedllm.entrypoints.openai.protocol import RequestError
 from pagedllm.lora.request import LoRARequest
 

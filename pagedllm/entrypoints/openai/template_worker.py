@@ -35,7 +35,7 @@ import sys
 from types import FrameType
 from typing import Any
 
-from pagedllm import envs
+import pagedllm.envs as envs
 
 
 class RenderTimeout(BaseException):
