@@ -16,16 +16,21 @@ does (``early_stopping=False``):
              or every candidate hit a stop condition
 ```
 
-The scheduler turns ``BeamStep.keep`` into block operations: the first new beam taken
-from a parent reuses the parent's request, every further one forks it (sharing its KV
-blocks; the shared partial block is copied on write when both append), and parents no
-one chose are freed.
+``BeamSearchCoordinator`` runs the groups inside the scheduler, through a few hooks the
+scheduler calls (each does nothing while no beam search request is live).  It turns
+``BeamStep.keep`` into block operations: the first new beam taken from a parent reuses
+the parent's request, every further one forks it (sharing its KV blocks; the shared
+partial block is copied on write when both append), and parents no one chose are freed.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+
+from pagedllm.messages import EngineCoreOutput, FinishReason
+from pagedllm.request import Request, RequestStatus
 
 
 @dataclass
@@ -111,3 +116,164 @@ class BeamGroup:
     def results(self) -> list[BeamHypothesis]:
         """The finished hypotheses, best first (at most ``beam_width``)."""
         return list(self.finished)
+
+
+class BeamSearchCoordinator:
+    """Every live beam search group, and the scheduler's hooks into them.
+
+    Beams are ordinary requests of the scheduler (``Request.beam_group`` names their
+    group); the coordinator decides what happens to them between steps.  The scheduler
+    calls, in its own order::
+
+        add_request        width(root, ...), then start(root, width)
+        finish_requests    abort(request_id, status)   -> True: the id named a group
+        update_from_output on_token(beam, ...) per beam; then on_update() -> outputs
+        schedule           on_recompute(req) per admitted waiting request;
+                           deadlock_victim(running, anything_waits) when nothing ran
+
+    It acts on the scheduler's requests only through the callables it is given:
+    ``fork(parent, child_id)`` (a new beam sharing ``parent``'s blocks),
+    ``drop(req, status)`` (take a request out of its queue and free it) and
+    ``release_reserved(req)`` (its reserved ``max_num_seqs`` seats are no longer needed).
+    """
+
+    def __init__(self, requests: Mapping[str, Request],
+                 fork: Callable[[Request, str], Request],
+                 drop: Callable[[Request, RequestStatus], None],
+                 release_reserved: Callable[[Request], None]) -> None:
+        self.groups: dict[str, BeamGroup] = {}
+        self._requests = requests
+        self._fork = fork
+        self._drop = drop
+        self._release_reserved = release_reserved
+        # Groups whose every live beam reported in the current ``update_from_output``.
+        self._ready: dict[str, BeamGroup] = {}
+
+    @property
+    def active(self) -> bool:
+        """Whether some beam search request is live."""
+        return bool(self.groups)
+
+    @staticmethod
+    def width(root: Request, blocks_per_beam: int, usable_blocks: int) -> int:
+        """The beam width of beam search request ``root``.  Raises ValueError if its
+        beams, which wait for each other every step, could not all hold their
+        ``blocks_per_beam`` KV blocks at once."""
+        width = max(1 + len(root.fork_ids), root.sampling_params.best_of or 1)
+        blocks = width * blocks_per_beam
+        if blocks > usable_blocks:
+            raise ValueError(
+                f"beam search with beam width {width} needs up to {blocks} KV blocks "
+                f"at once, more than the {usable_blocks} that exist")
+        return width
+
+    def start(self, root: Request, width: int) -> None:
+        """Make ``root`` (about to be queued) the first beam of a new group: it reserves
+        the seats of the beams it will fork into and reports its top-K next tokens."""
+        sp = root.sampling_params
+        stops = set(sp.stop_token_ids or ())
+        if not sp.ignore_eos and root.eos_token_id is not None:
+            stops.add(root.eos_token_id)
+        group = BeamGroup(root.request_id, [root.request_id, *root.fork_ids], width,
+                          root.max_tokens, sp.length_penalty, frozenset(stops))
+        root.fork_ids = []
+        root.reserved_slots = width - 1
+        root.beam_group = group.group_id
+        # Raw log-softmax top-K of the next token is what beam search scores.
+        root.sampling_params = sp.clone(n=1, logprobs=group.num_candidates)
+        group.live[root.request_id] = 0.0
+        self.groups[group.group_id] = group
+
+    def abort(self, request_id: str, status: RequestStatus) -> bool:
+        """If ``request_id`` names a group, drop all its beams with ``status``: True."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return False
+        for b in list(group.live):
+            self._drop(self._requests[b], status)
+        return True
+
+    def on_token(self, beam: Request,
+                 tokens: list[int], logprobs: tuple[list[int], list[float], int] | None,
+                 ) -> None:
+        """A beam's step result: once it sampled, its top-K candidates (``logprobs``
+        after the sampled token) are recorded; the beam's own output is not touched
+        (``on_update`` appends the token the group chooses)."""
+        group = self.groups[beam.beam_group]  # type: ignore[index]
+        if tokens and logprobs is not None and group.record(
+                beam.request_id, logprobs[0][1:], logprobs[1][1:]):
+            self._ready[group.group_id] = group
+
+    def on_update(self) -> list[EngineCoreOutput]:
+        """Advance every group whose beams all reported in this update; the outputs of
+        the groups that finished (one per reported hypothesis)."""
+        if not self._ready:
+            return []
+        ready, self._ready = self._ready, {}
+        outputs: list[EngineCoreOutput] = []
+        for group in ready.values():
+            outputs.extend(self._advance(group))
+        return outputs
+
+    def on_recompute(self, req: Request) -> None:
+        """``req`` is admitted from the waiting queue, to be computed from scratch."""
+        if req.beam_group is not None:
+            # A beam recomputed from scratch samples its next token again and must
+            # report it again: a report from before its preemption would let the group
+            # advance while the runner's row (rebuilt without the sampled token) is
+            # mid-prompt, and the chosen token would then overwrite a prompt token
+            # instead of following it.
+            self.groups[req.beam_group].pending.pop(req.request_id, None)
+
+    def deadlock_victim(self, running: Iterable[Request],
+                        anything_waits: bool) -> Request | None:
+        """Called when a step scheduled nothing.  If requests wait, the running requests
+        are beams waiting for group-mates that cannot get in (a deadlock only beams can
+        cause): the newest beam, which the scheduler preempts to the back of the queue
+        to make room.  None otherwise."""
+        if not self.groups or not anything_waits:
+            return None
+        beams = [r for r in running if r.beam_group is not None]
+        return beams[-1] if beams else None
+
+    def _advance(self, group: BeamGroup) -> list[EngineCoreOutput]:
+        """Apply one beam step: keep/fork/drop beams, or report the finished group."""
+        requests = self._requests
+        step = group.advance({b: requests[b].output_token_ids for b in group.live})
+        if step.done:
+            return self._finish(group)
+        used: set[str] = set()
+        appends: list[tuple[Request, int]] = []
+        live: dict[str, float] = {}
+        for parent_id, token, score in step.keep:  # forks first: they copy pre-append tokens
+            parent = requests[parent_id]
+            child = parent if parent_id not in used else self._fork(parent,
+                                                                    group.new_beam_id())
+            used.add(parent_id)
+            appends.append((child, token))
+            live[child.request_id] = score
+        for b in group.live:
+            if b not in used:
+                self._drop(requests[b], RequestStatus.FINISHED_ABORTED)
+        for beam, token in appends:
+            beam.append_output_token_id(token)
+            if beam.status == RequestStatus.RUNNING:
+                beam.token_override = token
+            self._release_reserved(beam)
+        group.live = live
+        return []
+
+    def _finish(self, group: BeamGroup) -> list[EngineCoreOutput]:
+        del self.groups[group.group_id]
+        any_beam = self._requests[next(iter(group.live))]
+        cached, first = max(any_beam.num_cached_tokens, 0), any_beam.first_scheduled_time
+        for b in list(group.live):
+            self._drop(self._requests[b], RequestStatus.FINISHED_STOPPED)
+        outs = []
+        for out_id, hyp in zip(group.output_ids, group.results()):
+            outs.append(EngineCoreOutput(
+                request_id=out_id, new_token_ids=hyp.token_ids,
+                finish_reason=FinishReason.STOP if hyp.stopped else FinishReason.LENGTH,
+                num_cached_tokens=cached, cumulative_logprob=hyp.cumulative_logprob,
+                first_scheduled_time=first))
+        return outs

@@ -20,6 +20,7 @@ between steps, so the KV manager here is the smallest pool (two blocks), never u
 from __future__ import annotations
 
 import time
+from collections.abc import Set as AbstractSet
 
 from pagedllm.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
@@ -49,7 +50,10 @@ class PoolingScheduler(Scheduler):
     def requires_sync(self) -> bool:
         return True  # each step's results finish its requests: nothing to overlap
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, *, in_flight_req_ids: AbstractSet[str] = frozenset(),
+                 max_num_scheduled_reqs: int = 0) -> SchedulerOutput:
+        """Admit whole prompts in queue order.  The pipeline limits are accepted and
+        unused: ``requires_sync`` is always true, so the engine core never sets them."""
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new: list[NewRequestData] = []

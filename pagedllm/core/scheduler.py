@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import deque
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.core.beam_search import BeamGroup
+from pagedllm.core.beam_search import BeamSearchCoordinator
 from pagedllm.core.hybrid_kv_cache_manager import make_kv_cache_manager
 from pagedllm.core.lora_budget import LoRABudget
 from pagedllm.core.outputs import (
@@ -54,10 +54,10 @@ from pagedllm.core.outputs import (
     SchedulerOutput,
 )
 from pagedllm.core.request_queue import DUE_NOW, LongestFirstQueue, make_queue
+from pagedllm.core.swap import SwapManager
 from pagedllm.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
-    FinishReason,
     LogprobsLists,
     SchedulerStats,
 )
@@ -77,8 +77,46 @@ def _needs_sync(req: Request) -> bool:
                 or sp.needs_output_tokens)
 
 
+@dataclass(slots=True)
+class _Step:
+    """One step's decisions while ``Scheduler.schedule`` makes them (its output to be).
+
+    ``budget`` is the tokens still to grant; ``in_flight`` / ``max_reqs`` the pipeline
+    limits (``schedule``'s arguments); ``prefill_cap`` the prompt tokens the throughput
+    policy still allows (None: no cap); ``spec_cap`` the drafts a request may verify and
+    ``spec_next`` the proposals the runner makes after the step; ``forks`` the forks
+    decided since the last step; ``touched`` the requests scheduled, in order.
+    """
+
+    budget: int
+    in_flight: AbstractSet[str]
+    max_reqs: int
+    prefill_cap: int | None
+    spec_cap: int
+    spec_next: int
+    forks: list[ForkRequestData]
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    cached: list[CachedRequestData] = field(default_factory=list)
+    cow_copies: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    new: list[NewRequestData] = field(default_factory=list)
+    touched: list[Request] = field(default_factory=list)
+    preempted_ids: set[str] = field(default_factory=set)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+
+    def take_back(self, victim_id: str) -> int:
+        """Record ``victim_id`` as preempted and withdraw what this step granted it
+        (lists are changed in place); the tokens given back to the budget."""
+        self.preempted_ids.add(victim_id)
+        self.spec_tokens.pop(victim_id, None)
+        self.cached[:] = [c for c in self.cached if c.req_id != victim_id]
+        self.cow_copies.pop(victim_id, None)
+        return self.num_scheduled.pop(victim_id, 0)
+
+
 class Scheduler:
-    """Owns every unfinished request and the waiting/running/swapped queues.
+    """Owns every unfinished request and the waiting and running queues; swapped-out
+    requests are kept by ``swap`` (core/swap.py), beam search groups by ``beams``
+    (core/beam_search.py).
 
     ``num_cpu_blocks`` is the size of the swap space (``preemption_mode="swap"``); its
     block ids index the runner's CPU KV tensors.
@@ -111,28 +149,22 @@ class Scheduler:
         # The throughput policy's queue, which paces prefill (None under fcfs/priority).
         self._lpt = self.waiting if isinstance(self.waiting, LongestFirstQueue) else None
         self.running: list[Request] = []
-        self.swapped: deque[Request] = deque()
-        self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
-        self.num_cpu_blocks = num_cpu_blocks
-        self.beam_groups: dict[str, BeamGroup] = {}
+        # Swap preemption: the swapped-out requests and the CPU blocks holding their KV.
+        self.swap = SwapManager(self.kv, num_cpu_blocks,
+                                scheduler_config.preemption_mode == "swap",
+                                scheduler_config.max_swap_blocks_per_step)
+        # Beam search: groups of beams that advance together (hooks below).
+        self.beams = BeamSearchCoordinator(self.requests, self._fork, self._drop,
+                                           self._release_reserved)
         # Sequences running requests will still fork into (reserved under max_num_seqs).
         self._reserved = 0
         # Forks decided since the last SchedulerOutput (emitted with the next one).
         self._pending_forks: list[ForkRequestData] = []
-        self._swap_out: list[tuple[int, int]] = []
-        self._swap_used = 0
         # Requests the runner must drop at the next step.
         self._finished_ids: set[str] = set()
         self._num_preemptions_step = 0
         self.total_preemptions = 0
-        self.total_swaps = 0
         self.peak_num_running = 0  # the most requests running at once (benchmarks)
-        # Pipeline parallelism (both set by the engine core before each ``schedule``):
-        # requests in a batch still in flight are left out until its output is back ...
-        self.in_flight_req_ids: AbstractSet[str] = frozenset()
-        # ... and at most this many requests per batch, so that the live requests spread
-        # over the stages' micro-batches (0: no limit, and in_flight_req_ids ignored).
-        self.max_num_scheduled_reqs = 0
         # Speculative decoding: drafts are scheduled tokens (spec_decode/scheduling.py).
         spec = getattr(scheduler_config, "speculative_config", None)
         self.spec = SpecScheduling(spec, step_cost) if spec is not None else None
@@ -159,7 +191,7 @@ class Scheduler:
         at admission instead of being preempted forever)."""
         rid = request.request_id
         for i in [rid, *request.fork_ids]:
-            if i in self.requests or i in self.beam_groups:
+            if i in self.requests or i in self.beams.groups:
                 raise ValueError(f"request_id {i!r} is already in use")
         need = request.num_prompt_tokens + request.max_tokens
         if need > self.max_tokens_per_request():
@@ -167,48 +199,24 @@ class Scheduler:
                 f"prompt ({request.num_prompt_tokens} tokens) plus max_tokens "
                 f"({request.max_tokens}) needs {need} tokens, more than the "
                 f"{self.max_tokens_per_request()} one request can hold")
-        sp = request.sampling_params
-        width = 1 + len(request.fork_ids)
-        if sp.use_beam_search:
-            width = max(width, sp.best_of or 1)
-            # Beams wait for each other every step, so all of them must fit at once.
-            blocks = width * self.kv.blocks_needed(need)
-            if blocks > self.kv.num_usable_blocks:
-                raise ValueError(
-                    f"beam search with beam width {width} needs up to {blocks} KV blocks "
-                    f"at once, more than the {self.kv.num_usable_blocks} that exist")
+        beam_search = request.sampling_params.use_beam_search
+        width = self.beams.width(request, self.kv.blocks_needed(need),
+                                 self.kv.num_usable_blocks) if beam_search \
+            else 1 + len(request.fork_ids)
         if width > self.config.max_num_seqs:
             raise ValueError(f"n ({width} sequences) exceeds max_num_seqs "
                              f"({self.config.max_num_seqs})")
-        if sp.use_beam_search:
-            self._start_beam_group(request, width)
+        if beam_search:
+            self.beams.start(request, width)
         self._track(request)
         self.waiting.add(request)
-
-    def _start_beam_group(self, root: Request, width: int) -> None:
-        sp = root.sampling_params
-        stops = set(sp.stop_token_ids or ())
-        if not sp.ignore_eos and root.eos_token_id is not None:
-            stops.add(root.eos_token_id)
-        group = BeamGroup(root.request_id, [root.request_id, *root.fork_ids], width,
-                          root.max_tokens, sp.length_penalty, frozenset(stops))
-        root.fork_ids = []
-        root.reserved_slots = width - 1
-        root.beam_group = group.group_id
-        # Raw log-softmax top-K of the next token is what beam search scores.
-        root.sampling_params = sp.clone(n=1, logprobs=group.num_candidates)
-        group.live[root.request_id] = 0.0
-        self.beam_groups[group.group_id] = group
 
     def finish_requests(self, request_ids: Iterable[str],
                         status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Finish (abort) requests wherever they are; unknown ids are ignored.  A beam
         search request's id aborts all its beams."""
         for rid in request_ids:
-            group = self.beam_groups.pop(rid, None)
-            if group is not None:
-                for b in list(group.live):
-                    self._drop(self.requests[b], status)
+            if self.beams.abort(rid, status):
                 continue
             req = self.requests.get(rid)
             if req is not None:
@@ -219,8 +227,7 @@ class Scheduler:
         if req.status == RequestStatus.RUNNING:
             self._remove_running(req)
         elif req.status == RequestStatus.SWAPPED:
-            self.swapped.remove(req)
-            self._free_cpu(req)
+            self.swap.remove(req)
         else:
             self.waiting.remove(req)
         req.status = status
@@ -238,11 +245,6 @@ class Scheduler:
         self._may_need_sync.pop(req.request_id, None)
         self._finished_ids.add(req.request_id)
 
-    def _free_cpu(self, req: Request) -> None:
-        if req.cpu_block_ids:
-            self.cpu_free.extend(req.cpu_block_ids)
-        req.cpu_block_ids = None
-
     def _add_running(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -251,6 +253,12 @@ class Scheduler:
     def _remove_running(self, req: Request) -> None:
         self.running.remove(req)
         self._reserved -= req.reserved_slots
+
+    def _release_reserved(self, req: Request) -> None:
+        """``req`` will fork into no more sequences: its reserved seats are free."""
+        if req.status == RequestStatus.RUNNING:
+            self._reserved -= req.reserved_slots
+        req.reserved_slots = 0
 
     def _has_seat(self, req: Request) -> bool:
         return (len(self.running) + self._reserved + 1 + req.reserved_slots
@@ -266,7 +274,7 @@ class Scheduler:
         self._num_preemptions_step += 1
         self.total_preemptions += 1
         self._finished_ids.add(victim.request_id)  # the runner drops its row
-        if self.config.preemption_mode == "swap" and self._swap_out_request(victim):
+        if self.swap.park(victim):  # swap preemption, when its budget allows
             return
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
@@ -275,27 +283,6 @@ class Scheduler:
             self.waiting.add(victim)
         else:
             self.waiting.add_preempted(victim)
-
-    def _swap_budget_allows(self, num_blocks: int) -> bool:
-        # One request may always move, however large: it would otherwise never move.
-        return self._swap_used == 0 or (
-            self._swap_used + num_blocks <= self.config.max_swap_blocks_per_step)
-
-    def _swap_out_request(self, victim: Request) -> bool:
-        """Park ``victim``'s computed KV in CPU blocks; False (nothing changed) if the
-        swap space or this step's swap budget cannot take it -- recompute then."""
-        n = self.kv.num_swap_blocks(victim)
-        if n == 0 or n > len(self.cpu_free) or not self._swap_budget_allows(n):
-            return False
-        gpu = self.kv.swap_out(victim)
-        cpu = [self.cpu_free.pop() for _ in range(n)]
-        self._swap_out.extend(zip(gpu, cpu))
-        self._swap_used += n
-        victim.cpu_block_ids = cpu
-        victim.status = RequestStatus.SWAPPED
-        self.swapped.append(victim)
-        self.total_swaps += 1
-        return True
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -328,8 +315,7 @@ class Scheduler:
             self._fork(parent, cid, sp.clone(
                 n=1, seed=None if sp.seed is None else child_seed(sp.seed, i),
                 prompt_logprobs=None))
-        self._reserved -= parent.reserved_slots
-        parent.reserved_slots = 0
+        self._release_reserved(parent)  # running: schedule() forks running parents only
         parent.fork_ids = []
 
     def _num_to_compute(self, req: Request) -> int:
@@ -343,39 +329,86 @@ class Scheduler:
         return n - 1 if req.fork_ids else n
 
     # -- scheduling ----------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        cached: list[CachedRequestData] = []
-        cow_copies: dict[str, list[tuple[int, int]]] = {}
-        new: list[NewRequestData] = []
-        touched: list[Request] = []
+    def schedule(self, *, in_flight_req_ids: AbstractSet[str] = frozenset(),
+                 max_num_scheduled_reqs: int = 0) -> SchedulerOutput:
+        """Decide one step: how many tokens each running and waiting request computes.
+
+        Pipeline parallelism (the engine core passes both for each batch it launches):
+        at most ``max_num_scheduled_reqs`` requests, so that the live requests spread
+        over the stages' micro-batches, and none of ``in_flight_req_ids`` (the requests
+        of batches still in flight, left out until their output is back).  The defaults
+        (0: no limit, and the ids are then ignored) schedule every request that fits.
+        """
         self._num_preemptions_step = 0
-        self._swap_out, self._swap_used = [], 0
-        swap_in: list[tuple[int, int]] = []
-        forks, self._pending_forks = self._pending_forks, []
-        preempted_ids: set[str] = set()
-        spec_tokens: dict[str, list[int]] = {}
+        self.swap.begin_step()
         # Speculative decoding: this step's drafts per request (the per-step policy),
         # and how many the runner proposes after it (spec_decode/scheduling.py).
         spec_cap, spec_next = self.spec.plan(self.running) if self.spec is not None \
             else (0, 0)
-
         # Throughput policy: how many prompt tokens (running chunks and new requests)
         # this step may compute; None = no limit beyond the budget.
         prefill_cap = self._prefill_cap() if self._lpt is not None and len(self._lpt) \
             else None
+        step = _Step(budget=self.config.max_num_batched_tokens,
+                     in_flight=in_flight_req_ids, max_reqs=max_num_scheduled_reqs,
+                     prefill_cap=prefill_cap, spec_cap=spec_cap, spec_next=spec_next,
+                     forks=self._pending_forks)
+        self._pending_forks = []
 
-        # 1. Running requests, oldest first.
+        # 1. Running requests, oldest first; no blocks left: preempt.
+        self._schedule_running(step)
+        if not step.preempted_ids:  # memory is tight in a step that had to preempt
+            now = time.time()
+            # Multi-LoRA: admit no request whose adapter would exceed max_loras.
+            loras = LoRABudget(self.config.max_loras, self.running) \
+                if self.config.max_loras else None
+            # 2. Swapped-out requests come back first (they are older than new arrivals).
+            self._schedule_swapped(step, loras, now)
+            # 3. Waiting requests (under the throughput policy: what the pace leaves).
+            self._schedule_waiting(step, loras, now)
+
+        # 4. Nothing runs although requests wait: beams waiting for group-mates that
+        # cannot get in (a deadlock only beams cause).  Make room at the queue's back.
+        if not step.touched:
+            victim = self.beams.deadlock_victim(
+                self.running, bool(len(self.waiting) or len(self.swap)))
+            if victim is not None:
+                self._preempt(victim, to_back=True)
+                step.preempted_ids.add(victim.request_id)
+
+        # 5. Advance: these tokens will be computed by the time anyone looks again; a
+        # request whose known tokens are then all computed will sample one more (its
+        # placeholder, until ``update_from_output`` reports the real token).
+        requests = self.requests
+        for rid, n in step.num_scheduled.items():
+            r = requests[rid]
+            r.num_computed_tokens += n
+            if r.num_computed_tokens >= r.num_tokens + r.num_placeholders:
+                r.num_placeholders += 1
+        # 6. n > 1 parents whose prompt is computed but for the last token fork now.
+        for req in step.touched:
+            if req.fork_ids and req.status == RequestStatus.RUNNING and \
+                    req.num_computed_tokens >= req.num_tokens - 1:
+                self._fork_samples(req)
+        return self._output(step)
+
+    def _schedule_running(self, step: _Step) -> None:
+        """Grant running requests, oldest first, their tokens (a decode token, the next
+        prompt chunk, drafts to verify) while the budget lasts.  One that gets no blocks
+        preempts the lowest-priority / newest running request (``_pick_victim``, perhaps
+        itself) until it fits; what this step granted a victim is given back."""
         kv = self.kv
+        spec = self.spec
+        budget, prefill_cap, spec_cap = step.budget, step.prefill_cap, step.spec_cap
+        num_scheduled, cached, cow_copies = step.num_scheduled, step.cached, step.cow_copies
         running_status = RequestStatus.RUNNING  # a local: read per request
-        in_flight, max_reqs = self.in_flight_req_ids, self.max_num_scheduled_reqs
+        in_flight, max_reqs = step.in_flight, step.max_reqs
         for req in list(self.running):
             if budget <= 0:
                 break
             if req.status != running_status:
                 continue  # preempted as a victim earlier in this loop
-            if max_reqs:  # pipeline parallelism (see __init__)
+            if max_reqs:  # pipeline parallelism (see schedule)
                 if req.request_id in in_flight:
                     continue
                 if len(num_scheduled) >= max_reqs:
@@ -388,18 +421,14 @@ class Scheduler:
                 prefill_cap -= n
             if n <= 0:
                 continue  # a beam waiting for the rest of its group (or a paced chunk)
-            drafts = SpecScheduling.take(req, n, budget, spec_cap) if self.spec else ()
+            drafts = SpecScheduling.take(req, n, budget, spec_cap) if spec else ()
             n += len(drafts)
             blocks = kv.allocate_slots(req, n)
             while blocks is None:
                 victim = self._pick_victim()
                 self._preempt(victim)
-                preempted_ids.add(victim.request_id)
                 # Budget granted to a victim earlier in this loop is given back.
-                budget += num_scheduled.pop(victim.request_id, 0)
-                spec_tokens.pop(victim.request_id, None)
-                cached = [c for c in cached if c.req_id != victim.request_id]
-                cow_copies.pop(victim.request_id, None)
+                budget += step.take_back(victim.request_id)
                 if victim is req:
                     break
                 blocks = kv.allocate_slots(req, n)
@@ -408,7 +437,7 @@ class Scheduler:
             rid = req.request_id
             num_scheduled[rid] = n
             if drafts:
-                spec_tokens[rid] = drafts  # type: ignore[assignment]
+                step.spec_tokens[rid] = drafts  # type: ignore[assignment]
             cow = kv.take_cow(rid)
             if cow:
                 cow_copies[rid] = [(src, dst) for _, src, dst in cow]
@@ -424,106 +453,78 @@ class Scheduler:
                     cow_copies.setdefault(rid, []).extend(groups.copies)
             cached.append(data)
             req.token_override = None
-            touched.append(req)
+            step.touched.append(req)
             budget -= n
+        step.budget, step.prefill_cap = budget, prefill_cap
 
-        now = time.time()
-        # Multi-LoRA: admit no request whose adapter would exceed max_loras.
-        loras = LoRABudget(self.config.max_loras, self.running) \
-            if self.config.max_loras else None
+    def _schedule_swapped(self, step: _Step, loras: LoRABudget | None, now: float) -> None:
+        """Resume swapped-out requests, oldest first, while the budget, seats, adapters
+        and this step's swap budget allow (``SwapManager.resume``)."""
+        swap = self.swap
+        for req in list(swap.swapped):
+            if step.budget <= 0 or not self._has_seat(req) or (loras and not
+                                                                loras.admits(req)):
+                break
+            n = min(self._num_to_compute(req), step.budget)
+            if n <= 0:
+                continue  # a beam waiting for its group: stays parked
+            if not swap.resume(req, n):
+                break
+            self._admit(req, n, step, now)
+            step.budget -= n
+            if loras:
+                loras.add(req)
+
+    def _schedule_waiting(self, step: _Step, loras: LoRABudget | None, now: float) -> None:
+        """Admit waiting requests in queue order while the budget (under the throughput
+        policy: what the prefill pace leaves), blocks and seats allow; prefix-cache hits
+        count as computed.  One whose adapter would exceed ``max_loras`` is skipped this
+        step and keeps its place."""
+        budget = step.budget
+        if step.prefill_cap is not None:
+            budget = min(budget, step.prefill_cap)
+        in_flight, max_reqs, num_scheduled = step.in_flight, step.max_reqs, step.num_scheduled
+        waiting, kv = self.waiting, self.kv
         skipped: list[Request] = []
-        if not preempted_ids:  # memory is tight in a step that had to preempt
-            # 2. Swapped-out requests come back first (they are older than new arrivals).
-            for req in list(self.swapped):
-                if budget <= 0 or not self._has_seat(req) or (loras and not
-                                                               loras.admits(req)):
-                    break
-                n = min(self._num_to_compute(req), budget)
-                if n <= 0:
-                    continue  # a beam waiting for its group: stays parked
-                m = len(req.cpu_block_ids or ())
-                if not self._swap_budget_allows(m):
-                    break
-                blocks = self.kv.swap_in(req, n)
-                if blocks is None:
-                    break
-                swap_in.extend(zip(req.cpu_block_ids or (), (b.block_id for b in blocks)))
-                self._swap_used += m
-                self._free_cpu(req)
-                self.swapped.remove(req)
-                self._admit(req, n, num_scheduled, new, touched, now)
-                budget -= n
-                if loras:
-                    loras.add(req)
+        while budget > 0 and len(waiting) > 0 and self._has_seat(waiting.peek()):
+            req = waiting.peek()
+            if max_reqs and (req.request_id in in_flight
+                             or len(num_scheduled) >= max_reqs):
+                break  # (preempted while its batch is in flight: wait for its token)
+            if loras and not loras.admits(req):
+                skipped.append(waiting.pop())
+                continue
+            hits, num_hit = kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit - (1 if req.fork_ids else 0), budget)
+            if kv.allocate_slots(req, n, hits) is None:
+                break
+            waiting.pop()
+            self.beams.on_recompute(req)
+            if kv.enable_caching:
+                kv.record_prefix_lookup(req.num_tokens, num_hit)
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            self._admit(req, n, step, now)
+            budget -= n
+            if loras:
+                loras.add(req)
+        for req in reversed(skipped):  # back to their places at the head
+            waiting.add_preempted(req)
+        step.budget = budget
 
-            # 3. Waiting requests (under the throughput policy: what the pace leaves).
-            if prefill_cap is not None:
-                budget = min(budget, prefill_cap)
-            while budget > 0 and len(self.waiting) > 0 and self._has_seat(self.waiting.peek()):
-                req = self.waiting.peek()
-                if max_reqs and (req.request_id in in_flight
-                                 or len(num_scheduled) >= max_reqs):
-                    break  # (preempted while its batch is in flight: wait for its token)
-                if loras and not loras.admits(req):
-                    skipped.append(self.waiting.pop())
-                    continue
-                hits, num_hit = self.kv.get_computed_blocks(req)
-                n = min(req.num_tokens - num_hit - (1 if req.fork_ids else 0), budget)
-                if self.kv.allocate_slots(req, n, hits) is None:
-                    break
-                self.waiting.pop()
-                if req.beam_group is not None:
-                    # A beam recomputed from scratch samples its next token again and
-                    # must report it again: a report from before its preemption would
-                    # let the group advance while the runner's row (rebuilt without the
-                    # sampled token) is mid-prompt, and the chosen token would then
-                    # overwrite a prompt token instead of following it.
-                    self.beam_groups[req.beam_group].pending.pop(req.request_id, None)
-                if self.kv.enable_caching:
-                    self.kv.record_prefix_lookup(req.num_tokens, num_hit)
-                req.num_computed_tokens = num_hit
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
-                self._admit(req, n, num_scheduled, new, touched, now)
-                budget -= n
-                if loras:
-                    loras.add(req)
-            for req in reversed(skipped):  # back to their places at the head
-                self.waiting.add_preempted(req)
-
-        # 4. Nothing runs although requests wait: the running requests are beams waiting
-        # for group-mates that cannot get in (a deadlock only beams can cause).  Make
-        # room: preempt the newest beam, to the back of the queue.
-        if not touched and self.beam_groups and (len(self.waiting) or self.swapped):
-            beams = [r for r in self.running if r.beam_group is not None]
-            if beams:
-                self._preempt(beams[-1], to_back=True)
-                preempted_ids.add(beams[-1].request_id)
-
-        # 5. Advance: these tokens will be computed by the time anyone looks again; a
-        # request whose known tokens are then all computed will sample one more (its
-        # placeholder, until ``update_from_output`` reports the real token).
-        requests = self.requests
-        for rid, n in num_scheduled.items():
-            r = requests[rid]
-            r.num_computed_tokens += n
-            if r.num_computed_tokens >= r.num_tokens + r.num_placeholders:
-                r.num_placeholders += 1
-        # 6. n > 1 parents whose prompt is computed but for the last token fork now.
-        for req in touched:
-            if req.fork_ids and req.status == RequestStatus.RUNNING and \
-                    req.num_computed_tokens >= req.num_tokens - 1:
-                self._fork_samples(req)
-        finished = self._finished_ids
-        self._finished_ids = set()
+    def _output(self, step: _Step) -> SchedulerOutput:
+        """The step's decisions for the runner, with what changed since the last one."""
+        finished, self._finished_ids = self._finished_ids, set()
+        num_scheduled, cow_copies = step.num_scheduled, step.cow_copies
         return SchedulerOutput(
-            new_reqs=new, cached_reqs=cached, num_scheduled_tokens=num_scheduled,
+            new_reqs=step.new, cached_reqs=step.cached, num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=finished, preempted_req_ids=preempted_ids, forks=forks,
-            swap_out=self._swap_out, swap_in=swap_in,
-            block_copies=[p for c in cached for p in cow_copies.get(c.req_id, ())]
-            if cow_copies else [], scheduled_spec_decode_tokens=spec_tokens,
-            num_spec_proposals=spec_next)
+            finished_req_ids=finished, preempted_req_ids=step.preempted_ids,
+            forks=step.forks, swap_out=self.swap.swap_out, swap_in=self.swap.swap_in,
+            block_copies=[p for c in step.cached for p in cow_copies.get(c.req_id, ())]
+            if cow_copies else [], scheduled_spec_decode_tokens=step.spec_tokens,
+            num_spec_proposals=step.spec_next)
 
     def _prefill_cap(self) -> int:
         """Throughput policy: the prompt tokens -- running requests' unfinished chunks
@@ -585,8 +586,7 @@ class Scheduler:
                 cap = sizes[i] - decodes
         return max(cap, 1)
 
-    def _admit(self, req: Request, n: int, num_scheduled: dict[str, int],
-               new: list[NewRequestData], touched: list[Request], now: float) -> None:
+    def _admit(self, req: Request, n: int, step: _Step, now: float) -> None:
         """Move a request that just got its blocks into ``running`` and tell the runner
         everything about it (a resumed one carries its generated tokens)."""
         if req.first_scheduled_time is None:
@@ -594,14 +594,14 @@ class Scheduler:
         req.token_override = None
         self._add_running(req)
         if n > 0:  # n == 0: an n > 1 parent whose whole prompt but one token hit the cache
-            num_scheduled[req.request_id] = n
-        new.append(NewRequestData(
+            step.num_scheduled[req.request_id] = n
+        step.new.append(NewRequestData(
             req.request_id, req.prompt_token_ids, list(req.output_token_ids),
             req.sampling_params, req.eos_token_id,
             self.kv.get_block_ids(req.request_id), req.num_computed_tokens,
             lora_request=req.lora_request,
             group_block_ids=self.kv.get_group_block_ids(req.request_id)))
-        touched.append(req)
+        step.touched.append(req)
 
     # -- results -------------------------------------------------------------------
     def _check_stop(self, req: Request, token: int) -> bool:
@@ -626,7 +626,6 @@ class Scheduler:
         """Append sampled tokens, apply stop rules, free finished requests' blocks."""
         outputs: list[EngineCoreOutput] = []
         asked = got = 0  # speculative decoding: requests asked for drafts, given some
-        beam_ready: dict[str, BeamGroup] = {}
         requests = self.requests
         running_status = RequestStatus.RUNNING
         # Most steps carry no logprobs at all: skip the per-request lookups then.
@@ -654,11 +653,8 @@ class Scheduler:
             # (A request preempted while its step was in flight still takes that token:
             # it was sampled from the right state, and dropping it would change a
             # seeded request's output.)
-            if req.beam_group is not None:
-                lp = out.logprobs.get(rid)
-                group = self.beam_groups[req.beam_group]
-                if tokens and lp is not None and group.record(rid, lp[0][1:], lp[1][1:]):
-                    beam_ready[group.group_id] = group
+            if req.beam_group is not None:  # the group chooses its beams' tokens
+                self.beams.on_token(req, tokens, out.logprobs.get(rid))
                 continue
             prompt_lp = all_prompt_lp.get(rid) if all_prompt_lp else None
             if not tokens and prompt_lp is None:
@@ -692,8 +688,7 @@ class Scheduler:
                     self.waiting.remove(req)
                 self._free(req)
             outputs.append(eo)
-        for group in beam_ready.values():
-            outputs.extend(self._advance_beams(group))
+        outputs.extend(self.beams.on_update())  # beam groups whose beams all reported
         stats = self.make_stats()
         stats.num_scheduled_tokens = sched.total_num_scheduled_tokens
         if self.spec is not None:
@@ -707,48 +702,6 @@ class Scheduler:
                 self.spec.take_stats()
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
 
-    def _advance_beams(self, group: BeamGroup) -> list[EngineCoreOutput]:
-        """Apply one beam step: keep/fork/drop beams, or report the finished group."""
-        step = group.advance({b: self.requests[b].output_token_ids for b in group.live})
-        if step.done:
-            return self._finish_beams(group)
-        used: set[str] = set()
-        appends: list[tuple[Request, int]] = []
-        live: dict[str, float] = {}
-        for parent_id, token, score in step.keep:  # forks first: they copy pre-append tokens
-            parent = self.requests[parent_id]
-            child = parent if parent_id not in used else self._fork(parent,
-                                                                     group.new_beam_id())
-            used.add(parent_id)
-            appends.append((child, token))
-            live[child.request_id] = score
-        for b in group.live:
-            if b not in used:
-                self._drop(self.requests[b], RequestStatus.FINISHED_ABORTED)
-        for beam, token in appends:
-            beam.append_output_token_id(token)
-            if beam.status == RequestStatus.RUNNING:
-                beam.token_override = token
-                self._reserved -= beam.reserved_slots
-            beam.reserved_slots = 0
-        group.live = live
-        return []
-
-    def _finish_beams(self, group: BeamGroup) -> list[EngineCoreOutput]:
-        del self.beam_groups[group.group_id]
-        any_beam = self.requests[next(iter(group.live))]
-        cached, first = max(any_beam.num_cached_tokens, 0), any_beam.first_scheduled_time
-        for b in list(group.live):
-            self._drop(self.requests[b], RequestStatus.FINISHED_STOPPED)
-        outs = []
-        for out_id, hyp in zip(group.output_ids, group.results()):
-            outs.append(EngineCoreOutput(
-                request_id=out_id, new_token_ids=hyp.token_ids,
-                finish_reason=FinishReason.STOP if hyp.stopped else FinishReason.LENGTH,
-                num_cached_tokens=cached, cumulative_logprob=hyp.cumulative_logprob,
-                first_scheduled_time=first))
-        return outs
-
     def requires_sync(self) -> bool:
         """True while some live request needs each step's tokens on the host before the
         next step is scheduled: penalties read the generated tokens, forks and beams
@@ -756,7 +709,7 @@ class Scheduler:
         scheduling pauses then.  (``min_tokens`` needs only the *count* of generated
         tokens, which the runner knows including the one in flight.)  Speculative
         decoding: while proposals are wanted (``SpecScheduling.needs_sync``)."""
-        if self.beam_groups or self.config.preemption_mode == "swap":
+        if self.beams.active or self.swap.enabled:
             return True
         if self.spec is not None and self.spec.needs_sync(self.running):
             return True
@@ -777,7 +730,7 @@ class Scheduler:
         q, h = self.kv.take_prefix_stats()
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.swapped),
+            num_waiting_reqs=len(self.waiting) + len(self.swap),
             kv_cache_usage=self.kv.usage(), num_preemptions=self._num_preemptions_step,
             prefix_cache_queries=q, prefix_cache_hits=h,
             num_free_blocks=self.kv.num_free_blocks,

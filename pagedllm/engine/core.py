@@ -194,8 +194,8 @@ class EngineCore:
             stage 1     A B C D ...      C (A's requests again) after A's output
 
         A call launches one batch when the queue has room and the scheduler finds work
-        outside the batches in flight (``Scheduler.in_flight_req_ids``), with at most
-        1/depth of the live requests (``max_num_scheduled_reqs``); it returns
+        outside the batches in flight (``schedule``'s ``in_flight_req_ids``), with at
+        most 1/depth of the live requests (``max_num_scheduled_reqs``); it returns
         nothing while the queue is still filling, else the oldest batch's outputs
         (outputs are consumed in launch order).  Requests that need every token on the
         host (``requires_sync``) drain the queue and run one batch at a time."""
@@ -205,13 +205,11 @@ class EngineCore:
             return self._finish_oldest_batch()
         if len(batches) < self.pipeline_depth:
             sc = self.scheduler
-            sc.in_flight_req_ids = set().union(*(s.num_scheduled_tokens
-                                                 for s, _ in batches))
+            in_flight = set().union(*(s.num_scheduled_tokens for s, _ in batches))
             # Spread the live requests over the stages (a batch with all of them would
             # leave the next one empty and the stages taking turns).
-            sc.max_num_scheduled_reqs = 0 if sync else \
-                -(-len(sc.requests) // self.pipeline_depth) or 1
-            sched = self.scheduler.schedule()
+            max_reqs = 0 if sync else -(-len(sc.requests) // self.pipeline_depth) or 1
+            sched = sc.schedule(in_flight_req_ids=in_flight, max_num_scheduled_reqs=max_reqs)
             # A batch with nothing to do is worth launching only for its diffs (finished
             # or preempted requests...) or when nothing else is in flight.
             if not batches or not _carries_nothing(sched):

@@ -29,7 +29,7 @@ def _slow_path_only(kv: KVCacheManager) -> None:
 
 def _requires_sync_reference(s: Scheduler) -> bool:
     """``requires_sync`` as a loop over every live request."""
-    if s.beam_groups or s.config.preemption_mode == "swap":
+    if s.beams.groups or s.config.preemption_mode == "swap":
         return True
     for r in s.requests.values():
         sp = r.sampling_params

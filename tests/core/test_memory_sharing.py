@@ -74,8 +74,8 @@ def assert_all_free(s: Scheduler) -> None:
     assert pool.num_free_blocks == pool.num_usable_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
     assert not s.kv.req_to_blocks and not s.requests and not s.running
-    assert len(s.waiting) == 0 and not s.swapped and not s.beam_groups
-    assert len(s.cpu_free) == s.num_cpu_blocks and s._reserved == 0
+    assert len(s.waiting) == 0 and not s.swap.swapped and not s.beams.groups
+    assert len(s.swap.cpu_free) == s.swap.num_cpu_blocks and s._reserved == 0
 
 
 PROMPT10 = list(range(100, 110))
@@ -155,7 +155,7 @@ def test_swap_and_recompute_give_identical_outputs_on_a_tiny_pool():
     ref, _, _ = go("recompute")
     outs, runner, s = go("swap")
     assert outs == ref
-    assert s.total_swaps >= 1 and any(so.swap_in for so in runner.steps)
+    assert s.swap.total_swaps >= 1 and any(so.swap_in for so in runner.steps)
     assert all(len(so.swap_in) + len(so.swap_out) <= 64 for so in runner.steps)
 
 

@@ -1,6 +1,6 @@
 """The scheduler under pipeline parallelism's batch queue (``EngineCore._step_pipelined``
-drives it the same way): with ``in_flight_req_ids`` / ``max_num_scheduled_reqs`` set
-before each ``schedule``, batches in flight never share a request, each takes at most
+drives it the same way): with ``in_flight_req_ids`` / ``max_num_scheduled_reqs`` passed
+to each ``schedule``, batches in flight never share a request, each takes at most
 its share of the live requests, and the outputs -- with preemption, including of
 requests whose batch is in flight -- equal running one batch at a time.  The fake runner
 executes a batch when it is launched, as the first stage does."""
@@ -33,11 +33,11 @@ def run_pipelined(s: Scheduler, runner: FakeRunner, depth: int) -> tuple[dict, i
                 s.update_from_output(so, out)
             return outputs, deepest
         if len(queue) < depth:
-            s.in_flight_req_ids = set().union(*(so.num_scheduled_tokens for so, _ in queue))
-            s.max_num_scheduled_reqs = -(-len(s.requests) // depth) or 1
-            so = s.schedule()
-            assert not set(so.num_scheduled_tokens) & s.in_flight_req_ids
-            assert len(so.num_scheduled_tokens) <= s.max_num_scheduled_reqs
+            in_flight = set().union(*(so.num_scheduled_tokens for so, _ in queue))
+            max_reqs = -(-len(s.requests) // depth) or 1
+            so = s.schedule(in_flight_req_ids=in_flight, max_num_scheduled_reqs=max_reqs)
+            assert not set(so.num_scheduled_tokens) & in_flight
+            assert len(so.num_scheduled_tokens) <= max_reqs
             queue.append((so, runner.execute_model(so)))
             deepest = max(deepest, len(queue))
             if len(queue) < depth:

@@ -101,7 +101,7 @@ def test_swap_forks_and_speculation_with_hybrid_groups(model) -> None:
     swap = _llm(path, 24, 1, preemption_mode="swap", swap_space=0.01)
     outs = swap.generate(_prompts(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
-    assert swap.llm_engine.client.core.scheduler.total_swaps > 0
+    assert swap.llm_engine.client.core.scheduler.swap.total_swaps > 0
     _check_pool_whole(swap)
     # n = 2 greedy samples share the prompt's blocks and copy the partial ones on write.
     both = swap.generate(_prompts()[:1], SamplingParams(temperature=0.0, max_tokens=NEW,

@@ -53,7 +53,7 @@ def test_greedy_identical_caching_on_off_swap_recompute_and_hits_reported(llm, p
     swap = tiny(preemption_mode="swap", swap_space=0.05)
     assert _greedy(swap, prompts)[0] == ref
     sched = swap.llm_engine.client.core.scheduler
-    assert sched.total_swaps > 0 and len(sched.cpu_free) == sched.num_cpu_blocks
+    assert sched.swap.total_swaps > 0 and len(sched.swap.cpu_free) == sched.swap.num_cpu_blocks
 
 
 def test_prompt_logprobs_requests_take_no_cache_hits(llm, prompts):
