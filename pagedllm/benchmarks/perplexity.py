@@ -158,7 +158,7 @@ def run(eargs: Any, variants: list[dict[str, Any]], text: str = "opticks",
         if v < 1 or (name == "window" and v < 2):
             raise ValueError(f"{name} must be >= {2 if name == 'window' else 1}, got {v}")
     body, source = corpus_text(text)
-    from pagedllm.engine.llm_engine import load_tokenizer
+    from pagedllm.engine.input_processor import load_tokenizer
 
     tok = load_tokenizer(eargs.create_engine_config())
     ids = tok(body, add_special_tokens=False)["input_ids"]

@@ -36,8 +36,7 @@ from typing import Any
 
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.dp_client import DPClient
-from pagedllm.engine.input_processor import InputProcessor, PromptType
-from pagedllm.engine.llm_engine import load_tokenizer
+from pagedllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from pagedllm.engine.mp_client import AsyncMPClient, EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.lora.request import LoRARequest

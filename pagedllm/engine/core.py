@@ -81,7 +81,7 @@ class EngineCore:
 
     def _gate(self) -> Any:
         if self._grammar_gate is None:
-            from pagedllm.engine.llm_engine import load_tokenizer
+            from pagedllm.engine.input_processor import load_tokenizer
             from pagedllm.structured_output.gate import GrammarGate
 
             config = self._engine_config

@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pagedllm.config import LoRAConfig, ModelConfig
+from pagedllm.config import EngineConfig, LoRAConfig, ModelConfig
 from pagedllm.lora.registry import LoRARegistry
 from pagedllm.lora.request import LoRARequest
 from pagedllm.messages import EngineCoreRequest
@@ -22,6 +22,27 @@ PromptType = str | Sequence[int] | Mapping[str, Any]
 # (prompt text or None, prompt token ids, effective params, the core requests: one, whose
 # ``fork_ids`` name sequences 1..n-1 when n > 1)
 ProcessedRequest = tuple[str | None, list[int], SamplingParams, list[EngineCoreRequest]]
+
+
+def load_tokenizer(config: EngineConfig) -> Any | None:
+    mc = config.model_config
+    if mc.skip_tokenizer_init:
+        return None
+    return mc.resolved.load_tokenizer(mc.trust_remote_code)
+
+
+def normalise_prompts(prompts: Any) -> list[PromptType]:
+    """One prompt (text, token ids, dict) or a list of them -> a list."""
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, Sequence):
+        if len(prompts) == 0:
+            raise ValueError("prompts must not be empty")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]
+        return list(prompts)
+    raise ValueError(f"prompts must be a string, a list of token ids, or a list of these; "
+                     f"got {type(prompts).__name__}")
 
 
 class ContextLengthError(ValueError):

@@ -4,24 +4,21 @@ processor, with the core in this process (``InprocClient``)."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core_client import InprocClient
-from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from pagedllm.engine.input_processor import (
+    InputProcessor,
+    ProcessedRequest,
+    PromptType,
+    load_tokenizer,
+)
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.gc_heap import freeze_gc_heap
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
-
-
-def load_tokenizer(config: EngineConfig) -> Any | None:
-    mc = config.model_config
-    if mc.skip_tokenizer_init:
-        return None
-    return mc.resolved.load_tokenizer(mc.trust_remote_code)
 
 
 class LLMEngine:

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.config import EngineArgs, offline_scheduling_policy
-from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.input_processor import PromptType, normalise_prompts
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm_pooling import PoolingMixin
 from pagedllm.logger import init_logger
@@ -20,20 +20,6 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)} - {"model", "extra"}
-
-
-def _normalise_prompts(prompts: Any) -> list[PromptType]:
-    """One prompt (text, token ids, dict) or a list of them -> a list."""
-    if isinstance(prompts, (str, Mapping)):
-        return [prompts]
-    if isinstance(prompts, Sequence):
-        if len(prompts) == 0:
-            raise ValueError("prompts must not be empty")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-            return [list(prompts)]
-        return list(prompts)
-    raise ValueError(f"prompts must be a string, a list of token ids, or a list of these; "
-                     f"got {type(prompts).__name__}")
 
 
 class LLM(PoolingMixin):
@@ -81,7 +67,7 @@ class LLM(PoolingMixin):
         (needs ``enable_lora=True``).  Every prompt and adapter is validated before any
         is queued, so a bad one raises ``ValueError`` and nothing runs.
         """
-        plist = _normalise_prompts(prompts)
+        plist = normalise_prompts(prompts)
         return self._run(plist, sampling_params, use_tqdm, priority, lora_request)
 
     def beam_search(self, prompts: Any, params: BeamSearchParams,
@@ -93,7 +79,7 @@ class LLM(PoolingMixin):
                             max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
                             use_beam_search=True, length_penalty=params.length_penalty,
                             include_stop_str_in_output=params.include_stop_str_in_output)
-        outs = self._run(_normalise_prompts(prompts), sp, use_tqdm, None)
+        outs = self._run(normalise_prompts(prompts), sp, use_tqdm, None)
         return [BeamSearchOutput([
             BeamSearchSequence(
                 tokens=o.prompt_token_ids + c.token_ids, cum_logprob=c.cumulative_logprob

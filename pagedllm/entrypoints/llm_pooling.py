@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from pagedllm.engine.input_processor import normalise_prompts
 from pagedllm.pooling_outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -61,9 +62,7 @@ class PoolingMixin:
             pooling_task: str = "encode") -> list[PoolingRequestOutput]:
         """The pooled result of every prompt (``PoolingRequestOutput``, in order).
         Every prompt is validated before any runs (``ValueError`` names the problem)."""
-        from pagedllm.entrypoints.llm import _normalise_prompts
-
-        plist = _normalise_prompts(prompts)
+        plist = normalise_prompts(prompts)
         if pooling_params is None:
             pooling_params = PoolingParams(task=pooling_task)
         if isinstance(pooling_params, PoolingParams):

@@ -24,25 +24,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
 from pydantic_core import PydanticCustomError
 
+from pagedllm.entrypoints.openai.request_error import RequestError
 from pagedllm.sampling_params import SamplingParams
-
-# ----------------------------------------------------------------------------- errors
-
-
-class RequestError(ValueError):
-    """A client error found after schema validation: becomes an HTTP 4xx envelope."""
-
-    def __init__(self, message: str, param: str | None = None, *, status: int = 400,
-                 code: str | None = None, err_type: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.headers = headers
-        self.message = message
-        self.param = param
-        self.status = status
-        self.code = code
-        self.err_type = err_type
-
 
 # ----------------------------------------------------------------------------- field types
 

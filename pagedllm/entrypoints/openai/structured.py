@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.entrypoints.openai.protocol import RequestError
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.entrypoints.openai.request_error import RequestError
+from pagedllm.structured_outputs_params import StructuredOutputsParams
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex",
                  "guided_choice": "choice", "guided_grammar": "grammar"}
