@@ -59,7 +59,7 @@ def _ms(t0: float) -> float:
 
 def bench_compile(vocab: int | None) -> None:
     from pagedllm.structured_output.backend import GrammarCompiler
-    from pagedllm.structured_output.params import StructuredOutputsParams as SO
+    from pagedllm.structured_outputs_params import StructuredOutputsParams as SO
 
     tok = _tokenizer()
     comp = GrammarCompiler(lambda: tok, vocab or len(tok))
@@ -97,10 +97,11 @@ def bench_mask(rows: int, vocab: int | None, device: str, steps: int = 40) -> No
 
     import numpy as np
 
+    from pagedllm.sample.token_constraints import apply_bitmask_
     from pagedllm.structured_output.backend import GrammarCompiler
-    from pagedllm.structured_output.batch import GrammarBatch
-    from pagedllm.structured_output.matcher import GrammarState, apply_bitmask_, fill_bitmask
-    from pagedllm.structured_output.params import StructuredOutputsParams as SO
+    from pagedllm.structured_outputs_params import StructuredOutputsParams as SO
+    from pagedllm.worker.structured_output.batch import GrammarBatch
+    from pagedllm.worker.structured_output.matcher import GrammarState, fill_bitmask
 
     tok = _tokenizer()
     v = vocab or len(tok)
@@ -160,7 +161,7 @@ def bench_engine(num_prompts: int, input_len: int, output_len: int) -> None:
     from pagedllm import LLM, SamplingParams
     from pagedllm.benchmarks.workloads import write_dummy_model
     from pagedllm.models.resolve import default_model_path
-    from pagedllm.structured_output.params import StructuredOutputsParams as SO
+    from pagedllm.structured_outputs_params import StructuredOutputsParams as SO
 
     llm = LLM(write_dummy_model("llama3-8b"), load_format="dummy",
               tokenizer=default_model_path())

@@ -456,7 +456,7 @@ def _draft_model_config(spec: SpeculativeConfig, target: ModelConfig,
             f"speculative_config: the draft model {spec.model} has vocab_size {vocab}, the "
             f"target {target.vocab_size}; a draft must share the target's vocabulary")
     if spec.method in ("eagle", "eagle3"):
-        from pagedllm.spec_decode.eagle import check_head, checkpoint_shapes
+        from pagedllm.worker.spec_decode.eagle import check_head, checkpoint_shapes
 
         check_head(spec.method, None if resolved.load_format == "dummy"
                    else checkpoint_shapes(resolved.directory), hf, target.hf_config)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from pagedllm.structured_output.params import StructuredOutputsParams, coerce
+from pagedllm.structured_outputs_params import StructuredOutputsParams, coerce
 
 _SAMPLING_EPS = 1e-5
 # ``seed`` is an int64, as in vLLM (torch generators and int64 seed tensors carry it).

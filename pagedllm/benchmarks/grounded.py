@@ -1,6 +1,6 @@
 """An input-grounded workload (32 prompts): edit, correct, reformat or summarise a text
 given in the prompt.  The answers copy long spans of their input, which is where n-gram
-speculation (spec_decode/ngram.py) pays; ``pagedllm bench latency --workload grounded``."""
+speculation (worker/spec_decode/ngram.py) pays; ``pagedllm bench latency --workload grounded``."""
 
 from __future__ import annotations
 

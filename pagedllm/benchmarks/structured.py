@@ -83,7 +83,7 @@ def _timed(llm: Any, prompts: list[list[int]], n: int, schema: dict[str, Any] | 
     """(seconds, wall-clock start, end) of one batch of ``n`` tokens per request (the
     outputs replace ``keep``'s contents when given)."""
     from pagedllm import SamplingParams
-    from pagedllm.structured_output.params import StructuredOutputsParams
+    from pagedllm.structured_outputs_params import StructuredOutputsParams
 
     so = StructuredOutputsParams(json=schema) if schema is not None else None
     sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n, detokenize=False,
@@ -103,7 +103,7 @@ def _invalid_outputs(llm: Any, schema: dict[str, Any], outs: list[Any]) -> int:
     import xgrammar as xgr
 
     from pagedllm.structured_output.backend import GrammarCompiler
-    from pagedllm.structured_output.params import StructuredOutputsParams as SO
+    from pagedllm.structured_outputs_params import StructuredOutputsParams as SO
 
     tok = llm.get_tokenizer()
     comp = GrammarCompiler(lambda: tok, llm.llm_engine.config.model_config.vocab_size)
@@ -142,7 +142,7 @@ def _compile_times(llm: Any) -> dict[str, float]:
     equal schema in a new object each time: the cache's key is the canonical text), ms,
     through the engine's compiler class on the engine's tokenizer."""
     from pagedllm.structured_output.backend import GrammarCompiler
-    from pagedllm.structured_output.params import StructuredOutputsParams as SO
+    from pagedllm.structured_outputs_params import StructuredOutputsParams as SO
 
     tok = llm.get_tokenizer()
     comp = GrammarCompiler(lambda: tok, llm.llm_engine.config.model_config.vocab_size)

@@ -245,7 +245,7 @@ class LlamaModel(nn.Module):
             for i in range(n))
         self.norm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps) \
             if self.is_last else PPMissingLayer()
-        # EAGLE-3 (spec_decode/eagle.py) reads the residual stream entering some layers:
+        # EAGLE-3 (worker/spec_decode/eagle.py) reads the residual stream entering some layers:
         # layer -> its column slots in ``aux_buffer`` ([rows, slots * hidden], set at load
         # with the layers; a static buffer, so CUDA graphs replay the copies).  Empty
         # and None otherwise: the loop below tests one dict.

@@ -5,14 +5,14 @@ asks for, validated once (vLLM's key names).  Torch-free: the scheduler reads it
 
 * ``"ngram"`` -- prompt lookup: the longest suffix of the sequence (between
   ``prompt_lookup_min`` and ``prompt_lookup_max`` tokens) that occurred earlier proposes
-  the tokens that followed it (``spec_decode/ngram.py``).
+  the tokens that followed it (``worker/spec_decode/ngram.py``).
 * ``"draft_model"`` -- a smaller model with the target's vocabulary (``model``: its path;
   the method is inferred from ``model``) proposes its greedy continuation
-  (``spec_decode/draft_model.py``).  ``EngineArgs`` resolves the path into
+  (``worker/spec_decode/draft_model.py``).  ``EngineArgs`` resolves the path into
   ``draft_model_config`` (a ``pagedllm.config.ModelConfig``) and checks the vocabulary.
 * ``"eagle"`` / ``"eagle3"`` -- an EAGLE / EAGLE-3 head (``model``: its checkpoint, in
   the published layout) proposes its greedy continuation from the target's hidden
-  states (``spec_decode/eagle.py``); resolved into ``draft_model_config`` likewise.
+  states (``worker/spec_decode/eagle.py``); resolved into ``draft_model_config`` likewise.
 
 ``num_speculative_tokens`` (k) drafts per request per step; the target verifies them and
 its bonus token in one forward.  How many drafts a step verifies is decided per step

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import xgrammar as xgr
 
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.structured_outputs_params import StructuredOutputsParams
 
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 # Longest run of optional whitespace a JSON-schema grammar allows (room for indentation;

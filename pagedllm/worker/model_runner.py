@@ -29,11 +29,11 @@ from pagedllm.lora.manager import make_lora_manager
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.spec_decode.runner_hook import SpecDecodeHook
 from pagedllm.worker.block_ops import BlockOps
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.input_batch import InputBatch, StepInputs
 from pagedllm.worker.pipeline import PipelineStage
+from pagedllm.worker.spec_decode.runner import SpecDecodeHook
 
 
 class HostToDevice:
@@ -112,7 +112,7 @@ class CachedRequestState:
     params: SamplingParams
     eos_token_id: int | None
     generator: torch.Generator | None = None
-    # Structured outputs: the request's grammar matcher (structured_output/matcher.py).
+    # Structured outputs: the request's grammar matcher (worker/structured_output/matcher.py).
     grammar: Any = None
     lora_request: Any = None  # its LoRA adapter (lora/), None: the base model
 
@@ -133,7 +133,7 @@ class StepHandle:
     # Speculative decoding: tokens_host is [R, spec_width] (PLACEHOLDER-padded); drafts
     # per request to propose once the tokens are in (the scheduler's policy).
     spec_width: int = 0
-    # EAGLE: the step's hidden states for the proposer (spec_decode/eagle_proposer.py).
+    # EAGLE: the step's hidden states for the proposer (worker/spec_decode/eagle_proposer.py).
     target_states: Any = None
     num_spec_proposals: int = 0
 
@@ -197,7 +197,7 @@ class ModelRunner:
         self._constrained: set[str] = set()
         # Multi-LoRA (lora/manager.py): adapter slots on the linear layers.
         self.lora = make_lora_manager(config, model, device)
-        # Speculative decoding (spec_decode/runner_hook.py): verify drafts, propose more.
+        # Speculative decoding (worker/spec_decode/runner.py): verify drafts, propose more.
         spec = sc.speculative_config
         self.spec = SpecDecodeHook(spec, mc.max_model_len) if spec is not None else None
         if self.spec is not None:
@@ -210,7 +210,7 @@ class ModelRunner:
         so = params.structured_outputs
         if so is None:
             return None
-        from pagedllm.structured_output.matcher import GrammarState
+        from pagedllm.worker.structured_output.matcher import GrammarState
 
         assert self.grammar_compiler is not None, "structured output without a compiler"
         stops = list(params.stop_token_ids or [])
@@ -226,7 +226,7 @@ class ModelRunner:
         previous step's tokens are still in flight (async scheduling) this waits for
         them here: after this step's forward was launched, so the device stays busy
         while the host advances the matchers and fills the bitmask (both batched:
-        ``structured_output/batch.py``)."""
+        ``worker/structured_output/batch.py``)."""
         from pagedllm.sample import token_constraints
 
         bitmask = None
@@ -243,7 +243,7 @@ class ModelRunner:
 
     def _grammar_batch(self) -> Any:
         if self._grammars is None:
-            from pagedllm.structured_output.batch import GrammarBatch
+            from pagedllm.worker.structured_output.batch import GrammarBatch
 
             self._grammars = GrammarBatch()
         return self._grammars
@@ -512,12 +512,12 @@ class ModelRunner:
     def _eagle_states(self, handle: StepHandle, order: list[str], rows: np.ndarray,
                       inp: StepInputs, num_computed: np.ndarray, num_new: np.ndarray,
                       hidden: torch.Tensor, sampling: np.ndarray) -> None:
-        """EAGLE (spec_decode/eagle_proposer.py): the step's hidden states as the head
+        """EAGLE (worker/spec_decode/eagle_proposer.py): the step's hidden states as the head
         reads them -- the model output, or for EAGLE-3 the aux states the model recorded
         (``LlamaModel.aux_buffer``) -- with each request's first row, its position and
         row count; kept for ``_propose``, and fed to the head now for requests that do
         not sample (prompt chunks).  Device tensors only: no sync."""
-        from pagedllm.spec_decode.eagle_proposer import TargetStates
+        from pagedllm.worker.spec_decode.eagle_proposer import TargetStates
 
         aux = getattr(getattr(self.model, "model", None), "aux_buffer", None)
         states = hidden if aux is None else aux[:len(inp.input_ids)]

@@ -138,12 +138,12 @@ class Worker:
         check_backend(self.backend, self.config.cache_config.cache_dtype)
         with parallel_context(self.parallel):  # layers take their groups from it
             self.model = load_model(self.config.model_config, self.device, self.backend)
-        # Speculative decoding with a draft model (spec_decode/draft_model.py) or an
-        # EAGLE head (spec_decode/eagle.py).
+        # Speculative decoding with a draft model (worker/spec_decode/draft_model.py) or an
+        # EAGLE head (worker/spec_decode/eagle.py).
         draft_cfg = self._draft_config
         spec = self.config.scheduler_config.speculative_config
         if draft_cfg is not None and spec.method in ("eagle", "eagle3"):
-            from pagedllm.spec_decode.eagle import enable_aux_states, load_eagle_head
+            from pagedllm.worker.spec_decode.eagle import enable_aux_states, load_eagle_head
 
             self.draft_model = load_eagle_head(draft_cfg, spec.method, self.model,
                                                self.device, self.backend)
@@ -204,7 +204,7 @@ class Worker:
         """This rank's KV bytes per token of a block: its KV tensors (its layers, or a
         group's share with hybrid groups) and its KV heads, in the cache's element type
         (``CacheConfig.cache_dtype``: fp8 is one byte); with a draft model, its KV too (it
-        lives in the same blocks, spec_decode/draft_model.py; a draft refuses sliding-window
+        lives in the same blocks, worker/spec_decode/draft_model.py; a draft refuses sliding-window
         targets, so never with hybrid groups)."""
         mc = self.config.model_config
         elem = 1 if self.config.cache_config.cache_dtype == "fp8" else mc.dtype_bytes
@@ -334,8 +334,8 @@ class Worker:
         self.runner = ModelRunner(self.config, self.model, self.device, self.parallel)
         self.runner.block_ops = BlockOps(self.kv_caches, self.swap_caches)
         if self.draft_model is not None:
-            from pagedllm.spec_decode.draft_model import DraftModelProposer, attach_draft
-            from pagedllm.spec_decode.eagle_proposer import EagleProposer
+            from pagedllm.worker.spec_decode.draft_model import DraftModelProposer, attach_draft
+            from pagedllm.worker.spec_decode.eagle_proposer import EagleProposer
 
             method = self.config.scheduler_config.speculative_config.method
             attach_draft(self.runner, self.draft_model, self.config, self.kv_dtype,

@@ -39,8 +39,8 @@ def test_split_whole_and_streamed(name: str, text: str, reasoning: str | None,
 
 def test_grammar_starts_after_reasoning_end(hf_default_tokenizer) -> None:
     from pagedllm.structured_output.backend import GrammarCompiler
-    from pagedllm.structured_output.matcher import GrammarState, fill_bitmask
-    from pagedllm.structured_output.params import StructuredOutputsParams
+    from pagedllm.structured_outputs_params import StructuredOutputsParams
+    from pagedllm.worker.structured_output.matcher import GrammarState, fill_bitmask
 
     tok = hf_default_tokenizer
     vocab = len(tok)

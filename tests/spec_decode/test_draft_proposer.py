@@ -1,4 +1,4 @@
-"""The draft model's KV bookkeeping (spec_decode/draft_model.py), property-tested on a
+"""The draft model's KV bookkeeping (worker/spec_decode/draft_model.py), property-tested on a
 tiny random Llama: over random rounds of proposals, partial acceptance, bonus tokens,
 forgotten requests (preemption) and growing block tables, the drafts are always the
 draft model's greedy continuation computed from scratch by transformers, and no draft
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from pagedllm.attention.torch_ref import TorchReferenceBackend
 from pagedllm.config import EngineArgs
 from pagedllm.models.loader import load_model
-from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.spec_decode.draft_model import DraftModelProposer
 
 VOCAB, BS, POOL, MAX_LEN = 96, 4, 48, 64
 

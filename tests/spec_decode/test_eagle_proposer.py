@@ -1,4 +1,4 @@
-"""EAGLE and EAGLE-3 heads (spec_decode/eagle.py, eagle_proposer.py) against a plain torch
+"""EAGLE and EAGLE-3 heads (worker/spec_decode/eagle.py, eagle_proposer.py) against a plain torch
 reference of their math (tests/spec_decode/eagle_heads.py): over rounds of a batched
 target step (prefill, then verify steps with partial acceptance and a bonus token) the
 proposer's drafts are always the head's greedy chain computed from scratch, so the head
@@ -20,9 +20,9 @@ from pagedllm.attention.torch_ref import TorchReferenceBackend
 from pagedllm.config import EngineArgs
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import load_model
-from pagedllm.spec_decode.eagle import enable_aux_states, load_eagle_head
-from pagedllm.spec_decode.eagle_proposer import EagleProposer, TargetStates
 from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.spec_decode.eagle import enable_aux_states, load_eagle_head
+from pagedllm.worker.spec_decode.eagle_proposer import EagleProposer, TargetStates
 from tests.spec_decode.eagle_heads import reference_drafts, tiny_target, write_head
 
 VOCAB, BS, POOL, MAX_LEN, K = 96, 4, 64, 96, 3
@@ -167,7 +167,7 @@ def test_benchmark_dummy_heads_fit_the_dummy_target(method, shape, fc_in, tmp_pa
     """`pagedllm bench latency --dummy llama3-8b --draft-dummy <head>` shapes: accepted by
     the config checks, and built (on the meta device) as the published heads are."""
     from pagedllm.benchmarks.workloads import write_dummy_model
-    from pagedllm.spec_decode.eagle import EagleHead
+    from pagedllm.worker.spec_decode.eagle import EagleHead
 
     (tmp_path / "t").mkdir()
     (tmp_path / "h").mkdir()

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.spec_decode.ngram import NgramProposer, ngram_propose
+from pagedllm.worker.spec_decode.ngram import NgramProposer, ngram_propose
 
 
 def reference(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:

@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample
+from pagedllm.worker.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample
 
 V = 6
 N = 30_000  # requests (independent draws) per call

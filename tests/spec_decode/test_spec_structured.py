@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.structured_output.params import StructuredOutputsParams as SO
+from pagedllm.structured_outputs_params import StructuredOutputsParams as SO
 from tests.spec_decode.flat_cost import pin_flat_step_cost
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
@@ -62,7 +62,7 @@ def test_grammar_requests_speculate_and_match_no_speculation(llm, spec_llm):
 def test_fill_drafts_masks_each_position_as_if_the_drafts_were_accepted(llm):
     """Position j's row equals the mask after accepting drafts[:j] one by one; a draft
     the grammar refuses is masked out at its own position; the matcher is unchanged."""
-    from pagedllm.structured_output.matcher import GrammarState
+    from pagedllm.worker.structured_output.matcher import GrammarState
 
     runner = llm.llm_engine.client.core.executor.worker.runner
     tok = llm.get_tokenizer()

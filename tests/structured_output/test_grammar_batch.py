@@ -1,4 +1,4 @@
-"""The runner's batched grammar work (``structured_output/batch.py``) against the
+"""The runner's batched grammar work (``worker/structured_output/batch.py``) against the
 per-request path it replaces (``GrammarState.advance`` / ``fill_bitmask``), with real
 xgrammar matchers on the default model's tokenizer and a model vocabulary padded past
 the tokenizer's (not a multiple of 32, so a bitmask word straddles the boundary)."""
@@ -23,11 +23,11 @@ def _allowed(row: torch.Tensor, vocab: int) -> np.ndarray:
 
 def test_batched_advance_and_fill_match_the_per_request_path(
         hf_default_tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pagedllm.structured_output import batch
     from pagedllm.structured_output.backend import GrammarCompiler, tokenizer_size
-    from pagedllm.structured_output.batch import GrammarBatch
-    from pagedllm.structured_output.matcher import GrammarState, fill_bitmask
-    from pagedllm.structured_output.params import StructuredOutputsParams as SO
+    from pagedllm.structured_outputs_params import StructuredOutputsParams as SO
+    from pagedllm.worker.structured_output import batch
+    from pagedllm.worker.structured_output.batch import GrammarBatch
+    from pagedllm.worker.structured_output.matcher import GrammarState, fill_bitmask
 
     tok = hf_default_tokenizer
     n_tok = tokenizer_size(tok)

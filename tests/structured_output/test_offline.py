@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.structured_output.params import StructuredOutputsParams as SO
+from pagedllm.structured_outputs_params import StructuredOutputsParams as SO
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -165,7 +165,7 @@ def test_structured_params_cross_the_wire() -> None:
 
 
 def test_bitmask_kernel_matches_the_torch_reference() -> None:
-    from pagedllm.structured_output.matcher import apply_bitmask, apply_bitmask_
+    from pagedllm.sample.token_constraints import apply_bitmask, apply_bitmask_
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 1000, generator=g)

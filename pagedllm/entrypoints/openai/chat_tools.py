@@ -29,7 +29,7 @@ from pagedllm.entrypoints.openai.reasoning_parsers import (
 )
 from pagedllm.entrypoints.openai.tool_parsers import ToolCallStream, ToolParser
 from pagedllm.entrypoints.openai.tool_parsers.parsers import tool_call
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.structured_outputs_params import StructuredOutputsParams
 
 
 def function_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:

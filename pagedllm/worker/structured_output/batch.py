@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from pagedllm.structured_output.matcher import GrammarState, allow_only
+from pagedllm.worker.structured_output.matcher import GrammarState, allow_only
 
 
 def _threads() -> int:

@@ -169,22 +169,3 @@ def fill_bitmask(states: Sequence[GrammarState | None], vocab_size: int,
         else:
             st.fill(mask, i)
     return mask
-
-
-def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """In place: ``-inf`` where ``bitmask`` (one row per logits row) forbids a token.
-    xgrammar's kernel (CPU, or CUDA/Triton on the device; no host sync)."""
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
-
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
-                  rows: torch.Tensor) -> torch.Tensor:
-    """Reference for :func:`apply_bitmask_` in plain torch: ``logits`` with ``-inf`` at
-    the tokens ``bitmask`` forbids in ``rows`` (out of place; ``bitmask[i]`` belongs to
-    logits row ``rows[i]``).  About 3x slower than xgrammar's CPU kernel."""
-    vocab = logits.shape[-1]
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab]
-    sub = logits.index_select(0, rows).masked_fill(allowed == 0, float("-inf"))
-    return logits.index_copy(0, rows, sub)

@@ -26,9 +26,9 @@ import torch
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.config import SpeculativeConfig
-from pagedllm.spec_decode.draft_model import DraftModelProposer
-from pagedllm.spec_decode.ngram import NgramProposer
-from pagedllm.spec_decode.rejection_sampler import VerifyOutput, rejection_sample
+from pagedllm.worker.spec_decode.draft_model import DraftModelProposer
+from pagedllm.worker.spec_decode.ngram import NgramProposer
+from pagedllm.worker.spec_decode.rejection_sampler import VerifyOutput, rejection_sample
 
 
 class _PositionView:

@@ -1,4 +1,4 @@
-"""The ``eagle`` / ``eagle3`` proposer: an EAGLE head (``spec_decode/eagle.py``) drafts
+"""The ``eagle`` / ``eagle3`` proposer: an EAGLE head (``worker/spec_decode/eagle.py``) drafts
 ``k`` greedy tokens per request from the target's hidden states of the step that just ran.
 
 The head's KV lives in the target's blocks plus per-request scratch blocks, exactly as a
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.spec_decode.draft_model import H2D, DraftModelProposer
+from pagedllm.worker.spec_decode.draft_model import H2D, DraftModelProposer
 
 
 @dataclass
