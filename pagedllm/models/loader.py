@@ -307,7 +307,7 @@ def iter_gguf(path: str, hf_config: Any, keep: Callable[[str], bool] | None = No
     ``counter``: the dequantised tensors come as ``LazyWeight``s that read (and
     dequantise) only the rows or block-aligned columns the layers take."""
     from pagedllm.layers.quantization.gguf_blocks import SUPPORTED
-    from pagedllm.models.gguf_file import GGUFFile
+    from pagedllm.model_files.gguf_file import GGUFFile
 
     f = GGUFFile(path)
     arch = f.metadata.get("general.architecture")

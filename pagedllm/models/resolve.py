@@ -68,7 +68,7 @@ class ResolvedModel:
         try:
             if self.gguf_file and not os.path.isfile(os.path.join(self.directory,
                                                                     "config.json")):
-                from pagedllm.models.gguf_file import GGUFFile
+                from pagedllm.model_files.gguf_file import GGUFFile
 
                 assert self.gguf_path is not None
                 config = hf_config_from_gguf(GGUFFile(self.gguf_path))

@@ -12,7 +12,7 @@ import torch
 
 from pagedllm.attention.torch_ref import TorchReferenceBackend
 from pagedllm.config import EngineArgs
-from pagedllm.models.gguf_file import GGUFFile
+from pagedllm.model_files.gguf_file import GGUFFile
 from pagedllm.models.loader import load_model
 from pagedllm.models.resolve import resolve_model
 from tests.models.paged import PagedSession

@@ -13,7 +13,7 @@ import transformers
 
 from pagedllm.attention.torch_ref import TorchReferenceBackend
 from pagedllm.config import EngineArgs
-from pagedllm.models.gguf_file import GGUFFile
+from pagedllm.model_files.gguf_file import GGUFFile
 from pagedllm.models.loader import kv_cache_shape, load_model
 from pagedllm.models.registry import get_model_class
 from tests.models.paged import PagedSession

@@ -51,7 +51,7 @@ def checkpoint_quant_method(hf_config: Any) -> str | None:
 
 def gguf_is_quantised(gguf_path: str) -> bool:
     """Whether a GGUF file holds any quantised 2-D tensor (not F32/F16/BF16)."""
-    from pagedllm.models.gguf_file import GGUFFile
+    from pagedllm.model_files.gguf_file import GGUFFile
 
     return any(len(t.shape) == 2 and t.ggml_type not in (0, 1, 30)
                for t in GGUFFile(gguf_path).tensors)

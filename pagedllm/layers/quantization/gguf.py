@@ -271,7 +271,7 @@ class GGUFConfig(QuantizationConfig):
         if path is None or getattr(model_config, "load_format", "gguf") != "gguf":
             raise ValueError("quantization 'gguf' needs a GGUF checkpoint (a .gguf file "
                              "loaded with load_format 'gguf')")
-        from pagedllm.models.gguf_file import GGUFFile
+        from pagedllm.model_files.gguf_file import GGUFFile
 
         counts: Counter[str] = Counter()
         n_bytes = 0
