@@ -37,16 +37,9 @@ are upcast to the query's dtype as they are loaded, ``k_scale`` is folded into t
 softmax scale on the host and ``v_scale`` multiplies the accumulator once before it is
 stored (the split partials are linear in V, so the merge needs no scale).
 
-``FP8_MMA`` (an fp8 cache only; ``fp8_mma=``, off by default: on the H200 it was faster
-for large decode batches, slower for prompt chunks and far less accurate) multiplies in
-fp8 instead, FlashAttention-3 style: the program quantises its Q tile to e4m3 once, one
-scale per row (token x head) folded with the softmax scale and ``k_scale`` into a
-per-row score scale; QK^T is a ``tl.dot`` of e4m3 operands with fp32 accumulation; P (in
-[0, 1]) is multiplied by 2^8 and cast to e4m3 for the P@V product with the e4m3 V tile,
-and the 2^-8 joins ``v_scale`` at the end.  ``FP8_MMA=2`` also quantises Q's rounding
-residual and adds its product (one more MMA per tile for about 7 bits of Q: the single
-e4m3 Q dominated the error in a torch simulation with peaked softmaxes).  No K/V tile is
-converted.
+(Multiplying in fp8 instead, FlashAttention-3 style, Q and P rounded to e4m3, was faster
+on the H200 for large decode batches, slower for prompt chunks, with 25x the mean error;
+removed, git has it.)
 
 The split decision is made on the host from ints that a CUDA graph keeps fixed (number of
 requests, max query length, heads, SM count), never from device tensors; the kernel
@@ -64,13 +57,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.fp8_quant import round_e4m3
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
-# FP8_MMA: softmax probabilities are multiplied by this (exact) before their e4m3 cast.
-P_FP8_SCALE = tl.constexpr(256.0)
 
 
 @triton.jit
@@ -110,33 +100,28 @@ def _tile_blocks(t, kv_end, bt_row, offs_n, BLOCK_SIZE: tl.constexpr, TILE_N: tl
 
 @triton.jit
 def _attn_tile(
-    t, q, q_lo, qk_lo, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr, v_cache_ptr,
+    t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr, v_cache_ptr,
     stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, F32_DOT: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, FP8_MMA: tl.constexpr = 0,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     """One KV tile of the online softmax: returns the updated (m, l, acc)."""
     kv_pos, kv_ok, block_id = _tile_blocks(t, kv_end, bt_row, offs_n, BLOCK_SIZE, TILE_N)
-    return _attn_tile_blocks(q, q_lo, qk_lo, q_pos, m_i, l_i, acc, kv_pos, kv_ok, block_id,
+    return _attn_tile_blocks(q, q_pos, m_i, l_i, acc, kv_pos, kv_ok, block_id,
                              kv_head_off, k_cache_ptr, v_cache_ptr, stride_cb, stride_cs,
-                             scale_log2,
-                             dims, dim_ok, BLOCK_SIZE, F32_DOT, WINDOW, SOFTCAP, FP8_MMA)
+                             scale_log2, dims, dim_ok, BLOCK_SIZE, F32_DOT, WINDOW, SOFTCAP)
 
 
 @triton.jit
 def _attn_tile_blocks(
-    q, q_lo, qk_lo, q_pos, m_i, l_i, acc, kv_pos, kv_ok, block_id, kv_head_off, k_cache_ptr,
+    q, q_pos, m_i, l_i, acc, kv_pos, kv_ok, block_id, kv_head_off, k_cache_ptr,
     v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok,
     BLOCK_SIZE: tl.constexpr, F32_DOT: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, FP8_MMA: tl.constexpr = 0,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     """``_attn_tile`` with the tile's block ids already loaded.  ``WINDOW`` > 0: keys
     more than WINDOW - 1 positions behind the query are masked; ``SOFTCAP`` > 0: scores
-    (scaled) become ``SOFTCAP * tanh(score / SOFTCAP)`` (attention/kinds.py).
-    ``FP8_MMA`` >= 1: ``q`` is e4m3 and ``scale_log2`` a per-row vector (its row's q
-    scale folded in); both products run on e4m3 operands, P as ``p * P_FP8_SCALE``.
-    ``FP8_MMA`` == 2: ``q_lo`` (e4m3, per-row scale in ``qk_lo``) is what ``q`` missed,
-    and its product is added to the scores.  (Otherwise ``q_lo``/``qk_lo`` are unused.)"""
+    (scaled) become ``SOFTCAP * tanh(score / SOFTCAP)`` (attention/kinds.py)."""
     kv_off = block_id * stride_cb + (kv_pos % BLOCK_SIZE).to(tl.int64) * stride_cs
     kv_off += kv_head_off
     # .to(q.dtype): a no-op for a cache in the model dtype, the dequantisation of fp8.
@@ -144,12 +129,7 @@ def _attn_tile_blocks(
                 mask=dim_ok[:, None] & kv_ok[None, :], other=0.0).to(q.dtype)  # [DIM, TILE_N]
     v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :],
                 mask=kv_ok[:, None] & dim_ok[None, :], other=0.0).to(q.dtype)  # [TILE_N, DIM]
-    if FP8_MMA == 2:
-        s = _mma(q, k, F32_DOT) * scale_log2[:, None] + _mma(q_lo, k, F32_DOT) * qk_lo[:, None]
-    elif FP8_MMA:
-        s = _mma(q, k, F32_DOT) * scale_log2[:, None]
-    else:
-        s = _mma(q, k, F32_DOT) * scale_log2
+    s = _mma(q, k, F32_DOT) * scale_log2
     if SOFTCAP > 0:
         # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits +-1 for large |x|.
         x = s * (1.0 / (1.4426950408889634 * SOFTCAP))
@@ -164,14 +144,7 @@ def _attn_tile_blocks(
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if FP8_MMA:
-        # p in [0, 1] scaled by 2^8 (exact) so that probabilities down to 2^-17 land in
-        # e4m3's range instead of flushing to zero; the accumulator carries the 2^8,
-        # removed with v_scale at the end (l_i sums the fp32 p).
-        acc = acc * alpha[:, None] + _mma(round_e4m3(p * P_FP8_SCALE).to(v.dtype), v,
-                                          F32_DOT)
-    else:
-        acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, F32_DOT)
+    acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, F32_DOT)
     return m_new, l_i, acc
 
 
@@ -188,12 +161,9 @@ def _attn_program(
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
     Q_FILTER: tl.constexpr, DECODE: tl.constexpr, USE_PDL: tl.constexpr,
     LOOP_STAGES: tl.constexpr, KV_FP8: tl.constexpr, WINDOW: tl.constexpr = 0,
-    SOFTCAP: tl.constexpr = 0.0, FP8_MMA: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     """One program: query tile ``tile_idx`` of KV head ``kv_head`` (split ``split``).
-    ``FP8_MMA`` (fp8 cache only): 1 = Q is quantised to e4m3 per row (token x head) and
-    both products take e4m3 operands; 2 = as 1, with Q's rounding residual as a second
-    e4m3 operand of the QK^T product (see the module doc).
     ``LOOP_STAGES`` > 0 pipelines the KV loop that deep (a kernel holding two kinds of
     programs, ``_mixed_attn_kernel``); 0 takes the kernel's ``num_stages``."""
 
@@ -288,21 +258,6 @@ def _attn_program(
         # bf16.  fp16 keeps more of q's mantissa than bf16; |q| is clamped to fp16's max.
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     qk_scale = scale_log2
-    q_lo = q
-    qk_lo = scale_log2
-    if FP8_MMA:
-        # Per-row scale: the row's amax maps to 448; the scale joins the softmax scale.
-        qf = q.to(tl.float32)
-        q_s = tl.maximum(tl.max(tl.abs(qf), 1) * (1.0 / 448.0), 1e-30)
-        q_hi = round_e4m3(qf / q_s[:, None])
-        q = q_hi.to(k_cache_ptr.dtype.element_ty)
-        qk_scale = q_s * scale_log2
-        if FP8_MMA == 2:
-            # The residual in e4m3 too: Q carries ~7 mantissa bits for a second product.
-            r = qf - q_hi * q_s[:, None]
-            r_s = tl.maximum(tl.max(tl.abs(r), 1) * (1.0 / 448.0), 1e-30)
-            q_lo = round_e4m3(r / r_s[:, None]).to(k_cache_ptr.dtype.element_ty)
-            qk_lo = r_s * scale_log2
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -311,9 +266,9 @@ def _attn_program(
     if DECODE:  # the first tile, with its prefetched block ids
         if tile_lo < tile_hi:
             m_i, l_i, acc = _attn_tile_blocks(
-                q, q_lo, qk_lo, q_pos, m_i, l_i, acc, kv_pos0, kv_ok0, block0, kv_head_off,
+                q, q_pos, m_i, l_i, acc, kv_pos0, kv_ok0, block0, kv_head_off,
                 k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, qk_scale, dims, dim_ok,
-                BLOCK_SIZE, F32_DOT, WINDOW, SOFTCAP, FP8_MMA)
+                BLOCK_SIZE, F32_DOT, WINDOW, SOFTCAP)
         first = tile_lo + 1
     if WHILE_LOOP:
         # The interpreter cannot use loaded scalars as range() bounds (numpy 2 refuses
@@ -322,26 +277,24 @@ def _attn_program(
         t = first
         while t < tile_hi:
             m_i, l_i, acc = _attn_tile(
-                t, q, q_lo, qk_lo, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
+                t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
                 v_cache_ptr, stride_cb, stride_cs, qk_scale, dims, dim_ok, offs_n,
-                BLOCK_SIZE, TILE_N, F32_DOT, WINDOW, SOFTCAP, FP8_MMA)
+                BLOCK_SIZE, TILE_N, F32_DOT, WINDOW, SOFTCAP)
             t += 1
     elif LOOP_STAGES > 0:
         for t in tl.range(first, tile_hi, num_stages=LOOP_STAGES):
             m_i, l_i, acc = _attn_tile(
-                t, q, q_lo, qk_lo, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
+                t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
                 v_cache_ptr, stride_cb, stride_cs, qk_scale, dims, dim_ok, offs_n,
-                BLOCK_SIZE, TILE_N, F32_DOT, WINDOW, SOFTCAP, FP8_MMA)
+                BLOCK_SIZE, TILE_N, F32_DOT, WINDOW, SOFTCAP)
     else:
         for t in range(first, tile_hi):
             m_i, l_i, acc = _attn_tile(
-                t, q, q_lo, qk_lo, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
+                t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
                 v_cache_ptr, stride_cb, stride_cs, qk_scale, dims, dim_ok, offs_n,
-                BLOCK_SIZE, TILE_N, F32_DOT, WINDOW, SOFTCAP, FP8_MMA)
+                BLOCK_SIZE, TILE_N, F32_DOT, WINDOW, SOFTCAP)
 
-    if FP8_MMA:
-        acc = acc * (v_scale / P_FP8_SCALE)  # v / v_scale in the cache, P times 2^8
-    elif KV_FP8:
+    if KV_FP8:
         acc = acc * v_scale  # the fp8 cache holds v / v_scale
     if SPLIT:
         # Partials: acc [T, H, S, D] fp32 (unnormalised), m/l [T, H, S]; empty splits
@@ -370,7 +323,6 @@ def _paged_attn_kernel(
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
     Q_FILTER: tl.constexpr, DECODE: tl.constexpr, USE_PDL: tl.constexpr,
     KV_FP8: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
-    FP8_MMA: tl.constexpr = 0,
 ):
     pdl_trigger(USE_PDL)
     _attn_program(
@@ -379,7 +331,7 @@ def _paged_attn_kernel(
         block_tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2, num_reqs, num_heads, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
         v_scale, GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, SPLIT, F32_DOT,
-        WHILE_LOOP, Q_FILTER, DECODE, USE_PDL, 0, KV_FP8, WINDOW, SOFTCAP, FP8_MMA)
+        WHILE_LOOP, Q_FILTER, DECODE, USE_PDL, 0, KV_FP8, WINDOW, SOFTCAP)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_pre_tiles", "stride_bt"])
@@ -397,7 +349,6 @@ def _mixed_attn_kernel(
     D_STAGES: tl.constexpr,
     F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, USE_PDL: tl.constexpr,
     KV_FP8: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
-    FP8_MMA: tl.constexpr = 0,
 ):
     """A mixed batch in one launch: prompt-chunk programs (``num_pre_tiles`` query tiles
     x KV heads, the prompt plan's tiles) come first on the 1-D grid, then the decode
@@ -416,7 +367,7 @@ def _mixed_attn_kernel(
             stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
             stride_bt, v_scale, GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, P_BLOCK_M, P_BLOCK_Q,
             P_TILE_N, False, F32_DOT, WHILE_LOOP, 2, False, USE_PDL, P_STAGES, KV_FP8, WINDOW,
-            SOFTCAP, FP8_MMA)
+            SOFTCAP)
     else:
         d = pid - num_pre
         _attn_program(
@@ -426,7 +377,7 @@ def _mixed_attn_kernel(
             stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
             stride_bt, v_scale, GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, D_BLOCK_M, D_BLOCK_Q,
             D_TILE_N, False, F32_DOT, WHILE_LOOP, 3, False, USE_PDL, D_STAGES, KV_FP8, WINDOW,
-            SOFTCAP, FP8_MMA)
+            SOFTCAP)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
@@ -481,22 +432,6 @@ def _interpreting() -> bool:
 @functools.lru_cache(maxsize=8)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _fp8_mma_ok(device: torch.device) -> bool:
-    """Whether tl.dot can take e4m3 operands here (FP8 tensor cores, or the interpreter,
-    which upcasts them exactly)."""
-    if _interpreting():
-        return True
-    if device.type != "cuda":
-        return False
-    return _capability(device.index if device.index is not None
-                       else torch.cuda.current_device()) >= (8, 9)
-
-
-@functools.lru_cache(maxsize=8)
-def _capability(device_index: int) -> tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(device_index))  # type: ignore[return-value]
 
 
 def device_sm_count(device: torch.device) -> int:
@@ -598,7 +533,6 @@ def paged_attention(
     num_splits: int | None = None, launch: AttentionLaunch | None = None,
     max_seq_len: int | None = None, sliding_window: int | None = None,
     soft_cap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-    fp8_mma: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a mixed batch; returns ``[num_tokens, num_heads,
     head_dim]`` in ``query``'s dtype (written into ``out`` if given).
@@ -619,12 +553,6 @@ def paged_attention(
         compile-time constants (one variant per distinct value, i.e. at most two per
         model).
       k_scale, v_scale: per-tensor scales of an fp8 ``kv_cache`` (ignored otherwise).
-      fp8_mma: with an fp8 ``kv_cache``, run both products on e4m3 operands instead of
-        upcasting K/V to the query's dtype: 1 = Q quantised per row (token x head), P
-        scaled by 2^8; 2 = as 1, plus Q's rounding residual as a second e4m3 product
-        (about 7 bits of Q for one more MMA per tile); 0 or None = off (the engine's
-        path).  Needs FP8 tensor cores (compute
-        capability >= 8.9) or the interpreter; elsewhere it is ignored.
     """
     kind = dict(WINDOW=int(sliding_window or 0), SOFTCAP=float(soft_cap or 0.0))
     num_tokens, num_heads, head_dim = query.shape
@@ -637,15 +565,10 @@ def paged_attention(
     if num_tokens == 0 or num_reqs == 0:
         return out
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    mma = int(fp8_mma or 0)
-    if mma not in (0, 1, 2):
-        raise ValueError(f"fp8_mma must be 0, 1 or 2, got {fp8_mma!r}")
-    mma = mma if fp8 and mma and _fp8_mma_ok(query.device) else 0
     # KV_FP8: 0 = a cache in the model dtype, 1 = fp8 upcast to q's dtype, 2 = fp8 with
     # a bf16 query multiplied in fp16 (_attn_program: faster than via bf16 on the H200).
-    kv_fp8 = 0 if not fp8 else 2 if (query.dtype == torch.bfloat16 and not mma) else 1
-    kv = _KVScales(float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0, kv_fp8,
-                   mma)
+    kv_fp8 = 0 if not fp8 else 2 if query.dtype == torch.bfloat16 else 1
+    kv = _KVScales(float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0, kv_fp8)
     if launch is None and num_splits is None and max_query_len > 1 and num_reqs > 1:
         # A mixed batch runs its decodes with the decode plan's small tiles (BLOCK_M =
         # the GQA group of one token) and its prompt chunks with 64-row tiles: 64-row
@@ -685,7 +608,6 @@ class _KVScales:
     k_scale: float = 1.0
     v_scale: float = 1.0
     fp8: int = 0  # the kernels' KV_FP8 (paged_attention): 0, or 1 / 2 for an fp8 cache
-    fp8_mma: int = 0  # products on e4m3 operands (FP8_MMA 1 or 2); implies fp8
 
 
 def _mixed_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -715,7 +637,7 @@ def _mixed_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         P_STAGES=pre.num_stages, D_BLOCK_M=dec.block_m, D_BLOCK_Q=dec.block_q,
         D_TILE_N=dec.tile_n, D_STAGES=dec.num_stages,
         F32_DOT=_interpreting() or query.dtype == torch.float32,
-        WHILE_LOOP=_interpreting(), KV_FP8=kv.fp8, FP8_MMA=kv.fp8_mma,
+        WHILE_LOOP=_interpreting(), KV_FP8=kv.fp8,
         num_warps=max(pre.num_warps, dec.num_warps),
         num_stages=max(pre.num_stages, dec.num_stages), **pdl_launch_args(query.device),
         **(kind or {}))
@@ -747,7 +669,7 @@ def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
         GQA=gqa, HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_SIZE=block_size,
         BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q, TILE_N=launch.tile_n,
         SPLIT=splits > 1, F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), Q_FILTER=q_filter,
-        DECODE=decode and q_filter == 0, KV_FP8=kv.fp8, FP8_MMA=kv.fp8_mma,
+        DECODE=decode and q_filter == 0, KV_FP8=kv.fp8,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages, **pdl, **(kind or {}),
     )
