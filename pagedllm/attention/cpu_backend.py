@@ -1,7 +1,7 @@
 """The CPU attention backend: the torch reference, with decode steps in one C call.
 
 A step in which every request has one new token (the steady state of generation) runs
-rotation, KV write and attention in ``cpu/decode_attention.py``, one call per layer;
+rotation, KV write and attention in ``cpu_decode.py``, one call per layer;
 every other step (prompts, chunks, speculative verification), other dtypes and an fp8
 cache take ``TorchReferenceBackend``, which stays the oracle the tests compare with.
 
@@ -20,11 +20,11 @@ import dataclasses
 
 import torch
 
+from pagedllm.attention import cpu_decode
 from pagedllm.attention.kinds import FULL, AttentionKind
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.rope import RopeInputs
 from pagedllm.attention.torch_ref import TorchReferenceBackend
-from pagedllm.cpu import decode_attention
 
 
 class CpuBackend(TorchReferenceBackend):
@@ -38,11 +38,11 @@ class CpuBackend(TorchReferenceBackend):
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, rope: RopeInputs,
         kind: AttentionKind = FULL, k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> torch.Tensor:
-        if decode_attention.applies(query, key, value, kv_cache, meta):
-            return decode_attention.run(query, key, value, kv_cache, meta, scale, rope, kind)
+        if cpu_decode.applies(query, key, value, kv_cache, meta):
+            return cpu_decode.run(query, key, value, kv_cache, meta, scale, rope, kind)
         if not (meta.num_reqs > 1 and not meta.kv_groups and query.shape[0] ==
-                meta.num_actual_tokens and decode_attention.takes_rows(query, key, value,
-                                                                       kv_cache)):
+                meta.num_actual_tokens and cpu_decode.takes_rows(query, key, value,
+                                                                 kv_cache)):
             return super().forward_rope(query, key, value, kv_cache, meta, scale, rope,
                                         kind, k_scale, v_scale)
         # A mixed step: the torch reference writes every row's K/V and attends the
@@ -73,5 +73,5 @@ class CpuBackend(TorchReferenceBackend):
             seq_lens=meta.seq_lens[reqs], seq_lens_cpu=meta.seq_lens_cpu[reqs],
             block_tables=meta.block_tables[reqs], slot_mapping=meta.slot_mapping[rows])
         sub_rope = RopeInputs(rope.positions[rows], rope.cos_sin_cache, rope.dtype)
-        out[rows] = decode_attention.run(query[rows], key[rows], value[rows], kv_cache, sub,
-                                         scale, sub_rope, kind)
+        out[rows] = cpu_decode.run(query[rows], key[rows], value[rows], kv_cache, sub,
+                                   scale, sub_rope, kind)

@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _lock = threading.Lock()
+# The C sources of the CPU kernels (``layers/quantization/csrc`` holds the int4 ones).
+CSRC = Path(__file__).with_name("csrc")
 _loaded: dict[Path, ctypes.CDLL | None] = {}
 
 

@@ -1,7 +1,7 @@
 """SiLU-and-multiply for float32 rows on the CPU in one C call (``csrc/silu_mul.c``).
 
 ``F.silu(g) * u`` is two torch ops and a temporary per call; this kernel is one pass,
-and it is the activation the CPU decode stack (``decode_stack.py``) runs, so a step
+and it is the activation the CPU decode stack (``models/cpu_decode_stack.py``) runs, so a step
 computed module by module and one computed by the stack agree bit for bit.  Numerics:
 ``g / (1 + exp(-g)) * u`` with a polynomial ``exp`` of about 1 ulp (torch's is Sleef's,
 also about 1 ulp: the two may differ in the last bit).

@@ -1,5 +1,5 @@
 """A Llama-shaped decoder stack for one decode step on the CPU, in one C call
-(``csrc/decode_stack.c``).
+(``cpu/csrc/decode_stack.c``).
 
 At batch 1 a small quantised model spends more of a CPU decode step in Python than in
 its kernels: each layer is some 40 module calls and 7 ctypes calls (two RMSNorms, four
@@ -19,19 +19,18 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from pagedllm.attention.cpu_decode import step_indices
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.rope import RopeInputs
 from pagedllm.cpu import build
-from pagedllm.cpu.decode_attention import step_indices
 from pagedllm.layers.quantization.int4_vnni import MAX_PARTS
 
-_SRC = Path(__file__).with_name("csrc") / "decode_stack.c"
-MAX_SEGS = 4  # csrc/decode_stack.c
+_SRC = build.CSRC / "decode_stack.c"
+MAX_SEGS = 4  # cpu/csrc/decode_stack.c
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _L = ctypes.c_long

@@ -24,7 +24,6 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.kinds import AttentionKind, layer_sliding_windows
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.rope import RopeInputs
-from pagedllm.cpu.decode_stack import DecodeStack, StackLayer
 from pagedllm.distributed.parallel_state import current_parallel_state, layer_range
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
@@ -39,6 +38,7 @@ from pagedllm.layers.linear import (
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedllm.models.cpu_decode_stack import DecodeStack, StackLayer
 
 
 def attention_kind(config: Any, layer: int) -> AttentionKind:
@@ -251,7 +251,7 @@ class LlamaModel(nn.Module):
         # and None otherwise: the loop below tests one dict.
         self.aux_layers: dict[int, list[int]] = {}
         self.aux_buffer: torch.Tensor | None = None
-        # The CPU decode stack (cpu/decode_stack.py): planned at the first CPU step
+        # The CPU decode stack (models/cpu_decode_stack.py): planned at the first CPU step
         # (weights packed, caches bound), False when the layers do not fit it; reset
         # when the caches are rebound.
         self.cpu_stack: DecodeStack | None | bool = None

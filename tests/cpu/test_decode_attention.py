@@ -1,4 +1,4 @@
-"""The CPU backend's C decode step (``cpu/decode_attention.py``) against the torch reference.
+"""The CPU backend's C decode step (``attention/cpu_decode.py``) against the torch reference.
 
 Random caches and shuffled block tables; one new token per request (1 to 5 requests,
 contexts 0 to 80 tokens, block size 16); GQA ratios 1/3/4; head dims 64 and 128 (the
@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.attention import cpu_decode as decode_attention
 from pagedllm.attention.cpu_backend import CpuBackend
 from pagedllm.attention.kinds import FULL, AttentionKind
 from pagedllm.attention.rope import RopeInputs
 from pagedllm.attention.torch_ref import TorchReferenceBackend
-from pagedllm.cpu import decode_attention
 from tests.models.paged import build_metadata, positions_for
 
 pytestmark = pytest.mark.skipif(decode_attention._lib() is None,

@@ -1,4 +1,4 @@
-"""The CPU decode stack (``cpu/decode_stack.py``) against the per-module path it replaces.
+"""The CPU decode stack (``models/cpu_decode_stack.py``) against the per-module path it replaces.
 
 The model is a GGUF written by gguf-py (``tests/models/test_gguf_quantised.py``'s tiny
 Llama: GQA, q/k/v and gate/up shards of different types, so projections of several
@@ -20,8 +20,9 @@ from gguf.constants import GGMLQuantizationType as Q
 
 from pagedllm.attention.cpu_backend import CpuBackend
 from pagedllm.config import EngineArgs
-from pagedllm.cpu import decode_stack, silu_mul
+from pagedllm.cpu import silu_mul
 from pagedllm.layers.quantization import gguf, int4_vnni
+from pagedllm.models import cpu_decode_stack as decode_stack
 from pagedllm.models.loader import load_model
 from tests.models.paged import PagedSession
 from tests.models.test_gguf_quantised import TYPES, V, _write

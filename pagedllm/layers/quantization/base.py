@@ -98,7 +98,7 @@ class LinearMethodBase(ABC):
 
     def int4_segments(self, layer: LinearBase) -> list[list[Any]] | None:
         """The layer's weight as packed int4 parts (``int4pack.PackedInt4``) that fused
-        CPU paths multiply themselves (``cpu/decode_stack.py``): segments concatenated
+        CPU paths multiply themselves (``models/cpu_decode_stack.py``): segments concatenated
         along the output dimension, each the sum of its parts; None when it is stored
         any other way, or when ``apply`` does more than ``sum_p x W_p^T`` per segment
         (an input permutation, say)."""
