@@ -360,8 +360,7 @@ class Scheduler:
         if not step.preempted_ids:  # memory is tight in a step that had to preempt
             now = time.time()
             # Multi-LoRA: admit no request whose adapter would exceed max_loras.
-            loras = LoRABudget(self.config.max_loras, self.running) \
-                if self.config.max_loras else None
+            loras = LoRABudget(self.config.max_loras, self.running)
             # 2. Swapped-out requests come back first (they are older than new arrivals).
             self._schedule_swapped(step, loras, now)
             # 3. Waiting requests (under the throughput policy: what the pace leaves).
@@ -457,13 +456,12 @@ class Scheduler:
             budget -= n
         step.budget, step.prefill_cap = budget, prefill_cap
 
-    def _schedule_swapped(self, step: _Step, loras: LoRABudget | None, now: float) -> None:
+    def _schedule_swapped(self, step: _Step, loras: LoRABudget, now: float) -> None:
         """Resume swapped-out requests, oldest first, while the budget, seats, adapters
         and this step's swap budget allow (``SwapManager.resume``)."""
         swap = self.swap
         for req in list(swap.swapped):
-            if step.budget <= 0 or not self._has_seat(req) or (loras and not
-                                                                loras.admits(req)):
+            if step.budget <= 0 or not self._has_seat(req) or not loras.admits(req):
                 break
             n = min(self._num_to_compute(req), step.budget)
             if n <= 0:
@@ -472,10 +470,9 @@ class Scheduler:
                 break
             self._admit(req, n, step, now)
             step.budget -= n
-            if loras:
-                loras.add(req)
+            loras.add(req)
 
-    def _schedule_waiting(self, step: _Step, loras: LoRABudget | None, now: float) -> None:
+    def _schedule_waiting(self, step: _Step, loras: LoRABudget, now: float) -> None:
         """Admit waiting requests in queue order while the budget (under the throughput
         policy: what the prefill pace leaves), blocks and seats allow; prefix-cache hits
         count as computed.  One whose adapter would exceed ``max_loras`` is skipped this
@@ -491,7 +488,7 @@ class Scheduler:
             if max_reqs and (req.request_id in in_flight
                              or len(num_scheduled) >= max_reqs):
                 break  # (preempted while its batch is in flight: wait for its token)
-            if loras and not loras.admits(req):
+            if not loras.admits(req):
                 skipped.append(waiting.pop())
                 continue
             hits, num_hit = kv.get_computed_blocks(req)
@@ -507,8 +504,7 @@ class Scheduler:
                 req.num_cached_tokens = num_hit
             self._admit(req, n, step, now)
             budget -= n
-            if loras:
-                loras.add(req)
+            loras.add(req)
         for req in reversed(skipped):  # back to their places at the head
             waiting.add_preempted(req)
         step.budget = budget
