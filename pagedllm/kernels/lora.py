@@ -1,7 +1,8 @@
 """Batched multi-LoRA: each token row's ``y += (x A[slot]^T) Bt[slot]``, where every row
 carries its own adapter slot (-1: none), so one step mixes adapters and base-model rows.
 
-Three forms:
+Two forms here (steps of many rows take the masked split-K form of
+``kernels/lora_masked.py``, or cuBLAS: ``lora/layers.lora_path``):
 
 * :func:`lora_shrink` + the expand in the base GEMV's epilogue -- where the layer runs
   as the batch-1 GEMV (``kernels/gemv.py``, ``gemv_rope.py``): a Llama-3-8B step has
@@ -11,23 +12,15 @@ Three forms:
 * :func:`lora_fused` -- shrink and expand in **one launch**, one program per row and
   block of outputs: up to a few rows on other base kernels (``lora/layers.lora_path``);
   it can read its input as ``silu(gate) * up`` or return the fp32 delta.
-* :func:`lora_sgmv` -- rows grouped by adapter on the host (vLLM's punica "sgmv"):
-  tensor-core shrink then expand per group, each row's own adapter only.  For steps of
-  many rows.
 
 Both read slot indices and weights from device buffers (no host sync) and launch fixed
 grids for a row count, so CUDA graphs capture them.  Sums are fp32; the result is added
 to ``y`` in fp32 and rounded once, and rows without an adapter are left bit-for-bit.
-(:func:`lora_sgmv` also rounds the shrink to the weights' dtype for the tensor-core
-expand, so where ``y + delta`` cancels its error is relative to ``sum_r |s_r||Bt_r|``,
-not to the result: ``tests/kernels/test_lora_kernels._rounding_bound``.)
 Oracle: ``lora/layers.lora_ref``.  ``K``, ``R`` (and the shard count) are compile-time
 constants: a layer's shapes, a handful per model.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -46,7 +39,7 @@ from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
 # K: 128 KB at K = 4096, rank 16, from L2 after the first program of the slot), then
 # expands it for its block.  The shrink is recomputed by every block of a shard --
 # cheap at one row, which is what this form is for; steps with many rows take
-# :func:`lora_sgmv`.  At one row there are few programs (< 1 per SM), so nothing hides
+# ``kernels/lora_masked.py``.  At one row there are few programs (< 1 per SM), so nothing hides
 # one program's latency: the block's Bt tile and the first A tile are fetched before
 # the PDL wait (weights: kernels/pdl.py), and the K loop is unrolled over wide tiles
 # (few dependent round trips).
@@ -128,7 +121,7 @@ def lora_fused(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, bt: torch.
     ``bt`` must be block-diagonal over the shards (shard i's rank rows zero outside shard
     i's outputs, as ``LoRALinear.set_slot`` writes it): an output of shard i reads only
     shard i's rank rows, so entries outside the blocks are ignored, unlike in
-    ``lora_ref`` / :func:`lora_sgmv` (which use them).
+    ``lora_ref`` (which uses them).
     With ``y`` ``[T, N]`` (contiguous rows) the delta is added into it in place (rows
     without an adapter untouched) and ``y`` returned; without, the fp32 delta ``[T, N]``
     is returned (zeros for rows without an adapter).  No host sync; fixed grid."""
@@ -156,126 +149,6 @@ def lora_fused(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, bt: torch.
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=triton.next_power_of_2(r),
         num_warps=warps, **pdl_launch_args(x.device))
     return out
-
-
-# -- many rows: segmented by adapter (punica's "sgmv") ------------------------------------
-#
-# The host groups the step's rows by slot (``lora/layers.sgmv_tiles``): ``rows`` lists
-# the token rows with an adapter, sorted by slot; ``tiles`` is ``[count, (slot, start,
-# end) x count]``, each tile at most ``block_m`` consecutive entries of ``rows``
-# sharing one slot.  Program (i, j) takes tile i (idle past ``count``): the shrink
-# multiplies its rows by that one slot's A on the tensor cores, the expand its shrink by
-# that slot's Bt for output block j and adds into ``y``.  Work is each row's own adapter
-# only (the dense form computes every slot for every row), and the grid is fixed for a
-# row count (``cdiv(T, block_m) + L`` tiles): no host sync, graph-capturable.
-
-@triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:  # fp32 models (no tf32), and bf16 in the interpreter (numpy has no bf16 dot)
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _tile(tiles_ptr, rows_ptr, BLOCK_M: tl.constexpr):
-    """Program 0's tile: (has work, slot, the entries of ``rows``, their mask, the rows)."""
-    i = tl.program_id(0)
-    live = i < tl.load(tiles_ptr)
-    slot = tl.load(tiles_ptr + 1 + 3 * i, mask=live, other=0)
-    start = tl.load(tiles_ptr + 2 + 3 * i, mask=live, other=0)
-    end = tl.load(tiles_ptr + 3 + 3 * i, mask=live, other=0)
-    r = start + tl.arange(0, BLOCK_M)
-    ok = r < end
-    tok = tl.load(rows_ptr + r, mask=ok, other=0).to(tl.int64)
-    return live, slot.to(tl.int64), r, ok, tok
-
-
-@triton.jit
-def _sgmv_shrink_kernel(x_ptr, rows_ptr, tiles_ptr, a_ptr, s_ptr, stride_x, stride_as,
-                        K: tl.constexpr, SR: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_K: tl.constexpr, BLOCK_SR: tl.constexpr,
-                        IEEE: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_trigger(USE_PDL)
-    # The tiles and rows are step metadata (host copies before the forward).
-    live, slot, r, ok, tok = _tile(tiles_ptr, rows_ptr, BLOCK_M)
-    cols = tl.arange(0, BLOCK_SR)
-    c_ok = cols < SR
-    rk = tl.arange(0, BLOCK_K)
-    pdl_wait(USE_PDL)
-    if live:
-        acc = tl.zeros((BLOCK_M, BLOCK_SR), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + rk
-            k_ok = ks < K
-            x = tl.load(x_ptr + tok[:, None] * stride_x + ks[None, :],
-                        mask=ok[:, None] & k_ok[None, :], other=0.0)
-            at = tl.load(a_ptr + slot * stride_as + cols[None, :] * K + ks[:, None],
-                         mask=c_ok[None, :] & k_ok[:, None], other=0.0)  # A^T tile
-            acc = _dot(x, at.to(x.dtype), acc, IEEE)
-        # Stored by position in ``rows`` (fp32): the expand reads its tile contiguously.
-        tl.store(s_ptr + r[:, None] * SR + cols[None, :], acc,
-                 mask=ok[:, None] & c_ok[None, :])
-
-
-@triton.jit
-def _sgmv_expand_kernel(s_ptr, rows_ptr, tiles_ptr, bt_ptr, y_ptr, N, stride_bs, stride_y,
-                        SR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_SR: tl.constexpr, IEEE: tl.constexpr,
-                        USE_PDL: tl.constexpr):
-    pdl_trigger(USE_PDL)
-    live, slot, r, ok, tok = _tile(tiles_ptr, rows_ptr, BLOCK_M)
-    cols = tl.arange(0, BLOCK_SR)
-    c_ok = cols < SR
-    ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = ns < N
-    pdl_wait(USE_PDL)
-    if live:
-        s = tl.load(s_ptr + r[:, None] * SR + cols[None, :],
-                    mask=ok[:, None] & c_ok[None, :], other=0.0)
-        b = tl.load(bt_ptr + slot * stride_bs + cols[:, None] * N + ns[None, :],
-                    mask=c_ok[:, None] & n_ok[None, :], other=0.0)
-        # The shrink rounded to the weights' dtype for the tensor cores (as vLLM's
-        # punica kernels do); fp32 models keep fp32 (IEEE).
-        acc = _dot(s.to(b.dtype), b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE)
-        ptrs = y_ptr + tok[:, None] * stride_y + ns[None, :]
-        m = ok[:, None] & n_ok[None, :]
-        y = tl.load(ptrs, mask=m, other=0.0).to(tl.float32)
-        tl.store(ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=m)
-
-
-def _ieee(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 or (os.environ.get("TRITON_INTERPRET", "0") == "1")
-
-
-def lora_sgmv(x: torch.Tensor, rows: torch.Tensor, tiles: torch.Tensor, a: torch.Tensor,
-              bt: torch.Tensor, y: torch.Tensor, block_m: int) -> torch.Tensor:
-    """``y[t] += x[t] A[s]^T Bt[s]`` in place for the rows grouped in ``rows`` / ``tiles``
-    (``lora/layers.sgmv_tiles``; rows without an adapter are in no tile and stay
-    untouched).  ``x [T, K]``, ``a [L, SR, K]``, ``bt [L, SR, N]`` contiguous, ``y [T, N]``
-    with contiguous rows; ``block_m``: the tiles' row count (a power of two >= 16).  Two
-    launches; the grid depends on ``T`` and ``L`` only."""
-    t, k = x.shape
-    n_slots, sr, _ = a.shape
-    n = bt.shape[2]
-    if t == 0:
-        return y
-    assert a.is_contiguous() and bt.is_contiguous() and x.stride(1) == 1
-    assert y.stride(1) == 1 and y.shape == (t, n)
-    n_tiles = triton.cdiv(t, block_m) + n_slots
-    assert tiles.numel() >= 1 + 3 * n_tiles, "tiles: [count, (slot, start, end) x n]"
-    block_sr = max(16, triton.next_power_of_2(sr))
-    ieee = _ieee(x.dtype)
-    s = torch.empty(t, sr, dtype=torch.float32, device=x.device)
-    pdl = pdl_launch_args(x.device)
-    _sgmv_shrink_kernel[(n_tiles,)](
-        x, rows, tiles, a, s, x.stride(0), a.stride(0), K=k, SR=sr,
-        BLOCK_M=block_m, BLOCK_K=min(128, max(16, triton.next_power_of_2(k))),
-        BLOCK_SR=block_sr, IEEE=ieee, num_warps=4, **pdl)
-    block_n = min(128, max(16, triton.next_power_of_2(n)))
-    _sgmv_expand_kernel[(n_tiles, triton.cdiv(n, block_n))](
-        s, rows, tiles, bt, y, n, bt.stride(0), y.stride(0), SR=sr, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_SR=block_sr, IEEE=ieee, num_warps=4, **pdl)
-    return y
 
 
 # -- batch 1: split-K shrink, expand in the base GEMV's epilogue -------------------------

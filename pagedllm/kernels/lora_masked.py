@@ -34,11 +34,23 @@ adapter have ``t = 0`` and get ``y + 0``: unchanged.  Oracle: ``lora/layers.lora
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.lora import _dot, _ieee
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:  # fp32 models (no tf32), and bf16 in the interpreter (numpy has no bf16 dot)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+def _ieee(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 or (os.environ.get("TRITON_INTERPRET", "0") == "1")
+
 
 # Programs a launch aims at (an H200 has 132 SMs) and the most K splits of a tile.
 TARGET_PROGRAMS = 128

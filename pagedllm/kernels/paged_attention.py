@@ -184,7 +184,7 @@ def _attn_program(
     elif Q_FILTER == 3:
         # The decode programs of a one-launch mixed batch: program r is request r (the
         # grid has one per request), which runs only if it is a single-token decode.
-        # Request r's query row is query_start_loc[r]: no search, unlike Q_FILTER 1.
+        # Request r's query row is query_start_loc[r]: no search.
         req = tile_idx
         q_start = tl.load(qsl_ptr + req)
         q_len = tl.load(qsl_ptr + req + 1) - q_start
@@ -207,10 +207,8 @@ def _attn_program(
         q_tile = tile_idx - (q_start // BLOCK_Q + req)
         if q_tile * BLOCK_Q >= q_len:
             return  # surplus program of the upper-bound grid (or a padded empty request)
-        if Q_FILTER == 1 and q_len != 1:
-            return  # decode launch of a mixed batch: prompt chunks are the other launch's
         if Q_FILTER == 2 and q_len == 1:
-            return  # prompt-chunk launch of a mixed batch: decodes are the other launch's
+            return  # a mixed batch's prompt programs: decodes are the decode programs'
         seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len
 
@@ -597,7 +595,7 @@ def paged_attention(
             sm_count=device_sm_count(query.device), num_splits=num_splits,
             max_seq_len=max_seq_len, head_dim=head_dim)
     _launch(query, kv_cache, block_tables, seq_lens, query_start_loc, num_reqs, scale, out,
-            launch, 0, decode=max_query_len <= 1, kind=kind, kv=kv)
+            launch, decode=max_query_len <= 1, kind=kind, kv=kv)
     return out
 
 
@@ -645,13 +643,12 @@ def _mixed_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
 
 def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int,
-            scale: float, out: torch.Tensor, launch: AttentionLaunch, q_filter: int,
+            scale: float, out: torch.Tensor, launch: AttentionLaunch,
             decode: bool = False, kind: dict[str, float] | None = None,
             kv: _KVScales = _KVScales()) -> None:
-    """One launch of the kernel (plus the split merge) with plan ``launch``; ``q_filter``:
-    0 every request, 1 only single-token ones, 2 only multi-token ones.  ``decode``: every
-    request has one new token (row r is request r's; empty padded requests last), so
-    programs map to requests directly."""
+    """One launch of the kernel (plus the split merge) with plan ``launch`` over every
+    request.  ``decode``: every request has one new token (row r is request r's; empty
+    padded requests last), so programs map to requests directly."""
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     gqa = num_heads // num_kv_heads
@@ -668,8 +665,8 @@ def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
     common = dict(
         GQA=gqa, HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_SIZE=block_size,
         BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q, TILE_N=launch.tile_n,
-        SPLIT=splits > 1, F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), Q_FILTER=q_filter,
-        DECODE=decode and q_filter == 0, KV_FP8=kv.fp8,
+        SPLIT=splits > 1, F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), Q_FILTER=0,
+        DECODE=decode, KV_FP8=kv.fp8,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages, **pdl, **(kind or {}),
     )

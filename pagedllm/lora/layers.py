@@ -30,9 +30,9 @@ one-launch ``kernels/lora.lora_fused``; above, up to ``MASKED_MAX_ROWS``
 (``kernels/lora_masked.py``: a
 split-K shrink writing each row's slot columns, zeros elsewhere, then one cuBLAS
 ``addmm_`` over all slots), past it the dense masked form on cuBLAS (:func:`lora_dense_`,
-2 + S launches); the segmented ``kernels/lora.lora_sgmv`` over the rows the manager grouped
-by slot on the host (:func:`sgmv_tiles`, published with the slot map) up to
-``SGMV_MAX_ROWS`` rows (0: slower than cuBLAS on the H200 as measured, so unused).
+2 + S launches).  (A segmented punica-style "sgmv" form, rows grouped by slot on the
+host, lost to the masked and cuBLAS forms at the step sizes that matter on the H200
+(figures at ``FUSED_MAX_ROWS``) and was never on by default; removed, git has it.)
 
 Where a layer runs as the batch-1 GEMV (one row, ``layers/linear.gemv_applies``: decode
 at batch 1) the delta rides on the base kernels instead, so an adapter adds at most one
@@ -57,57 +57,23 @@ from pagedllm.lora.peft import LoRAWeights
 if TYPE_CHECKING:
     from pagedllm.kernels.gemv import GemvLoRA
 
-# Rows per tile of the segmented kernels (``kernels/lora.lora_sgmv``'s ``block_m``): the
-# host groups rows into tiles of this size.
-SGMV_BLOCK_M = 32
-
-
-def sgmv_tiles(slots: np.ndarray, n_slots: int, block_m: int = SGMV_BLOCK_M,
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """The rows with an adapter grouped by slot, for ``kernels/lora.lora_sgmv``:
-    ``rows`` (those rows, sorted by slot, stable) and ``tiles`` = ``[count, (slot, start,
-    end) x count]``: each tile up to ``block_m`` consecutive entries of ``rows`` of one
-    slot.  At most ``cdiv(len(slots), block_m) + n_slots`` tiles."""
-    valid = np.flatnonzero(slots >= 0)
-    keys = slots[valid]
-    rows = valid[np.argsort(keys, kind="stable")].astype(np.int32)
-    counts = np.bincount(keys, minlength=n_slots)
-    starts = np.concatenate(([0], np.cumsum(counts)))
-    per = -(-counts // block_m)
-    slot = np.repeat(np.arange(n_slots), per)
-    first = np.repeat(np.cumsum(per) - per, per)
-    start = starts[slot] + (np.arange(len(slot)) - first) * block_m
-    end = np.minimum(start + block_m, starts[slot + 1])
-    tiles = np.concatenate(([len(slot)], np.stack([slot, start, end], 1).ravel()))
-    return rows, tiles.astype(np.int32)
-
-
 class SlotMap:
-    """One row -> slot map on the device (``slots``, -1: no adapter) and, for the
-    segmented kernels, the same rows grouped by slot (``rows``, ``tiles``:
-    :func:`sgmv_tiles`).  Persistent buffers: CUDA graphs read them at replay."""
+    """One row -> slot map on the device (``slots``, -1: no adapter).  A persistent
+    buffer: CUDA graphs read it at replay."""
 
     def __init__(self, max_rows: int, n_slots: int, device: torch.device) -> None:
         self.n_slots = n_slots
         self.slots = torch.full((max_rows,), -1, dtype=torch.int32, device=device)
-        self.rows = torch.zeros(max_rows, dtype=torch.int32, device=device)
-        max_tiles = -(-max_rows // SGMV_BLOCK_M) + n_slots
-        self.tiles = torch.zeros(1 + 3 * max_tiles, dtype=torch.int32, device=device)
         self._prev = 0  # rows the last publish set
 
-    def publish(self, slots: np.ndarray, h2d, name: str, grouped: bool) -> None:
+    def publish(self, slots: np.ndarray, h2d, name: str) -> None:
         """Copy a step's map in (staged host copies, no sync); rows past it that a
-        padded graph may read get -1.  ``grouped``: also the segmented kernels' grouping."""
+        padded graph may read get -1."""
         n = len(slots)
         self.slots[:n].copy_(h2d(f"{name}_slots", slots), non_blocking=True)
         if self._prev > n:
             self.slots[n:self._prev].fill_(-1)
         self._prev = n
-        if grouped:
-            rows, tiles = sgmv_tiles(slots, self.n_slots)
-            if len(rows):
-                self.rows[:len(rows)].copy_(h2d(f"{name}_rows", rows), non_blocking=True)
-            self.tiles[:len(tiles)].copy_(h2d(f"{name}_tiles", tiles), non_blocking=True)
 
 
 class LoRAMapping:
@@ -196,31 +162,28 @@ def diag_blocks(bt: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:
 
 
 # Row-count thresholds of the CUDA paths (see the module doc), from
-# ``benchmarks/lora_probe.py`` and W1 on an H200 (docs/benchmarks.md, runs 17-19).  Per
-# decoder layer at the Llama-3-8B shapes (4 projections, 8 slots, rank 16): the fused
-# kernel wins at 1 row (42 vs 68 us for the dense form); at 256 rows the masked
-# two-launch form (kernels/lora_masked.py, split-K shrink: the A reads spread over the
-# GPU) adds 73 us, the dense cuBLAS form 102, sgmv 203; at 2,048 rows dense 194, masked
-# 219; at 8,192 dense 696, masked 780, sgmv 656.  W1 over 8 adapters (base 8,625):
-# masked up to 512 rows 7,390 tok/s, dense above 4 rows 7,007 (run 19); masked for
-# every size 6,426 (run 18; its large prefill chunks).  So: fused, then masked up to
+# ``benchmarks/lora_probe.py`` (in git history) and W1 on an H200 (docs/benchmarks.md,
+# runs 17-19).  Per decoder layer at the Llama-3-8B shapes (4 projections, 8 slots, rank
+# 16): the fused kernel wins at 1 row (42 vs 68 us for the dense form); at 256 rows the
+# masked two-launch form (kernels/lora_masked.py, split-K shrink: the A reads spread
+# over the GPU) adds 73 us, the dense cuBLAS form 102, sgmv 203; at 2,048 rows dense
+# 194, masked 219; at 8,192 dense 696, masked 780, sgmv 656.  W1 over 8 adapters (base
+# 8,625): masked up to 512 rows 7,390 tok/s, dense above 4 rows 7,007 (run 19); masked
+# for every size 6,426 (run 18; its large prefill chunks).  So: fused, then masked up to
 # 512 rows (decode steps of a large batch), then dense.  (Tests patch these constants to
 # reach every path at small sizes.)
 FUSED_MAX_ROWS = 4
-SGMV_MAX_ROWS = 0
 MASKED_MAX_ROWS = 512
 
 
 def lora_path(rows: int, use_triton: bool) -> str:
-    """``"fused"``, ``"sgmv"``, ``"masked"``, ``"dense"`` (cuBLAS) or ``"ref"`` (the
+    """``"fused"``, ``"masked"``, ``"dense"`` (cuBLAS) or ``"ref"`` (the
     CPU): a function of the row count only, so graph capture and eager runs of one size
     agree."""
     if not use_triton:
         return "ref"
     if rows <= FUSED_MAX_ROWS:
         return "fused"
-    if rows <= SGMV_MAX_ROWS:
-        return "sgmv"
     return "masked" if rows <= MASKED_MAX_ROWS else "dense"
 
 
@@ -320,11 +283,6 @@ class LoRALinear:
             from pagedllm.kernels.lora import lora_fused
 
             return lora_fused(x, slots, self.a, self.bt, self.shard_bounds, y=y)
-        if path == "sgmv":
-            from pagedllm.kernels.lora import lora_sgmv
-
-            m = self._map()
-            return lora_sgmv(x, m.rows, m.tiles, self.a, self.bt, y, SGMV_BLOCK_M)
         if path == "masked":
             from pagedllm.kernels.lora_masked import lora_masked_
 

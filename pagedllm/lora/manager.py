@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from pagedllm.lora.adapter_files import NUM_SHARDS
-from pagedllm.lora.layers import FUSED_MAX_ROWS, SGMV_MAX_ROWS, LoRALinear, LoRAMapping
+from pagedllm.lora.layers import LoRALinear, LoRAMapping
 from pagedllm.lora.peft import LoRAAdapter, load_adapter
 from pagedllm.lora.request import LoRARequest
 
@@ -81,8 +81,6 @@ class LoRAManager:
         self.max_cpu_loras = max_cpu_loras
         self.mapping = LoRAMapping(max_num_tokens, device, max_loras)
         use_triton = device.type == "cuda"
-        # The segmented kernels need rows grouped by slot (host work, so only when used).
-        self.grouped = use_triton and SGMV_MAX_ROWS > FUSED_MAX_ROWS
         self.layers: dict[str, LoRALinear] = {}
         last = int(hf_config.num_hidden_layers) - 1
         for name, layer in lora_target_layers(model).items():
@@ -156,8 +154,8 @@ class LoRAManager:
             (-1 if r is None else self._make_resident(r, in_step) for r in loras),
             np.int32, len(loras))
         tokens = np.repeat(req_slots, num_new)
-        m.tokens.publish(tokens, h2d, "lora_tokens", self.grouped)
-        m.last.publish(req_slots if pruned else tokens, h2d, "lora_last", self.grouped)
+        m.tokens.publish(tokens, h2d, "lora_tokens")
+        m.last.publish(req_slots if pruned else tokens, h2d, "lora_last")
         self._prev_tokens = len(tokens) if in_step else 0
         m.active = bool(in_step)
 

@@ -28,8 +28,6 @@ SM90_MAX_SHARED = 227 * 1024  # bytes of dynamic shared memory per block on sm_9
 CASES = [
     ("llama decode, unsplit", 128, 32, 8, 256, 1, 0),
     ("llama decode, split", 128, 32, 8, 1, 1, 0),
-    ("llama mixed: decodes (two launches)", 128, 32, 8, 200, 1, 1),
-    ("llama mixed: prompt chunks (two launches)", 128, 32, 8, 200, 512, 2),
     ("smollm decode, unsplit", 64, 9, 3, 256, 1, 0),
     ("head_dim 256 decode, unsplit", 256, 16, 8, 256, 1, 0),
 ]

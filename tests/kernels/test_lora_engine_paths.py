@@ -1,7 +1,7 @@
 """The CUDA LoRA paths of a whole engine, run on the CPU under the Triton interpreter:
-the manager's host grouping (``sgmv_tiles``) and both slot maps, the one-launch fused
-kernel (steps of up to 4 rows, incl. the pruned last layer's per-request rows) and the
-segmented kernels (larger steps), in a batch mixing 3 PEFT adapters and the base model;
+both slot maps of the manager, the one-launch fused kernel (steps of up to 4 rows, incl.
+the pruned last layer's per-request rows) and the masked split-K kernels (larger steps),
+in a batch mixing 3 PEFT adapters and the base model;
 and, with the batch-1 GEMV forced on for one-row inputs (on CUDA: bf16/fp16 only), the
 split-K shrink plus the GEMV adding the expand in its epilogue (``LoRALinear.gemv``:
 qkv's 3 shards, o, gate_up, and down reading ``silu(gate) * up``), the shrinks of qkv
@@ -28,8 +28,8 @@ N_TOKENS = 4
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU tests/lora runs these paths natively")
-@pytest.mark.parametrize("gemv,many", [(False, "sgmv"), (True, "sgmv"), (False, "masked")])
-def test_triton_lora_paths_match_peft(tmp_path, monkeypatch, gemv: bool, many: str) -> None:
+@pytest.mark.parametrize("gemv", [False, True])
+def test_triton_lora_paths_match_peft(tmp_path, monkeypatch, gemv: bool) -> None:
     root = str(tmp_path)
     base = tiny_llama(os.path.join(root, "base"))
     adapters = make_adapters(base, root, merge=False)
@@ -38,16 +38,9 @@ def test_triton_lora_paths_match_peft(tmp_path, monkeypatch, gemv: bool, many: s
               kv_cache_memory_bytes=4 << 20, block_size=4, max_num_seqs=16,
               max_num_batched_tokens=48)
     mgr = llm.llm_engine.client.core.executor.worker.runner.lora
-    # What the manager does on CUDA with the segmented kernels switched on
-    # (SGMV_MAX_ROWS; 0, off, by default): group rows by slot, run the Triton
-    # kernels.  ``many="masked"``: the path for steps above the fused rows up to
-    # MASKED_MAX_ROWS (here every step), the split-K masked shrink + one addmm.
-    if many == "sgmv":
-        monkeypatch.setattr(lora_layers, "SGMV_MAX_ROWS", 1 << 30)
-        mgr.grouped = True
-    else:
-        monkeypatch.setattr(lora_layers, "SGMV_MAX_ROWS", 0)
-        monkeypatch.setattr(lora_layers, "MASKED_MAX_ROWS", 1 << 30)
+    # What the manager does on CUDA for steps above the fused rows up to
+    # MASKED_MAX_ROWS (here every step): the split-K masked shrink + one addmm.
+    monkeypatch.setattr(lora_layers, "MASKED_MAX_ROWS", 1 << 30)
     paths: list[str] = []
     real_path = lora_layers.lora_path
 
@@ -99,12 +92,12 @@ def test_triton_lora_paths_match_peft(tmp_path, monkeypatch, gemv: bool, many: s
 
     want = {(i, j): hf_greedy(m, p, N_TOKENS) for i, p in enumerate(prompts)
             for j, m in enumerate(models)}
-    # 8 requests: prefill chunks of up to 48 rows (segmented) whose last layer runs on
-    # one row per request, then 8-row decode steps (segmented).
+    # 8 requests: prefill chunks of up to 48 rows (masked) whose last layer runs on
+    # one row per request, then 8-row decode steps (masked).
     pairs = [(i, j) for i in range(len(prompts)) for j in range(len(models))]
     assert run([(prompts[i], loras[j]) for i, j in pairs]) == [want[p] for p in pairs]
-    assert many in paths and "fused" in paths  # both forms ran with adapters active
-    # One request at a time with an adapter: prefill (segmented, pruned to 1 row: fused,
+    assert "masked" in paths and "fused" in paths  # both forms ran with adapters active
+    # One request at a time with an adapter: prefill (masked, pruned to 1 row: fused,
     # or the GEMV with the LoRA epilogue) and a 1-row decode (the same; one decode step
     # is enough -- later ones repeat its launches, ~1.4 s each under the interpreter).
     one = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)

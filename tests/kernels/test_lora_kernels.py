@@ -1,12 +1,11 @@
-"""The Triton LoRA kernels (``kernels/lora.py``: the one-launch fused form and the
-segmented one) against the torch reference (``lora/layers.lora_ref``), rows mixing
-slots and -1, unsorted."""
+"""The Triton LoRA kernels (``kernels/lora.py``: the one-launch fused form;
+``kernels/lora_masked.py``: the masked split-K form) against the torch reference
+(``lora/layers.lora_ref``), rows mixing slots and -1, unsorted."""
 
 from __future__ import annotations
 
 import textwrap
 
-import numpy as np
 import pytest
 import torch
 
@@ -20,7 +19,7 @@ def _case(t: int, k: int, n: int, slots: int, r: int, dtype: torch.dtype, device
     base output ``y``.  With ``sizes`` (output shards summing to ``n``), ``r`` is ``S *
     rank`` and ``bt`` is block-diagonal over the shards: ``LoRALinear``'s stacked layout,
     the one ``lora_fused`` is specified for (it reads only shard i's rank rows for shard
-    i's outputs); without, ``bt`` is dense (fine for the shard-agnostic sgmv)."""
+    i's outputs); without, ``bt`` is dense."""
     g = torch.Generator().manual_seed(t * 7 + k + n)
     x = torch.randn(t, k, generator=g).to(device, dtype)
     a = torch.randn(slots, r, k, generator=g).to(device, dtype) / k ** 0.5
@@ -50,10 +49,11 @@ def _rounding_bound(x: torch.Tensor, idx: torch.Tensor, a: torch.Tensor, bt: tor
     the kernels do, ``want`` the fp32 reference (inputs exact in fp32).  The terms:
 
     * the one rounding of the output to its dtype: ``eps * |want|``;
-    * sgmv (``shrink_rounded``) rounds each shrink value ``s_r`` to the weights' dtype
-      before the expand (as vLLM's punica does): ``eps * sum_r |s_r| |Bt[r, n]|``.  With
-      cancellation (``y + delta ~ 0``) this term, not ``|want|``, dominates: a fixed
-      rtol/atol fails there although the kernel is right;
+    * the masked form (``shrink_rounded``) rounds each shrink value ``s_r`` to the
+      weights' dtype before the expand (as vLLM's punica does):
+      ``eps * sum_r |s_r| |Bt[r, n]|``.  With cancellation (``y + delta ~ 0``) this
+      term, not ``|want|``, dominates: a fixed rtol/atol fails there although the kernel
+      is right;
     * fp32 sums over K and the rank (worst case ``(K + SR) * 2^-24`` of the sums of
       absolute terms, propagated through the expand).
 
@@ -80,49 +80,10 @@ def _assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor,
         f"worst err/bound {(err / bound.clamp_min(1e-30)).max().item():.3g}")
 
 
-def _sgmv(x, idx, a, bt, y, block_m: int = 16):
-    from pagedllm.kernels.lora import lora_sgmv
-    from pagedllm.lora.layers import sgmv_tiles
-
-    rows, tiles = sgmv_tiles(idx.cpu().numpy(), a.shape[0], block_m)
-    # Padded like the persistent buffers: entries past the tiles are never read.
-    tiles_buf = torch.zeros(1 + 3 * (-(-x.shape[0] // block_m) + a.shape[0]),
-                            dtype=torch.int32)
-    tiles_buf[:len(tiles)] = torch.from_numpy(tiles)
-    rows_buf = torch.zeros(x.shape[0], dtype=torch.int32)
-    rows_buf[:len(rows)] = torch.from_numpy(rows)
-    return lora_sgmv(x, rows_buf.to(x.device), tiles_buf.to(x.device), a, bt, y, block_m)
-
-
-@pytest.mark.parametrize("t,k,n,slots,r", [(5, 40, 24, 3, 6), (37, 130, 70, 2, 17)])
-def test_sgmv_matches_reference(t: int, k: int, n: int, slots: int, r: int,
-                                device: str) -> None:
-    """Rows grouped by slot on the host, tensor-core shrink/expand per group: 37 rows
-    over 2 slots and -1 make several tiles per slot, a partial last one and idle ones."""
-    x, a, bt, idx, y = _case(t, k, n, slots, r, torch.float32, device)
-    want = y + lora_ref(x, idx, a, bt)
-    got = _sgmv(x, idx, a, bt, y.clone())
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    # Rows without an adapter are left bit-for-bit alone.
-    assert torch.equal(got[idx < 0], y[idx < 0])
-
-
-def test_sgmv_tiles_group_rows_by_slot() -> None:
-    from pagedllm.lora.layers import sgmv_tiles
-
-    slots = np.array([2, -1, 0, 2, 2, 0, -1, 2], dtype=np.int32)
-    rows, tiles = sgmv_tiles(slots, 3, 2)
-    assert rows.tolist() == [2, 5, 0, 3, 4, 7]  # slot 0's rows, then slot 2's, stable
-    # count, then (slot, start, end): slot 0 one tile, slot 1 none, slot 2 two.
-    assert tiles.tolist() == [3, 0, 0, 2, 2, 2, 4, 2, 4, 6]
-    rows, tiles = sgmv_tiles(np.full(4, -1, dtype=np.int32), 3, 2)
-    assert len(rows) == 0 and tiles.tolist() == [0]
-
-
 def _check_sharded_case(t: int, k: int, sizes: tuple[int, ...], rank: int, n_slots: int,
-                        dtype: torch.dtype, device: str, block_m: int) -> None:
-    """sgmv over all ``t`` rows and ``lora_fused`` over the first 4 (the fused path's
-    row count) on a q/k/v-like layer with block-diagonal ``Bt``, against the fp32
+                        dtype: torch.dtype, device: str) -> None:
+    """``lora_fused`` over the first 4 rows (the fused path's row count) and the masked
+    form over all ``t`` on a q/k/v-like layer with block-diagonal ``Bt``, against the fp32
     reference within :func:`_rounding_bound`; rows without an adapter bit-for-bit."""
     from pagedllm.kernels.lora import lora_fused
 
@@ -130,16 +91,13 @@ def _check_sharded_case(t: int, k: int, sizes: tuple[int, ...], rank: int, n_slo
     x, a, bt, idx, y = _case(t, k, n, n_slots, len(sizes) * rank, dtype, device, sizes)
     assert (idx[:4] >= 0).any() and (idx < 0).any()
     want = y.float() + lora_ref(x.float(), idx, a.float(), bt.float())
-    got = _sgmv(x, idx, a, bt, y.clone(), block_m)
-    _assert_within(got, want, _rounding_bound(x, idx, a, bt, want, True), "sgmv")
-    assert torch.equal(got[idx < 0], y[idx < 0])
     bounds = tuple(int(b) for b in torch.tensor(sizes).cumsum(0)[:-1])
     got = lora_fused(x[:4], idx[:4], a, bt, bounds, y=y[:4].clone())
     _assert_within(got, want[:4], _rounding_bound(x[:4], idx[:4], a, bt, want[:4], False),
                    "fused")
     assert torch.equal(got[idx[:4] < 0], y[:4][idx[:4] < 0])
     # The masked split-K shrink + one addmm (kernels/lora_masked.py), default config:
-    # its shrink is rounded to the weights' dtype before the expand, as sgmv's is.
+    # its shrink is rounded to the weights' dtype before the expand.
     from pagedllm.kernels.lora_masked import lora_masked_, new_counters
 
     counters = new_counters(torch.device(device))
@@ -180,9 +138,8 @@ def test_masked_shrink_matches_reference(t: int, k: int, slots: int, r: int,
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_sharded_half_precision_matches_reference(dtype: torch.dtype, device: str) -> None:
     """The GPU-size test below at interpreter sizes: half precision, 4 fused rows,
-    3 shards (q/k/v) whose bounds halve the fused kernel's blocks, 37 sgmv rows in
-    several tiles per slot."""
-    _check_sharded_case(37, 96, (64, 32, 32), 4, 3, dtype, device, 16)
+    3 shards (q/k/v) whose bounds halve the fused kernel's blocks, 37 masked rows."""
+    _check_sharded_case(37, 96, (64, 32, 32), 4, 3, dtype, device)
 
 
 @pytest.mark.gpu
@@ -190,7 +147,7 @@ def test_sharded_half_precision_matches_reference(dtype: torch.dtype, device: st
 def test_lora_kernels_gpu_sizes(dtype: torch.dtype, device: str) -> None:
     """An 8B layer's shape (qkv: 4096 -> 4096 + 1024 + 1024, 3 shards of rank 16,
     8 slots), 300 rows."""
-    _check_sharded_case(300, 4096, (4096, 1024, 1024), 16, 8, dtype, device, 32)
+    _check_sharded_case(300, 4096, (4096, 1024, 1024), 16, 8, dtype, device)
 
 
 def _silu_mul(gu: torch.Tensor) -> torch.Tensor:
@@ -259,15 +216,6 @@ _COMPILE = textwrap.dedent(r"""
         out["fused " + name] = build(L._fused_kernel, sig, dict(
             K=k, R=16, SILU_MUL=silu, STORE=store, BLOCK_N=bn, BLOCK_K=bk,
             BLOCK_R=16, USE_PDL=True), warps)
-    # The segmented pair at qkv's shape (3 shards x rank 16 = 48 shrink columns).
-    sig = {"x_ptr": "*bf16", "rows_ptr": "*i32", "tiles_ptr": "*i32", "a_ptr": "*bf16",
-           "s_ptr": "*fp32", "stride_x": i32, "stride_as": i32}
-    out["sgmv shrink"] = build(L._sgmv_shrink_kernel, sig, dict(
-        K=4096, SR=48, BLOCK_M=32, BLOCK_K=128, BLOCK_SR=64, IEEE=False, USE_PDL=True), 4)
-    sig = {"s_ptr": "*fp32", "rows_ptr": "*i32", "tiles_ptr": "*i32", "bt_ptr": "*bf16",
-           "y_ptr": "*bf16", "N": i32, "stride_bs": i32, "stride_y": i32}
-    out["sgmv expand"] = build(L._sgmv_expand_kernel, sig, dict(
-        SR=48, BLOCK_M=32, BLOCK_N=128, BLOCK_SR=64, IEEE=False, USE_PDL=True), 4)
     # Batch 1: the split-K shrink and the GEMVs with the expand in their epilogue.
     from pagedllm.kernels import gemv as G, gemv_rope as GR
     for name, n, k, s, silu in [("qkv", 6144, 4096, 3, False),
@@ -336,7 +284,7 @@ def test_lora_kernels_compile_for_sm90_without_spills(tmp_path) -> None:
     loops and dots, constexpr ternaries): compile each for sm_90 at the Llama-3-8B
     shapes, no GPU needed (the pattern of ``test_quant_gemm_sm90.py``)."""
     spills = run_script(_COMPILE, tmp_path)
-    assert len(spills) == 28 and not any(spills.values()), spills
+    assert len(spills) == 26 and not any(spills.values()), spills
 
 
 def _stacked(g: torch.Generator, n_slots: int, k: int, sizes: tuple[int, ...], r: int,
