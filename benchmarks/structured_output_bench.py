@@ -44,7 +44,7 @@ def _tokenizer() -> Any:
 
     from transformers import AutoTokenizer
 
-    from pagedllm.models.resolve import default_model_path
+    from pagedllm.model_files.resolve import default_model_path
 
     if TOKENIZER:
         return AutoTokenizer.from_pretrained(TOKENIZER)
@@ -160,7 +160,7 @@ def bench_mask(rows: int, vocab: int | None, device: str, steps: int = 40) -> No
 def bench_engine(num_prompts: int, input_len: int, output_len: int) -> None:
     from pagedllm import LLM, SamplingParams
     from pagedllm.benchmarks.workloads import write_dummy_model
-    from pagedllm.models.resolve import default_model_path
+    from pagedllm.model_files.resolve import default_model_path
     from pagedllm.structured_outputs_params import StructuredOutputsParams as SO
 
     llm = LLM(write_dummy_model("llama3-8b"), load_format="dummy",

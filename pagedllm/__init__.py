@@ -1,7 +1,7 @@
 """pagedllm: a readable paged-KV-cache LLM inference and serving engine."""
 
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams

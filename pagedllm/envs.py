@@ -60,7 +60,7 @@ def kernel_cache_dir() -> str:
 
 def kernel_warmup() -> bool:
     """``PAGEDLLM_KERNEL_WARMUP`` (on; ``0`` off): the engine core's start-up helper that
-    compiles the Triton kernels while the model loads (``worker/kernel_warmup.py``)."""
+    compiles the Triton kernels while the model loads (``engine/kernel_warmup.py``)."""
     return os.environ.get("PAGEDLLM_KERNEL_WARMUP", "1") != "0"
 
 

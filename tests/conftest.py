@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
-    from pagedllm.models.resolve import default_model_path
+    from pagedllm.model_files.resolve import default_model_path
 
     return default_model_path()
 

@@ -166,7 +166,7 @@ def main(args: argparse.Namespace) -> int:
     schema = _schema(args.schema)
     if args.dummy:
         from pagedllm.benchmarks.workloads import write_dummy_model
-        from pagedllm.models.resolve import default_model_path
+        from pagedllm.model_files.resolve import default_model_path
 
         args.model, args.load_format = write_dummy_model(args.dummy), "dummy"
         args.tokenizer = args.tokenizer or default_model_path()

@@ -34,7 +34,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.config import EngineConfig
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.dp_client import DPClient
 from pagedllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from pagedllm.engine.mp_client import AsyncMPClient, EngineDeadError

@@ -241,12 +241,12 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     status = 1
     warmup = None
     try:
-        from pagedllm.config import EngineArgs
+        from pagedllm.engine.arg_utils import EngineArgs
 
         if isinstance(config, EngineArgs):
             # Before torch: a helper compiles the Triton kernels while this process
-            # imports torch and transformers (worker/kernel_warmup.py).
-            from pagedllm.worker import kernel_warmup
+            # imports torch and transformers (engine/kernel_warmup.py).
+            from pagedllm.engine import kernel_warmup
 
             warmup = kernel_warmup.start(config)
             if warmup is not None:

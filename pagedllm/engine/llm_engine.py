@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 
-from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.config import EngineConfig
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import InprocClient
 from pagedllm.engine.input_processor import (
     InputProcessor,

@@ -7,7 +7,8 @@ import argparse
 import json
 from typing import Any
 
-from pagedllm.config import DTYPES, KV_CACHE_DTYPES, EngineArgs
+from pagedllm.config import DTYPES, KV_CACHE_DTYPES
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.quantization import quantization_names
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from pagedllm.config import EngineArgs, offline_scheduling_policy
+from pagedllm.engine.arg_utils import EngineArgs, offline_scheduling_policy
 from pagedllm.engine.input_processor import PromptType, normalise_prompts
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm_pooling import PoolingMixin

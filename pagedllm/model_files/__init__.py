@@ -1,2 +1,4 @@
-"""What a model is on disk, read without torch: a GGUF file's header, metadata and tensor
-index (``gguf_file.py``).  Below ``layers/`` and ``models/``, which both read it."""
+"""What a model is on disk, read without torch: where its checkpoint, config and tokenizer
+are (``resolve.py``), and a GGUF file's header, metadata and tensor index
+(``gguf_file.py``).  Plain data below ``config.py`` (whose ``ModelConfig`` holds a
+``ResolvedModel``), ``layers/`` and ``models/``, which all read it."""

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from pagedllm.config import EngineArgs
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.request_queue import LongestFirstQueue
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_from_cli
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType as Q
 
 from pagedllm.attention.cpu_backend import CpuBackend
-from pagedllm.config import EngineArgs
 from pagedllm.cpu import silu_mul
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.quantization import gguf, int4_vnni
 from pagedllm.models import cpu_decode_stack as decode_stack
 from pagedllm.models.loader import load_model

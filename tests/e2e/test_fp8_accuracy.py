@@ -28,7 +28,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.benchmarks.perplexity import run
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.executor.base import ExecutorError
 
 PROMPTS = ["Question: what is the capital city of France? Answer:",

@@ -19,7 +19,7 @@ from pagedllm.engine.detokenizer import (
     decode_token,
     decode_tokens,
 )
-from pagedllm.models.resolve import resolve_model
+from pagedllm.model_files.resolve import resolve_model
 from pagedllm.sampling_params import SamplingParams
 
 HC = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]

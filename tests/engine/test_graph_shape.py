@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.worker.cuda_graphs import (
     GRAPH_MEMORY_MARGIN,
     GraphShape,

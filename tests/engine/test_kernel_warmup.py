@@ -1,4 +1,4 @@
-"""The start-up kernel warm-up (``worker/kernel_warmup.py``): when the helper starts, the
+"""The start-up kernel warm-up (``engine/kernel_warmup.py``): when the helper starts, the
 config it builds from config.json's raw keys, and the worker it warms up.  The GPU part
 (Triton compiles landing in the cache) is measured on the device: docs/benchmarks.md."""
 
@@ -10,8 +10,8 @@ import os
 import pytest
 
 from pagedllm.benchmarks.workloads import DUMMY_CONFIGS, write_dummy_model
-from pagedllm.config import EngineArgs
-from pagedllm.worker import kernel_warmup
+from pagedllm.engine import kernel_warmup
+from pagedllm.engine.arg_utils import EngineArgs
 
 
 @pytest.mark.parametrize("shape", ["llama3-8b", "smollm2-135m"])

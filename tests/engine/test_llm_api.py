@@ -143,7 +143,7 @@ def test_throughput_policy_gives_fcfs_greedy_outputs(llm):
     throughput on CUDA.  Longest-first order and paced (chunked) prefill change when
     tokens are computed, never which: greedy outputs equal FCFS's."""
     from pagedllm import LLM
-    from pagedllm.config import offline_scheduling_policy
+    from pagedllm.engine.arg_utils import offline_scheduling_policy
 
     assert llm.llm_engine.config.scheduler_config.policy == "fcfs"
     assert offline_scheduling_policy("cpu") == "fcfs"

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from pagedllm.attention.torch_ref import TorchReferenceBackend
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.int_layout import IntWeight
 from pagedllm.models.loader import iter_safetensors, load_model, make_quant_config

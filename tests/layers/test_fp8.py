@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm.attention.torch_ref import TorchReferenceBackend
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.kernels.quant_common import FP8_DTYPE, FP8_MAX, quantize_fp8_rows
 from pagedllm.layers.linear import (
     MergedColumnParallelLinear,

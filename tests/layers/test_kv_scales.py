@@ -10,7 +10,7 @@ import argparse
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_from_cli
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.kv_scales import K_SCALE_CONSTANT, V_SCALE_CONSTANT

@@ -123,7 +123,7 @@ def test_slots_lru_never_evicts_an_adapter_in_use(tmp_path) -> None:
     specs = [(f"a{i}", 2, 4, False, ["q_proj"]) for i in range(3)]
     paths = [a.path for a in make_adapters(base, str(tmp_path), specs)]
     from pagedllm.attention.torch_ref import TorchReferenceBackend
-    from pagedllm.config import EngineArgs
+    from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.models.loader import load_model
 
     cfg = EngineArgs(model=str(tmp_path / "base"), device="cpu").create_engine_config()

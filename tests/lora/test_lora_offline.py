@@ -111,7 +111,7 @@ def test_bad_adapters_are_value_errors(setup, tmp_path) -> None:
 
 
 def test_lora_args_are_validated(tmp_path) -> None:
-    from pagedllm.config import EngineArgs
+    from pagedllm.engine.arg_utils import EngineArgs
 
     with pytest.raises(ValueError, match="max_cpu_loras"):
         EngineArgs(enable_lora=True, max_loras=4, max_cpu_loras=2)._lora_config()

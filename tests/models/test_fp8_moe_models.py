@@ -31,7 +31,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.torch_ref import TorchReferenceBackend
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.kernels.quant_common import FP8_DTYPE
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.quantization.fp8_moe import Fp8MoEMethod

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from pagedllm.attention.torch_ref import TorchReferenceBackend
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.model_files.gguf_file import GGUFFile
+from pagedllm.model_files.resolve import resolve_model
 from pagedllm.models.loader import load_model
-from pagedllm.models.resolve import resolve_model
 from tests.models.paged import PagedSession
 
 PROMPTS = [

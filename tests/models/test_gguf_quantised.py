@@ -14,7 +14,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as Q
 
 from pagedllm.attention.torch_ref import TorchReferenceBackend
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.models.loader import load_model, weight_bytes
 from tests.layers.test_gguf_quant import _raw

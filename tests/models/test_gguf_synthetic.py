@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from pagedllm.attention.torch_ref import TorchReferenceBackend
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.models.loader import load_model
 from tests.models.paged import PagedSession
 

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from pagedllm.attention.torch_ref import TorchReferenceBackend
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.model_files.gguf_file import GGUFFile
 from pagedllm.models.loader import kv_cache_shape, load_model
 from pagedllm.models.registry import get_model_class

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import transformers
 
 from pagedllm.attention.torch_ref import TorchReferenceBackend
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.pooler import pool
 from pagedllm.models.loader import load_model
 from tests.models.paged import PagedSession, build_metadata, positions_for

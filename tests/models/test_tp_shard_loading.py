@@ -15,12 +15,12 @@ import torch
 import transformers
 
 from pagedllm.attention.torch_ref import TorchReferenceBackend
-from pagedllm.config import EngineArgs
 from pagedllm.distributed.parallel_state import (
     GroupCoordinator,
     ParallelState,
     parallel_context,
 )
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.models.lazy_weight import ReadCounter
 from pagedllm.models.loader import iter_gguf, iter_safetensors, load_model
 from pagedllm.models.registry import get_model_class

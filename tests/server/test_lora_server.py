@@ -26,7 +26,7 @@ SPECS = [("a1", 8, 16, False, ["q_proj", "v_proj", "down_proj"]),
 
 @pytest.fixture(scope="module")
 def lora_env(tmp_path_factory, hf_default_model) -> Iterator[tuple]:
-    from pagedllm.config import EngineArgs
+    from pagedllm.engine.arg_utils import EngineArgs
 
     mc = EngineArgs(device="cpu", quantization="none").create_engine_config().model_config
     r = mc.resolved

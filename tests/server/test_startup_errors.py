@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.worker.startup_memory import StartupMemoryError, out_of_memory_hint
 

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from tests.spec_decode.flat_cost import pin_flat_step_cost
 from tests.spec_decode.test_spec_greedy import PROMPTS
 

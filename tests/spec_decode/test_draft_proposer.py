@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedllm.attention.torch_ref import TorchReferenceBackend
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.models.loader import load_model
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.spec_decode.draft_model import DraftModelProposer

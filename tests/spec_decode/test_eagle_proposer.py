@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pagedllm.attention.torch_ref import TorchReferenceBackend
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import load_model
 from pagedllm.worker.input_batch import InputBatch

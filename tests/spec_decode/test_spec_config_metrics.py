@@ -78,7 +78,7 @@ def test_metrics_under_vllm_names():
 def test_engine_args_refuse_unsupported_combinations(kw, field):
     """(async_scheduling: n-gram keeps it, a draft model refuses it --
     test_spec_policy_engine.py.)"""
-    from pagedllm.config import EngineArgs
+    from pagedllm.engine.arg_utils import EngineArgs
 
     with pytest.raises(ValueError, match=field):
         EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2},

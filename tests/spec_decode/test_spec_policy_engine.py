@@ -137,7 +137,7 @@ def test_ngram_keeps_async_scheduling_while_the_policy_is_off(want, async_spec_l
 
 
 def test_async_scheduling_refused_with_a_draft_model():
-    from pagedllm.config import EngineArgs
+    from pagedllm.engine.arg_utils import EngineArgs
 
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineArgs(model="x", async_scheduling=True,

@@ -482,7 +482,7 @@ def _load_chat_template(value: str | None) -> str | None:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from pagedllm.config import check_dtype_on_device
+    from pagedllm.engine.arg_utils import check_dtype_on_device
     from pagedllm.entrypoints.engine_cli_args import engine_args_from_cli
 
     names: list[str] | None = args.served_model_name

@@ -21,7 +21,7 @@ shape, the engine arguments that pick kernel variants, the kernel sources and th
 Triton/torch versions records a finished warm-up, so a later start with a warm cache
 does not start the helper again.  ``PAGEDLLM_KERNEL_WARMUP=0`` turns it off.
 
-Run as ``python -m pagedllm.worker.kernel_warmup '<engine args as JSON>'``.  This module
+Run as ``python -m pagedllm.engine.kernel_warmup '<engine args as JSON>'``.  This module
 imports neither torch nor transformers at module level: the core imports it first.
 """
 
@@ -156,7 +156,7 @@ def start(engine_args: Any) -> WarmupProcess | None:
     root = os.path.dirname(_PKG_DIR)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
-    proc = subprocess.Popen([sys.executable, "-m", "pagedllm.worker.kernel_warmup",
+    proc = subprocess.Popen([sys.executable, "-m", "pagedllm.engine.kernel_warmup",
                              json.dumps({"args": args, "key": key})], env=env)
     return WarmupProcess(proc, time.perf_counter())
 
@@ -174,7 +174,7 @@ def warm_up_worker(args: dict[str, Any], config: dict[str, Any]) -> Any:
     keys ``config`` (dummy weights), run its memory plan and allocate a small KV cache
     -- which on a GPU profiles the largest step and captures the CUDA graphs.  Returns
     the worker (tests inspect it)."""
-    from pagedllm.config import EngineArgs
+    from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.worker.worker import Worker
 
     eargs = EngineArgs(**{**args, "load_format": "dummy", "skip_tokenizer_init": True})
@@ -215,7 +215,7 @@ def run(args: dict[str, Any], key: str) -> int:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m pagedllm.worker.kernel_warmup '<json>'", file=sys.stderr)
+        print("usage: python -m pagedllm.engine.kernel_warmup '<json>'", file=sys.stderr)
         return 2
     spec = json.loads(argv[0])
     logging.basicConfig(level=logging.WARNING)  # the worker's INFO lines are the core's
