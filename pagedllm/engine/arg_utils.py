@@ -360,7 +360,7 @@ def offline_scheduling_policy(device: str) -> str:
     "cuda"): ``throughput`` on CUDA, where a decode step's GEMMs read every weight
     however few rows it has, so paced prompt tokens ride along almost free (W1 +9-12%,
     W5 +7% on an H200); ``fcfs`` on the CPU, where a step costs about its tokens and
-    only decode-only steps take the one-call C decoder (``cpu/decode_stack.py``), so
+    only decode-only steps take the one-call C decoder (``models/cpu_decode_stack.py``), so
     pacing prompts into decode steps made W1-small on the default model slower (82
     against 125 output tok/s; docs/benchmarks.md, "The offline API's default
     policy")."""

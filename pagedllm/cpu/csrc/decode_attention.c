@@ -1,7 +1,7 @@
 /* Decode-only paged attention on the CPU, fused with rotary embedding and the KV write.
  *
  * Built at first use by pagedllm/cpu/build.py (-O3 -march=native -fopenmp) and called
- * through ctypes by pagedllm/cpu/decode_attention.py, which states the contract; this
+ * through ctypes by pagedllm/attention/cpu_decode.py, which states the contract; this
  * file keeps the layouts:
  *
  *   q        [T, Hq, D] float32, token and head strides qs, qh; rotated in place

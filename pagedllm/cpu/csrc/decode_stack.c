@@ -1,6 +1,6 @@
 /* A Llama-shaped decoder stack for one decode step on the CPU, in one call.
  *
- * Called through ctypes by pagedllm/cpu/decode_stack.py, which states when it applies.
+ * Called through ctypes by pagedllm/models/cpu_decode_stack.py, which states when it applies.
  * It runs, for each layer, the same C kernels the per-module path calls one by one
  * (this file includes them), in the same order on the same buffers, so its result is
  * bit-identical to that path's:
