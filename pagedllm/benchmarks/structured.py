@@ -134,7 +134,8 @@ def _grammar_batch(llm: Any) -> Any:
     """The runner's ``GrammarBatch`` when the engine runs in this process, else None."""
     core = getattr(getattr(llm.llm_engine, "client", None), "core", None)
     worker = getattr(getattr(core, "executor", None), "worker", None)
-    return getattr(getattr(worker, "runner", None), "_grammars", None)
+    grammar = getattr(getattr(worker, "runner", None), "grammar", None)
+    return getattr(grammar, "_grammars", None)
 
 
 def _compile_times(llm: Any) -> dict[str, float]:

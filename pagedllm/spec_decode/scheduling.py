@@ -100,7 +100,7 @@ class SpecScheduling:
         A seeded request verifies every draft it has, whatever ``cap``: its random draws
         depend on the drafts it verifies (``rejection_sampler.py``), so its output must
         not depend on the policy's state or the batch (the runner proposes for it
-        always: ``runner_hook.SpecDecodeHook.propose``)."""
+        always: ``worker/spec_decode/runner.py``, ``SpecDecodeRunner.propose``)."""
         drafts = req.spec_token_ids
         if not drafts:
             return drafts

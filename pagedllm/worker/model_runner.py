@@ -2,12 +2,15 @@
 
 It owns every device tensor (model, KV caches) and the per-request state the scheduler
 sends only once (prompt, sampling parameters, seeded generator).  The step reads top to
-bottom; the only device->host sync is the wait in ``_finish`` (one per step).
+bottom; the only device->host sync is the wait in ``_finish`` (one per step).  Features
+sit behind one object each, called at named points of the step: ``self.spec``
+(speculative decoding, ``worker/spec_decode/runner.py``; None without it),
+``self.grammar`` (structured outputs and other token constraints,
+``worker/structured_output/runner.py``) and ``self.lora`` (``worker/lora/manager.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,15 +28,16 @@ from pagedllm.core.outputs import (
     SchedulerOutput,
 )
 from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
-from pagedllm.lora.manager import make_lora_manager
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.block_ops import BlockOps
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.input_batch import InputBatch, StepInputs
+from pagedllm.worker.lora.manager import make_lora_manager
 from pagedllm.worker.pipeline import PipelineStage
-from pagedllm.worker.spec_decode.runner import SpecDecodeHook
+from pagedllm.worker.spec_decode.runner import SpecDecodeRunner
+from pagedllm.worker.structured_output.runner import GrammarRunner
 
 
 class HostToDevice:
@@ -187,66 +191,19 @@ class ModelRunner:
         # The model's last layer runs past attention only on the rows logits come from
         # (models/llama.py); speculative decoding turns it off below.
         self.last_only = True
-        # structured_output.backend.GrammarCompiler, set by the engine core on its first
-        # structured-output request (its grammars are compiled before the request runs).
-        self.grammar_compiler: Any = None
-        self._grammars: Any = None  # structured_output.batch.GrammarBatch, on first use
-        self._bitmask_words = -(-self.vocab_size // 32)
-        # Live requests with token constraints (grammar, allowed/bad tokens, logits
-        # processors): while there are none, a step does not look for them.
-        self._constrained: set[str] = set()
-        # Multi-LoRA (lora/manager.py): adapter slots on the linear layers.
+        # Structured outputs and the other token constraints: matchers, the step's
+        # bitmask (worker/structured_output/runner.py).
+        self.grammar = GrammarRunner(self.vocab_size, device, self.h2d, self._wait_in_flight)
+        # Multi-LoRA (worker/lora/manager.py): adapter slots on the linear layers.
         self.lora = make_lora_manager(config, model, device)
         # Speculative decoding (worker/spec_decode/runner.py): verify drafts, propose more.
         spec = sc.speculative_config
-        self.spec = SpecDecodeHook(spec, mc.max_model_len) if spec is not None else None
+        self.spec = SpecDecodeRunner(spec, mc.max_model_len, self.batch, self.h2d, device,
+                                     self.vocab_size, self.grammar) if spec is not None else None
         if self.spec is not None:
             # A verify step needs logits at every draft position: chunk graphs captured
             # for every row let verify steps replay a graph instead of running eager.
             self.last_only = False
-
-    def _grammar(self, params: SamplingParams, eos_token_id: int | None) -> Any:
-        """A new matcher for a structured-output request (None for the others)."""
-        so = params.structured_outputs
-        if so is None:
-            return None
-        from pagedllm.worker.structured_output.matcher import GrammarState
-
-        assert self.grammar_compiler is not None, "structured output without a compiler"
-        stops = list(params.stop_token_ids or [])
-        if eos_token_id is not None and not params.ignore_eos:
-            stops.append(eos_token_id)
-        return GrammarState(self.grammar_compiler.compile(so), stops,
-                            so.reasoning_end_token_ids)
-
-    def _constraints(self, states: list[CachedRequestState], pending: np.ndarray) -> Any:
-        """The step's token constraints (``sample/token_constraints.py``), or None.
-
-        A grammar row's next-token mask needs every token before it, so when the
-        previous step's tokens are still in flight (async scheduling) this waits for
-        them here: after this step's forward was launched, so the device stays busy
-        while the host advances the matchers and fills the bitmask (both batched:
-        ``worker/structured_output/batch.py``)."""
-        from pagedllm.sample import token_constraints
-
-        bitmask = None
-        grammars = [st.grammar for st in states]
-        if any(g is not None for g in grammars):
-            if pending.any() and self._pending_owner is not None:
-                self._pending_owner.result()
-            # One row per sampled row (all-ones for rows without a grammar), so the
-            # kernel needs no row indices; written in place into the pinned buffer.
-            host = self.h2d.staging("grammar_bitmask", (len(states), self._bitmask_words),
-                                    torch.int32)
-            bitmask = self.h2d.upload(self._grammar_batch().fill(grammars, host), side=True)
-        return token_constraints.build(states, self.device, self.vocab_size, bitmask)
-
-    def _grammar_batch(self) -> Any:
-        if self._grammars is None:
-            from pagedllm.worker.structured_output.batch import GrammarBatch
-
-            self._grammars = GrammarBatch()
-        return self._grammars
 
     @staticmethod
     def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -269,8 +226,7 @@ class ModelRunner:
             p.grammar.fork(p.output_token_ids) if p.grammar is not None else None,
             p.lora_request)
         self.batch.fork(f.parent_req_id, f.child_req_id)
-        if f.parent_req_id in self._constrained:
-            self._constrained.add(f.child_req_id)
+        self.grammar.fork(f.parent_req_id, f.child_req_id)
         if params.prompt_logprobs is not None:
             self._prompt_lp_ids.add(f.child_req_id)
 
@@ -303,7 +259,7 @@ class ModelRunner:
             if rid not in sched.preempted_req_ids:
                 self.requests.pop(rid, None)
                 self._prompt_lp_ids.discard(rid)
-                self._constrained.discard(rid)
+                self.grammar.remove(rid)
         computed: dict[str, int] = {}
         for nr in sched.new_reqs:
             st = self.requests.get(nr.req_id)
@@ -312,13 +268,13 @@ class ModelRunner:
                                         list(nr.output_token_ids), nr.sampling_params,
                                         nr.eos_token_id,
                                         self._generator(nr.sampling_params, self.device),
-                                        self._grammar(nr.sampling_params, nr.eos_token_id),
+                                        self.grammar.new_state(nr.sampling_params,
+                                                               nr.eos_token_id),
                                         nr.lora_request)
                 self.requests[nr.req_id] = st
                 if nr.sampling_params.prompt_logprobs is not None:
                     self._prompt_lp_ids.add(nr.req_id)
-                if self._has_constraints([st]):
-                    self._constrained.add(nr.req_id)
+                self.grammar.add(st)
             else:  # resumed after a recompute preemption: same tokens, same generator
                 st.output_token_ids = list(nr.output_token_ids)
                 if st.grammar is not None:
@@ -425,8 +381,7 @@ class ModelRunner:
         computed = self._update_states(sched)
         drafts = sched.scheduled_spec_decode_tokens
         if drafts:  # the drafts are the input tokens after each row's last one
-            SpecDecodeHook.write_drafts(self.batch.token_ids, self.batch.num_tokens,
-                                        self.batch.row_of, drafts)
+            self.spec.write_drafts(drafts)  # type: ignore[union-attr]
         if self.block_ops is not None:  # swap and copy-on-write, before any KV write
             self.block_ops.apply(sched)
         if sched.total_num_scheduled_tokens == 0:
@@ -453,23 +408,19 @@ class ModelRunner:
         handle = StepHandle(self, ModelRunnerOutput(
             req_ids=order, sampled_token_ids=[[] for _ in order]), states, sample_idx,
             num_spec_proposals=sched.num_spec_proposals)
-        if self.spec is not None and self.spec.wants_target_states and hidden is not None:
-            self._eagle_states(handle, order, rows, inp, num_computed, num_new, hidden,
-                               sampling)
+        if self.spec is not None and hidden is not None:  # EAGLE: the head reads them
+            handle.target_states = self.spec.target_states(
+                self.model, inp, order, rows, num_computed, num_new, hidden, sampling)
         if len(sample_idx):
             ids, logprobs = None, None
             last_row = inp.query_start_loc[1:][sample_idx] - 1  # each request's last row
-            k = SpecDecodeHook.num_drafts(order, drafts)[sample_idx] if drafts else None
-            if k is not None and not self._verifiable(states):
-                # Sample after the real last token only: every draft is rolled back.
-                last_row, k = last_row - k, None
-            if k is not None and hidden is not None:  # verify drafts (spec_decode/)
-                logits = self.model.compute_logits(hidden[self.h2d(
-                    "logits_idx", SpecDecodeHook.logits_rows(last_row + 1, k))])
-                step_drafts = [drafts.get(st.req_id, []) for st in states]
+            k = None  # drafts to verify per sampled request
+            if drafts:
+                k, last_row = self.spec.plan_verify(  # type: ignore[union-attr]
+                    order, drafts, sample_idx, states, last_row)
+            if k is not None and hidden is not None:  # verify drafts (worker/spec_decode/)
                 ids = self.spec.verify(  # type: ignore[union-attr]
-                    logits, states, step_drafts, k, self.device, self.vocab_size, self.h2d,
-                    self._draft_bitmask(states, step_drafts, pending[sample_idx])).token_ids
+                    self.model, hidden, last_row, k, states, drafts, pending[sample_idx])
                 handle.spec_width = ids.shape[1]
             elif hidden is not None:  # None: a pipeline stage before the last
                 rows = sample_idx if last_only else last_row
@@ -478,9 +429,8 @@ class ModelRunner:
                 # A request's in-flight token counts towards min_tokens already.
                 smeta = SamplingMetadata.build(states, self.device, self.vocab_size,
                                                num_in_flight=pending[sample_idx])
-                if self._constrained and self._has_constraints(states):
-                    smeta = dataclasses.replace(
-                        smeta, constraints=self._constraints(states, pending[sample_idx]))
+                if self.grammar.active:  # grammars, allowed/bad tokens, logits processors
+                    smeta = self.grammar.constrain(smeta, states, pending[sample_idx])
                 sampled = self.sampler(logits, smeta)
                 ids, logprobs = sampled.sampled_token_ids, sampled.logprobs
             if ids is None:  # the last stage samples; see record_sampled_tokens
@@ -509,66 +459,6 @@ class ModelRunner:
             self._prompt_logprobs(sched, order, inp, hidden, num_computed, handle.out)
         return handle
 
-    def _eagle_states(self, handle: StepHandle, order: list[str], rows: np.ndarray,
-                      inp: StepInputs, num_computed: np.ndarray, num_new: np.ndarray,
-                      hidden: torch.Tensor, sampling: np.ndarray) -> None:
-        """EAGLE (worker/spec_decode/eagle_proposer.py): the step's hidden states as the head
-        reads them -- the model output, or for EAGLE-3 the aux states the model recorded
-        (``LlamaModel.aux_buffer``) -- with each request's first row, its position and
-        row count; kept for ``_propose``, and fed to the head now for requests that do
-        not sample (prompt chunks).  Device tensors only: no sync."""
-        from pagedllm.worker.spec_decode.eagle_proposer import TargetStates
-
-        aux = getattr(getattr(self.model, "model", None), "aux_buffer", None)
-        states = hidden if aux is None else aux[:len(inp.input_ids)]
-        starts = inp.query_start_loc[:-1].tolist()
-        target = TargetStates(states, {r: (starts[i], int(num_computed[i]), int(num_new[i]))
-                                       for i, r in enumerate(order)})
-        chunks = np.flatnonzero(~sampling)
-        if len(chunks):
-            assert self.spec is not None
-            self.spec.observe(self.batch, rows[chunks].tolist(),
-                              [order[i] for i in chunks], self.h2d, target)
-        handle.target_states = target
-
-    def _verifiable(self, states: list[CachedRequestState]) -> bool:
-        """Whether a step's drafts can be verified: not while a sampled request needs
-        the one-token sampler path (logprobs, token constraints other than a grammar,
-        or a grammar a reasoning parser has yet to switch on)."""
-        return not any(st.params.logprobs is not None for st in states) and not (
-            self._constrained and any(
-                st.params.allowed_token_ids or st.params.bad_words_token_ids
-                or st.params.logits_processors
-                or (st.grammar is not None and st.grammar.reasoning_end)
-                for st in states))
-
-    def _draft_bitmask(self, states: list[CachedRequestState], drafts: list[list[int]],
-                       pending: np.ndarray) -> Any:
-        """A verify step's grammar bitmask (one row per verify row, each request's
-        ``len(drafts) + 1`` consecutive: ``GrammarState.fill_drafts``), or None when no
-        request has a grammar.  Like :meth:`_constraints`, waits for the tokens of a
-        step still in flight first (the masks follow every token)."""
-        if not any(st.grammar is not None for st in states):
-            return None
-        if pending.any() and self._pending_owner is not None:
-            self._pending_owner.result()
-        host = self.h2d.staging("grammar_bitmask", (sum(len(d) + 1 for d in drafts),
-                                                    self._bitmask_words), torch.int32)
-        row = 0
-        for st, d in zip(states, drafts):  # over requests; <= k + 1 rows each
-            if st.grammar is None:
-                host[row:row + len(d) + 1] = -1
-            else:
-                st.grammar.fill_drafts(host, row, d)
-            row += len(d) + 1
-        return self.h2d.upload(host[:row], side=True)
-
-    @staticmethod
-    def _has_constraints(states: list[CachedRequestState]) -> bool:
-        return any(st.grammar is not None or st.params.allowed_token_ids
-                   or st.params.bad_words_token_ids or st.params.logits_processors
-                   for st in states)
-
     def _finish(self, handle: StepHandle) -> None:
         """The step's one device->host wait: record its sampled tokens (the requests'
         rows may have moved since, or gone: finished or preempted)."""
@@ -577,21 +467,26 @@ class ModelRunner:
         if handle.event is not None:
             handle.event.synchronize()
         tokens: list[Any] = handle.tokens_host.tolist()
-        if handle.spec_width:
-            self._finish_spec(handle, tokens)
-            return
+        if handle.spec_width:  # a verify step: several tokens per request
+            self.spec.record_verified(handle, tokens)  # type: ignore[union-attr]
+        else:
+            self._record_tokens(handle, tokens)
+        if self._pending_owner is handle:  # no later step launched: nothing in flight
+            self._pending, self._pending_owner = {}, None
+        if self.spec is not None:  # drafts for the next step
+            self.spec.propose_next(handle)
+
+    def _record_tokens(self, handle: StepHandle, tokens: list[int]) -> None:
+        """One sampled token per request (and its logprobs) into the runner's state and
+        the step's output."""
         lp = handle.logprobs
         lp_lists = (lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()) \
             if lp is not None else None
         out = handle.out
         rows, toks = [], []
         assert handle.sample_idx is not None
-        g_states, g_toks = [], []
         for j, (i, st) in enumerate(zip(handle.sample_idx, handle.states)):
             st.output_token_ids.append(tokens[j])
-            if st.grammar is not None:
-                g_states.append(st.grammar)
-                g_toks.append(tokens[j])
             out.sampled_token_ids[i] = [tokens[j]]
             row = self.batch.row_of.get(st.req_id)
             if row is not None:
@@ -601,63 +496,16 @@ class ModelRunner:
                 k = st.params.logprobs + 1
                 out.logprobs[st.req_id] = (lp_lists[0][j][:k], lp_lists[1][j][:k],
                                            lp_lists[2][j])
-        if g_states:  # every matcher in one xgrammar call
-            self._grammar_batch().advance(g_states, g_toks)
+        self.grammar.advance(handle.states, tokens)  # every matcher in one xgrammar call
         if rows:
             self.batch.append_token(np.asarray(rows, dtype=np.int64),
                                     np.asarray(toks, dtype=np.int64))
-        if self._pending_owner is handle:  # no later step launched: nothing in flight
-            self._pending, self._pending_owner = {}, None
-        if self.spec is not None:
-            self._propose(handle)
 
-    def _finish_spec(self, handle: StepHandle, tokens: list[list[int]]) -> None:
-        """``_finish`` for a verify step: several tokens per request (grammars advance
-        over them in rounds: round j gives every request its j-th token, one xgrammar
-        call a round, <= k + 1 rounds)."""
-        assert handle.sample_idx is not None
-        g_rounds: list[tuple[list[Any], list[int]]] = []
-        for i, st, row_toks in zip(handle.sample_idx, handle.states, tokens):
-            toks = [t for t in row_toks if t >= 0]
-            if st.grammar is not None:
-                for j, t in enumerate(toks):  # <= k + 1
-                    if j == len(g_rounds):
-                        g_rounds.append(([], []))
-                    g_rounds[j][0].append(st.grammar)
-                    g_rounds[j][1].append(t)
-            st.output_token_ids.extend(toks)
-            handle.out.sampled_token_ids[i] = toks
-            row = self.batch.row_of.get(st.req_id)
-            if row is not None:
-                n = int(self.batch.num_tokens[row])
-                self.batch.token_ids[row, n:n + len(toks)] = toks
-                self.batch.num_tokens[row] = n + len(toks)
-        for g_states, g_toks in g_rounds:
-            self._grammar_batch().advance(g_states, g_toks)
-        if self._pending_owner is handle:
-            self._pending, self._pending_owner = {}, None
-        self._propose(handle)
-
-    def _propose(self, handle: StepHandle) -> None:
-        """Drafts for the next step of the requests that just sampled."""
-        assert self.spec is not None
-        live = [(self.batch.row_of[st.req_id], st) for st in handle.states
-                if st.req_id in self.batch.row_of]
-        # Only as many as the scheduler's policy expects to verify (often none at large
-        # batch): proposing costs host (n-gram) or device (draft model) time.  Seeded
-        # requests get theirs always (SpecScheduling.take).  An EAGLE head reads the
-        # step's states for every request even when nothing is proposed (a cap of 0
-        # writes its KV only): its KV must follow the target.
-        k = handle.num_spec_proposals
-        proposing = live
-        if k <= 0 and handle.target_states is None:
-            proposing = [(row, st) for row, st in live if st.params.seed is not None]
-        if proposing:
-            rows, states = zip(*proposing)
-            props = self.spec.propose(self.batch, list(rows), states, self.h2d, k,
-                                      handle.target_states)
-            handle.out.spec_token_ids = {st.req_id: d for st, d in zip(states, props) if d}
-        handle.target_states = None  # the proposer is done with them
+    def _wait_in_flight(self) -> None:
+        """Wait for the tokens of the step still in flight, if any (grammar masks need
+        every token)."""
+        if self._pending_owner is not None:
+            self._pending_owner.result()
 
     def record_sampled_tokens(self, req_ids: list[str],
                               sampled_token_ids: list[list[int]]) -> None:

@@ -55,7 +55,6 @@ class PoolingModelRunner:
         self.pooler = pc
         self.is_encoder = bool(getattr(model, "is_encoder", False))
         self.graphs = None  # no CUDA graphs: steps vary in shape and run once
-        self.grammar_compiler: object = None
         self.block_size = config.cache_config.block_size
         self.kv_caches: list[torch.Tensor] = []
         if not self.is_encoder:

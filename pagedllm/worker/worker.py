@@ -286,11 +286,11 @@ class Worker:
         return budget
 
     def _lora_slot_bytes(self) -> int:
-        """Device bytes of the LoRA adapter slots (``lora/manager.py``), 0 without LoRA."""
+        """Device bytes of the LoRA adapter slots (``worker/lora/manager.py``), 0 without LoRA."""
         lc = self.config.lora_config
         if lc is None:
             return 0
-        from pagedllm.lora.manager import lora_slot_bytes
+        from pagedllm.worker.lora.manager import lora_slot_bytes
 
         dtype = next(self.model.parameters()).dtype
         return lora_slot_bytes(self.model, lc.max_loras, lc.max_lora_rank, dtype)
@@ -391,7 +391,8 @@ class Worker:
     def set_grammar_compiler(self, compiler: object) -> None:
         """Where the runner finds structured-output grammars (the core's compiler)."""
         assert self.runner is not None, "initialize_cache first"
-        self.runner.grammar_compiler = compiler
+        if isinstance(self.runner, ModelRunner):  # a pooling runner samples nothing
+            self.runner.grammar.compiler = compiler
 
     def execute_model_async(self, sched: SchedulerOutput) -> StepHandle:
         assert self.runner is not None, "initialize_cache first"

@@ -66,10 +66,10 @@ def test_fill_drafts_masks_each_position_as_if_the_drafts_were_accepted(llm):
 
     runner = llm.llm_engine.client.core.executor.worker.runner
     tok = llm.get_tokenizer()
-    st = GrammarState(runner.grammar_compiler.compile(SO(json=SCHEMA)),
+    st = GrammarState(runner.grammar.compiler.compile(SO(json=SCHEMA)),
                       [tok.eos_token_id])
     good = tok.encode(RECORDS[0], add_special_tokens=False)[:5]
-    words = runner._bitmask_words
+    words = runner.grammar.bitmask_words
     got = torch.zeros(len(good) + 1, words, dtype=torch.int32)
     st.fill_drafts(got, 0, good)
     want = torch.zeros_like(got)
