@@ -2,14 +2,18 @@
 
 Each step has a budget of ``max_num_batched_tokens``.  Every request wants
 ``num_tokens - num_computed_tokens`` more tokens computed: a whole prompt, the rest of
-a prompt (chunked prefill), or one token (decode).  The scheduler grants them in order:
+a prompt (chunked prefill), or one token (decode).  ``schedule`` grants them in order:
 
 ```
- budget ──► running requests (oldest first; decodes and unfinished prompt chunks)
-        │     no blocks left?  preempt the lowest-priority / newest running request
-        │     (recompute: free its blocks, reset num_computed_tokens, back to waiting)
-        └─► waiting requests (FCFS, priority or throughput) while budget, blocks
-            and max_num_seqs allow -- skipped in a step that had to preempt
+ budget ──► 1. running requests (oldest first; decodes and unfinished prompt chunks)
+        │        no blocks left?  preempt the lowest-priority / newest running request
+        │        (recompute: free its blocks, reset num_computed_tokens, back to waiting;
+        │        or swap it out)
+        ├─► 2. swapped-out requests come back      ┐ while budget, blocks and
+        └─► 3. waiting requests (FCFS, priority    │ max_num_seqs allow -- skipped
+               or throughput)                      ┘ in a step that had to preempt
+            4. nothing scheduled but requests wait: break a beam deadlock
+            5. advance the scheduled requests; 6. fork n > 1 parents -> SchedulerOutput
 ```
 
 The throughput policy (offline batches; ``LLM``'s default on CUDA) changes two things
@@ -29,9 +33,10 @@ Memory sharing stays phase-less too (docs/memory_sharing.md):
   (sample i seeded with ``seed + i``) and the shared partial block is copied on write.
 * **beam search** (``core/beam_search.py``): beams are ordinary requests reporting their
   top-K next tokens; when all have reported, the group forks/keeps/drops beams.
-* **swap preemption**: a victim's computed blocks are copied to CPU blocks and come back,
-  to fresh GPU blocks, before it runs again (swapped requests resume before new ones);
-  at most ``max_swap_blocks_per_step`` blocks move per step (one request always may).
+* **swap preemption** (``core/swap.py``): a victim's computed blocks are copied to CPU
+  blocks and come back, to fresh GPU blocks, before it runs again (swapped requests
+  resume before new ones); at most ``max_swap_blocks_per_step`` blocks move per step (one
+  request always may).
 """
 
 from __future__ import annotations
