@@ -13,17 +13,16 @@ The layers, bottom to top (a module may import its own layer and those below):
 1     plain data: ``sampling_params``, ``structured_outputs_params``,
       ``pooling_params``, ``outputs``, ``pooling_outputs``, ``beam_search``,
       ``messages``, ``request``, ``metrics``; ``model_files/`` (what a model is on
-      disk); ``lora/``'s torch-free half (``request``, ``adapter_files``,
-      ``registry``)
+      disk); ``lora/`` (adapter requests, files and names)
 2     the torch-free engine side: ``config.py`` (plain dataclasses), ``core/`` (the
       scheduler and KV manager), ``spec_decode/`` and ``structured_output/`` (their
       scheduling policy and grammar compilation)
 3     kernels: ``kernels/`` (Triton), ``cpu/`` (C), ``distributed/``
 4     ``attention/``
-5     ``layers/``, ``sample/``, ``lora/``'s device half (``peft``, ``layers``,
-      ``manager``)
+5     ``layers/``, ``sample/``
 6     ``models/``
-7     ``worker/``
+7     ``worker/`` (with the device halves of speculative decoding, structured output
+      and LoRA)
 8     ``executor/``
 9     ``engine/`` (``engine/arg_utils.py`` builds ``EngineConfig`` from ``EngineArgs``)
 10    ``entrypoints/``, ``benchmarks/``, ``__main__``, the package's ``__init__``
@@ -44,11 +43,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("envs", "logger", "gc_heap"),
     ("sampling_params", "structured_outputs_params", "pooling_params", "outputs",
      "pooling_outputs", "beam_search", "messages", "request", "metrics", "model_files",
-     "lora", "lora.request", "lora.adapter_files", "lora.registry"),
+     "lora"),
     ("config", "core", "spec_decode", "structured_output"),
     ("kernels", "cpu", "distributed"),
     ("attention",),
-    ("layers", "sample", "lora.peft", "lora.layers", "lora.manager"),
+    ("layers", "sample"),
     ("models",),
     ("worker",),
     ("executor",),

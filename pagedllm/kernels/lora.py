@@ -2,7 +2,7 @@
 carries its own adapter slot (-1: none), so one step mixes adapters and base-model rows.
 
 Two forms here (steps of many rows take the masked split-K form of
-``kernels/lora_masked.py``, or cuBLAS: ``lora/layers.lora_path``):
+``kernels/lora_masked.py``, or cuBLAS: ``worker/lora/layers.lora_path``):
 
 * :func:`lora_shrink` + the expand in the base GEMV's epilogue -- where the layer runs
   as the batch-1 GEMV (``kernels/gemv.py``, ``gemv_rope.py``): a Llama-3-8B step has
@@ -10,13 +10,13 @@ Two forms here (steps of many rows take the masked split-K form of
   (or part of the RMSNorm's before qkv / gate_up: ``kernels/lora_norm.py``) and the
   expand costs no launch.  See the section below.
 * :func:`lora_fused` -- shrink and expand in **one launch**, one program per row and
-  block of outputs: up to a few rows on other base kernels (``lora/layers.lora_path``);
+  block of outputs: up to a few rows on other base kernels (``worker/lora/layers.lora_path``);
   it can read its input as ``silu(gate) * up`` or return the fp32 delta.
 
 Both read slot indices and weights from device buffers (no host sync) and launch fixed
 grids for a row count, so CUDA graphs capture them.  Sums are fp32; the result is added
 to ``y`` in fp32 and rounded once, and rows without an adapter are left bit-for-bit.
-Oracle: ``lora/layers.lora_ref``.  ``K``, ``R`` (and the shard count) are compile-time
+Oracle: ``worker/lora/layers.lora_ref``.  ``K``, ``R`` (and the shard count) are compile-time
 constants: a layer's shapes, a handful per model.
 """
 
@@ -32,7 +32,7 @@ from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
 # -- one launch: shrink and expand fused ------------------------------------------------
 #
 # Program (t, j) owns token row t and output features [j*BLOCK_N, (j+1)*BLOCK_N).  The
-# stacked weights of a fused layer (``lora/layers.py``) hold shard i's rank rows at
+# stacked weights of a fused layer (``worker/lora/layers.py``) hold shard i's rank rows at
 # [i*R, (i+1)*R) of A and Bt, and B is block-diagonal: an output feature of shard i
 # reads only shard i's R shrink values.  BLOCK_N divides the shard bounds, so a block
 # lies in one shard and its program computes that shard's shrink only (R rows of A over
@@ -116,7 +116,7 @@ def lora_fused(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, bt: torch.
     ``x [T, K]`` (``[T, 2K]`` = ``[gate | up]`` with ``silu_mul``: the input is
     ``silu(gate) * up``, rounded as ``kernels/activation.py`` rounds it), ``slots [T]``
     int32, ``a [L, S*R, K]`` and ``bt [L, S*R, N]`` contiguous (the layout of
-    ``lora/layers.LoRALinear``), ``shard_bounds``: the S shards' first output features
+    ``worker/lora/layers.LoRALinear``), ``shard_bounds``: the S shards' first output features
     after the first (``()`` for one shard, ``(q, q + kv)`` for q/k/v; at most 3 shards).
     ``bt`` must be block-diagonal over the shards (shard i's rank rows zero outside shard
     i's outputs, as ``LoRALinear.set_slot`` writes it): an output of shard i reads only

@@ -7,7 +7,7 @@ for the shrink with the per-row slot mask (:func:`lora_masked_shrink`), then ONE
  y += t @ Bt_all            Bt_all = bt.reshape(L*SR, N)  (the scale is folded in Bt)
 ```
 
-The dense cuBLAS form (``lora/layers.lora_dense_``) computes the same ``t`` in ~3
+The dense cuBLAS form (``worker/lora/layers.lora_dense_``) computes the same ``t`` in ~3
 launches (GEMM over all slots, the mask's compare, the multiply); at a few hundred rows
 those launches, not FLOPs, are the cost.  Here the mask is applied in the shrink's
 epilogue, and the shrink is split over K so that a step of 16-256 rows still spreads
@@ -25,11 +25,11 @@ CTA barrier before the counter's acq_rel atomic releases every thread's partial 
 partials bypassing L1 (``.cg``).  Tiles where no row has a slot among the tile's
 columns skip the K loop and store zeros (prefill chunks of one request: most tiles).
 
-The counters are a persistent int32 buffer (``lora/layers.LoRAMapping.counters``),
+The counters are a persistent int32 buffer (``worker/lora/layers.LoRAMapping.counters``),
 zero between launches; launches using it must not overlap (one stream).  Sums are fp32;
 ``t`` is rounded once to the weights' dtype (as cuBLAS's shrink output is in the dense
 form), then cuBLAS accumulates ``y + t Bt`` in fp32 and rounds once.  Rows without an
-adapter have ``t = 0`` and get ``y + 0``: unchanged.  Oracle: ``lora/layers.lora_ref``.
+adapter have ``t = 0`` and get ``y + 0``: unchanged.  Oracle: ``worker/lora/layers.lora_ref``.
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ class LinearBase(nn.Module):
         self.tp_group = tp_group(tp_size, tp_rank)
         self.tp_size, self.tp_rank = self.tp_group.world_size, self.tp_group.rank_in_group
         self.prefix = prefix
-        # Multi-LoRA (``lora/layers.LoRALinear``), set by the LoRA manager: adds each
+        # Multi-LoRA (``worker/lora/layers.LoRALinear``), set by the LoRA manager: adds each
         # row's adapter delta to the output of whatever ``quant_method`` computed.
         self.lora: Any = None
         method = quant_config.get_linear_method(self, prefix) if quant_config else None

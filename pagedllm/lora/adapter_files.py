@@ -10,7 +10,7 @@ offline frontend validate an adapter before any request uses it).
 ``check_adapter`` reads the config and the safetensors *header* (names, shapes, byte
 ranges against the file size) and checks them against the model's config; every problem
 (missing or corrupt files, a rank above ``max_lora_rank``, a module or shape the model
-does not have) is a ``ValueError`` naming the adapter.  ``lora/peft.py`` then loads the
+does not have) is a ``ValueError`` naming the adapter.  ``worker/lora/peft.py`` then loads the
 tensors.
 """
 

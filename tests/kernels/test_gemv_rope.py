@@ -18,7 +18,7 @@ from pagedllm.kernels.gemv_rope import gemv_qkv_rope, qkv_rope_supported
 from pagedllm.kernels.lora import lora_shrink
 from pagedllm.kernels.rotary import rotary_and_write_kv
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.lora.layers import lora_ref
+from pagedllm.worker.lora.layers import lora_ref
 
 DTYPES = [torch.bfloat16] + ([torch.float16] if ON_GPU else [])
 

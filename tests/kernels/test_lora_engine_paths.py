@@ -20,8 +20,8 @@ import torch
 from kernel_refs import ON_GPU
 
 from pagedllm import LLM, LoRARequest, SamplingParams
-from pagedllm.lora import layers as lora_layers
-from pagedllm.lora.layers import FUSED_MAX_ROWS
+from pagedllm.worker.lora import layers as lora_layers
+from pagedllm.worker.lora.layers import FUSED_MAX_ROWS
 from tests.lora.fixtures import hf_greedy, make_adapters, tiny_llama
 
 N_TOKENS = 4

@@ -1,6 +1,6 @@
 """The Triton LoRA kernels (``kernels/lora.py``: the one-launch fused form;
 ``kernels/lora_masked.py``: the masked split-K form) against the torch reference
-(``lora/layers.lora_ref``), rows mixing slots and -1, unsorted."""
+(``worker/lora/layers.lora_ref``), rows mixing slots and -1, unsorted."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from pagedllm.lora.layers import lora_ref
+from pagedllm.worker.lora.layers import lora_ref
 from tests.kernels.sm90_compile import run_script
 
 

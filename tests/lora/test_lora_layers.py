@@ -13,8 +13,8 @@ from pagedllm.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from pagedllm.lora.layers import LoRALinear, LoRAMapping
-from pagedllm.lora.peft import LoRAWeights
+from pagedllm.worker.lora.layers import LoRALinear, LoRAMapping
+from pagedllm.worker.lora.peft import LoRAWeights
 
 R = 4
 
@@ -115,8 +115,8 @@ def test_lora_on_a_quantised_base() -> None:
 def test_slots_lru_never_evicts_an_adapter_in_use(tmp_path) -> None:
     """Three adapters through two slots: a step's adapters always stay resident, the
     least recently used other one is replaced, and the token map follows."""
-    from pagedllm.lora.manager import LoRAManager
     from pagedllm.lora.request import LoRARequest
+    from pagedllm.worker.lora.manager import LoRAManager
     from tests.lora.fixtures import make_adapters, tiny_llama
 
     base = tiny_llama(str(tmp_path / "base"))
@@ -156,7 +156,7 @@ def test_slots_lru_never_evicts_an_adapter_in_use(tmp_path) -> None:
     assert step([None], [1]) == [-1]
     assert mgr.mapping.last_slots[:3].tolist() == [-1, -1, -1]
     # The memory plan sets aside exactly what the slots take.
-    from pagedllm.lora.manager import lora_slot_bytes
+    from pagedllm.worker.lora.manager import lora_slot_bytes
 
     assert lora_slot_bytes(model, 2, 4, torch.float32) == sum(
         (lo.a.numel() + lo.bt.numel()

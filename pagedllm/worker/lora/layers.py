@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedllm.lora.peft import LoRAWeights
+from pagedllm.worker.lora.peft import LoRAWeights
 
 if TYPE_CHECKING:
     from pagedllm.kernels.gemv import GemvLoRA

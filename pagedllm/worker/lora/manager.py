@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from pagedllm.lora.adapter_files import NUM_SHARDS
-from pagedllm.lora.layers import LoRALinear, LoRAMapping
-from pagedllm.lora.peft import LoRAAdapter, load_adapter
 from pagedllm.lora.request import LoRARequest
+from pagedllm.worker.lora.layers import LoRALinear, LoRAMapping
+from pagedllm.worker.lora.peft import LoRAAdapter, load_adapter
 
 
 def lora_target_layers(model: nn.Module) -> dict[str, nn.Module]:
