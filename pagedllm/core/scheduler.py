@@ -626,7 +626,8 @@ class Scheduler:
                            out: ModelRunnerOutput) -> EngineCoreOutputs:
         """Append sampled tokens, apply stop rules, free finished requests' blocks."""
         outputs: list[EngineCoreOutput] = []
-        asked = got = 0  # speculative decoding: requests asked for drafts, given some
+        spec = self.spec
+        proposals = sched.num_spec_proposals > 0  # speculative decoding: drafts asked for
         requests = self.requests
         running_status = RequestStatus.RUNNING
         # Most steps carry no logprobs at all: skip the per-request lookups then.
@@ -643,14 +644,9 @@ class Scheduler:
                     req.num_placeholders = p if p > 0 else 0
             elif not (req.status == RequestStatus.PREEMPTED and tokens):
                 continue
-            if self.spec is not None:  # roll back rejected drafts; take the next ones
-                drafts = sched.scheduled_spec_decode_tokens.get(rid)
-                if drafts:
-                    self.spec.rollback(req, drafts, len(tokens))
-                req.spec_token_ids = out.spec_token_ids.get(rid) or []
-                if sched.num_spec_proposals > 0 and tokens and was_running:
-                    asked += 1
-                    got += bool(req.spec_token_ids)
+            if spec is not None:  # roll back rejected drafts; take the next ones
+                spec.on_result(req, tokens, sched.scheduled_spec_decode_tokens.get(rid),
+                               out.spec_token_ids.get(rid), proposals and was_running)
             # (A request preempted while its step was in flight still takes that token:
             # it was sampled from the right state, and dropping it would change a
             # seeded request's output.)
@@ -692,15 +688,11 @@ class Scheduler:
         outputs.extend(self.beams.on_update())  # beam groups whose beams all reported
         stats = self.make_stats()
         stats.num_scheduled_tokens = sched.total_num_scheduled_tokens
-        if self.spec is not None:
-            self.spec.observe_proposals(asked, got)
-            self.spec.end_step(len(sched.num_scheduled_tokens),
-                               sched.total_num_scheduled_tokens,
-                               sum(map(len, sched.scheduled_spec_decode_tokens.values())),
-                               sched.num_spec_proposals > 0)
+        if spec is not None:
             (stats.spec_num_drafts, stats.spec_num_draft_tokens,
-             stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos) = \
-                self.spec.take_stats()
+             stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos) = spec.end_update(
+                len(sched.num_scheduled_tokens), sched.total_num_scheduled_tokens,
+                sum(map(len, sched.scheduled_spec_decode_tokens.values())), proposals)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
 
     def requires_sync(self) -> bool:

@@ -65,6 +65,8 @@ class SpecScheduling:
         self.total_steps = self.total_spec_steps = 0  # decode steps / those with drafts
         # The last plan asked the runner for proposals (the next step needs them).
         self._proposing = True
+        # This update's proposal round: requests asked for drafts, and given some.
+        self._asked = self._got = 0
 
     def plan(self, running: Sequence[Request]) -> tuple[int, int]:
         """(drafts per request this step, drafts per request to propose for the next):
@@ -127,6 +129,29 @@ class SpecScheduling:
             self._hits[i] += 1
         for i in range(min(accepted + 1, len(drafts))):  # positions verified
             self._tries[i] += 1
+
+    def on_result(self, req: Request, tokens: list[int], drafts: list[int] | None,
+                  next_drafts: list[int] | None, asked: bool) -> None:
+        """``Scheduler.update_from_output``, for one request: ``tokens`` came back for
+        the ``drafts`` it verified (the rejected ones are rolled back) and the runner
+        proposed ``next_drafts`` for it; ``asked``: proposals were asked for in this
+        step while it ran (the round ``end_update`` reports)."""
+        if drafts:
+            self.rollback(req, drafts, len(tokens))
+        req.spec_token_ids = next_drafts or []
+        if asked and tokens:
+            self._asked += 1
+            self._got += bool(req.spec_token_ids)
+
+    def end_update(self, num_reqs: int, num_tokens: int, num_drafts: int,
+                   proposed: bool) -> tuple[int, int, int, list[int]]:
+        """After ``update_from_output``'s ``on_result`` calls: feed the policy the
+        proposal round and the step (``end_step``); the stats since the last call
+        (``take_stats``)."""
+        self.observe_proposals(self._asked, self._got)
+        self._asked = self._got = 0
+        self.end_step(num_reqs, num_tokens, num_drafts, proposed)
+        return self.take_stats()
 
     def observe_proposals(self, asked: int, got: int) -> None:
         """A step's proposal round: ``got`` of the ``asked`` requests received drafts."""
