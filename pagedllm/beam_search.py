@@ -2,9 +2,10 @@
 
 ``LLM.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=32))`` returns one
 ``BeamSearchOutput`` per prompt whose ``sequences`` are the ``beam_width`` best
-hypotheses, best first.  The search itself runs in the engine core
-(``core/beam_search.py``) on shared KV blocks with copy-on-write; it follows Hugging Face
-Transformers' ``generate(num_beams=k, do_sample=False, length_penalty=...)``.
+hypotheses, best first.  The search itself runs in the engine core, in the scheduler's
+``BeamSearchCoordinator`` (``core/beam_search.py``), on shared KV blocks with
+copy-on-write; it follows Hugging Face Transformers' ``generate(num_beams=k,
+do_sample=False, length_penalty=...)``.
 """
 
 from __future__ import annotations
