@@ -6,21 +6,27 @@ through engine arguments (``config.py``, the CLI); a variable is here only where
 argument does not fit: a secret, a path on the host, a process-wide logging or
 diagnostic switch, or a table the sweeps in ``benchmarks/`` write for another GPU model.
 
-=====================================  ==========  ==================================
-variable                               type        default
-=====================================  ==========  ==================================
-``PAGEDLLM_LOGGING_LEVEL``             str         ``INFO``
-``PAGEDLLM_API_KEY``                   str         unset (no key)
-``PAGEDLLM_CACHE_DIR``                 path        ``~/.cache/pagedllm``
-``PAGEDLLM_KERNEL_CACHE``              path        ``~/.cache/pagedllm/kernels``
-``PAGEDLLM_KERNEL_WARMUP``             bool        on (``0`` turns it off)
-``PAGEDLLM_STEP_TRACE``                path        unset (no trace)
-``PAGEDLLM_TEMPLATE_MEMORY_BYTES``     int         ``1 << 30``
-``PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING`` bool      off (also ``VLLM_...``)
-``PAGEDLLM_FP8_GEMM_CONFIGS``          path        unset (the shipped table)
-``PAGEDLLM_WNA16_CONFIGS``             path        unset (the shipped table)
-``PAGEDLLM_WNA16_TC_CONFIGS``          path        unset (the shipped table)
-=====================================  ==========  ==================================
+Variable (type, default): why it exists.
+
+* ``PAGEDLLM_LOGGING_LEVEL`` (str, ``INFO``): the log level of every pagedllm process
+  (API server, engine core, workers), as vLLM's ``VLLM_LOGGING_LEVEL``.
+* ``PAGEDLLM_API_KEY`` (str, unset): the server's bearer key when ``--api-key`` is not
+  given: a secret does not belong on a command line.
+* ``PAGEDLLM_CACHE_DIR`` (path, ``~/.cache/pagedllm``): on-disk caches (tokenizers
+  converted from GGUF files).
+* ``PAGEDLLM_KERNEL_CACHE`` (path, ``~/.cache/pagedllm/kernels``): the CPU's C kernels,
+  compiled once per source, flags and CPU.
+* ``PAGEDLLM_KERNEL_WARMUP`` (bool, on; ``0`` off): compile the Triton kernels in a
+  helper process while the model loads.
+* ``PAGEDLLM_STEP_TRACE`` (path, unset): one JSON line per engine step (a diagnostic
+  that the W2 suite and ``bench structured`` read).
+* ``PAGEDLLM_TEMPLATE_MEMORY_BYTES`` (int, ``1 << 30``): the memory limit of the process
+  that renders request-supplied chat templates.
+* ``PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING`` (bool, off; vLLM's name works too): the
+  server's adapter load/unload routes, which read any path the server can.
+* ``PAGEDLLM_FP8_GEMM_CONFIGS``, ``PAGEDLLM_WNA16_CONFIGS``,
+  ``PAGEDLLM_WNA16_TC_CONFIGS`` (path, unset: the table shipped for this GPU, if any):
+  a launch table a sweep in ``benchmarks/`` wrote for a GPU model we ship none for.
 
 Standard variables of other tools (``HF_HOME``, ``CUDA_VISIBLE_DEVICES``,
 ``TRITON_INTERPRET``, ...) are read where they are used.  Test-only hooks live in the
