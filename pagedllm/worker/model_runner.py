@@ -412,52 +412,65 @@ class ModelRunner:
             handle.target_states = self.spec.target_states(
                 self.model, inp, order, rows, num_computed, num_new, hidden, sampling)
         if len(sample_idx):
-            ids, logprobs = None, None
             last_row = inp.query_start_loc[1:][sample_idx] - 1  # each request's last row
+            in_flight = pending[sample_idx]
             k = None  # drafts to verify per sampled request
             if drafts:
                 k, last_row = self.spec.plan_verify(  # type: ignore[union-attr]
                     order, drafts, sample_idx, states, last_row)
-            if k is not None and hidden is not None:  # verify drafts (worker/spec_decode/)
-                ids = self.spec.verify(  # type: ignore[union-attr]
-                    self.model, hidden, last_row, k, states, drafts, pending[sample_idx])
-                handle.spec_width = ids.shape[1]
-            elif hidden is not None:  # None: a pipeline stage before the last
-                rows = sample_idx if last_only else last_row
-                logits_idx = self.h2d("logits_idx", rows)
-                logits = self.model.compute_logits(hidden[logits_idx])
-                # A request's in-flight token counts towards min_tokens already.
-                smeta = SamplingMetadata.build(states, self.device, self.vocab_size,
-                                               num_in_flight=pending[sample_idx])
-                if self.grammar.active:  # grammars, allowed/bad tokens, logits processors
-                    smeta = self.grammar.constrain(smeta, states, pending[sample_idx])
-                sampled = self.sampler(logits, smeta)
-                ids, logprobs = sampled.sampled_token_ids, sampled.logprobs
-            if ids is None:  # the last stage samples; see record_sampled_tokens
+            if hidden is None:  # a pipeline stage before the last: see record_sampled_tokens
                 return handle
-            self._last_sampled = ids
-            self._pending = {st.req_id: j for j, st in enumerate(states)}
-            self._pending_owner = handle
-            handle.logprobs = logprobs
-            if self.device.type == "cuda":
-                if logprobs is not None:  # to host with the tokens, not after
-                    handle.logprobs = _to_pinned_host(logprobs)
-                buf = self._tokens_host[self.h2d.parity]
-                if buf.numel() < ids.numel():
-                    buf = torch.empty(max(ids.numel(), 1024), dtype=torch.int64,
-                                      pin_memory=True)
-                    self._tokens_host[self.h2d.parity] = buf
-                handle.tokens_host = buf[:ids.numel()].view(ids.shape)
-                handle.tokens_host.copy_(ids, non_blocking=True)
-                handle.event = torch.cuda.Event()
-                handle.event.record()
+            logprobs = None
+            if k is not None:  # verify drafts (worker/spec_decode/)
+                ids = self.spec.verify(  # type: ignore[union-attr]
+                    self.model, hidden, last_row, k, states, drafts, in_flight)
+                handle.spec_width = ids.shape[1]
             else:
-                handle.tokens_host = ids
+                ids, logprobs = self._sample(hidden, sample_idx if last_only else last_row,
+                                             states, in_flight)
+            self._start_read_back(handle, ids, logprobs)
         else:
             self._pending, self._pending_owner = {}, None
         if self._prompt_lp_ids and hidden is not None:  # usually none: skip the scan
             self._prompt_logprobs(sched, order, inp, hidden, num_computed, handle.out)
         return handle
+
+    def _sample(self, hidden: torch.Tensor, rows: np.ndarray,
+                states: list[CachedRequestState], in_flight: np.ndarray,
+                ) -> tuple[torch.Tensor, LogprobsTensors | None]:
+        """One token per sampled request (``states``), from the logits at ``rows`` of
+        ``hidden``; ``in_flight``: whether its last token is still on the device."""
+        logits = self.model.compute_logits(hidden[self.h2d("logits_idx", rows)])
+        # A request's in-flight token counts towards min_tokens already.
+        smeta = SamplingMetadata.build(states, self.device, self.vocab_size,
+                                       num_in_flight=in_flight)
+        if self.grammar.active:  # grammars, allowed/bad tokens, logits processors
+            smeta = self.grammar.constrain(smeta, states, in_flight)
+        sampled = self.sampler(logits, smeta)
+        return sampled.sampled_token_ids, sampled.logprobs
+
+    def _start_read_back(self, handle: StepHandle, ids: torch.Tensor,
+                         logprobs: LogprobsTensors | None) -> None:
+        """Keep the step's sampled tokens on the device for the next step (its input
+        ids: ``_pending_fix``) and start their copy to the host (read by ``_finish``)."""
+        self._last_sampled = ids
+        self._pending = {st.req_id: j for j, st in enumerate(handle.states)}
+        self._pending_owner = handle
+        handle.logprobs = logprobs
+        if self.device.type == "cuda":
+            if logprobs is not None:  # to host with the tokens, not after
+                handle.logprobs = _to_pinned_host(logprobs)
+            buf = self._tokens_host[self.h2d.parity]
+            if buf.numel() < ids.numel():
+                buf = torch.empty(max(ids.numel(), 1024), dtype=torch.int64,
+                                  pin_memory=True)
+                self._tokens_host[self.h2d.parity] = buf
+            handle.tokens_host = buf[:ids.numel()].view(ids.shape)
+            handle.tokens_host.copy_(ids, non_blocking=True)
+            handle.event = torch.cuda.Event()
+            handle.event.record()
+        else:
+            handle.tokens_host = ids
 
     def _finish(self, handle: StepHandle) -> None:
         """The step's one device->host wait: record its sampled tokens (the requests'
