@@ -98,6 +98,32 @@ def test_scheme_and_header_variants(auth_server: ServerProcess) -> None:
             assert c.get("/v1/models", headers={"Authorization": h}).status_code == 401, h
 
 
+def test_x_api_key_header(auth_server: ServerProcess) -> None:
+    """Issue 46 item 18: Anthropic's SDKs send ``x-api-key``; it is accepted (on every
+    route), a wrong one is not, and the real Anthropic client works."""
+    import anthropic
+
+    msg = {"model": "SmolLM2-135M-Instruct", "max_tokens": 1,
+           "messages": [{"role": "user", "content": "Hi"}]}
+    with auth_server.client() as c:
+        assert c.post("/v1/messages", json=msg, headers={"x-api-key": KEY}
+                      ).status_code == 200
+        assert c.get("/v1/models", headers={"x-api-key": KEY}).status_code == 200
+        for h in ("sk-wrong", KEY[:-1], f"Bearer {KEY}", ""):
+            r = c.post("/v1/messages", json=msg, headers={"x-api-key": h})
+            assert r.status_code == 401, h
+        # A wrong Bearer token beside a right x-api-key: either key presented suffices.
+        assert c.get("/v1/models", headers={"x-api-key": KEY,
+                                            "Authorization": "Bearer nope"}
+                     ).status_code == 200
+    good = anthropic.Anthropic(base_url=auth_server.url, api_key=KEY, max_retries=0)
+    out = good.messages.create(**msg)
+    assert out.type == "message" and out.usage.output_tokens == 1
+    bad = anthropic.Anthropic(base_url=auth_server.url, api_key="nope", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        bad.messages.create(**msg)
+
+
 def test_public_routes_and_openai_client(auth_server: ServerProcess) -> None:
     import openai
 

@@ -119,3 +119,29 @@ def test_load_and_unload_at_run_time(lora_env) -> None:
     # Alive and exact after all that.
     assert _completion_text(s, "a1") == want["a1"]
     assert "a3" not in {m.id for m in _client(s).models.list().data}
+
+
+def test_names_with_lone_surrogates_change_nothing(lora_env) -> None:
+    """Issue 46 item 12: a valid adapter under the name "\\ud800" was registered, then
+    the answer (and every later GET /v1/models) was a 500.  Now the body is refused
+    (400 naming the field) before any state changes; the server answers as before."""
+    s, want, paths, _, _ = lora_env
+    auth = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    before = {m.id for m in _client(s).models.list().data}
+    for body, param in (({"lora_name": "\ud800", "lora_path": paths["a1"]}, "lora_name"),
+                        ({"lora_name": "ok\udfffname", "lora_path": paths["a1"]},
+                         "lora_name"),
+                        ({"lora_name": "s1", "lora_path": paths["a1"] + "\ud800"},
+                         "lora_path")):
+        # json.dumps escapes the surrogate as "\ud800", as a hostile client sends it.
+        r = httpx.post(f"{s.url}/v1/load_lora_adapter", content=json.dumps(body),
+                       headers=auth)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param, r.text
+        models = httpx.get(f"{s.url}/v1/models", headers=auth)
+        assert models.status_code == 200, models.text
+        assert {m["id"] for m in models.json()["data"]} == before
+    r = httpx.post(f"{s.url}/v1/unload_lora_adapter", content=json.dumps(
+        {"lora_name": "\ud800"}), headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
+    assert _completion_text(s, "a1") == want["a1"]

@@ -4,8 +4,8 @@ engine core runs in its own process.
 Request path (outermost first)::
 
     CORS (only with --allowed-origins; answers preflights itself, so they need no key)
-     └ APIKeyMiddleware   401 unless "Authorization: Bearer KEY" (public: /health, /version,
-                          the chat page's static files)
+     └ APIKeyMiddleware   401 unless "Authorization: Bearer KEY" or "x-api-key: KEY" (public:
+                          /health, /version, the chat page's static files)
         └ BodySizeLimitMiddleware   413 before buffering an oversized body
            └ FastAPI routes   400 envelopes for every validation failure (errors.py)
 
@@ -54,6 +54,7 @@ from pagedllm.entrypoints.openai.http_limits import (
     limited_h11_protocol,
     raise_fd_limit,
 )
+from pagedllm.entrypoints.openai.json_body import StrictJSONRoute
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -120,7 +121,10 @@ async def _send_json(send: Send, status: int, body: dict[str, Any],
 
 class APIKeyMiddleware:
     """401 for every path but ``PUBLIC_PATHS`` unless a configured key is presented as
-    ``Authorization: Bearer KEY``.  Keys are compared in constant time, all of them (no
+    ``Authorization: Bearer KEY`` (OpenAI's clients) or ``x-api-key: KEY`` (Anthropic's
+    SDKs send only this one).  Either header works on every route: one rule is simpler
+    to reason about than a per-route one and grants nothing more (the key is the same).
+    Keys are compared in constant time, every presented token against all of them (no
     early exit that would leak which one nearly matched)."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
@@ -128,16 +132,23 @@ class APIKeyMiddleware:
         self.keys = [k.encode() for k in api_keys]
 
     def _authorized(self, scope: Scope) -> bool:
-        token = b""
+        bearer, x_api_key = b"", b""
+        seen: set[bytes] = set()
         for name, value in scope.get("headers", ()):
+            if name in seen:  # the first of each header counts
+                continue
             if name == b"authorization":
+                seen.add(name)
                 scheme, _, rest = value.partition(b" ")
                 if scheme.lower() == b"bearer":
-                    token = rest.strip()
-                break
+                    bearer = rest.strip()
+            elif name == b"x-api-key":
+                seen.add(name)
+                x_api_key = value.strip()
         ok = False
-        for key in self.keys:
-            ok |= hmac.compare_digest(token, key)
+        for token in (bearer, x_api_key):
+            for key in self.keys:
+                ok |= hmac.compare_digest(token, key)
         return ok
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -216,6 +227,8 @@ def build_app(state: ServingState, *, api_keys: list[str] | None = None,
     """The FastAPI application over ``state`` (routes, error handlers, middleware);
     ``ui`` adds the chat page at ``/`` (chat_ui.py)."""
     app = FastAPI(title="pagedllm OpenAI-compatible API", version=_version())
+    # Every pydantic body is parsed by json_body.loads_strict (depth, NaN, surrogates).
+    app.router.route_class = StrictJSONRoute
     app.state.serving = state
     install_error_handlers(app)
     completion = OpenAIServingCompletion(state)

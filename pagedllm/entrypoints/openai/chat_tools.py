@@ -122,12 +122,17 @@ def _forced_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
     """The calls of a grammar-forced output (None if it is incomplete: cut by length)."""
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # RecursionError: nested beyond the parser
         return None
+    # tool_call takes a str as JSON text already: a decoded JSON string (a tool whose
+    # parameters schema is not an object) is written back out, so arguments stay JSON.
+    def args(v: Any) -> Any:
+        return json.dumps(v, ensure_ascii=False) if isinstance(v, str) else v
+
     if mode.kind == "named":
         assert mode.name is not None
-        return [tool_call(mode.name, obj)]
-    return [tool_call(c["name"], c.get("parameters", {})) for c in obj]
+        return [tool_call(mode.name, args(obj))]
+    return [tool_call(c["name"], args(c.get("parameters", {}))) for c in obj]
 
 
 @dataclass

@@ -46,8 +46,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="Model name(s) clients must use in the 'model' field. Default: "
                         "the model's name. The first is reported in responses.")
     g.add_argument("--api-key", action="append", default=None,
-                   help="Require 'Authorization: Bearer KEY' on every route except "
-                        "/health and /version (repeatable; also $PAGEDLLM_API_KEY).")
+                   help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY', as "
+                        "Anthropic's SDKs send) on every route except /health and "
+                        "/version (repeatable; also $PAGEDLLM_API_KEY).")
     g.add_argument("--chat-template", default=None,
                    help="Chat template for /v1/chat/completions: a Jinja file path or the "
                         "template text. Default: the model's own.")

@@ -101,6 +101,7 @@ def install_error_handlers(app: FastAPI) -> None:
             phrase = "error"
         # FastAPI's "There was an error parsing the body" is a client error in our terms.
         return error_response(detail or phrase, status=status,
+                              param=getattr(exc, "param", None),  # json_body.BodyError
                               headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)

@@ -6,13 +6,13 @@ request and names the bad field in its own error envelope."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.errors import error_response
+from pagedllm.entrypoints.openai.json_body import loads_strict
 from pagedllm.entrypoints.openai.protocol import RequestError
 from pagedllm.entrypoints.openai.serving_base import ServingState
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -24,10 +24,7 @@ from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 
 
 async def _json_body(raw_request: Request) -> Any:
-    try:
-        return json.loads(await raw_request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise RequestError("the body is not valid JSON") from None
+    return loads_strict(await raw_request.body())  # 400 naming the field (json_body.py)
 
 
 def add_extra_routes(app: FastAPI, state: ServingState, chat: OpenAIServingChat) -> None:

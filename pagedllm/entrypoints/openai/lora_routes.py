@@ -20,13 +20,13 @@ with it (they carry its path), and its device slot is reused as slots are needed
 from __future__ import annotations
 
 import itertools
-import json
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import pagedllm.envs as envs
+from pagedllm.entrypoints.openai.json_body import loads_strict
 from pagedllm.entrypoints.openai.protocol import RequestError
 from pagedllm.lora.request import LoRARequest
 
@@ -75,10 +75,9 @@ def add_lora_routes(app: FastAPI, state: Any) -> None:
     loras: ServerLoRAs = state.loras
 
     async def body_of(raw: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await raw.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise RequestError("the body is not valid JSON") from None
+        # Strict (json_body.py): a name with a lone surrogate is a 400 before any state
+        # changes; /v1/models echoes every registered name.
+        body = loads_strict(await raw.body())
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object")
         return body

@@ -52,6 +52,22 @@ Penalty = Annotated[Num, Field(ge=-2.0, le=2.0)]
 MAX_STOP_SEQUENCES = 32
 
 
+def _tool_choice(v: object) -> object:
+    """OpenAI's chat ``tool_choice`` shapes only: a mode string or a named function
+    (``"function"`` a string or a list, or a Responses-only type, was a 500 later)."""
+    if v is None or v in ("none", "auto", "required"):
+        return v
+    if isinstance(v, dict) and v.get("type") == "function":
+        fn = v.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]:
+            return v
+    raise ValueError('must be "none", "auto", "required" or '
+                     '{"type": "function", "function": {"name": "..."}}')
+
+
+ToolChoice = Annotated[Any, BeforeValidator(_tool_choice)]
+
+
 class _Base(BaseModel):
     """``extra="allow"`` so unknown fields can be reported by name (see module doc)."""
 
@@ -274,9 +290,16 @@ class CompletionRequest(_SamplingFields):
                 raise RequestError("prompt token ids must be >= 0", "prompt")
         return prompts
 
+    @property
+    def prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: prompt scoring (as vLLM accepts it): the prompt
+        comes back (with its logprobs when asked), nothing is generated."""
+        return self.echo and self.max_tokens == 0
+
     def validate_request(self, max_n: int, max_logprobs: int) -> None:
         self.check_common(max_n)
-        _check_max_tokens(self.max_tokens, "max_tokens")
+        if not self.prompt_only:
+            _check_max_tokens(self.max_tokens, "max_tokens")
         if self.suffix:
             raise RequestError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != (self.n or 1):
@@ -290,7 +313,9 @@ class CompletionRequest(_SamplingFields):
     def to_sampling_params(self, vocab_size: int) -> SamplingParams:
         kw = self.sampling_kwargs(vocab_size)
         # Omitted max_tokens means "the remaining context" (None; the engine fills it).
-        kw.update(max_tokens=self.max_tokens, logprobs=self.logprobs)
+        # Prompt only: the engine runs one token (as vLLM does), the handler drops it.
+        kw.update(max_tokens=1 if self.prompt_only else self.max_tokens,
+                  logprobs=self.logprobs)
         prompt_lp = self.prompt_logprobs
         if self.echo and self.logprobs is not None and prompt_lp is None:
             prompt_lp = self.logprobs  # echo + logprobs returns the prompt's logprobs too
@@ -348,7 +373,7 @@ class ChatCompletionRequest(_SamplingFields):
     verbosity: str | None = None
     # ... and OpenAI fields refused with "not supported" unless trivially satisfied.
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: ToolChoice = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None

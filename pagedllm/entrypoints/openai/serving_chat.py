@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.async_llm import RequestStream
 from pagedllm.entrypoints.openai.chat_tools import ChoiceShaper, ToolMode
+from pagedllm.entrypoints.openai.json_body import check_depth
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, RequestError
 from pagedllm.entrypoints.openai.serving_base import (
     SSE_DONE,
@@ -109,7 +110,8 @@ class OpenAIServingChat(ServingHandler):
             streams = await st.start(public_id, [{"prompt_token_ids": prompt_ids}], params,
                                      body.priority, model=body.model)
         except Exception as e:
-            if isinstance(e, ValueError) and str(e).startswith("messages"):
+            if isinstance(e, ValueError) and not isinstance(e, RequestError) \
+                    and str(e).startswith("messages"):  # a RequestError names its field
                 e = RequestError(str(e).splitlines()[0], "messages")
             return engine_error_response(e)
         created = int(time.time())
@@ -254,15 +256,19 @@ def _finish_reason(ch: _Choice, has_calls: bool, mode: ToolMode) -> str | None:
 
 def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages for the template; assistant ``tool_calls`` arguments decoded from
-    their JSON strings (chat templates print them as objects)."""
+    their JSON strings (chat templates print them as objects).  Nesting is bounded
+    before parsing (400 naming the field: 100,000 levels were a ``RecursionError``);
+    text that is not JSON stays a string."""
     out = body.template_messages()
-    for m in out:
-        for call in m.get("tool_calls") or []:
+    for i, m in enumerate(out):
+        calls = m.get("tool_calls")
+        for j, call in enumerate(calls if isinstance(calls, list) else []):
             fn = call.get("function") if isinstance(call, dict) else None
             if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                check_depth(fn["arguments"], f"messages.{i}.tool_calls.{j}.function.arguments")
                 try:
                     fn["arguments"] = json.loads(fn["arguments"])
-                except json.JSONDecodeError:
+                except ValueError:
                     pass
     return out
 

@@ -124,6 +124,12 @@ class OpenAIServingCompletion(ServingHandler):
                                    body.logprobs)
             delta += prompt_text
             ch.text += prompt_text
+        if body.prompt_only:  # the engine's one token is not part of the answer
+            if body.return_token_ids and ch.prompt_token_ids is None:
+                ch.prompt_token_ids = list(out.prompt_token_ids)
+            if c.finish_reason is not None and ch.finish_reason is None:
+                ch.finish_reason = "length"
+            return delta, lp_start
         if body.logprobs is not None:
             self._add_logprobs(ch, c.token_ids, c.logprobs, body.logprobs)
         delta += c.text
@@ -227,7 +233,7 @@ class OpenAIServingCompletion(ServingHandler):
                         "stop_reason": ch.stop_reason,
                     }
                     if body.return_token_ids:
-                        choice["token_ids"] = list(c.token_ids)
+                        choice["token_ids"] = [] if body.prompt_only else list(c.token_ids)
                         if not ch.sent_prompt_ids:
                             ch.sent_prompt_ids = True
                             choice["prompt_token_ids"] = ch.prompt_token_ids

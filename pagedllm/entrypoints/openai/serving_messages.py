@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.entrypoints.openai.chat_runner import ChatRun, start_chat
+from pagedllm.entrypoints.openai.json_body import loads_strict
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, RequestError
 from pagedllm.entrypoints.openai.serving_base import engine_error_response
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -164,6 +165,37 @@ def _stop_reason(run: ChatRun, has_calls: bool) -> tuple[str, str | None]:
     return "end_turn", None
 
 
+def tool_input(arguments: Any) -> dict[str, Any]:
+    """A call's ``arguments`` as Anthropic's ``tool_use.input``, which must be an object:
+    the arguments when they are a JSON object; anything else a tool parser may return
+    (a JSON string or number, text that is not JSON, JSON nested too deeply) is wrapped
+    as ``{"value": ...}`` (the decoded value, or the text itself), never a 500."""
+    if isinstance(arguments, dict):
+        return arguments
+    value = arguments
+    if isinstance(arguments, str):
+        if not arguments.strip():
+            return {}
+        try:
+            value = loads_strict(arguments)
+        except RequestError:
+            value = arguments
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def _input_json(arguments: Any) -> str:
+    """The streamed ``partial_json`` of a call: the model's own text when it is the
+    ``input`` object already, else that object written out (as ``_blocks`` has it)."""
+    inp = tool_input(arguments)
+    if isinstance(arguments, str):
+        try:
+            if loads_strict(arguments) == inp:
+                return arguments
+        except RequestError:
+            pass
+    return json.dumps(inp, ensure_ascii=False)
+
+
 def _blocks(msg: dict[str, Any]) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     if msg.get("content"):
@@ -171,7 +203,7 @@ def _blocks(msg: dict[str, Any]) -> list[dict[str, Any]]:
     for c in msg.get("tool_calls") or []:
         blocks.append({"type": "tool_use", "id": c["id"].replace("call_", "toolu_", 1),
                        "name": c["function"]["name"],
-                       "input": json.loads(c["function"]["arguments"] or "{}")})
+                       "input": tool_input(c["function"]["arguments"])})
     return blocks
 
 
@@ -236,7 +268,7 @@ class AnthropicServingMessages:
                     yield _event("content_block_delta", {
                         "type": "content_block_delta", "index": index, "delta": {
                             "type": "input_json_delta",
-                            "partial_json": c["function"]["arguments"]}})
+                            "partial_json": _input_json(c["function"]["arguments"])}})
                     yield _event("content_block_stop", {"type": "content_block_stop",
                                                         "index": index})
                     index += 1

@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.entrypoints.openai.chat_runner import ChatRun, start_chat
 from pagedllm.entrypoints.openai.errors import error_response
+from pagedllm.entrypoints.openai.json_body import check_depth
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, RequestError
 from pagedllm.entrypoints.openai.serving_base import engine_error_response
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -75,7 +76,7 @@ def _input_messages(inp: Any) -> list[dict[str, Any]]:
     if not isinstance(inp, list) or not inp:
         raise RequestError("input must be a string or a non-empty list of items", "input")
     out: list[dict[str, Any]] = []
-    for item in inp:
+    for k, item in enumerate(inp):
         if not isinstance(item, dict):
             raise RequestError("input items must be objects", "input")
         kind = item.get("type", "message")
@@ -96,6 +97,8 @@ def _input_messages(inp: Any) -> list[dict[str, Any]]:
                                    "input")
             out.append({"role": item["role"], "content": content})
         elif kind == "function_call":
+            if isinstance(item.get("arguments"), str):  # parsed for the template later
+                check_depth(item["arguments"], f"input.{k}.arguments")
             out.append({"role": "assistant", "content": "", "tool_calls": [{
                 "id": item.get("call_id"), "type": "function", "function": {
                     "name": item.get("name"), "arguments": item.get("arguments", "{}")}}]})

@@ -139,7 +139,7 @@ class ToolParser:
         """The calls in one body (after ``start``, before ``end``), None if malformed."""
         try:
             obj = json.loads(body)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # RecursionError: model text nested deep
             return None
         objs = obj if isinstance(obj, list) else [obj]
         calls = [_call_of(o, self.args_keys) for o in objs]
