@@ -14,6 +14,9 @@ H200 one full collection of the unfrozen start-up heap stalled a W1 run for 218 
 once every two or three runs.  A process may build engine after engine (tests,
 notebooks), so each freeze first undoes the last: the collection that follows then
 frees the earlier engines' reference cycles, which a frozen heap would keep forever.
+An engine's shutdown (``LLM.shutdown``, or dropping the last reference to the ``LLM``)
+undoes it too (``release_gc_heap``): frozen, the model's reference cycles -- and with them
+its weights -- would outlive it.
 """
 
 from __future__ import annotations
@@ -34,3 +37,11 @@ def freeze_gc_heap(what: str) -> None:
     gc.freeze()
     logger.debug("%s: froze %d objects out of the garbage collector in %.0f ms", what,
                  gc.get_freeze_count(), (time.perf_counter() - t0) * 1e3)
+
+
+def release_gc_heap() -> int:
+    """Unfreeze the heap and collect it (an engine has shut down); returns the number of
+    unreachable objects found.  Another live engine's heap is merely unfrozen until the
+    next engine's start-up freezes again."""
+    gc.unfreeze()
+    return gc.collect()

@@ -231,10 +231,14 @@ class EngineCore:
         return self.scheduler.update_from_output(sched, handle.result())
 
     def shutdown(self) -> None:
+        """Stop the grammar compiler's threads and the ranks, and drop the steps in
+        flight (they hold the runner's buffers); idempotent."""
         if self._grammar_gate is not None:
             self._grammar_gate.shutdown()
         if self.trace is not None:
             self.trace.close()
+        self._inflight = None
+        self._batches.clear()
         self.executor.shutdown()
 
 

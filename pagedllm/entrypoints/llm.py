@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,6 +16,7 @@ from pagedllm.engine.arg_utils import EngineArgs, offline_scheduling_policy
 from pagedllm.engine.input_processor import PromptType, normalise_prompts
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm_pooling import PoolingMixin
+from pagedllm.gc_heap import release_gc_heap
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
@@ -36,6 +39,11 @@ class LLM(PoolingMixin):
     Pooling models (``runner="pooling"``, chosen automatically for encoders and
     cross-encoders) serve ``embed``/``classify``/``score``/``encode``
     (``entrypoints/llm_pooling.py``) instead of ``generate``.
+
+    ``shutdown()`` (or leaving ``with LLM(...) as llm:``) frees the weights, the KV cache
+    and the CUDA graphs and stops the engine's processes and threads; dropping the last
+    reference does the same (``weakref.finalize``: nothing in the engine refers back to
+    the ``LLM``).  After it every call raises ``RuntimeError``.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -50,8 +58,30 @@ class LLM(PoolingMixin):
             kwargs["scheduling_policy"] = offline_scheduling_policy(
                 kwargs.get("device", "auto"))
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.llm_engine = LLMEngine(self.engine_args.create_engine_config(), max_logprobs)
+        # The engine lives in a one-slot box shared with the finalizer, so that shutting
+        # down (explicitly, or when this object is dropped) leaves no reference to it.
+        self._engine_box: list[LLMEngine] = [
+            LLMEngine(self.engine_args.create_engine_config(), max_logprobs)]
+        self._finalizer = weakref.finalize(self, _shutdown_engine, self._engine_box)
         self._counter = itertools.count()
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        if not self._engine_box:
+            raise RuntimeError("this LLM was shut down (LLM.shutdown()); build a new one")
+        return self._engine_box[0]
+
+    def shutdown(self) -> None:
+        """Free the engine's device and host memory (weights, KV cache, CUDA graphs) and
+        stop its worker processes and threads, now (idempotent).  Later calls raise
+        ``RuntimeError``."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
@@ -163,3 +193,23 @@ class LLM(PoolingMixin):
             engine.abort_request(ids_in_order)
             raise
         return [finished[r] for r in ids_in_order]
+
+
+def _shutdown_engine(box: list[LLMEngine]) -> None:
+    """``LLM.shutdown``, and the ``LLM``'s finalizer: holds no reference to the ``LLM``.
+
+    The engine's own reference cycles (the model's layers and their weight loaders, ...)
+    sit in the heap that start-up froze out of the garbage collector
+    (``gc_heap.freeze_gc_heap``): unfreeze and collect so that they -- and the device
+    memory they hold -- go now, then hand the freed blocks back to the CUDA driver."""
+    if not box:
+        return
+    engine = box.pop()
+    try:
+        engine.shutdown()
+    finally:
+        del engine
+        release_gc_heap()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()

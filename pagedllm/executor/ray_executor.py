@@ -109,7 +109,10 @@ class RayExecutor(Executor):
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if not ray.is_initialized():
+        # A session this executor starts (a local one, no RAY_ADDRESS) is its to stop:
+        # its daemons are this process's children.
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
             ray.init(address=os.environ.get("RAY_ADDRESS"))
         pc = config.parallel_config
         self.world_size = pc.world_size
@@ -220,3 +223,5 @@ class RayExecutor(Executor):
             self._remove_pg(self.pg)
         except Exception:  # the Ray session is gone already
             pass
+        if self._owns_ray:
+            ray.shutdown()

@@ -411,7 +411,15 @@ class Worker:
         return self.runner.execute_model(sched)
 
     def shutdown(self) -> None:
-        """Free the KV cache and leave the world."""
-        self.kv_caches.clear()
+        """Drop every reference to device memory -- the model runner (its CUDA graphs and
+        staging buffers), the weights (with them the quantised GEMMs' shared scratch), the
+        draft model, the KV and swap caches -- and leave the world (idempotent).  The memory
+        returns once the model's own reference cycles are collected: ``LLM.shutdown``
+        collects them (``gc_heap.release_gc_heap``)."""
+        self.runner = None
+        self.model = None
+        self.draft_model = None
+        self.kv_caches = []
+        self.swap_caches = []
         if self.parallel.world_size > 1:
             destroy_parallel_state()

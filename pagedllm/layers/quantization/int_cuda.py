@@ -49,6 +49,7 @@ M).
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,7 +62,20 @@ if TYPE_CHECKING:
     from pagedllm.layers.linear import LinearBase
 
 _TINYGEMM_GROUPS = (32, 64, 128, 256)
-_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+class _Scratch:
+    """One ``(device, dtype)``'s dequantisation scratch, shared by every layer that uses
+    it.  The layers hold it (``layer.int_scratch``); ``_SCRATCH`` only finds it, so the
+    buffer is freed with the last engine's layers -- no module global keeps device memory
+    past an engine's shutdown."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+_SCRATCH: weakref.WeakValueDictionary[tuple[torch.device, torch.dtype], _Scratch] = \
+    weakref.WeakValueDictionary()
 
 
 def _threshold(name: str, default: int) -> int:
@@ -116,16 +130,20 @@ def dequant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return out
 
 
-def reserve_scratch(numel: int, device: torch.device, dtype: torch.dtype) -> None:
-    """Grow the shared dequantisation scratch of ``(device, dtype)`` to ``numel``."""
+def reserve_scratch(numel: int, device: torch.device, dtype: torch.dtype) -> _Scratch:
+    """The shared dequantisation scratch of ``(device, dtype)``, grown to ``numel``; the
+    caller keeps it alive (``_Scratch``)."""
     key = (torch.device(device), dtype)
     cur = _SCRATCH.get(key)
-    if cur is None or cur.numel() < numel:
-        _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+    if cur is None:
+        cur = _SCRATCH[key] = _Scratch(torch.empty(numel, dtype=dtype, device=device))
+    elif cur.tensor.numel() < numel:
+        cur.tensor = torch.empty(numel, dtype=dtype, device=device)
+    return cur
 
 
 def _scratch(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    return _SCRATCH[(torch.device(device), dtype)]
+    return _SCRATCH[(torch.device(device), dtype)].tensor
 
 
 def _register(layer: torch.nn.Module, name: str, t: torch.Tensor | None) -> None:
@@ -162,7 +180,8 @@ def store_cuda(layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> None:
     _register(layer, "int_g_idx", None if g_idx is None else g_idx.to(torch.int32))
     layer.int_bits, layer.int_group = iw.bits, iw.group_size  # type: ignore[assignment]
     if stripe and dequant_min_m() > 0 and qw.is_cuda:
-        reserve_scratch(iw.n * iw.k, qw.device, dtype)
+        layer.int_scratch = reserve_scratch(  # type: ignore[assignment]
+            iw.n * iw.k, qw.device, dtype)
     _store_tc(layer, iw, qweight, stripe, g_idx is not None, dtype)
     layer.int_tinygemm = None  # type: ignore[assignment]
     if (tinygemm_max_m() > 0 and iw.bits == 4 and qw.is_cuda and g_idx is None
