@@ -130,9 +130,11 @@ def loads_strict(data: bytes | str, param: str | None = None,
                            "not JSON)", at) from None
     except RecursionError:  # unreachable after the depth scan; kept as a guard
         raise RequestError(f"{where} nests too deeply", param) from None
-    except ValueError as e:  # JSONDecodeError, or an integer beyond Python's digit cap
-        raise RequestError(f"{where} is not valid JSON: {str(e).splitlines()[0]}",
+    except json.JSONDecodeError as e:
+        raise RequestError(f"{where} is not valid JSON: {e.msg} at position {e.pos}",
                            param) from None
+    except ValueError:  # an integer beyond Python's digit cap (4,300 digits)
+        raise RequestError(f"{where} holds a number with too many digits", param) from None
     sub = _surrogate_path(value)
     if sub is not None:
         at = ".".join(p for p in (param, sub) if p)

@@ -65,7 +65,9 @@ def _tool_choice(v: object) -> object:
                      '{"type": "function", "function": {"name": "..."}}')
 
 
-ToolChoice = Annotated[Any, BeforeValidator(_tool_choice)]
+ToolChoice = Annotated[Any, BeforeValidator(
+    _tool_choice,
+    json_schema_input_type=Literal["none", "auto", "required"] | dict[str, Any] | None)]
 
 
 class _Base(BaseModel):
