@@ -4,6 +4,7 @@ processor, with the core in this process (``InprocClient``)."""
 from __future__ import annotations
 
 import logging
+import sys
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
@@ -15,7 +16,7 @@ from pagedllm.engine.input_processor import (
     load_tokenizer,
 )
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
-from pagedllm.gc_heap import freeze_gc_heap
+from pagedllm.gc_heap import freeze_gc_heap, release_gc_heap
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -81,4 +82,13 @@ class LLMEngine:
         return processed.request_outputs
 
     def shutdown(self) -> None:
+        """Stop the core (its ranks, threads and worker: weights, KV cache, CUDA graphs
+        dropped), then free what they held now (idempotent).  Start-up froze the heap
+        (``freeze_gc_heap``), so the model's own reference cycles (weight loaders bound to
+        their layers, ...) would outlive it: unfreeze and collect them, then hand the
+        freed blocks back to the CUDA driver."""
         self.client.shutdown()
+        release_gc_heap()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()

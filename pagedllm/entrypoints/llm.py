@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
-import sys
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,7 +16,6 @@ from pagedllm.engine.arg_utils import EngineArgs, offline_scheduling_policy
 from pagedllm.engine.input_processor import PromptType, normalise_prompts
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm_pooling import PoolingMixin
-from pagedllm.gc_heap import release_gc_heap
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
@@ -197,11 +196,8 @@ class LLM(PoolingMixin):
 
 def _shutdown_engine(box: list[LLMEngine]) -> None:
     """``LLM.shutdown``, and the ``LLM``'s finalizer: holds no reference to the ``LLM``.
-
-    The engine's own reference cycles (the model's layers and their weight loaders, ...)
-    sit in the heap that start-up froze out of the garbage collector
-    (``gc_heap.freeze_gc_heap``): unfreeze and collect so that they -- and the device
-    memory they hold -- go now, then hand the freed blocks back to the CUDA driver."""
+    ``LLMEngine.shutdown`` frees the weights, KV cache and graphs; the collection after it
+    takes the engine's own remaining cycles (the heap is unfrozen by then)."""
     if not box:
         return
     engine = box.pop()
@@ -209,7 +205,4 @@ def _shutdown_engine(box: list[LLMEngine]) -> None:
         engine.shutdown()
     finally:
         del engine
-        release_gc_heap()
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
+        gc.collect()

@@ -120,6 +120,9 @@ def test_shutdown_is_idempotent_and_later_calls_raise() -> None:
     llm = _engine()
     refs = _refs(llm)
     assert llm.generate(["Hi"], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+    # The engine's own shutdown (a bare ``LLMEngine``'s way) frees the model at once.
+    llm.llm_engine.shutdown()
+    assert _alive(refs) == ["engine", "core", "scheduler", "executor", "worker"]
     llm.shutdown()
     assert not _alive(refs)  # freed by shutdown() itself, the LLM still referenced
     llm.shutdown()
