@@ -86,9 +86,15 @@ class LLMEngine:
         dropped), then free what they held now (idempotent).  Start-up froze the heap
         (``freeze_gc_heap``), so the model's own reference cycles (weight loaders bound to
         their layers, ...) would outlive it: unfreeze and collect them, then hand the
-        freed blocks back to the CUDA driver."""
+        freed blocks back to the CUDA driver -- with the cuBLAS workspaces the engine's
+        GEMMs (one per stream they ran on, CUDA-graph capture's included) left in torch's
+        caching allocator."""
         self.client.shutdown()
         release_gc_heap()
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None:
+                clear_workspaces()
             torch.cuda.empty_cache()
