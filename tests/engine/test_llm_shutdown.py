@@ -135,6 +135,22 @@ def test_shutdown_is_idempotent_and_later_calls_raise() -> None:
         llm.get_tokenizer()
 
 
+def test_grammar_compiler_thread_ends_with_the_engine() -> None:
+    """Structured outputs start the core's grammar-compile thread: shutdown stops it."""
+    from pagedllm.structured_outputs_params import StructuredOutputsParams
+
+    with _engine() as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=
+                                StructuredOutputsParams(choice=["red", "blue"]))
+        assert llm.generate(["Colour:"], params, use_tqdm=False)[0].outputs[0].text in (
+            "red", "blue")
+        compilers = [t for t in threading.enumerate() if t.name.startswith("grammar")]
+        assert compilers
+    for t in compilers:  # asked to stop; an idle one exits at once
+        t.join(timeout=10)
+    assert not [t for t in compilers if t.is_alive()]
+
+
 def test_context_manager_shuts_down_on_exit_and_on_error() -> None:
     with _engine() as llm:
         refs = _refs(llm)
