@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.benchmarks.workloads import write_dummy_model
 
 KV_BYTES = 16 << 20
 PARAMS = SamplingParams(temperature=0.0, max_tokens=2)
@@ -186,7 +187,7 @@ def test_mp_executor_tp2_leaves_no_process_behind() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_memory_returns_to_its_starting_value() -> None:
+def test_gpu_memory_returns_to_its_starting_value(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """On CUDA (CUDA graphs captured, Triton kernels warmed): after ``shutdown()`` and
     after dropping the last reference, ``torch.cuda.memory_allocated()`` is exactly what
     it was before the engine, and the kernel warm-up helper is gone."""
@@ -200,15 +201,18 @@ def test_gpu_memory_returns_to_its_starting_value() -> None:
     torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     start = torch.cuda.memory_allocated()
-    llm = _engine(device="cuda")
-    assert llm.generate(["Hello"], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+    # The SmolLM2 shape with dummy weights: the GPU machine has no model files.
+    gpu = {"device": "cuda", "load_format": "dummy", "skip_tokenizer_init": True,
+           "model": write_dummy_model("smollm2-135m", str(tmp_path))}
+    llm = _engine(**gpu)
+    assert llm.generate([[1, 2, 3]], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
     assert torch.cuda.memory_allocated() > start + KV_BYTES
     llm.shutdown()
     assert torch.cuda.memory_allocated() == start
     assert not _live_children(), [p.cmdline() for p in _live_children()]
 
     for _ in range(2):  # dropped instead of shut down
-        llm = _engine(device="cuda")
-        llm.generate(["Hello"], PARAMS, use_tqdm=False)
+        llm = _engine(**gpu)
+        llm.generate([[1, 2, 3]], PARAMS, use_tqdm=False)
         del llm
         assert torch.cuda.memory_allocated() == start
