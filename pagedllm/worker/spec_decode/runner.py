@@ -74,6 +74,10 @@ def can_speculate(params: SamplingParams) -> bool:
 
 
 class SpecDecodeRunner:
+    """Owns the drafts' device side for one model runner: writes them into the batch,
+    verifies them by rejection sampling and proposes the next ones (module doc).  The
+    model runner calls it at the named points of its step and nowhere else."""
+
     def __init__(self, config: SpeculativeConfig, max_model_len: int, batch: InputBatch,
                  h2d: Any, device: torch.device, vocab_size: int,
                  grammar: GrammarRunner) -> None:
