@@ -38,6 +38,18 @@ class StructuredOutputsParams:
     reasoning_end_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
+        # Strict types (no 1/"true" for a boolean): the engine core decodes these fields
+        # typed (msgspec), so a value that passes here must pass there too.
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs.json_object must be a boolean")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.disable_any_whitespace must be a boolean")
+        ids = self.reasoning_end_token_ids
+        if ids is not None and (not isinstance(ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**63
+                for i in ids)):
+            raise ValueError("structured_outputs.reasoning_end_token_ids must be a list "
+                             "of token ids")
         set_kinds = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
             raise ValueError(

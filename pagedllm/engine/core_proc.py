@@ -14,7 +14,8 @@ msgspec (``EngineCoreRequest`` list, ``list[str]`` of ids, ``EngineCoreOutputs``
 ``EngineCoreReady``).  No pickle crosses a socket.  Addresses are ``ipc://`` paths in a
 private temp dir or ``tcp://127.0.0.1``: the client binds, the core connects, as a
 CURVE client holding the per-launch key that the client's ZAP handler alone admits
-(``transport_auth.py``).  A malformed input message is logged and dropped, never fatal.
+(``transport_auth.py``).  A malformed input message is never fatal: a request whose
+id can be read is answered with an abort, anything else is logged and dropped.
 
 The loop (``EngineCoreProc.run``):
 
@@ -83,6 +84,14 @@ class EngineCoreReady(msgspec.Struct, omit_defaults=True):
         return self.error is None
 
 
+class _RequestIds(msgspec.Struct):
+    """The ids of an ``EngineCoreRequest`` (other fields ignored): enough to answer a
+    request whose other fields do not decode."""
+
+    request_id: str
+    fork_ids: list[str] = msgspec.field(default_factory=list)
+
+
 def first_line(e: BaseException) -> str:
     """``Type: first line of message`` -- safe to show a client (no traceback)."""
     text = str(e).strip().splitlines()
@@ -112,6 +121,10 @@ class EngineCoreProc:
         self.encoder = msgspec.msgpack.Encoder()
         self.add_decoder = msgspec.msgpack.Decoder(list[EngineCoreRequest])
         self.abort_decoder = msgspec.msgpack.Decoder(list[str])
+        # Lenient decoders: when an ADD batch fails the typed decode, answer what can be.
+        self.raw_list_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
+        self.one_add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+        self.ids_decoder = msgspec.msgpack.Decoder(_RequestIds)
         self.last_publish = 0.0
         self.stop = False
 
@@ -138,14 +151,47 @@ class EngineCoreProc:
                            first_line(e), self.num_malformed)
             return False
 
+    def _decode_adds(self, payload: bytes,
+                     rejected: list[EngineCoreOutput]) -> list[EngineCoreRequest]:
+        """The requests of an ADD payload.  When the batch does not decode, each entry is
+        decoded alone; an entry that still fails but whose ids can be read is answered
+        (an ABORT in ``rejected``) rather than dropped.  ``msgspec.DecodeError`` only
+        when no entry can be read at all."""
+        try:
+            return self.add_decoder.decode(payload)
+        except msgspec.DecodeError as e:
+            entries = self.raw_list_decoder.decode(payload)  # DecodeError: unreadable
+            error = first_line(e)
+        good: list[EngineCoreRequest] = []
+        for raw in entries:
+            try:
+                good.append(self.one_add_decoder.decode(raw))
+                continue
+            except msgspec.DecodeError as e:
+                error = first_line(e)
+            try:
+                ids = self.ids_decoder.decode(raw)
+            except msgspec.DecodeError:
+                self.num_malformed += 1
+                logger.warning("dropped a malformed request without an id (%s; %d so far)",
+                               error, self.num_malformed)
+                continue
+            self.num_malformed += 1
+            logger.warning("request %s is malformed, answered with an abort: %s",
+                           ids.request_id, error)
+            rejected.extend(EngineCoreOutput(
+                request_id=sid, new_token_ids=[], finish_reason=FinishReason.ABORT)
+                for sid in (ids.request_id, *ids.fork_ids))
+        return good
+
     def _apply(self, frames: list[bytes]) -> bool:
         kind, payload = frames
         if kind == KIND_ADD:
             rejected: list[EngineCoreOutput] = []
-            for req in self.add_decoder.decode(payload):
+            for req in self._decode_adds(payload, rejected):
                 try:
                     self.core.add_request(req)
-                except ValueError as e:
+                except Exception as e:  # noqa: BLE001 - answered, never dropped
                     # The frontend validates first; if the core still refuses, finish the
                     # request (abort) rather than leave the client waiting forever.
                     logger.warning("request %s rejected by the engine core: %s",

@@ -188,6 +188,13 @@ def test_parse_with_pydantic_and_other_spellings(oai: openai.OpenAI) -> None:
                                       "function": {"name": "absent"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {
         "type": "json_object"}}, "tool_choice"),
+    # Wrongly typed fields used to pass the API and hang the request (issue 46 item 3).
+    *[({"structured_outputs": {"json_object": True, "disable_any_whitespace": v}},
+       "structured_outputs.disable_any_whitespace") for v in ("yes", {}, None, 0)],
+    *[({"structured_outputs": {"json_object": v}}, "structured_outputs.json_object")
+      for v in (1, "true")],
+    ({"structured_outputs": {"json_object": True, "disable_any_whitespace": "yes"},
+      "stream": True}, "structured_outputs.disable_any_whitespace"),
 ])
 def test_bad_constraints_are_400_naming_the_field(srv: ServerProcess, extra: dict,
                                                    param: str) -> None:

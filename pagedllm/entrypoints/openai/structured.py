@@ -18,6 +18,7 @@ it.  ``strict`` is accepted either way: the grammar always enforces the schema.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pagedllm.entrypoints.openai.request_error import RequestError
@@ -31,7 +32,12 @@ def _make(field: str, **kw: Any) -> StructuredOutputsParams:
     try:
         so = StructuredOutputsParams(**kw)
     except (TypeError, ValueError) as e:
-        raise RequestError(f"{field}: {str(e).splitlines()[0]}", field) from None
+        msg = str(e).splitlines()[0]
+        # Name the sub-field when the message does (``structured_outputs.json_object``).
+        named = re.match(r"structured_outputs(\.\w+)", msg)
+        if field == "structured_outputs" and named:
+            raise RequestError(msg, named.group(0)) from None
+        raise RequestError(f"{field}: {msg}", field) from None
     from pagedllm.structured_output.backend import validate
 
     try:
