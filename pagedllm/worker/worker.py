@@ -290,10 +290,10 @@ class Worker:
         lc = self.config.lora_config
         if lc is None:
             return 0
-        from pagedllm.worker.lora.manager import lora_slot_bytes
+        from pagedllm.worker.lora.manager import activation_dtype, lora_slot_bytes
 
-        dtype = next(self.model.parameters()).dtype
-        return lora_slot_bytes(self.model, lc.max_loras, lc.max_lora_rank, dtype)
+        return lora_slot_bytes(self.model, lc.max_loras, lc.max_lora_rank,
+                               activation_dtype(self.config.model_config))
 
     def _graph_margin(self, activation_peak: int) -> int:
         """The graphs' share of the memory plan (``cuda_graphs.graph_memory_margin``)."""

@@ -61,6 +61,14 @@ def link_norms(model: nn.Module) -> None:
             n.lora_next = lin.lora
 
 
+def activation_dtype(model_config: Any) -> torch.dtype:
+    """The slots' dtype: the model's activation dtype (``ModelConfig.dtype``), not a
+    parameter's: a quantised layer stores its weight packed (GGUF Q4_1: uint8), yet the
+    delta ``x A^T Bt`` is computed on its input and added to its output, both in the
+    activation dtype, whatever the base weight's format."""
+    return getattr(torch, model_config.dtype)
+
+
 def lora_slot_bytes(model: nn.Module, max_loras: int, max_lora_rank: int,
                     dtype: torch.dtype) -> int:
     """Device bytes the adapter slots of ``model`` take (what the memory plan sets aside
@@ -170,6 +178,6 @@ def make_lora_manager(config: Any, model: nn.Module, device: torch.device,
     sc, dc = config.scheduler_config, config.device_config
     max_tokens = max(sc.max_num_batched_tokens, sc.max_num_seqs,
                      dc.max_cudagraph_capture_size)
-    dtype = next(model.parameters()).dtype
     return LoRAManager(model, config.model_config.hf_config, lc.max_loras, lc.max_lora_rank,
-                       lc.max_cpu_loras, max_tokens, device, dtype)
+                       lc.max_cpu_loras, max_tokens, device,
+                       activation_dtype(config.model_config))
