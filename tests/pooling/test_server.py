@@ -9,6 +9,7 @@ tests/server/test_pooling_on_generative.py) or the bad field; metrics after it a
 from __future__ import annotations
 
 import base64
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -114,6 +115,33 @@ def test_embeddings_bad_inputs(embed_server) -> None:
     done = sum(v for k, v in m.items()
                if k.startswith("vllm:request_success"))
     assert done >= 8, m
+
+
+def test_inputs_per_request_are_capped_and_gone_clients_stop_work(embed_server) -> None:
+    """Issue 46 item 7: more than --max-inputs-per-request (2048) inputs is a 400 naming
+    ``input`` and the cap, before any is tokenised; a client that leaves a big request
+    (2048 inputs) takes its work with it: a small request right after is served at once."""
+    s, _ = embed_server
+    url = s.url
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/embeddings", json={"input": ["cats run"] * 2049}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "input" and "2048" in err["message"], err
+    for path, body, param in (
+            ("/score", {"text_1": "q", "text_2": ["d"] * 2049}, "text_2"),
+            ("/rerank", {"query": "q", "documents": ["d"] * 2049}, "documents")):
+        r = httpx.post(url + path, json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert time.monotonic() - t0 < 10
+    # 2048 inputs of ~50 tokens: about 30 s of work here, far more than the client waits.
+    text = " ".join(["bees make honey from the nectar of flowers"] * 6)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/v1/embeddings", json={"input": [text] * 2048}, timeout=1.0)
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/embeddings", json={"input": TEXTS[0]}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert time.monotonic() - t0 < 10, time.monotonic() - t0
 
 
 def test_score_and_rerank_equal_transformers(rerank_server) -> None:

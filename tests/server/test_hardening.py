@@ -107,6 +107,9 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
                               {"include_usage": "yes"}}, "stream_options.include_usage"),
     ("/v1/completions", {**OK, "n": "2"}, "n"),
     ("/tokenize", {"prompt": "hi", "add_special_tokens": "no"}, "add_special_tokens"),
+    # More prompts than --max-inputs-per-request (2048), refused before tokenising
+    # (issue 46 item 7).
+    ("/v1/completions", {**OK, "prompt": ["Hi"] * 2049}, "prompt"),
 ]
 
 

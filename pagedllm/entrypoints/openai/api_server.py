@@ -538,7 +538,9 @@ async def _serve(args: argparse.Namespace) -> int:
     state = ServingState(
         engine=engine, metrics=metrics, served_model_names=names,
         max_model_len=ready.max_model_len or mc.max_model_len, max_n=args.max_n,
-        max_logprobs=args.max_logprobs, allow_unknown_fields=args.allow_unknown_fields,
+        max_logprobs=args.max_logprobs,
+        max_inputs_per_request=getattr(args, "max_inputs_per_request", 2048),
+        allow_unknown_fields=args.allow_unknown_fields,
         trust_request_chat_template=args.trust_request_chat_template,
         chat_template=chat_template, heartbeat_timeout=args.health_heartbeat_timeout,
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),

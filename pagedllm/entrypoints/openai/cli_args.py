@@ -67,6 +67,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "request may ask for.")
     g.add_argument("--max-n", type=int, default=16,
                    help="Largest 'n' (samples per prompt) a request may ask for.")
+    g.add_argument("--max-inputs-per-request", type=_positive_int, default=2048,
+                   help="Most prompts / inputs / documents one request may hold "
+                        "(/v1/completions, /v1/embeddings, /pooling, /score, /rerank); "
+                        "more get 400 before any is tokenised.")
     g.add_argument("--allowed-origins", nargs="*", default=None,
                    help="CORS: origins allowed to call the API from a browser ('*' for "
                         "any). Default: CORS off.")

@@ -53,6 +53,8 @@ class ServingState:
     max_model_len: int
     max_n: int = 16
     max_logprobs: int = 20
+    # --max-inputs-per-request: prompts / inputs / documents in one request body.
+    max_inputs_per_request: int = 2048
     allow_unknown_fields: bool = False
     trust_request_chat_template: bool = False
     chat_template: str | None = None
@@ -151,6 +153,14 @@ class ServingState:
             self.metrics.record_rejected("queue_full")
             raise EngineOverloadedError("the server is at capacity; retry later")
 
+    def check_num_inputs(self, n: int, param: str) -> None:
+        """400 naming ``param`` and the cap when a body holds more than
+        ``--max-inputs-per-request`` inputs (checked before any is tokenised)."""
+        cap = self.max_inputs_per_request
+        if n > cap:
+            raise RequestError(f"{param} holds {n} inputs; at most {cap} per request "
+                               "(--max-inputs-per-request)", param)
+
     async def off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` on the tokenizer thread (one thread: HF tokenizers
         are not safe to call concurrently), so the event loop keeps serving."""
@@ -169,15 +179,22 @@ class ServingState:
     async def start(self, public_id: str, prompts: list[PromptType],
                     params: SamplingParams | PoolingParams, priority: int,
                     add_special_tokens: bool = True,
-                    model: str | None = None) -> list[RequestStream]:
+                    model: str | None = None,
+                    raw_request: Request | None = None) -> list[RequestStream]:
         """Tokenise, validate, admit and queue one engine request per prompt.
 
         Admission is all or nothing for the whole request (every prompt times ``n``):
         checked before tokenising (a full server refuses at once) and again, atomically
-        with queueing every prompt, under ``_admission``."""
+        with queueing every prompt, under ``_admission``.  With ``raw_request``,
+        tokenising stops (499) once its client has gone."""
         need = len(prompts) * getattr(params, "n", 1)  # PoolingParams: one sequence
         self._check_capacity(need)
-        ready = [await self._prepare(p, add_special_tokens) for p in prompts]
+        ready = []
+        for i, p in enumerate(prompts):
+            if (raw_request is not None and i and i % 16 == 0
+                    and await raw_request.is_disconnected()):
+                raise RequestError("the client disconnected", status=499)
+            ready.append(await self._prepare(p, add_special_tokens))
         ids = [public_id] if len(prompts) == 1 else [f"{public_id}-{i}"
                                                       for i in range(len(prompts))]
         streams: list[RequestStream] = []

@@ -60,12 +60,13 @@ class OpenAIServingCompletion(ServingHandler):
             st.check_model(body.model)
             body.validate_request(st.max_n, st.max_logprobs)
             prompts = body.prompts()
+            st.check_num_inputs(len(prompts), "prompt")
             params = body.to_sampling_params(st.vocab_size)
             st.check_admitting()
             public_id = st.public_id(raw_request, "cmpl", body.request_id)
             streams = await st.start(public_id, list(prompts), params, body.priority,
                                      add_special_tokens=body.add_special_tokens,
-                                     model=body.model)
+                                     model=body.model, raw_request=raw_request)
         except Exception as e:
             return engine_error_response(e)
         created = int(time.time())

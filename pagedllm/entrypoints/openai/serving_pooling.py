@@ -93,6 +93,7 @@ class OpenAIServingPooling(ServingHandler):
             task = self._need(("encode",) if pooling else ("embed",),
                               "pooling" if pooling else "embeddings")
             prompts = body.prompts()
+            st.check_num_inputs(len(prompts), "input")
             params = PoolingParams(task=task, normalize=body.normalize,
                                    dimensions=body.dimensions)
         except Exception as e:
@@ -145,6 +146,7 @@ class OpenAIServingPooling(ServingHandler):
             st.check_unknown(body)
             st.check_model(body.model)
             pairs = pair_up(body.text_1, body.text_2)
+            st.check_num_inputs(len(pairs), "text_2")
         except Exception as e:
             return engine_error_response(e)
 
@@ -168,6 +170,7 @@ class OpenAIServingPooling(ServingHandler):
             st.check_unknown(body)
             st.check_model(body.model)
             docs = body.texts()
+            st.check_num_inputs(len(docs), "documents")
         except Exception as e:
             return engine_error_response(e)
 
