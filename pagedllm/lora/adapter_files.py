@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.model_files.safe_open import open_regular
 
 # HF module name -> (our fused module, shard index within it).
 PACKED_MODULES: dict[str, tuple[str, int]] = {
@@ -58,7 +59,8 @@ def read_config(req: LoRARequest, max_lora_rank: int) -> dict[str, Any]:
     """``adapter_config.json``, checked for what we support."""
     path = os.path.join(req.lora_path, "adapter_config.json")
     try:
-        with open(path) as f:
+        # A regular file of at most 1 MiB: a FIFO here blocked the tokenizer thread.
+        with open_regular(path, max_bytes=1 << 20, encoding="utf-8") as f:
             cfg = json.load(f)
     except FileNotFoundError:
         raise adapter_error(req, "no adapter_config.json there") from None
@@ -100,8 +102,8 @@ class AdapterInfo:
 def _header(req: LoRARequest, path: str) -> dict[str, Any]:
     """The safetensors header, its byte ranges checked against the file size."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with open_regular(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             (n,) = struct.unpack("<Q", f.read(8))
             if n > size - 8:
                 raise ValueError("header longer than the file")

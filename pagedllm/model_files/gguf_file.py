@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from pagedllm.model_files.safe_open import open_regular
+
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
@@ -66,7 +68,8 @@ class GGUFFile:
         self.path = path
         try:
             # mmap: the header is parsed in place; only the pages it spans are read.
-            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            with (open_regular(path, "rb") as f,
+                  mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m):
                 self._buf = m
                 try:
                     self._parse()

@@ -21,6 +21,7 @@ import json
 import os
 from typing import Any
 
+from pagedllm.model_files.safe_open import open_regular
 from pagedllm.models.registry import ARCHITECTURES, get_architecture
 from pagedllm.pooling_params import PoolerConfig
 
@@ -99,7 +100,8 @@ def _sentence_transformers_pooling(directory: str | None, read_mode: bool = True
             normalize = True
         elif kind.endswith("Pooling") and read_mode:
             try:
-                with open(os.path.join(directory, m.get("path", ""), "config.json")) as f:
+                with open_regular(os.path.join(directory, m.get("path", ""), "config.json"),
+                                  max_bytes=1 << 20, encoding="utf-8") as f:
                     cfg = json.load(f)
             except (OSError, ValueError):
                 continue

@@ -78,6 +78,7 @@ from pagedllm.entrypoints.openai.tokenizer_info import tokenizer_info
 from pagedllm.gc_heap import freeze_gc_heap
 from pagedllm.logger import uvicorn_log_config
 from pagedllm.metrics import EngineMetrics, cache_config_labels
+from pagedllm.model_files.safe_open import read_regular
 
 logger = logging.getLogger("pagedllm.api_server")
 
@@ -483,12 +484,14 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+CHAT_TEMPLATE_MAX_BYTES = 4 << 20
+
+
 def _load_chat_template(value: str | None) -> str | None:
     if value is None:
         return None
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
+    if os.path.isfile(value):  # a regular file, read with a size cap
+        return read_regular(value, max_bytes=CHAT_TEMPLATE_MAX_BYTES)
     if "{" not in value:
         raise ValueError(f"chat-template: {value} is neither a file nor a Jinja template")
     return value
