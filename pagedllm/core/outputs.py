@@ -124,3 +124,6 @@ class ModelRunnerOutput:
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
     # Speculative decoding: req_id -> drafts proposed for the next step.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> why the runner could not run it as asked (its LoRA adapter failed to
+    # load): the scheduler finishes it (abort) and reports nothing else for it.
+    failed: dict[str, str] = field(default_factory=dict)

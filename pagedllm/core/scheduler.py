@@ -42,6 +42,7 @@ Memory sharing stays phase-less too (docs/memory_sharing.md):
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
@@ -63,6 +64,7 @@ from pagedllm.core.swap import SwapManager
 from pagedllm.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
+    FinishReason,
     LogprobsLists,
     SchedulerStats,
 )
@@ -70,6 +72,8 @@ from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams, child_seed
 from pagedllm.spec_decode.policy import StepCostCurve
 from pagedllm.spec_decode.scheduling import SpecScheduling
+
+logger = logging.getLogger("pagedllm")
 
 
 def _needs_sync(req: Request) -> bool:
@@ -633,6 +637,12 @@ class Scheduler:
         # Most steps carry no logprobs at all: skip the per-request lookups then.
         all_lp = out.logprobs or None
         all_prompt_lp = out.prompt_logprobs or None
+        for rid, why in out.failed.items():  # fail these requests only, never the step
+            if rid in requests:
+                logger.warning("request %s failed: %s", rid, why)
+                outputs.append(EngineCoreOutput(request_id=rid, new_token_ids=[],
+                                                finish_reason=FinishReason.ABORT))
+                self.finish_requests([rid])
         for rid, tokens in zip(out.req_ids, out.sampled_token_ids):
             req = requests.get(rid)
             if req is None:

@@ -7,11 +7,13 @@ offline frontend validate an adapter before any request uses it).
                             base_model.model.<module>.lora_B.weight  [out, r]
 ```
 
-``check_adapter`` reads the config and the safetensors *header* (names, shapes, byte
-ranges against the file size) and checks them against the model's config; every problem
-(missing or corrupt files, a rank above ``max_lora_rank``, a module or shape the model
-does not have) is a ``ValueError`` naming the adapter.  ``worker/lora/peft.py`` then loads the
-tensors.
+``check_adapter`` reads the config and the safetensors file (header: names, dtypes,
+shapes, byte ranges that must match shape x dtype and lie in the file; then every tensor,
+decoded to float32 with numpy and checked finite) and checks them against the model's
+config; every problem (missing or corrupt files, an unknown dtype, a rank above
+``max_lora_rank``, a module or shape the model does not have, NaN or inf weights) is a
+``ValueError`` naming the adapter.  ``worker/lora/peft.py`` builds the device half from
+the arrays read here, so the engine runs exactly what was checked.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import os
 import struct
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from pagedllm.lora.request import LoRARequest
 from pagedllm.model_files.safe_open import open_regular
@@ -36,6 +40,9 @@ PACKED_MODULES: dict[str, tuple[str, int]] = {
 # Our fused module -> how many shards it has.
 NUM_SHARDS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
 PEFT_PREFIX = "base_model.model."
+# The safetensors dtypes an adapter may use: name -> little-endian numpy dtype (BF16 is
+# read as its 16 high bits of a float32).
+SAFETENSORS_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 
 
 def adapter_error(req: LoRARequest, why: str) -> ValueError:
@@ -97,6 +104,8 @@ class AdapterInfo:
     weights_path: str
     scale: float
     ranks: dict[str, int]
+    # Every tensor of the file by name, float32 (checked finite).
+    tensors: dict[str, np.ndarray]
 
 
 def _header(req: LoRARequest, path: str) -> dict[str, Any]:
@@ -115,11 +124,52 @@ def _header(req: LoRARequest, path: str) -> dict[str, Any]:
             lo, hi = t["data_offsets"]
             if not 0 <= lo <= hi <= size - 8 - n:
                 raise ValueError(f"tensor {name!r} lies outside the file")
-            if not isinstance(t["shape"], list):
-                raise ValueError(f"tensor {name!r} has no shape")
+            shape = t["shape"]
+            if not isinstance(shape, list) or not all(
+                    type(d) is int and d >= 0 for d in shape):
+                raise ValueError(f"tensor {name!r} has no valid shape")
+            if t["dtype"] not in SAFETENSORS_DTYPES:
+                raise ValueError(f"tensor {name!r} has dtype {t['dtype']!r}, not one of "
+                                 f"{', '.join(SAFETENSORS_DTYPES)}")
+            need = math.prod(shape) * np.dtype(SAFETENSORS_DTYPES[t["dtype"]]).itemsize
+            if hi - lo != need:
+                raise ValueError(f"tensor {name!r}: data_offsets [{lo}, {hi}] hold "
+                                 f"{hi - lo} bytes, its shape {shape} in {t['dtype']} "
+                                 f"needs {need}")
     except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
         raise adapter_error(req, f"adapter_model.safetensors is corrupt ({e})") from None
     return header
+
+
+def _read_tensors(req: LoRARequest, path: str, header: dict[str, Any],
+                  ) -> dict[str, np.ndarray]:
+    """Every tensor of the checked ``header``, read in full as float32; a tensor with a
+    NaN or an infinity is refused."""
+    try:
+        with open_regular(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            f.seek(8 + n)
+            data = f.read()
+    except (OSError, struct.error) as e:
+        raise adapter_error(req, f"adapter_model.safetensors is unreadable ({e})") from None
+    out: dict[str, np.ndarray] = {}
+    for name, t in header.items():
+        lo, hi = t["data_offsets"]
+        if hi > len(data):  # the file shrank since its header was read
+            raise adapter_error(req, f"adapter_model.safetensors is corrupt (tensor "
+                                     f"{name!r} lies outside the file)")
+        raw = np.frombuffer(data, dtype=SAFETENSORS_DTYPES[t["dtype"]],
+                            count=math.prod(t["shape"]), offset=lo)
+        if t["dtype"] == "BF16":
+            arr = (raw.astype(np.uint32) << 16).view(np.float32)
+        else:
+            arr = raw.astype(np.float32)
+        arr = arr.reshape(t["shape"])
+        if not np.isfinite(arr).all():
+            raise adapter_error(req, f"tensor {name!r} holds non-finite weights (NaN or "
+                                     "inf)")
+        out[name] = arr
+    return out
 
 
 def check_adapter(req: LoRARequest, max_lora_rank: int, hf_config: Any) -> AdapterInfo:
@@ -168,4 +218,4 @@ def check_adapter(req: LoRARequest, max_lora_rank: int, hf_config: Any) -> Adapt
         if a[0] > max_lora_rank:
             raise adapter_error(req, f"rank {a[0]} exceeds max_lora_rank {max_lora_rank}")
         ranks[module] = int(a[0])
-    return AdapterInfo(path, scale, ranks)
+    return AdapterInfo(path, scale, ranks, _read_tensors(req, path, header))

@@ -394,9 +394,11 @@ class ModelRunner:
         # Prompt logprobs read the hidden state of every prompt token.
         last_only = self.last_only and not (self._prompt_lp_ids and inp.max_query_len > 1) \
             and not drafts
+        lora_failed: dict[int, str] = {}
         if self.lora is not None:  # the last layer's LoRA map follows the pruning
-            self.lora.prepare_step([self.requests[r].lora_request for r in order], num_new,
-                                   self.h2d, pruned=last_only and inp.max_query_len > 1)
+            loras = [self.requests[r].lora_request for r in order]
+            lora_failed = self.lora.prepare_step(
+                loras, num_new, self.h2d, pruned=last_only and inp.max_query_len > 1)
         pending, fix = self._pending_fix(order, inp)
         hidden = self._forward(inp, fix, last_only)
 
@@ -408,6 +410,11 @@ class ModelRunner:
         handle = StepHandle(self, ModelRunnerOutput(
             req_ids=order, sampled_token_ids=[[] for _ in order]), states, sample_idx,
             num_spec_proposals=sched.num_spec_proposals)
+        if lora_failed:  # their rows ran without the adapter: the scheduler fails them
+            handle.out.failed = {
+                rid: f"adapter {r.lora_name!r}: {lora_failed[r.lora_int_id]}"
+                for rid, r in zip(order, loras)
+                if r is not None and r.lora_int_id in lora_failed}
         if self.spec is not None and hidden is not None:  # EAGLE: the head reads them
             handle.target_states = self.spec.target_states(
                 self.model, inp, order, rows, num_computed, num_new, hidden, sampling)

@@ -162,3 +162,33 @@ def test_slots_lru_never_evicts_an_adapter_in_use(tmp_path) -> None:
         (lo.a.numel() + lo.bt.numel()
          + (sum(b.numel() for b in lo.bts) if len(lo.bts) > 1 else 0)) * 4
         for lo in mgr.layers.values())
+
+
+def test_an_adapter_failing_to_load_fails_its_rows_only(tmp_path) -> None:
+    """An adapter whose files went bad after the frontend checked them (issue 46 item 2):
+    ``prepare_step`` reports it, its rows run without an adapter, the others keep their
+    slots, and the slot it was to take stays free."""
+    import os
+
+    from pagedllm.lora.request import LoRARequest
+    from pagedllm.worker.lora.manager import LoRAManager
+    from tests.lora.fixtures import make_adapters, tiny_llama
+
+    base = tiny_llama(str(tmp_path / "base"))
+    specs = [(f"a{i}", 2, 4, False, ["q_proj"]) for i in range(2)]
+    paths = [a.path for a in make_adapters(base, str(tmp_path), specs, merge=False)]
+    from pagedllm.attention.torch_ref import TorchReferenceBackend
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.models.loader import load_model
+
+    cfg = EngineArgs(model=str(tmp_path / "base"), device="cpu").create_engine_config()
+    model = load_model(cfg.model_config, torch.device("cpu"), TorchReferenceBackend())
+    mgr = LoRAManager(model, cfg.model_config.hf_config, 2, 4, 2, 32, torch.device("cpu"),
+                      torch.float32)
+    good, bad = (LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths))
+    os.remove(os.path.join(paths[1], "adapter_model.safetensors"))
+    failed = mgr.prepare_step([good, bad, None], np.asarray([1, 2, 1]),
+                              lambda _name, a: torch.from_numpy(a))
+    assert list(failed) == [2] and "a1" in failed[2]
+    assert mgr.mapping.token_slots[:4].tolist() == [0, -1, -1, -1]
+    assert mgr.slot_ids == [1, None] and set(mgr.cpu) == {1}

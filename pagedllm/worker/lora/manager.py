@@ -133,6 +133,8 @@ class LoRAManager:
             else:
                 slot = next(s for s in self._slot_lru if self.slot_ids[s] not in in_step)
                 del self._slot_of[self.slot_ids[slot]]  # type: ignore[arg-type]
+            # Free from here on: a failure below (a bad adapter) leaves it free.
+            self.slot_ids[slot] = None
             ad = self._host_adapter(req)
             for name, layer in self.layers.items():
                 layer.set_slot(slot, ad.modules.get(name))
@@ -144,17 +146,34 @@ class LoRAManager:
 
     def prepare_step(self, loras: Sequence[LoRARequest | None], num_new: np.ndarray,
                      h2d: Callable[[str, np.ndarray], torch.Tensor],
-                     pruned: bool = False) -> None:
+                     pruned: bool = False) -> dict[int, str]:
         """Make the step's adapters resident and publish the slot maps.
         ``loras[i]``: scheduled request i's adapter; ``num_new[i]``: its tokens;
         ``pruned``: the model runs its last layer past attention on each request's last
         token only (``last_only`` with a multi-token request), so that layer's map has
-        one slot per request."""
+        one slot per request.  Returns the adapters that failed to load (``lora_int_id``
+        -> why, e.g. files changed or removed since they were checked): their rows run
+        without an adapter this step, and the caller fails the requests using them --
+        one bad adapter never fails the step."""
+        failed: dict[int, str] = {}
+        wanted = {r.lora_int_id: r for r in loras if r is not None}
+        if len(wanted) > self.max_loras:
+            raise RuntimeError(f"{len(wanted)} adapters in one step, more than max_loras "
+                               f"({self.max_loras}): the scheduler should prevent it")
+        for r in wanted.values():
+            if r.lora_int_id not in self._slot_of:
+                try:
+                    self._make_resident(r, set(wanted))
+                except Exception as e:  # noqa: BLE001 - fails its requests, not the step
+                    failed[r.lora_int_id] = str(e).strip().splitlines()[0] if str(e) \
+                        else type(e).__name__
+        if failed:
+            loras = [None if r is None or r.lora_int_id in failed else r for r in loras]
         in_step = {r.lora_int_id for r in loras if r is not None}
         m = self.mapping
         if not in_step and self._prev_tokens == 0:
             m.active = False
-            return
+            return failed
         if len(in_step) > self.max_loras:
             raise RuntimeError(f"{len(in_step)} adapters in one step, more than max_loras "
                                f"({self.max_loras}): the scheduler should prevent it")
@@ -166,6 +185,7 @@ class LoRAManager:
         m.last.publish(req_slots if pruned else tokens, h2d, "lora_last")
         self._prev_tokens = len(tokens) if in_step else 0
         m.active = bool(in_step)
+        return failed
 
 
 def make_lora_manager(config: Any, model: nn.Module, device: torch.device,

@@ -49,18 +49,14 @@ class LoRAAdapter:
 
 
 def load_adapter(req: LoRARequest, max_lora_rank: int, hf_config: Any) -> LoRAAdapter:
-    """Validate and read ``req``'s adapter (fp32 on the CPU)."""
+    """Validate and read ``req``'s adapter (fp32 on the CPU): the arrays
+    ``check_adapter`` read and checked in full (dtypes, shapes, byte ranges, finite)."""
     info = check_adapter(req, max_lora_rank, hf_config)
-    try:
-        from safetensors.torch import load_file
-
-        tensors = load_file(info.weights_path, device="cpu")
-    except Exception as e:  # safetensors raises its own error types on bad files
-        raise adapter_error(req, f"adapter_model.safetensors is corrupt ({e})") from None
+    tensors = info.tensors
     modules: dict[str, list[LoRAWeights | None]] = {}
     for module in info.ranks:
-        a = tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"].float()
-        b = tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"].float()
+        a = torch.from_numpy(tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"])
+        b = torch.from_numpy(tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"])
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise adapter_error(req, f"{module!r} holds non-finite weights")
         leaf = module.rsplit(".", 1)[-1]
