@@ -31,7 +31,7 @@ PACE_S = 0.05
 
 
 def hooks_env(*, step_pace_s: float = 0.0, fail_after_steps: int | None = None,
-               leak_bytes_per_request: int = 0) -> dict[str, str]:
+               leak_bytes_per_s: int = 0) -> dict[str, str]:
     """The environment that installs ``engine_hooks/sitecustomize.py``'s test hooks in a
     server (its API process and engine cores); pass it as ``running_server(env=...)``."""
     env = {"PYTHONPATH": os.pathsep.join(
@@ -40,8 +40,8 @@ def hooks_env(*, step_pace_s: float = 0.0, fail_after_steps: int | None = None,
         env["PAGEDLLM_TEST_STEP_PACE_S"] = str(step_pace_s)
     if fail_after_steps is not None:
         env["PAGEDLLM_TEST_FAIL_AFTER_STEPS"] = str(fail_after_steps)
-    if leak_bytes_per_request:
-        env["PAGEDLLM_TEST_LEAK_BYTES_PER_REQUEST"] = str(leak_bytes_per_request)
+    if leak_bytes_per_s:
+        env["PAGEDLLM_TEST_LEAK_BYTES_PER_S"] = str(leak_bytes_per_s)
     return env
 
 

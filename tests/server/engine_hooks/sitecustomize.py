@@ -12,8 +12,10 @@ variable is set:
   cancel, SIGTERM, kill) holds by construction instead of racing the model's speed.
 - ``PAGEDLLM_TEST_FAIL_AFTER_STEPS=N``: the (N+1)-th ``EngineCore.step()`` raises (the
   "model forward raises" fault of RELIABILITY.md).
-- ``PAGEDLLM_TEST_LEAK_BYTES_PER_REQUEST=N``: the API server keeps N bytes, touched, for
-  every ``/v1/`` request, forever (capped at 1 GiB): the soak's leak detector must see it.
+- ``PAGEDLLM_TEST_LEAK_BYTES_PER_S=N``: from the first ``/v1/`` request on, a thread in
+  the API server keeps N more bytes, touched, every second, forever (capped at 2 GiB). The
+  leak grows with wall time, not with requests served, so the soak's leak detector sees
+  the same growth over its window on a quiet machine and on a loaded one.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -29,8 +32,9 @@ from typing import Any
 
 PACE_ENV = "PAGEDLLM_TEST_STEP_PACE_S"
 FAIL_ENV = "PAGEDLLM_TEST_FAIL_AFTER_STEPS"
-LEAK_ENV = "PAGEDLLM_TEST_LEAK_BYTES_PER_REQUEST"
-LEAK_CAP = 1 << 30
+LEAK_ENV = "PAGEDLLM_TEST_LEAK_BYTES_PER_S"
+LEAK_CAP = 2 << 30
+LEAK_TICK_S = 0.25
 
 
 def _patch_engine_core(module: ModuleType) -> None:
@@ -51,18 +55,29 @@ def _patch_engine_core(module: ModuleType) -> None:
     module.EngineCore.step = step
 
 
-def _patch_api_server(module: ModuleType) -> None:
-    n = int(os.environ.get(LEAK_ENV) or 0)
-    original = module.build_app
+def _leak_forever(bytes_per_s: int) -> None:
     leaked: list[bytes] = []
+    per_tick = int(bytes_per_s * LEAK_TICK_S)
+    while len(leaked) * per_tick < LEAK_CAP:
+        leaked.append(b"x" * per_tick)  # written, so the pages are resident
+        time.sleep(LEAK_TICK_S)
+    threading.Event().wait()  # keeps ``leaked`` alive for the life of the process
+
+
+def _patch_api_server(module: ModuleType) -> None:
+    rate = int(os.environ.get(LEAK_ENV) or 0)
+    original = module.build_app
+    started = threading.Event()
 
     def build_app(*args: Any, **kwargs: Any) -> Any:
         app = original(*args, **kwargs)
 
         async def leaking(scope: Any, receive: Any, send: Any) -> None:
-            if (scope["type"] == "http" and scope["path"].startswith("/v1/")
-                    and len(leaked) * n < LEAK_CAP):
-                leaked.append(b"x" * n)  # written, so the pages are resident
+            if (rate and scope["type"] == "http" and scope["path"].startswith("/v1/")
+                    and not started.is_set()):
+                started.set()
+                threading.Thread(target=_leak_forever, args=(rate,), daemon=True,
+                                 name="test-leak").start()
             await app(scope, receive, send)
 
         return leaking
