@@ -1,0 +1,359 @@
+"""Paged multi-head latent attention (DeepSeek MLA) in latent space, for decodes and short
+multi-token queries (speculative verification, small chunks), with split-KV
+(flash-decoding) for long contexts.
+
+What it computes.  The up-projections are absorbed into the query and the output, so
+every head attends over the same per-token latent::
+
+    kv_cache  (1, num_blocks, block_size, 1, L + R)  model dtype; per token [c_kv | k_pe]
+    q_latent  [T, H, L]      q_pe [T, H, R]          out [T, H, L] (q_latent's dtype)
+
+    s[t, h, j] = (q_latent[t, h] . c_kv[j] + q_pe[t, h] . k_pe[j]) * scale
+    out[t, h]  = sum_j softmax_j(s[t, h, :])[j] * c_kv[j]      (values = the latent)
+
+Request ``r`` owns tokens ``query_start_loc[r] .. query_start_loc[r + 1]`` (``q_len``
+of them) and ``seq_lens[r]`` tokens of context, new ones included and already written
+to the cache; its query ``i`` sits at position ``seq_lens[r] - q_len + i`` and sees
+positions ``0 ..`` that one, read through ``block_tables[r]`` (ragged: only the first
+``ceil(seq_lens[r] / block_size)`` entries are read).  Rows past
+``query_start_loc[num_reqs]`` (a padded batch) are left unwritten.
+
+Grid::
+
+    axis 0: requests.
+    axis 1: (query block, head block).  A program's rows are BLOCK_Q queries x BLOCK_H
+            heads of one request, so each KV tile is loaded ONCE for all its heads and
+            queries -- what makes MLA decode bandwidth-bound on the latent cache (one
+            576-element row per token serves all H heads).  Both products run as
+            ``tl.dot`` with M = BLOCK_Q * BLOCK_H >= 16 rows.  DeepSeek-V2-Lite's 16
+            heads fit one head block; V3's 128 split into head blocks of 64 (a 64 x 512
+            fp32 accumulator is already 128 registers a thread at 8 warps).
+    axis 2: KV splits.  Split ``s`` of ``S`` takes a contiguous, BLOCK_N-aligned run of
+            the positions its rows need, writes its normalised partial output and its
+            log-sum-exp (log2 domain), and ``_mla_reduce_kernel`` merges the S partials.
+            ``S`` is a host int (from the batch size, never from device tensors): a CUDA
+            graph captured for a batch size stays valid at any context length; empty
+            splits write a zero-weight partial.
+
+Inside a program: online softmax in the log2 domain, fp32 accumulation, P cast to the
+cache dtype for the P @ c_kv product (as FlashAttention does).  Every offset built from
+a block id or a token index is int64.
+
+Under ``TRITON_INTERPRET=1`` both products upcast to fp32 (the interpreter's bf16
+``tl.dot`` returns garbage in triton 3.6; the upcast of bf16 is exact, so the numerics
+are the GPU's up to accumulation order).  fp32 inputs multiply in IEEE fp32, not TF32.
+
+:func:`mla_decode_ref` is the oracle: a per-request dense softmax in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+MAX_SPLITS = 32
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _mma(a, b, F32_DOT: tl.constexpr):
+    """``a @ b`` with fp32 accumulation (fp32 IEEE products where ``F32_DOT``)."""
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _mla_tile(start, kv_hi, q_lat, q_rope, q_pos, m_i, l_i, acc, kv_ptr, bt_row,
+              stride_kvb, stride_kvs, scale_log2, offs_n, offs_l, offs_r, l_ok, r_ok,
+              L: tl.constexpr, BLOCK_SIZE: tl.constexpr, F32_DOT: tl.constexpr):
+    """Positions ``start .. start + BLOCK_N`` (below ``kv_hi``) of the online softmax:
+    one gather of their ``[c_kv | k_pe]`` rows serves every row (query x head)."""
+    pos = start + offs_n
+    pos_ok = pos < kv_hi
+    block_id = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    base = block_id * stride_kvb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kvs
+    c_kv = tl.load(kv_ptr + base[:, None] + offs_l[None, :],
+                   mask=pos_ok[:, None] & l_ok[None, :], other=0.0)
+    k_pe = tl.load(kv_ptr + base[:, None] + L + offs_r[None, :],
+                   mask=pos_ok[:, None] & r_ok[None, :], other=0.0)
+    s = _mma(q_lat, tl.trans(c_kv), F32_DOT) + _mma(q_rope, tl.trans(k_pe), F32_DOT)
+    s = s * scale_log2
+    visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _mma(p.to(c_kv.dtype), c_kv, F32_DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+def _mla_decode_kernel(
+    ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr,
+    scale_log2, num_heads, num_splits,
+    stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kvb, stride_kvs, stride_bt,
+    stride_ot, stride_oh,
+    L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+    F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
+):
+    req = tl.program_id(0)
+    q_block = tl.program_id(1) // HEAD_BLOCKS
+    h_block = tl.program_id(1) % HEAD_BLOCKS
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return  # the grid is sized for max_query_len; shorter requests exit
+    seq_len = tl.load(seq_lens_ptr + req)
+
+    rows = tl.arange(0, BLOCK_Q * BLOCK_H)
+    qi = q_block * BLOCK_Q + rows // BLOCK_H
+    head = h_block * BLOCK_H + rows % BLOCK_H
+    row_ok = (qi < q_len) & (head < num_heads)
+    q_pos = seq_len - q_len + qi  # the last position each row may see (causal)
+    tok = (q_start + qi).to(tl.int64)
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    l_ok = offs_l < L
+    r_ok = offs_r < R
+    q_lat = tl.load(ql_ptr + tok[:, None] * stride_qlt + head[:, None] * stride_qlh
+                    + offs_l[None, :], mask=row_ok[:, None] & l_ok[None, :], other=0.0)
+    q_rope = tl.load(qp_ptr + tok[:, None] * stride_qpt + head[:, None] * stride_qph
+                     + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+
+    # Positions this program's rows need: up to its last query's position.  The split's
+    # share is rounded up to whole tiles so that only the last tile of a split is ragged.
+    kv_end = tl.minimum(seq_len, seq_len - q_len + q_block * BLOCK_Q + BLOCK_Q)
+    if SPLIT:
+        per_split = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+        kv_lo = split * per_split
+        kv_hi = tl.minimum(kv_lo + per_split, kv_end)
+    else:
+        kv_lo = 0
+        kv_hi = kv_end
+
+    bt_row = bt_ptr + req.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_H, BLOCK_L], dtype=tl.float32)
+    if WHILE_LOOP:
+        # The interpreter cannot take loaded scalars as range() bounds (numpy 2 refuses
+        # int() of their shape-(1,) arrays); on the GPU the for-loop stays, as only
+        # scf.for loops are software-pipelined (num_stages).
+        start = kv_lo
+        while start < kv_hi:
+            m_i, l_i, acc = _mla_tile(
+                start, kv_hi, q_lat, q_rope, q_pos, m_i, l_i, acc, kv_ptr, bt_row,
+                stride_kvb, stride_kvs, scale_log2, offs_n, offs_l, offs_r, l_ok, r_ok,
+                L, BLOCK_SIZE, F32_DOT)
+            start += BLOCK_N
+    else:
+        for start in range(kv_lo, kv_hi, BLOCK_N):
+            m_i, l_i, acc = _mla_tile(
+                start, kv_hi, q_lat, q_rope, q_pos, m_i, l_i, acc, kv_ptr, bt_row,
+                stride_kvb, stride_kvs, scale_log2, offs_n, offs_l, offs_r, l_ok, r_ok,
+                L, BLOCK_SIZE, F32_DOT)
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if SPLIT:
+        # Partials [T, S, H, L] fp32 and lse [T, S, H]; an empty split (or a row that
+        # sees nothing in it) has l = 0 -> lse = -inf: zero weight in the merge.
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)),
+                       float("-inf"))
+        idx = (tok * num_splits + split) * num_heads + head
+        tl.store(lse_ptr + idx, lse, mask=row_ok)
+        tl.store(out_ptr + idx[:, None] * L + offs_l[None, :], o,
+                 mask=row_ok[:, None] & l_ok[None, :])
+    else:
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh
+                 + offs_l[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & l_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
+def _mla_reduce_kernel(
+    part_ptr, lse_ptr, out_ptr, qsl_ptr, num_reqs, num_heads, num_splits,
+    stride_ot, stride_oh,
+    L: tl.constexpr, BLOCK_L: tl.constexpr, SPLITS_P2: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if tok >= tl.load(qsl_ptr + num_reqs):
+        return  # a padding row: never written by the split pass either
+    splits = tl.arange(0, SPLITS_P2)
+    offs_l = tl.arange(0, BLOCK_L)
+    split_ok = splits < num_splits
+    idx = (tok * num_splits + splits) * num_heads + head
+    lse = tl.load(lse_ptr + idx, mask=split_ok, other=float("-inf"))
+    part = tl.load(part_ptr + idx[:, None] * L + offs_l[None, :],
+                   mask=split_ok[:, None] & (offs_l[None, :] < L), other=0.0)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    o = tl.sum(part * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_l,
+             o.to(out_ptr.dtype.element_ty), mask=offs_l < L)
+
+
+@dataclass(frozen=True)
+class MlaLaunch:
+    """Host-side launch plan (``plan_mla_decode``, or by hand in tests and sweeps)."""
+
+    block_h: int  # heads per program (power of two; rows = block_q * block_h >= 16)
+    block_q: int  # query tokens per program
+    block_n: int  # KV positions per inner-loop step
+    num_splits: int  # 1 = one pass; > 1 = split-KV + reduce
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def plan_mla_decode(*, num_reqs: int, max_query_len: int, num_heads: int,
+                    kv_lora_rank: int, sm_count: int = 132,
+                    num_splits: int | None = None,
+                    max_seq_len: int | None = None) -> MlaLaunch:
+    """Tile shapes and the split count from host ints only (CUDA-graph safe unless
+    ``max_seq_len`` is given, which only lowers the split count for short contexts).
+
+    Rows per program are capped at 64 (at the 512-wide latent a 64 x 512 fp32
+    accumulator is 128 registers a thread at 8 warps); heads fill the rows first, so a
+    decode of DeepSeek-V2-Lite's 16 heads is one 16-row program per request and
+    two-token queries share one 32-row program.  When the (request, query block, head
+    block) programs are under two waves of ``sm_count``, each context is split so that
+    about ``2 * sm_count`` programs run (up to ``MAX_SPLITS``): batch 64 x 16 heads on
+    132 SMs gives 8 splits.  ``num_splits`` forces the count (tests, sweeps)."""
+    max_rows = 64 if kv_lora_rank <= 512 else 32
+    block_h = min(max(16, triton.next_power_of_2(num_heads)), max_rows)
+    block_q = max(1, min(triton.next_power_of_2(max(1, max_query_len)),
+                         max_rows // block_h))
+    head_blocks = -(-num_heads // block_h)
+    q_blocks = -(-max(1, max_query_len) // block_q)
+    block_n = 32 if kv_lora_rank >= 256 else 64
+    if num_splits is None:
+        programs = max(1, num_reqs * q_blocks * head_blocks)
+        num_splits = 1
+        if programs < 2 * sm_count:
+            num_splits = min(MAX_SPLITS, triton.next_power_of_2(
+                math.ceil(2 * sm_count / programs)))
+        if max_seq_len is not None:  # at least 4 tiles of work per split
+            num_splits = max(1, min(num_splits, math.ceil(max_seq_len / block_n) // 4))
+    rows = block_q * block_h
+    warps = 8 if rows * kv_lora_rank >= 32 * 512 else 4
+    return MlaLaunch(block_h=block_h, block_q=block_q, block_n=block_n,
+                     num_splits=max(1, num_splits), num_warps=warps, num_stages=2)
+
+
+def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               query_start_loc: torch.Tensor, scale: float, max_query_len: int, *,
+               launch: MlaLaunch | None = None, max_seq_len: int | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Latent-space paged MLA (module doc) -> ``out [T, H, L]`` in ``q_latent``'s dtype.
+
+    ``q_latent [T, H, L]`` and ``q_pe [T, H, R]``: any token / head strides, last dim
+    contiguous, the cache's dtype.  ``kv_cache (1, num_blocks, block_size, 1, L + R)``,
+    last dim contiguous.  ``block_tables [num_reqs, max_blocks]``, ``seq_lens
+    [num_reqs]`` and ``query_start_loc [num_reqs + 1]`` int32 on the same device;
+    ``max_query_len`` a host int >= every request's query length.  ``launch``: a plan
+    by hand (else :func:`plan_mla_decode`); ``out``: a preallocated ``[T, H, L]``
+    (token / head strides free, last dim contiguous)."""
+    t, h, lat = q_latent.shape
+    rope = q_pe.shape[-1]
+    if q_pe.shape[:2] != (t, h) or kv_cache.dim() != 5 or kv_cache.shape[0] != 1 \
+            or kv_cache.shape[3] != 1 or kv_cache.shape[4] != lat + rope:
+        raise ValueError(f"mla_decode: q_latent {tuple(q_latent.shape)}, q_pe "
+                         f"{tuple(q_pe.shape)}, kv_cache {tuple(kv_cache.shape)}: expected "
+                         "[T, H, L], [T, H, R], (1, num_blocks, block_size, 1, L + R)")
+    if q_latent.stride(-1) != 1 or q_pe.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("mla_decode: q_latent, q_pe and kv_cache need a contiguous last dim")
+    num_reqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty(t, h, lat, dtype=q_latent.dtype, device=q_latent.device)
+    if t == 0 or num_reqs == 0:
+        return out
+    if launch is None:
+        sm = 132
+        if q_latent.is_cuda and not _interpreting():
+            from pagedllm.kernels.paged_attention import device_sm_count
+
+            sm = device_sm_count(q_latent.device)
+        launch = plan_mla_decode(num_reqs=num_reqs, max_query_len=max_query_len,
+                                 num_heads=h, kv_lora_rank=lat, sm_count=sm,
+                                 max_seq_len=max_seq_len)
+    head_blocks = -(-h // launch.block_h)
+    q_blocks = -(-max(1, max_query_len) // launch.block_q)
+    splits = launch.num_splits
+    f32_dot = _interpreting() or q_latent.dtype == torch.float32
+    block_l = triton.next_power_of_2(lat)
+    if splits > 1:
+        part = torch.empty(t, splits, h, lat, dtype=torch.float32, device=q_latent.device)
+        lse = torch.empty(t, splits, h, dtype=torch.float32, device=q_latent.device)
+        target, stride_ot, stride_oh = part, 0, 0
+    else:
+        lse = seq_lens  # unused
+        target, stride_ot, stride_oh = out, out.stride(0), out.stride(1)
+    _mla_decode_kernel[(num_reqs, q_blocks * head_blocks, splits)](
+        q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, target, lse,
+        scale * _LOG2E, h, splits,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
+        stride_ot, stride_oh,
+        L=lat, R=rope, BLOCK_L=block_l, BLOCK_R=triton.next_power_of_2(rope),
+        BLOCK_H=launch.block_h, BLOCK_Q=launch.block_q, HEAD_BLOCKS=head_blocks,
+        BLOCK_N=launch.block_n, BLOCK_SIZE=kv_cache.shape[2], SPLIT=splits > 1,
+        F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), num_warps=launch.num_warps,
+        num_stages=launch.num_stages)
+    if splits > 1:
+        _mla_reduce_kernel[(t, h)](
+            part, lse, out, query_start_loc, num_reqs, h, splits, out.stride(0),
+            out.stride(1), L=lat, BLOCK_L=block_l,
+            SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
+    return out
+
+
+def mla_decode_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   query_start_loc: torch.Tensor, scale: float,
+                   max_query_len: int | None = None) -> torch.Tensor:
+    """The oracle of :func:`mla_decode` (same contract): per request, gather the
+    context through the block table, dense causal softmax in fp32, output in
+    ``q_latent``'s dtype.  A python loop over requests: obviously right, not fast."""
+    del max_query_len  # same signature as the kernel; the loop needs no bound
+    t, h, lat = q_latent.shape
+    bs = kv_cache.shape[2]
+    cache = kv_cache[0, :, :, 0, :]  # [num_blocks, block_size, L + R]
+    out = torch.zeros(t, h, lat, dtype=q_latent.dtype, device=q_latent.device)
+    qsl = query_start_loc.tolist()
+    for r, seq_len in enumerate(seq_lens.tolist()):
+        lo, hi = qsl[r], qsl[r + 1]
+        if hi == lo:
+            continue
+        n_blocks = -(-seq_len // bs)
+        ctx = cache[block_tables[r, :n_blocks].long()].reshape(-1, cache.shape[-1])
+        ctx = ctx[:seq_len].float()
+        c_kv, k_pe = ctx[:, :lat], ctx[:, lat:]
+        ql, qp = q_latent[lo:hi].float(), q_pe[lo:hi].float()  # [q, H, *]
+        s = (torch.einsum("qhl,jl->qhj", ql, c_kv)
+             + torch.einsum("qhr,jr->qhj", qp, k_pe)) * scale
+        q_pos = seq_len - (hi - lo) + torch.arange(hi - lo, device=s.device)
+        visible = torch.arange(seq_len, device=s.device)[None, :] <= q_pos[:, None]
+        s = s.masked_fill(~visible[:, None, :], float("-inf"))
+        out[lo:hi] = torch.einsum("qhj,jl->qhl", s.softmax(-1), c_kv).to(out.dtype)
+    return out
