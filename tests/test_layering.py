@@ -16,7 +16,7 @@ The layers, bottom to top (a module may import its own layer and those below):
       disk); ``lora/`` (adapter requests, files and names)
 2     the torch-free engine side: ``config.py`` (plain dataclasses), ``core/`` (the
       scheduler and KV manager), ``spec_decode/`` and ``structured_output/`` (their
-      scheduling policy and grammar compilation)
+      scheduling policy and grammar compilation), ``multimodal/`` (images in)
 3     kernels: ``kernels/`` (Triton), ``cpu/`` (C), ``distributed/``
 4     ``attention/``
 5     ``layers/``, ``sample/``
@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("sampling_params", "structured_outputs_params", "pooling_params", "outputs",
      "pooling_outputs", "beam_search", "messages", "request", "metrics", "model_files",
      "lora"),
-    ("config", "core", "spec_decode", "structured_output"),
+    ("config", "core", "spec_decode", "structured_output", "multimodal"),
     ("kernels", "cpu", "distributed"),
     ("attention",),
     ("layers", "sample"),
