@@ -118,6 +118,10 @@ class ParallelState:
     pp: GroupCoordinator = _SINGLE
     # Every rank of the engine (the start-up barrier and warm-up collective run over it).
     world: GroupCoordinator = _SINGLE
+    # Expert parallelism (``enable_expert_parallel``): the ranks that split a MoE layer's
+    # experts between them -- the TP group (DP engines are separate worlds); single-rank
+    # when expert parallelism is off, so MoE layers keep every expert.
+    ep: GroupCoordinator = _SINGLE
 
     @property
     def tp_size(self) -> int:
@@ -168,9 +172,11 @@ def layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
 
 
 def init_parallel_state(tp_size: int, pp_size: int, rank: int, init_method: str,
-                        backend: str, timeout_s: float) -> ParallelState:
+                        backend: str, timeout_s: float,
+                        expert_parallel: bool = False) -> ParallelState:
     """Join the engine's world (``tp_size * pp_size`` ranks at ``init_method``, e.g.
-    ``tcp://127.0.0.1:PORT``) and create its TP and PP groups.  Every rank calls this
+    ``tcp://127.0.0.1:PORT``) and create its TP and PP groups (``expert_parallel``: the
+    TP group is the EP group too).  Every rank calls this
     with the same arguments but its own ``rank``.  Raises ``RuntimeError`` naming the
     rank when the rendezvous or the start-up barrier does not complete in ``timeout_s``."""
     world = tp_size * pp_size
@@ -201,10 +207,10 @@ def init_parallel_state(tp_size: int, pp_size: int, rank: int, init_method: str,
             pp_group, pp_cpu = g, c
     pp_rank, tp_rank = divmod(rank, tp_size)
     world_cpu = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
+    tp = GroupCoordinator(tuple(range(pp_rank * tp_size, (pp_rank + 1) * tp_size)),
+                          tp_rank, tp_group, tp_cpu)
     state = ParallelState(
-        rank=rank, world_size=world,
-        tp=GroupCoordinator(tuple(range(pp_rank * tp_size, (pp_rank + 1) * tp_size)),
-                            tp_rank, tp_group, tp_cpu),
+        rank=rank, world_size=world, tp=tp, ep=tp if expert_parallel else _SINGLE,
         pp=GroupCoordinator(tuple(range(tp_rank, world, tp_size)), pp_rank, pp_group,
                             pp_cpu),
         # device_group None: the default (world) group.

@@ -7,10 +7,17 @@ Weights, stacked over experts (vLLM's layout)::
 
 Tensor parallelism shards every expert like a Llama MLP: ``w13`` by its intermediate rows
 (column parallel, gate and up split separately), ``w2`` by its intermediate columns (row
-parallel), and the combined output is all-reduced once.  Expert parallelism keeps whole
-experts: rank r owns global experts ``[r * E_local, (r + 1) * E_local)``; the loader skips
-the others (``expert_id`` outside the range) and ``forward`` will remap ids through
-``expert_map`` once that lands -- today ``ep_size`` is 1.
+parallel), and the combined output is all-reduced once.  Expert parallelism
+(``enable_expert_parallel``: the parallel state's ``ep`` group, or ``ep_size`` given
+outright) keeps whole experts: rank r owns global experts ``[r * E_local, (r + 1) *
+E_local)``; the loader skips the others (``expert_id`` outside the range).  Tokens are
+replicated over the group (it is the TP group), so each rank runs its own experts'
+(token, expert) pairs -- the other pairs are dropped (``local_topk``) -- and the partial
+sums are all-reduced over the group, the collective a row-parallel down projection
+needs anyway::
+
+    rank 0: experts 0..E/2-1   ─┐  out_r = sum over the pairs routed to rank r's experts
+    rank 1: experts E/2..E-1   ─┴─► all_reduce(out_0 + out_1) = every pair's sum
 
 How the experts are stored and multiplied is the layer's ``quant_method``
 (``FusedMoEMethodBase``), as for linear layers: a quantisation config that knows MoE
@@ -25,6 +32,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import current_parallel_state
 from pagedllm.layers.fused_moe.routing import select_experts
 from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
 from pagedllm.layers.quantization.base import QuantizationConfig, set_weight_attrs
@@ -99,22 +107,36 @@ class FusedMoE(nn.Module):
     ``apply_routed`` fuses them (unquantised decode batches on CUDA).  ``prefix`` is the
     HF module name of the experts (``model.layers.3.mlp.experts``), as for linear layers.
     ``use_triton`` forces the Triton kernel on CPU tensors (tests, under
-    ``TRITON_INTERPRET=1``).
+    ``TRITON_INTERPRET=1``).  ``forward_topk(x, topk_weights, topk_ids)`` runs the
+    experts on a routing computed elsewhere (DeepSeek's grouped top-k,
+    ``models/deepseek_moe.py``); ids are global expert ids either way.
+
+    Expert parallelism: ``ep_size``/``ep_rank`` default to the parallel state's ``ep``
+    group (built with ``enable_expert_parallel``); given outright without such a group
+    (tests), ``forward`` returns this rank's partial sum unreduced.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int,
                  intermediate_size: int, renormalize: bool, tp_size: int = 1,
-                 tp_rank: int = 0, ep_size: int = 1, ep_rank: int = 0,
+                 tp_rank: int = 0, ep_size: int | None = None, ep_rank: int | None = None,
                  quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
+        if ep_size is None:
+            ep = current_parallel_state().ep
+            ep_size, ep_rank = ep.world_size, ep.rank_in_group
+        ep_rank = ep_rank or 0
         if intermediate_size % tp_size:
             raise ValueError(f"moe intermediate size {intermediate_size} not divisible by "
                              f"tp_size {tp_size}")
         if num_experts % ep_size:
-            raise ValueError(f"num_experts {num_experts} not divisible by ep_size {ep_size}")
+            raise ValueError(f"enable_expert_parallel: num_experts {num_experts} not "
+                             f"divisible by the expert-parallel size {ep_size}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_size = hidden_size
         self.tp_size, self.tp_rank = tp_size, tp_rank
+        state = current_parallel_state()
+        self.ep_group = state.ep if state.ep.world_size == ep_size else None
+        self.ep_size, self.ep_rank = ep_size, ep_rank
         self.num_local_experts = num_experts // ep_size
         self.expert_start = ep_rank * self.num_local_experts
         self.intermediate_per_partition = intermediate_size // tp_size
@@ -133,9 +155,22 @@ class FusedMoE(nn.Module):
                                          torch.get_default_dtype())
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str,
-                      expert_id: int) -> None:
+                      expert_id: int | None) -> None:
         """Copy one expert's checkpoint matrix: ``shard_id`` "w1" (gate, ``[I, H]``),
-        "w3" (up) or "w2" (down, ``[H, I]``); this rank's slice of it."""
+        "w3" (up) or "w2" (down, ``[H, I]``); this rank's slice of it.  ``expert_id``
+        None: a whole bank in transformers' fused layout, ``shard_id`` "w13"
+        (``gate_up_proj [E, 2I, H]``, gate rows first) or "w2" (``down_proj [E, H, I]``);
+        only this rank's experts are read."""
+        if expert_id is None:
+            for e in range(self.expert_start, self.expert_start + self.num_local_experts):
+                one = loaded.narrow(0, e, 1)[0]
+                if shard_id == "w13":
+                    half = one.shape[0] // 2
+                    self.weight_loader(param, one[:half], "w1", e)
+                    self.weight_loader(param, one[half:], "w3", e)
+                else:
+                    self.weight_loader(param, one, shard_id, e)
+            return
         hit = self.expert_shard(param.data, loaded, shard_id, expert_id)
         if hit is not None:
             hit[0].copy_(hit[1])
@@ -165,10 +200,38 @@ class FusedMoE(nn.Module):
         return dst, loaded.narrow(dim, self.tp_rank * dst.shape[dim], dst.shape[dim])
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        out = self.quant_method.apply_routed(self, x, router_logits)
-        if out is None:
-            weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-            out = self.quant_method.apply(self, x, weights, ids)
+        if self.ep_size == 1:
+            out = self.quant_method.apply_routed(self, x, router_logits)
+            if out is not None:
+                return self._reduce(out)
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self.forward_topk(x, weights, ids)
+
+    def forward_topk(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` through the experts ``topk_ids [T, k]`` (global ids) weighted
+        by ``topk_weights [T, k]`` -> ``[T, H]``, summed over ranks."""
+        if self.ep_size > 1:
+            topk_weights, topk_ids = self.local_topk(
+                topk_weights, topk_ids, skip_id=not (x.is_cuda or self.use_triton))
+        return self._reduce(self.quant_method.apply(self, x, topk_weights, topk_ids))
+
+    def local_topk(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   skip_id: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global ids -> this rank's local ids; another rank's pairs get weight 0 and
+        id ``E_local`` (``skip_id``: the torch reference skips ids past its experts, so
+        they cost nothing) or id 0 (the Triton kernels need an id in range; the zero
+        weight drops the product)."""
+        local = topk_ids - self.expert_start
+        mine = (local >= 0) & (local < self.num_local_experts)
+        other = self.num_local_experts if skip_id else 0
+        return (torch.where(mine, topk_weights, torch.zeros_like(topk_weights)),
+                torch.where(mine, local, torch.full_like(local, other)))
+
+    def _reduce(self, out: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial outputs (TP-sliced or EP-split experts)."""
+        if self.ep_group is not None and self.ep_group.world_size > 1:
+            return self.ep_group.all_reduce(out)
         if self.tp_size > 1:
             torch.distributed.all_reduce(out)
         return out

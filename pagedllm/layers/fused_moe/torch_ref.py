@@ -39,7 +39,8 @@ def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows then up rows), ``w2 [E, H, I]``,
     ``topk_weights/ids [T, k]`` -> ``[T, H]`` in ``x``'s dtype: the sum over each token's
-    experts of ``weight * down(silu(gate(x)) * up(x))``.
+    experts of ``weight * down(silu(gate(x)) * up(x))``.  Pairs whose id is ``>= E``
+    (another expert-parallel rank's expert) are skipped.
 
     ``w13_scale [E, 2I]`` / ``w2_scale [E, H]``: the weights are quantised (FP8) with a
     scale per output channel; each routed expert is upcast to ``x``'s dtype and its
@@ -53,7 +54,7 @@ def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     out = torch.zeros_like(x)
     inter = w2.shape[2]
     start = 0
-    for e, n in enumerate(counts.tolist()):
+    for e, n in enumerate(counts.tolist()[:num_experts]):
         if n == 0:
             continue
         tok = tokens[start:start + n]
