@@ -1,0 +1,99 @@
+"""The block-scaled FP8 GEMM and its per-token-group quantiser (kernels/fp8_block_gemm.py)
+against their torch references: K with a short last group, N not a multiple of the tile,
+weight block rows that a tile straddles (48-row blocks under 64-column tiles), M = 1 and
+M = 37, split-K, rows as wgmma's N (SWAP) and plain, bias."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_refs import DEVICE
+
+from pagedllm.kernels import fp8_block_gemm as fb
+from pagedllm.kernels.quant_common import FP8_DTYPE
+
+
+def _x(m: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, m)[:, None]
+    x[0] = 0.0  # a zero token: every group's scale at the floor
+    if k > 40:
+        x[-1, 40] = 3e4  # one outlier: only its own group's scale is large
+    return x
+
+
+def _weights(n: int, k: int, block: tuple[int, int], seed: int):
+    """Random e4m3 weights and block scales spanning decades (as a checkpoint's do)."""
+    g = torch.Generator().manual_seed(seed)
+    w_q = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(FP8_DTYPE)
+    nb = (-(-n // block[0]), -(-k // block[1]))
+    w_s = torch.logspace(-4, -2, nb[0] * nb[1])[torch.randperm(nb[0] * nb[1], generator=g)]
+    return w_q, w_s.view(nb).contiguous()
+
+
+@pytest.mark.parametrize("mk", [(1, 128), (37, 300), (5, 40)])
+def test_group_quantiser_matches_reference(mk: tuple[int, int]) -> None:
+    m, k = mk
+    x = _x(m, k, seed=k).to(torch.bfloat16)
+    q, s = fb.quantize_fp8_groups(x.to(DEVICE), 128)
+    q_ref, s_ref = fb.quantize_fp8_groups_ref(x, 128)
+    assert s.shape == (m, -(-k // 128)) and q.dtype == FP8_DTYPE
+    assert torch.equal(s.cpu(), s_ref)
+    assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+
+
+# (block_m, block_n, warps, stages, split, swap)
+CONFIGS = [(16, 64, 4, 2, 1, 1), (16, 32, 4, 2, 3, 1), (32, 64, 4, 2, 1, 0),
+           (16, 64, 4, 2, 2, 0)]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("mnk,block", [((1, 72, 256), (128, 128)),
+                                       ((37, 100, 300), (48, 128)),
+                                       ((37, 72, 80), (48, 32))])
+def test_block_gemm_matches_reference(config, mnk, block) -> None:
+    """fp32 output: equal to the dequantised reference up to accumulation order."""
+    m, n, k = mnk
+    x_q, x_s = fb.quantize_fp8_groups_ref(_x(m, k, seed=m + n), block[1])
+    w_q, w_s = _weights(n, k, block, seed=n)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    dev = [t.to(DEVICE) for t in (x_q, x_s, w_q, w_s, bias)]
+    got = fb.fp8_block_gemm(*dev[:4], block, dev[4], torch.float32, config).cpu()
+    ref = fb.fp8_block_gemm_ref(x_q, x_s, w_q, w_s, block, bias, torch.float32)
+    tol = 1e-5 * (ref.abs() + ref.abs().mean())
+    assert ((got - ref).abs() <= tol).all(), float((got - ref).abs().max())
+
+
+@pytest.mark.parametrize("m", [1, 37])
+def test_block_linear_bf16_default_plan(m: int) -> None:
+    """The whole path (group quantiser + default launch), bf16 out: within one bf16
+    rounding of the reference; and near the float product (fp8 rounding of x)."""
+    n, k, block = 96, 384, (128, 128)
+    x = _x(m, k, seed=m).to(torch.bfloat16)
+    w_q, w_s = _weights(n, k, block, seed=5)
+    got = fb.fp8_block_linear(x.to(DEVICE), w_q.to(DEVICE), w_s.to(DEVICE), block,
+                              None).cpu()
+    assert got.dtype == torch.bfloat16
+    x_q, x_s = fb.quantize_fp8_groups_ref(x, 128)
+    ref = fb.fp8_block_gemm_ref(x_q, x_s, w_q, w_s, block, None, torch.float32)
+    assert ((got.float() - ref).abs() <= 2 ** -7 * ref.abs() + 1e-6).all()
+    exact = x.float() @ fb.dequantize_fp8_blocks(w_q, w_s, block).t()
+    err = (got.float() - exact).norm() / exact.norm()
+    assert err < 0.05, float(err)
+
+
+def test_default_config() -> None:
+    """Decode rows split K over ~2 waves; prefill-sized M takes 64 x 128 tiles."""
+    assert fb.default_block_config(1, 4096, 7168) == (16, 64, 4, 4, 5, 1)
+    assert fb.default_block_config(4096, 4096, 7168) == (64, 128, 4, 3, 1, 0)
+
+
+def test_bad_operands() -> None:
+    x_q = torch.zeros(4, 256, dtype=FP8_DTYPE)
+    w_q = torch.zeros(64, 256, dtype=FP8_DTYPE)
+    with pytest.raises(ValueError, match="scales"):
+        fb.fp8_block_gemm(x_q, torch.ones(4, 1), w_q, torch.ones(1, 2), (128, 128), None,
+                          torch.bfloat16)
+    with pytest.raises(ValueError, match="power of two"):
+        fb.fp8_block_gemm(x_q, torch.ones(4, 3), w_q, torch.ones(1, 3), (128, 96), None,
+                          torch.bfloat16)
