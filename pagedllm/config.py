@@ -178,6 +178,9 @@ class ParallelConfig:
     data_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
     distributed_timeout_seconds: float = 60.0
+    # Whole experts per rank over the TP group instead of every expert replicated
+    # (distributed/parallel_state.ParallelState.ep; docs/parallelism.md).
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:

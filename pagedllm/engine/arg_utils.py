@@ -111,6 +111,8 @@ class EngineArgs:
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: chosen (ParallelConfig)
     distributed_timeout_seconds: float = 60.0
+    # MoE experts split whole over the TP ranks (vLLM's name; docs/parallelism.md).
+    enable_expert_parallel: bool = False
     # Pooling models (vLLM 0.26's names): "auto" | "generate" | "pooling"; a decoder
     # under runner "pooling" converts to "embed"; {"pooling_type", "normalize"}.
     runner: str = "auto"
@@ -184,7 +186,7 @@ class EngineArgs:
         parallel = make_parallel_config(
             self.tensor_parallel_size, self.pipeline_parallel_size,
             self.data_parallel_size, self.distributed_executor_backend,
-            self.distributed_timeout_seconds)
+            self.distributed_timeout_seconds, self.enable_expert_parallel)
 
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
@@ -404,7 +406,7 @@ def _ray_session_active() -> bool:
 
 
 def make_parallel_config(tp: object, pp: object, dp: object, backend: object,
-                         timeout: object) -> ParallelConfig:
+                         timeout: object, expert_parallel: object = False) -> ParallelConfig:
     """Validate the parallel arguments (``ValueError`` naming the parameter) and pick the
     executor backend when it is not given."""
     tp = _positive_int("tensor_parallel_size", tp)
@@ -421,7 +423,23 @@ def make_parallel_config(tp: object, pp: object, dp: object, backend: object,
     if backend == "uni" and tp * pp > 1:
         raise ValueError(f"distributed_executor_backend 'uni' runs one rank, but "
                          f"tensor_parallel_size x pipeline_parallel_size = {tp * pp}")
-    return ParallelConfig(tp, pp, dp, str(backend), float(timeout))
+    if not isinstance(expert_parallel, bool):
+        raise ValueError(f"enable_expert_parallel must be a bool, got {expert_parallel!r}")
+    if expert_parallel and tp == 1:
+        raise ValueError("enable_expert_parallel spreads experts over an engine's tensor-"
+                         "parallel ranks, but tensor_parallel_size is 1 (data-parallel "
+                         "engines are separate worlds); use tensor_parallel_size > 1")
+    return ParallelConfig(tp, pp, dp, str(backend), float(timeout), expert_parallel)
+
+
+def num_routed_experts(hf_config: Any) -> int:
+    """Routed experts per MoE layer (DeepSeek ``n_routed_experts``, Mixtral
+    ``num_local_experts``, Qwen-MoE ``num_experts``); 0 for a dense model."""
+    for name in ("n_routed_experts", "num_local_experts", "num_experts"):
+        n = getattr(hf_config, name, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return 0
 
 
 def check_parallel_shapes(hf_config: Any, parallel: ParallelConfig) -> None:
@@ -431,6 +449,15 @@ def check_parallel_shapes(hf_config: Any, parallel: ParallelConfig) -> None:
     layers = int(getattr(hf_config, "num_hidden_layers", 1))
     if pp > layers:
         raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {layers} layers")
+    if parallel.enable_expert_parallel:
+        experts = num_routed_experts(hf_config)
+        if not experts:
+            raise ValueError("enable_expert_parallel needs a mixture-of-experts model; "
+                             "this one has no routed experts")
+        if experts % tp:
+            raise ValueError(f"enable_expert_parallel: the model's {experts} routed experts "
+                             f"do not divide over the expert-parallel size {tp} "
+                             f"(tensor_parallel_size)")
     if tp == 1:
         return
     heads = int(hf_config.num_attention_heads)

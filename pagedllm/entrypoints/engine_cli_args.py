@@ -119,6 +119,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=4.0,
                    help="GiB of CPU memory for swapped-out KV blocks (pinned on GPU "
                         "machines); used with --preemption-mode swap.")
+    g.add_argument("--kv-offload-size", "--kv-offloading-size", type=float, default=0.0,
+                   help="GiB of host memory for the prefix cache's second tier: KV blocks "
+                        "evicted from the device pool wait there and are loaded back on "
+                        "a prefix hit (0: off; vLLM's --kv-offloading-size).")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="Load no tokenizer (e.g. a dummy-weight benchmark model with only "
                         "config.json): prompts must be token ids, and outputs carry token "
@@ -179,6 +183,9 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-timeout-seconds", type=float, default=60.0,
                    help="Start-up collectives and each step's wait for the ranks time "
                         "out after this long, naming the rank.")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: place whole experts on the tensor-parallel ranks "
+                        "(each holds num_experts / tp) instead of every expert on each.")
 
 
 def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
@@ -199,6 +206,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=args.enable_prefix_caching,
         disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         preemption_mode=args.preemption_mode, swap_space=args.swap_space,
+        kv_offload_bytes=int(getattr(args, "kv_offload_size", 0.0) * (1 << 30)),
         trust_remote_code=args.trust_remote_code,
         speculative_config=getattr(args, "speculative_config", None),
         served_model_name=getattr(args, "served_model_name", None),
@@ -208,6 +216,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
         data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         distributed_timeout_seconds=args.distributed_timeout_seconds,
+        enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
         runner=getattr(args, "runner", "auto"), convert=getattr(args, "convert", "auto"),
         pooler_config=getattr(args, "pooler_config", None),
         enable_lora=getattr(args, "enable_lora", False),

@@ -122,7 +122,8 @@ class Worker:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.parallel = init_parallel_state(
             pc.tensor_parallel_size, pc.pipeline_parallel_size, self.rank,
-            self.init_method, backend, pc.distributed_timeout_seconds)
+            self.init_method, backend, pc.distributed_timeout_seconds,
+            expert_parallel=pc.enable_expert_parallel)
         logger.info("rank %d joined the %d-rank world (%s; tp rank %d, pp rank %d) in "
                     "%.2f s", self.rank, pc.world_size, backend, self.parallel.tp_rank,
                     self.parallel.pp_rank, time.perf_counter() - t0)
