@@ -53,13 +53,31 @@ class ModelConfig:
         return int(self.hf_config.num_hidden_layers)
 
     @property
+    def use_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3, ``layers/mla.py``): the KV cache
+        stores one latent entry per token instead of per-head keys and values."""
+        return bool(getattr(self.hf_config, "kv_lora_rank", None))
+
+    @property
+    def kv_entries_per_token(self) -> int:
+        """Leading dimension of a layer's KV tensor: 2 (keys, values) for GQA, 1 for MLA
+        (``[c_kv | k_pe]``); generic code indexes ``cache[:, block_ids]`` either way."""
+        return 1 if self.use_mla else 2
+
+    @property
     def num_kv_heads(self) -> int:
+        """KV heads as the cache stores them (MLA: one latent "head")."""
         c = self.hf_config
+        if self.use_mla:
+            return 1
         return int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
 
     @property
     def head_dim(self) -> int:
+        """Elements per KV head in the cache (MLA: ``kv_lora_rank + qk_rope_head_dim``)."""
         c = self.hf_config
+        if self.use_mla:
+            return int(c.kv_lora_rank) + int(c.qk_rope_head_dim)
         hd = getattr(c, "head_dim", None)
         return int(hd) if hd else int(c.hidden_size // c.num_attention_heads)
 
@@ -68,10 +86,12 @@ class ModelConfig:
         return 4 if self.dtype == "float32" else 2
 
     def kv_bytes_per_token(self, cache_dtype: str = "auto") -> int:
-        """Bytes of K and V, all layers, for one token, in a KV cache of ``cache_dtype``
-        (``CacheConfig.cache_dtype``: "auto" = the model dtype, "fp8" = 1 byte)."""
+        """Bytes of K and V (MLA: of the latent entry), all layers, for one token, in a
+        KV cache of ``cache_dtype`` (``CacheConfig.cache_dtype``: "auto" = the model
+        dtype, "fp8" = 1 byte)."""
         elem = 1 if cache_dtype == "fp8" else self.dtype_bytes
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return (self.kv_entries_per_token * self.num_layers * self.num_kv_heads
+                * self.head_dim * elem)
 
 
 @dataclass(frozen=True)

@@ -58,8 +58,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def kv_cache_shape(model_config: Any, num_blocks: int,
                    block_size: int) -> tuple[int, int, int, int, int]:
-    """One layer's KV cache: ``(2, num_blocks, block_size, num_kv_heads, head_dim)``."""
-    return (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+    """One layer's KV cache: ``(entries, num_blocks, block_size, num_kv_heads,
+    head_dim)``, entries = 2 (keys, values) for GQA, 1 for MLA's latent entry
+    (``ModelConfig.kv_entries_per_token``)."""
+    return (getattr(model_config, "kv_entries_per_token", 2), num_blocks, block_size,
+            model_config.num_kv_heads, model_config.head_dim)
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@
 Order matters and is fixed: swap-outs first (their GPU blocks may have been handed to
 someone else this very step), then swap-ins, then copies -- all before the forward writes
 any new KV.  Each move is one gather and one scatter per layer (``index_select`` +
-``index_copy_`` over the block dimension of ``[2, num_blocks, block_size, heads, dim]``),
+``index_copy_`` over the block dimension of ``[2 | 1, num_blocks, block_size, heads, dim]``),
 whatever the number of blocks: no Python loop over blocks.
 """
 
@@ -78,8 +78,9 @@ class BlockOps:
 def allocate_swap_space(num_blocks: int, like: torch.Tensor,
                         num_layers: int) -> list[torch.Tensor]:
     """CPU tensors for ``num_blocks`` swapped blocks per layer, shaped like ``like`` (a
-    layer's KV tensor).  Pinned when the KV lives on a GPU, so copies run at full PCIe
-    bandwidth; plain memory when the "device" is the CPU itself."""
-    shape = (2, num_blocks, *like.shape[2:])
+    layer's KV tensor: its leading dimension is 2 for GQA, 1 for MLA).  Pinned when the
+    KV lives on a GPU, so copies run at full PCIe bandwidth; plain memory when the
+    "device" is the CPU itself."""
+    shape = (like.shape[0], num_blocks, *like.shape[2:])
     pin = like.device.type == "cuda"
     return [torch.zeros(shape, dtype=like.dtype, pin_memory=pin) for _ in range(num_layers)]

@@ -60,7 +60,8 @@ class PoolingModelRunner:
         if not self.is_encoder:
             mc, sc = config.model_config, config.scheduler_config
             blocks = -(-sc.max_num_batched_tokens // self.block_size) + sc.max_num_seqs + 1
-            shape = (2, blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+            shape = (mc.kv_entries_per_token, blocks, self.block_size, mc.num_kv_heads,
+                     mc.head_dim)
             self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device)
                               for _ in range(mc.num_layers)]
             model.bind_kv_caches(self.kv_caches)  # type: ignore[operator]

@@ -74,7 +74,8 @@ def profile_run(worker: Worker) -> int:
     bs = cc.block_size
     blocks_per_req = int(-(-per.max() // bs))
     num_blocks = reqs * blocks_per_req + 1
-    shape = (2, num_blocks, bs, worker.num_local_kv_heads, mc.head_dim)
+    shape = (mc.kv_entries_per_token, num_blocks, bs, worker.num_local_kv_heads,
+             mc.head_dim)
     start, end = worker.local_layers  # this rank's share (tensor / pipeline parallel)
     caches = [torch.zeros(shape, dtype=worker.kv_dtype, device=dev)
               for _ in range(start, end)]

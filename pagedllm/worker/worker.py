@@ -212,7 +212,8 @@ class Worker:
         draft = self._draft_config
         extra = 0 if draft is None else draft.kv_bytes_per_token(  # type: ignore[attr-defined]
             self.config.cache_config.cache_dtype)
-        return 2 * self.num_kv_tensors * self.num_local_kv_heads * mc.head_dim * elem + extra
+        return (mc.kv_entries_per_token * self.num_kv_tensors * self.num_local_kv_heads
+                * mc.head_dim * elem + extra)
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks this rank's memory holds (the executor takes the minimum
@@ -316,7 +317,9 @@ class Worker:
                         mc.pooler_config.pooling_type if mc.pooler_config else "?",
                         ", ".join(mc.pooler_config.tasks if mc.pooler_config else ()))
             return
-        shape = (2, num_blocks, cc.block_size, self.num_local_kv_heads, mc.head_dim)
+        # (2 = keys, values) for GQA; (1 = the latent entry) for MLA.
+        shape = (mc.kv_entries_per_token, num_blocks, cc.block_size, self.num_local_kv_heads,
+                 mc.head_dim)
         start, end = self.local_layers
         # Zeroed, not empty: attention gathers whole blocks and masks the tail, and
         # garbage NaNs would survive a zero attention weight.
@@ -367,8 +370,10 @@ class Worker:
             auto_blocks = num_blocks * kv_bytes // mc.kv_bytes_per_token()
             gained = f", {num_blocks - auto_blocks} more than {mc.dtype} ({auto_blocks - 1})"
         logger.info(
-            "KV cache (%s): %d blocks of %d tokens (%d tokens, %.2f GiB%s); max concurrency "
-            "at max_model_len %d: %.2fx", str(self.kv_dtype).replace("torch.", ""),
+            "KV cache (%s, %s, %d bytes per token): %d blocks of %d tokens (%d tokens, "
+            "%.2f GiB%s); max concurrency at max_model_len %d: %.2fx",
+            str(self.kv_dtype).replace("torch.", ""),
+            "MLA latent" if mc.use_mla else "K and V", self.kv_bytes_per_token(),
             num_blocks - 1, cc.block_size, tokens,
             num_blocks * cc.block_size * self.kv_bytes_per_token() / 2**30, gained,
             mc.max_model_len, tokens / mc.max_model_len)

@@ -48,10 +48,11 @@ class PagedSession:
     def __init__(self, model: torch.nn.Module, num_layers: int, num_kv_heads: int,
                  head_dim: int, num_blocks: int = 64, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, seed: int = 0,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", kv_entries: int = 2) -> None:
+        """``kv_entries``: the caches' leading dimension (2: K and V; 1: MLA's latent)."""
         self.model, self.block_size = model, block_size
         self.device = torch.device(device)
-        self.caches = [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim,
+        self.caches = [torch.zeros(kv_entries, num_blocks, block_size, num_kv_heads, head_dim,
                                    dtype=dtype, device=self.device)
                        for _ in range(num_layers)]
         model.bind_kv_caches(self.caches)  # type: ignore[operator]
@@ -98,7 +99,7 @@ def session_for(pair, block_size: int = 16, seed: int = 0) -> PagedSession:  # t
     ours, _, cfg = pair
     mc = cfg.model_config
     return PagedSession(ours, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks=48,
-                        block_size=block_size, seed=seed)
+                        block_size=block_size, seed=seed, kv_entries=mc.kv_entries_per_token)
 
 
 def hf_logits_of(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:

@@ -217,7 +217,8 @@ def attach_draft(runner: Any, model: nn.Module, config: Any, kv_dtype: torch.dty
         model, spec.num_speculative_tokens, cc.block_size, cc.num_blocks,
         max_rows=min(sc.max_num_seqs, spec.disable_by_batch_size or sc.max_num_seqs),
         max_model_len=sc.max_model_len, device=runner.device)
-    shape = (2, proposer.num_cache_blocks, cc.block_size, dc.num_kv_heads, dc.head_dim)
+    shape = (dc.kv_entries_per_token, proposer.num_cache_blocks, cc.block_size,
+             dc.num_kv_heads, dc.head_dim)
     # Zeroed, like the target's: attention gathers whole blocks and masks the tail.
     caches = [torch.zeros(shape, dtype=kv_dtype, device=runner.device)
               for _ in range(dc.num_layers)]

@@ -1,0 +1,289 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3) over a paged latent KV cache, in
+plain PyTorch: the CPU backend and the oracle for the GPU decode kernel
+(``kernels/mla_decode.py``).
+
+KV cache layout, one tensor per layer (``ModelConfig.kv_entries_per_token`` = 1)::
+
+    [1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]   model dtype
+                                   └─ per token: [ c_kv (after kv_a_layernorm) | k_pe (after RoPE) ]
+
+The leading 1 stands where GQA's ``[2, ...]`` has keys and values, so block moves
+(``cache[:, block_ids]``: swap, copy-on-write) are the same code for both.  Block tables,
+slot mapping and the flattened batch are ``metadata.py``'s, as for the GQA backends.
+
+Per head ``h`` the layer's ``kv_b_proj`` weight ``[H * (Dn + Dv), L]`` holds ``W_UK[h]``
+(``[Dn, L]``: latent -> no-RoPE key) and ``W_UV[h]`` (``[Dv, L]``: latent -> value).
+Attention has two equal forms (to rounding):
+
+```
+ expanded (prefill, chunks):  k_nope, v = kv_b_proj(c_kv)     per context token and head
+                              scores    = q_nope.k_nope + q_pe.k_pe;  out = P v        [T,H,Dv]
+ absorbed (decode):           q_lat     = q_nope W_UK[h]       (query into latent space)
+                              scores    = q_lat.c_kv + q_pe.k_pe;     o_lat = P c_kv   [T,H,L]
+                              out       = o_lat W_UV[h]^T                              [T,H,Dv]
+```
+
+The absorbed form reads ``L + R`` elements per context token (once for all heads)
+instead of up-projecting the whole context every step: it is what decode uses.  The
+expanded form does ``H * (Dn + Dv)`` work per context token once, and suits long query
+runs.  ``MLAMode`` picks, by shapes only: in ``"auto"`` one-token requests (decodes)
+take the absorbed form and longer ones the expanded form; ``"absorbed"`` /
+``"expanded"`` force one for every request (tests).  On CUDA a decode-only step calls
+the Triton kernel ``kernels/mla_decode.py`` when it exists.
+
+Positions ``>= seq_len`` in a request's last block are masked with a boolean mask; sizes
+come from the ``*_cpu`` metadata, so nothing syncs the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+MLAMode = Literal["auto", "absorbed", "expanded"]
+MLA_MODES: tuple[str, ...] = ("auto", "absorbed", "expanded")
+
+
+@dataclass(frozen=True)
+class MLADims:
+    """One MLA layer's sizes (``H`` = heads on this rank)."""
+
+    num_heads: int
+    kv_lora_rank: int  # L
+    qk_nope_head_dim: int  # Dn
+    qk_rope_head_dim: int  # R
+    v_head_dim: int  # Dv
+
+    @property
+    def entry(self) -> int:
+        """Elements per token in the cache: ``L + R``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass
+class _Plan:
+    """Per-step structure of the batch (host metadata only), shared by every layer."""
+
+    qsl: torch.Tensor
+    seq_lens: torch.Tensor
+    decodes: list[int]  # rows of one-token requests
+    chunks: list[int]  # rows of longer requests
+    decode_tokens: torch.Tensor | None  # device, token index of each decode (None: 0..B-1)
+    decode_blocks: int
+    decode_mask: torch.Tensor | None  # [B, 1, 1, nblk * bs] bool, True = attend
+
+
+def _kernel() -> object | None:
+    """``kernels.mla_decode.mla_decode`` when the module exists (and imports), else None."""
+    try:
+        from pagedllm.kernels.mla_decode import mla_decode
+    except ImportError:
+        return None
+    return mla_decode
+
+
+class MLATorchBackend:
+    """Writes ``[c_kv | k_pe]`` at ``slot_mapping`` and attends over the paged latent
+    cache in the absorbed or expanded form (module docstring).
+
+    Holds no per-request state; it caches the plan of the last metadata it saw (checked by
+    identity and by the host tensors' contents, as ``torch_ref.TorchReferenceBackend``)."""
+
+    name = "mla-torch"
+
+    def __init__(self, use_kernel: bool = True) -> None:
+        self.use_kernel = use_kernel
+        self._meta_seq: torch.Tensor | None = None
+        self._plan_cache: _Plan | None = None
+
+    # -- cache write --------------------------------------------------------------
+
+    @staticmethod
+    def write(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+              meta: AttentionMetadata) -> None:
+        """``c_kv [T, L]`` and ``k_pe [T, R]`` (rows ``>= num_actual_tokens`` and slots
+        of -1 are skipped) into ``kv_cache`` at ``meta.slot_mapping``."""
+        n = meta.num_actual_tokens
+        if n == 0:
+            return
+        if kv_cache.element_size() == 1:
+            raise ValueError("kv_cache_dtype: an fp8 KV cache is not supported with "
+                             "multi-head latent attention; use kv_cache_dtype='auto'")
+        _, nb, bs, _, width = kv_cache.shape
+        entry = torch.cat((c_kv[:n], k_pe[:n]), dim=-1).to(kv_cache.dtype)
+        slots = meta.slot_mapping[:n]
+        valid = slots >= 0
+        if kv_cache.device.type != "cpu" or not bool(valid.all()):
+            slots, entry = slots[valid], entry[valid]
+        kv_cache.view(nb * bs, width).index_copy_(0, slots, entry)
+
+    # -- attention ----------------------------------------------------------------
+
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, kv_b_weight: torch.Tensor,
+                dims: MLADims, mode: MLAMode = "auto") -> torch.Tensor:
+        """Attention of the step's new tokens over their requests' cached context (the
+        tokens just written included).  ``q_nope [T, H, Dn]``, ``q_pe [T, H, R]``
+        (rotated), ``kv_b_weight [H * (Dn + Dv), L]`` -> ``[T, H, Dv]`` in q's dtype;
+        rows ``>= num_actual_tokens`` may hold anything."""
+        t = q_nope.shape[0]
+        out = q_nope.new_zeros(t, dims.num_heads, dims.v_head_dim)
+        if meta.num_reqs == 0 or meta.num_actual_tokens == 0:
+            return out
+        plan = self._plan(meta, kv_cache.shape[2], q_nope.device)
+        w = kv_b_weight.view(dims.num_heads, dims.qk_nope_head_dim + dims.v_head_dim,
+                             dims.kv_lora_rank)
+        w_uk, w_uv = w[:, :dims.qk_nope_head_dim], w[:, dims.qk_nope_head_dim:]
+        qsl = plan.qsl.tolist()
+        absorbed_rows = plan.decodes if mode == "auto" else \
+            (list(range(meta.num_reqs)) if mode == "absorbed" else [])
+        expanded_rows = plan.chunks if mode == "auto" else \
+            (list(range(meta.num_reqs)) if mode == "expanded" else [])
+        if mode == "auto" and plan.decodes:
+            o_lat, tokens = self._decodes(q_nope, q_pe, w_uk, kv_cache, meta, plan, scale)
+            o = self._up_v(o_lat, w_uv)
+            if tokens is None:
+                out[:o.shape[0]] = o
+            else:
+                out[tokens] = o
+            absorbed_rows = []
+        for r in absorbed_rows:
+            s, e = qsl[r], qsl[r + 1]
+            latent = self._gather(kv_cache, meta, r, int(plan.seq_lens[r]))
+            q_lat = self._absorb_q(q_nope[s:e], w_uk)
+            o_lat = self._attend_latent(q_lat, q_pe[s:e], latent, dims, scale)
+            out[s:e] = self._up_v(o_lat, w_uv)
+        if expanded_rows:
+            self._expanded(q_nope, q_pe, kv_cache, meta, plan, scale, kv_b_weight, dims,
+                           expanded_rows, out)
+        return out
+
+    @staticmethod
+    def _absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+        """``q_nope [T, H, Dn]`` x ``W_UK [H, Dn, L]`` -> ``q_latent [T, H, L]``."""
+        return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+
+    @staticmethod
+    def _up_v(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """``o_latent [T, H, L]`` x ``W_UV [H, Dv, L]^T`` -> ``[T, H, Dv]``."""
+        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    @staticmethod
+    def _gather(kv_cache: torch.Tensor, meta: AttentionMetadata, row: int,
+                seq_len: int) -> torch.Tensor:
+        """Request ``row``'s cached entries in position order: ``[seq_len, L + R]``."""
+        bs = kv_cache.shape[2]
+        blocks = meta.block_tables[row, :-(-seq_len // bs)].long()
+        return kv_cache[0].index_select(0, blocks).flatten(0, 1)[:seq_len, 0]
+
+    @staticmethod
+    def _attend_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                       dims: MLADims, scale: float) -> torch.Tensor:
+        """One request's absorbed attention, causal with a context offset:
+        ``q_lat [Q, H, L]``, ``q_pe [Q, H, R]``, ``latent [S, L + R]`` -> ``[Q, H, L]``."""
+        nq, s = q_lat.shape[0], latent.shape[0]
+        q = torch.cat((q_lat, q_pe), dim=-1).to(latent.dtype).transpose(0, 1)  # [H, Q, L+R]
+        k = latent.unsqueeze(0)  # [1, S, L+R], shared by every head
+        v = latent[:, :dims.kv_lora_rank].unsqueeze(0)
+        mask = None
+        if nq > 1:
+            qpos = torch.arange(s - nq, s, device=q.device).unsqueeze(1)
+            mask = torch.arange(s, device=q.device).unsqueeze(0) <= qpos
+        o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                           attn_mask=mask, scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1).to(q_lat.dtype)
+
+    def _decodes(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
+                 kv_cache: torch.Tensor, meta: AttentionMetadata, plan: _Plan,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """All one-token requests at once in the absorbed form -> ``(o_latent [B, H, L],
+        their token rows or None for rows 0..B-1)``."""
+        b = len(plan.decodes)
+        tokens = plan.decode_tokens
+        qn = q_nope[:b] if tokens is None else q_nope.index_select(0, tokens)
+        qp = q_pe[:b] if tokens is None else q_pe.index_select(0, tokens)
+        q_lat = self._absorb_q(qn, w_uk)
+        kernel = _kernel() if (self.use_kernel and q_nope.is_cuda and tokens is None
+                               and b == meta.num_reqs) else None
+        if kernel is not None:
+            o = kernel(q_lat.contiguous(), qp.contiguous(), kv_cache,  # type: ignore[operator]
+                       meta.block_tables[:b], meta.seq_lens[:b],
+                       meta.query_start_loc[:b + 1], scale)
+            return o, None
+        lat = kv_cache.shape[-1] - q_pe.shape[-1]
+        if tokens is None:
+            tables = meta.block_tables[:b, :plan.decode_blocks]
+        else:
+            rows = torch.tensor(plan.decodes, device=q_nope.device)
+            tables = meta.block_tables.index_select(0, rows)[:, :plan.decode_blocks]
+        length = plan.decode_blocks * kv_cache.shape[2]
+        entries = kv_cache[0].index_select(0, tables.reshape(-1).long()).view(
+            b, length, kv_cache.shape[-1])
+        q = torch.cat((q_lat, qp), dim=-1).to(entries.dtype).unsqueeze(1)  # [B, 1, H, L+R]
+        o = F.scaled_dot_product_attention(q, entries.unsqueeze(1),
+                                           entries[..., :lat].unsqueeze(1),
+                                           attn_mask=plan.decode_mask, scale=scale)
+        return o[:, 0].to(q_nope.dtype), tokens
+
+    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                  meta: AttentionMetadata, plan: _Plan, scale: float,
+                  kv_b_weight: torch.Tensor, dims: MLADims, rows: list[int],
+                  out: torch.Tensor) -> None:
+        """Requests ``rows`` in the expanded form; one ``kv_b_proj`` GEMM over all their
+        contexts, then one SDPA per request (causal with a context offset)."""
+        qsl = plan.qsl.tolist()
+        lens = [int(plan.seq_lens[r]) for r in rows]
+        latents = [self._gather(kv_cache, meta, r, n) for r, n in zip(rows, lens)]
+        latent = torch.cat(latents) if len(latents) > 1 else latents[0]
+        c_kv = latent[:, :dims.kv_lora_rank].to(q_nope.dtype)
+        k_pe = latent[:, dims.kv_lora_rank:].to(q_nope.dtype)
+        kv = F.linear(c_kv, kv_b_weight).view(-1, dims.num_heads,
+                                              dims.qk_nope_head_dim + dims.v_head_dim)
+        k_nope, v = kv.split([dims.qk_nope_head_dim, dims.v_head_dim], dim=-1)
+        k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, dims.num_heads, -1)), dim=-1)
+        q_all = torch.cat((q_nope, q_pe), dim=-1)
+        start = 0
+        for r, n in zip(rows, lens):
+            s, e = qsl[r], qsl[r + 1]
+            nq = e - s
+            q = q_all[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, Q, Dn + R]
+            kr = k[start:start + n].transpose(0, 1).unsqueeze(0)
+            vr = v[start:start + n].transpose(0, 1).unsqueeze(0)
+            start += n
+            if nq == n:
+                o = F.scaled_dot_product_attention(q, kr, vr, is_causal=True, scale=scale)
+            else:
+                qpos = torch.arange(n - nq, n, device=q.device).unsqueeze(1)
+                mask = torch.arange(n, device=q.device).unsqueeze(0) <= qpos
+                o = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask, scale=scale)
+            out[s:e] = o[0].transpose(0, 1)
+
+    def _plan(self, meta: AttentionMetadata, block_size: int,
+              device: torch.device) -> _Plan:
+        qsl = meta.query_start_loc_cpu[:meta.num_reqs + 1]
+        seq_lens = meta.seq_lens_cpu[:meta.num_reqs]
+        cached = self._plan_cache
+        if (cached is not None and self._meta_seq is meta.seq_lens
+                and torch.equal(cached.qsl, qsl) and torch.equal(cached.seq_lens, seq_lens)):
+            return cached
+        qlens = (qsl[1:] - qsl[:-1]).tolist()
+        decodes = [r for r, n in enumerate(qlens) if n == 1]
+        chunks = [r for r, n in enumerate(qlens) if n > 1]
+        tokens = mask = None
+        nblk = 0
+        if decodes:
+            dec_seq = seq_lens[decodes]
+            nblk = -(-int(dec_seq.max()) // block_size)
+            if decodes != list(range(len(decodes))) or len(decodes) != meta.num_reqs:
+                tokens = qsl[decodes].to(device=device, dtype=torch.long)
+            dev_seq = dec_seq.to(device)
+            mask = (torch.arange(nblk * block_size, device=device)
+                    < dev_seq.unsqueeze(1))[:, None, None, :]
+        plan = _Plan(qsl.clone(), seq_lens.clone(), decodes, chunks, tokens, nblk, mask)
+        self._meta_seq, self._plan_cache = meta.seq_lens, plan
+        return plan

@@ -1,0 +1,107 @@
+"""DeepSeek-V2/V3 (multi-head latent attention) logit parity with transformers (fp32,
+CPU) through the paged latent KV cache (``tests/models/paged.py``): whole prompts, chunks
+then decodes and a mixed batch, in each attention form (``attention/mla_torch.py``:
+"auto" = decodes absorbed and longer queries expanded; or one form forced); the absorbed
+and expanded forms agree to rounding; the MLA cache's shape and bytes per token.  Engine
+greedy runs are in ``tests/e2e/test_deepseek_greedy.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.attention.torch_ref import TorchReferenceBackend
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.models.loader import kv_cache_shape, load_model
+from tests.models.deepseek_tiny import CONFIGS, LAYERS, VOCAB, build
+from tests.models.paged import hf_logits_of, session_for
+
+ATOL = 1e-4
+MODES = ("auto", "absorbed", "expanded")
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(request.param))
+    hf = build(request.param, path)
+    cfg = EngineArgs(model=path, device="cpu", dtype="float32").create_engine_config()
+    ours = load_model(cfg.model_config, torch.device("cpu"), TorchReferenceBackend())
+    yield ours, hf, cfg
+    ours.set_mla_mode("auto")
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_whole_prompt(pair) -> None:
+    pair[0].set_mla_mode("auto")
+    ids = _prompt(70, seed=1)
+    got = session_for(pair).step({0: ids})[0]
+    torch.testing.assert_close(got, hf_logits_of(pair[1], ids), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_chunks_then_decodes(pair, mode: str) -> None:
+    pair[0].set_mla_mode(mode)
+    ids = _prompt(45, seed=2)
+    s = session_for(pair, block_size=4, seed=4)
+    parts = [s.step({7: ids[:13]})[7], s.step({7: ids[13:30]})[7]]
+    parts += [s.step({7: [t]})[7] for t in ids[30:]]
+    torch.testing.assert_close(torch.cat(parts), hf_logits_of(pair[1], ids), atol=ATOL,
+                               rtol=0)
+
+
+def _mixed(pair) -> dict[int, torch.Tensor]:
+    """Prefills, chunks with context and decodes in the same steps."""
+    prompts = {r: _prompt(n, seed=10 + r) for r, n in enumerate([33, 20, 9])}
+    s = session_for(pair, seed=3)
+    got: dict[int, list[torch.Tensor]] = {r: [] for r in prompts}
+    schedule = [{0: (0, 33), 1: (0, 7), 2: (0, 1)}, {1: (7, 19), 2: (1, 2)},
+                {0: (33, 33), 1: (19, 20), 2: (2, 9)}]
+    for step in schedule:
+        new = {r: prompts[r][a:b] for r, (a, b) in step.items() if b > a}
+        for r, logits in s.step(new).items():
+            got[r].append(logits)
+    return {r: torch.cat(v) for r, v in got.items()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mixed_batch(pair, mode: str) -> None:
+    pair[0].set_mla_mode(mode)
+    for r, logits in _mixed(pair).items():
+        ids = {0: _prompt(33, 10), 1: _prompt(20, 11), 2: _prompt(9, 12)}[r]
+        torch.testing.assert_close(logits, hf_logits_of(pair[1], ids), atol=ATOL, rtol=0)
+
+
+def test_absorbed_equals_expanded(pair) -> None:
+    """The two forms over the same cache contents agree to float32 rounding."""
+    outs = {}
+    for mode in ("absorbed", "expanded"):
+        pair[0].set_mla_mode(mode)
+        outs[mode] = _mixed(pair)
+    pair[0].set_mla_mode("auto")
+    for r in outs["absorbed"]:
+        torch.testing.assert_close(outs["absorbed"][r], outs["expanded"][r], atol=2e-5,
+                                   rtol=0)
+
+
+def test_kv_cache_shape_and_bytes(pair) -> None:
+    """One ``[c_kv | k_pe]`` entry per token and layer: (32 + 8) x 4 bytes x 3 layers,
+    against 2 x heads x head_dim for a GQA model of the same attention width."""
+    hf_cfg = pair[1].config
+    mc = pair[2].model_config
+    entry = hf_cfg.kv_lora_rank + hf_cfg.qk_rope_head_dim
+    assert mc.use_mla and mc.kv_entries_per_token == 1
+    assert kv_cache_shape(mc, 10, 16) == (1, 10, 16, 1, entry)
+    assert mc.kv_bytes_per_token() == LAYERS * entry * 4
+    gqa = 2 * LAYERS * hf_cfg.num_attention_heads * \
+        (hf_cfg.qk_nope_head_dim + hf_cfg.qk_rope_head_dim) * 4
+    assert mc.kv_bytes_per_token() * 4 < gqa  # 480 vs 1920 bytes
+    with pytest.raises(ValueError, match="MLA KV cache"):
+        pair[0].bind_kv_caches([torch.zeros(2, 4, 16, 1, entry)] * LAYERS)
+
+
+def test_mla_mode_is_checked(pair) -> None:
+    with pytest.raises(ValueError, match="mla mode"):
+        pair[0].set_mla_mode("fast")
