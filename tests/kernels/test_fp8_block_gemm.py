@@ -97,3 +97,63 @@ def test_bad_operands() -> None:
     with pytest.raises(ValueError, match="power of two"):
         fb.fp8_block_gemm(x_q, torch.ones(4, 3), w_q, torch.ones(1, 3), (128, 96), None,
                           torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- the layer
+
+
+def _block_quantise(w: torch.Tensor, block: tuple[int, int]):
+    """A float weight as a block-wise checkpoint stores it: e4m3 and weight_scale_inv."""
+    bo, bi = block
+    n, k = w.shape
+    nb = (-(-n // bo), -(-k // bi))
+    pad = torch.nn.functional.pad(w, (0, nb[1] * bi - k, 0, nb[0] * bo - n))
+    amax = pad.view(nb[0], bo, nb[1], bi).abs().amax((1, 3))
+    inv = (amax / 448.0).clamp(min=1e-12)
+    full = inv.repeat_interleave(bo, 0)[:n].repeat_interleave(bi, 1)[:, :k]
+    return (w / full).clamp(-448, 448).to(FP8_DTYPE), inv
+
+
+def test_linear_layer_keeps_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused gate/up layer of a block-wise checkpoint keeps its block scales where the
+    block GEMM runs (patched in here, as the CPU folds them) and equals the dequantised
+    weight applied to per-group-quantised activations; the norm's per-token quantiser
+    is not used for it."""
+    from pagedllm.layers.linear import MergedColumnParallelLinear
+    from pagedllm.layers.quantization import fp8
+
+    monkeypatch.setattr(fp8, "keeps_block_scales", lambda w, b: True)
+    block, k = (64, 64), 200
+    layer = MergedColumnParallelLinear(k, [128, 64], quant_config=fp8.Fp8Config(
+        serialized=True, block_size=block))
+    g = torch.Generator().manual_seed(11)
+    deq = []
+    for shard, rows in enumerate((128, 64)):
+        q, inv = _block_quantise(torch.randn(rows, k, generator=g) * 0.05, block)
+        layer.weight.weight_loader(layer.weight, q, shard)
+        layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, inv, shard)
+        deq.append(fb.dequantize_fp8_blocks(q, inv, block))
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.weight_block_scale.shape == (3, 4) and not hasattr(layer, "weight_scale_inv")
+    x = _x(37, k, seed=12)
+    assert layer.quant_method.rms_norm_input(layer, x, None, torch.ones(k), 1e-6) is None
+    got = layer(x)
+    x_q, x_s = fb.quantize_fp8_groups_ref(x, block[1])
+    ref = fb.dequantize_fp8_blocks(x_q, x_s, (1, block[1])) @ torch.cat(deq).t()
+    assert ((got - ref).abs() <= 1e-5 * (ref.abs() + ref.abs().mean())).all()
+
+
+def test_tensor_parallel_shard_must_be_whole_blocks() -> None:
+    """A rank's slice that cuts a weight block: ValueError naming weight_block_size,
+    column-parallel (outputs) and row-parallel (inputs); whole blocks load."""
+    from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from pagedllm.layers.quantization.fp8 import Fp8Config
+
+    cfg = Fp8Config(serialized=True, block_size=(128, 128))
+    with pytest.raises(ValueError, match=r"weight_block_size \[128, 128\].*\[192\] features"):
+        ColumnParallelLinear(256, 384, tp_size=2, tp_rank=0, quant_config=cfg,
+                             prefix="model.layers.0.self_attn.q_proj")
+    with pytest.raises(ValueError, match=r"weight_block_size \[128, 128\].*192 input"):
+        RowParallelLinear(384, 256, tp_size=2, tp_rank=1, quant_config=cfg)
+    ColumnParallelLinear(256, 512, tp_size=2, tp_rank=0, quant_config=cfg)
+    RowParallelLinear(512, 256, tp_size=2, tp_rank=1, quant_config=cfg)

@@ -19,8 +19,14 @@ Where the weights come from (``Fp8Config.from_config``):
 * a Hugging Face FP8 checkpoint (``quantization_config.quant_method == "fp8"``):
   ``weight`` is e4m3 with ``weight_scale`` (per tensor or per channel) or
   ``weight_scale_inv`` (``weight_block_size`` blocks, transformers' fine-grained FP8).
-  Block scales are folded at load into per-channel ones (dequantise, requantise: one
-  more rounding, and one GEMM kernel for every layout);
+  On CUDA the blocks are kept (``weight_block_scale [ceil(out / bo), ceil(in / bi)]``)
+  and every linear runs the Triton block-scaled GEMM of ``kernels/fp8_block_gemm.py``
+  with activations quantised per token and group of ``bi`` columns (no requantisation:
+  exact to fp8 rounding).  On the CPU (and for block columns that are not a power of
+  two >= 16, or with static activation scales) the block scales are folded at load
+  into per-channel ones (dequantise, requantise: one more rounding).  Under tensor
+  parallelism a rank's shard must be whole blocks (``ValueError`` naming
+  ``weight_block_size`` otherwise);
 * compressed-tensors ``float-quantized`` checkpoints, through ``compressed_tensors.py``,
   which hands the same ``Fp8LinearMethod`` its per-channel or per-tensor scales.
 
@@ -125,6 +131,8 @@ class Fp8LinearMethod(LinearMethodBase):
             return
         if self.block_size is not None:
             bo, bi = self.block_size
+            _check_block_shards(layer, self.block_size, input_size_per_partition,
+                                input_size, output_partition_sizes, output_size)
             inv = nn.Parameter(torch.empty(-(-out // bo), -(-input_size_per_partition // bi),
                                            dtype=torch.float32), requires_grad=False)
             # Fused shards (q/k/v, gate/up) start at multiples of the block: offsets in
@@ -151,6 +159,14 @@ class Fp8LinearMethod(LinearMethodBase):
                 s = s.expand(w.shape[0]).contiguous()
             else:
                 q, s = quantize_fp8_rows(w)
+        elif self.block_size is not None and not self.input_scale \
+                and keeps_block_scales(w, self.block_size):
+            # Kept as the checkpoint ships them: the block GEMM applies them per K group.
+            inv = getattr(layer, self.block_scale_name).data.float().contiguous()
+            delattr(layer, self.block_scale_name)
+            layer.weight = nn.Parameter(w.contiguous(), requires_grad=False)
+            layer.weight_block_scale = nn.Parameter(inv, requires_grad=False)
+            return
         elif self.block_size is not None:
             bo, bi = self.block_size
             inv = getattr(layer, self.block_scale_name).data
@@ -193,6 +209,13 @@ class Fp8LinearMethod(LinearMethodBase):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         ready, layer.fp8_input = getattr(layer, "fp8_input", None), None
+        block_scale = getattr(layer, "weight_block_scale", None)
+        if block_scale is not None:  # block-wise checkpoint kept as blocks (CUDA)
+            from pagedllm.kernels.fp8_block_gemm import fp8_block_linear
+
+            assert self.block_size is not None
+            y = fp8_block_linear(x2, layer.weight, block_scale, self.block_size, bias)
+            return y.reshape(*shape[:-1], y.shape[-1])
         if ready is not None and ready[0] is x:  # quantised by the norm before
             x_q, x_s = ready[1], ready[2]
         elif self.input_scale:  # static: one checkpoint scale for every token
@@ -232,6 +255,9 @@ class Fp8LinearMethod(LinearMethodBase):
         # On CUDA the norm kernel also quantises its output row per token (it holds the
         # row in registers): one launch and one read of the row less per norm.  The
         # quantised row waits on the layer for apply() of that very output tensor.
+        # Kept block scales quantise per token group in the GEMM's own quantiser.
+        if getattr(layer, "weight_block_scale", None) is not None:
+            return None
         if not x.is_cuda or self.input_scale or x.dim() != 2 \
                 or x.dtype not in (torch.bfloat16, torch.float16) or x.stride(1) != 1 \
                 or (residual is not None and residual.stride(1) != 1):
@@ -241,6 +267,37 @@ class Fp8LinearMethod(LinearMethodBase):
         out, res_out, q, s = rms_norm_fp8(x, residual, weight, eps)
         layer.fp8_input = (out, q, s)
         return out if res_out is None else (out, res_out)
+
+
+def keeps_block_scales(weight: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether a block-wise checkpoint's layer keeps its block scales and runs the block
+    GEMM: on CUDA, with block columns (the activation group and the kernel's K step) a
+    power of two >= 16.  Elsewhere the scales fold into per-channel ones (module doc)."""
+    bi = block[1]
+    return weight.is_cuda and bi >= 16 and not bi & (bi - 1)
+
+
+def _check_block_shards(layer: LinearBase, block: tuple[int, int], in_per_partition: int,
+                        input_size: int, output_partition_sizes: list[int],
+                        output_size: int) -> None:
+    """``ValueError`` naming ``weight_block_size`` when a tensor-parallel rank's shard is
+    not whole blocks: its block scales (and the GEMM's K groups) would straddle ranks."""
+    tp = getattr(layer, "tp_size", 1)
+    if tp <= 1:
+        return
+    bo, bi = block
+    if in_per_partition != input_size and in_per_partition % bi:
+        what = f"{in_per_partition} input features"
+    elif sum(output_partition_sizes) != output_size and any(
+            p % bo for p in output_partition_sizes):
+        what = f"output shards of {output_partition_sizes} features"
+    else:
+        return
+    raise ValueError(
+        f"quantization_config.weight_block_size {list(block)} does not divide the "
+        f"tensor-parallel shard of {getattr(layer, 'prefix', '') or type(layer).__name__} "
+        f"({what} per rank at tensor_parallel_size {tp}); choose a tensor_parallel_size "
+        f"whose shards are whole blocks")
 
 
 def _scale_loader(layer: LinearBase) -> Any:
@@ -377,6 +434,7 @@ class Fp8Config(QuantizationConfig):
             gran = "per-tensor" if m.weight_per_tensor else "per-channel"
             return f"fp8 (e4m3 W8A8, quantised at load, {gran} weight scales, per-token " \
                    f"activations; MoE experts e4m3 weight-only, per-channel)"
-        src = f"block {m.block_size} scales" if m.block_size else "weight_scale"
+        src = (f"block {m.block_size} scales (block GEMM on CUDA, folded per channel on "
+               f"CPU)" if m.block_size else "weight_scale")
         return f"fp8 (e4m3 W8A8 checkpoint, {src}, per-token activations; MoE experts " \
                f"weight-only)"
