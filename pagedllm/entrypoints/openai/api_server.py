@@ -565,6 +565,14 @@ async def _serve(args: argparse.Namespace) -> int:
         from pagedllm.entrypoints.openai.request_logger import RequestLogger
 
         state.request_logger = RequestLogger(args.max_log_len)
+    try:
+        from pagedllm.entrypoints.openai.chat_images import from_args as images_from_args
+
+        state.images = images_from_args(args, config)
+    except ValueError as e:
+        await engine.shutdown()
+        sock.close()
+        raise ValueError(str(e)) from None
     if args.trust_request_chat_template:
         # Client templates render in a bounded child process; start it now (~1 s).
         state.template_sandbox = TemplateSandbox(max_chars=args.max_request_body_bytes)
@@ -622,6 +630,8 @@ async def _serve(args: argparse.Namespace) -> int:
     finally:
         if state.template_sandbox is not None:
             await state.template_sandbox.close()
+        if state.images is not None:
+            state.images.close()
         await engine.shutdown()
         sock.close()
     logger.info("server stopped (exit status %d)", server.exit_code)

@@ -73,12 +73,13 @@ async def start_chat(chat: OpenAIServingChat, body: ChatCompletionRequest,
     st.check_admitting()
     public_id = st.public_id(raw_request, prefix, body.request_id)
     try:
-        ids = await chat.render(body)
+        prompt = await chat.render_prompt(body)
     except ValueError as e:
         if isinstance(e, RequestError):
             raise
         raise RequestError(str(e).splitlines()[0], "messages") from None
-    [stream] = await st.start(public_id, [{"prompt_token_ids": ids}], params,
+    ids = prompt["prompt_token_ids"]
+    [stream] = await st.start(public_id, [prompt], params,
                               body.priority, model=body.model)
     shaper = ChoiceShaper(mode, st.tool_parser_obj(), st.reasoning_parser_obj())
     return ChatRun(chat, public_id, stream, len(ids), shaper, mode)

@@ -127,6 +127,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-ui", action="store_true",
                    help="Do not serve the chat page at / (it is on by default).")
     add_lora_server_args(g)
+    add_image_server_args(parser.add_argument_group("images"))
     t = parser.add_argument_group("tools and reasoning")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="Allow tool_choice 'auto' (the default when a request has tools): "
@@ -166,6 +167,30 @@ def lora_module(text: str) -> dict[str, Any]:
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"expected name=path or a JSON object, got {text!r}")
     return {"name": name, "path": path}
+
+
+def add_image_server_args(g: Any) -> None:
+    """Bounds on the images chat requests name (docs/server.md, "Images")."""
+    from pagedllm.multimodal import media
+
+    g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="Allow file:// image URLs, only for regular files under DIR "
+                        "(symlinks and '..' resolved first). Default: file:// refused.")
+    g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="Fetch http(s) image URLs (and their redirects) only from these "
+                        "hosts. Default: any host.")
+    g.add_argument("--media-fetch-timeout", type=_positive_float,
+                   default=media.DEFAULT_FETCH_TIMEOUT_S, metavar="SECONDS",
+                   help="Seconds to fetch one http(s) image, redirects and body included "
+                        "(vLLM's VLLM_IMAGE_FETCH_TIMEOUT); slower is a 400.")
+    g.add_argument("--max-image-bytes", type=_positive_int,
+                   default=media.DEFAULT_MAX_IMAGE_BYTES,
+                   help="Largest encoded image (data URL, download or file) in bytes; a "
+                        "download is cut off once past it. Default 20 MiB.")
+    g.add_argument("--max-image-pixels", type=_positive_int,
+                   default=media.DEFAULT_MAX_IMAGE_PIXELS,
+                   help="Largest image in pixels (width x height), read from its header "
+                        "before decoding (decompression bombs). Default 33554432.")
 
 
 def add_lora_server_args(g: Any) -> None:

@@ -77,6 +77,9 @@ class ServingState:
     loras: Any = None
     # --enable-log-requests (request_logger.py); None: requests are not logged.
     request_logger: Any = None
+    # Images in chat requests (chat_images.ChatImages: the media flags, the model's
+    # image support and --limit-mm-per-prompt); made at first use if not at start-up.
+    images: Any = None
 
     def tool_parser_obj(self) -> Any:
         if self.tool_call_parser is None:

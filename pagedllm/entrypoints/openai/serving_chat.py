@@ -19,6 +19,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.async_llm import RequestStream
+from pagedllm.entrypoints.openai.chat_images import (
+    image_refs,
+    intake,
+    template_messages_with_images,
+    with_pil_images,
+)
 from pagedllm.entrypoints.openai.chat_tools import ChoiceShaper, ToolMode
 from pagedllm.entrypoints.openai.json_body import check_depth
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, RequestError
@@ -58,7 +64,14 @@ class _Choice:
 
 class OpenAIServingChat(ServingHandler):
     async def render(self, body: ChatCompletionRequest) -> list[int]:
-        """The prompt token ids of ``body.messages`` (400 on template errors).
+        """The prompt token ids of ``body.messages`` (400 on template errors)."""
+        return list((await self.render_prompt(body))["prompt_token_ids"])
+
+    async def render_prompt(self, body: ChatCompletionRequest) -> dict[str, Any]:
+        """The engine prompt of ``body.messages``: ``{"prompt_token_ids": [...]}``,
+        with ``"multi_modal_data": {"image": [...]}`` when the messages hold images
+        (``chat_images``: checked, then loaded, before the template renders; 400 naming
+        the part).
 
         Rendering and tokenising run off the event loop: the server's own template in a
         worker thread, a request's own template in the sandbox process
@@ -69,8 +82,14 @@ class OpenAIServingChat(ServingHandler):
                                "(start it with --trust-request-chat-template)",
                                "chat_template")
         extra = check_template_kwargs(body.chat_template_kwargs)
+        refs = image_refs(body.messages)
+        images: list[Any] = []
+        if refs:
+            images_in = intake(st)
+            images_in.check(refs, st.model_name)
+            images = await images_in.load(refs)
         ip = st.engine.input_processor
-        messages = template_messages(body)
+        messages = template_messages(body, images=bool(refs))
         if body.chat_template is not None:
             special = dict(getattr(self.tokenizer, "special_tokens_map", None) or {})
             text = await st.sandbox().render(
@@ -80,20 +99,34 @@ class OpenAIServingChat(ServingHandler):
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 kwargs={**special, **extra})
-            ids = await st.off_loop(ip.encode_text, text)
+            if images:  # the model's processor expands each image's placeholder
+                ids, _ = await st.off_loop(ip.mm.process, text, images,
+                                           add_special_tokens=False)
+            else:
+                ids = await st.off_loop(ip.encode_text, text)
         else:
             if body.continue_final_message:
                 extra["continue_final_message"] = True
             if body.tools:
                 extra["tools"] = body.tools
-            ids = await st.off_loop(
-                ip.apply_chat_template, messages, chat_template=st.chat_template,
-                add_generation_prompt=body.add_generation_prompt, **extra)
+            if images:  # as offline LLM.chat: template, then the model's processor
+                ids = (await st.off_loop(
+                    ip.chat_prompt, with_pil_images(messages, images),
+                    chat_template=st.chat_template,
+                    add_generation_prompt=body.add_generation_prompt,
+                    **extra))["prompt_token_ids"]
+            else:
+                ids = await st.off_loop(
+                    ip.apply_chat_template, messages, chat_template=st.chat_template,
+                    add_generation_prompt=body.add_generation_prompt, **extra)
         if body.add_special_tokens and self.tokenizer is not None:
             bos = getattr(self.tokenizer, "bos_token_id", None)
             if bos is not None and (not ids or ids[0] != bos):
                 ids = [bos, *ids]
-        return ids
+        prompt: dict[str, Any] = {"prompt_token_ids": ids}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        return prompt
 
     async def create_chat_completion(self, body: ChatCompletionRequest,
                                      raw_request: Request) -> Response:
@@ -106,8 +139,9 @@ class OpenAIServingChat(ServingHandler):
             mode, params = chat_extensions(st, body, params)
             st.check_admitting()
             public_id = st.public_id(raw_request, "chatcmpl", body.request_id)
-            prompt_ids = await self.render(body)
-            streams = await st.start(public_id, [{"prompt_token_ids": prompt_ids}], params,
+            prompt = await self.render_prompt(body)
+            prompt_ids = prompt["prompt_token_ids"]
+            streams = await st.start(public_id, [prompt], params,
                                      body.priority, model=body.model)
         except Exception as e:
             if isinstance(e, ValueError) and not isinstance(e, RequestError) \
@@ -254,12 +288,15 @@ def _finish_reason(ch: _Choice, has_calls: bool, mode: ToolMode) -> str | None:
     return ch.finish_reason
 
 
-def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+def template_messages(body: ChatCompletionRequest, images: bool = False
+                      ) -> list[dict[str, Any]]:
     """The messages for the template; assistant ``tool_calls`` arguments decoded from
     their JSON strings (chat templates print them as objects).  Nesting is bounded
     before parsing (400 naming the field: 100,000 levels were a ``RecursionError``);
-    text that is not JSON stays a string."""
-    out = body.template_messages()
+    text that is not JSON stays a string.  With ``images``, a message holding images
+    keeps its parts, ``{"type": "image"}`` where each image was."""
+    out = (template_messages_with_images(body.messages) if images
+           else body.template_messages())
     for i, m in enumerate(out):
         calls = m.get("tool_calls")
         for j, call in enumerate(calls if isinstance(calls, list) else []):

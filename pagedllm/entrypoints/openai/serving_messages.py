@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedllm.entrypoints.openai.chat_images import anthropic_image_part
 from pagedllm.entrypoints.openai.chat_runner import ChatRun, start_chat
 from pagedllm.entrypoints.openai.json_body import loads_strict
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, RequestError
@@ -71,7 +72,7 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise RequestError("messages must be a non-empty list", "messages")
-    for m in msgs:
+    for i, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
             raise RequestError("messages: each message needs role 'user' or 'assistant'",
                                "messages")
@@ -82,11 +83,14 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(content, list):
             raise RequestError("messages: content must be a string or a list of blocks",
                                "messages")
-        text, calls = [], []
-        for b in content:
+        text, calls, parts = [], [], []
+        for j, b in enumerate(content):
             kind = b.get("type") if isinstance(b, dict) else None
             if kind == "text":
                 text.append(str(b.get("text", "")))
+                parts.append({"type": "text", "text": text[-1]})
+            elif kind == "image":  # chat_images: a data: or http(s) image_url part
+                parts.append(anthropic_image_part(b, f"messages.{i}.content.{j}"))
             elif kind == "tool_use" and m["role"] == "assistant":
                 calls.append({"id": b.get("id"), "type": "function", "function": {
                     "name": b.get("name"), "arguments": json.dumps(b.get("input", {}))}})
@@ -96,8 +100,9 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             else:
                 raise RequestError(f"messages: content blocks of type {kind!r} are not "
                                    "supported", "messages")
-        if text or calls:
-            msg: dict[str, Any] = {"role": m["role"], "content": "".join(text)}
+        if text or calls or parts:
+            msg: dict[str, Any] = {"role": m["role"], "content": (
+                parts if len(parts) > len(text) else "".join(text))}  # images: parts
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)

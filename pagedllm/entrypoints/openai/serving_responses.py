@@ -34,6 +34,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedllm.entrypoints.openai.chat_images import responses_image_part
 from pagedllm.entrypoints.openai.chat_runner import ChatRun, start_chat
 from pagedllm.entrypoints.openai.errors import error_response
 from pagedllm.entrypoints.openai.json_body import check_depth
@@ -83,15 +84,20 @@ def _input_messages(inp: Any) -> list[dict[str, Any]]:
         if kind == "message":
             content = item.get("content")
             if isinstance(content, list):
-                parts = []
-                for p in content:
-                    if not isinstance(p, dict) or p.get("type") not in (
-                            "input_text", "output_text", "text"):
-                        raise RequestError("input: only text content parts are supported",
-                                           "input")
-                    parts.append(str(p.get("text", "")))
-                content = "".join(parts)
-            if not isinstance(content, str) or item.get("role") not in (
+                parts: list[Any] = []
+                images = False
+                for j, p in enumerate(content):
+                    kind = p.get("type") if isinstance(p, dict) else None
+                    if kind == "input_image":  # chat_images: an image_url part
+                        parts.append(responses_image_part(p, f"input.{k}.content.{j}"))
+                        images = True
+                        continue
+                    if kind not in ("input_text", "output_text", "text"):
+                        raise RequestError("input: only text and input_image content "
+                                           "parts are supported", f"input.{k}.content.{j}")
+                    parts.append({"type": "text", "text": str(p.get("text", ""))})
+                content = parts if images else "".join(p["text"] for p in parts)
+            if not isinstance(content, (str, list)) or item.get("role") not in (
                     "user", "assistant", "system", "developer"):
                 raise RequestError("input: a message needs a role and text content",
                                    "input")
