@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pagedllm.core.kv_cache_groups import KVCacheGroups
 from pagedllm.model_files.resolve import ResolvedModel
+from pagedllm.multimodal.config import MultiModalConfig
 from pagedllm.pooling_params import PoolerConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
 
@@ -43,6 +44,8 @@ class ModelConfig:
     runner: str = "generate"
     convert: str = "none"
     pooler_config: PoolerConfig | None = None
+    # A vision-language model's settings (multimodal/config.py); None: text only.
+    multimodal_config: MultiModalConfig | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -145,6 +148,8 @@ class SchedulerConfig:
 class LoRAConfig:
     """Multi-LoRA (``lora/``, vLLM's names): ``max_loras`` adapters resident on the
     device (and per step), ranks up to ``max_lora_rank``, ``max_cpu_loras`` kept on the
+    # Images: encoder input tokens per step (vLLM's name; 0: max_num_batched_tokens).
+    max_num_encoder_input_tokens: int = 0
     host."""
 
     max_loras: int = 1

@@ -13,6 +13,7 @@ import enum
 import msgspec
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -45,6 +46,9 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     pooling_params: PoolingParams | None = None
     # The LoRA adapter this request runs with (lora/), None: the base model.
     lora_request: LoRARequest | None = None
+    # Images (multimodal/inputs.py): placeholder runs in ``prompt_token_ids`` (sorted by
+    # offset), content identifiers and processed tensors; empty for text.
+    mm_features: list[MultiModalFeature] = msgspec.field(default_factory=list)
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):

@@ -14,6 +14,7 @@ from typing import Any
 
 from pagedllm.lora.request import LoRARequest
 from pagedllm.messages import EngineCoreRequest, FinishReason
+from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -67,6 +68,7 @@ class Request:
         "lora_request",
         "spec_token_ids",
         "length_known",
+        "mm_features",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -121,6 +123,9 @@ class Request:
         # Speculative decoding: drafts proposed after the last step, verified (as
         # scheduled tokens) in the next one; never part of ``all_token_ids``.
         self.spec_token_ids: list[int] = []
+        # Images: placeholder runs (offset, length) and identifiers the prefix cache and
+        # the encoder budget read; their tensors go to the runner with the request.
+        self.mm_features: list[MultiModalFeature] = []
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
@@ -128,6 +133,7 @@ class Request:
                       req.eos_token_id, req.arrival_time, req.priority, req.fork_ids,
                       req.lora_request)
         request.pooling_params = req.pooling_params
+        request.mm_features = list(req.mm_features)
         return request
 
     def fork(self, child_id: str, sampling_params: SamplingParams | None = None) -> Request:
@@ -143,6 +149,7 @@ class Request:
         child.first_scheduled_time = self.first_scheduled_time
         child._first_scheduled_reported = self._first_scheduled_reported
         child.beam_group = self.beam_group
+        child.mm_features = self.mm_features
         return child
 
     @property

@@ -13,10 +13,11 @@ The layers, bottom to top (a module may import its own layer and those below):
 1     plain data: ``sampling_params``, ``structured_outputs_params``,
       ``pooling_params``, ``outputs``, ``pooling_outputs``, ``beam_search``,
       ``messages``, ``request``, ``metrics``; ``model_files/`` (what a model is on
-      disk); ``lora/`` (adapter requests, files and names)
+      disk); ``lora/`` (adapter requests, files and names); ``multimodal/`` (images
+      in: the features a request carries, loading, the front end's processor)
 2     the torch-free engine side: ``config.py`` (plain dataclasses), ``core/`` (the
       scheduler and KV manager), ``spec_decode/`` and ``structured_output/`` (their
-      scheduling policy and grammar compilation), ``multimodal/`` (images in)
+      scheduling policy and grammar compilation)
 3     kernels: ``kernels/`` (Triton), ``cpu/`` (C), ``distributed/``
 4     ``attention/``
 5     ``layers/``, ``sample/``
@@ -43,8 +44,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("envs", "logger", "gc_heap"),
     ("sampling_params", "structured_outputs_params", "pooling_params", "outputs",
      "pooling_outputs", "beam_search", "messages", "request", "metrics", "model_files",
-     "lora"),
-    ("config", "core", "spec_decode", "structured_output", "multimodal"),
+     "lora", "multimodal"),
+    ("config", "core", "spec_decode", "structured_output"),
     ("kernels", "cpu", "distributed"),
     ("attention",),
     ("layers", "sample"),

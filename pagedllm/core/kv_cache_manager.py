@@ -53,6 +53,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.multimodal.hashing import block_extra_key
 from pagedllm.request import Request
 
 
@@ -127,10 +128,12 @@ class KVCacheManager:
         bs = self.block_size
         tokens = request.all_token_ids
         extra = self._extra_key(request)
+        mm = request.mm_features  # images: their identifiers join their blocks' keys
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
+            key = block_extra_key(extra, mm, i * bs, (i + 1) * bs) if mm else extra
+            hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]), key))
         return hashes
 
     def _key(self, block_hash: int) -> Hashable:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -35,6 +36,8 @@ class NewRequestData:
     # Hybrid KV cache groups (core/hybrid_kv_cache_manager.py): the tables of groups
     # 1.. (``block_ids`` is group 0's); None with one group.
     group_block_ids: list[list[int]] | None = None
+    # Images (multimodal/inputs.py): placeholder runs and tensors; empty for text.
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -97,6 +100,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+    # Images (core/encoder_budget.py): req_id -> indices into its ``mm_features`` to
+    # encode this step (before the forward), and to release after it (their placeholder
+    # runs are computed by the end of this step).
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

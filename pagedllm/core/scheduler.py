@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.beam_search import BeamSearchCoordinator
+from pagedllm.core.encoder_budget import EncoderBudget
 from pagedllm.core.hybrid_kv_cache_manager import make_kv_cache_manager
 from pagedllm.core.lora_budget import LoRABudget
 from pagedllm.core.outputs import (
@@ -163,6 +164,10 @@ class Scheduler:
                                 scheduler_config.preemption_mode == "swap",
                                 scheduler_config.max_swap_blocks_per_step)
         # Beam search: groups of beams that advance together (hooks below).
+        # Images: when each is encoded, under the encoder budget (core/encoder_budget.py).
+        self.encoder = EncoderBudget(
+            getattr(scheduler_config, "max_num_encoder_input_tokens", 0)
+            or scheduler_config.max_num_batched_tokens)
         self.beams = BeamSearchCoordinator(self.requests, self._fork, self._drop,
                                            self._release_reserved)
         # Sequences running requests will still fork into (reserved under max_num_seqs).
@@ -257,6 +262,7 @@ class Scheduler:
     def _add_running(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+        self.encoder.forget(req.request_id)
         self._reserved += req.reserved_slots
 
     def _remove_running(self, req: Request) -> None:
@@ -290,6 +296,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         if to_back:
             self.waiting.add(victim)
+        self.encoder.forget(victim.request_id)  # and its encoder outputs
         else:
             self.waiting.add_preempted(victim)
 
@@ -357,6 +364,7 @@ class Scheduler:
         # Throughput policy: how many prompt tokens (running chunks and new requests)
         # this step may compute; None = no limit beyond the budget.
         prefill_cap = self._prefill_cap() if self._lpt is not None and len(self._lpt) \
+        self.encoder.begin()
             else None
         step = _Step(budget=self.config.max_num_batched_tokens,
                      in_flight=in_flight_req_ids, max_reqs=max_num_scheduled_reqs,
@@ -434,6 +442,8 @@ class Scheduler:
             blocks = kv.allocate_slots(req, n)
             while blocks is None:
                 victim = self._pick_victim()
+            if req.mm_features:  # cut at an image the encoder budget cannot take
+                n = self.encoder.fit(req, req.num_computed_tokens, n)
                 self._preempt(victim)
                 # Budget granted to a victim earlier in this loop is given back.
                 budget += step.take_back(victim.request_id)
@@ -451,6 +461,8 @@ class Scheduler:
                 cow_copies[rid] = [(src, dst) for _, src, dst in cow]
             data = CachedRequestData(
                 rid, [b.block_id for b in blocks] if blocks else [],
+            if req.mm_features:
+                self.encoder.commit(req, req.num_computed_tokens, n)
                 req.num_computed_tokens, [(i, dst) for i, _, dst in cow] if cow else [],
                 req.token_override)
             groups = kv.take_group_updates(rid)  # hybrid KV cache groups only
@@ -480,10 +492,13 @@ class Scheduler:
             self._admit(req, n, step, now)
             step.budget -= n
             loras.add(req)
+            if req.mm_features:
+                n = self.encoder.fit(req, req.num_computed_tokens, n)
 
     def _schedule_waiting(self, step: _Step, loras: LoRABudget, now: float) -> None:
         """Admit waiting requests in queue order while the budget (under the throughput
         policy: what the prefill pace leaves), blocks and seats allow; prefix-cache hits
+            self.encoder.commit(req, req.num_computed_tokens, n)
         count as computed.  One whose adapter would exceed ``max_loras`` is skipped this
         step and keeps its place."""
         budget = step.budget
@@ -511,6 +526,10 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+            if req.mm_features and n > 0:
+                n = self.encoder.fit(req, num_hit, n)
+                if n == 0:
+                    break  # its next image waits for the next step's encoder budget
             self._admit(req, n, step, now)
             budget -= n
             loras.add(req)
@@ -520,6 +539,7 @@ class Scheduler:
 
     def _output(self, step: _Step) -> SchedulerOutput:
         """The step's decisions for the runner, with what changed since the last one."""
+            self.encoder.commit(req, num_hit, n)
         finished, self._finished_ids = self._finished_ids, set()
         num_scheduled, cow_copies = step.num_scheduled, step.cow_copies
         return SchedulerOutput(
@@ -529,7 +549,9 @@ class Scheduler:
             forks=step.forks, swap_out=self.swap.swap_out, swap_in=self.swap.swap_in,
             block_copies=[p for c in step.cached for p in cow_copies.get(c.req_id, ())]
             if cow_copies else [], scheduled_spec_decode_tokens=step.spec_tokens,
-            num_spec_proposals=step.spec_next)
+            num_spec_proposals=step.spec_next,
+            scheduled_encoder_inputs=self.encoder.scheduled,
+            free_encoder_inputs=self.encoder.free)
 
     def _prefill_cap(self) -> int:
         """Throughput policy: the prompt tokens -- running requests' unfinished chunks
@@ -605,7 +627,8 @@ class Scheduler:
             req.sampling_params, req.eos_token_id,
             self.kv.get_block_ids(req.request_id), req.num_computed_tokens,
             lora_request=req.lora_request,
-            group_block_ids=self.kv.get_group_block_ids(req.request_id)))
+            group_block_ids=self.kv.get_group_block_ids(req.request_id),
+            mm_features=req.mm_features))
         step.touched.append(req)
 
     # -- results -------------------------------------------------------------------

@@ -30,6 +30,11 @@ from pagedllm.config import (
 )
 from pagedllm.core.kv_cache_groups import make_kv_cache_groups
 from pagedllm.model_files.resolve import resolve_model
+from pagedllm.multimodal.config import (
+    MultiModalConfig,
+    is_multimodal_config,
+    lift_text_config,
+)
 from pagedllm.spec_decode.config import MODEL_METHODS, SpeculativeConfig
 
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32",
@@ -129,6 +134,10 @@ class EngineArgs:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self, hf_config: Any = None) -> EngineConfig:
+    # Vision-language models (multimodal/): {"image": N} images per prompt at most, and
+    # encoder input tokens per step (None: max_num_batched_tokens).
+    limit_mm_per_prompt: dict[str, int] | None = None
+    max_num_encoder_input_tokens: int | None = None
         """Validate and build.  ``hf_config`` replaces the model's transformers config
         (the start-up kernel warm-up passes config.json's raw keys,
         ``engine/kernel_warmup.py``); normally it is loaded here."""
@@ -207,6 +216,12 @@ class EngineArgs:
             self.quantization, hf_config,
             resolved.gguf_path if resolved.load_format == "gguf" else None, device)
         if quantization == "gguf" and parallel.tensor_parallel_size > 1:
+        # A vision-language config: the engine reads the decoder's numbers at the top.
+        hf_config = lift_text_config(hf_config)
+        mm_config = MultiModalConfig.from_arg(self.limit_mm_per_prompt) \
+            if is_multimodal_config(hf_config) else None
+        if self.max_num_encoder_input_tokens is not None:
+            _positive_int("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens)
             if self.quantization == "gguf":
                 raise ValueError("quantization='gguf' (kept-quantised GGUF) runs on one rank "
                                  "only; use tensor_parallel_size 1 or quantization='none'")
@@ -252,7 +267,7 @@ class EngineArgs:
             skip_tokenizer_init=self.skip_tokenizer_init,
             trust_remote_code=self.trust_remote_code, dummy_init=dummy_init,
             quantization=quantization, runner=runner, convert=convert,
-            pooler_config=pooler)
+            pooler_config=pooler, multimodal_config=mm_config)
         if spec is not None and spec.method in MODEL_METHODS:
             spec = dataclasses.replace(spec, draft_model_config=_draft_model_config(
                 spec, model_config, self.quantization, parallel.world_size, device))
@@ -297,6 +312,7 @@ class EngineArgs:
             return None
         n = _positive_int("max_loras", self.max_loras)
         rank = _positive_int("max_lora_rank", self.max_lora_rank)
+                max_num_encoder_input_tokens=self.max_num_encoder_input_tokens or 0,
         cpu = n if self.max_cpu_loras is None else _positive_int("max_cpu_loras",
                                                                  self.max_cpu_loras)
         if cpu < n:

@@ -15,6 +15,9 @@ from pagedllm.config import EngineConfig, LoRAConfig, ModelConfig
 from pagedllm.lora.registry import LoRARegistry
 from pagedllm.lora.request import LoRARequest
 from pagedllm.messages import EngineCoreRequest
+from pagedllm.multimodal.inputs import MultiModalFeature
+from pagedllm.multimodal.parse import images_of, split_chat_images
+from pagedllm.multimodal.processor import MultiModalProcessor
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -82,6 +85,12 @@ class InputProcessor:
     # -- prompts -------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, token ids); ValueError naming ``prompt``."""
+        # Vision-language models: the model's own processor (multimodal/processor.py).
+        mm = getattr(model_config, "multimodal_config", None)
+        self.mm_limits: dict[str, int] = dict(mm.limit_per_prompt) if mm else {}
+        self.mm: MultiModalProcessor | None = MultiModalProcessor(
+            model_config.resolved.directory, model_config.hf_config,
+            model_config.trust_remote_code) if mm is not None else None
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
@@ -104,6 +113,68 @@ class InputProcessor:
         if not isinstance(ids, Sequence) or isinstance(ids, str):
             raise ValueError("prompt_token_ids must be a list of integers")
         if len(ids) == 0:
+    def tokenize_multimodal(self, prompt: PromptType,
+                            ) -> tuple[str | None, list[int], list[MultiModalFeature]]:
+        """``tokenize`` plus a dict prompt's ``multi_modal_data`` (vLLM's shape): the
+        model's processor expands each image's placeholder tokens in the prompt text, or
+        finds the runs already expanded in ``prompt_token_ids``.  ``ValueError`` naming
+        ``multi_modal_data`` (text-only model, bad images) or ``limit_mm_per_prompt``."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, Mapping) else None
+        if data is None:
+            return (*self.tokenize(prompt), [])
+        assert isinstance(prompt, Mapping)
+        if self.mm is None:
+            raise ValueError(f"multi_modal_data: {self.model_config.served_model_name} is "
+                             "a text-only model; it takes no images")
+        images = images_of(data)
+        limit = self.mm_limits.get("image", 0)
+        if len(images) > limit:
+            raise ValueError(f"limit_mm_per_prompt: the prompt has {len(images)} images, "
+                             f"more than the limit of {limit} per prompt")
+        if not images:
+            return (*self.tokenize({k: v for k, v in prompt.items()
+                                    if k != "multi_modal_data"}), [])
+        if "prompt_token_ids" in prompt:
+            ids, feats = self.mm.process(self._check_ids(prompt["prompt_token_ids"]),
+                                         images)
+            return prompt.get("prompt"), ids, feats
+        text = prompt.get("prompt")
+        if not isinstance(text, str) or not text:
+            raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        ids, feats = self.mm.process(text, images)
+        return text, self._check_ids(ids), feats
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]],
+                    chat_template: str | None = None, add_generation_prompt: bool = True,
+                    **kwargs: Any) -> PromptType:
+        """One conversation as a prompt for ``process``: its token ids, and its images
+        (OpenAI ``image_url`` data-URL parts, ``image_pil`` parts) as
+        ``multi_modal_data`` with their placeholders expanded in the ids."""
+        if not isinstance(messages, Sequence) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        msgs, images = split_chat_images(messages)
+        if not images:
+            return {"prompt_token_ids": self.apply_chat_template(
+                messages, chat_template, add_generation_prompt, **kwargs)}
+        if self.mm is None:
+            raise ValueError(f"messages: {self.model_config.served_model_name} is a "
+                             "text-only model; it takes no images")
+        if self.tokenizer is None:
+            raise ValueError("messages: chat needs a tokenizer (skip_tokenizer_init is set)")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                msgs, chat_template=chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt, **kwargs)
+        except Exception as e:  # jinja errors, missing template, bad roles
+            raise ValueError(f"messages: cannot apply the chat template: {e}") from e
+        limit = self.mm_limits.get("image", 0)
+        if len(images) > limit:
+            raise ValueError(f"limit_mm_per_prompt: the conversation has {len(images)} "
+                             f"images, more than the limit of {limit} per prompt")
+        # The template wrote the special tokens; the processor adds none.
+        ids, _ = self.mm.process(text, images, add_special_tokens=False)
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+
             raise ValueError("prompt must not be empty")
         # Fast path: plain ints (``type is int`` also rules out bools) in range are
         # checked by C-level builtins; anything else takes the loop below, which names
@@ -234,7 +305,7 @@ class InputProcessor:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         self.loras.check(lora_request)
-        text, ids = self.tokenize(prompt)
+        text, ids, mm_features = self.tokenize_multimodal(prompt)
         params = self.check_params(len(ids), params)
         arrival = time.time() if arrival_time is None else arrival_time
         if params.cache_salt is None and isinstance(prompt, Mapping) \
@@ -248,7 +319,8 @@ class InputProcessor:
             rid = child_request_id(request_id, 0)
             fork_ids = [child_request_id(request_id, i) for i in range(1, params.n)]
         children = [EngineCoreRequest(rid, ids, params, arrival, self.eos_token_id,
-                                      priority, fork_ids, lora_request=lora_request)]
+                                      priority, fork_ids, lora_request=lora_request,
+                                      mm_features=mm_features)]
         return text, ids, params, children
 
     def process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams,

@@ -131,10 +131,9 @@ class LLM(PoolingMixin):
             raise ValueError("messages must be a non-empty list")
         convs = [messages] if isinstance(messages[0], Mapping) else list(messages)
         ip = self.llm_engine.input_processor
+        # Image parts (image_url data URLs, image_pil) become multi_modal_data.
         plist: list[PromptType] = [
-            {"prompt_token_ids": ip.apply_chat_template(c, chat_template,
-                                                        add_generation_prompt)}
-            for c in convs]
+            ip.chat_prompt(c, chat_template, add_generation_prompt) for c in convs]
         return self._run(plist, sampling_params, use_tqdm, None)
 
     def _run(self, plist: list[PromptType], sampling_params: Any, use_tqdm: bool,

@@ -259,9 +259,12 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, last_only: bool = False,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                inputs_embeds: torch.Tensor | None = None,
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         residual: torch.Tensor | None = None
-        if intermediate is None:
+        if inputs_embeds is not None:  # a step with images (models/llava.py)
+            hidden = inputs_embeds
+        elif intermediate is None:
             hidden = self.embed_tokens(input_ids)
         else:
             hidden, residual = intermediate
@@ -348,6 +351,13 @@ class LlamaForCausalLM(nn.Module):
       rows given)
     * ``bind_kv_caches(list of per-layer caches, layer order)``
     * ``load_weights(iterable of (HF name, tensor))``
+    * ``get_input_embeddings(input_ids [T]) -> [T, hidden]``; ``forward(...,
+      inputs_embeds=[T, hidden])`` runs the decoder on those instead of the ids' own
+      embeddings (a step with images; the runner's text steps never pass it)
+
+    A vision-language model (``models/llava.py``) adds ``embed_multimodal(tensors) ->
+    one [placeholder tokens, hidden] tensor per image`` (its inputs carry a leading image
+    dimension) and marks itself with ``supports_multimodal = True``.
 
     ``quant_config`` (``layers/quantization/``) picks each linear layer's weight format by
     its HF module name, and may store the embedding and lm_head compactly too.
@@ -393,8 +403,15 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, last_only: bool = False,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                inputs_embeds: torch.Tensor | None = None,
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return self.model(input_ids, positions, meta, last_only, intermediate)
+        if inputs_embeds is None:  # the text path, unchanged
+            return self.model(input_ids, positions, meta, last_only, intermediate)
+        return self.model(input_ids, positions, meta, last_only, intermediate,
+                          inputs_embeds)
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -16,6 +16,7 @@ from pagedllm.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCaus
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
+from pagedllm.models.llava import LlavaForConditionalGeneration
 from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
@@ -96,6 +97,11 @@ ARCHITECTURES: dict[str, ArchitectureInfo] = {
         tasks=("classify", "score"), **_ENCODER),  # type: ignore[arg-type]
     "XLMRobertaForSequenceClassification": ArchitectureInfo(
         XLMRobertaForSequenceClassification, "BGE-reranker (v2-m3, base, large)",
+    "LlavaForConditionalGeneration": ArchitectureInfo(
+        LlavaForConditionalGeneration,
+        "LLaVA-1.5 / LLaVA-style (CLIP or SigLIP tower + projector + Llama, Mistral, "
+        "Qwen2/3); images in", quantization="decoder linear layers (tower unquantised)",
+        tensor_parallel=False, pipeline_parallel=False),
         tasks=("classify", "score"), **_ENCODER),  # type: ignore[arg-type]
 }
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {a: i.cls for a, i in ARCHITECTURES.items()}

@@ -33,6 +33,7 @@ from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_prompt_log
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.block_ops import BlockOps
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
+from pagedllm.worker.encoder_cache import EncoderCache
 from pagedllm.worker.input_batch import InputBatch, StepInputs
 from pagedllm.worker.lora.manager import make_lora_manager
 from pagedllm.worker.pipeline import PipelineStage
@@ -196,6 +197,10 @@ class ModelRunner:
         self.grammar = GrammarRunner(self.vocab_size, device, self.h2d, self._wait_in_flight)
         # Multi-LoRA (worker/lora/manager.py): adapter slots on the linear layers.
         self.lora = make_lora_manager(config, model, device)
+        # Images (worker/encoder_cache.py): encoder outputs and the steps' input
+        # embeddings; None for a text-only model.
+        self.mm = EncoderCache(model, device) \
+            if getattr(mc, "multimodal_config", None) is not None else None
         # Speculative decoding (worker/spec_decode/runner.py): verify drafts, propose more.
         spec = sc.speculative_config
         self.spec = SpecDecodeRunner(spec, mc.max_model_len, self.batch, self.h2d, device,
@@ -318,12 +323,16 @@ class ModelRunner:
         return meta
 
     def _forward(self, inp: StepInputs, fix: Callable[[torch.Tensor], None] | None,
-                 last_only: bool) -> torch.Tensor | None:
+                 last_only: bool,
+                 embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 ) -> torch.Tensor | None:
         """Hidden states of every scheduled token, or with ``last_only`` of each
         request's last one (row i: request i): a CUDA-graph replay when the step fits a
         captured shape (``worker/cuda_graphs.py``), an eager forward otherwise; None on
         a pipeline stage before the last (``worker/pipeline.py``).  ``fix``
-        patches the device input ids (tokens still in flight) before the model reads them."""
+        patches the device input ids (tokens still in flight) before the model reads them;
+        ``embed`` (a step with images, ``worker/encoder_cache.py``) turns them into the
+        model's ``inputs_embeds``, in an eager forward."""
         num_reqs = len(inp.seq_lens)
         if self._calc_kv_scales:  # this step, eagerly, sets the fp8 KV scales
             from pagedllm.layers import kv_scales
@@ -333,7 +342,7 @@ class ModelRunner:
         elif self._graph_margin is not None:
             margin, self._graph_margin = self._graph_margin, None
             self.capture_cuda_graphs(margin)
-        if self.graphs is not None:
+        if self.graphs is not None and embed is None:
             shape = self.graphs.padded_shape(len(inp.input_ids), num_reqs,
                                              inp.max_query_len)
             # A chunk graph returns what it was captured for: every row, or the last ones.
@@ -343,6 +352,9 @@ class ModelRunner:
         ids = self.h2d("ids", inp.input_ids)
         if fix is not None:
             fix(ids)
+        if embed is not None:
+            return self.model(ids, self.h2d("pos", inp.positions), meta, last_only,
+                              inputs_embeds=embed(ids))
         if self.stage is not None:
             return self.stage.forward(self.model, ids, self.h2d("pos", inp.positions), meta,
                                       last_only)
@@ -379,6 +391,8 @@ class ModelRunner:
         """Launch the step; the sampled tokens are read back by ``StepHandle.result``."""
         self.h2d.parity ^= 1
         computed = self._update_states(sched)
+        if self.mm is not None:  # image requests in and out; this step's encoder runs
+            self.mm.update(sched)
         drafts = sched.scheduled_spec_decode_tokens
         if drafts:  # the drafts are the input tokens after each row's last one
             self.spec.write_drafts(drafts)  # type: ignore[union-attr]
@@ -400,7 +414,11 @@ class ModelRunner:
             lora_failed = self.lora.prepare_step(
                 loras, num_new, self.h2d, pruned=last_only and inp.max_query_len > 1)
         pending, fix = self._pending_fix(order, inp)
-        hidden = self._forward(inp, fix, last_only)
+        embed = self.mm.embedder(order, num_computed, num_new, inp.query_start_loc) \
+            if self.mm is not None else None
+        hidden = self._forward(inp, fix, last_only, embed)
+        if self.mm is not None:
+            self.mm.release(sched.free_encoder_inputs)
 
         # Sample only requests whose known tokens (incl. one still in flight) are all
         # computed after this step.
