@@ -172,3 +172,21 @@ def test_ep_rank_loads_and_reads_only_its_experts(rank: int, tmp_path) -> None:
     for name, nbytes in counter.read.items():
         if ".experts." in name:
             assert int(name.split(".experts.")[1].split(".")[0]) not in others or not nbytes
+
+
+@pytest.mark.parametrize("name", ["random", "all_on_rank_0"])
+def test_ep_split_on_the_triton_kernels(name: str) -> None:
+    """The GPU path (Triton kernels; ``TRITON_INTERPRET=1`` on CPU): another rank's pairs
+    become expert 0 with weight 0, which the sorted (19 tokens) and GEMV (2 tokens)
+    paths both drop."""
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(2))
+    ref = _reference(x)[name]
+    w, ids = _routings()[name]
+    ranks = [FusedMoE(E, K, H, INTER, renormalize=False, ep_size=2, ep_rank=r)
+             for r in range(2)]
+    for layer in ranks:
+        _load(layer, *_weights())
+        layer.use_triton = True
+    for t in (T, 2):
+        parts = [layer.forward_topk(x[:t], w[:t], ids[:t]) for layer in ranks]
+        torch.testing.assert_close(parts[0] + parts[1], ref[:t], rtol=1e-4, atol=1e-5)
