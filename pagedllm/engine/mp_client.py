@@ -48,6 +48,7 @@ from pagedllm.engine.transport_auth import (
     curve_available,
     start_authenticator,
 )
+from pagedllm.executor.process_start import start_process
 from pagedllm.messages import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
@@ -169,11 +170,11 @@ class AsyncMPClient:
         or exits before being ready."""
         self._bind()
         mp = multiprocessing.get_context("spawn")
-        self.proc = mp.Process(
-            target=run_engine_core, name="pagedllm-engine-core",
-            args=(self.config, self.input_addr, self.output_addr, os.getpid(),
-                  self.heartbeat_interval, self.keys.core if self.keys else None))
-        self.proc.start()
+        self.proc = start_process(
+            mp, run_engine_core,
+            (self.config, self.input_addr, self.output_addr, os.getpid(),
+             self.heartbeat_interval, self.keys.core if self.keys else None),
+            name="pagedllm-engine-core")
         deadline = time.monotonic() + timeout
         while True:
             if await self.output.poll(int(self.poll_interval * 1000)):

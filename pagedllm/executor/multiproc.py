@@ -33,6 +33,7 @@ import zmq
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.base import Executor, ExecutorError, output_rank
+from pagedllm.executor.process_start import start_process
 from pagedllm.executor.worker_proc import (
     ENCODER,
     KIND_CACHE_READY,
@@ -124,13 +125,11 @@ class MultiprocExecutor(Executor):
             if pc.pipeline_parallel_size > 1 else None
         try:
             for rank in range(self.world_size):
-                p = mp.Process(target=run_worker, name=f"pagedllm-worker-{rank}",
-                               args=(config, rank, rank, init_method, bcast_addr,
+                self.procs.append(start_process(
+                    mp, run_worker, (config, rank, rank, init_method, bcast_addr,
                                      result_addr, os.getpid(), rank == self.output_rank,
                                      time.time()),
-                               daemon=True)
-                p.start()
-                self.procs.append(p)
+                    name=f"pagedllm-worker-{rank}", daemon=True))
             self._start(config)
         except BaseException:
             self.shutdown()
