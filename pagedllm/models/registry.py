@@ -13,6 +13,7 @@ from pagedllm.models.bert_classifier import (
     XLMRobertaForSequenceClassification,
 )
 from pagedllm.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from pagedllm.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
@@ -61,6 +62,8 @@ _MOE_QUANT = ("linear layers; experts: FP8 (`--quantization fp8`; HF FP8 and "
               "compressed-tensors FP8 checkpoints, block-wise included); others refused")
 _MLA = "multi-head latent (MLA; latent KV cache)"
 _MLA_QUANT = "linear layers except `kv_b_proj` (kept unquantised for the absorbed form)"
+_MLA = "multi-head latent (MLA; latent KV cache)"
+_MLA_QUANT = "linear layers except `kv_b_proj` (kept unquantised for the absorbed form)"
 
 ARCHITECTURES: dict[str, ArchitectureInfo] = {
     "LlamaForCausalLM": ArchitectureInfo(LlamaForCausalLM, "Llama 2/3, SmolLM2"),
@@ -78,6 +81,12 @@ ARCHITECTURES: dict[str, ArchitectureInfo] = {
                                             moe=True, quantization=_MOE_QUANT),
     "Phi3ForCausalLM": ArchitectureInfo(Phi3ForCausalLM, "Phi-3, Phi-3.5, Phi-4",
                                         "full or sliding window"),
+    "DeepseekV2ForCausalLM": ArchitectureInfo(
+        DeepseekV2ForCausalLM, "DeepSeek-V2, V2-Lite", _MLA, moe=True,
+        quantization=_MLA_QUANT, tensor_parallel=False, cuda_graphs=False),
+    "DeepseekV3ForCausalLM": ArchitectureInfo(
+        DeepseekV3ForCausalLM, "DeepSeek-V3, R1, Kimi-K2, Moonlight", _MLA, moe=True,
+        quantization=_MLA_QUANT, tensor_parallel=False, cuda_graphs=False),
     "DeepseekV2ForCausalLM": ArchitectureInfo(
         DeepseekV2ForCausalLM, "DeepSeek-V2, V2-Lite", _MLA, moe=True,
         quantization=_MLA_QUANT, tensor_parallel=False, cuda_graphs=False),
@@ -111,6 +120,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
+                "deepseek_v2": "DeepseekV2ForCausalLM",
+                "deepseek_v3": "DeepseekV3ForCausalLM",
                 "deepseek_v2": "DeepseekV2ForCausalLM",
                 "deepseek_v3": "DeepseekV3ForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",

@@ -1,0 +1,74 @@
+"""DeepSeek-V2/V3 (multi-head latent attention) through the whole engine (``LLM``): greedy
+tokens equal transformers' ``generate`` token for token (fp32, CPU) -- batched with a
+small token budget (chunked prefill), a latent KV pool small enough that requests are
+preempted (recomputed, or swapped to CPU and back), prefix caching on (the prompts
+share a 40-token prefix; the second pass is served from cached blocks), and n > 1.  The pool is
+sized in the MLA cache's bytes per token, which the engine computes
+(``ModelConfig.kv_bytes_per_token``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from tests.models.deepseek_tiny import VOCAB, build
+
+NEW = 10
+BLOCK = 16
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(0, VOCAB, (40,), generator=g).tolist()
+    return [shared + torch.randint(0, VOCAB, (n,), generator=g).tolist()
+            for n in (5, 23, 12, 30)]
+
+
+def _hf_greedy(hf: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
+                              top_p=None, top_k=None, temperature=None)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("name,preemption", [("v2_lite", "recompute"), ("v3", "recompute"),
+                                              ("v2_yarn", "swap")])
+def test_greedy_batched_chunked_preempted_prefix_cached(name: str, preemption: str,
+                                                        tmp_path) -> None:
+    hf = build(name, str(tmp_path))
+    prompts = _prompts()
+    ref = _hf_greedy(hf, prompts)
+    cfg = hf.config
+    # One [c_kv | k_pe] entry per token and layer, float32.
+    block_bytes = BLOCK * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    # 9 blocks: two ~5-block requests cannot both stay resident -> preemption.
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, device="cpu", dtype="float32",
+              kv_cache_memory_bytes=9 * block_bytes, max_model_len=128,
+              max_num_batched_tokens=32, block_size=BLOCK, enable_prefix_caching=True,
+              preemption_mode=preemption, swap_space=0.01)
+    assert llm.llm_engine.config.model_config.kv_bytes_per_token() * BLOCK == block_bytes
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    cached = []
+    for _ in range(2):  # the second pass hits the prefix cache
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        cached.append(sum(o.num_cached_tokens for o in outs))
+    assert cached[1] > 0
+    sched = llm.llm_engine.client.core.scheduler
+    assert sched.total_preemptions > 0
+    if preemption == "swap":
+        assert sched.swap.total_swaps > 0
+        # n > 1: the forks share the prompt's blocks; the partial last block is copied on
+        # write (block copies over the one-entry latent tensors).
+        both = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=NEW,
+                                                        ignore_eos=True, n=2),
+                            use_tqdm=False)
+        assert [c.token_ids for c in both[0].outputs] == [ref[0], ref[0]]
+    pool = sched.kv.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks
