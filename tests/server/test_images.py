@@ -258,8 +258,8 @@ def test_vlm_clients_match_offline_chat(vlm_server: ServerProcess, llava_dir: st
     assert resp.output_text == want0
 
     an = anthropic.Anthropic(base_url=vlm_server.url, api_key="x", max_retries=0)
-    msg = an.messages.create(
-        model=got.model, max_tokens=n, temperature=0,
+    msg = an.messages.create(  # this SDK has no temperature argument: the body has it
+        model=got.model, max_tokens=n, extra_body={"temperature": 0},
         messages=[{"role": "user", "content": [
             {"type": "text", "text": text},
             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
