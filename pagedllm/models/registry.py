@@ -13,11 +13,10 @@ from pagedllm.models.bert_classifier import (
     XLMRobertaForSequenceClassification,
 )
 from pagedllm.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-from pagedllm.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM
-from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.llava import LlavaForConditionalGeneration
+from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
@@ -62,8 +61,6 @@ _MOE_QUANT = ("linear layers; experts: FP8 (`--quantization fp8`; HF FP8 and "
               "compressed-tensors FP8 checkpoints, block-wise included); others refused")
 _MLA = "multi-head latent (MLA; latent KV cache)"
 _MLA_QUANT = "linear layers except `kv_b_proj` (kept unquantised for the absorbed form)"
-_MLA = "multi-head latent (MLA; latent KV cache)"
-_MLA_QUANT = "linear layers except `kv_b_proj` (kept unquantised for the absorbed form)"
 
 ARCHITECTURES: dict[str, ArchitectureInfo] = {
     "LlamaForCausalLM": ArchitectureInfo(LlamaForCausalLM, "Llama 2/3, SmolLM2"),
@@ -87,16 +84,15 @@ ARCHITECTURES: dict[str, ArchitectureInfo] = {
     "DeepseekV3ForCausalLM": ArchitectureInfo(
         DeepseekV3ForCausalLM, "DeepSeek-V3, R1, Kimi-K2, Moonlight", _MLA, moe=True,
         quantization=_MLA_QUANT, tensor_parallel=False, cuda_graphs=False),
-    "DeepseekV2ForCausalLM": ArchitectureInfo(
-        DeepseekV2ForCausalLM, "DeepSeek-V2, V2-Lite", _MLA, moe=True,
-        quantization=_MLA_QUANT, tensor_parallel=False, cuda_graphs=False),
-    "DeepseekV3ForCausalLM": ArchitectureInfo(
-        DeepseekV3ForCausalLM, "DeepSeek-V3, R1, Kimi-K2, Moonlight", _MLA, moe=True,
-        quantization=_MLA_QUANT, tensor_parallel=False, cuda_graphs=False),
     "Gemma2ForCausalLM": ArchitectureInfo(Gemma2ForCausalLM, "Gemma 2",
                                           "sliding/global alternating, logit soft-cap"),
     "Gemma3ForCausalLM": ArchitectureInfo(Gemma3ForCausalLM, "Gemma 3 (text)",
                                           "5 sliding : 1 global"),
+    "LlavaForConditionalGeneration": ArchitectureInfo(
+        LlavaForConditionalGeneration,
+        "LLaVA-1.5 / LLaVA-style (CLIP or SigLIP tower + projector + Llama, Mistral, "
+        "Qwen2/3); images in", quantization="decoder linear layers (tower unquantised)",
+        tensor_parallel=False, pipeline_parallel=False),
     "BertModel": ArchitectureInfo(BertModel, "BERT, BGE (v1.5), E5 (v2), MiniLM embedders",
                                   tasks=("embed",), **_ENCODER),  # type: ignore[arg-type]
     "XLMRobertaModel": ArchitectureInfo(XLMRobertaModel, "XLM-R, multilingual-E5, BGE-M3",
@@ -106,11 +102,6 @@ ARCHITECTURES: dict[str, ArchitectureInfo] = {
         tasks=("classify", "score"), **_ENCODER),  # type: ignore[arg-type]
     "XLMRobertaForSequenceClassification": ArchitectureInfo(
         XLMRobertaForSequenceClassification, "BGE-reranker (v2-m3, base, large)",
-    "LlavaForConditionalGeneration": ArchitectureInfo(
-        LlavaForConditionalGeneration,
-        "LLaVA-1.5 / LLaVA-style (CLIP or SigLIP tower + projector + Llama, Mistral, "
-        "Qwen2/3); images in", quantization="decoder linear layers (tower unquantised)",
-        tensor_parallel=False, pipeline_parallel=False),
         tasks=("classify", "score"), **_ENCODER),  # type: ignore[arg-type]
 }
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {a: i.cls for a, i in ARCHITECTURES.items()}
@@ -120,8 +111,6 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
-                "deepseek_v2": "DeepseekV2ForCausalLM",
-                "deepseek_v3": "DeepseekV3ForCausalLM",
                 "deepseek_v2": "DeepseekV2ForCausalLM",
                 "deepseek_v3": "DeepseekV3ForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
