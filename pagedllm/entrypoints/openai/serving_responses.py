@@ -43,6 +43,9 @@ from pagedllm.entrypoints.openai.serving_base import engine_error_response
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 
 MAX_STORED = 1024
+# Image URLs (data URLs: the image itself) stored responses may hold in all; the oldest
+# go first beyond it, so stored conversations with images cannot fill the memory.
+MAX_STORED_IMAGE_BYTES = 256 << 20
 _KNOWN = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
           "tools", "tool_choice", "parallel_tool_calls", "stream", "previous_response_id",
           "store", "text", "metadata", "user", "reasoning", "truncation", "service_tier",
@@ -51,24 +54,44 @@ _KNOWN = {"model", "input", "instructions", "max_output_tokens", "temperature", 
 
 
 class ResponseStore:
-    """Bounded LRU of finished responses: id -> (conversation messages, response)."""
+    """Bounded LRU of finished responses: id -> (conversation messages, response);
+    at most ``max_size`` of them, holding at most ``max_image_bytes`` of image URLs."""
 
-    def __init__(self, max_size: int = MAX_STORED) -> None:
+    def __init__(self, max_size: int = MAX_STORED,
+                 max_image_bytes: int = MAX_STORED_IMAGE_BYTES) -> None:
         self.max_size = max_size
+        self.max_image_bytes = max_image_bytes
         self._items: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = \
             OrderedDict()
+        self._image_bytes: dict[str, int] = {}
 
     def put(self, rid: str, messages: list[dict[str, Any]], resp: dict[str, Any]) -> None:
         self._items[rid] = (messages, resp)
         self._items.move_to_end(rid)
-        while len(self._items) > self.max_size:
-            self._items.popitem(last=False)
+        self._image_bytes[rid] = _image_url_bytes(messages)
+        while len(self._items) > self.max_size or (
+                len(self._items) > 1
+                and sum(self._image_bytes.values()) > self.max_image_bytes):
+            old, _ = self._items.popitem(last=False)
+            self._image_bytes.pop(old, None)
 
     def get(self, rid: str) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
         item = self._items.get(rid)
         if item is not None:
             self._items.move_to_end(rid)
         return item
+
+
+def _image_url_bytes(messages: list[dict[str, Any]]) -> int:
+    """Characters of the image URLs in chat ``messages`` (a data URL is the image)."""
+    n = 0
+    for m in messages:
+        content = m.get("content")
+        for p in content if isinstance(content, list) else ():
+            iu = p.get("image_url") if isinstance(p, dict) else None
+            url = iu.get("url") if isinstance(iu, dict) else iu
+            n += len(url) if isinstance(url, str) else 0
+    return n
 
 
 def _input_messages(inp: Any) -> list[dict[str, Any]]:
