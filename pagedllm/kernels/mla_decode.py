@@ -20,14 +20,16 @@ positions ``0 ..`` that one, read through ``block_tables[r]`` (ragged: only the 
 
 Grid::
 
-    axis 0: requests.
-    axis 1: (query block, head block).  A program's rows are BLOCK_Q queries x BLOCK_H
-            heads of one request, so each KV tile is loaded ONCE for all its heads and
+    axis 0: (query block, head block), head blocks fastest: the programs that read the
+            same KV (one request's head blocks) run side by side, so the second finds
+            it in L2.  A program's rows are BLOCK_Q queries x BLOCK_H heads of one
+            request, so each KV tile is loaded ONCE for all its heads and
             queries -- what makes MLA decode bandwidth-bound on the latent cache (one
             576-element row per token serves all H heads).  Both products run as
             ``tl.dot`` with M = BLOCK_Q * BLOCK_H >= 16 rows.  DeepSeek-V2-Lite's 16
             heads fit one head block; V3's 128 split into head blocks of 64 (a 64 x 512
             fp32 accumulator is already 128 registers a thread at 8 warps).
+    axis 1: requests.
     axis 2: KV splits.  Split ``s`` of ``S`` takes a contiguous, BLOCK_N-aligned run of
             the positions its rows need, writes its normalised partial output and its
             log-sum-exp (log2 domain), and ``_mla_reduce_kernel`` merges the S partials.
@@ -112,9 +114,9 @@ def _mla_decode_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
 ):
-    req = tl.program_id(0)
-    q_block = tl.program_id(1) // HEAD_BLOCKS
-    h_block = tl.program_id(1) % HEAD_BLOCKS
+    req = tl.program_id(1)
+    q_block = tl.program_id(0) // HEAD_BLOCKS
+    h_block = tl.program_id(0) % HEAD_BLOCKS
     split = tl.program_id(2)
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
@@ -236,9 +238,11 @@ def plan_mla_decode(*, num_reqs: int, max_query_len: int, num_heads: int,
     accumulator is 128 registers a thread at 8 warps); heads fill the rows first, so a
     decode of DeepSeek-V2-Lite's 16 heads is one 16-row program per request and
     two-token queries share one 32-row program.  When the (request, query block, head
-    block) programs are under two waves of ``sm_count``, each context is split so that
-    about ``2 * sm_count`` programs run (up to ``MAX_SPLITS``): batch 64 x 16 heads on
-    132 SMs gives 8 splits.  ``num_splits`` forces the count (tests, sweeps)."""
+    block) programs cannot fill two per multiprocessor (the decode plan's registers
+    allow two), each context is split into ``2 * sm_count // programs`` parts (up to
+    ``MAX_SPLITS``): all resident in one wave, and no more partials than that to write
+    and merge (batch 64 x 16 heads on 132 SMs: 4 splits, 16 MB of fp32 partials
+    written and read beside 302 MB of cache).  ``num_splits`` forces the count (tests, sweeps)."""
     max_rows = 64 if kv_lora_rank <= 512 else 32
     block_h = min(max(16, triton.next_power_of_2(num_heads)), max_rows)
     block_q = max(1, min(triton.next_power_of_2(max(1, max_query_len)),
@@ -250,8 +254,7 @@ def plan_mla_decode(*, num_reqs: int, max_query_len: int, num_heads: int,
         programs = max(1, num_reqs * q_blocks * head_blocks)
         num_splits = 1
         if programs < 2 * sm_count:
-            num_splits = min(MAX_SPLITS, triton.next_power_of_2(
-                math.ceil(2 * sm_count / programs)))
+            num_splits = min(MAX_SPLITS, 2 * sm_count // programs)
         if max_seq_len is not None:  # at least 4 tiles of work per split
             num_splits = max(1, min(num_splits, math.ceil(max_seq_len / block_n) // 4))
     rows = block_q * block_h
@@ -309,7 +312,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     else:
         lse = seq_lens  # unused
         target, stride_ot, stride_oh = out, out.stride(0), out.stride(1)
-    _mla_decode_kernel[(num_reqs, q_blocks * head_blocks, splits)](
+    _mla_decode_kernel[(q_blocks * head_blocks, num_reqs, splits)](
         q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, target, lse,
         scale * _LOG2E, h, splits,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),

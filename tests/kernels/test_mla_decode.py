@@ -91,10 +91,10 @@ def test_planned_launch() -> None:
 
 
 def test_plan() -> None:
-    """Host-only plan: V2-Lite decode at batch 64 splits to ~2 waves of 132 SMs; V3's
+    """Host-only plan: V2-Lite decode at batch 64 splits to 2 programs per SM; V3's
     128 heads use 64-head blocks; a 2-token verify packs both tokens in one program."""
     p = plan_mla_decode(num_reqs=64, max_query_len=1, num_heads=16, kv_lora_rank=512)
-    assert (p.block_h, p.block_q, p.num_splits) == (16, 1, 8)
+    assert (p.block_h, p.block_q, p.num_splits) == (16, 1, 4)
     p = plan_mla_decode(num_reqs=256, max_query_len=1, num_heads=128, kv_lora_rank=512)
     assert (p.block_h, p.num_splits) == (64, 1)
     p = plan_mla_decode(num_reqs=8, max_query_len=2, num_heads=16, kv_lora_rank=512,
