@@ -160,6 +160,16 @@ class EngineMetrics:
             "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        # The prefix cache's host tier (core/offload_tier.py; zero when off): vLLM's
+        # names for the tokens looked up past the device hit and found off the device.
+        self.external_prefix_cache_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache "
+            "sharing, in terms of number of queried tokens.")
+        self.external_prefix_cache_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, "
+            "in terms of number of cached tokens.")
         # Speculative decoding (spec_decode/; zero without it).
         self.spec_decode_num_drafts = counter(
             "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
@@ -220,6 +230,15 @@ class EngineMetrics:
             "pagedllm:kv_cache_total_blocks", "KV-cache blocks in the pool.")
         self.engine_alive = gauge(
             "pagedllm:engine_alive", "1 while the engine-core loop is making progress.")
+        self.kv_offload_bytes = counter(
+            "pagedllm:kv_offload_bytes", "KV bytes copied by the prefix cache's host tier: "
+            "evicted blocks to the host, prefix hits back to the device.", ("direction",))
+        self.kv_offload_usage_perc = gauge(
+            "pagedllm:kv_offload_usage_perc",
+            "Fill of the prefix cache's host tier. 1 means 100 percent.")
+        self.kv_offload_total_blocks = gauge(
+            "pagedllm:kv_offload_total_blocks",
+            "KV blocks in the prefix cache's host tier (0: off).")
         self.requests_rejected = counter(
             "pagedllm:requests_rejected", "Requests refused by admission control or draining.",
             ("reason",))
@@ -249,8 +268,12 @@ class EngineMetrics:
                        self.request_params_max_tokens, self.ttft, self.itl, self.tpot,
                        self.request_tpot, self.e2e, self.queue_time, self.inference_time,
                        self.prefill_time, self.decode_time, self.kv_cache_free_blocks,
-                       self.kv_cache_total_blocks, self.engine_alive):
+                       self.kv_cache_total_blocks, self.engine_alive,
+                       self.external_prefix_cache_queries, self.external_prefix_cache_hits,
+                       self.kv_offload_usage_perc, self.kv_offload_total_blocks):
             metric.labels(*m)
+        for direction in ("to_host", "to_device"):
+            self.kv_offload_bytes.labels(*m, direction)
         for reason in TRANSPORT_REJECT_REASONS:
             self.engine_transport_rejected.labels(*m, reason)
         self._seqs: dict[str, _SeqState] = {}
@@ -274,6 +297,22 @@ class EngineMetrics:
             self.iteration_tokens.labels(*m).observe(stats.num_scheduled_tokens)
         if stats.spec_num_drafts:
             self._record_spec(stats)
+        if stats.kv_offload_total_blocks:
+            self._record_offload(stats)
+
+    def _record_offload(self, stats: SchedulerStats) -> None:
+        m = self._lbl
+        self.kv_offload_usage_perc.labels(*m).set(stats.kv_offload_usage)
+        self.kv_offload_total_blocks.labels(*m).set(stats.kv_offload_total_blocks)
+        if stats.kv_offload_queries:
+            self.external_prefix_cache_queries.labels(*m).inc(stats.kv_offload_queries)
+        if stats.kv_offload_hits:
+            self.external_prefix_cache_hits.labels(*m).inc(stats.kv_offload_hits)
+        if stats.kv_offload_bytes_to_host:
+            self.kv_offload_bytes.labels(*m, "to_host").inc(stats.kv_offload_bytes_to_host)
+        if stats.kv_offload_bytes_to_device:
+            self.kv_offload_bytes.labels(*m, "to_device").inc(
+                stats.kv_offload_bytes_to_device)
 
     def _record_spec(self, stats: SchedulerStats) -> None:
         m = self._lbl
