@@ -105,6 +105,12 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # CPU memory for swapped-out KV blocks (allocated only with preemption_mode="swap").
     swap_space_bytes: int = 4 << 30
+    # The prefix cache's host tier (core/offload_tier.py): host memory for KV blocks
+    # evicted from the device pool (0: off), and the blocks it holds -- the whole
+    # model's block size, the same count on every rank (set by the engine arguments).
+    kv_offload_bytes: int = 0
+    num_offload_blocks: int = 0
+    kv_offload_block_bytes: int = 0
     # Filled in by the engine once memory is planned.
     num_blocks: int | None = None
     # Every layer's attention window when all layers slide with one (Mistral v0.1): KV
@@ -142,14 +148,14 @@ class SchedulerConfig:
     speculative_config: SpeculativeConfig | None = None
     # Multi-LoRA: at most this many distinct adapters per step (0: LoRA off).
     max_loras: int = 0
+    # Images: encoder input tokens per step (vLLM's name; 0: max_num_batched_tokens).
+    max_num_encoder_input_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class LoRAConfig:
     """Multi-LoRA (``lora/``, vLLM's names): ``max_loras`` adapters resident on the
     device (and per step), ranks up to ``max_lora_rank``, ``max_cpu_loras`` kept on the
-    # Images: encoder input tokens per step (vLLM's name; 0: max_num_batched_tokens).
-    max_num_encoder_input_tokens: int = 0
     host."""
 
     max_loras: int = 1

@@ -18,7 +18,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 
 class KVCacheBlock:
@@ -101,6 +101,9 @@ class BlockPool:
         self.cached_blocks: dict[Hashable, KVCacheBlock] = {}
         # The most blocks ever referenced at once since ``reset_peak`` (benchmarks).
         self.peak_blocks_in_use = 0
+        # Called with a cached block about to be handed out (its hash not yet dropped):
+        # the prefix cache's host tier saves it there (core/offload_tier.py).
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
 
     # -- queries -------------------------------------------------------------------
     @property
@@ -136,8 +139,11 @@ class BlockPool:
         if n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks, {self.num_free_blocks} free")
         out = []
+        on_evict = self.on_evict
         for _ in range(n):
             b = self.free_queue.popleft()
+            if on_evict is not None and b.block_hash is not None:
+                on_evict(b)
             self.evict_hash(b)
             b.ref_cnt = 1
             out.append(b)

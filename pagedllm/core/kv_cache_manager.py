@@ -141,6 +141,11 @@ class KVCacheManager:
         the group id in the others (the same tokens have other KV in other layers)."""
         return block_hash if self.group_id == 0 else (self.group_id, block_hash)
 
+    def block_keys(self, request: Request, num_blocks: int) -> list[Hashable]:
+        """The pool's cache keys of ``request``'s first ``num_blocks`` full blocks (the
+        prefix cache's host tier looks them up, core/offload_tier.py)."""
+        return [self._key(h) for h in self._block_hashes(request, num_blocks)[:num_blocks]]
+
     def wants_prefix_lookup(self, request: Request) -> bool:
         # Prompt logprobs need the logits of every prompt position: no hits.
         return self.enable_caching and request.sampling_params.prompt_logprobs is None

@@ -84,11 +84,15 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     # Memory sharing.  The runner applies, in this order and before anything else:
-    # forks (row copies), swap-outs (GPU block -> CPU block), swap-ins (CPU -> GPU), then
-    # block copies (copy-on-write, src -> dst); all before the forward writes any KV.
+    # forks (row copies), swap-outs (GPU block -> CPU block), prefix-cache offloads (GPU
+    # block -> host slot), swap-ins (CPU -> GPU), prefix-cache loads (host slot -> GPU),
+    # then block copies (copy-on-write, src -> dst); all before the forward writes any
+    # KV (core/offload_tier.py for the host tier's two lists).
     forks: list[ForkRequestData] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    kv_offload: list[tuple[int, int]] = field(default_factory=list)
+    kv_load: list[tuple[int, int]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Speculative decoding: req_id -> draft tokens to verify this step (they are the
     # last ``len(drafts)`` of its ``num_scheduled_tokens``; spec_decode/).
@@ -96,15 +100,15 @@ class SchedulerOutput:
     # ... and how many drafts per request the runner proposes after this step for the
     # next one (the per-step policy's guess; 0: none, spec_decode/policy.py).
     num_spec_proposals: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
     # Images (core/encoder_budget.py): req_id -> indices into its ``mm_features`` to
     # encode this step (before the forward), and to release after it (their placeholder
     # runs are computed by the end of this step).
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     free_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
 
 
 @dataclass(slots=True)

@@ -53,6 +53,7 @@ from pagedllm.core.beam_search import BeamSearchCoordinator
 from pagedllm.core.encoder_budget import EncoderBudget
 from pagedllm.core.hybrid_kv_cache_manager import make_kv_cache_manager
 from pagedllm.core.lora_budget import LoRABudget
+from pagedllm.core.offload_tier import make_offload_tier
 from pagedllm.core.outputs import (
     CachedRequestData,
     ForkRequestData,
@@ -163,11 +164,17 @@ class Scheduler:
         self.swap = SwapManager(self.kv, num_cpu_blocks,
                                 scheduler_config.preemption_mode == "swap",
                                 scheduler_config.max_swap_blocks_per_step)
-        # Beam search: groups of beams that advance together (hooks below).
+        # The prefix cache's host tier (``kv_offload_bytes``; None when off): evicted
+        # cached blocks go to host memory and come back on a hit (core/offload_tier.py).
+        self.offload = make_offload_tier(
+            self.kv, getattr(cache_config, "num_offload_blocks", 0)
+            if cache_config.enable_prefix_caching else 0)
+        self._offload_block_bytes = getattr(cache_config, "kv_offload_block_bytes", 0)
         # Images: when each is encoded, under the encoder budget (core/encoder_budget.py).
         self.encoder = EncoderBudget(
             getattr(scheduler_config, "max_num_encoder_input_tokens", 0)
             or scheduler_config.max_num_batched_tokens)
+        # Beam search: groups of beams that advance together (hooks below).
         self.beams = BeamSearchCoordinator(self.requests, self._fork, self._drop,
                                            self._release_reserved)
         # Sequences running requests will still fork into (reserved under max_num_seqs).
@@ -255,6 +262,7 @@ class Scheduler:
 
     def _free(self, req: Request) -> None:
         self.kv.free(req)
+        self.encoder.forget(req.request_id)
         self.requests.pop(req.request_id, None)
         self._may_need_sync.pop(req.request_id, None)
         self._finished_ids.add(req.request_id)
@@ -262,7 +270,6 @@ class Scheduler:
     def _add_running(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        self.encoder.forget(req.request_id)
         self._reserved += req.reserved_slots
 
     def _remove_running(self, req: Request) -> None:
@@ -289,6 +296,7 @@ class Scheduler:
         self._num_preemptions_step += 1
         self.total_preemptions += 1
         self._finished_ids.add(victim.request_id)  # the runner drops its row
+        self.encoder.forget(victim.request_id)  # and its encoder outputs
         if self.swap.park(victim):  # swap preemption, when its budget allows
             return
         self.kv.free(victim)
@@ -296,7 +304,6 @@ class Scheduler:
         victim.num_computed_tokens = 0
         if to_back:
             self.waiting.add(victim)
-        self.encoder.forget(victim.request_id)  # and its encoder outputs
         else:
             self.waiting.add_preempted(victim)
 
@@ -357,6 +364,7 @@ class Scheduler:
         """
         self._num_preemptions_step = 0
         self.swap.begin_step()
+        self.encoder.begin()
         # Speculative decoding: this step's drafts per request (the per-step policy),
         # and how many the runner proposes after it (spec_decode/scheduling.py).
         spec_cap, spec_next = self.spec.plan(self.running) if self.spec is not None \
@@ -364,7 +372,6 @@ class Scheduler:
         # Throughput policy: how many prompt tokens (running chunks and new requests)
         # this step may compute; None = no limit beyond the budget.
         prefill_cap = self._prefill_cap() if self._lpt is not None and len(self._lpt) \
-        self.encoder.begin()
             else None
         step = _Step(budget=self.config.max_num_batched_tokens,
                      in_flight=in_flight_req_ids, max_reqs=max_num_scheduled_reqs,
@@ -435,6 +442,8 @@ class Scheduler:
             if prefill_cap is not None and n > 1:  # a prompt chunk: paced
                 n = min(n, prefill_cap)
                 prefill_cap -= n
+            if req.mm_features:  # cut at an image the encoder budget cannot take
+                n = self.encoder.fit(req, req.num_computed_tokens, n)
             if n <= 0:
                 continue  # a beam waiting for the rest of its group (or a paced chunk)
             drafts = SpecScheduling.take(req, n, budget, spec_cap) if spec else ()
@@ -442,8 +451,6 @@ class Scheduler:
             blocks = kv.allocate_slots(req, n)
             while blocks is None:
                 victim = self._pick_victim()
-            if req.mm_features:  # cut at an image the encoder budget cannot take
-                n = self.encoder.fit(req, req.num_computed_tokens, n)
                 self._preempt(victim)
                 # Budget granted to a victim earlier in this loop is given back.
                 budget += step.take_back(victim.request_id)
@@ -454,6 +461,8 @@ class Scheduler:
                 continue
             rid = req.request_id
             num_scheduled[rid] = n
+            if req.mm_features:
+                self.encoder.commit(req, req.num_computed_tokens, n)
             if drafts:
                 step.spec_tokens[rid] = drafts  # type: ignore[assignment]
             cow = kv.take_cow(rid)
@@ -461,8 +470,6 @@ class Scheduler:
                 cow_copies[rid] = [(src, dst) for _, src, dst in cow]
             data = CachedRequestData(
                 rid, [b.block_id for b in blocks] if blocks else [],
-            if req.mm_features:
-                self.encoder.commit(req, req.num_computed_tokens, n)
                 req.num_computed_tokens, [(i, dst) for i, _, dst in cow] if cow else [],
                 req.token_override)
             groups = kv.take_group_updates(rid)  # hybrid KV cache groups only
@@ -485,20 +492,20 @@ class Scheduler:
             if step.budget <= 0 or not self._has_seat(req) or not loras.admits(req):
                 break
             n = min(self._num_to_compute(req), step.budget)
+            if req.mm_features:
+                n = self.encoder.fit(req, req.num_computed_tokens, n)
             if n <= 0:
                 continue  # a beam waiting for its group: stays parked
             if not swap.resume(req, n):
                 break
+            self.encoder.commit(req, req.num_computed_tokens, n)
             self._admit(req, n, step, now)
             step.budget -= n
             loras.add(req)
-            if req.mm_features:
-                n = self.encoder.fit(req, req.num_computed_tokens, n)
 
     def _schedule_waiting(self, step: _Step, loras: LoRABudget, now: float) -> None:
         """Admit waiting requests in queue order while the budget (under the throughput
         policy: what the prefill pace leaves), blocks and seats allow; prefix-cache hits
-            self.encoder.commit(req, req.num_computed_tokens, n)
         count as computed.  One whose adapter would exceed ``max_loras`` is skipped this
         step and keeps its place."""
         budget = step.budget
@@ -515,21 +522,26 @@ class Scheduler:
             if not loras.admits(req):
                 skipped.append(waiting.pop())
                 continue
+            if self.offload is not None:  # host-held prefix blocks come back first
+                self.offload.promote(req)
             hits, num_hit = kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit - (1 if req.fork_ids else 0), budget)
+            if req.mm_features and n > 0:
+                n = self.encoder.fit(req, num_hit, n)
+                if n == 0:
+                    break  # its next image waits for the next step's encoder budget
             if kv.allocate_slots(req, n, hits) is None:
                 break
             waiting.pop()
             self.beams.on_recompute(req)
             if kv.enable_caching:
                 kv.record_prefix_lookup(req.num_tokens, num_hit)
+                if self.offload is not None:
+                    self.offload.record_lookup(req)
             req.num_computed_tokens = num_hit
+            self.encoder.commit(req, num_hit, n)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
-            if req.mm_features and n > 0:
-                n = self.encoder.fit(req, num_hit, n)
-                if n == 0:
-                    break  # its next image waits for the next step's encoder budget
             self._admit(req, n, step, now)
             budget -= n
             loras.add(req)
@@ -539,14 +551,16 @@ class Scheduler:
 
     def _output(self, step: _Step) -> SchedulerOutput:
         """The step's decisions for the runner, with what changed since the last one."""
-            self.encoder.commit(req, num_hit, n)
         finished, self._finished_ids = self._finished_ids, set()
         num_scheduled, cow_copies = step.num_scheduled, step.cow_copies
+        kv_offload, kv_load = self.offload.take_copies() if self.offload is not None \
+            else ([], [])
         return SchedulerOutput(
             new_reqs=step.new, cached_reqs=step.cached, num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished, preempted_req_ids=step.preempted_ids,
             forks=step.forks, swap_out=self.swap.swap_out, swap_in=self.swap.swap_in,
+            kv_offload=kv_offload, kv_load=kv_load,
             block_copies=[p for c in step.cached for p in cow_copies.get(c.req_id, ())]
             if cow_copies else [], scheduled_spec_decode_tokens=step.spec_tokens,
             num_spec_proposals=step.spec_next,
@@ -747,17 +761,29 @@ class Scheduler:
         return bool(self.requests)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block hash; False (nothing done) while blocks are in use."""
-        return self.kv.pool.reset_prefix_cache()
+        """Forget every cached block hash (both tiers); False (nothing done) while
+        blocks are in use."""
+        done = self.kv.pool.reset_prefix_cache()
+        if done and self.offload is not None:
+            self.offload.reset()
+        return done
 
     def make_stats(self) -> SchedulerStats:
         if len(self.running) > self.peak_num_running:
             self.peak_num_running = len(self.running)
         q, h = self.kv.take_prefix_stats()
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting) + len(self.swap),
             kv_cache_usage=self.kv.usage(), num_preemptions=self._num_preemptions_step,
             prefix_cache_queries=q, prefix_cache_hits=h,
             num_free_blocks=self.kv.num_free_blocks,
             num_total_blocks=self.kv.num_usable_blocks)
+        if self.offload is not None:
+            o, nbytes = self.offload.take_stats(), self._offload_block_bytes
+            stats.kv_offload_queries, stats.kv_offload_hits = o.queries, o.hits
+            stats.kv_offload_bytes_to_host = o.blocks_to_host * nbytes
+            stats.kv_offload_bytes_to_device = o.blocks_to_device * nbytes
+            stats.kv_offload_usage = o.usage
+            stats.kv_offload_total_blocks = self.offload.num_host_blocks
+        return stats

@@ -246,4 +246,5 @@ def _carries_nothing(sched: SchedulerOutput) -> bool:
     """No tokens to compute and no diff for the runners."""
     return not (sched.total_num_scheduled_tokens or sched.finished_req_ids
                 or sched.preempted_req_ids or sched.forks or sched.swap_out
-                or sched.swap_in or sched.block_copies)
+                or sched.swap_in or sched.block_copies or sched.kv_offload
+                or sched.kv_load)

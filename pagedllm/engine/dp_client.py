@@ -147,6 +147,7 @@ class DPClient:
     def _total(self, step: SchedulerStats) -> SchedulerStats:
         s = self.engine_stats
         free, total = sum(x.num_free_blocks for x in s), sum(x.num_total_blocks for x in s)
+        host = sum(x.kv_offload_total_blocks for x in s)  # the prefix cache's host tier
         return SchedulerStats(
             num_running_reqs=sum(x.num_running_reqs for x in s),
             num_waiting_reqs=sum(x.num_waiting_reqs for x in s),
@@ -154,7 +155,14 @@ class DPClient:
             num_preemptions=step.num_preemptions,
             prefix_cache_queries=step.prefix_cache_queries,
             prefix_cache_hits=step.prefix_cache_hits,
-            num_free_blocks=free, num_total_blocks=total)
+            num_free_blocks=free, num_total_blocks=total,
+            kv_offload_queries=step.kv_offload_queries,
+            kv_offload_hits=step.kv_offload_hits,
+            kv_offload_bytes_to_host=step.kv_offload_bytes_to_host,
+            kv_offload_bytes_to_device=step.kv_offload_bytes_to_device,
+            kv_offload_usage=sum(x.kv_offload_usage * x.kv_offload_total_blocks
+                                 for x in s) / host if host else 0.0,
+            kv_offload_total_blocks=host)
 
     def shutdown(self) -> None:
         for t in self._readers:

@@ -6,9 +6,20 @@
  copies    [(src block, dst block)]   GPU -> GPU                 (copy-on-write)
 ```
 
-Order matters and is fixed: swap-outs first (their GPU blocks may have been handed to
-someone else this very step), then swap-ins, then copies -- all before the forward writes
-any new KV.  Each move is one gather and one scatter per layer (``index_select`` +
+The prefix cache's host tier (``kv_offload_bytes``, core/offload_tier.py) adds two::
+
+ kv_offload [(gpu block, host slot)]  GPU KV -> host pool   (an evicted cached block)
+ kv_load    [(host slot, gpu block)]  host pool -> GPU KV   (a prefix hit on the host)
+
+Order matters and is fixed: everything that reads GPU blocks into host memory first
+(swap-outs, then offloads: those GPU blocks may have been handed to someone else this
+very step), then everything that writes GPU blocks from host memory (swap-ins, then
+loads: a block offloaded and looked up again in one step round-trips), then copies --
+all before the forward writes any new KV.  The copies run on the forward's stream,
+before it, so a loaded block is valid when attention reads it; overlapping the loads
+with the previous step on a copy stream is not done yet.
+
+Each move is one gather and one scatter per layer (``index_select`` +
 ``index_copy_`` over the block dimension of ``[2 | 1, num_blocks, block_size, heads, dim]``),
 whatever the number of blocks: no Python loop over blocks.
 """
@@ -57,21 +68,29 @@ class BlockOps:
 
     ``kv_caches``: one GPU (or CPU) tensor per layer; ``swap_caches``: the same shapes
     with the swap space's block count, on the CPU (pinned when the KV is on a GPU), or
-    empty when swapping is off.
+    empty when swapping is off; ``offload_caches``: likewise with the prefix cache's
+    host pool's block count, or empty when the host tier is off.
     """
 
     def __init__(self, kv_caches: Sequence[torch.Tensor],
-                 swap_caches: Sequence[torch.Tensor] = ()) -> None:
+                 swap_caches: Sequence[torch.Tensor] = (),
+                 offload_caches: Sequence[torch.Tensor] = ()) -> None:
         self.kv_caches = list(kv_caches)
         self.swap_caches = list(swap_caches)
+        self.offload_caches = list(offload_caches)
 
     def apply(self, sched: SchedulerOutput) -> None:
-        """Perform the step's swap-outs, swap-ins and copy-on-write copies, in order."""
-        if sched.swap_out or sched.swap_in:
-            if not self.swap_caches:
-                raise RuntimeError("the scheduler swapped blocks but no swap space exists")
-            move_blocks(self.kv_caches, self.swap_caches, sched.swap_out)
-            move_blocks(self.swap_caches, self.kv_caches, sched.swap_in)
+        """Perform the step's swap-outs, offloads, swap-ins, loads and copy-on-write
+        copies, in that order (the module doc says why)."""
+        if (sched.swap_out or sched.swap_in) and not self.swap_caches:
+            raise RuntimeError("the scheduler swapped blocks but no swap space exists")
+        if (sched.kv_offload or sched.kv_load) and not self.offload_caches:
+            raise RuntimeError("the scheduler moved blocks to the host tier but no host "
+                               "pool exists")
+        move_blocks(self.kv_caches, self.swap_caches, sched.swap_out)
+        move_blocks(self.kv_caches, self.offload_caches, sched.kv_offload)
+        move_blocks(self.swap_caches, self.kv_caches, sched.swap_in)
+        move_blocks(self.offload_caches, self.kv_caches, sched.kv_load)
         move_blocks(self.kv_caches, self.kv_caches, sched.block_copies)
 
 

@@ -104,6 +104,8 @@ class Worker:
         self.kv_caches: list[torch.Tensor] = []
         self.swap_caches: list[torch.Tensor] = []
         self.num_cpu_blocks = 0
+        # The prefix cache's host tier (core/offload_tier.py): empty when off.
+        self.offload_caches: list[torch.Tensor] = []
         # Speculative decoding: the measured step-cost curve (worker/step_cost.py).
         self.step_cost: StepCostCurve | None = None
         # The memory plan's share for CUDA graphs (the fixed margin when the KV cache
@@ -243,6 +245,17 @@ class Worker:
             check_cpu_kv_fits(num_blocks * per_block, self.config)
         return num_blocks
 
+    def _allocate_offload_pool(self, num_blocks: int) -> None:
+        """The prefix cache's host tier: ``num_offload_blocks`` host blocks shaped like
+        this rank's KV blocks (pinned beside a GPU); logs both pools' sizes."""
+        cc = self.config.cache_config
+        self.offload_caches = allocate_swap_space(cc.num_offload_blocks, self.kv_caches[0],
+                                                  len(self.kv_caches))
+        per_block = cc.kv_offload_block_bytes  # the whole model's
+        logger.info("prefix cache pools: device %d blocks (%.2f GiB), host %d blocks "
+                    "(%.2f GiB)", num_blocks - 1, (num_blocks - 1) * per_block / 2**30,
+                    cc.num_offload_blocks, cc.num_offload_blocks * per_block / 2**30)
+
     def _too_small_message(self, budget: int, num_blocks: int, need: int) -> str:
         """Why a KV budget cannot hold one max_model_len request, and what to change."""
         mc, cc = self.config.model_config, self.config.cache_config
@@ -335,8 +348,11 @@ class Worker:
                                                    len(self.kv_caches))
             logger.info("swap space: %d CPU blocks (%.2f GiB)", self.num_cpu_blocks,
                         self.num_cpu_blocks * per_block / 2**30)
+        if cc.num_offload_blocks:
+            self._allocate_offload_pool(num_blocks)
         self.runner = ModelRunner(self.config, self.model, self.device, self.parallel)
-        self.runner.block_ops = BlockOps(self.kv_caches, self.swap_caches)
+        self.runner.block_ops = BlockOps(self.kv_caches, self.swap_caches,
+                                         self.offload_caches)
         if self.draft_model is not None:
             from pagedllm.worker.spec_decode.draft_model import DraftModelProposer, attach_draft
             from pagedllm.worker.spec_decode.eagle_proposer import EagleProposer
@@ -427,5 +443,6 @@ class Worker:
         self.draft_model = None
         self.kv_caches = []
         self.swap_caches = []
+        self.offload_caches = []
         if self.parallel.world_size > 1:
             destroy_parallel_state()

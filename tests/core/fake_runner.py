@@ -3,10 +3,11 @@
 It mirrors the real runner's contract: it learns requests from ``new_reqs`` and ``forks``
 (copying the parent's row), forgets them on ``finished_req_ids`` (keeping preempted
 ones), checks that every scheduled chunk starts where the last one ended, applies
-copy-on-write replacements, beam-search token overrides and block moves (swap out, swap
-in, copies) in the real runner's order, and samples only when a request's known tokens
-are all computed.  The "model" emits ``(last token + position + 7 * seed) % 1000 + 10``;
-beam rows also report ``K`` candidates with fixed, decreasing log probabilities.
+copy-on-write replacements, beam-search token overrides and block moves (swap out,
+offload to the host tier, swap in, load from it, copies) in the real runner's order,
+and samples only when a request's known tokens are all computed.  The "model" emits
+``(last token + position + 7 * seed) % 1000 + 10``; beam rows also report ``K``
+candidates with fixed, decreasing log probabilities.
 
 It also simulates the KV cache, one token per slot: every computed position is written
 into its block, and after each step every request re-reads *all* its positions through
@@ -45,6 +46,7 @@ class FakeRunner:
         self.num_logprobs: dict[str, int | None] = {}
         self.kv: dict[int, list[int | None]] = {}
         self.cpu: dict[int, list[int | None]] = {}
+        self.host: dict[int, list[int | None]] = {}  # the prefix cache's host tier
         self.steps: list[SchedulerOutput] = []
 
     def _slot(self, rid: str, pos: int) -> tuple[int, int]:
@@ -89,8 +91,13 @@ class FakeRunner:
         # Block moves, in the real runner's order.
         for g, cpu in sched.swap_out:
             self.cpu[cpu] = list(self.kv.get(g, [None] * self.block_size))
+        for g, slot in sched.kv_offload:  # the prefix cache's host tier
+            self.host[slot] = list(self.kv.get(g, [None] * self.block_size))
         for cpu, g in sched.swap_in:
             self.kv[g] = list(self.cpu[cpu])
+        assert len({g for _, g in sched.kv_load}) == len(sched.kv_load), "two loads, one block"
+        for slot, g in sched.kv_load:
+            self.kv[g] = list(self.host[slot])
         copies = [(d, list(self.kv.get(s, [None] * self.block_size)))
                   for s, d in sched.block_copies]
         assert len({d for d, _ in copies}) == len(copies), "two copies into one block"

@@ -1,0 +1,354 @@
+"""The prefix cache's host tier (core/offload_tier.py) on the scheduler with a fake runner:
+evicted cached blocks go to the host and come back on a hit with the KV they held;
+outputs equal prefix caching off; hits counted; and -- a Hypothesis state machine over
+add / step / abort (also while loads are in flight) / preempt on a device pool too small
+for the working set -- no block or host slot is ever leaked, doubled or corrupted."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.block_pool import BlockPool
+from pagedllm.core.kv_cache_groups import make_kv_cache_groups
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.offload_tier import OffloadTier
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParams
+from tests.core.fake_runner import FakeRunner
+
+BS = 4
+
+
+def make(num_blocks=24, host_blocks=64, caching=True, budget=32, mode="recompute",
+         cpu_blocks=0, groups=None, max_seqs=8) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                        max_model_len=256, preemption_mode=mode),
+        CacheConfig(block_size=BS, enable_prefix_caching=caching,
+                    num_offload_blocks=host_blocks, kv_offload_block_bytes=100,
+                    kv_cache_groups=groups),
+        num_blocks, cpu_blocks)
+
+
+def req(rid: str, prompt: list[int], max_tokens: int = 3, **kw) -> Request:
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+    return Request(rid, prompt, sp, eos_token_id=None, arrival_time=0.0)
+
+
+def conversation(c: int, turn: int) -> list[int]:
+    """Conversation ``c``'s prompt at ``turn``: a 24-token history growing 8 a turn."""
+    return [100 * (c + 1) + i for i in range(24 + 8 * turn)]
+
+
+def run(s: Scheduler, runner: FakeRunner, reqs: list[Request],
+        totals: Counter[str] | None = None) -> dict[str, list[int]]:
+    """Run to completion; ``totals`` sums the steps' host-tier counters."""
+    for r in reqs:
+        s.add_request(r)
+    out: dict[str, list[int]] = {}
+    for _ in range(10_000):
+        if not s.has_unfinished_requests():
+            return out
+        so = s.schedule()
+        eco = s.update_from_output(so, runner.execute_model(so))
+        for o in eco.outputs:
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if totals is not None and eco.scheduler_stats is not None:
+            st = eco.scheduler_stats
+            totals.update(queries=st.kv_offload_queries, hits=st.kv_offload_hits,
+                          to_host=st.kv_offload_bytes_to_host,
+                          to_device=st.kv_offload_bytes_to_device)
+    raise AssertionError("did not finish")
+
+
+def assert_nothing_held(s: Scheduler) -> None:
+    pool = s.kv.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
+    if s.offload is not None:
+        s.offload.check_invariants()
+
+
+def multiturn(s: Scheduler, runner: FakeRunner, convs: int = 4, turns: int = 3):
+    """Round-robin turns of ``convs`` conversations, one request at a time (each turn's
+    prompt extends the last); returns outputs and cached tokens per request."""
+    outs: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    for t in range(turns):
+        for c in range(convs):
+            r = req(f"c{c}t{t}", conversation(c, t))
+            outs.update(run(s, runner, [r]))
+            cached[r.request_id] = r.num_cached_tokens
+    return outs, cached
+
+
+def test_round_trip_keeps_the_kv_and_counts_hits() -> None:
+    """The device pool (23 blocks) holds one conversation's history at a time; the host
+    holds them all: later turns hit on the host, outputs equal caching off, and the
+    runner's KV re-read (fake_runner) proves each loaded block holds its tokens."""
+    ref, _ = multiturn(make(caching=False), FakeRunner(BS))
+    dev, dev_cached = multiturn(make(host_blocks=0), FakeRunner(BS))
+    s = make()
+    runner = FakeRunner(BS, pool=s.kv.pool)
+    got, cached = multiturn(s, runner)
+    assert got == ref == dev
+    assert sum(cached.values()) > sum(dev_cached.values())
+    # Every turn after the first finds the whole previous history (2 full blocks of a
+    # conversation's 28..36-token prompt minus the last token), from either tier.
+    for c in range(4):
+        for t in range(1, 3):
+            assert cached[f"c{c}t{t}"] >= (len(conversation(c, t - 1)) // BS) * BS
+    moved = [so for so in runner.steps if so.kv_load]
+    assert moved and any(so.kv_offload for so in runner.steps)
+    stats = s.make_stats()  # the counters of the last step only; totals over the run:
+    assert stats.kv_offload_total_blocks == 64 and 0 < stats.kv_offload_usage <= 1
+    assert s.offload is not None and s.offload.total_hit_blocks > 0
+    assert_nothing_held(s)
+
+
+def test_stats_count_tokens_once_and_bytes_each_way() -> None:
+    s = make(num_blocks=12)
+    runner = FakeRunner(BS)
+    first, second = Counter[str](), Counter[str]()
+    run(s, runner, [req("a", list(range(1, 41)))], first)  # 10 blocks, all cached
+    run(s, runner, [req("b", list(range(500, 540)))], first)  # evicts a's to the host
+    assert first["to_host"] >= 9 * 100 and first["to_device"] == 0
+    assert first["queries"] == 36 + 36 and first["hits"] == 0  # (both missed)
+    r = req("a2", list(range(1, 41)))
+    run(s, runner, [r], second)
+    assert r.num_cached_tokens == 36  # 9 full blocks, all from the host
+    assert second["to_device"] == 9 * 100
+    assert (second["queries"], second["hits"]) == (36, 36)
+
+
+def test_a_block_offloaded_and_looked_up_in_one_step_round_trips() -> None:
+    """``b``'s allocation evicts ``a``'s blocks and ``a2`` finds them on the host in the
+    same step: offloads are applied before loads, so ``a2`` reads ``a``'s KV."""
+    s = make(num_blocks=30, budget=128)
+    runner = FakeRunner(BS, pool=s.kv.pool)
+    run(s, runner, [req("a", list(range(1, 25)), max_tokens=1)])  # 7 blocks, 6 cached
+    run(s, runner, [req("d", list(range(300, 340)), max_tokens=1)])  # 11 more
+    # Free list: 11 never used, a's 7 (tail first), d's 11: b takes the first 18.
+    s.add_request(req("b", list(range(500, 572)), max_tokens=1))
+    s.add_request(req("a2", list(range(1, 25)) + [7, 7], max_tokens=1))
+    so = s.schedule()
+    assert so.kv_offload and so.kv_load
+    offloaded = {slot for _, slot in so.kv_offload}
+    assert offloaded & {slot for slot, _ in so.kv_load}
+    s.update_from_output(so, runner.execute_model(so))
+    run(s, runner, [])
+    assert_nothing_held(s)
+
+
+def test_block_pool_eviction_hook_and_promotion_unit() -> None:
+    pool = BlockPool(6, enable_caching=True)
+    kv = KVCacheManager(6, BS, enable_caching=True, pool=pool)
+    tier = OffloadTier(pool, [kv], 3)
+    a = req("a", list(range(1, 14)))  # 3 full blocks + 1 token
+    assert kv.allocate_slots(a, 13) is not None
+    a.num_computed_tokens = 13
+    keys = kv.block_keys(a, 3)
+    kv.free(a)
+    pool.get_new_blocks(5)  # every block: a's three cached ones go to the host
+    offload, load = tier.take_copies()
+    assert len(offload) == 3 and not load and all(k in tier for k in keys)
+    pool.free_blocks(pool.blocks[1:])
+    a2 = req("a2", list(range(1, 14)))
+    assert tier.promote(a2) == 3
+    hits, n = kv.get_computed_blocks(a2)
+    assert n == 12 and [b.block_hash for b in hits] == keys
+    offload, load = tier.take_copies()
+    assert not offload and sorted(s for s, _ in load) == sorted(tier.slot_of(k) for k in keys)
+    # A promoted block taken again in the same step: its load is cancelled, the host
+    # keeps the copy, and re-evicting it costs no copy.
+    tier.promote(a2)
+    pool.get_new_blocks(5)
+    assert tier.take_copies() == ([], [])
+    tier.check_invariants()
+
+
+def test_host_lru_evicts_oldest_and_pins_slots_read_this_step() -> None:
+    pool = BlockPool(4, enable_caching=True)
+    kv = KVCacheManager(4, BS, enable_caching=True, pool=pool)
+    tier = OffloadTier(pool, [kv], 2)
+    for i, first in enumerate((1, 50, 90)):
+        r = req(f"r{i}", list(range(first, first + 5)))
+        kv.allocate_slots(r, 5)
+        r.num_computed_tokens = 5
+        kv.free(r)
+        pool.get_new_blocks(3)
+        pool.free_blocks(pool.blocks[1:])
+        tier.take_copies()
+    r0, r1, r2 = (req(f"x{f}", list(range(f, f + 5))) for f in (1, 50, 90))
+    assert tier.promote(r0) == 0  # the oldest went first
+    assert tier.promote(r2) == 1  # r2's slot is now read this step ...
+    pool.get_new_blocks(3)  # ... evicting r2's promoted block cancels its load
+    pool.free_blocks(pool.blocks[1:])
+    assert tier.promote(r1) == 1
+    tier.check_invariants()
+
+
+def test_hybrid_groups_and_swap_with_the_tier() -> None:
+    groups = make_kv_cache_groups([None, 8, 8, None, 8, 8])
+    for kw in ({"groups": groups}, {"mode": "swap", "cpu_blocks": 16}):
+        ref, _ = multiturn(make(caching=False, num_blocks=40, **kw), FakeRunner(BS))
+        s = make(num_blocks=40, **kw)
+        runner = FakeRunner(BS, pool=s.kv.pool)
+        got, cached = multiturn(s, runner)
+        assert got == ref and sum(cached.values()) > 0
+        assert s.offload is not None and s.offload.total_hit_blocks > 0
+        assert_nothing_held(s)
+
+
+def test_off_without_prefix_caching_or_host_blocks() -> None:
+    assert make(caching=False).offload is None
+    assert make(host_blocks=0).offload is None
+
+
+class TierMachine(RuleBasedStateMachine):
+    """add / step / abort (also between a step's scheduling and its execution, while its
+    loads are in flight) on a 12-block device pool and an 8-block host pool, recompute or
+    swap preemption.  Invariants: reference counts equal the tables' references, every
+    host slot free or holding one hash, and every cached block -- on either tier --
+    holding exactly the tokens its hash names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s: Scheduler | None = None
+        self.runner: FakeRunner | None = None
+        self.n = 0
+        self.key_tokens: dict[object, tuple[int, ...]] = {}
+
+    @precondition(lambda self: self.s is None)
+    @rule(swap=st.booleans())
+    def start(self, swap: bool) -> None:
+        self.s = make(num_blocks=12, host_blocks=8, budget=16, max_seqs=4,
+                      mode="swap" if swap else "recompute", cpu_blocks=6 if swap else 0)
+        self.runner = FakeRunner(BS, pool=self.s.kv.pool)
+
+    @precondition(lambda self: self.s is not None)
+    @rule(conv=st.integers(0, 3), turn=st.integers(0, 2), extra=st.integers(0, 5),
+          max_tokens=st.integers(1, 6))
+    def add(self, conv: int, turn: int, extra: int, max_tokens: int) -> None:
+        assert self.s is not None
+        self.n += 1
+        prompt = conversation(conv, turn)[:12 + 4 * turn] + [900 + extra] * extra
+        self.s.add_request(req(f"r{self.n}", prompt, max_tokens))
+
+    @precondition(lambda self: self.s is not None)
+    @rule(abort_mid=st.booleans(), pick=st.integers(0, 100))
+    def step(self, abort_mid: bool, pick: int) -> None:
+        s, runner = self.s, self.runner
+        assert s is not None and runner is not None
+        so = s.schedule()
+        if abort_mid and s.requests:
+            # Prefer a request whose blocks are being loaded this step.
+            loading = {d for _, d in so.kv_load}
+            ids = sorted(s.requests)
+            hit = [rid for rid in ids if loading & set(s.kv.get_block_ids(rid))]
+            s.finish_requests([(hit or ids)[pick % len(hit or ids)]])
+        s.update_from_output(so, runner.execute_model(so))
+        self._learn_keys()
+
+    @precondition(lambda self: self.s is not None)
+    @rule(pick=st.integers(0, 100))
+    def abort(self, pick: int) -> None:
+        assert self.s is not None
+        ids = sorted(self.s.requests)
+        if ids:
+            self.s.finish_requests([ids[pick % len(ids)]])
+
+    @precondition(lambda self: self.s is not None and not self.s.swap.enabled)
+    @rule()
+    def preempt(self) -> None:
+        """Recompute-preempt the newest running request between steps (swap victims
+        move inside ``schedule`` only, where the pool runs short)."""
+        s = self.s
+        assert s is not None
+        if s.running:
+            s._preempt(s.running[-1])
+
+    @precondition(lambda self: self.s is not None)
+    @rule()
+    def drain(self) -> None:
+        """Every request runs to the end: both pools hold nothing referenced."""
+        s, runner = self.s, self.runner
+        assert s is not None and runner is not None
+        for _ in range(2000):
+            if not s.has_unfinished_requests():
+                break
+            so = s.schedule()
+            s.update_from_output(so, runner.execute_model(so))
+            self._learn_keys()
+        assert not s.has_unfinished_requests()
+        assert_nothing_held(s)
+        assert not s.swap.swapped and len(s.swap.cpu_free) == s.swap.num_cpu_blocks
+
+    def _learn_keys(self) -> None:
+        """The tokens each live request's block keys name (keys are hashes)."""
+        s = self.s
+        assert s is not None
+        for r in s.requests.values():
+            n = r.num_computed_tokens // BS
+            for i, k in enumerate(s.kv.block_keys(r, n)):
+                self.key_tokens[k] = tuple(r.all_token_ids[i * BS:(i + 1) * BS])
+
+    @invariant()
+    def consistent(self) -> None:
+        s, runner = self.s, self.runner
+        if s is None or runner is None:
+            return
+        pool = s.kv.pool
+        refs: dict[int, int] = {}
+        for blocks in s.kv.req_to_blocks.values():
+            for b in blocks:
+                if b is not pool.null_block:
+                    refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for b in pool.blocks[1:]:
+            assert b.ref_cnt == refs.get(b.block_id, 0), f"{b} leaked or doubled"
+        assert pool.num_free_blocks == sum(1 for b in pool.blocks[1:] if b.ref_cnt == 0)
+        tier = s.offload
+        assert tier is not None
+        tier.check_invariants()
+        for key, slot in tier._lru.items():
+            want = self.key_tokens.get(key)
+            if want is not None and slot in runner.host:
+                assert tuple(runner.host[slot]) == want, "host slot holds other KV"
+        for key, b in pool.cached_blocks.items():
+            want = self.key_tokens.get(key)
+            if want is not None and b.block_id in runner.kv and b.ref_cnt == 0:
+                assert tuple(runner.kv[b.block_id]) == want, "cached block holds other KV"
+
+
+TierMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+test_tier_state_machine = TierMachine.TestCase
+
+
+def test_abort_of_a_waiting_request_after_promotion_leaks_nothing() -> None:
+    """A waiting request whose host hits were promoted but which was not admitted, then
+    aborted: its promoted blocks stay cached on the device, referenced by no one, and
+    the next request finds them there."""
+    s = make(num_blocks=12)
+    runner = FakeRunner(BS, pool=s.kv.pool)
+    run(s, runner, [req("a", list(range(1, 33)))])
+    run(s, runner, [req("b", list(range(500, 532)))])  # a's blocks go to the host
+    a2 = req("a2", list(range(1, 33)))
+    s.add_request(a2)
+    assert s.offload is not None and s.offload.promote(a2) > 0
+    s.finish_requests(["a2"], RequestStatus.FINISHED_ABORTED)
+    so = s.schedule()
+    assert so.kv_load  # the loads still land: the blocks are cached on the device
+    s.update_from_output(so, runner.execute_model(so))
+    assert_nothing_held(s)
+    a3 = req("a3", list(range(1, 33)))
+    run(s, runner, [a3])
+    assert a3.num_cached_tokens == 28
+    assert_nothing_held(s)
