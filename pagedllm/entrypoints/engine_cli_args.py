@@ -151,6 +151,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(decoders), normalised.")
     add_parallel_args(p)
     add_lora_args(p)
+    add_multimodal_args(p)
+
+
+def add_multimodal_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multimodal")
+    g.add_argument("--limit-mm-per-prompt", type=_json_object, default=None,
+                   metavar="JSON",
+                   help='Most items of each modality one prompt may carry, e.g. '
+                        '\'{"image": 2}\' (vLLM\'s flag; more is a 400 / ValueError naming '
+                        'it). Default: 999 images. Vision-language models only.')
+    g.add_argument("--max-num-encoder-input-tokens", type=int, default=None,
+                   help="Vision-encoder tokens one engine step may run (the encoder "
+                        "budget). Default: --max-num-batched-tokens.")
 
 
 def add_lora_args(p: argparse.ArgumentParser) -> None:
@@ -222,7 +235,9 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
         enable_lora=getattr(args, "enable_lora", False),
         max_loras=getattr(args, "max_loras", 1),
         max_lora_rank=getattr(args, "max_lora_rank", 16),
-        max_cpu_loras=getattr(args, "max_cpu_loras", None))
+        max_cpu_loras=getattr(args, "max_cpu_loras", None),
+        limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None),
+        max_num_encoder_input_tokens=getattr(args, "max_num_encoder_input_tokens", None))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
