@@ -88,7 +88,9 @@ CHAT_BAD: list[tuple[dict[str, Any], str | None]] = [
     ({**CHAT_OK, "response_format": {"type": "json_schema"}}, "response_format"),
     ({**CHAT_OK, "chat_template": "{{ 'x' }}"}, "chat_template"),
     ({**CHAT_OK, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages.0.content.0.image_url"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages"),
 ]
 
 
