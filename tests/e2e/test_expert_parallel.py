@@ -1,9 +1,10 @@
-"""Expert parallelism through the whole engine on CPU (gloo, the ``mp`` executor):
-``tensor_parallel_size=2, enable_expert_parallel=True`` gives the same greedy tokens as
-one rank on tiny random MoE checkpoints (Mixtral: 4 experts top-2, renormalised;
-Qwen2-MoE: 6 experts top-2 with a gated shared expert and a dense layer), batched with
-chunked prefill, each rank holding half the experts; and the bad configurations are
-refused naming ``enable_expert_parallel``."""
+"""MoE layers over two ranks through the whole engine on CPU (gloo, the ``mp`` executor):
+``tensor_parallel_size=2`` with ``enable_expert_parallel`` (each rank holds half the
+experts, whole) and without it (each rank holds half of every expert) give the same
+greedy tokens as one rank on tiny random MoE checkpoints (Mixtral: 4 experts top-2,
+renormalised; Qwen2-MoE: 6 experts top-2 with a gated shared expert and a dense layer),
+batched with chunked prefill; and the bad configurations are refused naming
+``enable_expert_parallel`` (or the size that does not divide)."""
 
 from __future__ import annotations
 
@@ -37,11 +38,12 @@ def _greedy(path: str, **kw) -> list[list[int]]:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
-def test_ep2_greedy_equals_one_rank(arch: str, tmp_path) -> None:
+def test_ep2_and_tp2_greedy_equal_one_rank(arch: str, tmp_path) -> None:
     path = str(tmp_path)
     build(arch, path)
     ref = _greedy(path)
     assert _greedy(path, tensor_parallel_size=2, enable_expert_parallel=True) == ref
+    assert _greedy(path, tensor_parallel_size=2) == ref
 
 
 def test_bad_expert_parallel_configs_are_refused(tmp_path) -> None:
@@ -63,6 +65,21 @@ def test_bad_expert_parallel_configs_are_refused(tmp_path) -> None:
     cfg = EngineArgs(model=moe, device="cpu", tensor_parallel_size=2,
                      enable_expert_parallel=True).create_engine_config()
     assert cfg.parallel_config.enable_expert_parallel
+
+
+def test_sliced_experts_must_divide() -> None:
+    from types import SimpleNamespace
+
+    from pagedllm.config import ParallelConfig
+    from pagedllm.engine.arg_utils import check_parallel_shapes
+
+    cfg = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=96, vocab_size=320, n_routed_experts=8,
+                          moe_intermediate_size=30)
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        check_parallel_shapes(cfg, ParallelConfig(tensor_parallel_size=4))
+    check_parallel_shapes(cfg, ParallelConfig(tensor_parallel_size=4,
+                                              enable_expert_parallel=True))
 
 
 def test_cli_flag() -> None:

@@ -111,20 +111,27 @@ class FusedMoE(nn.Module):
     experts on a routing computed elsewhere (DeepSeek's grouped top-k,
     ``models/deepseek_moe.py``); ids are global expert ids either way.
 
-    Expert parallelism: ``ep_size``/``ep_rank`` default to the parallel state's ``ep``
-    group (built with ``enable_expert_parallel``); given outright without such a group
-    (tests), ``forward`` returns this rank's partial sum unreduced.
+    Parallelism: ``ep_size``/``ep_rank`` default to the parallel state's ``ep`` group
+    (built with ``enable_expert_parallel``: whole experts per rank, no slicing), else
+    ``tp_size``/``tp_rank`` to its ``tp`` group (every expert sliced).  Sizes given
+    outright without a matching group (tests) make ``forward`` return this rank's partial
+    sum unreduced.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int,
-                 intermediate_size: int, renormalize: bool, tp_size: int = 1,
-                 tp_rank: int = 0, ep_size: int | None = None, ep_rank: int | None = None,
+                 intermediate_size: int, renormalize: bool, tp_size: int | None = None,
+                 tp_rank: int | None = None, ep_size: int | None = None,
+                 ep_rank: int | None = None,
                  quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
+        state = current_parallel_state()
         if ep_size is None:
-            ep = current_parallel_state().ep
-            ep_size, ep_rank = ep.world_size, ep.rank_in_group
+            ep_size, ep_rank = state.ep.world_size, state.ep.rank_in_group
         ep_rank = ep_rank or 0
+        if tp_size is None:  # expert parallelism replaces slicing the experts
+            tp_size, tp_rank = (state.tp.world_size, state.tp.rank_in_group) \
+                if ep_size == 1 else (1, 0)
+        tp_rank = tp_rank or 0
         if intermediate_size % tp_size:
             raise ValueError(f"moe intermediate size {intermediate_size} not divisible by "
                              f"tp_size {tp_size}")
@@ -134,8 +141,8 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_size = hidden_size
         self.tp_size, self.tp_rank = tp_size, tp_rank
-        state = current_parallel_state()
-        self.ep_group = state.ep if state.ep.world_size == ep_size else None
+        self.tp_group = state.tp if state.tp.world_size == tp_size > 1 else None
+        self.ep_group = state.ep if state.ep.world_size == ep_size > 1 else None
         self.ep_size, self.ep_rank = ep_size, ep_rank
         self.num_local_experts = num_experts // ep_size
         self.expert_start = ep_rank * self.num_local_experts
@@ -230,11 +237,8 @@ class FusedMoE(nn.Module):
 
     def _reduce(self, out: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' partial outputs (TP-sliced or EP-split experts)."""
-        if self.ep_group is not None and self.ep_group.world_size > 1:
-            return self.ep_group.all_reduce(out)
-        if self.tp_size > 1:
-            torch.distributed.all_reduce(out)
-        return out
+        group = self.ep_group or self.tp_group
+        return out if group is None else group.all_reduce(out)
 
 
 def expert_params_mapping(num_experts: int, gate: str = "gate_proj", down: str = "down_proj",
