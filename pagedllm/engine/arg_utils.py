@@ -97,6 +97,9 @@ class EngineArgs:
     disable_hybrid_kv_cache_manager: bool = False
     preemption_mode: str = "recompute"  # "recompute" | "swap"
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks
+    # Host memory for the prefix cache's second tier (core/offload_tier.py): cached KV
+    # blocks evicted from the device pool wait there for a prefix hit.  0: off.
+    kv_offload_bytes: int = 0
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     # "fcfs" | "priority" | "throughput"; None: the entry point's default -- fcfs for a
@@ -131,13 +134,13 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     # vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, ...} (spec_decode/).
     speculative_config: dict[str, Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def create_engine_config(self, hf_config: Any = None) -> EngineConfig:
     # Vision-language models (multimodal/): {"image": N} images per prompt at most, and
     # encoder input tokens per step (None: max_num_batched_tokens).
     limit_mm_per_prompt: dict[str, int] | None = None
     max_num_encoder_input_tokens: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def create_engine_config(self, hf_config: Any = None) -> EngineConfig:
         """Validate and build.  ``hf_config`` replaces the model's transformers config
         (the start-up kernel warm-up passes config.json's raw keys,
         ``engine/kernel_warmup.py``); normally it is loaded here."""
@@ -176,6 +179,7 @@ class EngineArgs:
 
         lora = self._lora_config()
         spec = SpeculativeConfig.from_dict(self.speculative_config)
+        self._check_kv_offload(spec)
         if spec is not None and self.pipeline_parallel_size != 1:
             raise ValueError("speculative_config is not supported with "
                              "pipeline_parallel_size > 1")
@@ -212,16 +216,16 @@ class EngineArgs:
         resolved = resolve_model(self.model, self.tokenizer, self.load_format)
         if hf_config is None:
             hf_config = resolved.load_hf_config(self.trust_remote_code)
-        quantization = resolve_quantization(
-            self.quantization, hf_config,
-            resolved.gguf_path if resolved.load_format == "gguf" else None, device)
-        if quantization == "gguf" and parallel.tensor_parallel_size > 1:
         # A vision-language config: the engine reads the decoder's numbers at the top.
         hf_config = lift_text_config(hf_config)
         mm_config = MultiModalConfig.from_arg(self.limit_mm_per_prompt) \
             if is_multimodal_config(hf_config) else None
         if self.max_num_encoder_input_tokens is not None:
             _positive_int("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens)
+        quantization = resolve_quantization(
+            self.quantization, hf_config,
+            resolved.gguf_path if resolved.load_format == "gguf" else None, device)
+        if quantization == "gguf" and parallel.tensor_parallel_size > 1:
             if self.quantization == "gguf":
                 raise ValueError("quantization='gguf' (kept-quantised GGUF) runs on one rank "
                                  "only; use tensor_parallel_size 1 or quantization='none'")
@@ -271,6 +275,19 @@ class EngineArgs:
         if spec is not None and spec.method in MODEL_METHODS:
             spec = dataclasses.replace(spec, draft_model_config=_draft_model_config(
                 spec, model_config, self.quantization, parallel.world_size, device))
+        # Pipeline stages hold different layers: one group there.
+        kv_groups = make_kv_cache_groups(
+            layer_sliding_windows(model_config.hf_config),
+            hybrid=not self.disable_hybrid_kv_cache_manager
+            and self.pipeline_parallel_size == 1)
+        # One KV block of the whole model (hybrid groups share their tensors' pages).
+        block_bytes = model_config.kv_bytes_per_token(cache_dtype) * self.block_size
+        if kv_groups is not None and kv_groups.hybrid:
+            block_bytes = block_bytes * kv_groups.num_tensors // model_config.num_layers
+        num_offload = self.kv_offload_bytes // block_bytes
+        if self.kv_offload_bytes and num_offload == 0:
+            raise ValueError(f"kv_offload_bytes ({self.kv_offload_bytes}) holds no KV "
+                             f"block: one is {block_bytes} bytes")
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -280,11 +297,8 @@ class EngineArgs:
                 swap_space_bytes=int(sw * (1 << 30)), cache_dtype=cache_dtype,
                 calculate_kv_scales=self.calculate_kv_scales and cache_dtype == "fp8",
                 sliding_window=uniform_sliding_window(model_config.hf_config),
-                # Pipeline stages hold different layers: one group there.
-                kv_cache_groups=make_kv_cache_groups(
-                    layer_sliding_windows(model_config.hf_config),
-                    hybrid=not self.disable_hybrid_kv_cache_manager
-                    and self.pipeline_parallel_size == 1)),
+                kv_cache_groups=kv_groups, kv_offload_bytes=self.kv_offload_bytes,
+                num_offload_blocks=num_offload, kv_offload_block_bytes=block_bytes),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len, policy=policy,  # type: ignore
@@ -298,6 +312,7 @@ class EngineArgs:
                     device == "cuda" if self.async_scheduling is None
                     else bool(self.async_scheduling)),
                 max_loras=lora.max_loras if lora else 0,
+                max_num_encoder_input_tokens=self.max_num_encoder_input_tokens or 0,
                 speculative_config=spec),
             device_config=DeviceConfig(
                 device=device, enforce_eager=self.enforce_eager, num_threads=self.num_threads,
@@ -306,13 +321,35 @@ class EngineArgs:
             parallel_config=parallel, lora_config=lora,
         )
 
+    def _check_kv_offload(self, spec: SpeculativeConfig | None) -> None:
+        """``kv_offload_bytes``: bytes, at most the host's available memory, with the
+        prefix cache on (ValueError naming it otherwise)."""
+        ob = self.kv_offload_bytes
+        if isinstance(ob, bool) or not isinstance(ob, int) or ob < 0:
+            raise ValueError("kv_offload_bytes must be a number of bytes >= 0 (0: off), "
+                             f"got {ob!r}")
+        if ob == 0:
+            return
+        import psutil
+
+        avail = psutil.virtual_memory().available
+        if ob > avail:
+            raise ValueError(f"kv_offload_bytes ({ob} bytes, {ob / 2**30:.2f} GiB) exceeds "
+                             f"the host's available memory ({avail / 2**30:.2f} GiB)")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_offload_bytes: the host tier extends the prefix cache; "
+                             "it needs enable_prefix_caching on")
+        if spec is not None and spec.method in MODEL_METHODS:
+            raise ValueError("kv_offload_bytes: not supported with speculative_config "
+                             f"method {spec.method!r} yet (the draft's KV stays on the "
+                             "device)")
+
     def _lora_config(self) -> LoRAConfig | None:
         """The LoRA settings (``ValueError`` naming the parameter), None when off."""
         if not self.enable_lora:
             return None
         n = _positive_int("max_loras", self.max_loras)
         rank = _positive_int("max_lora_rank", self.max_lora_rank)
-                max_num_encoder_input_tokens=self.max_num_encoder_input_tokens or 0,
         cpu = n if self.max_cpu_loras is None else _positive_int("max_cpu_loras",
                                                                  self.max_cpu_loras)
         if cpu < n:
@@ -474,6 +511,14 @@ def check_parallel_shapes(hf_config: Any, parallel: ParallelConfig) -> None:
             raise ValueError(f"enable_expert_parallel: the model's {experts} routed experts "
                              f"do not divide over the expert-parallel size {tp} "
                              f"(tensor_parallel_size)")
+    elif tp > 1 and num_routed_experts(hf_config):
+        # Without expert parallelism every expert (and a shared expert) is sliced.
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            n = int(getattr(hf_config, name, 0) or 0)
+            if n % tp:
+                raise ValueError(f"tensor_parallel_size {tp} does not divide the model's "
+                                 f"{name} ({n}); enable_expert_parallel keeps experts "
+                                 f"whole")
     elif tp > 1 and num_routed_experts(hf_config):
         # Without expert parallelism every expert (and a shared expert) is sliced.
         for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
