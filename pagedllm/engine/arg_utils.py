@@ -519,14 +519,6 @@ def check_parallel_shapes(hf_config: Any, parallel: ParallelConfig) -> None:
                 raise ValueError(f"tensor_parallel_size {tp} does not divide the model's "
                                  f"{name} ({n}); enable_expert_parallel keeps experts "
                                  f"whole")
-    elif tp > 1 and num_routed_experts(hf_config):
-        # Without expert parallelism every expert (and a shared expert) is sliced.
-        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
-            n = int(getattr(hf_config, name, 0) or 0)
-            if n % tp:
-                raise ValueError(f"tensor_parallel_size {tp} does not divide the model's "
-                                 f"{name} ({n}); enable_expert_parallel keeps experts "
-                                 f"whole")
     if tp == 1:
         return
     heads = int(hf_config.num_attention_heads)
