@@ -100,3 +100,23 @@ def test_plan() -> None:
     p = plan_mla_decode(num_reqs=8, max_query_len=2, num_heads=16, kv_lora_rank=512,
                         max_seq_len=100)
     assert (p.block_q, p.num_splits) == (2, 1)
+
+
+def test_agrees_with_the_model_backend() -> None:
+    """The model's own absorbed-form torch path (``attention/mla_torch.py``, SDPA per
+    request) is a second oracle: multi-token queries with a context offset."""
+    from pagedllm.attention.mla_torch import MLADims, MLATorchBackend
+
+    q_lens, seq_lens = [3, 1, 2], [21, 9, 38]
+    q_lat, q_pe, cache, tables, seq, qsl = _batch(q_lens, seq_lens, 4, torch.float32, 7)
+    scale = 0.1
+    got = mla_decode(q_lat, q_pe, cache, tables, seq, qsl, scale, 3).cpu()
+    dims = MLADims(num_heads=4, kv_lora_rank=LAT, qk_nope_head_dim=8, qk_rope_head_dim=ROPE,
+                   v_head_dim=8)
+    bs = cache.shape[2]
+    for r, (n, s) in enumerate(zip(q_lens, seq_lens)):
+        lo = sum(q_lens[:r])
+        latent = cache.cpu()[0, tables[r, :-(-s // bs)].long()].flatten(0, 1)[:s, 0]
+        ref = MLATorchBackend._attend_latent(q_lat[lo:lo + n].cpu(), q_pe[lo:lo + n].cpu(),
+                                             latent, dims, scale)
+        assert_close(got[lo:lo + n], ref, torch.float32, 7)
