@@ -139,13 +139,32 @@ def quantize_fp8_groups(x: torch.Tensor, group: int = 128,
 
 
 @triton.jit
+def _group_step(acc, g, K, x_ptrs, w_ptrs, xs_ptr, ws_ptr, x_rows, ws_rows, stride_xsm,
+                stride_wsn, rk, GROUP: tl.constexpr, SWAP: tl.constexpr):
+    """K group ``g``: one FP8 ``tl.dot`` from zero, scaled per row and column into the
+    fp32 ``acc`` (columns past ``K`` load as zeros; a group past ``K`` adds nothing)."""
+    k_ok = (g * GROUP + rk) < K
+    g_ok = g * GROUP < K
+    x = tl.load(x_ptrs + g * GROUP, mask=k_ok[None, :], other=0.0)
+    w = tl.load(w_ptrs + g * GROUP, mask=k_ok[None, :], other=0.0)
+    xs = tl.load(xs_ptr + x_rows * stride_xsm + g, mask=g_ok, other=0.0)
+    ws = tl.load(ws_ptr + ws_rows * stride_wsn + g, mask=g_ok, other=0.0)
+    if SWAP:
+        part = tl.dot(w, tl.trans(x))  # from zero: promoted to fp32 every group
+        return acc + part * ws[:, None] * xs[None, :]
+    else:
+        part = tl.dot(x, tl.trans(w))
+        return acc + part * xs[:, None] * ws[None, :]
+
+
+@triton.jit
 def _fp8_block_gemm_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
                            stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om,
-                           stride_os,
+                           stride_os, groups_per_split,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            GROUP: tl.constexpr, W_BLOCK_N: tl.constexpr,
-                           K_CHUNK: tl.constexpr, SWAP: tl.constexpr,
-                           HAS_BIAS: tl.constexpr):
+                           SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           WHILE_LOOP: tl.constexpr):
     pid_k = tl.program_id(1)
     rm, rn, m_ok, n_ok = nmajor_tile(M, N, BLOCK_M, BLOCK_N)
     x_rows = tl.minimum(rm, M - 1).to(tl.int64)  # out-of-range rows re-read row M - 1
@@ -158,23 +177,23 @@ def _fp8_block_gemm_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, bias_ptr, out_ptr, M,
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    g0 = pid_k * (K_CHUNK // GROUP)
-    # Static trip count (K_CHUNK is whole groups); the last split may run past K in
-    # whole groups, masked here: zero operands and a zero scale add nothing.
-    for i in range(0, K_CHUNK // GROUP):
-        g = g0 + i
-        k_ok = (g * GROUP + rk) < K
-        g_ok = g * GROUP < K
-        x = tl.load(x_ptrs + g * GROUP, mask=k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs + g * GROUP, mask=k_ok[None, :], other=0.0)
-        xs = tl.load(xs_ptr + x_rows * stride_xsm + g, mask=g_ok, other=0.0)
-        ws = tl.load(ws_ptr + ws_rows * stride_wsn + g, mask=g_ok, other=0.0)
-        if SWAP:
-            part = tl.dot(w, tl.trans(x))  # from zero: promoted to fp32 every group
-            acc += part * ws[:, None] * xs[None, :]
-        else:
-            part = tl.dot(x, tl.trans(w))
-            acc += part * xs[:, None] * ws[None, :]
+    g0 = pid_k * groups_per_split
+    # The trip count is a launch argument, not a constexpr: one compiled kernel serves
+    # every K and split of a tile shape.  The last split may run past K in whole groups,
+    # masked here: zero operands and a zero scale add nothing.
+    if WHILE_LOOP:
+        # The interpreter cannot take scalar arguments as range() bounds (numpy 2
+        # refuses int() of their shape-(1,) arrays); on the GPU the for-loop stays, as
+        # only scf.for loops are software-pipelined (num_stages).
+        i = 0
+        while i < groups_per_split:
+            acc = _group_step(acc, g0 + i, K, x_ptrs, w_ptrs, xs_ptr, ws_ptr, x_rows,
+                              ws_rows, stride_xsm, stride_wsn, rk, GROUP, SWAP)
+            i += 1
+    else:
+        for i in range(0, groups_per_split):
+            acc = _group_step(acc, g0 + i, K, x_ptrs, w_ptrs, xs_ptr, ws_ptr, x_rows,
+                              ws_rows, stride_xsm, stride_wsn, rk, GROUP, SWAP)
     if SWAP:
         if HAS_BIAS:
             if pid_k == 0:
@@ -261,9 +280,10 @@ def fp8_block_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor,
     _fp8_block_gemm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn), split)](
         x_q, x_s, w_q, w_s, bias if bias is not None else w_s, target, m, n, k,
         x_q.stride(0), x_s.stride(0), w_q.stride(0), w_s.stride(0), n,
-        m * n if split > 1 else 0,
-        BLOCK_M=bm, BLOCK_N=bn, GROUP=group, W_BLOCK_N=bn_w, K_CHUNK=k_chunk,
-        SWAP=bool(swap), HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages)
+        m * n if split > 1 else 0, k_chunk // group,
+        BLOCK_M=bm, BLOCK_N=bn, GROUP=group, W_BLOCK_N=bn_w,
+        SWAP=bool(swap), HAS_BIAS=bias is not None, WHILE_LOOP=_interpreting(),
+        num_warps=warps, num_stages=stages)
     if split > 1:
         splitk_reduce(target, out)  # fixed order: deterministic
     return out

@@ -54,15 +54,15 @@ _SCRIPT = textwrap.dedent(r"""
         out.append({"case": f"mla {reqs} x {mql} x {heads}", **st})
     for m, n, k in cases["gemm"]:
         bm, bn, w, stages, split, swap = default_block_config(m, n, k)
-        kc, split = split_k_chunk(k, 128, split)
+        split = split_k_chunk(k, 128, split)[1]
         sig = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "wq_ptr": "*fp8e4nv",
                "ws_ptr": "*fp32", "bias_ptr": "*fp32",
                "out_ptr": "*fp32" if split > 1 else "*bf16"}
         for a in ("M", "N", "K", "stride_xm", "stride_xsm", "stride_wn", "stride_wsn",
-                  "stride_om", "stride_os"):
+                  "stride_om", "stride_os", "groups_per_split"):
             sig[a] = "i32"
-        consts = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP=128, W_BLOCK_N=128, K_CHUNK=kc,
-                      SWAP=bool(swap), HAS_BIAS=False)
+        consts = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP=128, W_BLOCK_N=128, SWAP=bool(swap),
+                      HAS_BIAS=False, WHILE_LOOP=False)
         div = [i for i, a in enumerate(sig) if sig[a].startswith("*") or a in
                ("N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os")]
         _, st = compile_sm90(_fp8_block_gemm_kernel, sig, consts,
