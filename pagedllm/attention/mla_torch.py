@@ -98,6 +98,8 @@ class MLATorchBackend:
 
     def __init__(self, use_kernel: bool = True) -> None:
         self.use_kernel = use_kernel
+        # Call the Triton decode kernel on CPU tensors too (tests, TRITON_INTERPRET=1).
+        self.kernel_on_cpu = False
         self._meta_seq: torch.Tensor | None = None
         self._plan_cache: _Plan | None = None
 
@@ -208,12 +210,12 @@ class MLATorchBackend:
         qn = q_nope[:b] if tokens is None else q_nope.index_select(0, tokens)
         qp = q_pe[:b] if tokens is None else q_pe.index_select(0, tokens)
         q_lat = self._absorb_q(qn, w_uk)
-        kernel = _kernel() if (self.use_kernel and q_nope.is_cuda and tokens is None
-                               and b == meta.num_reqs) else None
-        if kernel is not None:
+        kernel = _kernel() if (self.use_kernel and (q_nope.is_cuda or self.kernel_on_cpu)
+                               and tokens is None and b == meta.num_reqs) else None
+        if kernel is not None:  # decode-only step: q_len 1 for every request
             o = kernel(q_lat.contiguous(), qp.contiguous(), kv_cache,  # type: ignore[operator]
                        meta.block_tables[:b], meta.seq_lens[:b],
-                       meta.query_start_loc[:b + 1], scale)
+                       meta.query_start_loc[:b + 1], scale, 1)
             return o, None
         lat = kv_cache.shape[-1] - q_pe.shape[-1]
         if tokens is None:

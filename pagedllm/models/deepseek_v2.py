@@ -59,6 +59,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     stacked_params_mapping = [("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
     make_mlp = staticmethod(make_deepseek_mlp)
+    # The torch MLA path plans each step on the host (``attention/mla_torch.py``): the
+    # worker runs it eagerly rather than replaying a stale plan from a CUDA graph.
+    supports_cuda_graphs = False
 
     def __init__(self, hf_config: Any, backend: AttentionBackend,
                  quant_config: QuantizationConfig | None = None) -> None:
@@ -107,6 +110,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         if len(kv_caches) != len(layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(layers)} layers")
         for layer, cache in zip(layers, kv_caches):
+            if cache.element_size() == 1:  # refused at start-up, not mid-step
+                raise ValueError("kv_cache_dtype: an fp8 KV cache is not supported with "
+                                 "multi-head latent attention; use kv_cache_dtype='auto'")
             want = (1, layer.kv_lora_rank + layer.rope_dim)
             if cache.dim() != 5 or (cache.shape[0], cache.shape[-1]) != want \
                     or cache.shape[3] != 1:

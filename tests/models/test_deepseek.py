@@ -7,6 +7,8 @@ greedy runs are in ``tests/e2e/test_deepseek_greedy.py``."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -105,3 +107,28 @@ def test_kv_cache_shape_and_bytes(pair) -> None:
 def test_mla_mode_is_checked(pair) -> None:
     with pytest.raises(ValueError, match="mla mode"):
         pair[0].set_mla_mode("fast")
+
+
+def test_fp8_cache_is_refused_at_bind(pair) -> None:
+    entry = pair[2].model_config.head_dim
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        pair[0].bind_kv_caches([torch.zeros(1, 4, 16, 1, entry,
+                                            dtype=torch.float8_e4m3fn)] * LAYERS)
+
+
+def test_triton_decode_kernel_in_the_model(pair) -> None:
+    """Decode steps through ``kernels/mla_decode.py`` (interpreted on CPU tensors) over
+    the cache this layer writes: the agreed layout, end to end."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernel on CPU tensors: needs TRITON_INTERPRET=1")
+    pytest.importorskip("pagedllm.kernels.mla_decode")
+    ours, hf = pair[0], pair[1]
+    ours.set_mla_mode("auto")
+    ours.mla_backend.kernel_on_cpu = True
+    try:
+        ids = _prompt(24, seed=6)
+        s = session_for(pair, block_size=4, seed=6)
+        parts = [s.step({0: ids[:19]})[0]] + [s.step({0: [t]})[0] for t in ids[19:]]
+    finally:
+        ours.mla_backend.kernel_on_cpu = False
+    torch.testing.assert_close(torch.cat(parts), hf_logits_of(hf, ids), atol=ATOL, rtol=0)
