@@ -19,6 +19,10 @@ from pagedllm.models.llava import LlavaForConditionalGeneration
 from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
+from pagedllm.models.qwen2_vl import (
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLForConditionalGeneration,
+)
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
 from pagedllm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
@@ -93,6 +97,16 @@ ARCHITECTURES: dict[str, ArchitectureInfo] = {
         "LLaVA-1.5 / LLaVA-style (CLIP or SigLIP tower + projector + Llama, Mistral, "
         "Qwen2/3); images in", quantization="decoder linear layers (tower unquantised)",
         tensor_parallel=False, pipeline_parallel=False),
+    "Qwen2VLForConditionalGeneration": ArchitectureInfo(
+        Qwen2VLForConditionalGeneration,
+        "Qwen2-VL (dynamic-resolution ViT + Qwen2 with M-RoPE); images in",
+        quantization="decoder linear layers (tower unquantised)", tensor_parallel=False,
+        pipeline_parallel=False),
+    "Qwen2_5_VLForConditionalGeneration": ArchitectureInfo(
+        Qwen2_5_VLForConditionalGeneration,
+        "Qwen2.5-VL (window-attention ViT + Qwen2 with M-RoPE); images in",
+        quantization="decoder linear layers (tower unquantised)", tensor_parallel=False,
+        pipeline_parallel=False),
     "BertModel": ArchitectureInfo(BertModel, "BERT, BGE (v1.5), E5 (v2), MiniLM embedders",
                                   tasks=("embed",), **_ENCODER),  # type: ignore[arg-type]
     "XLMRobertaModel": ArchitectureInfo(XLMRobertaModel, "XLM-R, multilingual-E5, BGE-M3",

@@ -18,10 +18,11 @@ import numpy as np
 from PIL import Image
 
 from pagedllm.multimodal.hashing import tensors_identifier
+from pagedllm.multimodal.hf_processor import load_hf_processor, split_per_image
 from pagedllm.multimodal.inputs import MultiModalFeature, TensorData
 
 # Processor outputs that are per prompt, not per image.
-_TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids"}
+_TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
 
 
 def image_token_id_of(hf_config: Any) -> int | None:
@@ -48,12 +49,9 @@ class MultiModalProcessor:
     def hf_processor(self) -> Any:
         with self._lock:
             if self._hf is None:
-                from transformers import AutoProcessor
-
                 try:
-                    self._hf = AutoProcessor.from_pretrained(
-                        self.directory, trust_remote_code=self.trust_remote_code)
-                except (OSError, ValueError) as e:
+                    self._hf = load_hf_processor(self.directory, self.trust_remote_code)
+                except (OSError, ValueError, ImportError) as e:
                     raise ValueError(f"multi_modal_data: the model has no usable processor "
                                      f"in {self.directory} ({type(e).__name__})") from None
             return self._hf
@@ -84,9 +82,7 @@ class MultiModalProcessor:
                              "token in the prompt once per image")
         tensors = {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_KEYS}
         features = []
-        for i, (offset, length) in enumerate(runs):
-            per_image = {k: (v[i] if v.ndim and v.shape[0] == len(images) else v)
-                         for k, v in tensors.items()}
+        for (offset, length), per_image in zip(runs, split_per_image(tensors, len(images))):
             features.append(MultiModalFeature(
                 "image", tensors_identifier("image", per_image), offset, length,
                 {k: TensorData.from_numpy(v) for k, v in per_image.items()}))

@@ -143,11 +143,13 @@ class CudaGraphRunner:
                  max_num_batched_tokens: int,
                  max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE,
                  memory_margin: int = GRAPH_MEMORY_MARGIN, last_only: bool = False,
-                 num_kv_groups: int = 1) -> None:
+                 num_kv_groups: int = 1, position_rows: int = 1) -> None:
         """``last_only``: chunk graphs run the model's ``last_only`` forward and return one
         row per request slot (each request's last token); decode graphs return one row per
         token either way (a decode token is its request's last).  ``num_kv_groups``:
-        hybrid KV cache groups, each with its own static block tables and slot mapping."""
+        hybrid KV cache groups, each with its own static block tables and slot mapping.
+        ``position_rows``: 3 for M-RoPE models (positions ``[3, T]``, ``layers/mrope.py``),
+        else 1 (``[T]``)."""
         self.model = model
         self.last_only = last_only
         self.device = device
@@ -162,7 +164,8 @@ class CudaGraphRunner:
         tokens = max([n, *self.chunk_sizes])
         i32, i64 = torch.int32, torch.int64
         self.input_ids = torch.zeros(tokens, dtype=i64, device=device)
-        self.positions = torch.zeros(tokens, dtype=i64, device=device)
+        pos_shape = (tokens,) if position_rows == 1 else (position_rows, tokens)
+        self.positions = torch.zeros(pos_shape, dtype=i64, device=device)
         self.slot_mapping = torch.full((tokens,), -1, dtype=i64, device=device)
         self.seq_lens = torch.ones(n, dtype=i32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=i32, device=device)  # decode
@@ -175,6 +178,8 @@ class CudaGraphRunner:
         # sets used on alternate steps so a step in flight keeps its own.
         self._staging = [self._make_staging(tokens, n, max_blocks_per_req, g)
                          for _ in range(2)]
+        for h in self._staging:
+            h["pos"] = torch.zeros(pos_shape, dtype=i64, pin_memory=True)
         self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphShape, torch.Tensor] = {}
         # Each kept graph's replay time at capture, ms (the speculation policy's step-cost
@@ -236,11 +241,11 @@ class CudaGraphRunner:
             meta = self._meta(shape)
             last = self.last_only and not shape.decode
             for _ in range(2):  # warm up (Triton autotune/compile) outside the graph
-                self.model(self.input_ids[:tokens], self.positions[:tokens], meta, last)
+                self.model(self.input_ids[:tokens], self.positions[..., :tokens], meta, last)
             torch.cuda.synchronize(self.device)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                out = self.model(self.input_ids[:tokens], self.positions[:tokens], meta,
+                out = self.model(self.input_ids[:tokens], self.positions[..., :tokens], meta,
                                  last)
             if self.pool is None:
                 self.pool = g.pool()
@@ -299,13 +304,13 @@ class CudaGraphRunner:
         nb = inp.block_tables.shape[1]
         h = self._staging[parity]
         h["ids"][:t] = torch.from_numpy(inp.input_ids)
-        h["pos"][:t] = torch.from_numpy(inp.positions)
+        h["pos"][..., :t] = torch.from_numpy(inp.positions)
         h["slot"][:t] = torch.from_numpy(inp.slot_mapping)
         h["seq"][:n] = torch.from_numpy(inp.seq_lens)
         h["bt"][:n, :nb] = torch.from_numpy(np.ascontiguousarray(inp.block_tables))
         if tokens > t:
             h["ids"][t:tokens] = 0
-            h["pos"][t:tokens] = 0
+            h["pos"][..., t:tokens] = 0
             h["slot"][t:tokens] = -1
         if reqs > n:
             h["seq"][n:reqs] = 1
@@ -321,7 +326,7 @@ class CudaGraphRunner:
             self.group_tables[:, :reqs, :nb].copy_(h["gbt"][:, :reqs, :nb],
                                                    non_blocking=True)
         self.input_ids[:tokens].copy_(h["ids"][:tokens], non_blocking=True)
-        self.positions[:tokens].copy_(h["pos"][:tokens], non_blocking=True)
+        self.positions[..., :tokens].copy_(h["pos"][..., :tokens], non_blocking=True)
         self.slot_mapping[:tokens].copy_(h["slot"][:tokens], non_blocking=True)
         self.seq_lens[:reqs].copy_(h["seq"][:reqs], non_blocking=True)
         self.block_tables[:reqs, :nb].copy_(h["bt"][:reqs, :nb], non_blocking=True)

@@ -36,6 +36,7 @@ from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.encoder_cache import EncoderCache
 from pagedllm.worker.input_batch import InputBatch, StepInputs
 from pagedllm.worker.lora.manager import make_lora_manager
+from pagedllm.worker.mrope_positions import MRopePositions
 from pagedllm.worker.pipeline import PipelineStage
 from pagedllm.worker.spec_decode.runner import SpecDecodeRunner
 from pagedllm.worker.structured_output.runner import GrammarRunner
@@ -201,6 +202,8 @@ class ModelRunner:
         # embeddings; None for a text-only model.
         self.mm = EncoderCache(model, device) \
             if getattr(mc, "multimodal_config", None) is not None else None
+        # M-RoPE (worker/mrope_positions.py): [3, T] positions for models declaring it.
+        self.mrope = MRopePositions(model) if getattr(model, "uses_mrope", False) else None
         # Speculative decoding (worker/spec_decode/runner.py): verify drafts, propose more.
         spec = sc.speculative_config
         self.spec = SpecDecodeRunner(spec, mc.max_model_len, self.batch, self.h2d, device,
@@ -250,7 +253,8 @@ class ModelRunner:
             self.batch.block_table.shape[1], self.block_size, mc.max_model_len,
             self.config.scheduler_config.max_num_batched_tokens,
             self.config.device_config.max_cudagraph_capture_size, memory_margin,
-            last_only=self.last_only, num_kv_groups=self.num_kv_groups)
+            last_only=self.last_only, num_kv_groups=self.num_kv_groups,
+            position_rows=3 if self.mrope is not None else 1)
         self.graphs.capture()
 
     # -- 1. apply the scheduler's diffs ------------------------------------------------
@@ -393,6 +397,8 @@ class ModelRunner:
         computed = self._update_states(sched)
         if self.mm is not None:  # image requests in and out; this step's encoder runs
             self.mm.update(sched)
+        if self.mrope is not None:
+            self.mrope.update(sched)
         drafts = sched.scheduled_spec_decode_tokens
         if drafts:  # the drafts are the input tokens after each row's last one
             self.spec.write_drafts(drafts)  # type: ignore[union-attr]
@@ -405,6 +411,9 @@ class ModelRunner:
         num_new = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, len(order))
         num_computed = np.fromiter((computed[r] for r in order), np.int64, len(order))
         inp = self.batch.prepare(rows, num_computed, num_new)
+        if self.mrope is not None:  # [3, T]: image requests' rows (layers/mrope.py)
+            inp.positions = self.mrope.positions(order, num_computed, num_new,
+                                                 inp.query_start_loc, inp.positions)
         # Prompt logprobs read the hidden state of every prompt token.
         last_only = self.last_only and not (self._prompt_lp_ids and inp.max_query_len > 1) \
             and not drafts
