@@ -244,6 +244,12 @@ def test_vlm_clients_match_offline_chat(vlm_server: ServerProcess, llava_dir: st
             {"type": "image_url", "image_url": {"url": data_url(png(img0))}}]}])
     assert got.choices[0].message.content == want0
     assert got.usage.prompt_tokens > 25  # the image's 25 placeholder tokens count
+    chunks = oa.chat.completions.create(
+        model=got.model, max_tokens=n, temperature=0, stream=True,
+        messages=[{"role": "user", "content": [
+            {"type": "text", "text": text},
+            {"type": "image_url", "image_url": data_url(png(img0))}]}])  # type: ignore
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want0
     got = oa.chat.completions.create(
         model=got.model, max_tokens=n, temperature=0,
         messages=[{"role": "user", "content": [
