@@ -284,6 +284,9 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
         raise ValueError(f"mla_decode: q_latent {tuple(q_latent.shape)}, q_pe "
                          f"{tuple(q_pe.shape)}, kv_cache {tuple(kv_cache.shape)}: expected "
                          "[T, H, L], [T, H, R], (1, num_blocks, block_size, 1, L + R)")
+    if q_latent.dtype != kv_cache.dtype or q_pe.dtype != kv_cache.dtype:
+        raise ValueError(f"mla_decode: q_latent {q_latent.dtype} and q_pe {q_pe.dtype} must "
+                         f"have the cache's dtype {kv_cache.dtype}")
     if q_latent.stride(-1) != 1 or q_pe.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("mla_decode: q_latent, q_pe and kv_cache need a contiguous last dim")
     num_reqs = seq_lens.shape[0]

@@ -120,3 +120,23 @@ def test_agrees_with_the_model_backend() -> None:
         ref = MLATorchBackend._attend_latent(q_lat[lo:lo + n].cpu(), q_pe[lo:lo + n].cpu(),
                                              latent, dims, scale)
         assert_close(got[lo:lo + n], ref, torch.float32, 7)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_padded_rows_and_strided_queries(splits: int) -> None:
+    """A padded batch (two rows past ``query_start_loc[-1]``, as a CUDA graph's) leaves
+    those rows as they were; queries may be strided views (a bmm's transposed output)
+    and ``out`` preallocated.  A query of another dtype than the cache is refused."""
+    q_lat, q_pe, cache, tables, seq, qsl = _batch([1, 1, 1], [5, 33, 18], 4,
+                                                   torch.float32, seed=8)
+    pad_lat = torch.cat((q_lat, q_lat[:2])).transpose(0, 1).contiguous().transpose(0, 1)
+    pad_pe = torch.cat((q_pe, q_pe[:2]))
+    out = torch.full((5, 4, LAT), 7.0, device=DEVICE)
+    launch = MlaLaunch(block_h=16, block_q=1, block_n=16, num_splits=splits)
+    mla_decode(pad_lat, pad_pe, cache, tables, seq, qsl, 0.1, 1, launch=launch, out=out)
+    ref = mla_decode_ref(q_lat.cpu(), q_pe.cpu(), cache.cpu(), tables.cpu(), seq.cpu(),
+                         qsl.cpu(), 0.1)
+    assert_close(out[:3], ref, torch.float32, 8)
+    assert bool((out[3:] == 7.0).all())
+    with pytest.raises(ValueError, match="dtype"):
+        mla_decode(q_lat.to(torch.bfloat16), q_pe, cache, tables, seq, qsl, 0.1, 1)
