@@ -11,7 +11,7 @@ Torch-free and xgrammar-free: it travels inside ``SamplingParams`` to the engine
 from __future__ import annotations
 
 import json as _json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -27,6 +27,9 @@ class StructuredOutputsParams:
     ``reasoning_end_token_ids`` is set by the server, not the user: with a reasoning
     parser the constraint starts only after this token sequence (e.g. ``</think>``)
     appears in the output.
+    ``origin`` is set by the server too: the request field the constraint came from
+    (``response_format``, ``tools``, ...), which its errors name; not part of the
+    grammar's identity.
     """
 
     json: str | dict[str, Any] | None = None
@@ -36,12 +39,15 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     reasoning_end_token_ids: list[int] | None = None
+    origin: str = field(default="structured_outputs", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # Strict types (no 1/"true" for a boolean): the engine core decodes these fields
         # typed (msgspec), so a value that passes here must pass there too.
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise ValueError("structured_outputs.json_object must be a boolean")
+        if not isinstance(self.origin, str):
+            raise ValueError("structured_outputs.origin must be a string")
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("structured_outputs.disable_any_whitespace must be a boolean")
         ids = self.reasoning_end_token_ids

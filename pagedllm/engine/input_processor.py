@@ -73,6 +73,10 @@ class InputProcessor:
         self.max_tokens_per_request = max_tokens_per_request or self.max_model_len
         self.max_logprobs = max_logprobs
         self.vocab_size = model_config.vocab_size
+        # Whether process() parses and checks grammars itself (offline); the server
+        # turns it off: its grammar-check workers have done it off the event loop
+        # (structured_output/checker.py), and only the cheap size bounds run here.
+        self.check_grammars = True
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         cfg_eos = getattr(model_config.hf_config, "eos_token_id", None)
         cfg_eos_list = cfg_eos if isinstance(cfg_eos, list) else (
@@ -272,9 +276,14 @@ class InputProcessor:
         """Structured outputs, bad words and allowed token ids (ValueError naming them);
         returns the changes to make (bad words as token ids)."""
         if params.structured_outputs is not None:
-            from pagedllm.structured_output.backend import validate
+            if self.check_grammars:
+                from pagedllm.structured_output.backend import validate
 
-            validate(params.structured_outputs)
+                validate(params.structured_outputs)
+            else:
+                from pagedllm.structured_output.limits import check_limits
+
+                check_limits(params.structured_outputs)
         for t in params.allowed_token_ids or []:
             if t >= self.vocab_size:
                 raise ValueError(f"allowed_token_ids: token id {t} is out of vocabulary "

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import xgrammar as xgr
 
+from pagedllm.structured_output.limits import check_limits
 from pagedllm.structured_outputs_params import StructuredOutputsParams
 
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
@@ -81,7 +82,9 @@ def _grammar(p: StructuredOutputsParams) -> xgr.Grammar:
 
 def validate(p: StructuredOutputsParams, field: str = "structured_outputs") -> None:
     """``ValueError`` whose message starts with ``field`` when ``p`` does not parse, does
-    not compile, or provably matches no string (:func:`matches_nothing`)."""
+    not compile, is over a size bound (``limits.check_limits``: checked first, before
+    any parsing) or provably matches no string (:func:`matches_nothing`)."""
+    check_limits(p, field)
     try:
         grammar = _grammar(p)
         empty = p.kind in _SEARCHED_KINDS and matches_nothing(grammar)
@@ -177,31 +180,47 @@ def tokenizer_size(tok: Any) -> int:
     return max(tok.get_vocab().values()) + 1
 
 
+def tokenizer_info(tok: Any, vocab_size: int) -> xgr.TokenizerInfo:
+    """xgrammar's view of ``tok``'s vocabulary (at most ``vocab_size`` ids: the model's;
+    see :func:`tokenizer_size`)."""
+    return xgr.TokenizerInfo.from_huggingface(
+        tok, vocab_size=min(vocab_size, tokenizer_size(tok)))
+
+
+# The compiled-grammar cache's default bound.  Grammars are sized by xgrammar
+# (``memory_size_bytes``): a small JSON schema takes ~0.1 MB on a 49k vocabulary, a
+# 20,000-value enum 62 MB.
+MAX_CACHE_BYTES = 512 * 2**20
+
+
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer, off the caller's thread, with an LRU.
+    """Compiles constraints for one tokenizer, off the caller's thread, with an LRU
+    bounded by bytes (``max_cache_bytes`` of compiled grammars, by xgrammar's own
+    ``memory_size_bytes``; a grammar larger than the whole bound is used, not kept).
 
     ``submit`` returns a future of the ``xgrammar.CompiledGrammar``; the first call
     builds the ``TokenizerInfo`` (``load_tokenizer`` is called then, on the worker
-    thread).  Thread-safe.
+    thread).  A future cancelled before its compile starts never runs (``GrammarGate``
+    cancels those of aborted requests).  Thread-safe.
     """
 
-    def __init__(self, load_tokenizer: Any, vocab_size: int, max_cached: int = 256,
-                 max_workers: int = 1) -> None:
+    def __init__(self, load_tokenizer: Any, vocab_size: int,
+                 max_cache_bytes: int = MAX_CACHE_BYTES, max_workers: int = 1) -> None:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self._compiler: xgr.GrammarCompiler | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
-        self._max_cached = max_cached
+        self._sizes: dict[tuple[str, str], int] = {}
+        self.max_cache_bytes = max_cache_bytes
+        self.cache_bytes = 0
         self._pool = ThreadPoolExecutor(max_workers=max_workers,
                                         thread_name_prefix="grammar-compile")
 
     def _xgr_compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
             if self._compiler is None:
-                tok = self._load_tokenizer()
-                info = xgr.TokenizerInfo.from_huggingface(
-                    tok, vocab_size=min(self.vocab_size, tokenizer_size(tok)))
+                info = tokenizer_info(self._load_tokenizer(), self.vocab_size)
                 # xgrammar's own cache off: ours is bounded and keyed the same way.
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1,
                                                      cache_enabled=False)
@@ -216,11 +235,23 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return hit
         compiled = self._xgr_compiler().compile_grammar(_grammar(p))
-        with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > self._max_cached:
-                self._cache.popitem(last=False)
+        self._put(key, compiled)
         return compiled
+
+    def _put(self, key: tuple[str, str], compiled: xgr.CompiledGrammar) -> None:
+        size = int(compiled.memory_size_bytes)
+        with self._lock:
+            if size > self.max_cache_bytes or key in self._cache:
+                return
+            self._cache[key] = compiled
+            self._sizes[key] = size
+            self.cache_bytes += size
+            while self.cache_bytes > self.max_cache_bytes:
+                old, _ = self._cache.popitem(last=False)
+                self.cache_bytes -= self._sizes.pop(old)
+
+    def __len__(self) -> int:
+        return len(self._cache)
 
     def submit(self, p: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
         return self._pool.submit(self.compile, p)

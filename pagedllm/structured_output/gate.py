@@ -11,7 +11,7 @@ validates every constraint first, so that is a backstop, never a dead engine).
 from __future__ import annotations
 
 import logging
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, wait
 from typing import Any
 
 from pagedllm.request import Request
@@ -34,9 +34,14 @@ class GrammarGate:
         self._waiting[req.request_id] = (req, self.compiler.submit(so))
 
     def abort(self, request_ids: list[str]) -> None:
-        """Forget aborted requests (a sequence id of an n > 1 group drops that sequence)."""
+        """Forget aborted requests and cancel their queued compiles (a sequence id of an
+        n > 1 group drops that sequence)."""
         for rid in request_ids:
-            if self._waiting.pop(rid, None) is not None:
+            gone = self._waiting.pop(rid, None)
+            if gone is not None:
+                # A compile not started yet never runs (one already running finishes:
+                # the API's time budget bounds it, and its grammar is cached).
+                gone[1].cancel()
                 continue
             for req, _ in self._waiting.values():
                 if rid in req.fork_ids:
@@ -50,7 +55,7 @@ class GrammarGate:
             if not fut.done():
                 continue
             del self._waiting[rid]
-            err = fut.exception()
+            err = CancelledError() if fut.cancelled() else fut.exception()
             if err is None:
                 done.append(req)
             else:

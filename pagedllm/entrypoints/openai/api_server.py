@@ -561,6 +561,7 @@ async def _serve(args: argparse.Namespace) -> int:
                 await engine.shutdown()
                 sock.close()
                 raise ValueError(f"--lora-modules: {e}") from None
+    state.grammar_check_timeout = getattr(args, "structured_outputs_check_timeout", 10.0)
     if args.enable_log_requests:
         from pagedllm.entrypoints.openai.request_logger import RequestLogger
 
@@ -630,6 +631,8 @@ async def _serve(args: argparse.Namespace) -> int:
     finally:
         if state.template_sandbox is not None:
             await state.template_sandbox.close()
+        if state.grammar_checker is not None:
+            await state.grammar_checker.close()
         if state.images is not None:
             state.images.close()
         await engine.shutdown()

@@ -80,6 +80,6 @@ async def start_chat(chat: OpenAIServingChat, body: ChatCompletionRequest,
         raise RequestError(str(e).splitlines()[0], "messages") from None
     ids = prompt["prompt_token_ids"]
     [stream] = await st.start(public_id, [prompt], params,
-                              body.priority, model=body.model)
+                              body.priority, model=body.model, raw_request=raw_request)
     shaper = ChoiceShaper(mode, st.tool_parser_obj(), st.reasoning_parser_obj())
     return ChatRun(chat, public_id, stream, len(ids), shaper, mode)

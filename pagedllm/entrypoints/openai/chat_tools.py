@@ -107,14 +107,16 @@ def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any,
 
 
 def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
-    from pagedllm.structured_output.backend import validate
+    from pagedllm.entrypoints.openai.structured import check_size
 
     # Compact JSON: a small model given free whitespace can spend its tokens on it.
-    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    # Sized here; parsed and compiled off the event loop (``ServingState.start``).
     try:
-        validate(so, "tools")
+        so = StructuredOutputsParams(json=schema, disable_any_whitespace=True,
+                                     origin="tools")
     except ValueError as e:
-        raise RequestError(str(e).splitlines()[0], "tools") from None
+        raise RequestError(f"tools: {str(e).splitlines()[0]}", "tools") from None
+    check_size(so)
     return so
 
 

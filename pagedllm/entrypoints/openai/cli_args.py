@@ -71,6 +71,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="Most prompts / inputs / documents one request may hold "
                         "(/v1/completions, /v1/embeddings, /pooling, /score, /rerank); "
                         "more get 400 before any is tokenised.")
+    g.add_argument("--structured-outputs-check-timeout", type=float, default=10.0,
+                   help="Seconds a request's grammar / JSON schema may take to parse and "
+                        "compile (in a worker process, off the event loop); longer "
+                        "gets 400 naming the limit.")
     g.add_argument("--allowed-origins", nargs="*", default=None,
                    help="CORS: origins allowed to call the API from a browser ('*' for "
                         "any). Default: CORS off.")

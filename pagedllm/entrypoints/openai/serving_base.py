@@ -80,6 +80,10 @@ class ServingState:
     # Images in chat requests (chat_images.ChatImages: the media flags, the model's
     # image support and --limit-mm-per-prompt); made at first use if not at start-up.
     images: Any = None
+    # Parses and test-compiles constraints in worker processes, bounded in time and
+    # size (structured_output/checker.py); made at the first structured request.
+    grammar_checker: Any = None
+    grammar_check_timeout: float = 10.0  # --structured-outputs-check-timeout
 
     def tool_parser_obj(self) -> Any:
         if self.tool_call_parser is None:
@@ -102,6 +106,27 @@ class ServingState:
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    def checker(self) -> Any:
+        """The grammar checker (``structured_output.checker.GrammarChecker``) for this
+        model's vocabulary; from now on the engine's input processor leaves grammar
+        parsing to it."""
+        if self.grammar_checker is None:
+            from pagedllm.structured_output.checker import GrammarChecker
+
+            tok, vocab = self.engine.tokenizer, self.vocab_size
+
+            def info() -> str | None:
+                if tok is None:
+                    return None
+                from pagedllm.structured_output.backend import tokenizer_info
+
+                return str(tokenizer_info(tok, vocab).serialize_json())
+
+            self.grammar_checker = GrammarChecker(info,
+                                                  timeout=self.grammar_check_timeout)
+            self.engine.input_processor.check_grammars = False
+        return self.grammar_checker
 
     def sandbox(self) -> TemplateSandbox:
         """The sandbox for request chat templates (made at first use unless the server
@@ -192,6 +217,12 @@ class ServingState:
         tokenising stops (499) once its client has gone."""
         need = len(prompts) * getattr(params, "n", 1)  # PoolingParams: one sequence
         self._check_capacity(need)
+        so = getattr(params, "structured_outputs", None)
+        if so is not None:  # parse and compile off the loop, bounded (400 / 499)
+            from pagedllm.entrypoints.openai.structured import checked
+
+            await checked(self.checker(), so,
+                          raw_request.is_disconnected if raw_request is not None else None)
         ready = []
         for i, p in enumerate(prompts):
             if (raw_request is not None and i and i % 16 == 0

@@ -142,7 +142,8 @@ class OpenAIServingChat(ServingHandler):
             prompt = await self.render_prompt(body)
             prompt_ids = prompt["prompt_token_ids"]
             streams = await st.start(public_id, [prompt], params,
-                                     body.priority, model=body.model)
+                                     body.priority, model=body.model,
+                                     raw_request=raw_request)
         except Exception as e:
             if isinstance(e, ValueError) and not isinstance(e, RequestError) \
                     and str(e).startswith("messages"):  # a RequestError names its field

@@ -11,9 +11,11 @@ the second):
 * vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
   ``guided_grammar`` (one of them).
 
-Each constraint is parsed here (``structured_output.backend.validate``), so an invalid
-schema, regex or grammar is a 400 naming the field it came from; the engine never sees
-it.  ``strict`` is accepted either way: the grammar always enforces the schema.
+Each constraint's size is bounded here (``structured_output.limits``) and it is then
+parsed, checked and test-compiled off the event loop in the server's grammar-check
+workers (``checked``, from ``ServingState.start``), so an invalid schema, regex or
+grammar, or one over a limit, is a 400 naming the field it came from (``origin``); the
+engine never sees it.  ``strict`` is accepted either way: the grammar always enforces the schema.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex",
 
 def _make(field: str, **kw: Any) -> StructuredOutputsParams:
     try:
-        so = StructuredOutputsParams(**kw)
+        so = StructuredOutputsParams(**kw, origin=field)
     except (TypeError, ValueError) as e:
         msg = str(e).splitlines()[0]
         # Name the sub-field when the message does (``structured_outputs.json_object``).
@@ -38,13 +40,36 @@ def _make(field: str, **kw: Any) -> StructuredOutputsParams:
         if field == "structured_outputs" and named:
             raise RequestError(msg, named.group(0)) from None
         raise RequestError(f"{field}: {msg}", field) from None
-    from pagedllm.structured_output.backend import validate
+    check_size(so)
+    return so
+
+
+def check_size(so: StructuredOutputsParams) -> None:
+    """The constraint's up-front size bounds (``structured_output.limits``; linear,
+    on the event loop), a 400 naming ``so.origin`` and the limit.  Parsing and
+    compiling happen later, in the server's grammar-check workers (``checked``)."""
+    from pagedllm.structured_output.limits import check_limits
 
     try:
-        validate(so, field)
+        check_limits(so, so.origin)
     except ValueError as e:
-        raise RequestError(str(e).splitlines()[0], field) from None
-    return so
+        raise RequestError(str(e).splitlines()[0], so.origin) from None
+
+
+async def checked(checker: Any, so: StructuredOutputsParams,
+                  gone: Any = None) -> None:
+    """Parse, check and test-compile ``so`` in ``checker`` (a
+    ``structured_output.checker.GrammarChecker``: worker processes, a time and size
+    budget): a 400 naming ``so.origin`` when it is invalid or over a limit, a 499 when
+    the client left meanwhile (``gone``: an async callable)."""
+    from pagedllm.structured_output.checker import CheckAbandoned, GrammarCheckError
+
+    try:
+        await checker.check(so, so.origin, gone)
+    except GrammarCheckError as e:
+        raise RequestError(str(e).splitlines()[0], so.origin) from None
+    except CheckAbandoned:
+        raise RequestError("the client disconnected", status=499) from None
 
 
 def _from_response_format(rf: dict[str, Any]) -> StructuredOutputsParams | None:
@@ -79,11 +104,11 @@ def structured_outputs_of(body: Any) -> StructuredOutputsParams | None:
     if so is not None:
         if not isinstance(so, dict):
             raise RequestError("structured_outputs must be an object", "structured_outputs")
-        unknown = sorted(set(so) - set(StructuredOutputsParams.__dataclass_fields__)
-                         - {"reasoning_end_token_ids"})
-        if unknown or "reasoning_end_token_ids" in so:
+        internal = sorted({"reasoning_end_token_ids", "origin"} & set(so))
+        unknown = sorted(set(so) - set(StructuredOutputsParams.__dataclass_fields__))
+        if unknown or internal:
             raise RequestError("structured_outputs has unknown field(s): "
-                               f"{', '.join(unknown or ['reasoning_end_token_ids'])}",
+                               f"{', '.join(unknown or internal)}",
                                "structured_outputs")
         found.append(("structured_outputs", _make("structured_outputs", **so)))
     guided = [(f, getattr(body, f, None)) for f in GUIDED_FIELDS]
