@@ -220,3 +220,17 @@ def test_features_cross_the_process_boundary(ckpt, llm):
     assert f0.identifier != f1.identifier and f0.length == f1.length == 25
     assert ids[f0.offset:f0.end] == [4] * 25 and f1.offset >= f0.end
     assert f0.data["pixel_values"].to_numpy().shape == (3, 30, 30)
+
+
+def test_siglip_tower_with_a_qwen2_decoder(tmp_path):
+    """LLaVA's other shapes: a SigLIP tower (no class token, "full" features of the last
+    layer) and a Qwen2 decoder (q/k/v bias)."""
+    model = build_llava(str(tmp_path), seed=1, variant="siglip")
+    processor = transformers.AutoProcessor.from_pretrained(str(tmp_path))
+    llm = LLM(str(tmp_path), kv_cache_memory_bytes=2 << 20, max_model_len=256,
+              max_num_batched_tokens=16)
+    ims = [image(1), image(2)]
+    got = run(llm, [{"prompt": PROMPT, "multi_modal_data": {"image": im}} for im in ims]
+              + [{"prompt": TWO, "multi_modal_data": {"image": ims}}])
+    assert got == [hf_generate(model, processor, PROMPT, [im], MAX) for im in ims] + [
+        hf_generate(model, processor, TWO, ims, MAX)]

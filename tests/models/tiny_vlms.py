@@ -2,7 +2,8 @@
 working processor (image processor + tokenizer with the image token + chat template).
 
 ``build_llava(path)`` writes a LLaVA (CLIP ViT 30x30 / patch 6 -> 25 image tokens, a
-2-layer Llama) and returns the HF model (fp32, eval).  The tokenizer is a word-level one
+2-layer Llama; ``variant="siglip"``: a SigLIP tower and a Qwen2 decoder) and returns the
+HF model (fp32, eval).  The tokenizer is a word-level one
 built with ``tokenizers`` (no downloads); every weight is random, so a weight loaded into
 the wrong place changes the logits.  ``images()`` gives synthetic PIL images.
 """
@@ -45,39 +46,53 @@ def make_tokenizer() -> Any:
     return fast
 
 
-def llava_config(vocab_size: int, image_token_id: int) -> Any:
-    vision = transformers.CLIPVisionConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
-    text = transformers.LlamaConfig(
+def llava_config(vocab_size: int, image_token_id: int, variant: str = "clip") -> Any:
+    """``variant``: "clip" (CLIP tower, layer -2, CLS dropped, Llama decoder) or
+    "siglip" (SigLIP tower, last layer, every patch, Qwen2 decoder with q/k/v bias)."""
+    text_kw: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    vision_kw: dict[str, Any] = dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        image_size=IMAGE_SIZE, patch_size=PATCH)
+    if variant == "siglip":
+        vision = transformers.SiglipVisionConfig(**vision_kw)
+        text = transformers.Qwen2Config(**text_kw)
+        layer, strategy = -1, "full"
+    else:
+        vision = transformers.CLIPVisionConfig(**vision_kw, projection_dim=32)
+        text = transformers.LlamaConfig(**text_kw)
+        layer, strategy = -2, "default"
     return transformers.LlavaConfig(
         vision_config=vision.to_dict(), text_config=text.to_dict(),
         image_token_id=image_token_id, image_seq_length=(IMAGE_SIZE // PATCH) ** 2,
-        vision_feature_layer=-2, vision_feature_select_strategy="default",
+        vision_feature_layer=layer, vision_feature_select_strategy=strategy,
         architectures=["LlavaForConditionalGeneration"], pad_token_id=3)
 
 
-def build_llava(path: str, seed: int = 0) -> Any:
+def build_llava(path: str, seed: int = 0, variant: str = "clip") -> Any:
     """Save a tiny random LLaVA with its processor under ``path``; returns the HF model."""
     tok = make_tokenizer()
     image_token_id = tok.convert_tokens_to_ids("<image>")
-    cfg = llava_config(len(tok), image_token_id)
+    cfg = llava_config(len(tok), image_token_id, variant)
     torch.manual_seed(seed)
     model = transformers.LlavaForConditionalGeneration(cfg).eval()
     with torch.no_grad():  # every weight random (norms and biases too)
         for p in model.parameters():
             p.normal_(0, 0.1) if p.dim() > 1 else p.uniform_(0.5, 1.5)
     model.save_pretrained(path)
-    image_processor = transformers.CLIPImageProcessor(
-        size={"shortest_edge": IMAGE_SIZE},
-        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    if variant == "siglip":
+        image_processor = transformers.SiglipImageProcessor(
+            size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    else:
+        image_processor = transformers.CLIPImageProcessor(
+            size={"shortest_edge": IMAGE_SIZE},
+            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     processor = transformers.LlavaProcessor(
         image_processor=image_processor, tokenizer=tok, patch_size=PATCH,
-        vision_feature_select_strategy="default", chat_template=CHAT_TEMPLATE,
-        num_additional_image_tokens=1)
+        vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+        chat_template=CHAT_TEMPLATE, num_additional_image_tokens=int(variant == "clip"))
     processor.save_pretrained(path)
     return model
 
