@@ -8,11 +8,12 @@ end that makes it.
                    config's text fields lifted to the top (``lift_text_config``)
 * ``hashing.py``   content identifiers and the prefix-cache key of a block with images
 * ``parse.py``     ``multi_modal_data`` and chat content parts -> PIL images
+* ``media.py``     images a client names by URL (data, http(s), file), under bounds
 * ``processor.py`` the model's own transformers processor, run in the front end
 * ``media.py``     images a client names by URL (data:, http(s)://, file://), fetched
                    and decoded under byte, pixel and time bounds (the server's chat
                    endpoints)
 
-Torch-free: the processor returns numpy arrays; the worker turns ``TensorData`` into
+Torch-free (layer 1, below ``messages.py``): the processor returns numpy arrays; the worker turns ``TensorData`` into
 tensors (``worker/encoder_cache.py``).
 """
