@@ -2,9 +2,11 @@
 ``tensor_parallel_size=2`` with ``enable_expert_parallel`` (each rank holds half the
 experts, whole) and without it (each rank holds half of every expert) give the same
 greedy tokens as one rank on tiny random MoE checkpoints (Mixtral: 4 experts top-2,
-renormalised; Qwen2-MoE: 6 experts top-2 with a gated shared expert and a dense layer),
-batched with chunked prefill; and the bad configurations are refused naming
-``enable_expert_parallel`` (or the size that does not divide)."""
+renormalised; Qwen2-MoE: 6 experts top-2 with a gated shared expert and a dense layer;
+DeepSeek-V3: 8 experts, grouped sigmoid routing with a correction bias, a shared expert,
+MLA attention; DeepSeek-V2-Lite: softmax greedy routing), batched with chunked prefill;
+and the bad configurations are refused naming ``enable_expert_parallel`` (or the size
+that does not divide)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,13 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
+from tests.models import deepseek_tiny
 from tests.models.tiny_models import VOCAB, build
+
+BUILDERS = {"mixtral": lambda p: build("mixtral", p),
+            "qwen2_moe": lambda p: build("qwen2_moe", p),
+            "deepseek_v3": lambda p: deepseek_tiny.build("v3", p),
+            "deepseek_v2_lite": lambda p: deepseek_tiny.build("v2_lite", p)}
 
 NEW = 8
 
@@ -37,10 +45,10 @@ def _greedy(path: str, **kw) -> list[list[int]]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
 def test_ep2_and_tp2_greedy_equal_one_rank(arch: str, tmp_path) -> None:
     path = str(tmp_path)
-    build(arch, path)
+    BUILDERS[arch](path)
     ref = _greedy(path)
     assert _greedy(path, tensor_parallel_size=2, enable_expert_parallel=True) == ref
     assert _greedy(path, tensor_parallel_size=2) == ref
