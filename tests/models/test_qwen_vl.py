@@ -88,6 +88,39 @@ def test_batched_with_text(ckpt, llm):
     assert outs[0] == outs[2] == expected(ckpt, TEXT, [], 12)
 
 
+def test_same_image_prefix_hit_n_and_expanded_ids(ckpt, llm):
+    """A second request with the same image starts past its cached blocks (mid-prompt
+    M-RoPE rows); n = 2 forks share the parent's rows; expanded token ids equal text."""
+    _, _, processor = ckpt
+    im = image(5)
+    want = expected(ckpt, PROMPT, [im])
+    first = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": im}}, greedy(),
+                         use_tqdm=False)[0]
+    again = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": im.copy()}},
+                         SamplingParams(temperature=0.0, max_tokens=MAX, ignore_eos=True,
+                                        n=2), use_tqdm=False)[0]
+    assert list(first.outputs[0].token_ids) == want
+    assert [list(c.token_ids) for c in again.outputs] == [want, want]
+    assert again.num_cached_tokens >= 16
+    ims = [image(3), image(4, SMALL)]
+    ids = processor(text=TWO, images=ims, return_tensors="np")["input_ids"][0]
+    got = run(llm, [{"prompt_token_ids": [int(t) for t in ids],
+                     "multi_modal_data": {"image": ims}}])
+    assert got == [expected(ckpt, TWO, ims)]
+
+
+def test_chat_content_parts(ckpt, llm):
+    _, model, processor = ckpt
+    im = image(7, (36, 28))
+    q = {"type": "text", "text": "describe the image"}
+    out = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": im},
+                                                 q]}], greedy(), use_tqdm=False)
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                       q]}],
+                                         tokenize=False, add_generation_prompt=True)
+    assert list(out[0].outputs[0].token_ids) == expected(ckpt, text, [im])
+
+
 def test_chunked_prefill_splits_the_placeholder_run(ckpt):
     """An 8-token budget: the 20-token image run is computed over three steps, its
     M-RoPE rows sliced per chunk."""
