@@ -190,3 +190,39 @@ def test_ep_split_on_the_triton_kernels(name: str) -> None:
     for t in (T, 2):
         parts = [layer.forward_topk(x[:t], w[:t], ids[:t]) for layer in ranks]
         torch.testing.assert_close(parts[0] + parts[1], ref[:t], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("serialized", [False, True])
+def test_ep_split_with_fp8_experts(serialized: bool) -> None:
+    """FP8 experts (quantised at load, or e4m3 checkpoints with their scales) split
+    whole: each rank keeps its experts' weights and scales, and the partial sums add up
+    to the unsplit FP8 layer."""
+    from pagedllm.kernels.quant_common import quantize_fp8_rows
+    from pagedllm.layers.quantization.fp8 import Fp8Config
+
+    def load(layer: FusedMoE) -> None:
+        w13, w2 = _weights()
+        for e in range(E):
+            for shard, m in (("w1", w13[e, :INTER]), ("w3", w13[e, INTER:]), ("w2", w2[e])):
+                p = layer.w2_weight if shard == "w2" else layer.w13_weight
+                if not serialized:
+                    p.weight_loader(p, m, shard, e)
+                    continue
+                q, s = quantize_fp8_rows(m)
+                ps = layer.w2_weight_scale if shard == "w2" else layer.w13_weight_scale
+                p.weight_loader(p, q, shard, e)
+                ps.weight_loader(ps, s, shard, e)
+        layer.quant_method.process_weights_after_loading(layer)
+
+    cfg = Fp8Config(serialized=serialized)
+    full = FusedMoE(E, K, H, INTER, renormalize=False, quant_config=cfg)
+    load(full)
+    ranks = [FusedMoE(E, K, H, INTER, renormalize=False, ep_size=2, ep_rank=r,
+                      quant_config=cfg) for r in range(2)]
+    for layer in ranks:
+        load(layer)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(2))
+    for w, ids in _routings().values():
+        parts = [layer.forward_topk(x, w, ids) for layer in ranks]
+        torch.testing.assert_close(parts[0] + parts[1], full.forward_topk(x, w, ids),
+                                   rtol=1e-5, atol=1e-6)
