@@ -39,7 +39,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -118,7 +124,10 @@ class EngineMetrics:
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None, *,
                  max_model_len: int = 2048, cache_info: dict[str, str] | None = None,
-                 process_collectors: bool = True) -> None:
+                 process_collectors: bool = True, speculative: bool = True) -> None:
+        # No ``<counter>_created`` series (timestamps nobody graphs; vLLM disables
+        # them too).  A prometheus_client switch for the whole process.
+        disable_created_metrics()
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         r = self.registry
@@ -170,16 +179,18 @@ class EngineMetrics:
             "vllm:external_prefix_cache_hits",
             "External prefix cache hits from KV connector cross-instance cache sharing, "
             "in terms of number of cached tokens.")
-        # Speculative decoding (spec_decode/; zero without it).
-        self.spec_decode_num_drafts = counter(
-            "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
-        self.spec_decode_num_draft_tokens = counter(
-            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
-        self.spec_decode_num_accepted_tokens = counter(
-            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
-        self.spec_decode_num_accepted_tokens_per_pos = counter(
-            "vllm:spec_decode_num_accepted_tokens_per_pos",
-            "Accepted tokens per draft position.", ("position",))
+        # Speculative decoding (spec_decode/): registered only when it is on.
+        self.speculative = speculative
+        if speculative:
+            self.spec_decode_num_drafts = counter(
+                "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+            self.spec_decode_num_draft_tokens = counter(
+                "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+            self.spec_decode_num_accepted_tokens = counter(
+                "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+            self.spec_decode_num_accepted_tokens_per_pos = counter(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.", ("position",))
         # -- histograms of counts
         self.request_prompt_tokens = hist(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
@@ -261,8 +272,6 @@ class EngineMetrics:
                        self.kv_cache_usage_perc, self.prompt_tokens, self.generation_tokens,
                        self.num_preemptions, self.prefix_cache_queries,
                        self.prefix_cache_hits, self.request_prompt_tokens,
-                       self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
-                       self.spec_decode_num_accepted_tokens,
                        self.request_generation_tokens, self.iteration_tokens,
                        self.request_max_num_generation_tokens, self.request_params_n,
                        self.request_params_max_tokens, self.ttft, self.itl, self.tpot,
@@ -272,6 +281,10 @@ class EngineMetrics:
                        self.external_prefix_cache_queries, self.external_prefix_cache_hits,
                        self.kv_offload_usage_perc, self.kv_offload_total_blocks):
             metric.labels(*m)
+        if speculative:
+            for metric in (self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
+                           self.spec_decode_num_accepted_tokens):
+                metric.labels(*m)
         for direction in ("to_host", "to_device"):
             self.kv_offload_bytes.labels(*m, direction)
         for reason in TRANSPORT_REJECT_REASONS:
@@ -295,7 +308,7 @@ class EngineMetrics:
             self.prefix_cache_hits.labels(*m).inc(stats.prefix_cache_hits)
         if stats.num_scheduled_tokens:
             self.iteration_tokens.labels(*m).observe(stats.num_scheduled_tokens)
-        if stats.spec_num_drafts:
+        if stats.spec_num_drafts and self.speculative:
             self._record_spec(stats)
         if stats.kv_offload_total_blocks:
             self._record_offload(stats)

@@ -12,9 +12,10 @@ The layers, bottom to top (a module may import its own layer and those below):
 0     ``envs``, ``logger``, ``gc_heap``: process settings, no pagedllm imports
 1     plain data: ``sampling_params``, ``structured_outputs_params``,
       ``pooling_params``, ``outputs``, ``pooling_outputs``, ``beam_search``,
-      ``messages``, ``request``, ``metrics``; ``model_files/`` (what a model is on
-      disk); ``lora/`` (adapter requests, files and names); ``multimodal/`` (images
-      in: the features a request carries, loading, the front end's processor)
+      ``messages``, ``request``, ``metrics`` (and ``metrics_reader``);
+      ``model_files/`` (what a model is on disk); ``lora/`` (adapter requests, files
+      and names); ``multimodal/`` (images in: the features a request carries,
+      loading, the front end's processor)
 2     the torch-free engine side: ``config.py`` (plain dataclasses), ``core/`` (the
       scheduler and KV manager), ``spec_decode/`` and ``structured_output/`` (their
       scheduling policy and grammar compilation)
@@ -44,7 +45,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("envs", "logger", "gc_heap"),
     ("sampling_params", "structured_outputs_params", "pooling_params", "outputs",
      "pooling_outputs", "beam_search", "messages", "request", "metrics", "model_files",
-     "lora", "multimodal"),
+     "lora", "multimodal", "metrics_reader"),
     ("config", "core", "spec_decode", "structured_output"),
     ("kernels", "cpu", "distributed"),
     ("attention",),

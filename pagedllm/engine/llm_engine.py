@@ -17,6 +17,7 @@ from pagedllm.engine.input_processor import (
 )
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.gc_heap import freeze_gc_heap, release_gc_heap
+from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -32,6 +33,12 @@ class LLMEngine:
             config.model_config, self.tokenizer, self.client.max_tokens_per_request,
             max_logprobs, config.lora_config)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # The same Prometheus series a server exports, on a registry of this engine's
+        # own (no process collectors): ``LLM.get_metrics()`` reads them.
+        self.metrics = EngineMetrics(
+            config.model_config.served_model_name, max_model_len=config.model_config.max_model_len,
+            process_collectors=False,
+            speculative=config.scheduler_config.speculative_config is not None)
         # The core runs in this process: keep its start-up heap out of full collections.
         freeze_gc_heap("LLM engine")
 
@@ -58,14 +65,18 @@ class LLMEngine:
             for r in core_reqs:
                 self.client.add_request(r)
                 added.append(r.request_id)
+                self.metrics.add_request(r)
         except ValueError:
+            self.metrics.on_finished(added, "abort")
             self.client.abort_requests(added)
             self.output_processor.abort_request(request_id)
             raise
 
     def abort_request(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self.client.abort_requests(self.output_processor.abort_request(rid))
+            ids = self.output_processor.abort_request(rid)
+            self.metrics.on_finished(ids, "abort")
+            self.client.abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
@@ -76,8 +87,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         core_out = self.client.get_output()
+        self.metrics.on_outputs(core_out)
         processed = self.output_processor.process_outputs(core_out)
-        if processed.reqs_to_abort:
+        if processed.reqs_to_abort:  # stop strings found here
+            self.metrics.on_finished(processed.reqs_to_abort, "stop")
             self.client.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
 

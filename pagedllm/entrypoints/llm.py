@@ -18,6 +18,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm_pooling import PoolingMixin
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
+from pagedllm.metrics_reader import Metric
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -115,6 +116,17 @@ class LLM(PoolingMixin):
                 or 0.0, text=(o.prompt or "") + c.text, finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason)
             for c in o.outputs]) for o in outs]
+
+    def get_metrics(self) -> list[Metric]:
+        """A snapshot of this engine's metrics as vLLM's ``LLM.get_metrics()`` returns
+        them (``pagedllm.metrics_reader``: ``Counter``, ``Gauge``, ``Histogram`` and
+        ``Vector`` objects with ``name`` and ``labels``): the series a server exports at
+        ``/metrics`` -- tokens, requests by finish reason, latencies, prefix-cache
+        queries and hits, and with speculative decoding its drafts, draft and accepted
+        tokens and acceptance per position."""
+        from pagedllm.metrics_reader import snapshot
+
+        return snapshot(self.llm_engine.metrics.registry)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (e.g. between benchmark runs); returns False,

@@ -535,7 +535,8 @@ async def _serve(args: argparse.Namespace) -> int:
     ready = engine.ready
     metrics = EngineMetrics(names[0], max_model_len=ready.max_model_len or mc.max_model_len,
                             cache_info=cache_config_labels(config.cache_config,
-                                                           ready.num_blocks))
+                                                           ready.num_blocks),
+                            speculative=config.scheduler_config.speculative_config is not None)
     engine.attach_metrics(metrics)
     metrics.set_engine_alive(True)
     state = ServingState(
