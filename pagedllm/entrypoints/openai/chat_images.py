@@ -37,6 +37,9 @@ from pagedllm.multimodal.media import MediaError, MediaLoader
 # the part (block) itself and the field holding its URL or data.
 FIELD_KEY, URL_FIELD_KEY = "_pagedllm_field", "_pagedllm_url_field"
 _DETAILS = ("auto", "low", "high")
+# Images of one request fetched and decoded at once (a 999-image request must not
+# open 999 connections; the decode pool bounds the CPU).
+MAX_CONCURRENT_LOADS = 4
 
 
 @dataclass(frozen=True)
@@ -135,10 +138,15 @@ class ChatImages:
                 "per prompt (--limit-mm-per-prompt)", refs[self.limit].part_field)
 
     async def load(self, refs: list[ImageRef]) -> list[Any]:
-        """The images of ``refs``, loaded concurrently (400 naming the first bad one's
-        field; the others are cancelled)."""
-        tasks = [asyncio.ensure_future(self.loader.load_image(r.url, r.url_field))
-                 for r in refs]
+        """The images of ``refs``, loaded ``MAX_CONCURRENT_LOADS`` at a time (400
+        naming the first bad one's field; the others are cancelled)."""
+        gate = asyncio.Semaphore(MAX_CONCURRENT_LOADS)
+
+        async def one(r: ImageRef) -> Any:
+            async with gate:
+                return await self.loader.load_image(r.url, r.url_field)
+
+        tasks = [asyncio.ensure_future(one(r)) for r in refs]
         try:
             return list(await asyncio.gather(*tasks))
         except MediaError as e:
