@@ -341,12 +341,8 @@ def build_app(state: ServingState, *, api_keys: list[str] | None = None,
             if tok is None:
                 raise RequestError("this server has no tokenizer", "prompt")
             # Off the event loop: a big input must not stall other requests.
-            if body.messages is not None:
-                ids = await state.off_loop(
-                    ip.apply_chat_template,
-                    [{**(m.model_extra or {}), "role": m.role, "content": m.text()}
-                     for m in body.messages], chat_template=state.chat_template,
-                    add_generation_prompt=body.add_generation_prompt)
+            if body.messages is not None:  # rendered as the chat endpoint renders it
+                ids = await chat.render(body.chat_request())
             else:
                 ids = await state.off_loop(ip.encode_text, body.prompt,
                                            add_special_tokens=body.add_special_tokens)

@@ -437,13 +437,35 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_RequestBody):
-    """``POST /tokenize``: either ``prompt`` or ``messages``."""
+    """``POST /tokenize``: either ``prompt`` or ``messages``.  With ``messages`` (vLLM's
+    chat form) the prompt is rendered exactly as ``/v1/chat/completions`` renders it,
+    so ``tools``, ``chat_template_kwargs``, ``continue_final_message`` and
+    ``chat_template`` mean what they mean there."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: Bool = True
     add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The chat request whose prompt this is (``add_special_tokens`` as chat's
+        default, False, unless the client set it)."""
+        if self.add_generation_prompt and self.continue_final_message:
+            raise RequestError("add_generation_prompt and continue_final_message cannot "
+                               "both be true", "continue_final_message")
+        special = self.add_special_tokens if "add_special_tokens" in \
+            self.model_fields_set else False
+        return ChatCompletionRequest(
+            messages=self.messages or [], tools=self.tools,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            add_special_tokens=special, chat_template=self.chat_template,
+            chat_template_kwargs=self.chat_template_kwargs)
 
 
 class DetokenizeRequest(_RequestBody):
