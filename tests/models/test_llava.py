@@ -1,7 +1,8 @@
 """LLaVA end to end through the offline API: greedy tokens equal transformers' (fp32, CPU)
 token for token -- one image, two images, text only, batched with text, chunked prefill
 splitting an image's placeholder run, prefix-cache and encoder-cache hits, two images
-that must not collide, preemption, n > 1, chat content parts -- and bad inputs rejected
+that must not collide, recompute and swap preemption, n > 1, beam search, chat content
+parts -- and bad inputs rejected
 with a ValueError naming the field while the engine stays usable.
 
 The checkpoint is a tiny random LLaVA built and saved by transformers
@@ -15,9 +16,11 @@ import io
 
 import msgspec
 import pytest
+import torch
 import transformers
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.beam_search import BeamSearchParams
 from pagedllm.messages import EngineCoreRequest
 from tests.models.tiny_vlms import build_llava, hf_generate, image, llava_config, make_tokenizer
 
@@ -152,6 +155,26 @@ def test_preempted_equals_not(ckpt):
               greedy(n))
     assert llm.llm_engine.client.core.scheduler.total_preemptions > 0
     assert got == [expected(ckpt, PROMPT, [im], n) for im in ims]
+
+
+def test_swap_preemption_and_beam_search(ckpt):
+    ims = [image(s) for s in (1, 2, 3, 4)]
+    llm = LLM(ckpt[0], kv_cache_memory_bytes=10 * 16 * 512, max_model_len=64,
+              max_num_batched_tokens=64, preemption_mode="swap", swap_space=0.01)
+    got = run(llm, [{"prompt": PROMPT, "multi_modal_data": {"image": im}} for im in ims],
+              greedy(24))
+    assert llm.llm_engine.client.core.scheduler.total_preemptions > 0
+    assert got == [expected(ckpt, PROMPT, [im], 24) for im in ims]
+
+    _, model, processor = ckpt
+    out = llm.beam_search([{"prompt": PROMPT, "multi_modal_data": {"image": ims[0]}}],
+                          BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True))
+    inputs = processor(text=PROMPT, images=[ims[0]], return_tensors="pt")
+    with torch.no_grad():
+        hf = model.generate(**inputs, max_new_tokens=6, num_beams=2, num_return_sequences=2,
+                            do_sample=False, eos_token_id=None, pad_token_id=3)
+    n = inputs["input_ids"].shape[1]
+    assert [s.tokens[n:] for s in out[0].sequences] == hf[:, n:].tolist()
 
 
 def test_chat_content_parts(ckpt, llm):
