@@ -78,11 +78,28 @@ class VisionAttention(nn.Module):
         dtype = q.dtype  # rotated in float32, as transformers does
         q = apply_rotary(q.float(), cos, sin).to(dtype)
         k = apply_rotary(k.float(), cos, sin).to(dtype)
-        out = torch.empty_like(q)
-        for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-            seg = [t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-            out[s:e] = F.scaled_dot_product_attention(*seg)[0].transpose(0, 1)
-        return self.proj(out.reshape(n, -1))
+        return self.proj(segment_attention(q, k, v, cu_seqlens).reshape(n, -1))
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cu_seqlens: list[int]) -> torch.Tensor:
+    """Bidirectional attention within each segment ``[cu[i], cu[i + 1])`` of ``q, k, v
+    [N, H, D]``: segments of one length run as one batched SDPA call (an image's windows
+    are mostly full ones), so the launches scale with distinct lengths, not windows."""
+    out = torch.empty_like(q)
+    by_len: dict[int, list[int]] = {}
+    for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        by_len.setdefault(e - s, []).append(s)
+    for length, starts in by_len.items():
+        if len(starts) == 1:
+            s = starts[0]
+            seg = [t[s:s + length].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+            out[s:s + length] = F.scaled_dot_product_attention(*seg)[0].transpose(0, 1)
+            continue
+        idx = (torch.tensor(starts).unsqueeze(1) + torch.arange(length)).to(q.device)
+        seg = [t[idx].transpose(1, 2) for t in (q, k, v)]  # [segments, H, L, D]
+        out[idx] = F.scaled_dot_product_attention(*seg).transpose(1, 2)
+    return out
 
 
 class VisionMlp(nn.Module):
