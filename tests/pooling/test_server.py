@@ -55,6 +55,13 @@ def _ref_embeddings(hf: torch.nn.Module, tok, texts: list[str]) -> torch.Tensor:
                                         .last_hidden_state[0, 0] for t in texts]), dim=-1)
 
 
+def test_startup_log_is_true_for_a_pooling_model(embed_server) -> None:
+    """No "KV cache 1 blocks ... max concurrency 0.00x" for a model without a KV cache
+    (issue 46 item 20)."""
+    log = embed_server[0].log()
+    assert "pooling model, no KV cache" in log and "max concurrency" not in log
+
+
 def test_embeddings_openai_client(embed_server) -> None:
     s, hf = embed_server
     tok = hf.tok

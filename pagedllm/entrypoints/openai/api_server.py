@@ -605,10 +605,13 @@ async def _serve(args: argparse.Namespace) -> int:
     logger.info("model %s (served as %s), dtype %s, device %s; engine core pid %s",
                 mc.resolved.display_name, ", ".join(names), ready.dtype, ready.device,
                 ready.pid)
-    logger.info("KV cache %d blocks x %d tokens = %d tokens; max_model_len %d; max "
-                "concurrency at max_model_len %.2fx; max_num_seqs %d; admission limit %s; "
-                "auth %s; CORS %s", ready.num_blocks - 1, ready.block_size, kv_tokens,
-                state.max_model_len, kv_tokens / max(state.max_model_len, 1),
+    if mc.runner == "pooling":  # one forward per input, nothing kept between steps
+        kv = f"pooling model, no KV cache; max_model_len {state.max_model_len}"
+    else:
+        kv = (f"KV cache {ready.num_blocks - 1} blocks x {ready.block_size} tokens = "
+              f"{kv_tokens} tokens; max_model_len {state.max_model_len}; max concurrency "
+              f"at max_model_len {kv_tokens / max(state.max_model_len, 1):.2f}x")
+    logger.info("%s; max_num_seqs %d; admission limit %s; auth %s; CORS %s", kv,
                 ready.max_num_seqs, "none" if max_pending is None else f"{max_pending} seqs",
                 "on" if api_keys else "off", args.allowed_origins or "off")
     # Starlette's streaming response opens an anyio task group, and anyio imports its
