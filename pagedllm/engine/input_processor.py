@@ -122,7 +122,9 @@ class InputProcessor:
         """``tokenize`` plus a dict prompt's ``multi_modal_data`` (vLLM's shape): the
         model's processor expands each image's placeholder tokens in the prompt text, or
         finds the runs already expanded in ``prompt_token_ids``.  ``ValueError`` naming
-        ``multi_modal_data`` (text-only model, bad images) or ``limit_mm_per_prompt``."""
+        ``multi_modal_data`` (text-only model, bad images) or ``limit_mm_per_prompt``.
+        A text prompt with images is tokenised by the processor, with special tokens
+        unless the dict says ``"add_special_tokens": False`` (a rendered chat)."""
         data = prompt.get("multi_modal_data") if isinstance(prompt, Mapping) else None
         if data is None:
             return (*self.tokenize(prompt), [])
@@ -145,15 +147,18 @@ class InputProcessor:
         text = prompt.get("prompt")
         if not isinstance(text, str) or not text:
             raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        ids, feats = self.mm.process(text, images)
+        ids, feats = self.mm.process(text, images,
+                                     bool(prompt.get("add_special_tokens", True)))
         return text, self._check_ids(ids), feats
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]],
                     chat_template: str | None = None, add_generation_prompt: bool = True,
                     **kwargs: Any) -> PromptType:
-        """One conversation as a prompt for ``process``: its token ids, and its images
-        (OpenAI ``image_url`` data-URL parts, ``image_pil`` parts) as
-        ``multi_modal_data`` with their placeholders expanded in the ids."""
+        """One conversation as a prompt for ``process``: its token ids, or with images
+        (OpenAI ``image_url`` data-URL parts, ``image_pil`` parts) the rendered text
+        with the images as ``multi_modal_data`` and ``add_special_tokens: False`` (the
+        template wrote them; the processor expands the image tokens once, in
+        ``process``)."""
         if not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty list")
         msgs, images = split_chat_images(messages)
@@ -176,8 +181,8 @@ class InputProcessor:
             raise ValueError(f"limit_mm_per_prompt: the conversation has {len(images)} "
                              f"images, more than the limit of {limit} per prompt")
         # The template wrote the special tokens; the processor adds none.
-        ids, _ = self.mm.process(text, images, add_special_tokens=False)
-        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+        return {"prompt": text, "multi_modal_data": {"image": images},
+                "add_special_tokens": False}
 
             raise ValueError("prompt must not be empty")
         # Fast path: plain ints (``type is int`` also rules out bools) in range are

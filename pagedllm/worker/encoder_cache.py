@@ -119,9 +119,11 @@ class EncoderCache:
         """A function ``input ids [T] -> inputs_embeds [T, hidden]`` for this step:
         token embeddings with the encoder outputs written over the placeholder rows the
         step computes; None when no scheduled chunk meets an image."""
+        features = self.features
+        if not features:  # no live request has images: the text path, O(1)
+            return None
         dst: list[np.ndarray] = []
         src: list[torch.Tensor] = []
-        features = self.features
         for i, rid in enumerate(order):
             feats = features.get(rid)
             if not feats:

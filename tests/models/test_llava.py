@@ -131,12 +131,15 @@ def test_batched_with_text_and_n_gt_1(ckpt, llm):
     assert [list(c.token_ids) for c in two.outputs] == [want, want]
 
 
-def test_chunked_prefill_splits_the_placeholder_run(ckpt):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chunked_prefill_splits_the_placeholder_run(ckpt, async_scheduling):
     """A 16-token budget: each 25-token image is encoded once (over the encoder budget,
-    alone in its step) and its run computed over two or three steps."""
+    alone in its step) and its run computed over two or three steps; also with async
+    scheduling (step N+1 scheduled before step N's tokens are read, as on CUDA)."""
     im1, im2 = image(1), image(2)
     llm = LLM(ckpt[0], kv_cache_memory_bytes=4 << 20, max_model_len=256,
-              max_num_batched_tokens=16, enable_prefix_caching=False)
+              max_num_batched_tokens=16, enable_prefix_caching=False,
+              async_scheduling=async_scheduling)
     got = run(llm, [{"prompt": TWO, "multi_modal_data": {"image": [im1, im2]}},
                     {"prompt": PROMPT, "multi_modal_data": {"image": im2}}, TEXT])
     assert got == [expected(ckpt, TWO, [im1, im2]), expected(ckpt, PROMPT, [im2]),
