@@ -178,7 +178,7 @@ class CudaGraphRunner:
         # sets used on alternate steps so a step in flight keeps its own.
         self._staging = [self._make_staging(tokens, n, max_blocks_per_req, g)
                          for _ in range(2)]
-        for h in self._staging:
+        for h in self._staging if position_rows > 1 else ():
             h["pos"] = torch.zeros(pos_shape, dtype=i64, pin_memory=True)
         self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphShape, torch.Tensor] = {}
