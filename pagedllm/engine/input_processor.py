@@ -85,16 +85,16 @@ class InputProcessor:
             cfg_eos_list[0] if cfg_eos_list else None)
         # Extra end-of-sequence ids (e.g. Llama 3's <|eot_id|>) stop like stop_token_ids.
         self.extra_eos_ids = [t for t in cfg_eos_list if t != self.eos_token_id]
-
-    # -- prompts -------------------------------------------------------------------
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Returns (prompt text or None, token ids); ValueError naming ``prompt``."""
         # Vision-language models: the model's own processor (multimodal/processor.py).
         mm = getattr(model_config, "multimodal_config", None)
         self.mm_limits: dict[str, int] = dict(mm.limit_per_prompt) if mm else {}
         self.mm: MultiModalProcessor | None = MultiModalProcessor(
             model_config.resolved.directory, model_config.hf_config,
             model_config.trust_remote_code) if mm is not None else None
+
+    # -- prompts -------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Returns (prompt text or None, token ids); ValueError naming ``prompt``."""
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
@@ -113,10 +113,6 @@ class InputProcessor:
         raise ValueError(f"prompt must be a string or a list of token ids, got "
                          f"{type(prompt).__name__}")
 
-    def _check_ids(self, ids: Any) -> list[int]:
-        if not isinstance(ids, Sequence) or isinstance(ids, str):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        if len(ids) == 0:
     def tokenize_multimodal(self, prompt: PromptType,
                             ) -> tuple[str | None, list[int], list[MultiModalFeature]]:
         """``tokenize`` plus a dict prompt's ``multi_modal_data`` (vLLM's shape): the
@@ -184,6 +180,10 @@ class InputProcessor:
         return {"prompt": text, "multi_modal_data": {"image": images},
                 "add_special_tokens": False}
 
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, Sequence) or isinstance(ids, str):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        if len(ids) == 0:
             raise ValueError("prompt must not be empty")
         # Fast path: plain ints (``type is int`` also rules out bools) in range are
         # checked by C-level builtins; anything else takes the loop below, which names
