@@ -24,12 +24,14 @@ if TYPE_CHECKING:
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` shows each flag's default, except where the help text already says it
-    or there is nothing to show (``None``, a switch that is off)."""
+    or there is nothing to show (``None``, a switch that is off).  Identity, not
+    equality: a default of ``0`` or ``0.0`` (temperature, min-p) equals ``False`` and
+    is shown."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (action.default in (None, False, argparse.SUPPRESS) or "default" in text.lower()
-                or "%(default)" in text):
+        if (any(action.default is v for v in (None, False, argparse.SUPPRESS))
+                or "default" in text.lower() or "%(default)" in text):
             return text
         return super()._get_help_string(action) or text
 
@@ -80,12 +82,7 @@ def finish_notes(c: CompletionOutput, max_tokens: int | None, chat: bool,
     notes = []
     empty = not c.text.strip()
     if c.finish_reason == "length":
-        if max_tokens is not None and len(c.token_ids) >= max_tokens:
-            notes.append(f"note: output cut at --max-tokens {max_tokens} "
-                         "(finish_reason=length); raise it for a longer answer")
-        else:
-            notes.append(f"note: output cut after {len(c.token_ids)} tokens: the context "
-                         "is full (finish_reason=length; see --max-model-len)")
+        notes.append(length_note(len(c.token_ids), max_tokens))
     elif empty:
         why = (f"it hit the stop string {c.stop_reason!r}" if isinstance(c.stop_reason, str)
                else f"stop token {c.stop_reason}" if c.stop_reason is not None
@@ -95,6 +92,16 @@ def finish_notes(c: CompletionOutput, max_tokens: int | None, chat: bool,
         notes.append("hint: this model has a chat template; --chat sends the prompt as a "
                      "user message, which instruct models answer better")
     return notes
+
+
+def length_note(num_tokens: int, max_tokens: int | None, what: str = "output") -> str:
+    """The note for an answer of ``num_tokens`` that ended with ``finish_reason=length``:
+    cut at ``--max-tokens``, or by a full context."""
+    if max_tokens is not None and num_tokens >= max_tokens:
+        return (f"note: {what} cut at --max-tokens {max_tokens} (finish_reason=length); "
+                "raise it for a longer answer")
+    return (f"note: {what} cut after {num_tokens} tokens: the context is full "
+            "(finish_reason=length; see --max-model-len)")
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -121,13 +128,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
                            kind=RequestOutputKind.DELTA)
         turn += 1
         reply = []
+        num_tokens, finish = 0, None
         while engine.has_unfinished_requests():
             for out in engine.step():
                 delta = out.outputs[0].text
+                num_tokens += len(out.outputs[0].token_ids)
+                finish = out.outputs[0].finish_reason or finish
                 reply.append(delta)
                 sys.stdout.write(delta)
                 sys.stdout.flush()
         sys.stdout.write("\n")
+        if finish == "length":  # say so: the reply is not the model's whole answer
+            print(length_note(num_tokens, params.max_tokens, "reply"), file=sys.stderr)
         messages.append({"role": "assistant", "content": "".join(reply)})
     return 0
 
@@ -201,7 +213,8 @@ def _serve_unavailable(missing: str) -> int:
 
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="Benchmarks (throughput, latency, spec, serve, soak, "
-                       "structured, perplexity, parallel, embed).", formatter_class=HelpFormatter)
+                       "structured, perplexity, parallel, embed, multiturn).",
+                       formatter_class=HelpFormatter)
     bsub = p.add_subparsers(dest="bench_cmd", required=True)
     for name, module in (("throughput", "pagedllm.benchmarks.throughput"),
                          ("latency", "pagedllm.benchmarks.latency"),
@@ -211,7 +224,8 @@ def _add_bench(sub) -> None:
                          ("structured", "pagedllm.benchmarks.structured"),
                          ("perplexity", "pagedllm.benchmarks.perplexity"),
                          ("parallel", "pagedllm.benchmarks.parallel"),
-                         ("embed", "pagedllm.benchmarks.embed")):
+                         ("embed", "pagedllm.benchmarks.embed"),
+                         ("multiturn", "pagedllm.benchmarks.multiturn")):
         try:
             mod = __import__(module, fromlist=["add_args", "main"])
         except ImportError:
