@@ -27,6 +27,23 @@ def test_generate_says_when_the_output_is_cut() -> None:
     assert "torch_dtype" not in r.stderr
 
 
+def test_chat_says_when_a_reply_is_cut() -> None:
+    r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "chat",
+                        "--max-tokens", "3", "--temperature", "0", "--max-model-len", "256"],
+                       input="Tell me a long story about a cat.\n", capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "reply cut at --max-tokens 3 (finish_reason=length)" in r.stderr
+
+
+def test_help_shows_zero_defaults() -> None:
+    """0 and 0.0 equal False, yet they are defaults to show (temperature, min-p)."""
+    r = _cli("generate", "--help", timeout=120)
+    text = " ".join(r.stdout.split())
+    assert "0 = greedy; higher = more random. (default: 0.0)" in text
+    assert "top probability. (default: 0.0)" in text
+
+
 def test_generate_notes_for_an_empty_output(llm) -> None:  # type: ignore[no-untyped-def]
     greedy = SamplingParams(temperature=0, max_tokens=2)
     (full,) = llm.generate(["The capital of France is"], greedy, use_tqdm=False)
