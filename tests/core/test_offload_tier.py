@@ -352,3 +352,44 @@ def test_abort_of_a_waiting_request_after_promotion_leaks_nothing() -> None:
     run(s, runner, [a3])
     assert a3.num_cached_tokens == 28
     assert_nothing_held(s)
+
+
+def test_cache_salt_and_lora_keep_host_entries_apart() -> None:
+    """The host tier is keyed by the pool's keys, which carry the cache salt and the
+    LoRA adapter: the same tokens under another salt or adapter never hit."""
+    from pagedllm.lora.request import LoRARequest
+
+    s = make(num_blocks=12)
+    runner = FakeRunner(BS)
+    prompt = list(range(1, 33))
+    run(s, runner, [req("a", prompt, cache_salt="x")])
+    run(s, runner, [req("b", list(range(500, 540)))])  # a's blocks go to the host
+    other_salt = req("a2", prompt, cache_salt="y")
+    lora = req("a3", prompt, cache_salt="x")
+    lora.lora_request = LoRARequest("ad", 1, "/nonexistent")
+    same = req("a4", prompt, cache_salt="x")
+    for r in (other_salt, lora, same):
+        run(s, runner, [r])
+    assert other_salt.num_cached_tokens == 0 and lora.num_cached_tokens == 0
+    assert same.num_cached_tokens == 28
+    assert_nothing_held(s)
+
+
+def test_metrics_expose_the_tier() -> None:
+    from prometheus_client import generate_latest
+
+    from pagedllm.messages import SchedulerStats
+    from pagedllm.metrics import EngineMetrics
+
+    m = EngineMetrics("m", process_collectors=False)
+    m.record_stats(SchedulerStats(kv_offload_queries=64, kv_offload_hits=48,
+                                  kv_offload_bytes_to_host=4096,
+                                  kv_offload_bytes_to_device=1024, kv_offload_usage=0.25,
+                                  kv_offload_total_blocks=40))
+    text = generate_latest(m.registry).decode()
+    for line in ('vllm:external_prefix_cache_queries_total{engine="0",model_name="m"} 64.0',
+                 'vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 48.0',
+                 'pagedllm:kv_offload_usage_perc{engine="0",model_name="m"} 0.25',
+                 'pagedllm:kv_offload_total_blocks{engine="0",model_name="m"} 40.0'):
+        assert line in text, line
+    assert 'direction="to_host"' in text and "4096.0" in text and "1024.0" in text
