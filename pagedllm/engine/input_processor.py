@@ -120,7 +120,7 @@ class InputProcessor:
         finds the runs already expanded in ``prompt_token_ids``.  ``ValueError`` naming
         ``multi_modal_data`` (text-only model, bad images) or ``limit_mm_per_prompt``.
         A text prompt with images is tokenised by the processor, with special tokens
-        unless the dict says ``"add_special_tokens": False`` (a rendered chat)."""
+        unless the dict says ``"add_special_tokens": False`` (text a template rendered)."""
         data = prompt.get("multi_modal_data") if isinstance(prompt, Mapping) else None
         if data is None:
             return (*self.tokenize(prompt), [])
@@ -150,11 +150,10 @@ class InputProcessor:
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]],
                     chat_template: str | None = None, add_generation_prompt: bool = True,
                     **kwargs: Any) -> PromptType:
-        """One conversation as a prompt for ``process``: its token ids, or with images
-        (OpenAI ``image_url`` data-URL parts, ``image_pil`` parts) the rendered text
-        with the images as ``multi_modal_data`` and ``add_special_tokens: False`` (the
-        template wrote them; the processor expands the image tokens once, in
-        ``process``)."""
+        """One conversation as a prompt for ``process``: ``{"prompt_token_ids": ids}``,
+        and with images (OpenAI ``image_url`` data-URL parts, ``image_pil`` parts) the
+        images as ``multi_modal_data``, their placeholder runs expanded in ``ids`` (the
+        server's chat endpoint reads ``prompt_token_ids`` too)."""
         if not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty list")
         msgs, images = split_chat_images(messages)
@@ -177,8 +176,8 @@ class InputProcessor:
             raise ValueError(f"limit_mm_per_prompt: the conversation has {len(images)} "
                              f"images, more than the limit of {limit} per prompt")
         # The template wrote the special tokens; the processor adds none.
-        return {"prompt": text, "multi_modal_data": {"image": images},
-                "add_special_tokens": False}
+        ids, _ = self.mm.process(text, images, add_special_tokens=False)
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
 
     def _check_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, Sequence) or isinstance(ids, str):
