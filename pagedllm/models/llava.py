@@ -25,6 +25,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.distributed.parallel_state import current_parallel_state
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.models.clip_vision import CLIPVisionModel, vision_activation
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM
@@ -66,6 +67,8 @@ class LlavaForConditionalGeneration(nn.Module):
     def __init__(self, hf_config: Any, backend: AttentionBackend,
                  quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
+        if current_parallel_state().pp.world_size > 1:  # the runner embeds on one stage
+            raise ValueError("pipeline_parallel_size > 1 is not supported for LLaVA")
         self.config = hf_config
         text, vision = hf_config.text_config, hf_config.vision_config
         text_cls = TEXT_MODELS.get(getattr(text, "model_type", ""))

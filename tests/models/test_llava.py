@@ -73,6 +73,19 @@ def test_one_two_and_no_image_equal_transformers(ckpt, llm):
     assert got[2] == got[3] == expected(ckpt, TEXT, [])
 
 
+def test_adjacent_images(ckpt, llm):
+    """Two images with nothing between: one run of placeholders, split per image by the
+    processor's token counts."""
+    prompt = "user : <image> <image> what is this ? </s> assistant :"
+    ims = [image(8), image(9)]
+    _, ids, _, reqs = llm.llm_engine.input_processor.process(
+        "adj", {"prompt": prompt, "multi_modal_data": {"image": ims}}, greedy())
+    f0, f1 = reqs[0].mm_features
+    assert (f0.length, f1.length, f1.offset) == (25, 25, f0.end)
+    assert run(llm, [{"prompt": prompt, "multi_modal_data": {"image": ims}}]) == \
+        [expected(ckpt, prompt, ims)]
+
+
 def test_prompt_token_ids_with_expanded_placeholders(ckpt, llm):
     _, _, processor = ckpt
     im = image(3)
