@@ -141,7 +141,8 @@ def vlm_server(llava_dir: str, media_dir: Path) -> Iterator[ServerProcess]:
             "--limit-mm-per-prompt", '{"image": 2}',
             "--allowed-local-media-path", str(media_dir / "allowed"),
             "--media-fetch-timeout", "1", "--max-image-bytes", str(1 << 20),
-            "--max-image-pixels", str(1 << 20), base_args=["--max-num-seqs", "4"]) as s:
+            "--max-image-pixels", str(1 << 20), "--enable-log-requests",
+            base_args=["--max-num-seqs", "4"]) as s:
         yield s
 
 
@@ -206,6 +207,12 @@ def test_vlm_bad_images_are_400s(vlm_server: ServerProcess, media_dir: Path,
         r = c.post("/v1/chat/completions", json=chat_body(
             image_part(f"file://{media_dir}/allowed/ok.png")))
         assert r.status_code == 200, r.text
+        r = c.post("/v1/chat/completions", json=chat_body(image_part(ok)))
+        assert r.status_code == 200, r.text
+    # Requests are logged (--enable-log-requests), their images never.
+    log = vlm_server.log()
+    assert "Received request" in log
+    assert ok.split(",", 1)[1][:40] not in log and "base64," not in log
 
 
 @needs_vlm

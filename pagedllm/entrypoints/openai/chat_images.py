@@ -245,6 +245,19 @@ def from_args(args: Any, engine_config: Any) -> ChatImages:
                       image_limit(engine_config))
 
 
+def chat_prompt_ids(ip: Any, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+    """The prompt ids of a conversation with images, each image's placeholder run
+    expanded by the model's processor, as offline ``LLM.chat`` makes them
+    (``InputProcessor.chat_prompt``, whether it returns the ids or the rendered text
+    for ``process`` to expand).  Runs on the tokenizer thread."""
+    prompt = ip.chat_prompt(messages, **kwargs)
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    ids, _ = ip.mm.process(prompt["prompt"], prompt["multi_modal_data"]["image"],
+                           add_special_tokens=bool(prompt.get("add_special_tokens", True)))
+    return list(ids)
+
+
 def with_pil_images(messages: list[dict[str, Any]], images: list[Any]
                     ) -> list[dict[str, Any]]:
     """Template messages whose ``{"type": "image"}`` parts carry the loaded images, in

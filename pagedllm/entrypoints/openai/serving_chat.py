@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.async_llm import RequestStream
 from pagedllm.entrypoints.openai.chat_images import (
+    chat_prompt_ids,
     image_refs,
     intake,
     template_messages_with_images,
@@ -110,11 +111,10 @@ class OpenAIServingChat(ServingHandler):
             if body.tools:
                 extra["tools"] = body.tools
             if images:  # as offline LLM.chat: template, then the model's processor
-                ids = (await st.off_loop(
-                    ip.chat_prompt, with_pil_images(messages, images),
+                ids = await st.off_loop(
+                    chat_prompt_ids, ip, with_pil_images(messages, images),
                     chat_template=st.chat_template,
-                    add_generation_prompt=body.add_generation_prompt,
-                    **extra))["prompt_token_ids"]
+                    add_generation_prompt=body.add_generation_prompt, **extra)
             else:
                 ids = await st.off_loop(
                     ip.apply_chat_template, messages, chat_template=st.chat_template,
