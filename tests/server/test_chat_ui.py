@@ -10,6 +10,7 @@ Skipped, with the reason, only where no Chromium is installed (CI installs Debia
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Iterator
 
@@ -76,6 +77,24 @@ def test_chat_streams_the_api_reply(browser, server: ServerProcess) -> None:  # 
     assert "24 tokens generated" in stats and "tok/s" in stats and "prompt " in stats
     assert not page.is_disabled("#send") and page.is_disabled("#stop")
     assert not foreign, f"the page requested other origins: {foreign}"
+    page.close()
+
+
+def test_page_loads_without_404s_and_counts_one_token(browser, server: ServerProcess) -> None:  # type: ignore[no-untyped-def]
+    """No request of the page fails (the favicon is served) and a one-token reply says
+    "1 token", not "1 tokens" (issue 46 item 20)."""
+    page = browser.new_page()
+    failed: list[str] = []
+    page.on("response", lambda r: failed.append(r.url) if r.status >= 400 else None)
+    page.goto(server.url + "/")
+    page.wait_for_function("() => document.querySelector('#model').value !== ''")
+    icon = httpx.get(server.url + "/ui/favicon.svg")
+    assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml"
+    _send(page, "Hi", max_tokens=1, temperature=0)
+    page.wait_for_selector(".msg.assistant[data-finish]", timeout=120_000)
+    stats = page.inner_text("#stats")
+    assert "· 1 token generated" in stats and not re.search(r"\b1 tokens", stats), stats
+    assert not failed, failed
     page.close()
 
 

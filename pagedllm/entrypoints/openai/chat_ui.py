@@ -1,6 +1,6 @@
 """The chat page at ``/`` (``pagedllm serve --no-ui`` turns it off).
 
-Three static files shipped in the package (``static/``; no build step, nothing fetched
+Four static files shipped in the package (``static/``; no build step, nothing fetched
 from elsewhere): the page calls this server's own OpenAI API from the browser.  They are
 a shell without data, so they are public even with ``--api-key``; everything the page
 does goes through the API, which needs the key (the page asks for it).  Served by exact
@@ -22,6 +22,8 @@ _FILES = {
     "/": ("index.html", "text/html; charset=utf-8"),
     "/ui/chat.js": ("chat.js", "text/javascript; charset=utf-8"),
     "/ui/chat.css": ("chat.css", "text/css; charset=utf-8"),
+    # The page names its icon (a browser would otherwise ask for /favicon.ico: a 404).
+    "/ui/favicon.svg": ("favicon.svg", "image/svg+xml"),
 }
 UI_PATHS = frozenset(_FILES)
 _HEADERS = {

@@ -110,10 +110,14 @@ function requestBody() {
   return body;
 }
 
+function tokens(n) {
+  return `${n} ${n === 1 ? "token" : "tokens"}`;
+}
+
 function showStats(s) {
   const parts = [];
-  if (s.prompt !== null) parts.push(`prompt ${s.prompt} tokens`);
-  parts.push(`${s.completion} tokens generated`);
+  if (s.prompt !== null) parts.push(`prompt ${tokens(s.prompt)}`);
+  parts.push(`${tokens(s.completion)} generated`);
   if (s.firstTokenAt !== null) {
     parts.push(`first token ${((s.firstTokenAt - s.start) / 1000).toFixed(2)} s`);
     const seconds = (performance.now() - s.firstTokenAt) / 1000;
