@@ -22,7 +22,16 @@ has its own block tables and slot mapping: ``kv_groups[g]`` is group ``g``'s met
 
 The new token ``i`` of request ``r`` sits at absolute position
 ``seq_lens[r] - query_len[r] + i`` and attends causally to every cached position ``<=``
-its own.
+its own -- or, with ``query_limits`` (a model whose image tokens attend to their whole
+image, ``models/gemma3_mm.py``), to every position ``<= query_limits[t]``::
+
+ positions:     5  6  7  8  9 10          <img> = 6..9 (one image's placeholder run)
+ query_limits:  5  9  9  9  9 10          keys <= 9 for the image's queries
+ (a sliding window still drops keys ``<= position - W``)
+
+A limit is never below the token's position and never past its request's ``seq_len -
+1`` (the keys are written in the same step: the scheduler keeps such runs whole); a
+one-token query's limit is therefore its own position, and decode paths ignore limits.
 """
 
 from __future__ import annotations
@@ -55,6 +64,9 @@ class AttentionMetadata:
     # Hybrid KV cache groups: every group's metadata, this one first (index 0); empty
     # with one group (and in the per-group copies themselves).
     kv_groups: tuple[AttentionMetadata, ...] = ()
+    # [num_tokens] int32 on the device: the last key position each query may see (module
+    # doc); None -- every step of every other model -- is plain causal attention.
+    query_limits: torch.Tensor | None = None
 
     def with_groups(self, tables: list[torch.Tensor], slots: list[torch.Tensor],
                     ) -> AttentionMetadata:
@@ -65,6 +77,13 @@ class AttentionMetadata:
             self.kv_groups = (self, *(dataclasses.replace(self, block_tables=t,
                                                           slot_mapping=s)
                                       for t, s in zip(tables, slots)))
+        return self
+
+    def with_query_limits(self, limits: torch.Tensor | None) -> AttentionMetadata:
+        """Set ``query_limits`` here and on every KV cache group's copy."""
+        self.query_limits = limits
+        for g in self.kv_groups:
+            g.query_limits = limits
         return self
 
     @property

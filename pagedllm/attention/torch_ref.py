@@ -15,6 +15,9 @@ request's keys in position order (position p lives at block ``p // bs``, offset
 (never an additive ``-inf`` row: every valid query sees at least key 0, so no softmax row
 is empty and nothing becomes NaN).
 
+Per-token key limits (``AttentionMetadata.query_limits``, an image run that attends to
+itself) widen the chunks' causal mask to ``key <= limit``; decodes never have one.
+
 Attention kinds (``attention/kinds.py``): a sliding window narrows the boolean mask
 (``key > query - W``; blocks outside the window may be the null block, as masked
 keys are never read into the softmax); a logit
@@ -207,14 +210,17 @@ class TorchReferenceBackend(AttentionBackend):
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             q = query[start:end].transpose(0, 1).unsqueeze(0)
             window = kind.sliding_window
-            if ctx == 0 and (window is None or window >= seq_len):
+            limits = meta.query_limits
+            if ctx == 0 and (window is None or window >= seq_len) and limits is None:
                 o = _attention(q, k, v, None, scale, kind, causal=True, gqa=gqa)
             else:
-                # Query i sits at position ctx + i and sees keys 0..ctx + i (the last W
-                # of them with a sliding window).
+                # Query i sits at position ctx + i and sees keys 0..ctx + i, or up to its
+                # ``query_limits`` (metadata.py); the last W of positions <= ctx + i
+                # and every later one with a sliding window.
                 qpos = torch.arange(ctx, seq_len, device=query.device).unsqueeze(1)
                 kpos = torch.arange(seq_len, device=query.device).unsqueeze(0)
-                mask = kpos <= qpos
+                mask = kpos <= (qpos if limits is None else
+                                limits[start:end].unsqueeze(1).to(qpos.dtype))
                 if window is not None:
                     mask &= kpos > qpos - window
                 o = _attention(q, k, v, mask, scale, kind, gqa=gqa)

@@ -9,6 +9,8 @@ size replays correctly at any context length.  Padding tokens (slot -1, beyond
 ``query_start_loc[num_reqs]``) are skipped by the write and their output rows are left
 unwritten.  A graph runner that pads ``num_reqs`` too may add empty requests (query
 length 0 -- ``query_start_loc`` repeats its last value -- and seq_len 0); they are no-ops.
+``meta.query_limits`` (image runs attending to themselves) reaches the kernel's prompt
+programs; such steps run eager (they carry images).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class TritonAttentionBackend(AttentionBackend):
             num_reqs=meta.num_reqs, max_query_len=meta.max_query_len, scale=scale,
             num_splits=self.force_num_splits, sliding_window=kind.sliding_window,
             soft_cap=kind.logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
+            query_limits=meta.query_limits,
         )
 
     def forward_rope(

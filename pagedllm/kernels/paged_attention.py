@@ -100,28 +100,29 @@ def _tile_blocks(t, kv_end, bt_row, offs_n, BLOCK_SIZE: tl.constexpr, TILE_N: tl
 
 @triton.jit
 def _attn_tile(
-    t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr, v_cache_ptr,
+    t, q, q_pos, q_lim, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr, v_cache_ptr,
     stride_cb, stride_cs, scale_log2, dims, dim_ok, offs_n,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, F32_DOT: tl.constexpr,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     """One KV tile of the online softmax: returns the updated (m, l, acc)."""
     kv_pos, kv_ok, block_id = _tile_blocks(t, kv_end, bt_row, offs_n, BLOCK_SIZE, TILE_N)
-    return _attn_tile_blocks(q, q_pos, m_i, l_i, acc, kv_pos, kv_ok, block_id,
+    return _attn_tile_blocks(q, q_pos, q_lim, m_i, l_i, acc, kv_pos, kv_ok, block_id,
                              kv_head_off, k_cache_ptr, v_cache_ptr, stride_cb, stride_cs,
                              scale_log2, dims, dim_ok, BLOCK_SIZE, F32_DOT, WINDOW, SOFTCAP)
 
 
 @triton.jit
 def _attn_tile_blocks(
-    q, q_pos, m_i, l_i, acc, kv_pos, kv_ok, block_id, kv_head_off, k_cache_ptr,
+    q, q_pos, q_lim, m_i, l_i, acc, kv_pos, kv_ok, block_id, kv_head_off, k_cache_ptr,
     v_cache_ptr, stride_cb, stride_cs, scale_log2, dims, dim_ok,
     BLOCK_SIZE: tl.constexpr, F32_DOT: tl.constexpr,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     """``_attn_tile`` with the tile's block ids already loaded.  ``WINDOW`` > 0: keys
     more than WINDOW - 1 positions behind the query are masked; ``SOFTCAP`` > 0: scores
-    (scaled) become ``SOFTCAP * tanh(score / SOFTCAP)`` (attention/kinds.py)."""
+    (scaled) become ``SOFTCAP * tanh(score / SOFTCAP)`` (attention/kinds.py).  Keys
+    after ``q_lim`` are masked (``q_pos`` itself unless ``query_limits`` are given)."""
     kv_off = block_id * stride_cb + (kv_pos % BLOCK_SIZE).to(tl.int64) * stride_cs
     kv_off += kv_head_off
     # .to(q.dtype): a no-op for a cache in the model dtype, the dequantisation of fp8.
@@ -134,7 +135,7 @@ def _attn_tile_blocks(
         # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits +-1 for large |x|.
         x = s * (1.0 / (1.4426950408889634 * SOFTCAP))
         s = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (SOFTCAP * 1.4426950408889634)
-    visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+    visible = (kv_pos[None, :] <= q_lim[:, None]) & kv_ok[None, :]
     if WINDOW > 0:
         visible = visible & (kv_pos[None, :] > q_pos[:, None] - WINDOW)
     s = tl.where(visible, s, float("-inf"))
@@ -152,7 +153,7 @@ def _attn_tile_blocks(
 def _attn_program(
     tile_idx, kv_head, split,
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
-    block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    block_tables_ptr, seq_lens_ptr, qsl_ptr, limits_ptr,
     scale_log2, num_reqs, num_heads, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt, v_scale,
@@ -161,11 +162,13 @@ def _attn_program(
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
     Q_FILTER: tl.constexpr, DECODE: tl.constexpr, USE_PDL: tl.constexpr,
     LOOP_STAGES: tl.constexpr, KV_FP8: tl.constexpr, WINDOW: tl.constexpr = 0,
-    SOFTCAP: tl.constexpr = 0.0,
+    SOFTCAP: tl.constexpr = 0.0, LIMITS: tl.constexpr = False,
 ):
     """One program: query tile ``tile_idx`` of KV head ``kv_head`` (split ``split``).
     ``LOOP_STAGES`` > 0 pipelines the KV loop that deep (a kernel holding two kinds of
-    programs, ``_mixed_attn_kernel``); 0 takes the kernel's ``num_stages``."""
+    programs, ``_mixed_attn_kernel``); 0 takes the kernel's ``num_stages``.  ``LIMITS``:
+    query token t sees keys up to ``limits_ptr[t]`` (``AttentionMetadata.query_limits``),
+    so the tile's key range reaches its largest limit."""
 
     if DECODE:
         # Decode-only batch: request r's one token is row r (padded empty requests come
@@ -229,6 +232,10 @@ def _attn_program(
 
     # Keys this tile needs: positions [0, kv_end), kv_end = last query position + 1.
     kv_end = ctx_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+    q_lim = q_pos
+    if LIMITS:  # or the largest key limit of the tile (at most seq_len - 1)
+        q_lim = tl.load(limits_ptr + tok, mask=row_ok, other=-1)
+        kv_end = tl.maximum(kv_end, tl.max(q_lim, 0) + 1)
     num_tiles = tl.cdiv(kv_end, TILE_N)
     tile_start = 0
     if WINDOW > 0:  # tiles wholly behind the tile's first query's window are skipped
@@ -264,7 +271,7 @@ def _attn_program(
     if DECODE:  # the first tile, with its prefetched block ids
         if tile_lo < tile_hi:
             m_i, l_i, acc = _attn_tile_blocks(
-                q, q_pos, m_i, l_i, acc, kv_pos0, kv_ok0, block0, kv_head_off,
+                q, q_pos, q_lim, m_i, l_i, acc, kv_pos0, kv_ok0, block0, kv_head_off,
                 k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, qk_scale, dims, dim_ok,
                 BLOCK_SIZE, F32_DOT, WINDOW, SOFTCAP)
         first = tile_lo + 1
@@ -275,20 +282,20 @@ def _attn_program(
         t = first
         while t < tile_hi:
             m_i, l_i, acc = _attn_tile(
-                t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
+                t, q, q_pos, q_lim, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
                 v_cache_ptr, stride_cb, stride_cs, qk_scale, dims, dim_ok, offs_n,
                 BLOCK_SIZE, TILE_N, F32_DOT, WINDOW, SOFTCAP)
             t += 1
     elif LOOP_STAGES > 0:
         for t in tl.range(first, tile_hi, num_stages=LOOP_STAGES):
             m_i, l_i, acc = _attn_tile(
-                t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
+                t, q, q_pos, q_lim, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
                 v_cache_ptr, stride_cb, stride_cs, qk_scale, dims, dim_ok, offs_n,
                 BLOCK_SIZE, TILE_N, F32_DOT, WINDOW, SOFTCAP)
     else:
         for t in range(first, tile_hi):
             m_i, l_i, acc = _attn_tile(
-                t, q, q_pos, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
+                t, q, q_pos, q_lim, m_i, l_i, acc, kv_end, bt_row, kv_head_off, k_cache_ptr,
                 v_cache_ptr, stride_cb, stride_cs, qk_scale, dims, dim_ok, offs_n,
                 BLOCK_SIZE, TILE_N, F32_DOT, WINDOW, SOFTCAP)
 
@@ -312,7 +319,7 @@ def _attn_program(
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_bt"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
-    block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    block_tables_ptr, seq_lens_ptr, qsl_ptr, limits_ptr,
     scale_log2, num_reqs, num_heads, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt, v_scale,
@@ -321,21 +328,23 @@ def _paged_attn_kernel(
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
     Q_FILTER: tl.constexpr, DECODE: tl.constexpr, USE_PDL: tl.constexpr,
     KV_FP8: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+    LIMITS: tl.constexpr = False,
 ):
     pdl_trigger(USE_PDL)
     _attn_program(
         tl.program_id(0), tl.program_id(1), tl.program_id(2),
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
-        block_tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2, num_reqs, num_heads, num_splits,
+        block_tables_ptr, seq_lens_ptr, qsl_ptr, limits_ptr, scale_log2, num_reqs,
+        num_heads, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
         v_scale, GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, SPLIT, F32_DOT,
-        WHILE_LOOP, Q_FILTER, DECODE, USE_PDL, 0, KV_FP8, WINDOW, SOFTCAP)
+        WHILE_LOOP, Q_FILTER, DECODE, USE_PDL, 0, KV_FP8, WINDOW, SOFTCAP, LIMITS)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_pre_tiles", "stride_bt"])
 def _mixed_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    block_tables_ptr, seq_lens_ptr, qsl_ptr, limits_ptr,
     scale_log2, num_reqs, num_heads, num_pre_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt, v_scale,
@@ -347,6 +356,7 @@ def _mixed_attn_kernel(
     D_STAGES: tl.constexpr,
     F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, USE_PDL: tl.constexpr,
     KV_FP8: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+    LIMITS: tl.constexpr = False,
 ):
     """A mixed batch in one launch: prompt-chunk programs (``num_pre_tiles`` query tiles
     x KV heads, the prompt plan's tiles) come first on the 1-D grid, then the decode
@@ -361,17 +371,19 @@ def _mixed_attn_kernel(
         _attn_program(
             pid // NUM_KV_HEADS, pid % NUM_KV_HEADS, 0,
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, out_ptr, out_ptr,
-            block_tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2, num_reqs, num_heads, 1,
+            block_tables_ptr, seq_lens_ptr, qsl_ptr, limits_ptr, scale_log2, num_reqs,
+            num_heads, 1,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
             stride_bt, v_scale, GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, P_BLOCK_M, P_BLOCK_Q,
             P_TILE_N, False, F32_DOT, WHILE_LOOP, 2, False, USE_PDL, P_STAGES, KV_FP8, WINDOW,
-            SOFTCAP)
+            SOFTCAP, LIMITS)
     else:
         d = pid - num_pre
         _attn_program(
             d // NUM_KV_HEADS, d % NUM_KV_HEADS, 0,
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, out_ptr, out_ptr,
-            block_tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2, num_reqs, num_heads, 1,
+            block_tables_ptr, seq_lens_ptr, qsl_ptr, qsl_ptr, scale_log2, num_reqs,
+            num_heads, 1,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
             stride_bt, v_scale, GQA, HEAD_DIM, DIM_P2, BLOCK_SIZE, D_BLOCK_M, D_BLOCK_Q,
             D_TILE_N, False, F32_DOT, WHILE_LOOP, 3, False, USE_PDL, D_STAGES, KV_FP8, WINDOW,
@@ -531,6 +543,7 @@ def paged_attention(
     num_splits: int | None = None, launch: AttentionLaunch | None = None,
     max_seq_len: int | None = None, sliding_window: int | None = None,
     soft_cap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+    query_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a mixed batch; returns ``[num_tokens, num_heads,
     head_dim]`` in ``query``'s dtype (written into ``out`` if given).
@@ -551,8 +564,17 @@ def paged_attention(
         compile-time constants (one variant per distinct value, i.e. at most two per
         model).
       k_scale, v_scale: per-tensor scales of an fp8 ``kv_cache`` (ignored otherwise).
+      query_limits: ``[num_tokens]`` int32, the last key position each query sees
+        (``AttentionMetadata.query_limits``); None = causal.  Read by the prompt-chunk
+        programs only (a one-token query's limit is its position).
     """
-    kind = dict(WINDOW=int(sliding_window or 0), SOFTCAP=float(soft_cap or 0.0))
+    kind: dict[str, float] = dict(WINDOW=int(sliding_window or 0),
+                                  SOFTCAP=float(soft_cap or 0.0))
+    limits = None
+    if query_limits is not None and max_query_len > 1:
+        assert query_limits.dtype == torch.int32 and query_limits.device == query.device
+        kind["LIMITS"] = True
+        limits = query_limits
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -586,7 +608,7 @@ def paged_attention(
                                    beside_decodes=True)
                     for mql in (1, max_query_len))
         _mixed_launch(query, kv_cache, block_tables, seq_lens, query_start_loc,
-                      num_reqs, scale, out, pre, dec, kv, kind)
+                      num_reqs, scale, out, pre, dec, kv, kind, limits)
         return out
     if launch is None:
         launch = plan_attention(
@@ -595,7 +617,7 @@ def paged_attention(
             sm_count=device_sm_count(query.device), num_splits=num_splits,
             max_seq_len=max_seq_len, head_dim=head_dim)
     _launch(query, kv_cache, block_tables, seq_lens, query_start_loc, num_reqs, scale, out,
-            launch, decode=max_query_len <= 1, kind=kind, kv=kv)
+            launch, decode=max_query_len <= 1, kind=kind, kv=kv, limits=limits)
     return out
 
 
@@ -612,7 +634,8 @@ def _mixed_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int,
                   scale: float, out: torch.Tensor, pre: AttentionLaunch,
                   dec: AttentionLaunch, kv: _KVScales,
-                  kind: dict[str, float] | None = None) -> None:
+                  kind: dict[str, float] | None = None,
+                  limits: torch.Tensor | None = None) -> None:
     """A mixed batch's one launch: prompt programs with plan ``pre``, then decode
     programs with plan ``dec`` (neither splits).  The prompt part has the upper-bound
     count of query tiles ``num_tokens // block_q + num_reqs``, the decode part one
@@ -626,6 +649,7 @@ def _mixed_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     dec_tiles = num_reqs
     _mixed_attn_kernel[((pre_tiles + dec_tiles) * num_kv_heads,)](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        query_start_loc if limits is None else limits,
         scale * kv.k_scale * _LOG2E, num_reqs, num_heads, pre_tiles,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -645,7 +669,7 @@ def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int,
             scale: float, out: torch.Tensor, launch: AttentionLaunch,
             decode: bool = False, kind: dict[str, float] | None = None,
-            kv: _KVScales = _KVScales()) -> None:
+            kv: _KVScales = _KVScales(), limits: torch.Tensor | None = None) -> None:
     """One launch of the kernel (plus the split merge) with plan ``launch`` over every
     request.  ``decode``: every request has one new token (row r is request r's; empty
     padded requests last), so programs map to requests directly."""
@@ -672,8 +696,10 @@ def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
     )
     # num_splits is a runtime argument (only "split or not" is compiled in), so batch
     # sizes that pick different split counts share one compiled kernel.
-    args = (block_tables, seq_lens, query_start_loc, scale * kv.k_scale * _LOG2E, num_reqs,
-            num_heads, splits, query.stride(0), query.stride(1))
+    args = (block_tables, seq_lens, query_start_loc,
+            query_start_loc if limits is None else limits,  # unread without LIMITS
+            scale * kv.k_scale * _LOG2E, num_reqs, num_heads, splits, query.stride(0),
+            query.stride(1))
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      block_tables.stride(0), kv.v_scale)
     if splits == 1:

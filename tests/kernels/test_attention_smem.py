@@ -71,7 +71,8 @@ _SCRIPT = textwrap.dedent(_BUILD + """
         sig = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
                "out_ptr": acc, "m_ptr": "*fp32" if split else "*bf16",
                "l_ptr": "*fp32" if split else "*bf16", "block_tables_ptr": "*i32",
-               "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "scale_log2": "fp32"}
+               "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "limits_ptr": "*i32",
+               "scale_log2": "fp32"}
         for k in ("num_reqs", "num_heads", "num_splits", "stride_qt", "stride_qh",
                   "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch",
                   "stride_bt"):
@@ -123,7 +124,7 @@ _MIXED_SCRIPT = textwrap.dedent(_BUILD + """
         cache = "*fp8e4nv" if fp8 else "*bf16"
         sig = {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache,
                "out_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-               "qsl_ptr": "*i32", "scale_log2": "fp32"}
+               "qsl_ptr": "*i32", "limits_ptr": "*i32", "scale_log2": "fp32"}
         for k in ("num_reqs", "num_heads", "num_pre_tiles", "stride_qt", "stride_qh",
                   "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch",
                   "stride_bt"):
