@@ -12,6 +12,8 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
+from tests.e2e.test_hybrid_kv_greedy import BLOCK_BYTES as BLOCK_BYTES_HYBRID
+from tests.e2e.test_hybrid_kv_greedy import GREEDY, _llm, _prompts, model  # noqa: F401
 
 BLOCK_BYTES = 16 * 46080  # SmolLM2-135M, fp32: 30 layers x 2 x 3 heads x 64 x 4 B
 NEW = 4
@@ -130,3 +132,21 @@ def test_cli_flag_and_vllm_alias_set_bytes() -> None:
         add_engine_args(p)
         args = p.parse_args(["--model", "m", flag, "0.5"])
         assert engine_args_from_cli(args).kv_offload_bytes == 1 << 29
+
+
+def test_hybrid_groups_with_the_tier_equal_transformers(model) -> None:  # noqa: F811
+    """A tiny Gemma 3 (three sliding groups and one full, sharing one KV tensor; see
+    ``test_hybrid_kv_greedy.py``) with a 24-block device pool: after other prompts push
+    the first ones out, they come back from the host and still equal transformers."""
+    path, ref = model
+    llm = _llm(path, 24, 1, kv_offload_bytes=256 * BLOCK_BYTES_HYBRID)
+    sched = llm.llm_engine.client.core.scheduler
+    assert sched.offload is not None and sched.offload.num_host_blocks == 256
+    g = torch.Generator().manual_seed(5)
+    others = [torch.randint(0, 300, (60,), generator=g).tolist() for _ in range(4)]
+    for prompts in (_prompts(), others, _prompts()):
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert sched.offload.total_hit_blocks > 0 and sum(o.num_cached_tokens for o in outs) > 0
+    sched.offload.check_invariants()
+    assert sched.kv.num_free_blocks == sched.kv.num_usable_blocks
