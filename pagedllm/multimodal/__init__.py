@@ -14,6 +14,6 @@ end that makes it.
                    and decoded under byte, pixel and time bounds (the server's chat
                    endpoints)
 
-Torch-free (layer 1, below ``messages.py``): the processor returns numpy arrays; the worker turns ``TensorData`` into
-tensors (``worker/encoder_cache.py``).
+Torch-free (layer 1, below ``messages.py``): the processor returns numpy arrays; the
+worker turns ``TensorData`` into tensors (``worker/encoder_cache.py``).
 """
