@@ -23,6 +23,9 @@ Contract:
     width x height at most ``max_image_pixels`` (checked from the header, before any
     pixel is decoded: a decompression bomb costs nothing); truncated or corrupt data
     refused; the result converted to RGB (transparency composited over white, as vLLM).
+  - per request (``PixelBudget``): all its images together at most
+    ``max_request_pixels``, also checked from each header before decoding (a 16 MiB
+    body of small PNG bombs just under the per-image cap would decode to tens of GB).
 
 * Nothing blocks the event loop: fetching is ``aiohttp`` (a dependency already),
   reading files and decoding run on the loader's own small thread pool.
@@ -37,6 +40,7 @@ import io
 import os
 import re
 import struct  # some Pillow decoders raise struct.error on short headers
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,6 +56,7 @@ IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 DEFAULT_FETCH_TIMEOUT_S = 5.0  # vLLM's VLLM_IMAGE_FETCH_TIMEOUT default
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024  # OpenAI's per-image limit
 DEFAULT_MAX_IMAGE_PIXELS = 32 * 1024 * 1024  # 33.5 MP: 96 MiB as RGB
+DEFAULT_MAX_REQUEST_PIXELS = 64 * 1024 * 1024  # all of one request's images: 192 MiB
 DEFAULT_MAX_REDIRECTS = 3
 _DATA_URL = re.compile(r"data:(?P<type>[^;,]*)(?P<params>(;[^;,]*)*),", re.ASCII)
 _CHUNK = 64 * 1024
@@ -75,6 +80,7 @@ class MediaConfig:
     fetch_timeout: float = DEFAULT_FETCH_TIMEOUT_S
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS
     max_redirects: int = DEFAULT_MAX_REDIRECTS
 
     def __post_init__(self) -> None:
@@ -84,6 +90,9 @@ class MediaConfig:
             raise ValueError(f"--max-image-bytes must be >= 1, got {self.max_image_bytes}")
         if self.max_image_pixels < 1:
             raise ValueError(f"--max-image-pixels must be >= 1, got {self.max_image_pixels}")
+        if self.max_request_pixels < 1:
+            raise ValueError(f"--max-image-pixels-per-request must be >= 1, got "
+                             f"{self.max_request_pixels}")
         if self.max_redirects < 0:
             raise ValueError(f"max_redirects must be >= 0, got {self.max_redirects}")
         path = self.allowed_local_media_path
@@ -97,11 +106,31 @@ class MediaConfig:
                 d.lower().rstrip(".") for d in self.allowed_media_domains))
 
 
-def decode_image(data: bytes, param: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
-                 ) -> Image.Image:
+class PixelBudget:
+    """The pixels one request's images may decode to in all (thread-safe: the decode
+    threads draw on it)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, pixels: int, param: str) -> None:
+        """Reserve ``pixels``; ``MediaError`` naming ``param`` past the limit."""
+        with self._lock:
+            if self.used + pixels > self.limit:
+                raise MediaError(f"the request's images hold more than the {self.limit} "
+                                 "pixels allowed in all (--max-image-pixels-per-request)",
+                                 param)
+            self.used += pixels
+
+
+def decode_image(data: bytes, param: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                 budget: PixelBudget | None = None) -> Image.Image:
     """``data`` decoded into an RGB image (the first frame of an animation);
     ``MediaError`` naming ``param`` for an unsupported format, a size over
-    ``max_pixels`` or data Pillow cannot decode in full.  Synchronous, CPU-bound."""
+    ``max_pixels`` (or over what is left of ``budget``) or data Pillow cannot decode
+    in full.  Synchronous, CPU-bound."""
     try:
         with warnings.catch_warnings():
             # Our own pixel cap applies; Pillow's process-wide one only warns below 2x.
@@ -113,6 +142,8 @@ def decode_image(data: bytes, param: str, max_pixels: int = DEFAULT_MAX_IMAGE_PI
                                  f"{max_pixels} allowed (--max-image-pixels)", param)
             if w < 1 or h < 1:
                 raise MediaError(f"the image has no pixels ({w}x{h})", param)
+            if budget is not None:
+                budget.take(w * h, param)
             img.verify()  # checksums and structure, where the format has them
             img = Image.open(io.BytesIO(data), formats=list(IMAGE_FORMATS))
             img.seek(0)
@@ -185,12 +216,18 @@ class MediaLoader:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def load_image(self, url: object, param: str) -> Image.Image:
-        """The RGB image ``url`` names (``MediaError`` naming ``param``)."""
+    def request_budget(self) -> PixelBudget:
+        """A fresh ``PixelBudget`` for one request's images."""
+        return PixelBudget(self.config.max_request_pixels)
+
+    async def load_image(self, url: object, param: str,
+                         budget: PixelBudget | None = None) -> Image.Image:
+        """The RGB image ``url`` names (``MediaError`` naming ``param``), drawing its
+        pixels from ``budget`` (one per request) when given."""
         data = await self.load_bytes(url, param)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, decode_image, data, param,
-                                          self.config.max_image_pixels)
+                                          self.config.max_image_pixels, budget)
 
     async def load_bytes(self, url: object, param: str) -> bytes:
         """The raw bytes ``url`` names, within the byte cap (not yet decoded)."""

@@ -231,3 +231,19 @@ def test_config_checks_flags(tmp_path: Path) -> None:
         MediaConfig(fetch_timeout=0)
     with pytest.raises(ValueError, match="--max-image-pixels"):
         MediaConfig(max_image_pixels=0)
+
+
+def test_request_pixel_budget() -> None:
+    cfg = MediaConfig(max_image_pixels=1000, max_request_pixels=2500)
+    ld = MediaLoader(cfg)
+    try:
+        budget = ld.request_budget()
+        url = data_url(image_bytes("PNG", (30, 30)))  # 900 pixels each
+        for _ in range(2):
+            asyncio.run(ld.load_image(url, F, budget))
+        with pytest.raises(MediaError, match="--max-image-pixels-per-request") as ei:
+            asyncio.run(ld.load_image(url, F, budget))
+        assert ei.value.param == F and budget.used == 1800
+        asyncio.run(ld.load_image(url, F, ld.request_budget()))  # a new request: fresh
+    finally:
+        ld.close()

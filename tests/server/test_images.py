@@ -141,7 +141,8 @@ def vlm_server(llava_dir: str, media_dir: Path) -> Iterator[ServerProcess]:
             "--limit-mm-per-prompt", '{"image": 2}',
             "--allowed-local-media-path", str(media_dir / "allowed"),
             "--media-fetch-timeout", "1", "--max-image-bytes", str(1 << 20),
-            "--max-image-pixels", str(1 << 20), "--enable-log-requests",
+            "--max-image-pixels", str(1 << 20),
+            "--max-image-pixels-per-request", str(1_500_000), "--enable-log-requests",
             base_args=["--max-num-seqs", "4"]) as s:
         yield s
 
@@ -194,6 +195,13 @@ def test_vlm_bad_images_are_400s(vlm_server: ServerProcess, media_dir: Path,
     with vlm_server.client(timeout=60) as c:
         for body, param, words in cases:
             assert_400(c.post("/v1/chat/completions", json=body), param, words)
+        # Two images under the per-image cap, over the per-request one together.
+        big = io.BytesIO()
+        Image.new("L", (1000, 1000)).save(big, "PNG")
+        r = c.post("/v1/chat/completions", json=chat_body(
+            image_part(data_url(big.getvalue())), image_part(data_url(big.getvalue()))))
+        assert r.status_code == 400 and "--max-image-pixels-per-request" in r.text, r.text
+        assert r.json()["error"]["param"] in (f, "messages.0.content.2.image_url.url")
         r = c.post("/v1/messages", json={"max_tokens": 4, "messages": [{
             "role": "user", "content": [{"type": "image", "source": {
                 "type": "base64", "media_type": "image/png", "data": "bm9wZQ=="}}]}]})

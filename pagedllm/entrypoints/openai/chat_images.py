@@ -141,10 +141,11 @@ class ChatImages:
         """The images of ``refs``, loaded ``MAX_CONCURRENT_LOADS`` at a time (400
         naming the first bad one's field; the others are cancelled)."""
         gate = asyncio.Semaphore(MAX_CONCURRENT_LOADS)
+        budget = self.loader.request_budget()  # all the request's pixels, bounded
 
         async def one(r: ImageRef) -> Any:
             async with gate:
-                return await self.loader.load_image(r.url, r.url_field)
+                return await self.loader.load_image(r.url, r.url_field, budget)
 
         tasks = [asyncio.ensure_future(one(r)) for r in refs]
         try:
@@ -240,7 +241,9 @@ def from_args(args: Any, engine_config: Any) -> ChatImages:
         fetch_timeout=getattr(args, "media_fetch_timeout", None) or MediaConfig.fetch_timeout,
         max_image_bytes=getattr(args, "max_image_bytes", None) or MediaConfig.max_image_bytes,
         max_image_pixels=getattr(args, "max_image_pixels", None)
-        or MediaConfig.max_image_pixels)
+        or MediaConfig.max_image_pixels,
+        max_request_pixels=getattr(args, "max_image_pixels_per_request", None)
+        or MediaConfig.max_request_pixels)
     return ChatImages(MediaLoader(cfg), model_takes_images(engine_config),
                       image_limit(engine_config))
 

@@ -195,6 +195,10 @@ def add_image_server_args(g: Any) -> None:
                    default=media.DEFAULT_MAX_IMAGE_PIXELS,
                    help="Largest image in pixels (width x height), read from its header "
                         "before decoding (decompression bombs). Default 33554432.")
+    g.add_argument("--max-image-pixels-per-request", type=_positive_int,
+                   default=media.DEFAULT_MAX_REQUEST_PIXELS,
+                   help="Most pixels all of one request's images may hold together "
+                        "(checked from each header before decoding). Default 67108864.")
 
 
 def add_lora_server_args(g: Any) -> None:
