@@ -288,32 +288,36 @@ class MediaLoader:
     async def _fetch(self, url: str, param: str) -> bytes:
         import aiohttp
 
-        cfg = self.config
-        timeout = cfg.fetch_timeout
-        try:
-            async with asyncio.timeout(timeout):
-                async with aiohttp.ClientSession(
-                        timeout=aiohttp.ClientTimeout(total=timeout),
-                        trust_env=False) as session:
-                    for _ in range(cfg.max_redirects + 1):
-                        self._check_host(url, param)
-                        async with session.get(url, allow_redirects=False) as resp:
-                            if resp.status in (301, 302, 303, 307, 308) \
-                                    and "Location" in resp.headers:
-                                url = urljoin(url, resp.headers["Location"])
-                                continue
-                            if resp.status != 200:
-                                raise MediaError(f"fetching the image URL answered HTTP "
-                                                 f"{resp.status}", param)
-                            return await self._read_body(resp, param)
-                    raise MediaError(f"the image URL redirected more than "
-                                     f"{cfg.max_redirects} times", param)
-        except TimeoutError:
+        timeout = self.config.fetch_timeout
+        try:  # the whole fetch, redirects and body included, within the timeout
+            return await asyncio.wait_for(self._get(url, param), timeout)
+        except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11 on)
             raise MediaError(f"fetching the image URL took longer than {timeout:g} s "
                              "(--media-fetch-timeout)", param) from None
         except aiohttp.ClientError as e:
             raise MediaError(f"fetching the image URL failed ({type(e).__name__})",
                              param) from None
+
+    async def _get(self, url: str, param: str) -> bytes:
+        import aiohttp
+
+        cfg = self.config
+        async with aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=cfg.fetch_timeout),
+                trust_env=False) as session:
+            for _ in range(cfg.max_redirects + 1):
+                self._check_host(url, param)
+                async with session.get(url, allow_redirects=False) as resp:
+                    if resp.status in (301, 302, 303, 307, 308) \
+                            and "Location" in resp.headers:
+                        url = urljoin(url, resp.headers["Location"])
+                        continue
+                    if resp.status != 200:
+                        raise MediaError(f"fetching the image URL answered HTTP "
+                                         f"{resp.status}", param)
+                    return await self._read_body(resp, param)
+        raise MediaError(f"the image URL redirected more than {cfg.max_redirects} times",
+                         param)
 
     async def _read_body(self, resp: object, param: str) -> bytes:
         cap = self.config.max_image_bytes
