@@ -37,7 +37,9 @@ loads, copy-on-write copies -- all before the step's forward writes any KV):
 The copies are synchronous with the step (ordered before its forward on the compute
 stream); a fully overlapped load on a copy stream, a step ahead, is not done yet.
 Hybrid KV cache groups work unchanged: a pool key carries its group, and a block id is
-one page in every shared KV tensor, which the runner copies whole.
+one page in every shared KV tensor, which the runner copies whole.  A sliding-window
+group promotes every host-held block of the walk, also those before the window of the
+hit that follows (correct, but bytes it need not move).
 """
 
 from __future__ import annotations
