@@ -55,8 +55,18 @@ def _block(caches: list[torch.Tensor], i: int) -> torch.Tensor:
     return torch.stack([kv[:, i] for kv in caches])
 
 
-def test_tier_equals_caching_off_hits_and_round_trips_bitwise() -> None:
-    ref, _ = turns(tiny(enable_prefix_caching=False))
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    """The conversations' greedy answers with prefix caching off."""
+    llm = tiny(enable_prefix_caching=False)
+    try:
+        return turns(llm)[0]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_tier_equals_caching_off_hits_and_round_trips_bitwise(reference) -> None:
+    ref = reference
     dev_out, dev_cached = turns(tiny())
     llm = tiny(kv_offload_bytes=32 * BLOCK_BYTES)
     core = _core(llm)
@@ -92,6 +102,17 @@ def test_tier_equals_caching_off_hits_and_round_trips_bitwise() -> None:
     tier.check_invariants()
     pool = sched.kv.pool
     assert pool.num_free_blocks == pool.num_usable_blocks
+
+
+def test_worker_process_applies_the_tier_copies(reference) -> None:
+    """The multiprocess executor (one rank in its own process): the step's offload and
+    load lists travel to the worker with the rest of ``SchedulerOutput``."""
+    llm = tiny(kv_offload_bytes=32 * BLOCK_BYTES, distributed_executor_backend="mp")
+    try:
+        outs, cached = turns(llm)
+    finally:
+        llm.llm_engine.shutdown()
+    assert outs == reference and cached[3] >= 48
 
 
 def test_fp8_kv_cache_with_the_tier_equals_caching_off() -> None:
