@@ -84,10 +84,10 @@ ARCHITECTURES: dict[str, ArchitectureInfo] = {
                                         "full or sliding window"),
     "DeepseekV2ForCausalLM": ArchitectureInfo(
         DeepseekV2ForCausalLM, "DeepSeek-V2, V2-Lite", _MLA, moe=True,
-        quantization=_MLA_QUANT, tensor_parallel=False, cuda_graphs=False),
+        quantization=_MLA_QUANT, cuda_graphs=False),
     "DeepseekV3ForCausalLM": ArchitectureInfo(
         DeepseekV3ForCausalLM, "DeepSeek-V3, R1, Kimi-K2, Moonlight", _MLA, moe=True,
-        quantization=_MLA_QUANT, tensor_parallel=False, cuda_graphs=False),
+        quantization=_MLA_QUANT, cuda_graphs=False),
     "Gemma2ForCausalLM": ArchitectureInfo(Gemma2ForCausalLM, "Gemma 2",
                                           "sliding/global alternating, logit soft-cap"),
     "Gemma3ForCausalLM": ArchitectureInfo(Gemma3ForCausalLM, "Gemma 3 (text)",

@@ -72,3 +72,21 @@ def test_greedy_batched_chunked_preempted_prefix_cached(name: str, preemption: s
         assert [c.token_ids for c in both[0].outputs] == [ref[0], ref[0]]
     pool = sched.kv.pool
     assert pool.num_free_blocks == pool.num_usable_blocks
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_greedy_tensor_and_pipeline_parallel(tp: int, pp: int, tmp_path) -> None:
+    """Two CPU ranks (gloo): heads split over TP ranks (each keeps the whole latent
+    cache), or layers over PP stages; V3 with its MoE layer."""
+    hf = build("v3", str(tmp_path))
+    prompts = _prompts()[:2]
+    ref = _hf_greedy(hf, prompts)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, device="cpu", dtype="float32",
+              tensor_parallel_size=tp, pipeline_parallel_size=pp, max_model_len=128,
+              kv_cache_memory_bytes=1 << 22, max_num_batched_tokens=32)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW,
+                                                    ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+    finally:
+        llm.llm_engine.shutdown()
