@@ -30,9 +30,10 @@ from pagedllm.structured_output.limits import check_limits
 from pagedllm.structured_outputs_params import StructuredOutputsParams
 
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
-# Longest run of optional whitespace a JSON-schema grammar allows (room for indentation;
-# vLLM leaves it unbounded).  The bound costs xgrammar 25-45 us a row per mask where
-# whitespace may come next, against ~2 us unbounded (docs/benchmarks.md).
+# Most spaces or tabs a JSON grammar allows at one position, after at most one line
+# break (room for indentation; vLLM leaves whitespace unbounded).  The bound costs
+# xgrammar 25-45 us a row per mask where whitespace may come next, against ~2 us
+# unbounded (docs/benchmarks.md).
 MAX_WHITESPACE = 16
 
 
@@ -58,18 +59,33 @@ def _schema_text(schema: str | dict[str, Any]) -> str:
     return schema
 
 
+# xgrammar's optional-whitespace runs in a JSON grammar (``whitespace_7{0, 16}``), and
+# what each becomes: spaces, or one line break and an indentation -- never a second
+# blank line.  A small model given free whitespace spends its tokens on it (SmolLM2:
+# 72 newlines in 100 tokens, issue 46 item 17; docs/server.md has the measurement).
+_WS_RUN = re.compile(r"\bwhitespace(?:_\d+)?\{0, ?\d+\}")
+_WS_RULE = (f'\nws_pos ::= ([ \\t]{{0,{MAX_WHITESPACE}}}) | '
+            f'([ \\t]{{0,2}} "\\r"? "\\n" [ \\t]{{0,{MAX_WHITESPACE}}})\n')
+
+
+def _json_grammar(schema: str, p: StructuredOutputsParams, strict: bool) -> xgr.Grammar:
+    """``schema`` as a grammar; with optional whitespace at most one line break (plus
+    indentation) per position, without any when ``disable_any_whitespace``."""
+    if p.disable_any_whitespace:
+        return xgr.Grammar.from_json_schema(schema, any_whitespace=False,
+                                            strict_mode=strict)
+    g = xgr.Grammar.from_json_schema(schema, any_whitespace=True, strict_mode=strict,
+                                     max_whitespace_cnt=MAX_WHITESPACE)
+    return xgr.Grammar.from_ebnf(_WS_RUN.sub("ws_pos", str(g)) + _WS_RULE)
+
+
 def _grammar(p: StructuredOutputsParams) -> xgr.Grammar:
     kind = p.kind
     if kind == "json":
         assert p.json is not None
-        # Whitespace runs are bounded: a small model given free whitespace can spend
-        # its whole budget on newlines (seen with SmolLM2 on an array schema).
-        return xgr.Grammar.from_json_schema(
-            _schema_text(p.json), any_whitespace=not p.disable_any_whitespace,
-            strict_mode=True,
-            max_whitespace_cnt=None if p.disable_any_whitespace else MAX_WHITESPACE)
-    if kind == "json_object":
-        return xgr.Grammar.builtin_json_grammar()
+        return _json_grammar(_schema_text(p.json), p, strict=True)
+    if kind == "json_object":  # any object (not strict: any properties, any values)
+        return _json_grammar('{"type": "object"}', p, strict=False)
     if kind == "regex":
         assert p.regex is not None
         return xgr.Grammar.from_regex(p.regex)
