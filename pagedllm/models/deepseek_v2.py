@@ -8,10 +8,9 @@ layer with multi-head latent attention (``layers/mla.py``) and, from layer
                -> norm -> lm_head
 ```
 
-The rotary table is over ``qk_rope_head_dim`` features (transformers sets the config's
-``head_dim`` to it), with YaRN's attention factor; the MLA layer adds DeepSeek's
-``mscale_all_dim`` correction to the softmax scale.  The KV cache holds one
-``kv_lora_rank + qk_rope_head_dim`` entry per token and layer
+The rotary table is over ``qk_rope_head_dim`` features, with YaRN's attention factor;
+the MLA layer adds DeepSeek's ``mscale_all_dim`` correction to the softmax scale.  The KV
+cache holds one ``kv_lora_rank + qk_rope_head_dim`` entry per token and layer
 (``ModelConfig.kv_entries_per_token`` = 1).
 """
 
@@ -25,6 +24,7 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.mla_torch import MLATorchBackend
 from pagedllm.layers.mla import MultiHeadLatentAttention
 from pagedllm.layers.quantization.base import QuantizationConfig
+from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP
 
 
@@ -69,6 +69,12 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         # attribute does not need the module's registries yet).
         self.mla_backend = MLATorchBackend()
         super().__init__(hf_config, backend, quant_config)
+        # The rotary table covers qk_rope_head_dim features.  transformers 5.x sets the
+        # config's head_dim to it, but a remote-code config.json (released checkpoints,
+        # older transformers) has none, and Llama's default would be hidden / heads.
+        self.model.rotary_emb = RotaryEmbedding(int(hf_config.qk_rope_head_dim),
+                                                int(hf_config.max_position_embeddings),
+                                                rope_parameters(hf_config))
 
     @staticmethod
     def check_config(config: Any) -> None:

@@ -132,3 +132,19 @@ def test_triton_decode_kernel_in_the_model(pair) -> None:
     finally:
         ours.mla_backend.kernel_on_cpu = False
     torch.testing.assert_close(torch.cat(parts), hf_logits_of(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_rope_table_ignores_a_foreign_head_dim(pair) -> None:
+    """Released (remote-code) configs carry no ``head_dim``; the rotary table is sized
+    from ``qk_rope_head_dim`` whatever the config's ``head_dim`` says."""
+    import copy
+
+    ours, hf, _ = pair
+    cfg = copy.deepcopy(ours.config)
+    cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads  # 16, not the rope dim 8
+    other = type(ours)(cfg, TorchReferenceBackend()).eval()
+    other.load_state_dict(ours.state_dict())
+    assert other.model.rotary_emb.rotary_dim == cfg.qk_rope_head_dim
+    ids = _prompt(30, seed=8)
+    got = session_for((other, hf, pair[2])).step({0: ids})[0]
+    torch.testing.assert_close(got, hf_logits_of(hf, ids), atol=ATOL, rtol=0)
