@@ -150,6 +150,9 @@ class SchedulerConfig:
     max_loras: int = 0
     # Images: encoder input tokens per step (vLLM's name; 0: max_num_batched_tokens).
     max_num_encoder_input_tokens: int = 0
+    # A model whose image tokens attend to their whole placeholder run (Gemma 3): no
+    # chunk ends inside a run (core/encoder_budget.py); set from the model class.
+    whole_placeholder_runs: bool = False
 
 
 @dataclass(frozen=True)

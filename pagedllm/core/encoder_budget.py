@@ -15,6 +15,21 @@ encoded nothing else -- so every request makes progress; chunked prefill then sp
 its placeholder run across steps, and the later chunks read the cached encoder output.
 A preempted or finished request forgets what it encoded (the runner drops its
 references then), so a recomputed request encodes again (or hits another's cache).
+
+**Whole runs** (``whole_runs``: a model whose image tokens attend to their whole run,
+``models/gemma3_mm.py``, ``SchedulerConfig.whole_placeholder_runs``): a chunk never ends
+inside a placeholder run, since a query of the run reads keys up to the run's end and
+those must be written in the step it runs.  A chunk that would is cut at the run's start
+(or, starting inside the run -- a prefix-cache hit ending mid-run -- gets nothing until
+a step has budget for the rest of the run)::
+
+  budget 16:   [ t t t t | <img: 20 tokens> | t ]   ->  this step: the 4 text tokens;
+                                                         the next: the image whole (20)
+
+The engine refuses ``max_num_batched_tokens`` below such a model's run length, so every
+run fits some step.  A prefix hit that ends inside a run is correct: a block's hash
+covers the image's identifier, so it is reused only with the same image at the same
+place, and its keys were computed with the whole run, as this request's would be.
 """
 
 from __future__ import annotations
@@ -28,8 +43,9 @@ class EncoderBudget:
     granted), then ``take`` for the output.  ``forget`` when a request is preempted,
     finished or aborted."""
 
-    def __init__(self, max_tokens_per_step: int) -> None:
+    def __init__(self, max_tokens_per_step: int, whole_runs: bool = False) -> None:
         self.max_tokens = max_tokens_per_step
+        self.whole_runs = whole_runs  # never end a chunk inside a run (module doc)
         self.left = max_tokens_per_step
         # req_id -> indices of its features encoded since it was (re)admitted.
         self.encoded: dict[str, set[int]] = {}
@@ -43,14 +59,18 @@ class EncoderBudget:
     def fit(self, req: Request, start: int, n: int) -> int:
         """How many of the ``n`` tokens from position ``start`` on the request may
         compute this step: ``n``, or less when an image the chunk starts does not fit
-        the budget left (then cut at that image's start; 0: not this step).  Records
-        nothing: ``commit`` does, once the grant is final."""
+        the budget left, or with ``whole_runs`` when the chunk would end inside a run
+        (then cut at that image's start; 0: not this step).  Records nothing: ``commit``
+        does, once the grant is final."""
         feats = req.mm_features
         if not feats or n <= 0:
             return n
         done = self.encoded.get(req.request_id, ())
         need = 0
-        for i, f in overlapping(feats, start, start + n):
+        end = start + n
+        for i, f in overlapping(feats, start, end):
+            if self.whole_runs and f.end > end:
+                return max(0, f.offset - start)
             if i in done:
                 continue
             # Alone in an untouched budget, any image fits (progress).

@@ -173,7 +173,8 @@ class Scheduler:
         # Images: when each is encoded, under the encoder budget (core/encoder_budget.py).
         self.encoder = EncoderBudget(
             getattr(scheduler_config, "max_num_encoder_input_tokens", 0)
-            or scheduler_config.max_num_batched_tokens)
+            or scheduler_config.max_num_batched_tokens,
+            getattr(scheduler_config, "whole_placeholder_runs", False))
         # Beam search: groups of beams that advance together (hooks below).
         self.beams = BeamSearchCoordinator(self.requests, self._fork, self._drop,
                                            self._release_reserved)

@@ -54,6 +54,23 @@ def _positive_int(name: str, value: object, minimum: int = 1) -> int:
 DUMMY_INITS = ("uniform", "normal")
 
 
+def _whole_placeholder_runs(hf_config: Any, max_batched: int) -> bool:
+    """Whether the vision-language model keeps each image's placeholder run in one step
+    (its image tokens attend to the whole run: ``models/gemma3_mm.py``); ``ValueError``
+    naming ``max_num_batched_tokens`` when a run cannot fit one step."""
+    from pagedllm.models.registry import get_model_class
+
+    cls = get_model_class(hf_config)
+    if not getattr(cls, "whole_placeholder_runs", False):
+        return False
+    run = int(cls.max_placeholder_run(hf_config))  # type: ignore[attr-defined]
+    if run > max_batched:
+        raise ValueError(f"max_num_batched_tokens ({max_batched}) is below this model's "
+                         f"image placeholder run ({run} tokens), which must compute in "
+                         "one step")
+    return True
+
+
 def _dummy_init(extra: Any) -> str:
     """``model_loader_extra_config`` -> the dummy-weight distribution (ValueError naming
     the parameter for anything else)."""
@@ -264,6 +281,8 @@ class EngineArgs:
         # default is larger (vLLM picks 8192-16384 on this class of GPU); on the CPU a
         # smaller budget keeps decodes flowing while long prompts are chunked.
         max_batched = self.max_num_batched_tokens or (8192 if device == "cuda" else 2048)
+        whole_runs = _whole_placeholder_runs(hf_config, max_batched) \
+            if mm_config is not None else False
         model_config = ModelConfig(
             resolved=resolved, hf_config=hf_config, dtype=dtype,
             max_model_len=max_model_len, load_format=resolved.load_format, seed=self.seed,
@@ -313,7 +332,7 @@ class EngineArgs:
                     else bool(self.async_scheduling)),
                 max_loras=lora.max_loras if lora else 0,
                 max_num_encoder_input_tokens=self.max_num_encoder_input_tokens or 0,
-                speculative_config=spec),
+                whole_placeholder_runs=whole_runs, speculative_config=spec),
             device_config=DeviceConfig(
                 device=device, enforce_eager=self.enforce_eager, num_threads=self.num_threads,
                 max_cudagraph_capture_size=_positive_int(

@@ -123,13 +123,20 @@ class GemmaModel(nn.Module):
             for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The ids' scaled embeddings (transformers' ``Gemma3TextScaledWordEmbedding``:
+        times the normaliser cast to the activation dtype)."""
+        hidden = self.embed_tokens(input_ids)
+        return hidden * torch.tensor(self.normalizer, dtype=hidden.dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, last_only: bool = False,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                inputs_embeds: torch.Tensor | None = None,
                 ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        # HF multiplies by the normaliser cast to the activation dtype.
-        hidden = hidden * torch.tensor(self.normalizer, dtype=hidden.dtype)
+        # ``inputs_embeds``: a step with images (models/gemma3_mm.py), already scaled
+        # rows of ``embed`` with the image rows written over them (those are not scaled).
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary_emb.inputs(positions, hidden.dtype)
         rope_local = self.rotary_emb_local.inputs(positions, hidden.dtype) \
             if self.rotary_emb_local is not None else rope
@@ -158,6 +165,10 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         if self.tied:
             self.lm_head.tie_to(self.model.embed_tokens)
         self.final_soft_cap = getattr(hf_config, "final_logit_softcapping", None) or None
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Scaled token embeddings, as ``inputs_embeds`` takes them."""
+        return self.model.embed(input_ids)  # type: ignore[operator]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

@@ -14,6 +14,7 @@ from pagedllm.models.bert_classifier import (
 )
 from pagedllm.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from pagedllm.models.gemma3_mm import Gemma3ForConditionalGeneration
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from pagedllm.models.llava import LlavaForConditionalGeneration
 from pagedllm.models.mixtral import MixtralForCausalLM
@@ -92,6 +93,12 @@ ARCHITECTURES: dict[str, ArchitectureInfo] = {
                                           "sliding/global alternating, logit soft-cap"),
     "Gemma3ForCausalLM": ArchitectureInfo(Gemma3ForCausalLM, "Gemma 3 (text)",
                                           "5 sliding : 1 global"),
+    "Gemma3ForConditionalGeneration": ArchitectureInfo(
+        Gemma3ForConditionalGeneration,
+        "Gemma 3 (SigLIP + pooling projector + Gemma 3 decoder); images in",
+        "5 sliding : 1 global; an image's tokens attend to their whole image",
+        quantization="decoder linear layers (tower unquantised)", tensor_parallel=False,
+        pipeline_parallel=False),
     "LlavaForConditionalGeneration": ArchitectureInfo(
         LlavaForConditionalGeneration,
         "LLaVA-1.5 / LLaVA-style (CLIP or SigLIP tower + projector + Llama, Mistral, "

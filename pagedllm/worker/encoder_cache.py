@@ -14,6 +14,11 @@ done (``free_encoder_inputs``); a request that leaves the batch (finished, abort
 preempted) drops its holds, so a recomputed request encodes again or hits another's entry.
 Steps without images never reach ``embedder`` (it returns None): their inputs, and the
 CUDA graphs, are unchanged.
+
+A model whose image tokens attend to their whole run (``whole_placeholder_runs``: Gemma
+3) also gets, in its image steps, each token's last visible key position
+(``query_limits`` -> ``AttentionMetadata.query_limits``): the run's last position for a
+token of a run, its own position otherwise.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class EncoderCache:
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.model = model
         self.device = device
+        # Image tokens see their whole run (models/gemma3_mm.py): ``query_limits``.
+        self.whole_runs = bool(getattr(model, "whole_placeholder_runs", False))
         self.features: dict[str, list[MultiModalFeature]] = {}
         self.outputs: dict[str, torch.Tensor] = {}
         self.holders: dict[str, set[str]] = {}
@@ -150,3 +157,27 @@ class EncoderCache:
             return emb.index_copy(0, rows, values.to(emb.dtype))
 
         return embed
+
+    def query_limits(self, order: list[str], num_computed: np.ndarray, num_new: np.ndarray,
+                     query_start_loc: np.ndarray) -> np.ndarray:
+        """``[num tokens]`` int32: each of the step's tokens' last visible key position
+        (module doc; ``AttentionMetadata.query_limits``).  ``RuntimeError`` when a chunk
+        ends inside a run: the scheduler keeps runs whole for such models
+        (``core/encoder_budget.py``), and a split run would attend to unwritten keys."""
+        counts = num_new.astype(np.int64)
+        req = np.repeat(np.arange(len(order)), counts)
+        tok = np.arange(int(counts.sum()))
+        limits = (num_computed[req] + tok - query_start_loc[:-1][req]).astype(np.int32)
+        for i, rid in enumerate(order):
+            feats = self.features.get(rid)
+            if not feats:
+                continue
+            start = int(num_computed[i])
+            end = start + int(num_new[i])
+            for _, f in overlapping(feats, start, end):
+                if f.end > end:
+                    raise RuntimeError(f"request {rid}: a chunk ends inside an image's "
+                                       "placeholder run, which this model computes whole")
+                q0 = int(query_start_loc[i]) + max(start, f.offset) - start
+                limits[q0:q0 + f.end - max(start, f.offset)] = f.end - 1
+        return limits

@@ -329,6 +329,7 @@ class ModelRunner:
     def _forward(self, inp: StepInputs, fix: Callable[[torch.Tensor], None] | None,
                  last_only: bool,
                  embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 query_limits: np.ndarray | None = None,
                  ) -> torch.Tensor | None:
         """Hidden states of every scheduled token, or with ``last_only`` of each
         request's last one (row i: request i): a CUDA-graph replay when the step fits a
@@ -336,7 +337,8 @@ class ModelRunner:
         a pipeline stage before the last (``worker/pipeline.py``).  ``fix``
         patches the device input ids (tokens still in flight) before the model reads them;
         ``embed`` (a step with images, ``worker/encoder_cache.py``) turns them into the
-        model's ``inputs_embeds``, in an eager forward."""
+        model's ``inputs_embeds``, in an eager forward, with ``query_limits`` for a model
+        whose image tokens see their whole run (``AttentionMetadata.query_limits``)."""
         num_reqs = len(inp.seq_lens)
         if self._calc_kv_scales:  # this step, eagerly, sets the fp8 KV scales
             from pagedllm.layers import kv_scales
@@ -357,6 +359,8 @@ class ModelRunner:
         if fix is not None:
             fix(ids)
         if embed is not None:
+            if query_limits is not None:
+                meta.with_query_limits(self.h2d("query_limits", query_limits))
             return self.model(ids, self.h2d("pos", inp.positions), meta, last_only,
                               inputs_embeds=embed(ids))
         if self.stage is not None:
@@ -425,7 +429,9 @@ class ModelRunner:
         pending, fix = self._pending_fix(order, inp)
         embed = self.mm.embedder(order, num_computed, num_new, inp.query_start_loc) \
             if self.mm is not None else None
-        hidden = self._forward(inp, fix, last_only, embed)
+        limits = self.mm.query_limits(order, num_computed, num_new, inp.query_start_loc) \
+            if embed is not None and self.mm.whole_runs else None  # type: ignore[union-attr]
+        hidden = self._forward(inp, fix, last_only, embed, limits)
         if self.mm is not None:
             self.mm.release(sched.free_encoder_inputs)
 
