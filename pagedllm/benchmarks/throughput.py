@@ -3,6 +3,9 @@
 Workloads (BENCHMARKS.md): C1 (CPU, default model, 64 chat prompts, 128 tokens each, at
 the batch sizes given), W1 / W1-small (256 random token-id prompts), W3 (shared prefix),
 W5 (384 long prompts),
+V1 (vision-language: one 448x448 image + 64-256 text tokens per request, 128 out; with
+``--repeat-image`` every request the same image; reports the encoder cache's hits and the
+encoder's share of the wall time, ``vlm.py``),
 or ``custom`` (``--input-len``/``--output-len``/``--num-prompts``).  Prints a table and
 writes JSON with ``--output-json``.
 """
@@ -25,11 +28,13 @@ from pagedllm.benchmarks.lora_adapters import (
 from pagedllm.benchmarks.workloads import (
     DUMMY_CONFIGS,
     BenchRequest,
+    add_dummy_overrides_arg,
     c1_messages,
     engine_summary,
     kv_block_bytes,
     kv_peak_tracker,
     summary_line,
+    v1,
     w1,
     w3,
     w5,
@@ -39,13 +44,20 @@ from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_fr
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="C1",
-                   choices=["C1", "W1", "W1-small", "W3", "W5", "custom"],
+                   choices=["C1", "W1", "W1-small", "W3", "W5", "V1", "custom"],
                    help="Which seeded workload to run (docs/benchmarks.md, 'Workloads'): "
                         "C1 = 64 chat prompts on the default model; W1 = 256 random "
                         "token prompts of 128-1024 tokens, 32-512 output tokens; "
                         "W1-small = W1 for 49k-vocabulary models; W3 = a 2,048-token "
                         "shared prefix; W5 = 384 long prompts (64-2048 tokens, "
-                        "16-768 out); custom = --input-len/--output-len.")
+                        "16-768 out); V1 = 256 requests of one 448x448 image + "
+                        "64-256 text tokens, --output-len (128) out, on a "
+                        "vision-language model; custom = --input-len/--output-len.")
+    p.add_argument("--repeat-image", action="store_true",
+                   help="V1: every request carries the same image (encoder-cache and "
+                        "prefix-cache hits) instead of one image each.")
+    p.add_argument("--image-size", type=int, default=448,
+                   help="V1: side of the square synthetic images, in pixels.")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="Also draw output tokens/s per configuration into this PNG "
                         "(matplotlib).")
@@ -58,7 +70,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-len", type=int, default=2048,
                    help="W3: tokens of the prefix every request shares (shorter on CPU).")
     p.add_argument("--output-len", type=int, default=128,
-                   help="C1/custom: tokens generated per request (EOS ignored).")
+                   help="C1/V1/custom: tokens generated per request (EOS ignored).")
     p.add_argument("--repeats", type=int, default=1,
                    help="Timed runs per configuration; the median is reported.")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
@@ -77,6 +89,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dummy", default=None, choices=sorted(DUMMY_CONFIGS),
                    help="Benchmark a named model shape with random weights (writes its "
                         "config.json to a temp dir; implies --load-format dummy).")
+    add_dummy_overrides_arg(p)
     add_engine_args(p)
     add_lora_bench_args(p)
 
@@ -99,6 +112,12 @@ def _requests(args: argparse.Namespace, llm: Any) -> list[BenchRequest]:
         return reqs
     if args.workload == "W5":
         return w5(args.num_prompts or 384)
+    if args.workload == "V1":
+        from pagedllm.benchmarks.vlm import image_run
+
+        return v1(image_run(llm, args.image_size), args.num_prompts or 256,
+                  vocab_hi=min(vocab, 128000), output_len=args.output_len,
+                  image_size=args.image_size, repeat_image=args.repeat_image)
     if args.workload == "W3":
         return w3(args.num_prompts or 256, prefix_len=args.prefix_len,
                   vocab_hi=min(vocab, 128000))
@@ -112,7 +131,8 @@ def _requests(args: argparse.Namespace, llm: Any) -> list[BenchRequest]:
 def _run_pagedllm(llm: Any, reqs: list[BenchRequest], loras: list[Any] | None = None,
                   peaks: dict[str, int] | None = None) -> float:
     """Seconds to generate ``reqs``; ``peaks`` receives the run's peak KV blocks in use
-    and peak running requests (when the engine core is in this process)."""
+    and peak running requests (when the engine core is in this process), and the prompt
+    tokens served from the prefix cache."""
     from pagedllm import SamplingParams
 
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
@@ -125,13 +145,15 @@ def _run_pagedllm(llm: Any, reqs: list[BenchRequest], loras: list[Any] | None = 
         sched.kv.pool.reset_peak()
         sched.peak_num_running = 0
     t0 = time.perf_counter()
-    outs = llm.generate([r.prompt_token_ids for r in reqs], params, use_tqdm=False,
+    outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False,
                         lora_request=spread(loras or [], len(reqs)))
     dt = time.perf_counter() - t0
     if sched is not None and peaks is not None:
         peaks["kv_peak_blocks"] = max(peaks.get("kv_peak_blocks", 0),
                                       sched.kv.pool.peak_blocks_in_use)
         peaks["peak_running"] = max(peaks.get("peak_running", 0), sched.peak_num_running)
+    if peaks is not None:
+        peaks["cached_prompt_tokens"] = sum(o.num_cached_tokens for o in outs)
     assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(r.output_len for r in reqs)
     return dt
 
@@ -143,8 +165,8 @@ def build_llm(args: argparse.Namespace) -> Any:
     if args.dummy:
         from pagedllm.benchmarks.workloads import write_dummy_model
 
-        args.model, args.load_format = write_dummy_model(args.dummy), "dummy"
-        args.skip_tokenizer_init = True
+        args.model = write_dummy_model(args.dummy, overrides=args.dummy_overrides)
+        args.load_format, args.skip_tokenizer_init = "dummy", True
     apply_lora_bench_args(args)
     eargs = engine_args_from_cli(args)
     kwargs = {k: v for k, v in vars(eargs).items() if k not in ("model", "extra")}
@@ -153,7 +175,7 @@ def build_llm(args: argparse.Namespace) -> Any:
 
 def warmup_requests(reqs: list[BenchRequest]) -> list[BenchRequest]:
     """8 of the workload's prompts at full length, 8 tokens each."""
-    return [BenchRequest(r.prompt_token_ids, 8) for r in reqs[-8:]]
+    return [BenchRequest(r.prompt_token_ids, 8, r.images) for r in reqs[-8:]]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -176,6 +198,11 @@ def main(args: argparse.Namespace) -> int:
     # Warm-up (allocator, kernels and cuBLAS for prefill-sized steps; decode graphs are
     # captured at start).
     _run_pagedllm(llm, warmup_requests(all_reqs), loras)
+    probe = None
+    if args.workload == "V1":  # the encoder cache's counters and timer (vlm.py)
+        from pagedllm.benchmarks.vlm import EncoderProbe
+
+        probe = EncoderProbe(llm)
 
     hf_model = None
     if args.hf:
@@ -190,6 +217,8 @@ def main(args: argparse.Namespace) -> int:
         n_out = sum(r.output_len for r in reqs)
         n_in = sum(len(r.prompt_token_ids) for r in reqs)
         peaks: dict[str, int] = {}
+        if probe is not None:
+            probe.reset()
         runs = [_run_pagedllm(llm, reqs, loras, peaks) for _ in range(args.repeats)]
         ours = statistics.median(runs)
         row: dict[str, Any] = {"config": name, "requests": len(reqs), "prompt_tokens": n_in,
@@ -197,9 +226,15 @@ def main(args: argparse.Namespace) -> int:
                                "pagedllm_runs_s": runs,
                                "pagedllm_out_tok_s": n_out / ours,
                                "pagedllm_total_tok_s": (n_in + n_out) / ours}
-        if peaks:  # KV blocks in use at the peak, and the memory they hold
-            row.update(peaks, kv_peak_gib=peaks["kv_peak_blocks"] * kv_block_bytes(llm)
-                       / 2**30)
+        if "kv_peak_blocks" in peaks:  # KV blocks in use at the peak, their memory
+            row.update(kv_peak_gib=peaks["kv_peak_blocks"] * kv_block_bytes(llm) / 2**30)
+        row.update(peaks, prefix_cache_hit_rate=peaks["cached_prompt_tokens"] / max(1, n_in))
+        if probe is not None:  # per run: encoder cache hits, encoder time and share
+            enc = probe.stats(sum(runs))
+            row.update({k: v / len(runs) if k in ("images_encoded", "encoder_cache_hits",
+                                                   "encoder_s") else v
+                        for k, v in enc.items()}, images=len(reqs),
+                       repeat_image=args.repeat_image, image_size=args.image_size)
         if hf_model is not None:
             from pagedllm.benchmarks.hf_baseline import hf_generate
 
@@ -217,6 +252,12 @@ def main(args: argparse.Namespace) -> int:
     summary = engine_summary(llm)
     print(summary_line(summary))
     _print_table(rows)
+    for r in rows:
+        if "encoder_share" in r:
+            print(f"{r['config']}: {r['images']} images, {r['images_encoded']:.0f} encoded, "
+                  f"encoder-cache hit rate {r['encoder_cache_hit_rate']:.1%}, encoder "
+                  f"{r['encoder_s']:.2f} s = {r['encoder_share']:.1%} of the wall time, "
+                  f"prefix-cache hit rate {r['prefix_cache_hit_rate']:.1%}")
     if args.plot:
         from pagedllm.benchmarks.plot import plot_throughput
 

@@ -23,6 +23,7 @@ token of a run, its own position otherwise.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,14 @@ class EncoderCache:
         # Counters (an image requested while another request holds it is a hit).
         self.num_hits = 0
         self.num_encoded = 0
+        # Time in the encoder, only once a benchmark asks (``start_timing``).
+        self.timer: EncoderTimer | None = None
+
+    def start_timing(self) -> EncoderTimer:
+        """Time every later encode (``EncoderTimer``); returns the timer."""
+        if self.timer is None:
+            self.timer = EncoderTimer(self.device)
+        return self.timer
 
     # -- bookkeeping ------------------------------------------------------------------
     def update(self, sched: SchedulerOutput) -> None:
@@ -109,9 +118,12 @@ class EncoderCache:
             layout = tuple((k, v.dtype, tuple(v.shape)) for k, v in sorted(f.data.items()))
             groups.setdefault(layout, []).append(f)
         for feats in groups.values():
+            mark = self.timer.start() if self.timer is not None else None
             batch = {k: torch.from_numpy(np.stack([f.data[k].to_numpy() for f in feats]))
                      .to(self.device) for k in feats[0].data}
             outs = self.model.embed_multimodal(batch)  # type: ignore[operator]
+            if mark is not None:
+                self.timer.stop(mark)  # type: ignore[union-attr]
             for f, out in zip(feats, outs):
                 if out.shape[0] != f.length:
                     raise ValueError(f"the image encoder gave {out.shape[0]} rows for a "
@@ -181,3 +193,40 @@ class EncoderCache:
                 q0 = int(query_start_loc[i]) + max(start, f.offset) - start
                 limits[q0:q0 + f.end - max(start, f.offset)] = f.end - 1
         return limits
+
+
+class EncoderTimer:
+    """Seconds spent encoding images (pixels to the device, then the tower), for a
+    benchmark's "encoder share of the step time".  Off unless asked: on a GPU each encode
+    records two CUDA events on the stream (no host sync in the step); ``seconds`` waits
+    for them once, when read.  On the CPU the host clock times the (synchronous) call."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._pending: list[tuple[Any, Any]] = []
+        self._seconds = 0.0
+        self.calls = 0
+
+    def start(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, mark: Any) -> None:
+        self.calls += 1
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._pending.append((mark, ev))
+        else:
+            self._seconds += time.perf_counter() - mark
+
+    def seconds(self) -> float:
+        """Total so far (synchronises with the events recorded since the last read)."""
+        for a, b in self._pending:
+            b.synchronize()
+            self._seconds += a.elapsed_time(b) / 1000.0
+        self._pending.clear()
+        return self._seconds
