@@ -17,9 +17,12 @@ is the same sum.  The softmax scale is ``qk_head_dim ** -0.5`` times, under YaRN
 ``mscale_all_dim``, ``mscale(factor, mscale_all_dim) ** 2`` (transformers'
 ``yarn_apply_mscale``); the rotary tables carry YaRN's own attention factor.
 
-``kv_b_proj`` stays unquantised: the absorbed form reads its per-head blocks
-(``W_UK``, ``W_UV``) directly.  The norms inside attention use eps 1e-6, as
-transformers builds them (not ``rms_norm_eps``).
+Attention reads ``kv_b_proj``'s per-head blocks (``W_UK``, ``W_UV``) as a dense weight
+(``kv_b_weight``): the parameter itself when unquantised; under a quantisation method
+(block-FP8 DeepSeek-V3 checkpoints, ``--quantization fp8``) the layer applied once to the
+identity -- the method's own dequantisation, to rounding -- cached until its parameters
+change.  The norms inside attention use eps 1e-6, as transformers builds them (not
+``rms_norm_eps``).
 """
 
 from __future__ import annotations
@@ -105,7 +108,10 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank,
                                               total_heads * (self.nope + self.v_head_dim),
-                                              False, prefix=f"{prefix}.kv_b_proj")
+                                              False, quant_config=quant_config,
+                                              prefix=f"{prefix}.kv_b_proj")
+        self._kv_b_dense: torch.Tensor | None = None  # kv_b_weight's cache (quantised)
+        self._kv_b_key: tuple[tuple[int, int], ...] = ()
         self.o_proj = RowParallelLinear(total_heads * self.v_head_dim, hidden, bias,
                                         quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.num_heads = heads  # this rank's
@@ -122,6 +128,21 @@ class MultiHeadLatentAttention(nn.Module):
         if mode not in MLA_MODES:
             raise ValueError(f"mla mode must be one of {MLA_MODES}, got {mode!r}")
         self.mode = mode  # type: ignore[assignment]
+
+    def kv_b_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """``kv_b_proj``'s (this rank's) weight ``[H * (Dn + Dv), L]``, dense: see the
+        module docstring.  Identity rows are one-hot, which activation-quantising methods
+        represent exactly too."""
+        w = self.kv_b_proj.unquantized_weight
+        if w is not None:
+            return w
+        key = tuple((id(p), p._version) for p in self.kv_b_proj.parameters())
+        if self._kv_b_dense is None or key != self._kv_b_key:
+            dev = next(self.kv_b_proj.parameters()).device
+            eye = torch.eye(self.kv_lora_rank, dtype=dtype, device=dev)
+            self._kv_b_dense = self.kv_b_proj(eye).t().contiguous()
+            self._kv_b_key = key
+        return self._kv_b_dense
 
     def _rotate(self, x: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
         cos_sin = rope.cos_sin_cache.index_select(0, rope.positions).to(rope.dtype)
@@ -150,7 +171,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_pe, k_pe = pe[:, :self.num_heads], pe[:, self.num_heads]
         self.backend.write(c_kv, k_pe, self.kv_cache, meta)  # type: ignore[arg-type]
         out = self.backend.forward(q_nope, q_pe, self.kv_cache, meta, self.scale,
-                                   self.kv_b_proj.weight, self.dims, self.mode)
+                                   self.kv_b_weight(x.dtype), self.dims, self.mode)
         out = out.reshape(t, self.num_heads * self.v_head_dim)
         if rows is not None:
             out = out.index_select(0, rows)

@@ -65,7 +65,7 @@ _ENCODER = dict(attention="bidirectional (no KV cache)", tensor_parallel=False,
 _MOE_QUANT = ("linear layers; experts: FP8 (`--quantization fp8`; HF FP8 and "
               "compressed-tensors FP8 checkpoints, block-wise included); others refused")
 _MLA = "multi-head latent (MLA; latent KV cache)"
-_MLA_QUANT = "linear layers except `kv_b_proj` (kept unquantised for the absorbed form)"
+_MLA_QUANT = _MOE_QUANT + "; MLA reads `kv_b_proj` dequantised"
 
 ARCHITECTURES: dict[str, ArchitectureInfo] = {
     "LlamaForCausalLM": ArchitectureInfo(LlamaForCausalLM, "Llama 2/3, SmolLM2"),

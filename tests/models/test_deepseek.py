@@ -148,3 +148,27 @@ def test_rope_table_ignores_a_foreign_head_dim(pair) -> None:
     ids = _prompt(30, seed=8)
     got = session_for((other, hf, pair[2])).step({0: ids})[0]
     torch.testing.assert_close(got, hf_logits_of(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_quantised_kv_b_proj_is_read_dequantised(tmp_path) -> None:
+    """Under ``--quantization fp8`` ``kv_b_proj`` is stored e4m3; attention reads it
+    through the method's own dequantisation (the layer applied to the identity): within
+    fp8 rounding of the checkpoint's weight, and the two forms still agree."""
+    hf = build("v3", str(tmp_path))
+    cfg = EngineArgs(model=str(tmp_path), device="cpu", dtype="float32",
+                     quantization="fp8").create_engine_config()
+    ours = load_model(cfg.model_config, torch.device("cpu"), TorchReferenceBackend())
+    layer = ours.model.layers[0].self_attn
+    assert layer.kv_b_proj.unquantized_weight is None
+    dense = layer.kv_b_weight(torch.float32)
+    ref = hf.model.layers[0].self_attn.kv_b_proj.weight
+    assert float((dense - ref).abs().max() / ref.abs().max()) < 0.07  # e4m3: 3 mantissa bits
+    assert layer.kv_b_weight(torch.float32) is dense  # cached while the weight is unchanged
+    ids = _prompt(26, seed=9)
+    outs = []
+    for mode in ("absorbed", "expanded"):
+        ours.set_mla_mode(mode)
+        s = session_for((ours, hf, cfg), block_size=4, seed=9)
+        outs.append(torch.cat([s.step({0: ids[:20]})[0]]
+                              + [s.step({0: [t]})[0] for t in ids[20:]]))
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=0)
