@@ -18,7 +18,9 @@ bounds the compiled grammar's size (xgrammar's ``memory_size_bytes``: a 50,000-v
 enum is ~160 MB).  Both limits are 400s naming the limit.
 
 ``num_workers`` checks run at once; more wait for an idle worker, and time spent
-waiting does not count against a request's budget.  The engine core compiles the same
+waiting does not count against a request's budget.  A constraint that passed is
+remembered (by ``StructuredOutputsParams.key()``, bounded by ``PASSED_CHARS``), so a
+repeated schema costs no second check.  The engine core compiles the same
 grammar again when the request arrives (``backend.GrammarCompiler``); this check is
 what bounds that compile.
 """
@@ -31,6 +33,7 @@ import dataclasses
 import json
 import logging
 import sys
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 from pagedllm.structured_outputs_params import StructuredOutputsParams
@@ -40,6 +43,7 @@ logger = logging.getLogger("pagedllm")
 CHECK_TIMEOUT_S = 10.0
 MAX_GRAMMAR_BYTES = 64 * 2**20
 _POLL_S = 0.25  # how often a running check asks whether its client is still there
+PASSED_CHARS = 16 * 2**20  # the passed-constraints memo's bound (characters of keys)
 
 
 class GrammarCheckError(ValueError):
@@ -81,6 +85,10 @@ class GrammarChecker:
         self._slots: asyncio.Semaphore | None = None
         self._busy: set[_Worker] = set()
         self.num_killed = 0  # workers killed for a late reply or a gone client
+        # Constraints that passed (StructuredOutputsParams.key() -> compiled bytes): a
+        # repeated schema is not checked again.
+        self._passed: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._passed_chars = 0
 
     async def _spawn(self) -> _Worker:
         if not self._info_loaded:
@@ -117,6 +125,10 @@ class GrammarChecker:
                     gone: Callable[[], Awaitable[bool]] | None = None) -> int:
         """The compiled grammar's size in bytes, or ``GrammarCheckError`` (invalid, over
         the time or size budget), or ``CheckAbandoned`` (``gone()`` turned true)."""
+        key = p.key()
+        if key in self._passed:  # checked before: the same grammar, the same answer
+            self._passed.move_to_end(key)
+            return self._passed[key]
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.num_workers)
         params = {k: v for k, v in dataclasses.asdict(p).items()
@@ -139,7 +151,19 @@ class GrammarChecker:
                     await worker.kill()
         if "error" in reply:
             raise GrammarCheckError(str(reply["error"]))
-        return int(reply.get("bytes", 0))
+        size = int(reply.get("bytes", 0))
+        self._remember(key, size)
+        return size
+
+    def _remember(self, key: tuple[str, str], size: int) -> None:
+        """Keep ``key`` as passed (LRU, at most ``PASSED_CHARS`` characters of keys)."""
+        if key in self._passed:
+            return
+        self._passed[key] = size
+        self._passed_chars += len(key[1])
+        while self._passed_chars > PASSED_CHARS and self._passed:
+            old, _ = self._passed.popitem(last=False)
+            self._passed_chars -= len(old[1])
 
     async def _exchange(self, worker: _Worker, line: bytes, field: str,
                         gone: Callable[[], Awaitable[bool]] | None) -> dict[str, object]:

@@ -74,6 +74,9 @@ def test_checker_kills_a_check_over_its_time_budget_and_recovers() -> None:
             assert c.num_killed == 1 and not _alive(pid)
             # A fresh worker serves the next check.
             assert await c.check(SO(regex="[a-z]+"), "guided_regex") == 0
+            # A constraint that passed is not checked again (its worker is stopped).
+            _stop_idle_worker(c)
+            assert await c.check(SO(json={"type": "object"}), "guided_json") == 0
         finally:
             await c.close()
     asyncio.run(run())
@@ -93,7 +96,7 @@ def test_checker_kills_the_worker_of_a_gone_client_and_of_a_cancelled_task() -> 
             with pytest.raises(CheckAbandoned):
                 await c.check(SO(json={"type": "string"}), "x", gone)
             assert time.monotonic() - t0 < 30 and not _alive(pid)
-            await c.check(SO(json={"type": "object"}), "x")
+            await c.check(SO(json={"type": "array"}), "x")
             pid = _stop_idle_worker(c)
             task = asyncio.ensure_future(c.check(SO(json={"type": "string"}), "x"))
             await asyncio.sleep(0.3)
