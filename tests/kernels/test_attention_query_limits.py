@@ -96,3 +96,41 @@ def test_triton_matches_reference(kind: AttentionKind, launch: str) -> None:
         num_splits={"one": 1, "mixed": None}[launch], sliding_window=kind.sliding_window,
         soft_cap=kind.logits_soft_cap, query_limits=limits)
     torch.testing.assert_close(got.cpu(), ref.cpu(), atol=2e-5, rtol=1e-5)
+
+
+_SM90_SCRIPT = """
+    from pagedllm.kernels.paged_attention import _paged_attn_kernel, plan_attention
+
+    p = plan_attention(num_reqs=8, max_query_len=512, num_heads=8, num_kv_heads=4,
+                       block_size=16, sm_count=132, num_splits=1, head_dim=256)
+    sig = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+           "out_ptr": "*bf16", "m_ptr": "*bf16", "l_ptr": "*bf16",
+           "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
+           "limits_ptr": "*i32", "scale_log2": "fp32"}
+    for k in ("num_reqs", "num_heads", "num_splits", "stride_qt", "stride_qh",
+              "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch",
+              "stride_bt"):
+        sig[k] = "i32"
+    sig["v_scale"] = "fp32"
+    consts = dict(GQA=2, HEAD_DIM=256, DIM_P2=256, BLOCK_SIZE=16, KV_FP8=False,
+                  BLOCK_M=p.block_m, BLOCK_Q=p.block_q, TILE_N=p.tile_n, SPLIT=False,
+                  F32_DOT=False, WHILE_LOOP=False, Q_FILTER=0, DECODE=False,
+                  USE_PDL=True, WINDOW=1024, SOFTCAP=0.0, LIMITS=True)
+    st = build(_paged_attn_kernel, sig, consts, 8,
+               {"num_warps": p.num_warps, "num_stages": p.num_stages})
+    print(json.dumps([st]))
+"""
+
+
+def test_limits_compile_for_sm90(tmp_path) -> None:
+    """Gemma 3's shape (head size 256, sliding window) with ``LIMITS``: the prompt plan
+    compiles for sm_90 within shared memory, without spills (no GPU needed:
+    ``test_attention_smem.py``)."""
+    import textwrap
+
+    from tests.kernels.sm90_compile import run_script
+    from tests.kernels.test_attention_smem import _BUILD, SM90_MAX_SHARED
+
+    (st,) = run_script(textwrap.dedent(_BUILD + _SM90_SCRIPT), tmp_path, "")
+    assert 0 < st["shared"] <= SM90_MAX_SHARED, st
+    assert st["spill_stores"] == 0, st

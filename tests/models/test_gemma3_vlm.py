@@ -116,13 +116,15 @@ def test_a_prefix_hit_ending_inside_an_image_run(ckpt, llm):
         [expected(ckpt, a, [im]), expected(ckpt, b, [im])]
 
 
-@pytest.mark.parametrize("budget", [5, 6])
-def test_a_small_budget_never_splits_an_image_run(ckpt, budget):
+@pytest.mark.parametrize("budget,async_scheduling", [(5, False), (6, False), (6, True)])
+def test_a_small_budget_never_splits_an_image_run(ckpt, budget, async_scheduling):
     """Token budgets of 5 and 6 cut prompts into chunks; a chunk that would end inside
-    an image's 4-token run stops before it, and the outputs still equal transformers'."""
+    an image's 4-token run stops before it, and the outputs still equal transformers'
+    (also with async scheduling: step N+1 scheduled before step N's tokens are read)."""
     im1, im2 = image(1), image(2)
     llm = LLM(ckpt[0], kv_cache_memory_bytes=4 << 20, max_model_len=256,
-              max_num_batched_tokens=budget, enable_prefix_caching=False)
+              max_num_batched_tokens=budget, enable_prefix_caching=False,
+              async_scheduling=async_scheduling)
     sched = engine(llm).scheduler
     seen: list[tuple[int, int]] = []
     fit = sched.encoder.fit
