@@ -18,6 +18,14 @@
 #   hybrid   issue 23's target: Gemma-3-12B shape, W5 with the hybrid KV cache manager
 #            vs --disable-hybrid-kv-cache-manager (tok/s, peak KV blocks/GiB in use), then
 #            the GPU greedy check of tests/e2e/test_hybrid_kv_greedy.py (CUDA graphs)
+#   deepseek issue 42's targets: DeepSeek-V2-Lite shape (MLA + DeepSeekMoE), W4 then W1;
+#            the header and JSON give KV bytes per token and the blocks a GQA cache of
+#            the same memory would hold (gqa_equivalent)
+#   vlm      issue 41's targets: Qwen2.5-VL-7B shape, V1 (256 requests of one 448x448
+#            image + 64-256 text tokens, 128 out) with a different image per request and
+#            with --repeat-image (encoder-cache hit rate, encoder share of the wall time),
+#            V1's TTFT at batch 1 (bench latency --workload V1), then W1 text-only on the
+#            VLM and on its decoder alone (qwen2.5-7b): the two should be within 2%
 #   lora     issue 26's targets: W1 (default policy) base vs 8 dummy rank-16 adapters spread over
 #            the requests, W4 base vs one adapter (bench ... --lora N).  LORA_VARIANTS
 #            adds W1 variants, e.g. "lora16=--lora,16"
@@ -128,6 +136,19 @@ for part in $PARTS; do
       --repeats "${REPEATS:-1}" ;;
     w5fcfs) ab w5fcfs python -m pagedllm bench throughput --workload W5 --dummy llama3-8b \
       --no-hf --repeats "${REPEATS:-1}" --scheduling-policy fcfs ;;
+    deepseek)
+      ab dsw4 python -m pagedllm bench latency --dummy deepseek-v2-lite
+      ab dsw1 python -m pagedllm bench throughput --workload W1 --dummy deepseek-v2-lite \
+        --no-hf --repeats "${REPEATS:-1}" ;;
+    vlm)
+      V1="python -m pagedllm bench throughput --workload V1 --dummy qwen2.5-vl-7b --no-hf"
+      ab v1 $V1
+      ab v1repeat $V1 --repeat-image
+      ab v1ttft python -m pagedllm bench latency --workload V1 --dummy qwen2.5-vl-7b
+      ab w1vlm python -m pagedllm bench throughput --workload W1 --dummy qwen2.5-vl-7b \
+        --no-hf --repeats "${REPEATS:-1}"
+      ab w1qwen python -m pagedllm bench throughput --workload W1 --dummy qwen2.5-7b \
+        --no-hf --repeats "${REPEATS:-1}" ;;
     loracheck)
       step timeout 240 python -m pytest tests/kernels/test_lora_kernels.py \
         tests/kernels/test_gemv_rope.py tests/lora -q -rf -p no:cacheprovider ;;
