@@ -47,6 +47,18 @@ def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> str:
                              overrides=TINY_QWEN_VL)
 
 
+def test_the_dummy_vlm_tokenizer_has_qwens_ids(tiny_vlm: str) -> None:
+    from pagedllm.multimodal.hf_processor import load_hf_processor
+
+    tok = load_hf_processor(tiny_vlm).tokenizer
+    assert len(tok) == 151665
+    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>", "<|vision_start|>",
+                                      "<|image_pad|>"]) == [151643, 151645, 151652, 151655]
+    ids = tok("t5 <|vision_start|><|image_pad|><|vision_end|> t7",
+              add_special_tokens=False)["input_ids"]
+    assert ids == [5, 151652, 151655, 151653, 7]
+
+
 def test_the_shapes_are_benchmarks_md() -> None:
     ds = DUMMY_CONFIGS["deepseek-v2-lite"]
     assert (ds["num_hidden_layers"], ds["hidden_size"], ds["kv_lora_rank"],
@@ -101,6 +113,7 @@ def test_v1_throughput(tmp_path: Path, tiny_vlm: str, repeat: bool) -> None:
     assert n * (6 + 64) <= row["prompt_tokens"] <= n * (6 + 256)
     assert row["images_encoded"] + row["encoder_cache_hits"] <= n
     assert 0 < row["encoder_share"] <= 1 and row["encoder_s"] > 0
+    assert row["processor_s"] > 0
     if repeat:  # one image for all: encoded once, or found by the later requests
         assert row["images_encoded"] < n
         assert row["encoder_cache_hit_rate"] > 0 or row["cached_prompt_tokens"] > 0
@@ -115,6 +128,7 @@ def test_v1_latency_reports_the_encoders_part_of_ttft(tmp_path: Path, tiny_vlm: 
     assert report["workload"] == "V1" and report["output_len"] == 3
     assert 70 <= report["input_len"] <= 262
     assert 0 < report["ttft_encoder_ms"] and 0 < report["ttft_encoder_share"] <= 1
+    assert report["ttft_processor_ms"] > 0
 
 
 def test_text_only_on_the_vlm_and_its_lm_alone(tmp_path: Path, tiny_vlm: str) -> None:

@@ -57,6 +57,7 @@ def qwen_tokenizer(vocab_size: int) -> Any:
     vocab.update({t: first + i for i, t in enumerate(QWEN_SPECIALS)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(QWEN_SPECIALS)  # already in the vocabulary: ids unchanged
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token=None, eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
@@ -64,7 +65,6 @@ def qwen_tokenizer(vocab_size: int) -> Any:
                               "video_token": "<|video_pad|>",
                               "vision_start_token": "<|vision_start|>",
                               "vision_end_token": "<|vision_end|>"})
-    fast.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS})
     fast.chat_template = QWEN_VL_CHAT_TEMPLATE
     return fast
 

@@ -110,7 +110,7 @@ def main(args: argparse.Namespace) -> int:
     probe = None
     prompts: list[Any]
     if args.workload == "V1":  # one fresh image per prompt (vlm.py)
-        from pagedllm.benchmarks.vlm import EncoderProbe, image_run
+        from pagedllm.benchmarks.vlm import EncoderProbe, image_run, processor_seconds
 
         run = image_run(llm, args.image_size)
         _timed(llm, BenchRequest(run + w4(100, hi, 64), 8,
@@ -150,6 +150,8 @@ def main(args: argparse.Namespace) -> int:
     if enc and "encoder_s" in enc[0]:
         res["ttft_encoder_ms"] = 1000 * statistics.median(e["encoder_s"] for e in enc)
         res["ttft_encoder_share"] = statistics.median(e["encoder_share"] for e in enc)
+        res["ttft_processor_ms"] = 1000 * statistics.median(
+            processor_seconds(llm, [p]) for p in prompts)
         res["image_size"] = args.image_size
     if spec is not None:
         drafts, draft_tokens, accepted = (spec.total_drafts - base[0],
@@ -166,6 +168,8 @@ def main(args: argparse.Namespace) -> int:
     if "ttft_encoder_ms" in res:
         print(f"{'encoder':<10}{res['ttft_encoder_ms']:>12.2f}   "
               f"({res['ttft_encoder_share']:.1%} of the TTFT)")
+        print(f"{'processor':<10}{res['ttft_processor_ms']:>12.2f}   (the front end, "
+              "before the engine core)")
     if "spec_decode" in res:
         sd = res["spec_decode"]
         print(f"spec decode: mean accepted length {sd['mean_accepted_length']:.2f} tokens "

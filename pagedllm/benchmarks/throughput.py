@@ -200,7 +200,7 @@ def main(args: argparse.Namespace) -> int:
     _run_pagedllm(llm, warmup_requests(all_reqs), loras)
     probe = None
     if args.workload == "V1":  # the encoder cache's counters and timer (vlm.py)
-        from pagedllm.benchmarks.vlm import EncoderProbe
+        from pagedllm.benchmarks.vlm import EncoderProbe, processor_seconds
 
         probe = EncoderProbe(llm)
 
@@ -234,7 +234,8 @@ def main(args: argparse.Namespace) -> int:
             row.update({k: v / len(runs) if k in ("images_encoded", "encoder_cache_hits",
                                                    "encoder_s") else v
                         for k, v in enc.items()}, images=len(reqs),
-                       repeat_image=args.repeat_image, image_size=args.image_size)
+                       repeat_image=args.repeat_image, image_size=args.image_size,
+                       processor_s=processor_seconds(llm, [r.prompt for r in reqs]))
         if hf_model is not None:
             from pagedllm.benchmarks.hf_baseline import hf_generate
 
@@ -257,7 +258,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"{r['config']}: {r['images']} images, {r['images_encoded']:.0f} encoded, "
                   f"encoder-cache hit rate {r['encoder_cache_hit_rate']:.1%}, encoder "
                   f"{r['encoder_s']:.2f} s = {r['encoder_share']:.1%} of the wall time, "
-                  f"prefix-cache hit rate {r['prefix_cache_hit_rate']:.1%}")
+                  f"prefix-cache hit rate {r['prefix_cache_hit_rate']:.1%}; the front "
+                  f"end's processor takes {r['processor_s']:.2f} s for the requests")
     if args.plot:
         from pagedllm.benchmarks.plot import plot_throughput
 

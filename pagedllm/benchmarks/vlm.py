@@ -13,6 +13,7 @@ events on a GPU, read once after the timed run: no host sync inside a step).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from pagedllm.multimodal.processor import MultiModalProcessor
@@ -39,6 +40,16 @@ def image_run(llm: Any, image_size: int) -> list[int]:
     end = getattr(cfg, "vision_end_token_id", None)
     run = [mm.image_token_id] * n
     return ([start] if start is not None else []) + run + ([end] if end is not None else [])
+
+
+def processor_seconds(llm: Any, prompts: list[Any]) -> float:
+    """Seconds the front end's processor takes for ``prompts`` (run once more, outside
+    any timed run): the part of V1's wall time and TTFT spent before the engine core."""
+    ip = llm.llm_engine.input_processor
+    t0 = time.perf_counter()
+    for p in prompts:
+        ip.tokenize_multimodal(p)
+    return time.perf_counter() - t0
 
 
 def encoder_cache_of(llm: Any) -> Any:
