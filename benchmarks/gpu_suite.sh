@@ -138,8 +138,9 @@ for part in $PARTS; do
       --no-hf --repeats "${REPEATS:-1}" --scheduling-policy fcfs ;;
     deepseek)
       ab dsw4 python -m pagedllm bench latency --dummy deepseek-v2-lite
+      # --vocab-hi 102399: vLLM's request set for this shape (68,960 output tokens)
       ab dsw1 python -m pagedllm bench throughput --workload W1 --dummy deepseek-v2-lite \
-        --no-hf --repeats "${REPEATS:-1}" ;;
+        --no-hf --vocab-hi 102399 --repeats "${REPEATS:-1}" ;;
     vlm)
       V1="python -m pagedllm bench throughput --workload V1 --dummy qwen2.5-vl-7b --no-hf"
       ab v1 $V1

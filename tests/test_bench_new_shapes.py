@@ -5,6 +5,7 @@ the reports' fields and counts are checked, never a time."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,26 @@ def test_deepseek_throughput_reports_kv_against_gqa(tmp_path: Path,
     assert gqa["mla_saving"] == pytest.approx(1024 / 320)
     assert report["rows"][0]["output_tokens"] == 6
     assert "MLA holds 3.2x the tokens" in capsys.readouterr().out
+
+
+def test_w1_for_deepseeks_vocabulary() -> None:
+    """W1 on the 102,400-token vocabulary: folded (W1's lengths), or re-drawn below
+    ``--vocab-hi 102399`` as vLLM's DeepSeek-V2-Lite run was (68,960 output tokens)."""
+    from types import SimpleNamespace
+
+    from pagedllm.benchmarks import throughput
+    from pagedllm.benchmarks.workloads import totals
+
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(config=SimpleNamespace(
+        model_config=SimpleNamespace(vocab_size=102400))))
+    p = argparse.ArgumentParser()
+    throughput.add_args(p)
+    folded = throughput._requests(p.parse_args(["--workload", "W1"]), llm)
+    assert totals(folded) == (145873, 69307)
+    assert max(max(r.prompt_token_ids) for r in folded) < 102400
+    drawn = throughput._requests(p.parse_args(["--workload", "W1", "--vocab-hi", "102399"]),
+                                 llm)
+    assert totals(drawn) == (145852, 68960)
 
 
 def test_deepseek_latency(tmp_path: Path) -> None:

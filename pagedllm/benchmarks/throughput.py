@@ -56,6 +56,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat-image", action="store_true",
                    help="V1: every request carries the same image (encoder-cache and "
                         "prefix-cache hits) instead of one image each.")
+    p.add_argument("--vocab-hi", type=int, default=None,
+                   help="W1: draw the token ids below this bound (randrange(1000, N): a "
+                        "different draw, as vLLM's DeepSeek-V2-Lite run with 102399, "
+                        "68,960 output tokens) instead of folding W1's ids below a "
+                        "smaller vocabulary (W1's lengths).")
     p.add_argument("--image-size", type=int, default=448,
                    help="V1: side of the square synthetic images, in pixels.")
     p.add_argument("--plot", default=None, metavar="FILE.png",
@@ -101,9 +106,9 @@ def _requests(args: argparse.Namespace, llm: Any) -> list[BenchRequest]:
                 for m in c1_messages(64)]
     vocab = llm.llm_engine.config.model_config.vocab_size
     if args.workload in ("W1", "W1-small"):
-        reqs = w1(args.num_prompts or 256, vocab_hi=49000 if args.workload == "W1-small"
-                  else 128000)
-        if vocab < 128000 and args.workload == "W1":
+        reqs = w1(args.num_prompts or 256, vocab_hi=args.vocab_hi or (
+            49000 if args.workload == "W1-small" else 128000))
+        if vocab < 128000 and args.workload == "W1" and args.vocab_hi is None:
             # W1's ids reach 128,000; for a smaller vocabulary (Mixtral's 32,000) fold
             # them below its size, so the requests' lengths stay W1's exactly.
             reqs = [BenchRequest([1000 + (t - 1000) % (vocab - 1000)
