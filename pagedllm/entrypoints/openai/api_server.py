@@ -559,6 +559,7 @@ async def _serve(args: argparse.Namespace) -> int:
                 sock.close()
                 raise ValueError(f"--lora-modules: {e}") from None
     state.grammar_check_timeout = getattr(args, "structured_outputs_check_timeout", 10.0)
+    _detect_tool_support(state, args, mc)
     if args.enable_log_requests:
         from pagedllm.entrypoints.openai.request_logger import RequestLogger
 
@@ -641,6 +642,26 @@ async def _serve(args: argparse.Namespace) -> int:
     return server.exit_code
 
 
+def _detect_tool_support(state: ServingState, args: argparse.Namespace, mc: Any) -> None:
+    """Set the state's tool parser, auto tool choice and prompt fallback from the flags
+    and the effective chat template (tool_detection.py); log the decision."""
+    from pagedllm.entrypoints.openai.tool_detection import resolve
+
+    template = state.chat_template
+    if template is None:
+        template = getattr(state.engine.tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        template = None  # a dict of named templates: detection reads only a single one
+    hf = getattr(mc, "hf_config", None)
+    support = resolve(getattr(args, "tool_call_parser", None),
+                      getattr(args, "enable_auto_tool_choice", False), template,
+                      getattr(hf, "model_type", None))
+    state.tool_call_parser = support.parser
+    state.enable_auto_tool_choice = support.auto
+    state.tool_prompt_fallback = support.prompt_fallback
+    logger.info("%s", support.summary)
+
+
 def run_server(args: argparse.Namespace) -> int:
     """``pagedllm serve``: run until SIGTERM/SIGINT or engine death; returns the exit
     status.  User errors (bad model path, taken port, too little KV memory) raise
@@ -650,9 +671,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     if getattr(args, "lora_modules", None) and not getattr(args, "enable_lora", False):
         raise ValueError("--lora-modules needs --enable-lora")
-    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
-                         "(hermes, llama3_json or mistral)")
+    if getattr(args, "enable_auto_tool_choice", False) and args.tool_call_parser == "none":
+        raise ValueError("--enable-auto-tool-choice contradicts --tool-call-parser none")
     prefetch_startup_files()  # first thing: both processes are about to import torch
     init_logger()
     return asyncio.run(_serve(args))

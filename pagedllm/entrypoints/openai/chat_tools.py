@@ -11,6 +11,12 @@
 * ``{"type": "function", "function": {"name": N}}``: a grammar forces the arguments
   object of tool N.
 
+With the *prompt fallback* (a template without tool support, ``tool_detection.py``) the
+server writes the tools into the system prompt and every choice uses one structural-tag
+grammar (``tool_prompt.call_grammar``): ``"auto"`` lets the model write text until it
+opens ``<tool_call>``, ``"required"`` and a named function force a call from the first
+token; the ``hermes`` parser reads the calls (``ToolMode.parsed``).
+
 :class:`ChoiceShaper` turns one choice's raw text into the message (``content``,
 ``reasoning_content``, ``tool_calls``) and, streaming, into OpenAI's deltas.
 """
@@ -61,10 +67,40 @@ class ToolMode:
     kind: str = "none"
     name: str | None = None
     constraint: StructuredOutputsParams | None = None
+    # The tool parser reads the calls (prompt fallback), not the JSON-array reader.
+    parsed: bool = False
 
 
 def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any,
-              parallel_tool_calls: bool | None, auto_enabled: bool) -> ToolMode:
+              parallel_tool_calls: bool | None, auto_enabled: bool,
+              fallback: bool = False) -> ToolMode:
+    """How the request's output is constrained and read; ``fallback``: the server's
+    prompt fallback (the tools are in the system prompt, calls in ``<tool_call>``)."""
+    mode = _tool_mode(tools, tool_choice, parallel_tool_calls, auto_enabled)
+    if not fallback or mode.kind == "none":
+        return mode
+    fns = function_tools(tools)
+    for f in fns:  # the up-front size bounds, before xgrammar sees a schema
+        _constraint(_params_schema(f))
+    if mode.kind == "named":
+        fns = [f for f in fns if f["name"] == mode.name]
+    forced = mode.kind != "auto"
+    # One call unless the request asks for parallel calls outright: a small model, once
+    # it has called, tends to repeat the call until max_tokens.
+    single = mode.kind == "named" or parallel_tool_calls is not True
+    from pagedllm.entrypoints.openai.tool_prompt import call_grammar
+
+    try:
+        grammar = call_grammar(fns, forced, single)
+    except ValueError as e:
+        raise RequestError(f"tools: {e}", "tools") from None
+    so = StructuredOutputsParams(grammar=grammar, origin="tools")
+    _check(so)
+    return ToolMode(mode.kind, mode.name, so, parsed=True)
+
+
+def _tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any,
+               parallel_tool_calls: bool | None, auto_enabled: bool) -> ToolMode:
     fns = function_tools(tools)
     implicit = tool_choice is None
     if implicit:
@@ -106,9 +142,13 @@ def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any,
                        "function", "tool_choice")
 
 
-def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
+def _check(so: StructuredOutputsParams) -> None:
     from pagedllm.entrypoints.openai.structured import check_size
 
+    check_size(so)
+
+
+def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
     # Compact JSON: a small model given free whitespace can spend its tokens on it.
     # Sized here; parsed and compiled off the event loop (``ServingState.start``).
     try:
@@ -116,7 +156,7 @@ def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
                                      origin="tools")
     except ValueError as e:
         raise RequestError(f"tools: {str(e).splitlines()[0]}", "tools") from None
-    check_size(so)
+    _check(so)
     return so
 
 
@@ -154,7 +194,7 @@ class ChoiceShaper:
     def __post_init__(self) -> None:
         if self.reasoning_parser is not None:
             self._reasoning = ReasoningStream(self.reasoning_parser)
-        if self.mode.kind == "auto" and self.tool_parser is not None:
+        if (self.mode.kind == "auto" or self.mode.parsed) and self.tool_parser is not None:
             self._tools = ToolCallStream(self.tool_parser, self.incremental_tools)
 
     @property
@@ -170,11 +210,11 @@ class ChoiceShaper:
         if self.reasoning_parser is not None:
             msg["reasoning_content"] = reasoning
         calls: list[dict[str, Any]] | None = []
-        if self.mode.kind in ("required", "named"):
+        if self.mode.kind in ("required", "named") and not self.mode.parsed:
             calls = _forced_calls(self.mode, content or "")
             if calls:
                 msg["content"] = None
-        elif self.mode.kind == "auto" and self.tool_parser is not None:
+        elif (self.mode.kind == "auto" or self.mode.parsed) and self.tool_parser is not None:
             msg["content"], calls = self.tool_parser.extract(content or "")
         if calls:
             msg["tool_calls"] = calls

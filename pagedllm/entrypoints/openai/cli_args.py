@@ -134,12 +134,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_image_server_args(parser.add_argument_group("images"))
     t = parser.add_argument_group("tools and reasoning")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="Allow tool_choice 'auto' (the default when a request has tools): "
-                        "the --tool-call-parser finds tool calls in the output.")
+                   help="Allow tool_choice 'auto' (the default when a request has tools) "
+                        "with --tool-call-parser; without a parser it is detected.")
     t.add_argument("--tool-call-parser", default=None,
-                   choices=["hermes", "llama3_json", "mistral"],
+                   choices=["hermes", "llama3_json", "mistral", "none"],
                    help="How tool calls look in this model's output: hermes (Qwen, "
-                        "<tool_call> blocks), llama3_json, mistral ([TOOL_CALLS]).")
+                        "<tool_call> blocks), llama3_json, mistral ([TOOL_CALLS]); "
+                        "'none' turns tool_choice 'auto' off. Default: detected from the "
+                        "chat template, else tools go into the system prompt "
+                        "(docs/server.md, tool calling).")
     t.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                    help="Split <think> reasoning into 'reasoning_content' (structured "
                         "outputs then apply after the reasoning).")

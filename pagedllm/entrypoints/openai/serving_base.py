@@ -72,6 +72,8 @@ class ServingState:
     # --reasoning-parser; entrypoints/openai/chat_tools.py).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # The tools go into the system prompt, calls grammar-guided (tool_detection.py).
+    tool_prompt_fallback: bool = False
     reasoning_parser: str | None = None
     # LoRA adapters served as models (lora_routes.ServerLoRAs), None: LoRA off.
     loras: Any = None

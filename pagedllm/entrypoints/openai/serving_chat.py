@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Request
@@ -26,7 +26,7 @@ from pagedllm.entrypoints.openai.chat_images import (
     template_messages_with_images,
     with_pil_images,
 )
-from pagedllm.entrypoints.openai.chat_tools import ChoiceShaper, ToolMode
+from pagedllm.entrypoints.openai.chat_tools import ChoiceShaper, ToolMode, function_tools
 from pagedllm.entrypoints.openai.json_body import check_depth
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, RequestError
 from pagedllm.entrypoints.openai.serving_base import (
@@ -42,6 +42,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     with_cancellation,
 )
 from pagedllm.entrypoints.openai.template_sandbox import check_template_kwargs
+from pagedllm.entrypoints.openai.tool_prompt import fallback_messages
 from pagedllm.outputs import CompletionOutput
 
 
@@ -108,7 +109,10 @@ class OpenAIServingChat(ServingHandler):
         else:
             if body.continue_final_message:
                 extra["continue_final_message"] = True
-            if body.tools:
+            if st.tool_prompt_fallback:  # the template has no tools: the system prompt
+                messages = fallback_messages(
+                    messages, [] if body.tool_choice == "none" else function_tools(body.tools))
+            elif body.tools:
                 extra["tools"] = body.tools
             if images:  # as offline LLM.chat: template, then the model's processor
                 ids = await st.off_loop(
@@ -320,9 +324,12 @@ def chat_extensions(st: Any, body: ChatCompletionRequest, params: Any) -> tuple[
     from pagedllm.entrypoints.openai.chat_tools import reasoning_end_ids, tool_mode
 
     mode = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls,
-                     st.enable_auto_tool_choice and st.tool_call_parser is not None)
+                     st.enable_auto_tool_choice and st.tool_call_parser is not None,
+                     fallback=st.tool_prompt_fallback)
     changes: dict[str, Any] = {}
     so = params.structured_outputs
+    if mode.kind == "auto" and mode.constraint is not None and so is not None:
+        mode = replace(mode, constraint=None)  # the client's format wins
     if mode.constraint is not None:
         if so is not None:
             raise RequestError("tool_choice \"required\" or a named function cannot be "
