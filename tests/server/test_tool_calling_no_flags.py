@@ -175,5 +175,6 @@ def test_flags_override_detection() -> None:
         with pytest.raises(openai.BadRequestError) as e:
             _chat(oai, CALLING_PROMPT)
         assert e.value.body["param"] == "tools"  # type: ignore[index]
+        assert "not supported" in e.value.body["message"]  # type: ignore[index]
         r = _chat(oai, "Weather in Oslo?", tool_choice=NAMED)  # JSON-forced, as before
         _check_call(r.choices[0].message.tool_calls[0])

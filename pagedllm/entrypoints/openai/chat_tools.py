@@ -43,7 +43,7 @@ def function_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     out = []
     for t in tools or []:
         fn = t.get("function") if isinstance(t, dict) else None
-        if t.get("type", "function") != "function" or not isinstance(fn, dict) \
+        if not isinstance(fn, dict) or t.get("type", "function") != "function" \
                 or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise RequestError("tools must be objects {\"type\": \"function\", "
                                "\"function\": {\"name\", \"parameters\"}}", "tools")
@@ -80,6 +80,10 @@ def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any,
     if not fallback or mode.kind == "none":
         return mode
     fns = function_tools(tools)
+    if mode.kind != "auto" and any(_params_schema(f).get("type") != "object" for f in fns):
+        # Arguments that are no object (a string, an enum): the JSON-forced call keeps
+        # them JSON text, which the hermes parser (taking a string as JSON) would not.
+        return mode
     for f in fns:  # the up-front size bounds, before xgrammar sees a schema
         _constraint(_params_schema(f))
     if mode.kind == "named":

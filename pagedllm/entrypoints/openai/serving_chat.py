@@ -110,8 +110,8 @@ class OpenAIServingChat(ServingHandler):
             if body.continue_final_message:
                 extra["continue_final_message"] = True
             if st.tool_prompt_fallback:  # the template has no tools: the system prompt
-                messages = fallback_messages(
-                    messages, [] if body.tool_choice == "none" else function_tools(body.tools))
+                # (shown for tool_choice "none" too, as a template shows them)
+                messages = fallback_messages(messages, function_tools(body.tools))
             elif body.tools:
                 extra["tools"] = body.tools
             if images:  # as offline LLM.chat: template, then the model's processor

@@ -43,7 +43,7 @@ _INSTRUCTIONS = (
 
 
 def _tool_line(fn: dict[str, Any]) -> str:
-    entry = {"name": fn["name"]}
+    entry: dict[str, Any] = {"name": fn["name"]}
     if isinstance(fn.get("description"), str):
         entry["description"] = fn["description"]
     entry["parameters"] = fn.get("parameters") or {"type": "object", "properties": {}}
