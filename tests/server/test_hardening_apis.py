@@ -181,7 +181,9 @@ def test_messages_tool_input_is_always_an_object(srv: ServerProcess) -> None:
     """Item 11: /v1/messages answered 500 when a call's arguments were no JSON object;
     ``tool_use.input`` is now that object, or ``{"value": ...}`` wrapping anything else,
     streamed or not; chat's arguments for the same call are valid JSON."""
-    body = {**MSG, "max_tokens": 16, "tools": [ENUM_TOOL],
+    # Greedy: the three answers below are compared (the tools prompt of a template
+    # without tool support leaves "Paris" and "Rome" close at temperature 1).
+    body = {**MSG, "max_tokens": 16, "tools": [ENUM_TOOL], "temperature": 0,
             "tool_choice": {"type": "tool", "name": "say"}}
     r = _post(srv, "/v1/messages", body)
     assert r.status_code == 200, r.text
@@ -201,7 +203,7 @@ def test_messages_tool_input_is_always_an_object(srv: ServerProcess) -> None:
                     partial += ev["delta"]["partial_json"]
     assert json.loads(partial) == uses[0]["input"]
     chat = _post(srv, "/v1/chat/completions", {
-        **CHAT, "max_tokens": 16, "tools": [{"type": "function", "function": {
+        **CHAT, "max_tokens": 16, "temperature": 0, "tools": [{"type": "function", "function": {
             "name": "say", "parameters": ENUM_TOOL["input_schema"]}}],
         "tool_choice": {"type": "function", "function": {"name": "say"}}})
     assert chat.status_code == 200, chat.text

@@ -659,6 +659,9 @@ def _detect_tool_support(state: ServingState, args: argparse.Namespace, mc: Any)
     state.tool_call_parser = support.parser
     state.enable_auto_tool_choice = support.auto
     state.tool_prompt_fallback = support.prompt_fallback
+    if support.prompt_fallback:
+        import xgrammar  # noqa: F401  (builds the call grammars; seconds to import: not
+        # on the event loop at the first request with tools)
     logger.info("%s", support.summary)
 
 
