@@ -4,7 +4,8 @@ clients (openai, langchain-openai, anthropic).
 * The default model (SmolLM2: its chat template has no tool support) with no tool flags
   gets the prompt fallback: the tools in the system prompt, a structural-tag grammar once
   a call opens, the hermes parser.  ``tool_choice`` auto, required and named all give
-  well-formed ``tool_calls`` whose arguments validate against the tool's schema.
+  well-formed ``tool_calls`` whose arguments validate against the tool's schema; so do
+  LangChain's ``bind_tools``, Anthropic's ``tools`` and the Responses API's.
 * The same model served with a hermes-style (Qwen 2.5) ``--chat-template`` gets the
   ``hermes`` parser detected (start-up log line) and no fallback.
 * ``--tool-call-parser none`` overrides detection: ``"auto"`` is refused again.
@@ -120,7 +121,7 @@ def test_default_model_without_flags_calls_tools(srv: ServerProcess,
     assert r.choices[0].message.tool_calls is None
 
 
-def test_langchain_bind_tools_and_anthropic_tools(srv: ServerProcess) -> None:
+def test_langchain_anthropic_and_responses_tools(srv: ServerProcess) -> None:
     from langchain_openai import ChatOpenAI
 
     llm = ChatOpenAI(base_url=srv.url + "/v1", api_key="x", model="SmolLM2-135M-Instruct",
@@ -148,6 +149,16 @@ def test_langchain_bind_tools_and_anthropic_tools(srv: ServerProcess) -> None:
         uses = [b for b in m.content if b.type == "tool_use"]
         assert m.stop_reason == "tool_use" and uses and uses[0].name == "get_weather", m
         jsonschema.validate(uses[0].input, PARAMS)
+
+    # The Responses API (its default tool_choice is auto).
+    oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", timeout=600, max_retries=0)
+    t = oai.responses.create(model="SmolLM2-135M-Instruct", input=CALLING_PROMPT,
+                             max_output_tokens=48, temperature=0, tools=[{
+                                 "type": "function", "name": "get_weather",
+                                 "parameters": PARAMS}])
+    calls = [o for o in t.output if o.type == "function_call"]
+    assert calls and calls[0].name == "get_weather", t.output
+    jsonschema.validate(json.loads(calls[0].arguments), PARAMS)
 
 
 def test_hermes_template_is_detected(tmp_path: Any) -> None:
