@@ -6,7 +6,10 @@ tiny ops (rotation, two ``index_copy_``, block gathers, a masked SDPA) whose wor
 few microseconds; this kernel does the same work in one call.  ``run`` computes what
 ``TorchReferenceBackend.forward_rope`` computes for a step in which every request has
 exactly one new token, up to float rounding in the attention (the rotation and the
-cached keys and values are bit-identical).
+cached keys and values are bit-identical).  Every other float32 step reaches ``run``
+too, recast by ``cpu_backend.row_plan`` as one "request" per query row (its request's
+block table, its own key count): the kernel writes every row's keys and values before
+any row attends, so a prompt row is a decode row that sees fewer keys.
 """
 
 from __future__ import annotations

@@ -90,12 +90,8 @@ def test_unwritten_slot_and_other_steps_fall_back() -> None:
     assert not decode_attention.applies(q, k, v, cache.to(torch.float8_e4m3fn), meta)
 
 
-def test_one_token_rows_of_a_mixed_step_equal_a_decode_step() -> None:
-    """In a step mixing prompt chunks with one-token requests, the one-token rows are
-    the C kernel's, bit for bit what the same requests get in a decode-only step (so a
-    token's result does not depend on its step's other requests); the prompt rows are
-    the torch reference's, and the cache is the reference's."""
-    g = torch.Generator().manual_seed(11)
+def _mixed_case(seed: int = 11):
+    g = torch.Generator().manual_seed(seed)
     hq, hk, d = 6, 2, 64
     ctx, qlens = [37, 0, 16, 20], [1, 5, 1, 3]
     need = [(c + n) // BS + 1 for c, n in zip(ctx, qlens)]
@@ -108,23 +104,51 @@ def test_one_token_rows_of_a_mixed_step_equal_a_decode_step() -> None:
     k = qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
     v = qkv[:, (hq + hk) * d:].view(t, hk, d)
     cos_sin = torch.randn(256, d, generator=g)
+    return ctx, qlens, tables, cache, q, k, v, cos_sin, d
+
+
+def _run(q, k, v, cache, ctx, qlens, tables, cos_sin, d):  # type: ignore[no-untyped-def]
+    meta = build_metadata(ctx, qlens, tables, BS)
+    rope = RopeInputs(positions_for(ctx, qlens), cos_sin, torch.float32)
+    return CpuBackend().forward_rope(q.clone(), k.clone(), v.clone(), cache, meta,
+                                     d ** -0.5, rope)
+
+
+def test_every_row_is_batch_invariant() -> None:
+    """A step mixing prompt chunks with one-token requests: every row, prompt or decode,
+    is bit for bit what it gets with its request alone, with its prompt split into other
+    chunks, or computed one token at a time as decodes (``cpu_backend.py``'s contract);
+    the cache is the reference's bit for bit and the outputs equal the reference's to
+    float32 rounding."""
+    ctx, qlens, tables, cache, q, k, v, cos_sin, d = _mixed_case()
     mixed = build_metadata(ctx, qlens, tables, BS)
     rope = RopeInputs(positions_for(ctx, qlens), cos_sin, torch.float32)
     ref_cache = cache.clone()
     ref = TorchReferenceBackend().forward_rope(q.clone(), k.clone(), v.clone(), ref_cache,
                                                mixed, d ** -0.5, rope)
     got_cache = cache.clone()
-    got = CpuBackend().forward_rope(q.clone(), k.clone(), v.clone(), got_cache, mixed,
-                                    d ** -0.5, rope)
+    got = _run(q, k, v, got_cache, ctx, qlens, tables, cos_sin, d)
     assert torch.equal(got_cache, ref_cache)
-    rows = [0, 6]  # the one-token requests' rows (requests 0 and 2)
-    prompt_rows = [1, 2, 3, 4, 5, 7, 8, 9]
-    assert torch.equal(got[prompt_rows], ref[prompt_rows])
-    torch.testing.assert_close(got[rows], ref[rows], rtol=1e-5, atol=1e-5)
-    # The same two requests alone, in a decode-only step (the C path).
-    alone = build_metadata([ctx[0], ctx[2]], [1, 1], [tables[0], tables[2]], BS)
-    alone_rope = RopeInputs(positions_for([ctx[0], ctx[2]], [1, 1]), cos_sin, torch.float32)
-    assert decode_attention.applies(q[rows], k[rows], v[rows], cache, alone)
-    want = CpuBackend().forward_rope(q[rows].clone(), k[rows].clone(), v[rows].clone(),
-                                     cache.clone(), alone, d ** -0.5, alone_rope)
-    assert torch.equal(got[rows], want)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    starts = [sum(qlens[:i]) for i in range(len(qlens))]
+    for r, (c, n, s) in enumerate(zip(ctx, qlens, starts)):
+        rows = slice(s, s + n)
+        alone = _run(q[rows], k[rows], v[rows], cache.clone(), [c], [n], [tables[r]],
+                     cos_sin, d)
+        assert torch.equal(alone, got[rows]), r
+        # One token at a time (each a decode step over the keys written before it).
+        step_cache = cache.clone()
+        for i in range(n):
+            one = slice(s + i, s + i + 1)
+            out = _run(q[one], k[one], v[one], step_cache, [c + i], [1], [tables[r]],
+                       cos_sin, d)
+            assert torch.equal(out, got[one]), (r, i)
+    # The 5-token prompt (request 1) as chunks of 2 and 3 beside other requests.
+    chunk_cache = cache.clone()
+    first = _run(q[1:3], k[1:3], v[1:3], chunk_cache, [0], [2], [tables[1]], cos_sin, d)
+    rest = torch.cat([q[6:7], q[3:6]]), torch.cat([k[6:7], k[3:6]]), torch.cat([v[6:7],
+                                                                                   v[3:6]])
+    second = _run(*rest, chunk_cache, [ctx[2], 2], [1, 3], [tables[2], tables[1]],
+                  cos_sin, d)
+    assert torch.equal(torch.cat([first, second[1:]]), got[1:6])
+    assert torch.equal(second[:1], got[6:7])
