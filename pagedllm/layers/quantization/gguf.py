@@ -288,6 +288,7 @@ class GGUFConfig(QuantizationConfig):
         return self._embedding
 
     def check_device(self, device: str, dtype: str) -> None:
+        self._device = device  # for describe(): which kernels, which activations
         if device == "cpu" and not cpu_kernel_available():
             raise ValueError("quantization 'gguf': this torch has no CPU int4 kernel "
                              "(_weight_int4pack_mm_for_cpu); pass quantization='none'")
@@ -296,6 +297,9 @@ class GGUFConfig(QuantizationConfig):
         types = ", ".join(f"{n} x{c}" for n, c in sorted(self.type_counts.items()) if c)
         bits = sorted({gb.BITS[gb.Q[n]] for n in self.type_counts
                        if n in gb.Q.__members__ and gb.Q[n] in gb.BITS})
+        # A VNNI CPU's kernels take int8 activations as ggml's do (module doc).
+        acts = "int8 activations (VNNI)" if getattr(self, "_device", None) == "cpu" \
+            and int4_vnni.available() else "bf16 activations"
         return (f"gguf ({types}; {'/'.join(map(str, bits))}-bit codes, group "
-                f"{gb.GROUP} int4 kernels, bf16 activations; "
+                f"{gb.GROUP} int4 kernels, {acts}; "
                 f"{self.quant_bytes / (1 << 20):.1f} MiB of 2-D tensors in the file)")
