@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
-from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed.parallel_state import current_parallel_state
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.models.clip_vision import CLIPVisionModel, vision_activation
@@ -32,6 +31,7 @@ from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
 from pagedllm.models.siglip_vision import SiglipVisionModel
+from pagedllm.models.vlm_base import TextDecoderDelegate
 
 # The text decoders a LLaVA checkpoint may carry, by ``text_config.model_type`` (the
 # registry's classes; imported here, not looked up, so models/ has no import cycle).
@@ -59,7 +59,7 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(TextDecoderDelegate):
     """The model interface of ``LlamaForCausalLM`` plus ``embed_multimodal``."""
 
     supports_multimodal = True
@@ -103,24 +103,6 @@ class LlavaForConditionalGeneration(nn.Module):
         if self.drop_cls:
             states = [s[:, 1:] for s in states]
         return list(self.multi_modal_projector(torch.cat(states, dim=-1)))
-
-    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.get_input_embeddings(input_ids)  # type: ignore
-
-    # -- the text model's interface ---------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, last_only: bool = False,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
-                inputs_embeds: torch.Tensor | None = None,
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return self.language_model(input_ids, positions, meta, last_only, intermediate,
-                                   inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)  # type: ignore[operator]
-
-    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        self.language_model.bind_kv_caches(kv_caches)  # type: ignore[operator]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Text tensors go to the decoder's ``load_weights`` (its checks included);

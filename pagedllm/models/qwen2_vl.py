@@ -27,16 +27,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
-from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.layers.mrope import MRotaryEmbedding
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.layers.rotary import rope_parameters
 from pagedllm.models.llama import head_dim_of
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen2_vl_vision import Qwen2VisionTransformer
+from pagedllm.models.vlm_base import TextDecoderDelegate
 from pagedllm.multimodal.inputs import MultiModalFeature
 
 _VISION = re.compile(r"^(?:model\.)?visual\.(.*)$")
@@ -67,7 +66,7 @@ def mrope_input_positions(num_tokens: int, features: list[MultiModalFeature],
     return pos, delta
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+class Qwen2VLForConditionalGeneration(TextDecoderDelegate):
     """The model interface of ``LlamaForCausalLM`` plus ``embed_multimodal`` and the
     M-RoPE hook ``get_mrope_input_positions`` (``uses_mrope``: the runner passes
     positions ``[3, T]``)."""
@@ -109,25 +108,6 @@ class Qwen2VLForConditionalGeneration(nn.Module):
                                   ) -> tuple[np.ndarray, int]:
         """``(positions [3, prompt length], delta)``: see ``mrope_input_positions``."""
         return mrope_input_positions(len(prompt_token_ids), mm_features, self.merge)
-
-    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.get_input_embeddings(input_ids)
-
-    # -- the text model's interface ---------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, last_only: bool = False,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
-                inputs_embeds: torch.Tensor | None = None,
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``positions``: ``[3, T]`` (M-RoPE rows) or ``[T]`` (text: equal rows)."""
-        return self.language_model(input_ids, positions, meta, last_only, intermediate,
-                                   inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        self.language_model.bind_kv_caches(kv_caches)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Decoder tensors go to the decoder's ``load_weights`` (its checks included);
