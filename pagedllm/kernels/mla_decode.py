@@ -307,7 +307,9 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     q_blocks = -(-max(1, max_query_len) // launch.block_q)
     splits = launch.num_splits
     f32_dot = _interpreting() or q_latent.dtype == torch.float32
-    block_l = triton.next_power_of_2(lat)
+    # tl.dot needs K >= 16 on the GPU: small latent / rope widths (tiny test models) are
+    # padded and masked.
+    block_l = max(16, triton.next_power_of_2(lat))
     if splits > 1:
         part = torch.empty(t, splits, h, lat, dtype=torch.float32, device=q_latent.device)
         lse = torch.empty(t, splits, h, dtype=torch.float32, device=q_latent.device)
@@ -321,7 +323,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
         stride_ot, stride_oh,
-        L=lat, R=rope, BLOCK_L=block_l, BLOCK_R=triton.next_power_of_2(rope),
+        L=lat, R=rope, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=launch.block_h, BLOCK_Q=launch.block_q, HEAD_BLOCKS=head_blocks,
         BLOCK_N=launch.block_n, BLOCK_SIZE=kv_cache.shape[2], SPLIT=splits > 1,
         F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), num_warps=launch.num_warps,

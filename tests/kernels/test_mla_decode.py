@@ -116,7 +116,7 @@ def test_agrees_with_the_model_backend() -> None:
     bs = cache.shape[2]
     for r, (n, s) in enumerate(zip(q_lens, seq_lens)):
         lo = sum(q_lens[:r])
-        latent = cache.cpu()[0, tables[r, :-(-s // bs)].long()].flatten(0, 1)[:s, 0]
+        latent = cache.cpu()[0, tables.cpu()[r, :-(-s // bs)].long()].flatten(0, 1)[:s, 0]
         ref = MLATorchBackend._attend_latent(q_lat[lo:lo + n].cpu(), q_pe[lo:lo + n].cpu(),
                                              latent, dims, scale)
         assert_close(got[lo:lo + n], ref, torch.float32, 7)
