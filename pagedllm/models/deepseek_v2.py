@@ -112,10 +112,15 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             layer.set_mode(mode)
 
     def bind_kv_caches(self, kv_caches: list[Any]) -> None:
+        """Each MLA layer's latent cache ``[1, blocks, block_size, 1, L + R]``; ``None``
+        unbinds.  ``ValueError`` on an fp8 cache or a wrong shape."""
         layers = self.mla_layers()
         if len(kv_caches) != len(layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(layers)} layers")
         for layer, cache in zip(layers, kv_caches):
+            if cache is None:  # unbound (the start-up profile's caches are dropped)
+                layer.kv_cache = torch.empty(0)
+                continue
             if cache.element_size() == 1:  # refused at start-up, not mid-step
                 raise ValueError("kv_cache_dtype: an fp8 KV cache is not supported with "
                                  "multi-head latent attention; use kv_cache_dtype='auto'")
