@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
