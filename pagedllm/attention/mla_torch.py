@@ -75,7 +75,8 @@ class _Plan:
     chunks: list[int]  # rows of longer requests
     decode_tokens: torch.Tensor | None  # device, token index of each decode (None: 0..B-1)
     decode_blocks: int
-    decode_mask: torch.Tensor | None  # [B, 1, 1, nblk * bs] bool, True = attend
+    # [B, 1, 1, nblk * bs] bool, True = attend; built on first use (torch path only)
+    decode_mask: torch.Tensor | None
 
 
 def _kernel() -> object | None:
@@ -120,7 +121,12 @@ class MLATorchBackend:
         entry = torch.cat((c_kv[:n], k_pe[:n]), dim=-1).to(kv_cache.dtype)
         slots = meta.slot_mapping[:n]
         valid = slots >= 0
-        if kv_cache.device.type != "cpu" or not bool(valid.all()):
+        if kv_cache.device.type != "cpu":
+            # No boolean indexing (a device->host sync; CUDA graphs cannot capture it):
+            # padded rows (slot -1) write into the null block, block 0, which the block
+            # pool never hands to a request.
+            slots = torch.where(valid, slots, torch.zeros_like(slots))
+        elif not bool(valid.all()):
             slots, entry = slots[valid], entry[valid]
         kv_cache.view(nb * bs, width).index_copy_(0, slots, entry)
 
@@ -218,6 +224,11 @@ class MLATorchBackend:
                        meta.query_start_loc[:b + 1], scale, 1)
             return o, None
         lat = kv_cache.shape[-1] - q_pe.shape[-1]
+        if plan.decode_mask is None:  # built here, not in _plan: the kernel path needs none
+            dev_seq = plan.seq_lens[plan.decodes].to(q_nope.device)
+            plan.decode_mask = (torch.arange(plan.decode_blocks * kv_cache.shape[2],
+                                             device=q_nope.device)
+                                < dev_seq.unsqueeze(1))[:, None, None, :]
         if tokens is None:
             tables = meta.block_tables[:b, :plan.decode_blocks]
         else:
@@ -276,16 +287,14 @@ class MLATorchBackend:
         qlens = (qsl[1:] - qsl[:-1]).tolist()
         decodes = [r for r, n in enumerate(qlens) if n == 1]
         chunks = [r for r, n in enumerate(qlens) if n > 1]
-        tokens = mask = None
+        tokens = None
         nblk = 0
         if decodes:
-            dec_seq = seq_lens[decodes]
-            nblk = -(-int(dec_seq.max()) // block_size)
+            nblk = -(-int(seq_lens[decodes].max()) // block_size)
             if decodes != list(range(len(decodes))) or len(decodes) != meta.num_reqs:
                 tokens = qsl[decodes].to(device=device, dtype=torch.long)
-            dev_seq = dec_seq.to(device)
-            mask = (torch.arange(nblk * block_size, device=device)
-                    < dev_seq.unsqueeze(1))[:, None, None, :]
-        plan = _Plan(qsl.clone(), seq_lens.clone(), decodes, chunks, tokens, nblk, mask)
+        # A decode-only step (what a CUDA graph captures) copies nothing to the device
+        # here: its rows are 0..B-1 and the kernel reads the device metadata.
+        plan = _Plan(qsl.clone(), seq_lens.clone(), decodes, chunks, tokens, nblk, None)
         self._meta_seq, self._plan_cache = meta.seq_lens, plan
         return plan

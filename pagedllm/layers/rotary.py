@@ -89,7 +89,8 @@ def _yarn(inv_freq: torch.Tensor, dim: int, params: dict[str, Any],
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # as HF: avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    half = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((half - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp
     pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(torch.float32) / dim)
     interp = 1.0 / (factor * pos_freqs)
@@ -162,7 +163,8 @@ class RotaryEmbedding(nn.Module):
             short = torch.tensor(params["short_factor"], dtype=torch.float32, device="cpu")
             long = torch.tensor(params["long_factor"], dtype=torch.float32, device="cpu")
             # HF's inv_freq = 1 / (ext_factors * base ** (2i / rot)), per factor set.
-            exponent = torch.arange(0, rot, 2, dtype=torch.int64, device="cpu").to(torch.float32) / rot
+            exponent = torch.arange(0, rot, 2, dtype=torch.int64, device="cpu").to(
+                torch.float32) / rot
             pw = float(params["rope_theta"]) ** exponent
             freqs = torch.cat((torch.outer(t[:old_ctx], 1.0 / (short * pw)),
                                torch.outer(t[old_ctx:], 1.0 / (long * pw))))

@@ -60,9 +60,10 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     stacked_params_mapping = [("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
     make_mlp = staticmethod(make_deepseek_mlp)
-    # The torch MLA path plans each step on the host (``attention/mla_torch.py``): the
-    # worker runs it eagerly rather than replaying a stale plan from a CUDA graph.
-    supports_cuda_graphs = False
+    # The torch MLA path plans steps with prompt chunks on the host (a loop over
+    # requests, ``attention/mla_torch.py``): those run eagerly.  Decode-only steps go
+    # through the Triton kernel, whose launch depends on host ints only: CUDA graphs.
+    cuda_graph_steps = "decode"
 
     def __init__(self, hf_config: Any, backend: AttentionBackend,
                  quant_config: QuantizationConfig | None = None) -> None:

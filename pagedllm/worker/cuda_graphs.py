@@ -143,13 +143,15 @@ class CudaGraphRunner:
                  max_num_batched_tokens: int,
                  max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE,
                  memory_margin: int = GRAPH_MEMORY_MARGIN, last_only: bool = False,
-                 num_kv_groups: int = 1, position_rows: int = 1) -> None:
+                 num_kv_groups: int = 1, position_rows: int = 1,
+                 chunk_graphs: bool = True) -> None:
         """``last_only``: chunk graphs run the model's ``last_only`` forward and return one
         row per request slot (each request's last token); decode graphs return one row per
         token either way (a decode token is its request's last).  ``num_kv_groups``:
         hybrid KV cache groups, each with its own static block tables and slot mapping.
         ``position_rows``: 3 for M-RoPE models (positions ``[3, T]``, ``layers/mrope.py``),
-        else 1 (``[T]``)."""
+        else 1 (``[T]``).  ``chunk_graphs`` False: decode graphs only (a model whose
+        prompt-chunk attention plans on the host); other steps run eagerly."""
         self.model = model
         self.last_only = last_only
         self.device = device
@@ -158,7 +160,7 @@ class CudaGraphRunner:
         self.memory_margin = memory_margin  # what the memory plan set aside
         self.sizes = capture_sizes(max_num_seqs)
         self.chunk_sizes = chunk_capture_sizes(max_num_batched_tokens, max_model_len,
-                                               max_capture_size)
+                                               max_capture_size) if chunk_graphs else []
         n = self.sizes[-1]
         self.max_num_seqs = n
         tokens = max([n, *self.chunk_sizes])

@@ -254,7 +254,8 @@ class ModelRunner:
             self.config.scheduler_config.max_num_batched_tokens,
             self.config.device_config.max_cudagraph_capture_size, memory_margin,
             last_only=self.last_only, num_kv_groups=self.num_kv_groups,
-            position_rows=3 if self.mrope is not None else 1)
+            position_rows=3 if self.mrope is not None else 1,
+            chunk_graphs=getattr(self.model, "cuda_graph_steps", "all") == "all")
         self.graphs.capture()
 
     # -- 1. apply the scheduler's diffs ------------------------------------------------

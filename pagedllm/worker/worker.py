@@ -361,10 +361,12 @@ class Worker:
             attach_draft(self.runner, self.draft_model, self.config, self.kv_dtype,
                          DraftModelProposer if method == "draft_model" else EagleProposer)
         # Pipeline stages exchange hidden states between graph replays: run them eagerly.
-        # A model whose attention plans on the host (MLA's torch path) runs eagerly too.
+        # A model's ``cuda_graph_steps`` ("all", "decode" or "none") limits what is
+        # captured: MLA's torch path plans prompt chunks on the host, so only its
+        # decode-only steps replay graphs.
         if self.device.type == "cuda" and not self.config.device_config.enforce_eager \
                 and self.parallel.pp_size == 1 \
-                and getattr(self.model, "supports_cuda_graphs", True):
+                and getattr(self.model, "cuda_graph_steps", "all") != "none":
             self.runner.capture_cuda_graphs(self.graph_margin)
         # Only the last pipeline stage has an LM head.
         if self.device.type == "cuda" and self.parallel.pp.is_last:
