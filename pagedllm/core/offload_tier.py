@@ -1,41 +1,54 @@
 """The host tier of the prefix cache (``kv_offload_bytes``): KV blocks evicted from the
 device pool are kept in host memory, keyed by their block hash, and loaded back on a
-prefix hit (torch-free bookkeeping; the runner's ``BlockOps`` copies the bytes).
+prefix hit, a step ahead of the request that needs them (torch-free bookkeeping; the
+runner's ``BlockOps`` copies the bytes).
 
 ```
  device pool (BlockPool)                         host pool (this class)
  free list head ─► [b] hash h ── evicted ──copy──► slot s   lru: {h: s, ...}  (LRU first)
                                  (offload pairs: (b, s))
- lookup of request r:  hashes [h0][h1][h2][h3]
-                       device  hit  miss miss     host: h1 -> s1, h2 -> s2, h3 missing
-    promote: new blocks b1, b2 ◄──copy── s1, s2   (load pairs: (s1, b1), (s2, b2))
-             registered as h1, h2 and put back on the free list: ordinary device hits
-             for ``get_computed_blocks``, which follows at once
+ lookup of waiting request r:  hashes [h0][h1][h2][h3]
+                               device  hit  miss miss     host: h1 -> s1, h2 -> s2
+ step N    promote: new blocks b1, b2 ◄──copy── s1, s2   (load pairs: (s1, b1), (s2, b2))
+           registered as h1, h2, held (with b0) until the step's copies are taken;
+           r is not admitted: it keeps its place in the queue
+           runner: loads on a copy stream, overlapping step N's forward
+ step N+1  the forward waits for the loads first; r's lookup finds b0, b1, b2 as
+           ordinary device hits (num_cached_tokens counts them) and r is admitted
 ```
 
-Contracts (the runner's order, ``worker/block_ops.py``: swap-outs, offloads, swap-ins,
-loads, copy-on-write copies -- all before the step's forward writes any KV):
+Contracts (the runner's order, ``worker/block_ops.py``: wait for the last step's loads;
+swap-outs, offloads, swap-ins; issue the loads on the copy stream; copy-on-write copies):
 
 * **A block is saved before its new owner writes it.**  ``BlockPool`` calls ``_save``
   when it hands out a free block that still holds a cached hash; that block was computed
   by an earlier step (a block registered in this step and released before it ran had its
-  hash dropped, ``KVCacheManager._release``), so the copy, ordered before this step's
-  writes, reads valid KV.  A hash the host already holds is only marked recently used.
-* **A block loaded this step is valid when the forward reads it.**  Loads follow the
-  offloads (so a block saved and looked up in one step round-trips), and a host slot
-  read by a load this step is never given to another hash before the step's copies are
-  taken (``take_copies``), so no offload overwrites it first.
-* **Destinations are distinct.**  A promoted block evicted again in the same step (it
-  was not admitted and another allocation took it) has its load cancelled: its new
-  owner writes it, and the host keeps the copy.
+  hash dropped, ``KVCacheManager._release``; a loading block is held, so it is not on
+  the free list), so the copy, ordered before this step's writes, reads valid KV.  A hash
+  the host already holds is only marked recently used.
+* **No one reads or writes a block while its load is in flight.**  The load issued with
+  step N's output lands before anything of step N+1 runs (the runner's compute stream
+  waits for it), so only step N's own decisions could race it.  In step N a promoted
+  block is referenced by the tier (``_holds``), so no allocation takes it, and a lookup
+  whose prefix runs through it (another request's load, ``_in_flight``) makes that
+  request wait a step too.  The holds are dropped when the copies are taken: from step
+  N+1 on the blocks are ordinary cached blocks (at the free list's tail, prefix last).
+  An abort or preemption has nothing to release (the request holds no loading blocks;
+  ``forget`` drops its counters).  Not holding past step N is deliberate: a hold through
+  step N+1 would have running requests preempt one another to keep a prefix for a
+  request not yet running; evicted anyway, the prefix comes back from the host again.
+* **A host slot read by a load is not overwritten before the copy reads it.**  A slot
+  read by a load queued this step is never given to another hash before the step's
+  copies are taken (``_reading``); the runner reads it into a staging buffer when it
+  issues the load, after this step's offloads (so a block saved and looked up in one
+  step round-trips), and the next step's offloads run after that.
+* **Destinations are distinct.**  A loading block is held, so it cannot be promoted,
+  evicted or taken again in the same step.
 * **Inclusive.**  A loaded hash stays in the host pool (LRU-touched): evicting the
   device copy again costs no copy.
-* **Nothing leaks.**  Promoted blocks go back to the device free list at once (the
-  request's ``allocate_slots`` references them like any hit, or they stay cached);
-  host slots are either free or hold exactly one hash.
+* **Nothing leaks.**  Holds last until ``take_copies``; host slots are either free or
+  hold exactly one hash.
 
-The copies are synchronous with the step (ordered before its forward on the compute
-stream); a fully overlapped load on a copy stream, a step ahead, is not done yet.
 Hybrid KV cache groups work unchanged: a pool key carries its group, and a block id is
 one page in every shared KV tensor, which the runner copies whole.  A sliding-window
 group promotes every host-held block of the walk, also those before the window of the
@@ -96,12 +109,23 @@ class OffloadTier:
         self._free: list[int] = list(range(num_host_blocks - 1, -1, -1))
         # This step's copies: (device block, host slot) and (host slot, device block).
         self._offload: list[tuple[int, int]] = []
-        self._load: dict[int, int] = {}  # device block -> host slot (insertion order)
+        self._load: list[tuple[int, int]] = []
         self._reading: set[int] = set()  # host slots loads read this step: pinned
+        self._in_flight: set[int] = set()  # device blocks loaded this step
+        # The blocks of each promotion with loads, referenced by the tier until the
+        # step's copies are taken (the module doc's second contract).
+        self._holds: list[list[KVCacheBlock]] = []
+        self._waiting: dict[str, int] = {}  # request id -> blocks it waits for
+        # The request ids whose loads went out with the last step's copies: they wait
+        # for them and are admissible from the next step on (tests, debugging).
+        self.loading: frozenset[str] = frozenset()
         self._stats = OffloadStats()
         # The last lookup's (request id, queried tokens, hit tokens): counted only when
         # that request is admitted (``record_lookup``), as the device cache's are.
         self._last: tuple[str, int, int] | None = None
+        # Host-hit tokens of a request that waited for its loads: its next lookup finds
+        # them on the device, but they count as host hits when it is admitted.
+        self._carried: dict[str, int] = {}
         self.total_hit_blocks = 0
         pool.on_evict = self._save
 
@@ -112,6 +136,11 @@ class OffloadTier:
     @property
     def num_used(self) -> int:
         return len(self._lru)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests looked up this step that wait for loads (not admitted)."""
+        return len(self._waiting)
 
     def slot_of(self, key: Hashable) -> int | None:
         """The host slot holding ``key`` (tests and debugging)."""
@@ -124,8 +153,6 @@ class OffloadTier:
         key = block.block_hash
         if key is None:
             return
-        if self._load.pop(block.block_id, None) is not None:
-            return  # promoted this step and evicted again: the host still holds it
         if key in self._lru:
             self._lru.move_to_end(key)
             return
@@ -147,31 +174,39 @@ class OffloadTier:
 
     # -- host -> device ------------------------------------------------------------
     def promote(self, request: Request, max_blocks: int | None = None) -> int:
-        """Bring the host-held blocks of ``request``'s cached prefix back to the device
-        before its prefix lookup, in every group; returns the blocks promoted.
+        """Start bringing the host-held blocks of ``request``'s cached prefix back to
+        the device before its prefix lookup, in every group; returns the blocks of that
+        prefix whose load is in flight this step (promoted now, or by another request
+        earlier in the step).  Nonzero: the request must not run this step -- admitted
+        in a later one, its lookup finds them as ordinary device hits.
 
         Walks the request's full blocks (at most ``max_blocks``, default: all but the
         last token's, like ``get_computed_blocks``) and stops at the first block cached
         in neither tier.  Device hits along the way are referenced while new blocks are
         taken, so the new blocks cannot evict them; each new block is registered under
-        its hash, its load is queued, and all go back to the free list (tail first, so
-        the prefix stays cached longest).  When the device pool has fewer free blocks
-        than host hits, the first ones are promoted.
+        its hash and its load queued, and the walk's blocks stay referenced until
+        ``take_copies`` (then freed tail first, so the prefix stays cached longest).
+        When the device pool has fewer free blocks than host hits, the first ones are
+        promoted.
         """
         first = self.managers[0]
+        rid = request.request_id
+        carried = self._carried.pop(rid, 0)
         if not first.wants_prefix_lookup(request):
             self._last = None
             return 0
         bs = self.block_size
         n = (request.num_tokens - 1) // bs if max_blocks is None else max_blocks
-        pool = self.pool
-        queried = hit = promoted = 0
+        pool, in_flight = self.pool, self._in_flight
+        queried = hit = promoted = loading = 0
         for m in self.managers:
             chain: list[KVCacheBlock | tuple[Hashable, int]] = []
             device_prefix = -1
             for i, key in enumerate(m.block_keys(request, n)):
                 b = pool.get_cached_block(key)
                 if b is not None:
+                    if b.block_id in in_flight:
+                        loading += 1
                     chain.append(b)
                     continue
                 if device_prefix < 0:
@@ -190,24 +225,32 @@ class OffloadTier:
             held = [c for c in chain if isinstance(c, KVCacheBlock)]
             pool.touch(held)
             todo = todo[:pool.num_free_blocks]
+            if not todo:  # no free block left: nothing moves, the hits stay cached
+                pool.free_blocks(reversed(held))
+                continue
             for _, slot in todo:
                 self._reading.add(slot)  # (before get_new_blocks: it may evict to host)
             new = pool.get_new_blocks(len(todo))
             for b, (key, slot) in zip(new, todo):
                 pool.cache_block(b, key)
-                self._load[b.block_id] = slot
+                self._load.append((slot, b.block_id))
+                in_flight.add(b.block_id)
                 self._lru.move_to_end(key)
-            # Back in chain order, reversed: the prefix stays cached longest.
             taken = iter(new)
-            order = [c if isinstance(c, KVCacheBlock) else next(taken, None)
-                     for c in chain]
-            pool.free_blocks(reversed([b for b in order if b is not None]))
+            hold = [c if isinstance(c, KVCacheBlock) else next(taken, None) for c in chain]
+            self._holds.append([b for b in hold if b is not None])
             promoted += len(new)
+            loading += len(new)
             if m is first:
                 hit = len(new) * bs
-        self._last = (request.request_id, queried, hit)
         self.total_hit_blocks += promoted
-        return promoted
+        if loading:
+            self._waiting[rid] = loading
+            self._carried[rid] = carried + hit
+            self._last = None
+        else:
+            self._last = (rid, queried + carried, hit + carried)
+        return loading
 
     def record_lookup(self, request: Request) -> None:
         """Count the last ``promote`` when its request is admitted (a request that
@@ -217,14 +260,27 @@ class OffloadTier:
             self._stats.hits += self._last[2]
         self._last = None
 
+    def forget(self, request_id: str) -> None:
+        """``request_id`` left the scheduler (finished, aborted): drop its counters.
+        Nothing else to release -- holds end with the step (the module doc)."""
+        self._carried.pop(request_id, None)
+
     # -- the step's copies -----------------------------------------------------------
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The copies queued since the last call, for the step about to run:
-        ``(offloads (device, host), loads (host, device))``; unpins the host slots."""
+        ``(offloads (device, host), loads (host, device))``.  Ends the step for the
+        tier: unpins the host slots and frees the promoted blocks' holds (their loads
+        land before the next step runs anything)."""
         offload, self._offload = self._offload, []
-        load = [(s, d) for d, s in self._load.items()]
-        self._load = {}
+        load, self._load = self._load, []
+        pool = self.pool
+        for hold in self._holds:
+            pool.free_blocks(reversed(hold))
+        self._holds = []
+        self._in_flight.clear()
         self._reading.clear()
+        self.loading = frozenset(self._waiting)
+        self._waiting = {}
         self._stats.blocks_to_host += len(offload)
         self._stats.blocks_to_device += len(load)
         return offload, load
@@ -236,16 +292,21 @@ class OffloadTier:
         return s
 
     def reset(self) -> None:
-        """Forget every host-held hash (``reset_prefix_cache``; nothing is in flight:
-        the copies queued so far have been taken)."""
+        """Forget every host-held hash (``reset_prefix_cache``, between steps: the
+        copies queued so far have been taken, so nothing is held)."""
         self._lru.clear()
         self._free = list(range(self.num_host_blocks - 1, -1, -1))
         self._reading.clear()
+        self._carried.clear()
 
     def check_invariants(self) -> None:
-        """Every slot free or holding one hash (tests)."""
+        """Every slot free or holding one hash; every load's destination distinct and
+        held (tests)."""
         slots = sorted([*self._free, *self._lru.values()])
         assert slots == list(range(self.num_host_blocks)), "host slot leaked or doubled"
+        dst = [d for _, d in self._load]
+        assert len(set(dst)) == len(dst), "two loads into one block"
+        assert all(self.pool.blocks[d].ref_cnt > 0 for d in dst), "loading block not held"
 
 
 def make_offload_tier(kv: object, num_host_blocks: int) -> OffloadTier | None:

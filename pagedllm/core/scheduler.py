@@ -263,6 +263,8 @@ class Scheduler:
 
     def _free(self, req: Request) -> None:
         self.kv.free(req)
+        if self.offload is not None:
+            self.offload.forget(req.request_id)
         self.encoder.forget(req.request_id)
         self.requests.pop(req.request_id, None)
         self._may_need_sync.pop(req.request_id, None)
@@ -392,8 +394,9 @@ class Scheduler:
             self._schedule_waiting(step, loras, now)
 
         # 4. Nothing runs although requests wait: beams waiting for group-mates that
-        # cannot get in (a deadlock only beams cause).  Make room at the queue's back.
-        if not step.touched:
+        # cannot get in (a deadlock only beams cause; not a request waiting for its
+        # host-tier loads).  Make room at the queue's back.
+        if not step.touched and not (self.offload is not None and self.offload.num_waiting):
             victim = self.beams.deadlock_victim(
                 self.running, bool(len(self.waiting) or len(self.swap)))
             if victim is not None:
@@ -507,8 +510,9 @@ class Scheduler:
     def _schedule_waiting(self, step: _Step, loras: LoRABudget, now: float) -> None:
         """Admit waiting requests in queue order while the budget (under the throughput
         policy: what the prefill pace leaves), blocks and seats allow; prefix-cache hits
-        count as computed.  One whose adapter would exceed ``max_loras`` is skipped this
-        step and keeps its place."""
+        count as computed.  One whose adapter would exceed ``max_loras``, or whose
+        prefix is loading from the host tier (core/offload_tier.py), is skipped this step
+        and keeps its place."""
         budget = step.budget
         if step.prefill_cap is not None:
             budget = min(budget, step.prefill_cap)
@@ -523,8 +527,11 @@ class Scheduler:
             if not loras.admits(req):
                 skipped.append(waiting.pop())
                 continue
-            if self.offload is not None:  # host-held prefix blocks come back first
-                self.offload.promote(req)
+            if self.offload is not None and self.offload.promote(req):
+                # Part of its prefix is loading from the host tier, overlapping this
+                # step: it runs next step, when those blocks are ordinary device hits.
+                skipped.append(waiting.pop())
+                continue
             hits, num_hit = kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit - (1 if req.fork_ids else 0), budget)
             if req.mm_features and n > 0:

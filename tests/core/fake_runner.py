@@ -4,8 +4,10 @@ It mirrors the real runner's contract: it learns requests from ``new_reqs`` and 
 (copying the parent's row), forgets them on ``finished_req_ids`` (keeping preempted
 ones), checks that every scheduled chunk starts where the last one ended, applies
 copy-on-write replacements, beam-search token overrides and block moves (swap out,
-offload to the host tier, swap in, load from it, copies) in the real runner's order,
-and samples only when a request's known tokens are all computed.  The "model" emits
+offload to the host tier, swap in, copies) in the real runner's order -- loads from the
+host tier land after the step's forward, which must not touch their blocks, as the real
+runner overlaps them with it -- and samples only when a request's known tokens are all
+computed.  The "model" emits
 ``(last token + position + 7 * seed) % 1000 + 10``; beam rows also report ``K``
 candidates with fixed, decreasing log probabilities.
 
@@ -95,9 +97,11 @@ class FakeRunner:
             self.host[slot] = list(self.kv.get(g, [None] * self.block_size))
         for cpu, g in sched.swap_in:
             self.kv[g] = list(self.cpu[cpu])
-        assert len({g for _, g in sched.kv_load}) == len(sched.kv_load), "two loads, one block"
-        for slot, g in sched.kv_load:
-            self.kv[g] = list(self.host[slot])
+        # Loads from the host tier land after this step's forward (the real runner
+        # overlaps them with it on a copy stream): read them into flight now.
+        loading = {g for _, g in sched.kv_load}
+        assert len(loading) == len(sched.kv_load), "two loads, one block"
+        landing = [(g, list(self.host[slot])) for slot, g in sched.kv_load]
         copies = [(d, list(self.kv.get(s, [None] * self.block_size)))
                   for s, d in sched.block_copies]
         assert len({d for d, _ in copies}) == len(copies), "two copies into one block"
@@ -106,6 +110,7 @@ class FakeRunner:
 
         out = ModelRunnerOutput(list(sched.num_scheduled_tokens), [])
         for rid, n in sched.num_scheduled_tokens.items():
+            assert not loading & set(self.blocks[rid]), f"{rid} uses a block still loading"
             toks = self.tokens[rid]
             start = self.computed[rid]
             end = start + n
@@ -132,4 +137,6 @@ class FakeRunner:
             for pos in range(self.computed[rid]):
                 b, off = self._slot(rid, pos)
                 assert self.kv[b][off] == toks[pos], f"{rid}: KV of position {pos} lost"
+        for g, content in landing:
+            self.kv[g] = content
         return out

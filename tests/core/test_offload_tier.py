@@ -129,7 +129,8 @@ def test_stats_count_tokens_once_and_bytes_each_way() -> None:
 
 def test_a_block_offloaded_and_looked_up_in_one_step_round_trips() -> None:
     """``b``'s allocation evicts ``a``'s blocks and ``a2`` finds them on the host in the
-    same step: offloads are applied before loads, so ``a2`` reads ``a``'s KV."""
+    same step: offloads are applied before loads are issued, so ``a2`` reads ``a``'s KV
+    the step after."""
     s = make(num_blocks=30, budget=128)
     runner = FakeRunner(BS, pool=s.kv.pool)
     run(s, runner, [req("a", list(range(1, 25)), max_tokens=1)])  # 7 blocks, 6 cached
@@ -141,6 +142,7 @@ def test_a_block_offloaded_and_looked_up_in_one_step_round_trips() -> None:
     assert so.kv_offload and so.kv_load
     offloaded = {slot for _, slot in so.kv_offload}
     assert offloaded & {slot for slot, _ in so.kv_load}
+    assert "a2" not in so.num_scheduled_tokens  # it runs once its loads have landed
     s.update_from_output(so, runner.execute_model(so))
     run(s, runner, [])
     assert_nothing_held(s)
@@ -160,37 +162,52 @@ def test_block_pool_eviction_hook_and_promotion_unit() -> None:
     assert len(offload) == 3 and not load and all(k in tier for k in keys)
     pool.free_blocks(pool.blocks[1:])
     a2 = req("a2", list(range(1, 14)))
-    assert tier.promote(a2) == 3
+    assert tier.promote(a2) == 3  # three blocks loading: a2 waits a step
     hits, n = kv.get_computed_blocks(a2)
     assert n == 12 and [b.block_hash for b in hits] == keys
+    # Held by the tier while their loads are queued: no allocation can take them, and
+    # another lookup of the same prefix this step waits for them too.
+    assert pool.num_free_blocks == 2 and all(b.ref_cnt == 1 for b in hits)
+    assert tier.promote(req("a3", list(range(1, 14)))) == 3
+    tier.check_invariants()
     offload, load = tier.take_copies()
     assert not offload and sorted(s for s, _ in load) == sorted(tier.slot_of(k) for k in keys)
-    # A promoted block taken again in the same step: its load is cancelled, the host
-    # keeps the copy, and re-evicting it costs no copy.
-    tier.promote(a2)
+    assert tier.loading == {"a2", "a3"}
+    # The next step: ordinary cached blocks, nothing to wait for; evicting them again
+    # costs no copy (the host keeps its copy).
+    assert pool.num_free_blocks == 5 and all(b.ref_cnt == 0 for b in hits)
+    assert tier.promote(a2) == 0
     pool.get_new_blocks(5)
-    assert tier.take_copies() == ([], [])
+    assert tier.take_copies() == ([], []) and all(k in tier for k in keys)
     tier.check_invariants()
 
 
 def test_host_lru_evicts_oldest_and_pins_slots_read_this_step() -> None:
-    pool = BlockPool(4, enable_caching=True)
-    kv = KVCacheManager(4, BS, enable_caching=True, pool=pool)
+    pool = BlockPool(5, enable_caching=True)
+    kv = KVCacheManager(5, BS, enable_caching=True, pool=pool)
     tier = OffloadTier(pool, [kv], 2)
     for i, first in enumerate((1, 50, 90)):
         r = req(f"r{i}", list(range(first, first + 5)))
         kv.allocate_slots(r, 5)
         r.num_computed_tokens = 5
         kv.free(r)
-        pool.get_new_blocks(3)
+        pool.get_new_blocks(4)
         pool.free_blocks(pool.blocks[1:])
         tier.take_copies()
     r0, r1, r2 = (req(f"x{f}", list(range(f, f + 5))) for f in (1, 50, 90))
     assert tier.promote(r0) == 0  # the oldest went first
-    assert tier.promote(r2) == 1  # r2's slot is now read this step ...
-    pool.get_new_blocks(3)  # ... evicting r2's promoted block cancels its load
-    pool.free_blocks(pool.blocks[1:])
-    assert tier.promote(r1) == 1
+    assert tier.promote(r1) == 1 and tier.promote(r2) == 1  # both slots read this step
+    slots = (tier.slot_of(kv.block_keys(r1, 1)[0]), tier.slot_of(kv.block_keys(r2, 1)[0]))
+    # A new cached block evicted now finds no slot to take: both are pinned.
+    r3 = req("r3", list(range(200, 205)))
+    kv.allocate_slots(r3, 5)
+    r3.num_computed_tokens = 5
+    (key3,) = kv.block_keys(r3, 1)
+    kv.free(r3)
+    pool.get_new_blocks(2)
+    assert key3 not in tier
+    offload, load = tier.take_copies()
+    assert not offload and sorted(s for s, _ in load) == sorted(slots)
     tier.check_invariants()
 
 
@@ -212,11 +229,13 @@ def test_off_without_prefix_caching_or_host_blocks() -> None:
 
 
 class TierMachine(RuleBasedStateMachine):
-    """add / step / abort (also between a step's scheduling and its execution, while its
-    loads are in flight) on a 12-block device pool and an 8-block host pool, recompute or
-    swap preemption.  Invariants: reference counts equal the tables' references, every
-    host slot free or holding one hash, and every cached block -- on either tier --
-    holding exactly the tokens its hash names."""
+    """add / step / abort / preempt (also between a step's scheduling and its execution,
+    while its loads are in flight, aborting the requests waiting for them) on a 12-block
+    device pool and an 8-block host pool, recompute or swap preemption.  Invariants:
+    reference counts equal the tables' references (the tier holds nothing between
+    steps), every host slot free or holding one hash, every cached block -- on either
+    tier -- holding exactly the tokens its hash names, and (fake_runner) no step reads
+    or writes a block whose load it issued."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -242,17 +261,22 @@ class TierMachine(RuleBasedStateMachine):
         self.s.add_request(req(f"r{self.n}", prompt, max_tokens))
 
     @precondition(lambda self: self.s is not None)
-    @rule(abort_mid=st.booleans(), pick=st.integers(0, 100))
-    def step(self, abort_mid: bool, pick: int) -> None:
+    @rule(mid=st.sampled_from(["none", "abort", "preempt"]), pick=st.integers(0, 100))
+    def step(self, mid: str, pick: int) -> None:
+        """One step; ``mid``: abort a request (preferably one waiting for the loads the
+        step issued) or recompute-preempt a running one while its copies are in flight."""
         s, runner = self.s, self.runner
-        assert s is not None and runner is not None
+        assert s is not None and runner is not None and s.offload is not None
         so = s.schedule()
-        if abort_mid and s.requests:
-            # Prefer a request whose blocks are being loaded this step.
-            loading = {d for _, d in so.kv_load}
-            ids = sorted(s.requests)
-            hit = [rid for rid in ids if loading & set(s.kv.get_block_ids(rid))]
-            s.finish_requests([(hit or ids)[pick % len(hit or ids)]])
+        waiting_for_loads = s.offload.loading
+        assert waiting_for_loads.isdisjoint(so.num_scheduled_tokens)
+        if so.kv_load:
+            assert waiting_for_loads, "loads issued for no one"
+        if mid == "abort" and s.requests:
+            ids = sorted(waiting_for_loads) or sorted(s.requests)
+            s.finish_requests([ids[pick % len(ids)]])
+        elif mid == "preempt" and s.running and not s.swap.enabled:
+            s._preempt(s.running[pick % len(s.running)])
         s.update_from_output(so, runner.execute_model(so))
         self._learn_keys()
 
@@ -327,7 +351,7 @@ class TierMachine(RuleBasedStateMachine):
 
 
 TierMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None,
+    max_examples=100, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 test_tier_state_machine = TierMachine.TestCase
 
@@ -348,9 +372,51 @@ def test_abort_of_a_waiting_request_after_promotion_leaks_nothing() -> None:
     assert so.kv_load  # the loads still land: the blocks are cached on the device
     s.update_from_output(so, runner.execute_model(so))
     assert_nothing_held(s)
+    # Aborted while its own loads are in flight (issued by ``schedule``): likewise.
+    run(s, runner, [req("d", list(range(600, 632)))])  # a's blocks back to the host
+    a4 = req("a4", list(range(1, 33)))
+    s.add_request(a4)
+    so = s.schedule()
+    assert so.kv_load and s.offload.loading == {"a4"}
+    s.finish_requests(["a4"])
+    s.update_from_output(so, runner.execute_model(so))
+    assert_nothing_held(s) and not s.offload._carried
     a3 = req("a3", list(range(1, 33)))
     run(s, runner, [a3])
     assert a3.num_cached_tokens == 28
+    assert_nothing_held(s)
+
+
+def test_a_promoted_request_runs_the_step_after_its_loads() -> None:
+    """A waiting request whose prefix is on the host is not admitted in the step that
+    issues its loads (the runner overlaps them with that step's forward), keeps its
+    place at the head of the queue while a request behind it runs, and is admitted the
+    next step with the loaded blocks as ordinary device hits, counted once."""
+    s = make(num_blocks=12)
+    runner = FakeRunner(BS, pool=s.kv.pool)
+    run(s, runner, [req("a", list(range(1, 33)))])
+    run(s, runner, [req("b", list(range(500, 532)))])  # a's blocks go to the host
+    a2, c = req("a2", list(range(1, 33))), req("c", list(range(700, 705)))
+    s.add_request(a2)
+    s.add_request(c)
+    so = s.schedule()
+    assert s.offload is not None and s.offload.loading == {"a2"}
+    assert so.kv_load and list(so.num_scheduled_tokens) == ["c"]
+    from_host = BS * len(so.kv_load)  # (the rest of the 7 full blocks: device hits)
+    assert a2.status == RequestStatus.WAITING and s.waiting.peek() is a2
+    loaded = {d for _, d in so.kv_load}
+    assert all(s.kv.pool.blocks[d].ref_cnt == 0 for d in loaded)  # released: issued
+    eco = s.update_from_output(so, runner.execute_model(so))
+    so = s.schedule()
+    assert not so.kv_load and so.num_scheduled_tokens["a2"] == 4
+    assert loaded <= set(s.kv.get_block_ids("a2")) and a2.num_cached_tokens == 28
+    eco = s.update_from_output(so, runner.execute_model(so))
+    st_ = eco.scheduler_stats
+    assert st_ is not None
+    assert (st_.kv_offload_queries, st_.kv_offload_hits) == (from_host, from_host)
+    ref = run(make(caching=False), FakeRunner(BS), [req("a2", list(range(1, 33)))])
+    got = run(s, runner, [])
+    assert [*a2.output_token_ids] == ref["a2"] and "c" in got
     assert_nothing_held(s)
 
 
