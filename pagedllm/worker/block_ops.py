@@ -11,13 +11,21 @@ The prefix cache's host tier (``kv_offload_bytes``, core/offload_tier.py) adds t
  kv_offload [(gpu block, host slot)]  GPU KV -> host pool   (an evicted cached block)
  kv_load    [(host slot, gpu block)]  host pool -> GPU KV   (a prefix hit on the host)
 
-Order matters and is fixed: everything that reads GPU blocks into host memory first
-(swap-outs, then offloads: those GPU blocks may have been handed to someone else this
-very step), then everything that writes GPU blocks from host memory (swap-ins, then
-loads: a block offloaded and looked up again in one step round-trips), then copies --
-all before the forward writes any new KV.  The copies run on the forward's stream,
-before it, so a loaded block is valid when attention reads it; overlapping the loads
-with the previous step on a copy stream is not done yet.
+Order matters and is fixed: first wait for the last step's loads (below), then
+everything that reads GPU blocks into host memory (swap-outs, then offloads: those GPU
+blocks may have been handed to someone else this very step), then everything that writes
+GPU blocks from host memory (swap-ins, then loads: a block offloaded and looked up again
+in one step round-trips), then copies -- all before the forward writes any new KV.
+
+Loads overlap the forward.  The scheduler never lets a step read or write a block whose
+load it issues (the request waits a step, core/offload_tier.py), so on CUDA the loads go
+out on a copy stream of their own, after the work queued so far (the step's offloads
+read their destinations' old KV first), and record an event; the *next* step's block
+moves and forward wait for that event on the compute stream -- a GPU-side wait, no host
+sync.  The host pool is pinned and the load's gather goes into pinned staging, so the
+copy is truly asynchronous.  Swap-ins, offloads and copies stay on the compute stream,
+ordered before the forward (an offloaded block's new owner writes it in this step).  On
+the CPU every move is synchronous, on the same code path with no streams.
 
 Each move is one gather and one scatter per layer (``index_select`` +
 ``index_copy_`` over the block dimension of ``[2 | 1, num_blocks, block_size, heads, dim]``),
@@ -37,14 +45,22 @@ def _index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """fp8 caches as bytes: index_select / index_copy_ have no fp8 kernels on the CPU."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
 def move_blocks(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
                 pairs: Sequence[tuple[int, int]]) -> None:
-    """``dst[layer][:, d] = src[layer][:, s]`` for every ``(s, d)`` in ``pairs``.
+    """``dst[layer][:, d] = src[layer][:, s]`` for every ``(s, d)`` in ``pairs``, on the
+    current stream.
 
-    ``src`` and ``dst`` may live on different devices (swap) or be the same tensors
-    (copy-on-write: all sources are read before any destination is written, so a block
-    that is both is read first).  Destinations must be distinct.
-    """
+    ``src`` and ``dst`` may live on different devices (swap, the host tier) or be the same
+    tensors (copy-on-write: all sources are read before any destination is written, so a
+    block that is both is read first).  Destinations must be distinct.  Host -> GPU:
+    ``src`` is read now, into pinned staging, and the copy runs asynchronously (the
+    caching host allocator keeps the staging alive until it lands).  GPU -> host: the
+    copy waits for the current stream (the caller's order is kept)."""
     if not pairs:
         return
     s_ids = [p[0] for p in pairs]
@@ -52,14 +68,15 @@ def move_blocks(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
     s_idx = _index(s_ids, src[0].device)
     d_idx = _index(d_ids, dst[0].device)
     for s, d in zip(src, dst):
-        blocks = s.index_select(1, s_idx)
-        if blocks.device != d.device:
-            # Swap-in reads pinned CPU memory, so this copy is asynchronous on CUDA;
-            # swap-out lands in pageable memory first and is then scattered.
-            blocks = blocks.to(d.device, non_blocking=blocks.is_pinned())
-        if d.element_size() == 1 and d.is_floating_point():
-            # fp8 caches: index_copy_ has no fp8 kernel on the CPU; move the bytes.
-            d, blocks = d.view(torch.uint8), blocks.view(torch.uint8)
+        s, d = _bytes(s), _bytes(d)
+        if s.device.type == "cpu" and d.device.type == "cuda":
+            shape = (s.shape[0], len(s_ids), *s.shape[2:])
+            staged = torch.empty(shape, dtype=s.dtype, pin_memory=True)
+            torch.index_select(s, 1, s_idx, out=staged)
+            blocks = staged.to(d.device, non_blocking=True)
+        else:
+            # GPU -> host lands in pageable memory first and is then scattered.
+            blocks = s.index_select(1, s_idx).to(d.device)
         d.index_copy_(1, d_idx, blocks)
 
 
@@ -78,20 +95,48 @@ class BlockOps:
         self.kv_caches = list(kv_caches)
         self.swap_caches = list(swap_caches)
         self.offload_caches = list(offload_caches)
+        device = self.kv_caches[0].device if self.kv_caches else torch.device("cpu")
+        self.device = device
+        # The host tier's loads run here, overlapping the forward (CUDA only).
+        self._load_stream = torch.cuda.Stream(device) \
+            if device.type == "cuda" and self.offload_caches else None
+        # Recorded after the last step's loads; the next step waits for it.
+        self._loads_done: torch.cuda.Event | None = None
 
     def apply(self, sched: SchedulerOutput) -> None:
-        """Perform the step's swap-outs, offloads, swap-ins, loads and copy-on-write
-        copies, in that order (the module doc says why)."""
+        """Wait for the last step's loads, then perform this step's swap-outs, offloads,
+        swap-ins, (issue) loads and copy-on-write copies, in that order (the module doc
+        says why).  Called before every forward, also one with no moves."""
         if (sched.swap_out or sched.swap_in) and not self.swap_caches:
             raise RuntimeError("the scheduler swapped blocks but no swap space exists")
         if (sched.kv_offload or sched.kv_load) and not self.offload_caches:
             raise RuntimeError("the scheduler moved blocks to the host tier but no host "
                                "pool exists")
+        if self._loads_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._loads_done)
+            self._loads_done = None
         move_blocks(self.kv_caches, self.swap_caches, sched.swap_out)
         move_blocks(self.kv_caches, self.offload_caches, sched.kv_offload)
         move_blocks(self.swap_caches, self.kv_caches, sched.swap_in)
-        move_blocks(self.offload_caches, self.kv_caches, sched.kv_load)
+        self._load(sched.kv_load)
         move_blocks(self.kv_caches, self.kv_caches, sched.block_copies)
+
+    def _load(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Issue the host tier's loads: on the copy stream when there is one (after the
+        work queued so far: earlier forwards and this step's offloads may read or write
+        their destinations), with an event for the next step; else synchronously."""
+        stream = self._load_stream
+        if stream is None or not pairs:
+            move_blocks(self.offload_caches, self.kv_caches, pairs)
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        # Everything allocated here belongs to the copy stream's pool: reused only
+        # after the copy, in that stream's order.
+        with torch.cuda.stream(stream):
+            move_blocks(self.offload_caches, self.kv_caches, pairs)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._loads_done = done
 
 
 def allocate_swap_space(num_blocks: int, like: torch.Tensor,

@@ -1,0 +1,84 @@
+"""Block moves (worker/block_ops.py): the step's order -- offloads before loads, so a
+block saved and looked up in one step round-trips -- on the CPU (synchronous, fp8 as
+bytes), and on CUDA the host tier's loads on a copy stream: issued without a host sync,
+landed before the next step's work reads them (its compute stream waits for them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.core.outputs import SchedulerOutput
+from pagedllm.worker.block_ops import BlockOps, allocate_swap_space
+
+
+def sched(**moves: list[tuple[int, int]]) -> SchedulerOutput:
+    return SchedulerOutput(new_reqs=[], cached_reqs=[], num_scheduled_tokens={},
+                           total_num_scheduled_tokens=0, finished_req_ids=set(),
+                           preempted_req_ids=set(), forks=[], **moves)
+
+
+def caches(device: str, num_blocks: int, dtype: torch.dtype = torch.float32,
+           layers: int = 3, block: tuple[int, ...] = (4, 2, 8)) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn((2, num_blocks, *block), generator=g).to(dtype).to(device)
+            for _ in range(layers)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_offload_then_load_round_trips_in_one_step_on_cpu(dtype) -> None:
+    kv = caches("cpu", 8, dtype)
+    host = allocate_swap_space(4, kv[0], len(kv))
+    ops = BlockOps(kv, offload_caches=host)
+    before = [t[:, 5].clone() for t in kv]
+    # Block 5 is evicted to slot 2 and looked up again into block 1, in one step.
+    ops.apply(sched(kv_offload=[(5, 2)], kv_load=[(2, 1)], block_copies=[(1, 6)]))
+    for t, b in zip(kv, before):
+        assert torch.equal(t[:, 1].view(torch.uint8), b.view(torch.uint8))
+        assert torch.equal(t[:, 6].view(torch.uint8), b.view(torch.uint8))  # copies last
+    assert ops._loads_done is None  # the CPU has no streams: nothing to wait for
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_loads_overlap_and_land_before_the_next_step_reads_them() -> None:
+    # Big blocks (8 MiB each, 64 per step), so that the copy is still running when the
+    # host returns from ``apply``.
+    kv = caches("cuda", 80, torch.bfloat16, layers=4, block=(16, 8, 128 * 128))
+    host = allocate_swap_space(72, kv[0], len(kv))
+    assert host[0].is_pinned()
+    for h in host:
+        h.copy_(torch.randn(h.shape).to(h.dtype))
+    ops = BlockOps(kv, offload_caches=host)
+    assert ops._load_stream is not None
+    loads = [(s, 8 + s) for s in range(64)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # no host sync on the load path
+    try:
+        ops.apply(sched(kv_load=loads))
+        assert ops._loads_done is not None
+        ops.apply(sched())  # the next step: its compute stream waits for the loads
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    got = [t[:, 8:72].clone() for t in kv]  # queued on the compute stream, after the wait
+    torch.cuda.synchronize()
+    for g, h in zip(got, host):
+        assert torch.equal(g.cpu(), h[:, :64])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offloads_read_before_the_loads_overwrite_and_swaps_still_work() -> None:
+    kv = caches("cuda", 16)
+    host = allocate_swap_space(4, kv[0], len(kv))
+    swap = allocate_swap_space(4, kv[0], len(kv))
+    ops = BlockOps(kv, swap, host)
+    old = [t[:, 3].cpu() for t in kv]
+    # Block 3's old KV goes to slot 0 and slot 0 comes back into block 3 and into 9,
+    # while block 4 is swapped out and back into block 12.
+    four = [t[:, 4].cpu() for t in kv]
+    ops.apply(sched(kv_offload=[(3, 0)], kv_load=[(0, 9)], swap_out=[(4, 1)]))
+    ops.apply(sched(swap_in=[(1, 12)]))
+    torch.cuda.synchronize()
+    for t, o, f in zip(kv, old, four):
+        assert torch.equal(t[:, 9].cpu(), o) and torch.equal(t[:, 12].cpu(), f)
