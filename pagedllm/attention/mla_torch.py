@@ -77,6 +77,7 @@ class _Plan:
     decode_blocks: int
     # [B, 1, 1, nblk * bs] bool, True = attend; built on first use (torch path only)
     decode_mask: torch.Tensor | None
+    decode_rows: torch.Tensor | None = None  # device, the decodes' rows (mixed steps)
 
 
 def _kernel() -> object | None:
@@ -217,12 +218,19 @@ class MLATorchBackend:
         qp = q_pe[:b] if tokens is None else q_pe.index_select(0, tokens)
         q_lat = self._absorb_q(qn, w_uk)
         kernel = _kernel() if (self.use_kernel and (q_nope.is_cuda or self.kernel_on_cpu)
-                               and tokens is None and b == meta.num_reqs) else None
-        if kernel is not None:  # decode-only step: q_len 1 for every request
+                               ) else None
+        if kernel is not None:
+            if tokens is None:  # decode-only step (graph-safe: no copies, host ints only)
+                tables, seqs = meta.block_tables[:b], meta.seq_lens[:b]
+                qsl = meta.query_start_loc[:b + 1]
+            else:  # a mixed step's decodes (eager): their rows of the device metadata
+                rows = self._decode_rows(plan, q_nope.device)
+                tables = meta.block_tables.index_select(0, rows)
+                seqs = meta.seq_lens.index_select(0, rows)
+                qsl = torch.arange(b + 1, dtype=torch.int32, device=q_nope.device)
             o = kernel(q_lat.contiguous(), qp.contiguous(), kv_cache,  # type: ignore[operator]
-                       meta.block_tables[:b], meta.seq_lens[:b],
-                       meta.query_start_loc[:b + 1], scale, 1)
-            return o, None
+                       tables, seqs, qsl, scale, 1)
+            return o, tokens
         lat = kv_cache.shape[-1] - q_pe.shape[-1]
         if plan.decode_mask is None:  # built here, not in _plan: the kernel path needs none
             dev_seq = plan.seq_lens[plan.decodes].to(q_nope.device)
@@ -232,8 +240,8 @@ class MLATorchBackend:
         if tokens is None:
             tables = meta.block_tables[:b, :plan.decode_blocks]
         else:
-            rows = torch.tensor(plan.decodes, device=q_nope.device)
-            tables = meta.block_tables.index_select(0, rows)[:, :plan.decode_blocks]
+            tables = meta.block_tables.index_select(
+                0, self._decode_rows(plan, q_nope.device))[:, :plan.decode_blocks]
         length = plan.decode_blocks * kv_cache.shape[2]
         entries = kv_cache[0].index_select(0, tables.reshape(-1).long()).view(
             b, length, kv_cache.shape[-1])
@@ -242,6 +250,13 @@ class MLATorchBackend:
                                            entries[..., :lat].unsqueeze(1),
                                            attn_mask=plan.decode_mask, scale=scale)
         return o[:, 0].to(q_nope.dtype), tokens
+
+    @staticmethod
+    def _decode_rows(plan: _Plan, device: torch.device) -> torch.Tensor:
+        """The decodes' request rows on the device, made once per step."""
+        if plan.decode_rows is None:
+            plan.decode_rows = torch.tensor(plan.decodes, device=device)
+        return plan.decode_rows
 
     def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                   meta: AttentionMetadata, plan: _Plan, scale: float,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_refs import DEVICE
+from kernel_refs import DEVICE, ON_GPU
 
 from pagedllm.kernels import fp8_block_gemm as fb
 from pagedllm.kernels.quant_common import FP8_DTYPE
@@ -42,6 +42,19 @@ def test_group_quantiser_matches_reference(mk: tuple[int, int]) -> None:
     assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
 
 
+def _wgmma_slack(x_q, x_s, w_q, w_s, block) -> torch.Tensor | float:  # type: ignore[no-untyped-def]
+    """Hopper's FP8 wgmma adds within a group with a reduced-precision accumulator
+    (about 14 bits, DeepSeek-V3's report; the kernel promotes to fp32 every group), so on
+    the GPU an element may be off by ~2^-14 of the sum of its terms' magnitudes -- far
+    more than rounding where they cancel.  The bound allows 2^-11 of that sum (measured
+    on an H200: ~2^-12 of the largest output).  Under the interpreter: exact, no slack."""
+    if not ON_GPU:
+        return 0.0
+    xa = fb.dequantize_fp8_blocks(x_q, x_s, (1, block[1])).abs()
+    wa = fb.dequantize_fp8_blocks(w_q, w_s, block).abs()
+    return 2.0 ** -11 * (xa @ wa.t())
+
+
 # (block_m, block_n, warps, stages, split, swap)
 CONFIGS = [(16, 64, 4, 2, 1, 1), (16, 32, 4, 2, 3, 1), (32, 64, 4, 2, 1, 0),
            (16, 64, 4, 2, 2, 0)]
@@ -60,7 +73,7 @@ def test_block_gemm_matches_reference(config, mnk, block) -> None:
     dev = [t.to(DEVICE) for t in (x_q, x_s, w_q, w_s, bias)]
     got = fb.fp8_block_gemm(*dev[:4], block, dev[4], torch.float32, config).cpu()
     ref = fb.fp8_block_gemm_ref(x_q, x_s, w_q, w_s, block, bias, torch.float32)
-    tol = 1e-5 * (ref.abs() + ref.abs().mean())
+    tol = 1e-5 * (ref.abs() + ref.abs().mean()) + _wgmma_slack(x_q, x_s, w_q, w_s, block)
     assert ((got - ref).abs() <= tol).all(), float((got - ref).abs().max())
 
 
@@ -76,7 +89,8 @@ def test_block_linear_bf16_default_plan(m: int) -> None:
     assert got.dtype == torch.bfloat16
     x_q, x_s = fb.quantize_fp8_groups_ref(x, 128)
     ref = fb.fp8_block_gemm_ref(x_q, x_s, w_q, w_s, block, None, torch.float32)
-    assert ((got.float() - ref).abs() <= 2 ** -7 * ref.abs() + 1e-6).all()
+    slack = _wgmma_slack(x_q, x_s, w_q, w_s, block)
+    assert ((got.float() - ref).abs() <= 2 ** -7 * ref.abs() + 1e-6 + slack).all()
     exact = x.float() @ fb.dequantize_fp8_blocks(w_q, w_s, block).t()
     err = (got.float() - exact).norm() / exact.norm()
     assert err < 0.05, float(err)

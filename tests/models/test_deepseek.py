@@ -134,6 +134,30 @@ def test_triton_decode_kernel_in_the_model(pair) -> None:
     torch.testing.assert_close(torch.cat(parts), hf_logits_of(hf, ids), atol=ATOL, rtol=0)
 
 
+def test_triton_kernel_serves_the_decodes_of_a_mixed_step(pair) -> None:
+    """A step mixing prompt chunks and decodes sends the decodes (rows not first, not
+    contiguous) through the kernel with their rows of the metadata: logits equal the
+    torch path's."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernel on CPU tensors: needs TRITON_INTERPRET=1")
+    pytest.importorskip("pagedllm.kernels.mla_decode")
+    ours = pair[0]
+    ours.set_mla_mode("auto")
+    a, b, c = _prompt(14, seed=7), _prompt(9, seed=8), _prompt(11, seed=9)
+    runs = []
+    for on in (False, True):
+        ours.mla_backend.kernel_on_cpu = on
+        try:
+            s = session_for(pair, block_size=4, seed=7)
+            s.step({0: a[:12], 2: c[:10]})
+            # request 1 prefills between two decodes: decodes at rows 0 and 2
+            out = s.step({0: [a[12]], 1: b, 2: [c[10]]})
+            runs.append(torch.cat([out[0], out[2]]))
+        finally:
+            ours.mla_backend.kernel_on_cpu = False
+    torch.testing.assert_close(runs[1], runs[0], atol=ATOL, rtol=0)
+
+
 def test_rope_table_ignores_a_foreign_head_dim(pair) -> None:
     """Released (remote-code) configs carry no ``head_dim``; the rotary table is sized
     from ``qk_rope_head_dim`` whatever the config's ``head_dim`` says."""
