@@ -84,6 +84,21 @@ def test_serve_takes_the_model_positionally() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
+@pytest.mark.parametrize("text,want", [("12000000000", 12 * 10**9), ("12e9", 12 * 10**9),
+                                       ("1.5g", 15 * 10**8), ("2G", 2 * 2**30),
+                                       ("512M", 512 * 2**20)])
+def test_kv_cache_memory_bytes_takes_vllm_size_notation(text: str, want: int) -> None:
+    args = build_parser().parse_args(["bench", "multiturn", "--kv-cache-memory-bytes", text])
+    assert args.kv_cache_memory_bytes == want
+
+
+@pytest.mark.parametrize("text", ["lots", "1.5", "12x"])
+def test_kv_cache_memory_bytes_refuses_other_text_naming_the_flag(text: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["bench", "multiturn", "--kv-cache-memory-bytes", text])
+    assert e.value.code == 2 and "--kv-cache-memory-bytes" in capsys.readouterr().err
+
+
 def test_device_cuda_without_cuda_is_one_line() -> None:
     r = _cli("generate", "Hi", "--device", "cuda", "--max-tokens", "1", timeout=300)
     assert r.returncode == 1

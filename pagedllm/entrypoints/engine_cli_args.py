@@ -24,6 +24,26 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+_SIZE_SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+                "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _byte_count(text: str) -> int:
+    """argparse type: a whole number of bytes, written ``12000000000``, ``12e9``,
+    ``12g`` (decimal: k m g t) or ``12G`` (binary: K M G T), as vLLM's size flags."""
+    t = text.strip()
+    mult = _SIZE_SUFFIX.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if mult != 1 else t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a byte count such as 12000000000, 12e9, 12g or 12G, got {text!r}"
+        ) from None
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"not a whole number of bytes: {text!r}")
+    return int(value)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
@@ -66,9 +86,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Seed for dummy weights and for unseeded random sampling.")
     g.add_argument("--block-size", type=int, default=16,
                    help="Tokens per KV cache block.")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="Bytes for the KV cache (overrides --gpu-memory-utilization; on "
-                        "CPU default 1 GiB).")
+    g.add_argument("--kv-cache-memory-bytes", type=_byte_count, default=None,
+                   help="Bytes for the KV cache, e.g. 12e9, 12g or 12G (overrides "
+                        "--gpu-memory-utilization; on CPU default 1 GiB).")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="Fraction of GPU memory the engine may use (weights + "
                         "activations + KV cache).")
