@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_suite.sh [PART ...]          (repo root; results under $OUT)
 #
 # PARTS (default: check w4 w1 w1small):
-#   check    gpu_check.py (greedy agreement: async/sync/eager) and the GPU parity,
+#   check    gpu_check.py (greedy agreement: async/sync/eager), gpu_check_families.py
+#            (DeepSeek / Qwen2.5-VL tiny checkpoints against transformers) and the GPU parity,
 #            CUDA-graph and PDL tests (PDL on against off, bit for bit)
 #   w4       single-stream latency (pagedllm bench latency)
 #   w1       offline throughput at the defaults (pagedllm bench throughput --workload W1;
@@ -125,6 +126,7 @@ for part in $PARTS; do
   case $part in
     check)
       step python benchmarks/gpu_check.py
+      step timeout 120 python benchmarks/gpu_check_families.py
       step timeout 240 python -m pytest tests/e2e/test_gpu_parity.py \
         tests/e2e/test_cuda_graphs.py tests/kernels/test_pdl.py -m gpu -q -p no:cacheprovider ;;
     w4) ab w4 python -m pagedllm bench latency --dummy llama3-8b ;;

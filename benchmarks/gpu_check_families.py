@@ -1,0 +1,79 @@
+"""GPU greedy check of the DeepSeek (MLA) and vision-language families: the tests' tiny
+random checkpoints (``tests/models/deepseek_tiny.py``, ``tests/models/tiny_qwen_vl.py``)
+through the engine on the GPU against transformers in fp32 on the CPU, in fp32, in bf16
+with CUDA graphs, and (DeepSeek) in bf16 eager; DeepSeek's second pass is served from the
+prefix cache and must repeat the first.  Prints agreement counts (bf16 may differ from the
+fp32 reference by rounding); asserts nothing.
+
+Usage (repository root): ``python benchmarks/gpu_check_families.py``; ``DEV=cpu`` runs it
+on the CPU (a smoke test of the script itself).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+from pagedllm import LLM, SamplingParams
+
+sys.path.insert(0, ".")  # the tests' checkpoint builders
+NEW = 10
+DEV = os.environ.get("DEV", "cuda")
+
+
+def agree(a: list, b: list) -> tuple[int, int]:
+    return sum(x == y for x, y in zip(a, b)), len(a)
+
+
+def ds(name: str) -> None:
+    from tests.e2e.test_deepseek_greedy import _hf_greedy, _prompts
+    from tests.models.deepseek_tiny import build
+    d = tempfile.mkdtemp()
+    hf = build(name, d)
+    prompts = _prompts()
+    ref = _hf_greedy(hf, prompts)
+    p = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    for label, kw in [("fp32", dict(dtype="float32")), ("bf16", dict(dtype="bfloat16")),
+                      ("bf16-eager", dict(dtype="bfloat16", enforce_eager=True))]:
+        llm = LLM(d, skip_tokenizer_init=True, device=DEV, max_model_len=128,
+                  kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True, **kw)
+        outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts * 2, p, use_tqdm=False)]
+        llm.shutdown()
+        print(f"deepseek {name} {label}: {agree(outs[:4], ref)} exact seqs vs HF fp32 cpu; "
+              f"prefix-cached pass equal: {outs[:4] == outs[4:]}", flush=True)
+
+
+def vl() -> None:
+    from pagedllm.multimodal.hf_processor import load_hf_processor
+    from tests.models.tiny_qwen_vl import IMG, build_qwen2_5_vl, hf_generate, image
+    d = tempfile.mkdtemp()
+    model = build_qwen2_5_vl(d)
+    proc = load_hf_processor(d)
+    prompt = f"user : {IMG} describe the image </s> assistant :"
+    imgs = [image(i) for i in range(3)]
+    ref = [hf_generate(model, proc, prompt, [im], NEW) for im in imgs]
+    p = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    for label, kw in [("fp32", dict(dtype="float32")), ("bf16", dict(dtype="bfloat16"))]:
+        llm = LLM(d, device=DEV, max_model_len=256, kv_cache_memory_bytes=64 << 20, **kw)
+        reqs = [{"prompt": prompt, "multi_modal_data": {"image": im}} for im in imgs]
+        outs = [list(o.outputs[0].token_ids) for o in llm.generate(reqs, p, use_tqdm=False)]
+        llm.shutdown()
+        print(f"qwen2.5-vl {label}: {agree(outs, ref)} exact seqs vs HF fp32 cpu", flush=True)
+
+
+def main() -> None:
+    for label, run in [("deepseek v2_lite", lambda: ds("v2_lite")),
+                       ("deepseek v3", lambda: ds("v3")), ("qwen2.5-vl", vl)]:
+        t = time.time()
+        try:
+            run()
+        except Exception:  # noqa: BLE001  (report and go on to the next family)
+            traceback.print_exc()
+        print(f"--- {label}: {time.time() - t:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
