@@ -29,12 +29,12 @@ def agree(a: list, b: list) -> tuple[int, int]:
 
 
 def ds(name: str) -> None:
-    from tests.e2e.test_deepseek_greedy import _hf_greedy, _prompts
-    from tests.models.deepseek_tiny import build
+    from tests.e2e.hf_greedy import hf_greedy, shared_prefix_prompts
+    from tests.models.deepseek_tiny import VOCAB, build
     d = tempfile.mkdtemp()
     hf = build(name, d)
-    prompts = _prompts()
-    ref = _hf_greedy(hf, prompts)
+    prompts = shared_prefix_prompts(VOCAB)
+    ref = hf_greedy(hf, prompts, NEW)
     p = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     for label, kw in [("fp32", dict(dtype="float32")), ("bf16", dict(dtype="bfloat16")),
                       ("bf16-eager", dict(dtype="bfloat16", enforce_eager=True))]:

@@ -9,32 +9,13 @@ sized in the MLA cache's bytes per token, which the engine computes
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.e2e.hf_greedy import hf_greedy, shared_prefix_prompts
 from tests.models.deepseek_tiny import VOCAB, build
 
 NEW = 10
 BLOCK = 16
-
-
-def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(7)
-    shared = torch.randint(0, VOCAB, (40,), generator=g).tolist()
-    return [shared + torch.randint(0, VOCAB, (n,), generator=g).tolist()
-            for n in (5, 23, 12, 30)]
-
-
-def _hf_greedy(hf: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
-                              top_p=None, top_k=None, temperature=None)
-            out.append(ids[0, len(p):].tolist())
-    return out
 
 
 @pytest.mark.parametrize("name,preemption", [("v2_lite", "recompute"), ("v3", "recompute"),
@@ -42,8 +23,8 @@ def _hf_greedy(hf: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]
 def test_greedy_batched_chunked_preempted_prefix_cached(name: str, preemption: str,
                                                         tmp_path) -> None:
     hf = build(name, str(tmp_path))
-    prompts = _prompts()
-    ref = _hf_greedy(hf, prompts)
+    prompts = shared_prefix_prompts(VOCAB)
+    ref = hf_greedy(hf, prompts, NEW)
     cfg = hf.config
     # One [c_kv | k_pe] entry per token and layer, float32.
     block_bytes = BLOCK * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
@@ -79,8 +60,8 @@ def test_greedy_tensor_and_pipeline_parallel(tp: int, pp: int, tmp_path) -> None
     """Two CPU ranks (gloo): heads split over TP ranks (each keeps the whole latent
     cache), or layers over PP stages; V3 with its MoE layer."""
     hf = build("v3", str(tmp_path))
-    prompts = _prompts()[:2]
-    ref = _hf_greedy(hf, prompts)
+    prompts = shared_prefix_prompts(VOCAB)[:2]
+    ref = hf_greedy(hf, prompts, NEW)
     llm = LLM(str(tmp_path), skip_tokenizer_init=True, device="cpu", dtype="float32",
               tensor_parallel_size=tp, pipeline_parallel_size=pp, max_model_len=128,
               kv_cache_memory_bytes=1 << 22, max_num_batched_tokens=32)

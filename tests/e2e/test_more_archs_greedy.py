@@ -10,32 +10,13 @@ Gemma's mixed layers, its sliding KV cache group does (the hybrid manager; more 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.e2e.hf_greedy import hf_greedy, shared_prefix_prompts
 from tests.models.tiny_models import CONFIGS, VOCAB, build
 
 NEW = 10
 BLOCK = 16
-
-
-def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(7)
-    shared = torch.randint(0, VOCAB, (40,), generator=g).tolist()
-    return [shared + torch.randint(0, VOCAB, (n,), generator=g).tolist()
-            for n in (5, 23, 12, 30)]
-
-
-def _hf_greedy(hf: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
-                              top_p=None, top_k=None, temperature=None)
-            out.append(ids[0, len(p):].tolist())
-    return out
 
 
 # Every architecture (RoPE-scaling variants of an architecture are covered by the
@@ -46,8 +27,8 @@ ARCHS = sorted(a for a in CONFIGS if a != "qwen2_yarn")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_batched_chunked_preempted_prefix_cached(arch: str, tmp_path) -> None:
     hf = build(arch, str(tmp_path))
-    prompts = _prompts()
-    ref = _hf_greedy(hf, prompts)
+    prompts = shared_prefix_prompts(VOCAB)
+    ref = hf_greedy(hf, prompts, NEW)
     cfg = hf.config
     kv_heads = cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

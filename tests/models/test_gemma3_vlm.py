@@ -15,23 +15,24 @@ import pytest
 import torch
 import transformers
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from tests.models.tiny_gemma3 import build_gemma3, hf_generate, image
+from tests.models.vlm_greedy import MAX, greedy, run
+from tests.models.vlm_greedy import expected as _expected
 
 PROMPT = "<start_of_turn> user <start_of_image> describe the image <end_of_turn> " \
          "<start_of_turn> assistant"
 TWO = "<start_of_turn> user <start_of_image> and <start_of_image> what is the color ? " \
       "<end_of_turn> <start_of_turn> assistant"
 TEXT = "<start_of_turn> user tell me about the cat <end_of_turn> <start_of_turn> assistant"
-MAX = 8
-
-
-def greedy(max_tokens: int = MAX, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
 def engine(llm: LLM):
     return llm.llm_engine.client.core
+
+
+def expected(ckpt, prompt: str, images: list, n: int = MAX) -> list[int]:
+    return _expected(hf_generate, ckpt, prompt, images, n)
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +47,6 @@ def ckpt(tmp_path_factory):
 def llm(ckpt):
     return LLM(ckpt[0], kv_cache_memory_bytes=4 << 20, max_model_len=256,
                max_num_batched_tokens=64, block_size=4)
-
-
-def expected(ckpt, prompt: str, images: list, n: int = MAX) -> list[int]:
-    _, model, processor = ckpt
-    return hf_generate(model, processor, prompt, images, n)
-
-
-def run(llm: LLM, prompts: list, params: SamplingParams | None = None) -> list[list[int]]:
-    outs = llm.generate(prompts, params or greedy(), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def test_the_image_mask_matters(ckpt):

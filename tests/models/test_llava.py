@@ -19,23 +19,24 @@ import pytest
 import torch
 import transformers
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.messages import EngineCoreRequest
 from tests.models.tiny_vlms import build_llava, hf_generate, image, llava_config, make_tokenizer
+from tests.models.vlm_greedy import MAX, greedy, run
+from tests.models.vlm_greedy import expected as _expected
 
 PROMPT = "user : <image> describe the image </s> assistant :"
 TWO = "user : <image> and <image> what is the color ? </s> assistant :"
 TEXT = "user : tell me about the cat </s> assistant :"
-MAX = 8
-
-
-def greedy(max_tokens: int = MAX, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
 def runner(llm: LLM):
     return llm.llm_engine.client.core.executor.worker.runner
+
+
+def expected(ckpt, prompt: str, images: list, n: int = MAX) -> list[int]:
+    return _expected(hf_generate, ckpt, prompt, images, n)
 
 
 @pytest.fixture(scope="module")
@@ -50,16 +51,6 @@ def ckpt(tmp_path_factory):
 def llm(ckpt):
     return LLM(ckpt[0], kv_cache_memory_bytes=4 << 20, max_model_len=256,
                max_num_batched_tokens=128, limit_mm_per_prompt={"image": 2})
-
-
-def expected(ckpt, prompt: str, images: list, n: int = MAX) -> list[int]:
-    _, model, processor = ckpt
-    return hf_generate(model, processor, prompt, images, n)
-
-
-def run(llm: LLM, prompts: list, params: SamplingParams | None = None) -> list[list[int]]:
-    outs = llm.generate(prompts, params or greedy(), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def test_one_two_and_no_image_equal_transformers(ckpt, llm):

@@ -19,16 +19,17 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.multimodal.hf_processor import load_hf_processor
 from tests.models.tiny_qwen_vl import IMG, build_qwen2_5_vl, build_qwen2_vl, hf_generate, image
+from tests.models.vlm_greedy import MAX, greedy, run
+from tests.models.vlm_greedy import expected as _expected
 
 PROMPT = f"user : {IMG} describe the image </s> assistant :"
 TWO = f"user : {IMG} and {IMG} what is the color ? </s> assistant :"
 TEXT = "user : tell me about the cat </s> assistant :"
 SMALL = (24, 16)  # 6 tokens; image() defaults to 40x34 -> 20 tokens
-MAX = 8
 
 
-def greedy(n: int = MAX) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+def expected(ckpt, prompt: str, images: list, n: int = MAX) -> list[int]:
+    return _expected(hf_generate, ckpt, prompt, images, n)
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
@@ -42,16 +43,6 @@ def ckpt(request, tmp_path_factory):
 def llm(ckpt):
     return LLM(ckpt[0], kv_cache_memory_bytes=4 << 20, max_model_len=256,
                max_num_batched_tokens=128, limit_mm_per_prompt={"image": 2})
-
-
-def expected(ckpt, prompt: str, images: list, n: int = MAX) -> list[int]:
-    _, model, processor = ckpt
-    return hf_generate(model, processor, prompt, images, n)
-
-
-def run(llm: LLM, prompts: list, params: SamplingParams | None = None) -> list[list[int]]:
-    outs = llm.generate(prompts, params or greedy(), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def test_positions_equal_get_rope_index(ckpt, llm):
