@@ -136,16 +136,35 @@ class LLM(PoolingMixin):
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[
             SamplingParams] | None = None, use_tqdm: bool = True,
             chat_template: str | None = None, add_generation_prompt: bool = True,
+            tools: list[dict[str, Any]] | None = None,
+            chat_template_kwargs: dict[str, Any] | None = None,
             ) -> list[RequestOutput]:
         """Chat completion(s): ``messages`` is one conversation (a list of
-        ``{"role", "content"}`` dicts) or a list of conversations."""
+        ``{"role", "content"}`` dicts) or a list of conversations.  ``tools`` (OpenAI
+        function tools) are rendered as the server renders them -- the template's
+        ``tools`` variable, or for a template without one an instruction in the system
+        message -- and the reply is plain text (vLLM's offline contract: no tool
+        parser runs).  ``chat_template_kwargs``: further template variables."""
         if not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty list")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError("chat_template_kwargs must be a dict")
         convs = [messages] if isinstance(messages[0], Mapping) else list(messages)
         ip = self.llm_engine.input_processor
+        extra = dict(chat_template_kwargs or {})
+        if tools is not None:
+            from pagedllm.entrypoints.openai.tool_prompt import offline_tool_chat
+
+            if ip.tokenizer is None:
+                raise ValueError("tools: chat needs a tokenizer (skip_tokenizer_init is set)")
+            template = chat_template or getattr(ip.tokenizer, "chat_template", None)
+            rendered = [offline_tool_chat(list(c), tools, template if isinstance(
+                template, str) else None) for c in convs]
+            convs = [c for c, _ in rendered]
+            extra.update(rendered[0][1])
         # Image parts (image_url data URLs, image_pil) become multi_modal_data.
         plist: list[PromptType] = [
-            ip.chat_prompt(c, chat_template, add_generation_prompt) for c in convs]
+            ip.chat_prompt(c, chat_template, add_generation_prompt, **extra) for c in convs]
         return self._run(plist, sampling_params, use_tqdm, None)
 
     def _run(self, plist: list[PromptType], sampling_params: Any, use_tqdm: bool,

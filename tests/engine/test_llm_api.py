@@ -138,6 +138,46 @@ def test_chat_uses_template(llm):
     assert out.outputs[0].text
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_chat_with_tools_on_a_template_without_them(llm):
+    """The default model's template reads no ``tools``: as on the server, the tools go
+    into the system message (the prompt fallback) and the reply is text."""
+    params = SamplingParams(temperature=0, max_tokens=4)
+    (out,) = llm.chat(MSGS, params, use_tqdm=False, tools=[WEATHER])
+    (plain,) = llm.chat(MSGS, params, use_tqdm=False)
+    text = llm.get_tokenizer().decode(out.prompt_token_ids)
+    assert '"name": "get_weather"' in text and "<tool_call>" in text
+    assert text.index("get_weather") < text.index("What is the weather in Paris?")
+    assert "get_weather" not in llm.get_tokenizer().decode(plain.prompt_token_ids)
+
+
+def test_chat_with_tools_on_a_template_that_reads_them(llm):
+    """A template with a ``tools`` variable gets the tools there, unchanged; template
+    variables of the caller's pass through ``chat_template_kwargs``."""
+    template = ("{% for t in tools %}TOOL={{ t.function.name }};{% endfor %}"
+                "{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    (out,) = llm.chat(MSGS, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False,
+                      chat_template=template, tools=[WEATHER],
+                      chat_template_kwargs={"greeting": "HELLO;"})
+    text = llm.get_tokenizer().decode(out.prompt_token_ids)
+    assert text.startswith("TOOL=get_weather;HELLO;What is the weather")
+
+
+@pytest.mark.parametrize("tools", ["get_weather", [{"type": "function"}],
+                                   [{"type": "function", "function": {
+                                       "name": "f", "parameters": "not a schema"}}]])
+def test_chat_with_bad_tools_names_them(llm, tools):
+    with pytest.raises(ValueError, match="tools"):
+        llm.chat(MSGS, SamplingParams(max_tokens=1), use_tqdm=False, tools=tools)
+    (ok,) = llm.chat(MSGS, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert ok.outputs[0].token_ids  # the engine still answers
+
+
 def test_throughput_policy_gives_fcfs_greedy_outputs(llm):
     """The offline API's default policy is FCFS on the CPU (the session engine) and
     throughput on CUDA.  Longest-first order and paced (chunked) prefill change when
