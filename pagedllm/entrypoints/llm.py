@@ -153,7 +153,7 @@ class LLM(PoolingMixin):
         ip = self.llm_engine.input_processor
         extra = dict(chat_template_kwargs or {})
         if tools is not None:
-            from pagedllm.entrypoints.openai.tool_prompt import offline_tool_chat
+            from pagedllm.entrypoints.openai.chat_tools import offline_tool_chat
 
             if ip.tokenizer is None:
                 raise ValueError("tools: chat needs a tokenizer (skip_tokenizer_init is set)")

@@ -137,24 +137,3 @@ def call_grammar(fns: list[dict[str, Any]], forced: bool, single: bool) -> str:
         return str(xgr.Grammar.from_structural_tag(json.dumps(tag)))
     except Exception as e:  # xgrammar's own error types
         raise ValueError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-
-
-def offline_tool_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
-                      template: str | None) -> tuple[list[dict[str, Any]],
-                                                     dict[str, Any]]:
-    """What offline ``LLM.chat(tools=...)`` renders, as the server does: the conversation
-    and the template's extra variables.  A ``template`` that reads ``tools`` gets them as
-    its ``tools`` variable; any other gets the prompt fallback (:func:`fallback_messages`).
-    ``ValueError`` naming ``tools`` when they are not OpenAI function tools.  Offline the
-    reply is text: nothing constrains or parses the call."""
-    from pagedllm.entrypoints.openai.chat_tools import function_tools
-    from pagedllm.entrypoints.openai.tool_detection import template_uses_tools
-
-    if not isinstance(tools, list):
-        raise ValueError(f"tools must be a list of function tools, got "
-                         f"{type(tools).__name__}")
-    fns = function_tools(tools)
-    if template_uses_tools(template):
-        return messages, {"tools": tools}
-    return fallback_messages(messages, fns), {}
-
