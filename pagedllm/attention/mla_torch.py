@@ -77,7 +77,8 @@ class _Plan:
     decode_blocks: int
     # [B, 1, 1, nblk * bs] bool, True = attend; built on first use (torch path only)
     decode_mask: torch.Tensor | None
-    decode_rows: torch.Tensor | None = None  # device, the decodes' rows (mixed steps)
+    # device, a mixed step's decodes: (request rows, query starts 0..B); see _decode_rows
+    decode_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _kernel() -> object | None:
@@ -217,17 +218,16 @@ class MLATorchBackend:
         qn = q_nope[:b] if tokens is None else q_nope.index_select(0, tokens)
         qp = q_pe[:b] if tokens is None else q_pe.index_select(0, tokens)
         q_lat = self._absorb_q(qn, w_uk)
-        kernel = _kernel() if (self.use_kernel and (q_nope.is_cuda or self.kernel_on_cpu)
-                               ) else None
+        use_kernel = self.use_kernel and (q_nope.is_cuda or self.kernel_on_cpu)
+        kernel = _kernel() if use_kernel else None
         if kernel is not None:
             if tokens is None:  # decode-only step (graph-safe: no copies, host ints only)
                 tables, seqs = meta.block_tables[:b], meta.seq_lens[:b]
                 qsl = meta.query_start_loc[:b + 1]
             else:  # a mixed step's decodes (eager): their rows of the device metadata
-                rows = self._decode_rows(plan, q_nope.device)
+                rows, qsl = self._decode_rows(plan, q_nope.device)
                 tables = meta.block_tables.index_select(0, rows)
                 seqs = meta.seq_lens.index_select(0, rows)
-                qsl = torch.arange(b + 1, dtype=torch.int32, device=q_nope.device)
             o = kernel(q_lat.contiguous(), qp.contiguous(), kv_cache,  # type: ignore[operator]
                        tables, seqs, qsl, scale, 1)
             return o, tokens
@@ -240,8 +240,8 @@ class MLATorchBackend:
         if tokens is None:
             tables = meta.block_tables[:b, :plan.decode_blocks]
         else:
-            tables = meta.block_tables.index_select(
-                0, self._decode_rows(plan, q_nope.device))[:, :plan.decode_blocks]
+            rows, _ = self._decode_rows(plan, q_nope.device)
+            tables = meta.block_tables.index_select(0, rows)[:, :plan.decode_blocks]
         length = plan.decode_blocks * kv_cache.shape[2]
         entries = kv_cache[0].index_select(0, tables.reshape(-1).long()).view(
             b, length, kv_cache.shape[-1])
@@ -252,10 +252,13 @@ class MLATorchBackend:
         return o[:, 0].to(q_nope.dtype), tokens
 
     @staticmethod
-    def _decode_rows(plan: _Plan, device: torch.device) -> torch.Tensor:
-        """The decodes' request rows on the device, made once per step."""
+    def _decode_rows(plan: _Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A mixed step's decodes on the device, made once per step (every layer reads
+        them): their request rows, and ``0..B`` as their query starts (one token each)."""
         if plan.decode_rows is None:
-            plan.decode_rows = torch.tensor(plan.decodes, device=device)
+            plan.decode_rows = (torch.tensor(plan.decodes, device=device),
+                                torch.arange(len(plan.decodes) + 1, dtype=torch.int32,
+                                             device=device))
         return plan.decode_rows
 
     def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,

@@ -158,10 +158,8 @@ class LLM(PoolingMixin):
             if ip.tokenizer is None:
                 raise ValueError("tools: chat needs a tokenizer (skip_tokenizer_init is set)")
             template = chat_template or getattr(ip.tokenizer, "chat_template", None)
-            rendered = [offline_tool_chat(list(c), tools, template if isinstance(
-                template, str) else None) for c in convs]
-            convs = [c for c, _ in rendered]
-            extra.update(rendered[0][1])
+            convs, tool_vars = offline_tool_chat([list(c) for c in convs], tools, template)
+            extra.update(tool_vars)
         # Image parts (image_url data URLs, image_pil) become multi_modal_data.
         plist: list[PromptType] = [
             ip.chat_prompt(c, chat_template, add_generation_prompt, **extra) for c in convs]

@@ -95,11 +95,10 @@ class BlockOps:
         self.kv_caches = list(kv_caches)
         self.swap_caches = list(swap_caches)
         self.offload_caches = list(offload_caches)
-        device = self.kv_caches[0].device if self.kv_caches else torch.device("cpu")
-        self.device = device
+        self.device = self.kv_caches[0].device if self.kv_caches else torch.device("cpu")
         # The host tier's loads run here, overlapping the forward (CUDA only).
-        self._load_stream = torch.cuda.Stream(device) \
-            if device.type == "cuda" and self.offload_caches else None
+        self._load_stream = torch.cuda.Stream(self.device) \
+            if self.device.type == "cuda" and self.offload_caches else None
         # Recorded after the last step's loads; the next step waits for it.
         self._loads_done: torch.cuda.Event | None = None
 

@@ -55,14 +55,14 @@ def function_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     return out
 
 
-def offline_tool_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
-                      template: str | None) -> tuple[list[dict[str, Any]],
-                                                     dict[str, Any]]:
-    """What offline ``LLM.chat(tools=...)`` renders, as the server does: the conversation
-    and the template's extra variables.  A ``template`` that reads ``tools`` gets them as
-    its ``tools`` variable; any other gets the prompt fallback (``tool_prompt.fallback_messages``).
-    ``ValueError`` naming ``tools`` when they are not OpenAI function tools.  Offline the
-    reply is text: nothing constrains or parses the call."""
+def offline_tool_chat(convs: list[list[dict[str, Any]]], tools: list[dict[str, Any]],
+                      template: Any) -> tuple[list[list[dict[str, Any]]], dict[str, Any]]:
+    """What offline ``LLM.chat(tools=...)`` renders, as the server does: the
+    conversations and the template's extra variables.  A ``template`` (a Jinja string)
+    that reads ``tools`` gets them as its ``tools`` variable; any other gets the prompt
+    fallback (``tool_prompt.fallback_messages``).  ``ValueError`` naming ``tools`` when
+    they are not OpenAI function tools.  Offline the reply is text: nothing constrains or
+    parses the call."""
     from pagedllm.entrypoints.openai.tool_detection import template_uses_tools
     from pagedllm.entrypoints.openai.tool_prompt import fallback_messages
 
@@ -70,9 +70,9 @@ def offline_tool_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]
         raise ValueError(f"tools must be a list of function tools, got "
                          f"{type(tools).__name__}")
     fns = function_tools(tools)
-    if template_uses_tools(template):
-        return messages, {"tools": tools}
-    return fallback_messages(messages, fns), {}
+    if template_uses_tools(template if isinstance(template, str) else None):
+        return convs, {"tools": tools}
+    return [fallback_messages(c, fns) for c in convs], {}
 
 
 def _params_schema(fn: dict[str, Any]) -> dict[str, Any]:
