@@ -53,7 +53,7 @@
 # Results are $OUT/<part>_<name>_<round>.json.  EXTRA_ARGS adds engine flags to every run (e.g.
 # "--max-num-batched-tokens 8192"); REPEATS sets W1's repeats per process (default 2).
 # CLOCKS=1 logs the GPU's SM clock, power and throttle reasons every 200 ms and prints
-# their medians per run (W1 runs at the H200's power cap: docs/benchmarks.md, run 14).
+# their medians per run (W1 runs at the H200's power cap: docs/findings.md, run 14).
 #
 # One device call may run 10 minutes: W1 x2 variants x2 rounds plus W4 fit; put pytest
 # in a call of its own.  Carried wheels in .whl are installed by device_env.sh.

@@ -1,5 +1,5 @@
 """Replay W1 through the real scheduler (no model) and price each step with a cost model
-fitted to the H200 measurements of run 9 (docs/benchmarks.md), to compare scheduling
+fitted to the H200 measurements of run 9 (docs/findings.md), to compare scheduling
 policies before spending device time.
 
 Usage: python benchmarks/schedule_sim.py [--policy fcfs throughput ...] [--steps FILE]

@@ -438,7 +438,7 @@ def offline_scheduling_policy(device: str) -> str:
     W5 +7% on an H200); ``fcfs`` on the CPU, where a step costs about its tokens and
     only decode-only steps take the one-call C decoder (``models/cpu_decode_stack.py``), so
     pacing prompts into decode steps made W1-small on the default model slower (82
-    against 125 output tok/s; docs/benchmarks.md, "The offline API's default
+    against 125 output tok/s; docs/findings.md, "The offline API's default
     policy")."""
     on_gpu = device == "cuda" or (device == "auto" and _cuda_available())
     return "throughput" if on_gpu else "fcfs"

@@ -276,7 +276,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     start-up failure, a step error or parent death."""
     _setup_logging()
     # Start-up timeline: this line, the imports, the config, then "loaded ... in X s"
-    # and "engine ready" (docs/benchmarks.md breaks a server's start-up down with them).
+    # and "engine ready" (docs/findings.md, "Start-up", breaks a start-up down by them).
     logger.info("engine core process started; loading torch and the model")
     t0 = time.perf_counter()
     # The API server handles SIGINT/SIGTERM and tells us to stop; a Ctrl-C on the terminal

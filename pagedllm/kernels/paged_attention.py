@@ -227,7 +227,7 @@ def _attn_program(
     # they see no key: their P is 0 and the P@V product runs on zeros instead of on a
     # row of ones.  The results are never stored either way; this is for power: W1 runs
     # at the GPU's power cap, and zero operands cost less energy in the tensor cores
-    # (+0.4% W1 throughput, docs/benchmarks.md run 14).
+    # (+0.4% W1 throughput, docs/findings.md run 14).
     q_pos = tl.where(row_ok, ctx_len + q_in_req, -1)
 
     # Keys this tile needs: positions [0, kv_end), kv_end = last query position + 1.
@@ -509,7 +509,7 @@ def plan_attention(
             # in chunks instead, so that 64-position tiles went two deep in 153
             # registers, won 6% in mixed_attn_ab.py's replay but ran W1 2% slower in the
             # engine: 8,715 and 8,726 against 8,905 and 8,878 tok/s, one lease,
-            # 2026-12-01.  Removed; docs/benchmarks.md run 12.)
+            # 2026-12-01.  Removed; docs/findings.md run 12.)
             tile_n = max(128, block_size)
             num_stages = 3
             if head_dim > 128:  # not measured at larger heads: keep the split tiles

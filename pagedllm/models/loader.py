@@ -15,7 +15,7 @@
   ``uniform(-1e-3, 1e-3)``, so benchmarks run both engines on the same weights.  That
   matters on a GPU at its power cap: W1 runs at the H200's 700 W limit, where the
   weights' values change the clock (normal(0, 0.02) ran W1 ~0.8% slower,
-  docs/benchmarks.md run 14).  "normal" is ``normal(0, 0.02)`` with norm weights 1:
+  docs/findings.md run 14).  "normal" is ``normal(0, 0.02)`` with norm weights 1:
   logits far enough apart that bf16 greedy tokens are comparable across code paths
   (the GPU checks that compare graphs, eager and async runs use it).
 

@@ -6,7 +6,7 @@ Threshold: the quantised path computes its matmuls from bf16 activations (and bf
 scales), so greedy paths part where two logits are within that rounding; we require the
 first greedy token to agree for at least 6 of the 8 prompts and, summed over the
 prompts, at least half of the 24-token greedy paths to agree before they part
-(measured figures in docs/benchmarks.md, "CPU: the GGUF kept quantised").
+(measured figures in docs/findings.md, "CPU: the GGUF kept quantised").
 """
 
 from __future__ import annotations

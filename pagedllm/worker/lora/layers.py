@@ -162,7 +162,7 @@ def diag_blocks(bt: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:
 
 
 # Row-count thresholds of the CUDA paths (see the module doc), from
-# ``benchmarks/lora_probe.py`` (in git history) and W1 on an H200 (docs/benchmarks.md,
+# ``benchmarks/lora_probe.py`` (in git history) and W1 on an H200 (docs/findings.md,
 # runs 17-19).  Per decoder layer at the Llama-3-8B shapes (4 projections, 8 slots, rank
 # 16): the fused kernel wins at 1 row (42 vs 68 us for the dense form); at 256 rows the
 # masked two-launch form (kernels/lora_masked.py, split-K shrink: the A reads spread
