@@ -247,10 +247,16 @@ def _ct_config(weights: dict[str, Any], acts: dict[str, Any] | None, fmt: str) -
                                           "output_activations": None, "format": fmt}}}
 
 
-def _w4a16(group: int) -> dict[str, Any]:
-    return _ct_config({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                       "group_size": group, "dynamic": False, "actorder": None},
-                      None, "pack-quantized")
+def _w4a16(group: int, symmetric: bool = True) -> dict[str, Any]:
+    return _ct_config({"num_bits": 4, "type": "int", "symmetric": symmetric,
+                       "strategy": "group", "group_size": group, "dynamic": False,
+                       "actorder": None}, None, "pack-quantized")
+
+
+def _awq(group: int) -> dict[str, Any]:
+    """AutoAWQ's GEMM config (``awq.py``): 4-bit codes with zero points."""
+    return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+            "version": "gemm"}
 
 
 _W8A8_INT8 = _ct_config({"num_bits": 8, "type": "int", "symmetric": True,
@@ -265,6 +271,12 @@ for _base, _group in (("llama3-8b", 128), ("smollm2-135m", 64)):
                                        "quantization_config": _w4a16(_group)}
     DUMMY_CONFIGS[f"{_base}-w8a8-int8"] = {**DUMMY_CONFIGS[_base],
                                            "quantization_config": _W8A8_INT8}
+    # Zero points (issue 43): compressed-tensors asymmetric and AWQ, whose dummy loader
+    # fills the packed zeros at random -- the path every AWQ checkpoint takes.
+    DUMMY_CONFIGS[f"{_base}-w4a16-asym"] = {**DUMMY_CONFIGS[_base],
+                                            "quantization_config": _w4a16(_group, False)}
+    DUMMY_CONFIGS[f"{_base}-awq"] = {**DUMMY_CONFIGS[_base],
+                                     "quantization_config": _awq(_group)}
 
 
 def dummy_config(name: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
