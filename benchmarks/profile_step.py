@@ -18,7 +18,7 @@ import time
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.benchmarks.workloads import w1, w4, write_dummy_model
+from pagedllm.benchmarks.workloads import dummy_config, w1, w4, write_dummy_model
 
 
 def category(name: str) -> str:
@@ -67,7 +67,8 @@ def main() -> None:
         from pagedllm.kernels import pdl  # the engine runs in this process
 
         pdl._capability_ok = lambda index: False  # as before Hopper: no PDL
-    vocab_hi = 49000 if a.dummy == "smollm2-135m" else 128000
+    # Random prompt ids below the shape's vocabulary (and below Llama-3's, as W1's).
+    vocab_hi = min(128000, int(dummy_config(a.dummy).get("vocab_size", 128000)) - 1)
     llm = LLM(write_dummy_model(a.dummy), load_format="dummy", skip_tokenizer_init=True,
               max_num_batched_tokens=a.max_num_batched_tokens,
               scheduling_policy=a.scheduling_policy, quantization=a.quantization,
