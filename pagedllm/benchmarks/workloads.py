@@ -187,6 +187,17 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
         "vocab_size": 262208, "max_position_embeddings": 131072, "rms_norm_eps": 1e-06,
         "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
         "torch_dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": 1},
+    # Phi-4 (14B): microsoft/phi-4's config.json (Llama's graph, fused qkv / gate_up in
+    # the checkpoint, 40 / 10 KV heads of 128; BENCHMARKS.md has no Phi config).
+    "phi-4-14b": {
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 5120,
+        "intermediate_size": 17920, "num_hidden_layers": 40, "num_attention_heads": 40,
+        "num_key_value_heads": 10, "hidden_act": "silu", "vocab_size": 100352,
+        "max_position_embeddings": 16384, "original_max_position_embeddings": 16384,
+        "rope_theta": 250000.0, "rope_scaling": None, "rms_norm_eps": 1e-05,
+        "sliding_window": None, "attention_bias": False, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "bos_token_id": 100257, "eos_token_id": 100265,
+        "pad_token_id": 100349},
     # MLA + DeepSeekMoE (issue 42): BENCHMARKS.md's DeepSeek-V2-Lite config, verbatim.
     "deepseek-v2-lite": {
         "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",

@@ -213,7 +213,7 @@ def _serve_unavailable(missing: str) -> int:
 
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="Benchmarks (throughput, latency, spec, serve, soak, "
-                       "structured, perplexity, parallel, embed, multiturn).",
+                       "structured, perplexity, parallel, embed, multiturn, matrix).",
                        formatter_class=HelpFormatter)
     bsub = p.add_subparsers(dest="bench_cmd", required=True)
     for name, module in (("throughput", "pagedllm.benchmarks.throughput"),
@@ -225,7 +225,8 @@ def _add_bench(sub) -> None:
                          ("perplexity", "pagedllm.benchmarks.perplexity"),
                          ("parallel", "pagedllm.benchmarks.parallel"),
                          ("embed", "pagedllm.benchmarks.embed"),
-                         ("multiturn", "pagedllm.benchmarks.multiturn")):
+                         ("multiturn", "pagedllm.benchmarks.multiturn"),
+                         ("matrix", "pagedllm.benchmarks.matrix")):
         try:
             mod = __import__(module, fromlist=["add_args", "main"])
         except ImportError:

@@ -1,0 +1,63 @@
+"""``pagedllm bench matrix`` on the CPU (issue 43): two shrunk rows through real child
+processes, and an unknown row refused before anything runs.  Only the report's fields
+are checked, never a time's size."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from pagedllm.benchmarks.matrix import Row, format_table, parse_rows
+from pagedllm.benchmarks.workloads import DUMMY_CONFIGS
+from pagedllm.entrypoints.cli import main
+
+ROWS = ["smollm2-135m", "smollm2-135m-w4a16-asym"]
+
+
+def test_two_tiny_rows_report_w1_and_w4(tmp_path: Path) -> None:
+    out = tmp_path / "matrix.json"
+    rc = main(["bench", "matrix", "--rows", ",".join(ROWS), "--device", "cpu",
+               "--dummy-overrides", '{"num_hidden_layers": 2}', "--w1-num-prompts", "2",
+               "--w4-input-len", "32", "--w4-output-len", "8", "--w4-num-prompts", "1",
+               "--row-timeout", "120", "--log-dir", str(tmp_path / "logs"),
+               "--output-json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0, [r["status"] for r in report["rows"]]
+    assert [r["row"] for r in report["rows"]] == ROWS
+    for r in report["rows"]:
+        assert r["ok"] and r["status"] == "ok"
+        assert r["w1_out_tok_s"] > 0 and r["w4_tpot_ms"] > 0 and r["w4_ttft_ms"] > 0
+        assert r["weight_gib"] > 0  # parsed from the child's start-up log line
+        assert r["device"] == "cpu"
+        assert "--dummy-overrides" in r["runs"]["W1"]["command"]
+    # Zero points' int4 weights are smaller than the fp32 shape's.
+    assert report["rows"][1]["weight_gib"] < report["rows"][0]["weight_gib"]
+    assert report["rows"][1]["runs"]["W4"]["report"]["quantization"] == "compressed-tensors"
+
+
+def test_unknown_row_exits_naming_rows_before_running() -> None:
+    res = subprocess.run([sys.executable, "-m", "pagedllm", "bench", "matrix", "--rows",
+                          "smollm2-135m,no-such-model"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode != 0
+    assert "--rows" in res.stderr and "no-such-model" in res.stderr
+    assert "child logs" not in res.stdout  # nothing ran
+
+
+def test_rows_take_a_quantization_suffix() -> None:
+    assert parse_rows("llama3-8b, llama3-8b+fp8") == [
+        Row("llama3-8b", "llama3-8b"), Row("llama3-8b+fp8", "llama3-8b", "fp8")]
+    phi = DUMMY_CONFIGS["phi-4-14b"]
+    assert (phi["hidden_size"], phi["intermediate_size"], phi["num_hidden_layers"],
+            phi["num_attention_heads"], phi["num_key_value_heads"], phi["vocab_size"]) \
+        == (5120, 17920, 40, 40, 10, 100352)
+
+
+def test_failed_row_shows_its_reason_in_the_table() -> None:
+    row = {"row": "mixtral-8x7b", "w1_out_tok_s": None, "w4_tpot_ms": 6.9,
+           "w4_ttft_ms": 40.3, "weight_gib": 87.0, "status": "W1: timed out after 600 s"}
+    text = format_table([row])
+    assert "W1: timed out after 600 s" in text and " - " in text
+    assert format_table([row], markdown=True).splitlines()[2].startswith("| mixtral-8x7b |")
