@@ -1,4 +1,5 @@
-"""RMSNorm, optionally fused with the residual add (vLLM's ``fused_add_rms_norm``).
+"""RMSNorm, optionally fused with the residual add (vLLM's ``fused_add_rms_norm``), and
+Gemma's variant (``gemma_norm``: ``(1 + w)`` weights, all-fp32 math, post-norm adds).
 
 Numerics follow Hugging Face's ``LlamaRMSNorm`` step for step so greedy outputs match
 token for token: the residual sum is rounded to the activation dtype first (as
@@ -130,3 +131,77 @@ def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
     _launch(x, residual, weight, eps, out, res_out, (q, scale))
     return out, res_out, q, scale
+
+
+# --------------------------------------------------------------------------- Gemma
+
+
+@triton.jit
+def _gemma_row(x, w, mask, n_cols, eps):
+    """Gemma's norm of one loaded row, in fp32 (transformers' ``Gemma3RMSNorm``:
+    ``x * rsqrt(mean(x^2) + eps) * (1 + w)``, every step in fp32)."""
+    xf = tl.where(mask, x.to(tl.float32), 0.0)
+    var = tl.sum(xf * xf, 0) / n_cols
+    return xf * tl.math.rsqrt(var + eps) * (1.0 + w.to(tl.float32))
+
+
+@triton.jit
+def _gemma_norm_kernel(x_ptr, res_ptr, w1_ptr, w2_ptr, out_ptr, res_out_ptr, stride_x,
+                       stride_r, stride_o, stride_ro, n_cols, eps, MODE: tl.constexpr,
+                       BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_trigger(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    w1 = tl.load(w1_ptr + cols, mask=mask, other=0.0)  # before the wait, as above
+    if MODE == 2:
+        w2 = tl.load(w2_ptr + cols, mask=mask, other=0.0)
+    pdl_wait(USE_PDL)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    dt = out_ptr.dtype.element_ty
+    y = _gemma_row(x, w1, mask, n_cols, eps).to(dt)
+    if MODE == 0:  # norm(x)
+        tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+    else:  # h = residual + norm(x), added in the activation dtype as the model does
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        h = (r.to(tl.float32) + y.to(tl.float32)).to(dt)
+        if MODE == 1:
+            tl.store(out_ptr + row * stride_o + cols, h, mask=mask)
+        else:  # and the next norm of h
+            tl.store(res_out_ptr + row * stride_ro + cols, h, mask=mask)
+            z = _gemma_row(h, w2, mask, n_cols, eps).to(dt)
+            tl.store(out_ptr + row * stride_o + cols, z, mask=mask)
+
+
+def gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+               residual: torch.Tensor | None = None,
+               next_weight: torch.Tensor | None = None
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's (post-)norms in one launch over ``x [..., hidden]`` (last dim contiguous),
+    each value rounded to ``x.dtype`` where transformers' bf16 model rounds it:
+
+    * ``gemma_norm(x, w)`` -> ``norm_w(x)`` (the input, pre-feed-forward and q/k norms);
+    * ``gemma_norm(x, w, residual)`` -> ``residual + norm_w(x)`` (a post-norm and its skip
+      connection: the layer's last add);
+    * ``gemma_norm(x, w, residual, w2)`` -> ``(norm_w2(h), h)`` with ``h = residual +
+      norm_w(x)``: the post-attention norm, its add, and the pre-feed-forward norm.
+
+    ``norm_w(v) = v * rsqrt(mean(v^2) + eps) * (1 + w)`` in fp32 (``w`` zero-centred, as
+    Gemma checkpoints store it)."""
+    x2 = _rows(x)
+    n_rows, n_cols = x2.shape
+    assert weight.shape == (n_cols,), (weight.shape, n_cols)
+    mode = 0 if residual is None else (1 if next_weight is None else 2)
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if mode == 2 else None
+    if n_rows == 0:
+        return out if mode < 2 else (out, res_out)  # type: ignore[return-value]
+    o2 = _rows(out)
+    r2 = _rows(residual) if residual is not None else x2
+    ro2 = _rows(res_out) if res_out is not None else o2
+    block = triton.next_power_of_2(n_cols)
+    _gemma_norm_kernel[(n_rows,)](
+        x2, r2, weight, next_weight if next_weight is not None else weight, o2, ro2,
+        x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0), n_cols, eps, MODE=mode,
+        BLOCK=block, num_warps=min(16, max(1, block // 256)), **pdl_launch_args(x.device))
+    return out if mode < 2 else (out, res_out)  # type: ignore[return-value]

@@ -111,6 +111,31 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dtype != torch.float32:  # one Triton launch, same roundings
+            from pagedllm.kernels.norm import gemma_norm
+
+            return gemma_norm(x, self.weight, self.eps)  # type: ignore[return-value]
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Gemma's post-norm skip connection ``residual + self(x)``: on CUDA in half types
+        one launch (``kernels/norm.gemma_norm``), else these torch ops."""
+        if x.is_cuda and x.dtype != torch.float32:
+            from pagedllm.kernels.norm import gemma_norm
+
+            return gemma_norm(x, self.weight, self.eps, residual)  # type: ignore[return-value]
+        return residual + self(x)
+
+    def add_then(self, x: torch.Tensor, residual: torch.Tensor,
+                 then: GemmaRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(then(h), h)`` with ``h = residual + self(x)``: the next norm read from the
+        same registers (one launch on CUDA in half types)."""
+        if x.is_cuda and x.dtype != torch.float32:
+            from pagedllm.kernels.norm import gemma_norm
+
+            return gemma_norm(x, self.weight, self.eps, residual,  # type: ignore[return-value]
+                              then.weight)
+        h = residual + self(x)
+        return then(h), h
