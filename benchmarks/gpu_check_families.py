@@ -1,5 +1,6 @@
-"""GPU greedy check of the DeepSeek (MLA) and vision-language families: the tests' tiny
-random checkpoints (``tests/models/deepseek_tiny.py``, ``tests/models/tiny_qwen_vl.py``)
+"""GPU greedy check of the DeepSeek (MLA), Gemma 2/3 and vision-language families: the
+tests' tiny random checkpoints (``tests/models/deepseek_tiny.py``,
+``tests/models/tiny_models.py``, ``tests/models/tiny_qwen_vl.py``)
 through the engine on the GPU against transformers in fp32 on the CPU, in fp32, in bf16
 with CUDA graphs, and (DeepSeek) in bf16 eager; DeepSeek's second pass is served from the
 prefix cache and must repeat the first.  Prints agreement counts (bf16 may differ from the
@@ -46,6 +47,23 @@ def ds(name: str) -> None:
               f"prefix-cached pass equal: {outs[:4] == outs[4:]}", flush=True)
 
 
+def gemma(arch: str) -> None:
+    """Gemma's Triton norms and GELU-tanh activation (the GPU path only) against HF."""
+    from tests.e2e.hf_greedy import hf_greedy, shared_prefix_prompts
+    from tests.models.tiny_models import VOCAB, build
+    d = tempfile.mkdtemp()
+    hf = build(arch, d)
+    prompts = shared_prefix_prompts(VOCAB)
+    ref = hf_greedy(hf, prompts, NEW)
+    p = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    for label, kw in [("fp32", dict(dtype="float32")), ("bf16", dict(dtype="bfloat16"))]:
+        llm = LLM(d, skip_tokenizer_init=True, device=DEV, max_model_len=128,
+                  kv_cache_memory_bytes=64 << 20, **kw)
+        outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, p, use_tqdm=False)]
+        llm.shutdown()
+        print(f"{arch} {label}: {agree(outs, ref)} exact seqs vs HF fp32 cpu", flush=True)
+
+
 def vl() -> None:
     from pagedllm.multimodal.hf_processor import load_hf_processor
     from tests.models.tiny_qwen_vl import IMG, build_qwen2_5_vl, hf_generate, image
@@ -66,7 +84,9 @@ def vl() -> None:
 
 def main() -> None:
     for label, run in [("deepseek v2_lite", lambda: ds("v2_lite")),
-                       ("deepseek v3", lambda: ds("v3")), ("qwen2.5-vl", vl)]:
+                       ("deepseek v3", lambda: ds("v3")), ("qwen2.5-vl", vl),
+                       ("gemma3", lambda: gemma("gemma3")),
+                       ("gemma2", lambda: gemma("gemma2"))]:
         t = time.time()
         try:
             run()
