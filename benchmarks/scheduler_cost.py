@@ -4,7 +4,7 @@ Usage:
   python benchmarks/scheduler_cost.py            # both modes
   python benchmarks/scheduler_cost.py growth     # per-step time vs. sequence length
   python benchmarks/scheduler_cost.py w1 [--sync] [--repeats N] [--profile] \
-      [--policy fcfs|priority|throughput]
+      [--policy fcfs|priority|throughput] [--layers llama|gemma3]
 
 ``growth``: 64 running decode requests; times ``schedule()`` + ``update_from_output()``
 per step at several sequence lengths -- the per-step time must stay flat as sequences grow.
@@ -16,7 +16,9 @@ tokens, greedy, ignore_eos, all submitted at once, ``max_num_batched_tokens=8192
 (no tokenizer, as the dummy-model benchmark runs), with a runner that costs nothing.
 Reports the host time per engine step of each phase; this is the host work that has to
 hide behind the GPU's forward pass.  ``--policy`` picks the scheduling policy (FCFS by
-default); ``throughput`` also changes the number of steps.
+default); ``throughput`` also changes the number of steps.  ``--layers gemma3`` gives the
+KV manager Gemma-3-12B's layers (48: 5 sliding-window-1024 to 1 full), i.e. six KV cache
+groups (core/hybrid_kv_cache_manager.py), instead of one.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import time
 
 from pagedllm.benchmarks.workloads import w1
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache_groups import make_kv_cache_groups
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.output_processor import OutputProcessor
@@ -88,15 +91,24 @@ class _NullRunner:
         return ModelRunnerOutput(ids, toks)
 
 
-def _run_w1(sync: bool, policy: str = "fcfs") -> tuple[int, dict[str, float]]:
+def _cache_config(layers: str) -> CacheConfig:
+    groups = None
+    if layers == "gemma3":
+        groups = make_kv_cache_groups([None if i % 6 == 5 else 1024 for i in range(48)])
+    return CacheConfig(block_size=16, enable_prefix_caching=True, kv_cache_groups=groups)
+
+
+def _run_w1(sync: bool, policy: str = "fcfs",
+            layers: str = "llama") -> tuple[int, dict[str, float]]:
     """One W1-small run; returns (engine steps, seconds spent per phase)."""
     reqs = w1(256, vocab_hi=49000)
     max_len = 2048
+    cc = _cache_config(layers)
+    groups = len(cc.kv_cache_groups.groups) if cc.kv_cache_groups is not None else 1
     s = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192,
                                   max_model_len=max_len, async_scheduling=not sync,
                                   policy=policy),  # type: ignore[arg-type]
-                  CacheConfig(block_size=16, enable_prefix_caching=True),
-                  num_blocks=256 * max_len // 16 + 1)
+                  cc, num_blocks=256 * max_len // 16 * groups + 1)  # holds all of W1
     op = OutputProcessor(None)
     runner = _NullRunner()
     t = dict.fromkeys(("add", "requires_sync", "schedule", "execute", "update",
@@ -150,17 +162,19 @@ def _run_w1(sync: bool, policy: str = "fcfs") -> tuple[int, dict[str, float]]:
     return steps, t
 
 
-def w1_mode(sync: bool, repeats: int, profile: bool, policy: str = "fcfs") -> None:
+def w1_mode(sync: bool, repeats: int, profile: bool, policy: str = "fcfs",
+            layers: str = "llama") -> None:
     if profile:
         prof = cProfile.Profile()
         prof.enable()
-        _run_w1(sync, policy)
+        _run_w1(sync, policy, layers)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(45)
         return
-    runs = [_run_w1(sync, policy) for _ in range(repeats)]
+    runs = [_run_w1(sync, policy, layers) for _ in range(repeats)]
     steps = runs[0][0]
-    print(f"W1-small, fake runner, {'sync' if sync else 'async'} scheduling, {policy}: "
+    print(f"W1-small, fake runner, {layers} layers, {'sync' if sync else 'async'} "
+          f"scheduling, {policy}: "
           f"{steps} steps; best of {repeats}")
     print(f"{'phase':>16}{'total ms':>10}{'us/step':>10}")
     total = 0.0
@@ -180,11 +194,14 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="w1: cProfile one run instead")
     p.add_argument("--policy", default="fcfs", choices=["fcfs", "priority", "throughput"],
                    help="w1: scheduling policy")
+    p.add_argument("--layers", default="llama", choices=["llama", "gemma3"],
+                   help="w1: one KV cache group (llama) or Gemma-3-12B's six (default: "
+                        "llama)")
     args = p.parse_args()
     if args.mode in ("growth", "all"):
         growth()
     if args.mode in ("w1", "all"):
-        w1_mode(args.sync, args.repeats, args.profile, args.policy)
+        w1_mode(args.sync, args.repeats, args.profile, args.policy, args.layers)
 
 
 if __name__ == "__main__":
