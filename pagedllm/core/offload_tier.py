@@ -18,7 +18,9 @@ runner's ``BlockOps`` copies the bytes).
 ```
 
 Contracts (the runner's order, ``worker/block_ops.py``: wait for the last step's loads;
-swap-outs, offloads, swap-ins; issue the loads on the copy stream; copy-on-write copies):
+swap-outs; offloads (gathered on the compute stream, copied to the host on the copy
+stream, landing in the host pool at a later step or before a load reads their slots);
+swap-ins; issue the loads on the copy stream; copy-on-write copies):
 
 * **A block is saved before its new owner writes it.**  ``BlockPool`` calls ``_save``
   when it hands out a free block that still holds a cached hash; that block was computed
@@ -40,8 +42,9 @@ swap-outs, offloads, swap-ins; issue the loads on the copy stream; copy-on-write
 * **A host slot read by a load is not overwritten before the copy reads it.**  A slot
   read by a load queued this step is never given to another hash before the step's
   copies are taken (``_reading``); the runner reads it into a staging buffer when it
-  issues the load, after this step's offloads (so a block saved and looked up in one
-  step round-trips), and the next step's offloads run after that.
+  issues the load, after this step's offloads have landed in the slots it reads (so a
+  block saved and looked up in one step round-trips), and the next step's offloads run
+  after that.
 * **Destinations are distinct.**  A loading block is held, so it cannot be promoted,
   evicted or taken again in the same step.
 * **Inclusive.**  A loaded hash stays in the host pool (LRU-touched): evicting the

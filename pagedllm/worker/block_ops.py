@@ -23,9 +23,18 @@ out on a copy stream of their own, after the work queued so far (the step's offl
 read their destinations' old KV first), and record an event; the *next* step's block
 moves and forward wait for that event on the compute stream -- a GPU-side wait, no host
 sync.  The host pool is pinned and the load's gather goes into pinned staging, so the
-copy is truly asynchronous.  Swap-ins, offloads and copies stay on the compute stream,
-ordered before the forward (an offloaded block's new owner writes it in this step).  On
-the CPU every move is synchronous, on the same code path with no streams.
+copy is truly asynchronous.  Swap-ins and copies stay on the compute stream, ordered
+before the forward.
+
+Offloads overlap the forward too.  The gather of the evicted blocks runs on the compute
+stream, before the forward (an offloaded block's new owner writes it in this step); the
+device-to-host copy of the gathered blocks into pinned staging runs on the copy stream,
+and the staging is scattered into the host pool once its event has completed -- at a
+later step's ``apply``, without waiting -- or at once, waiting, when a load of this step
+reads one of its slots (a block offloaded and looked up again before it landed).
+Pending offloads land in issue order, so a slot reused for a newer block ends with the
+newer bytes.  Nothing else reads the host pool.  On the CPU every move is synchronous,
+on the same code path with no streams (an offload lands within its ``apply``).
 
 Each move is one gather and one scatter per layer (``index_select`` +
 ``index_copy_`` over the block dimension of ``[2 | 1, num_blocks, block_size, heads, dim]``),
@@ -34,7 +43,9 @@ whatever the number of blocks: no Python loop over blocks.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -80,6 +91,20 @@ def move_blocks(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
         d.index_copy_(1, d_idx, blocks)
 
 
+@dataclass
+class _PendingOffload:
+    """An offload whose device-to-host copy may still be running: per layer the gathered
+    device blocks (held so that their memory is not reused while the copy reads it) and
+    their pinned host staging, the host slots they go to, and the copy's event (None:
+    already complete)."""
+
+    gathered: list[torch.Tensor]
+    staged: list[torch.Tensor]
+    slots: frozenset[int]
+    slot_idx: torch.Tensor
+    done: torch.cuda.Event | None
+
+
 class BlockOps:
     """The runner's handle on the KV tensors for block moves.
 
@@ -101,11 +126,14 @@ class BlockOps:
             if self.device.type == "cuda" and self.offload_caches else None
         # Recorded after the last step's loads; the next step waits for it.
         self._loads_done: torch.cuda.Event | None = None
+        # Offloads copied to pinned staging but not yet scattered into the host pool.
+        self._pending: deque[_PendingOffload] = deque()
 
     def apply(self, sched: SchedulerOutput) -> None:
-        """Wait for the last step's loads, then perform this step's swap-outs, offloads,
-        swap-ins, (issue) loads and copy-on-write copies, in that order (the module doc
-        says why).  Called before every forward, also one with no moves."""
+        """Wait for the last step's loads, then perform this step's swap-outs, (issue)
+        offloads, land the pending offloads that are done or that this step's loads read,
+        then swap-ins, (issue) loads and copy-on-write copies, in that order (the module
+        doc says why).  Called before every forward, also one with no moves."""
         if (sched.swap_out or sched.swap_in) and not self.swap_caches:
             raise RuntimeError("the scheduler swapped blocks but no swap space exists")
         if (sched.kv_offload or sched.kv_load) and not self.offload_caches:
@@ -115,10 +143,55 @@ class BlockOps:
             torch.cuda.current_stream(self.device).wait_event(self._loads_done)
             self._loads_done = None
         move_blocks(self.kv_caches, self.swap_caches, sched.swap_out)
-        move_blocks(self.kv_caches, self.offload_caches, sched.kv_offload)
+        self._offload(sched.kv_offload)
+        self._land_offloads({slot for slot, _ in sched.kv_load})
         move_blocks(self.swap_caches, self.kv_caches, sched.swap_in)
         self._load(sched.kv_load)
         move_blocks(self.kv_caches, self.kv_caches, sched.block_copies)
+
+    def _offload(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Issue the host tier's offloads (module doc): gather on the compute stream now;
+        on CUDA copy to pinned staging on the copy stream (queued as pending), on the CPU
+        the gathered blocks are the staging (pending and complete)."""
+        if not pairs:
+            return
+        src_idx = _index([p[0] for p in pairs], self.device)
+        slot_ids = [p[1] for p in pairs]
+        gathered = [_bytes(k).index_select(1, src_idx) for k in self.kv_caches]
+        stream = self._load_stream
+        done = None
+        staged = gathered
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                staged = [torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
+                          for g in gathered]
+                for h, g in zip(staged, gathered):
+                    h.copy_(g, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+        self._pending.append(_PendingOffload(gathered, staged, frozenset(slot_ids),
+                                             torch.tensor(slot_ids, dtype=torch.int64),
+                                             done))
+
+    def _land_offloads(self, needed: set[int]) -> None:
+        """Scatter pending offloads into the host pool, oldest first: every one whose
+        copy has completed, and -- waiting for it -- every one up to the last that
+        writes a slot in ``needed`` (this step's loads read them)."""
+        pending = self._pending
+        last = max((i for i, p in enumerate(pending) if needed & p.slots), default=-1)
+        i = 0
+        while pending:
+            p = pending[0]
+            if p.done is not None:
+                if i <= last:
+                    p.done.synchronize()
+                elif not p.done.query():
+                    break
+            for host, h in zip(self.offload_caches, p.staged):
+                _bytes(host).index_copy_(1, p.slot_idx, h)
+            pending.popleft()
+            i += 1
 
     def _load(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Issue the host tier's loads: on the copy stream when there is one (after the

@@ -82,3 +82,43 @@ def test_offloads_read_before_the_loads_overwrite_and_swaps_still_work() -> None
     torch.cuda.synchronize()
     for t, o, f in zip(kv, old, four):
         assert torch.equal(t[:, 9].cpu(), o) and torch.equal(t[:, 12].cpu(), f)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offloads_copy_without_a_host_sync_and_land_in_order() -> None:
+    kv = caches("cuda", 80, torch.bfloat16, layers=4, block=(16, 8, 128 * 128))
+    host = allocate_swap_space(72, kv[0], len(kv))
+    ops = BlockOps(kv, offload_caches=host)
+    first = [t[:, 8:40].cpu() for t in kv]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # no host sync on the offload path
+    try:
+        ops.apply(sched(kv_offload=[(8 + i, i) for i in range(32)]))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    # The forward's new owners overwrite the offloaded blocks; the host keeps the old KV.
+    for t in kv:
+        t[:, 8:40].fill_(7.0)
+    # Slot 0 is reused for block 50 before the first offload may have landed: the newer
+    # bytes win.  Then slot 0 and slot 5 are loaded back in one step (waits for both).
+    fifty = [t[:, 50].cpu() for t in kv]
+    ops.apply(sched(kv_offload=[(50, 0)]))
+    ops.apply(sched(kv_load=[(0, 60), (5, 61)]))
+    ops.apply(sched())
+    torch.cuda.synchronize()
+    assert not ops._pending
+    for t, h, f, old in zip(kv, host, fifty, first):
+        assert torch.equal(h[:, 1:32], old[:, 1:32]) and torch.equal(h[:, 0], f)
+        assert torch.equal(t[:, 60].cpu(), f) and torch.equal(t[:, 61].cpu(), old[:, 5])
+
+
+def test_pending_offloads_land_within_the_step_on_cpu() -> None:
+    kv = caches("cpu", 8)
+    host = allocate_swap_space(4, kv[0], len(kv))
+    ops = BlockOps(kv, offload_caches=host)
+    old = [t[:, 3].clone() for t in kv]
+    ops.apply(sched(kv_offload=[(3, 1)]))
+    assert not ops._pending
+    for h, o in zip(host, old):
+        assert torch.equal(h[:, 1], o)
