@@ -1,0 +1,279 @@
+"""The small-M W4A16 kernels on the K-major layout (``kernels/wna16_kmajor.py``): the GEMV
+and the dequantise kernel, against ``wna16_tc.w4a16_tc_ref`` / ``IntWeight.dequantize``.
+
+Interpreter cases (``TRITON_INTERPRET=1`` without a GPU): M 1, 3, 8 (block_m 1, 4, 8),
+random zero points, the symmetric 8 (explicit and None), group 128 and channel-wise,
+steps over several groups (``BLOCK_K > G``), split-K (even and with a short last
+chunk), the register prefetch (``ahead``), N not a multiple of BLOCK_N, fp32 / bf16
+activations, row-sliced and column-strided ``x``.  Bounds: fp32 against the fp32
+reference: ``1e-5`` of the output's max (accumulation order); bf16: ``2**-7`` (the
+interpreter truncates to bf16 instead of rounding).  The dequantise kernel is exact (the
+interpreter's bf16 rounding is done by hand there).  The sm_90 compile test (ptxas, no
+GPU needed) checks the priors for spills and in-loop layout conversions.  GPU timings
+and checks: ``benchmarks/wna16_kmajor_sweep.py``."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+from kernel_refs import DEVICE
+
+from pagedllm.kernels import wna16_kmajor as km
+from pagedllm.kernels.wna16 import dequantize, pack_codes
+from pagedllm.kernels.wna16_tc import to_kmajor, w4a16_tc_ref
+from pagedllm.layers.quantization.int_layout import IntWeight
+from tests.kernels.sm90_compile import run_script
+
+
+def _weight(n: int, k: int, group: int, zeros: bool, seed: int,
+            dtype: torch.dtype = torch.float32):
+    """Canonical codes -> the K-major args ``(qweight_t, scales_t, zeros_t)`` (on
+    DEVICE) and the canonical ``(qweight, scales, zeros)`` (CPU)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = k // group
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    scales = ((torch.rand(n, groups, generator=g) + 0.5) / k ** 0.5).to(dtype)
+    zp = torch.randint(0, 16, (n, groups), generator=g).float() if zeros else None
+    qw = pack_codes(codes, 4)
+    km_args = (to_kmajor(qw).to(DEVICE), scales.t().contiguous().to(DEVICE),
+               None if zp is None else zp.t().contiguous().to(DEVICE))
+    return km_args, (qw, scales, zp)
+
+
+def _x(m: int, k: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.float().cpu() - ref.float()).abs().max()) / float(ref.float().abs().max())
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("zeros,group", [(True, 128), (False, 128), (True, -1)])
+def test_gemv_matches_reference_fp32(m: int, zeros: bool, group: int) -> None:
+    """N = 72 over 32-column tiles (the clamped last tile), two 128-input steps a group
+    (group 128: a new scale every step; channel-wise: one for all four)."""
+    n, k = 72, 512
+    args, _ = _weight(n, k, k if group == -1 else group, zeros, m)
+    x = _x(m, k, 10 + m)
+    bm = 1 if m == 1 else 1 << (m - 1).bit_length()
+    got = km.kmajor_gemv(x.to(DEVICE), *args, group, config=(bm, 32, 128, 1, 4, 1))
+    ref = w4a16_tc_ref(x, *[None if a is None else a.cpu() for a in args], group)
+    assert got.shape == (m, n) and got.dtype == x.dtype
+    assert _err(got, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("cfg", [(4, 32, 128, 2, 4, 1),    # 5 steps: chunks of 3 and 2
+                                 (4, 64, 64, 4, 4, 1),     # 10 steps: 3, 3, 3, 1
+                                 (8, 16, 128, 5, 2, 1)])   # one step a split
+def test_gemv_split_k_with_a_short_last_chunk(cfg: tuple[int, ...]) -> None:
+    n, k, m = 40, 640, 3
+    args, _ = _weight(n, k, 128, True, 3)
+    x = _x(m, k, 4)
+    got = km.kmajor_gemv(x.to(DEVICE), *args, 128, config=cfg)
+    ref = w4a16_tc_ref(x, *[None if a is None else a.cpu() for a in args], 128)
+    assert _err(got, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("cfg,group", [((4, 32, 256, 2, 4, 1), 128),
+                                       ((2, 16, 512, 1, 4, 1), 256)])
+def test_gemv_steps_over_several_groups(cfg: tuple[int, ...], group: int) -> None:
+    """``BLOCK_K`` a multiple of the group: each word row reads its own group's scale
+    and zero."""
+    n, k, m = 40, 1024, 2
+    args, _ = _weight(n, k, group, True, 15)
+    x = _x(m, k, 16)
+    got = km.kmajor_gemv(x.to(DEVICE), *args, group, config=cfg)
+    ref = w4a16_tc_ref(x, *[None if a is None else a.cpu() for a in args], group)
+    assert _err(got, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("m,zeros,split", [(1, True, 1), (3, False, 2), (8, True, 3)])
+def test_gemv_register_prefetch_is_bit_identical(m: int, zeros: bool, split: int) -> None:
+    """``ahead`` only moves the next step's loads before this step's arithmetic: the
+    same bits (640 inputs: split 2 and 3 leave a short last chunk)."""
+    n, k = 40, 640
+    args, _ = _weight(n, k, 128, zeros, 17)
+    x = _x(m, k, 18).to(DEVICE)
+    bm = 1 if m == 1 else 1 << (m - 1).bit_length()
+    cfg = (bm, 16, 128, split, 2, 1)
+    got = km.kmajor_gemv(x, *args, 128, config=cfg + (1,))
+    assert torch.equal(got, km.kmajor_gemv(x, *args, 128, config=cfg + (0,)))
+    assert torch.equal(got, km.kmajor_gemv(x, *args, 128, config=cfg))
+    ref = w4a16_tc_ref(x.cpu(), *[None if a is None else a.cpu() for a in args], 128)
+    assert _err(got, ref) <= 1e-5
+
+
+def test_gemv_priors_split_and_symmetric_zero_none_is_zero_8() -> None:
+    """The priors (on CPU: 8 target programs, so 128-column tiles split K 4 ways), and
+    ``zeros_t=None`` (the constant 8) bit for bit the explicit zero 8."""
+    n, k, m = 24, 512, 2
+    args, _ = _weight(n, k, 128, False, 5)
+    cfg = km.kmajor_config(m, n, k, torch.device(DEVICE))
+    assert cfg[0] == 2 and cfg[3] > 1
+    x = _x(m, k, 6).to(DEVICE)
+    eight = torch.full_like(args[1], 8.0, dtype=torch.float32)
+    got = km.kmajor_gemv(x, args[0], args[1], None, 128)
+    got8 = km.kmajor_gemv(x, args[0], args[1], eight, 128)
+    assert torch.equal(got, got8)
+    ref = w4a16_tc_ref(x.cpu(), args[0].cpu(), args[1].cpu(), None, 128)
+    assert _err(got, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_gemv_bf16(m: int) -> None:
+    n, k = 48, 256
+    args, (qw, sc, zp) = _weight(n, k, 128, True, 7, torch.bfloat16)
+    x = _x(m, k, 8, torch.bfloat16)
+    got = km.kmajor_gemv(x.to(DEVICE), *args, 128, config=(m, 32, 64, 2, 4, 1))
+    assert got.dtype == torch.bfloat16
+    ref = w4a16_tc_ref(x.float(), qw.t().contiguous(), sc.t().contiguous().float(),
+                       zp.t().contiguous(), 128)
+    assert _err(got, ref) <= 2 ** -7
+
+
+def test_gemv_strided_x() -> None:
+    """A row-sliced view (row stride K + 192) and a column-strided one (copied)."""
+    n, k, m = 40, 256, 3
+    args, _ = _weight(n, k, 128, True, 9)
+    big = _x(m, k + 192, 10)
+    sliced = big.to(DEVICE)[:, 64:64 + k]
+    assert sliced.stride(0) == k + 192
+    ref = w4a16_tc_ref(big[:, 64:64 + k].contiguous(),
+                       *[None if a is None else a.cpu() for a in args], 128)
+    cfg = (4, 32, 128, 2, 4, 1)
+    assert _err(km.kmajor_gemv(sliced, *args, 128, config=cfg), ref) <= 1e-5
+    cols = _x(k, m, 10).t()  # stride (1, M)
+    ref = w4a16_tc_ref(cols.contiguous(), *[None if a is None else a.cpu() for a in args],
+                       128)
+    assert _err(km.kmajor_gemv(cols.to(DEVICE), *args, 128, config=cfg), ref) <= 1e-5
+
+
+@pytest.mark.parametrize("sdt,odt", [(torch.float32, torch.float32),
+                                     (torch.bfloat16, torch.bfloat16),
+                                     (torch.float16, torch.float16),
+                                     (torch.float32, torch.bfloat16),
+                                     (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("zeros", [True, False])
+def test_dequantize_is_exact(sdt: torch.dtype, odt: torch.dtype, zeros: bool) -> None:
+    """Bit for bit ``IntWeight.dequantize(out.dtype)`` (computed in the scales' dtype)
+    and, where out has the scales' dtype, ``wna16.dequantize(...).to(out.dtype)``;
+    N = 72 over 64-row tiles."""
+    n, k, group = 72, 384, 128
+    args, (qw, sc, zp) = _weight(n, k, group, zeros, 11, sdt)
+    out = torch.full((n, k), float("nan"), dtype=odt, device=DEVICE)
+    got = km.kmajor_dequantize(*args, group, out).cpu()
+    assert torch.equal(got, IntWeight(qw, sc, zp, None, 4, group).dequantize(odt))
+    if sdt == odt:
+        assert torch.equal(got, dequantize(qw, sc, zp, None, 4, group).to(odt))
+
+
+def test_dequantize_channelwise_and_wide_tiles() -> None:
+    n, k = 40, 512
+    args, (qw, sc, zp) = _weight(n, k, k, True, 12)
+    out = torch.empty(n, k, device=DEVICE)
+    got = km.kmajor_dequantize(*args, -1, out, config=(16, 256, 4)).cpu()
+    assert torch.equal(got, dequantize(qw, sc, zp, None, 4, k))
+
+
+def test_cpu_fallbacks_match_the_kernels(monkeypatch) -> None:
+    """Outside the interpreter CPU tensors take the torch references: same results."""
+    n, k, m = 24, 256, 3
+    args, _ = _weight(n, k, 128, True, 13, torch.bfloat16)
+    args = tuple(None if a is None else a.cpu() for a in args)
+    x = _x(m, k, 14)
+    out = torch.empty(n, k, dtype=torch.bfloat16)
+    monkeypatch.setattr(km, "_INTERPRET", True)
+    kern_w = km.kmajor_dequantize(*args, 128, out.clone()) if DEVICE == "cpu" else None
+    kern_y = km.kmajor_gemv(x, *args, 128) if DEVICE == "cpu" else None
+    monkeypatch.setattr(km, "_INTERPRET", False)
+    ref_w = km.kmajor_dequantize(*args, 128, out)
+    ref_y = km.kmajor_gemv(x, *args, 128)
+    assert torch.equal(ref_y, w4a16_tc_ref(x, *args, 128))
+    if kern_w is not None:
+        assert torch.equal(kern_w, ref_w)
+        assert _err(kern_y, ref_y) <= 1e-5
+
+
+def test_rejects_what_the_kernels_cannot_take() -> None:
+    n, k = 16, 256
+    args, _ = _weight(n, k, 128, False, 0)
+    x = _x(9, k, 0).to(DEVICE)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        km.kmajor_gemv(x, *args, 128)
+    with pytest.raises(ValueError, match="block_m"):
+        km.kmajor_gemv(x[:3], *args, 128, config=(2, 32, 128, 1, 4, 1))
+    with pytest.raises(ValueError, match="block_k"):
+        km.kmajor_gemv(x[:3], *args, 128, config=(4, 32, 512, 1, 4, 1))  # > K
+    with pytest.raises(ValueError, match="block_k"):  # the dequantise: within one group
+        km.kmajor_dequantize(*args, 128, torch.empty(n, k, device=DEVICE),
+                             config=(16, 256, 4))
+    with pytest.raises(ValueError, match="group_size"):
+        km.kmajor_gemv(x[:3], *args, 64)
+    with pytest.raises(ValueError, match="out"):
+        km.kmajor_dequantize(*args, 128, torch.empty(k, n, device=DEVICE))
+
+
+def test_config_priors() -> None:
+    """Block rows cover M; block_k divides K and the group; split-K whole steps <= 16."""
+    for m in range(1, 9):
+        for n, k, g in [(6144, 4096, 128), (4096, 14336, 128), (28672, 4096, 4096),
+                        (4096, 4096, -1), (256, 384, 128)]:
+            cfg = km.kmajor_config(m, n, k, torch.device("cpu"))
+            bm, bn, bk, split = cfg[:4]
+            assert bm >= m and bm in (1, 2, 4, 8)
+            assert (k if g == -1 else g) % bk == 0 and k % bk == 0
+            assert 1 <= split <= min(16, k // bk)
+            km._check_config(cfg, m, k, k if g == -1 else g)  # what kmajor_gemv checks
+
+
+_SCRIPT = textwrap.dedent(r"""
+    import json, sys
+    import torch
+    from tests.kernels.sm90_compile import compile_sm90
+    from pagedllm.kernels import wna16_kmajor as km
+
+    out = []
+    for m, n, k, split in json.loads(sys.argv[1]):
+        bm, bn, bk, _, warps, stages, ahead = km.kmajor_config(m, n, k,
+                                                               torch.device("cpu"))
+        sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*fp32",
+               "out_ptr": "*fp32" if split else "*bf16"}
+        for a in ("M", "N", "stride_xm", "stride_om", "stride_os"):
+            sig[a] = "i32"
+        consts = dict(K=k, GROUP=128, HAS_ZERO=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                      K_CHUNK=k // 4 if split else k, EVEN_N=True, AHEAD=bool(ahead),
+                      WHILE_LOOP=False, USE_PDL=True)
+        div = [i for i, a in enumerate(sig) if a != "M"]
+        kern, st = compile_sm90(km._kmajor_gemv_kernel, sig, consts,
+                                {"num_warps": warps, "num_stages": stages}, div)
+        st["convert_layout"] = kern.asm["ttgir"].count("convert_layout")
+        out.append({"m": m, "block_m": bm, **st})
+    sig = {"qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*fp32", "out_ptr": "*bf16",
+           "N": "i32", "stride_on": "i32"}
+    consts = dict(K=4096, GROUP=128, HAS_ZERO=True, BLOCK_N=64, BLOCK_K=128,
+                  ROUND_BY_HAND=False, USE_PDL=True)
+    kern, st = compile_sm90(km._kmajor_dequant_kernel, sig, consts, {"num_warps": 4},
+                            list(range(6)))
+    st["convert_layout"] = kern.asm["ttgir"].count("convert_layout")
+    out.append({"m": 0, "block_m": 0, **st})
+    print(json.dumps(out))
+""")
+
+
+def test_kernels_compile_for_sm90_without_spills_or_layout_conversions(tmp_path) -> None:
+    """The priors (with the register prefetch) at M = 1, 2, 4, 8 (split partials at 4
+    and 8) and the dequantise kernel's default: no spills, and no shared-memory layout
+    conversion but the epilogue's one per stored row (the scales and zeros are loaded in
+    the words' layout: ``_group``; the dequantise kernel has none)."""
+    cases = [(1, 4096, 4096, False), (2, 6144, 4096, False), (4, 4096, 14336, True),
+             (8, 28672, 4096, True)]
+    results = run_script(_SCRIPT, tmp_path, json.dumps(cases))
+    assert [r["m"] for r in results] == [1, 2, 4, 8, 0]
+    for r in results:
+        assert r["spill_stores"] == 0, r
+        assert 0 < r["registers"] <= 255, r
+        assert r["convert_layout"] <= r["block_m"], r
