@@ -6,7 +6,7 @@
 #
 # PARTS (default: check w4 w1 w1small):
 #   check    gpu_check.py (greedy agreement: async/sync/eager), gpu_check_families.py
-#            (DeepSeek / Qwen2.5-VL tiny checkpoints against transformers) and the GPU parity,
+#            (DeepSeek / Gemma / Qwen2.5-VL tiny checkpoints against transformers) and the GPU parity,
 #            CUDA-graph and PDL tests (PDL on against off, bit for bit)
 #   w4       single-stream latency (pagedllm bench latency)
 #   w1       offline throughput at the defaults (pagedllm bench throughput --workload W1;
@@ -32,6 +32,14 @@
 #            adds W1 variants, e.g. "lora16=--lora,16"
 #   specdraft  speculative decoding with a draft model (issue 25): SmolLM2 GGUF
 #            ($SMOLLM2_GGUF) self-draft and n-gram on G32, 8B dummy with a 1B dummy draft
+#   gemma    issue 43: the Gemma tiny checkpoints against transformers on the GPU, the
+#            Gemma kernel tests, then Gemma-3-12B W4 and W1
+#   int4     issue 43: int4 layers with / without zero points through the engine's routing
+#            (int4_layer_bench.py), the K-major kernels' sweep (wna16_kmajor_sweep.py),
+#            then W4 and W1 of llama3-8b-w4a16 and -asym; INT4_VARIANTS (default
+#            "two= kmajor=PAGEDLLM_INT4_LAYOUT=kmajor") A/Bs the storage layouts
+#   w6       issue 45: the multi-turn benchmark, host tier off / on (200 conversations,
+#            30 GB device pool, 80 GiB host pool: fits the 128 GiB machine)
 #   w2       online serving at 10 and 20 req/s (benchmarks/w2_suite.sh; RATES to change)
 #   w3       shared prefix, prefix caching on vs off (benchmarks/w3_suite.sh gpu)
 #   startup  cold then warm server start to the first /health 200 (startup_probe.sh)
@@ -182,6 +190,27 @@ for part in $PARTS; do
         --output-json "$OUT/specdraft_8b_off.json"
       step python -m pagedllm bench latency --dummy llama3-8b --num-prompts 4 \
         --draft-dummy llama3.2-1b --output-json "$OUT/specdraft_8b_draft1b.json" ;;
+    gemma)
+      step timeout 120 python -c "import sys; sys.path.insert(0, 'benchmarks'); \
+import gpu_check_families as g; g.gemma('gemma3'); g.gemma('gemma2')"
+      step timeout 120 python -m pytest -q -p no:cacheprovider \
+        tests/kernels/test_gemma_kernels.py tests/kernels/test_elementwise.py
+      ab gemmaw4 python -m pagedllm bench latency --dummy gemma-3-12b
+      ab gemmaw1 python -m pagedllm bench throughput --workload W1 --dummy gemma-3-12b \
+        --no-hf --repeats "${REPEATS:-1}" ;;
+    int4)
+      step timeout 150 python benchmarks/int4_layer_bench.py "$OUT/int4_layers.json"
+      step timeout 400 python benchmarks/wna16_kmajor_sweep.py --out "$OUT/kmajor_sweep.json"
+      for d in llama3-8b-w4a16 llama3-8b-w4a16-asym; do
+        VARIANTS="${INT4_VARIANTS:-two= kmajor=PAGEDLLM_INT4_LAYOUT=kmajor}" ab "w4_$d" \
+          python -m pagedllm bench latency --dummy "$d"
+        VARIANTS="${INT4_VARIANTS:-two= kmajor=PAGEDLLM_INT4_LAYOUT=kmajor}" ab "w1_$d" \
+          python -m pagedllm bench throughput --workload W1 --dummy "$d" --no-hf \
+          --repeats "${REPEATS:-1}"
+      done ;;
+    w6) step python -m pagedllm bench multiturn --dummy llama3-8b --max-model-len 4096 \
+      --num-conversations 200 --kv-cache-memory-bytes 30e9 --kv-offload-size 80 \
+      --output-json "$OUT/w6.json" ;;
     w2) step env RATES="${RATES:-10 20}" bash benchmarks/w2_suite.sh ;;
     w3) step bash benchmarks/w3_suite.sh gpu ;;
     startup) step bash benchmarks/startup_probe.sh 2 ;;
