@@ -276,22 +276,25 @@ def _round(v, dtype: tl.constexpr, BY_HAND: tl.constexpr):
 
 
 @triton.jit
-def _kmajor_dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, stride_on, K: tl.constexpr,
-                           GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           ROUND_BY_HAND: tl.constexpr, USE_PDL: tl.constexpr):
+def _kmajor_dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, stride_qw, stride_s,
+                           stride_z, stride_on, K: tl.constexpr, GROUP: tl.constexpr,
+                           HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
+                           USE_PDL: tl.constexpr):
     """``out[n, k] = (code - zero) * scale`` for a ``[BLOCK_N, BLOCK_K]`` tile (module
-    doc)."""
+    doc).  The row strides ``stride_qw`` / ``stride_s`` / ``stride_z`` let the weight be a
+    column slice ``[:, n0:n1]`` of the layer's (``int_cuda``'s chunked dequantise)."""
     BW: tl.constexpr = BLOCK_K // 8
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     cols = tl.minimum(rn, N - 1)
     rw = tl.arange(0, BW)
-    words = tl.load(qw_ptr + ((k0 // 8 + rw).to(tl.int64) * N)[:, None] + cols[None, :])
+    words = tl.load(qw_ptr + ((k0 // 8 + rw).to(tl.int64) * stride_qw)[:, None]
+                    + cols[None, :])
     g = k0 // GROUP
-    sc = tl.load(s_ptr + g * N + cols)
+    sc = tl.load(s_ptr + g * stride_s + cols)
     if HAS_ZERO:
-        z = tl.load(z_ptr + g * N + cols)[:, None]
+        z = tl.load(z_ptr + g * stride_z + cols)[:, None]
     else:
         z = 8.0
     # The buffer it writes may still be read by the previous kernel (a shared scratch).
@@ -405,14 +408,24 @@ def kmajor_dequantize(qweight_t: torch.Tensor, scales_t: torch.Tensor,
                       zeros_t: torch.Tensor | None, group_size: int, out: torch.Tensor,
                       config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """The K-major weight -> ``out [N, K]`` (its dtype, rows contiguous; a scratch
-    buffer), input order, rounded as the module doc says.  ``config``: ``(block_n,
-    block_k, warps)``.  CPU tensors outside the interpreter get the torch reference."""
+    buffer), input order, rounded as the module doc says.  The weight tensors may be
+    column slices ``[:, n0:n1]`` of a layer's (contiguous columns, any row stride: the
+    chunked dequantise of ``int_cuda``).  ``config``: ``(block_n, block_k, warps)``.  CPU
+    tensors outside the interpreter get the torch reference."""
     k = qweight_t.shape[0] * 8
     probe = torch.empty(0, k, dtype=out.dtype, device=out.device)  # _check's x: K, dtype
-    n, k, group_size = _check(probe, qweight_t, scales_t, zeros_t, group_size)
-    if tuple(out.shape) != (n, k) or out.stride(1) != 1 or not qweight_t.is_contiguous():
-        raise ValueError(f"out: expected [{n}, {k}] with contiguous rows (and a contiguous "
-                         f"qweight_t), got {tuple(out.shape)}")
+    # _check's shapes and dtypes on dense stand-ins (it wants contiguous tensors); the
+    # strides are checked here
+    dense = [None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
+             for t in (qweight_t, scales_t, zeros_t)]
+    n, k, group_size = _check(probe, dense[0], dense[1], dense[2], group_size)
+    for name, t in (("qweight_t", qweight_t), ("scales_t", scales_t), ("zeros_t", zeros_t)):
+        if t is not None and t.stride(1) != 1 and n > 1:
+            raise ValueError(f"{name}: expected contiguous columns (a [:, n0:n1] slice at "
+                             f"most), got strides {t.stride()}")
+    if tuple(out.shape) != (n, k) or out.stride(1) != 1:
+        raise ValueError(f"out: expected [{n}, {k}] with contiguous rows, got "
+                         f"{tuple(out.shape)}")
     if not qweight_t.is_cuda and not _INTERPRET:
         from pagedllm.kernels.wna16 import dequantize
 
@@ -427,7 +440,9 @@ def kmajor_dequantize(qweight_t: torch.Tensor, scales_t: torch.Tensor,
                          f"block_k >= 8 dividing K={k} and the group {group_size}")
     _kmajor_dequant_kernel[(triton.cdiv(n, bn), k // bk)](
         qweight_t, scales_t, zeros_t if zeros_t is not None else scales_t, out, n,
-        out.stride(0), K=k, GROUP=group_size, HAS_ZERO=zeros_t is not None, BLOCK_N=bn,
-        BLOCK_K=bk, ROUND_BY_HAND=_INTERPRET, num_warps=warps,
+        qweight_t.stride(0), scales_t.stride(0),
+        zeros_t.stride(0) if zeros_t is not None else 0, out.stride(0), K=k,
+        GROUP=group_size, HAS_ZERO=zeros_t is not None, BLOCK_N=bn, BLOCK_K=bk,
+        ROUND_BY_HAND=_INTERPRET, num_warps=warps,
         **pdl_launch_args(qweight_t.device))
     return out

@@ -253,11 +253,12 @@ _SCRIPT = textwrap.dedent(r"""
         st["convert_layout"] = kern.asm["ttgir"].count("convert_layout")
         out.append({"m": m, "block_m": bm, **st})
     sig = {"qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*fp32", "out_ptr": "*bf16",
-           "N": "i32", "stride_on": "i32"}
+           "N": "i32", "stride_qw": "i32", "stride_s": "i32", "stride_z": "i32",
+           "stride_on": "i32"}
     consts = dict(K=4096, GROUP=128, HAS_ZERO=True, BLOCK_N=64, BLOCK_K=128,
                   ROUND_BY_HAND=False, USE_PDL=True)
     kern, st = compile_sm90(km._kmajor_dequant_kernel, sig, consts, {"num_warps": 4},
-                            list(range(6)))
+                            list(range(9)))
     st["convert_layout"] = kern.asm["ttgir"].count("convert_layout")
     out.append({"m": 0, "block_m": 0, **st})
     print(json.dumps(out))

@@ -1,26 +1,39 @@
 """The CUDA storage and kernel choice of the weight-only integer layers (W4A16, W8A16).
 
 ``IntLinearMethod`` hands every CUDA layer's canonical weight (``int_layout.IntWeight``)
-to :func:`store_cuda` at load and every call to :func:`apply_cuda`.  What is stored:
+to :func:`store_cuda` at load and every call to :func:`apply_cuda`.  What is stored
+depends on ``PAGEDLLM_INT4_LAYOUT`` (``envs.int4_layout``, read at load; a tuning
+experiment: one of the two layouts goes once a GPU has measured both):
 
 ```
  act-order (g_idx) with equal groups   inputs permuted at load (groups contiguous);
                                        apply gathers x[:, perm] once per call
+ stripe+tc (the default):
  K % 128 == 0, group % 128 == 0 | K    the striped layout (kernels/wna16_stripe.py)
    and 4-bit, tc_min_m > 0             also the K-major layout (kernels/wna16_tc.py):
    (16 with a tuned table, else 0)     int32 [K/8, N] words, scales [K/G, N], zeros
                                        (8 for symmetric weights)
+ kmajor:
+ 4-bit, K % 128 == 0,                  only the K-major layout (int_layout "kmajor"):
+   group % 128 == 0 | K                int32 [K/8, N] words, scales [K/G, N], zeros
+   (wna16_tc.tc_applies)               [K/G, N] fp32 or None (symmetric: the kernels'
+                                       constant 8; explicit 8s would cost 6% at group
+                                       128), whether or not there is a tuned table
+ other striped layers (either mode)    the striped layout alone
  anything else                         the canonical layout (kernels/wna16.py)
  tinygemm_max_m > 0                    also torch's int4 layout (4-bit, groups 32..256)
 ```
 
-The K-major copy costs another half byte per weight (the striped copy stays for the
-decode GEMV below ``TC_MIN_M`` rows and for the dequantise path).
+In ``stripe+tc`` the K-major copy costs another half byte per weight (the striped copy
+stays for the decode GEMV below ``TC_MIN_M`` rows and for the dequantise path); in
+``kmajor`` the K-major copy is the weight (``packed_factor`` 8: the start-up log counts
+it as such) and the layer keeps no ``int_qweight``.
 
 Which kernel runs depends only on the row count ``M`` (host int): CUDA graphs and eager
 runs of one batch size agree, and nothing syncs.  The thresholds are the tuned table's
 (``summary`` of ``kernels/tuned/wna16_<GPU>.json`` / ``wna16_tc_<GPU>.json``, written by
-the sweeps in ``benchmarks/``), else the defaults below.
+the sweeps in ``benchmarks/``), else the defaults below.  ``stripe+tc`` (and every
+striped layer):
 
 ```
  M <= tinygemm_max_m (default 0: off)                 torch _weight_int4pack_mm
@@ -38,6 +51,26 @@ the sweeps in ``benchmarks/``), else the defaults below.
                                                        stay in L2)
 ```
 
+``kmajor`` layers (:func:`_kmajor_route`):
+
+```
+ M <= tinygemm_max_m (default 0: off)                 torch _weight_int4pack_mm
+ M <= KMAJOR_GEMV_MAX_M (4)                           wna16_kmajor.kmajor_gemv (priors)
+ M >= tc_min_m, a table entry for (N, K)               as above: its tensor-core
+                                                       configuration, or its "dequant"
+                                                       (wna16_kmajor.kmajor_dequantize
+                                                       into the scratch + F.linear, whole
+                                                       or in dequant_chunk_mb chunks)
+ otherwise, M >= dequant_min_m                         kmajor_dequantize + F.linear
+ otherwise (5..15 rows; shapes the table lacks)       the tensor-core GEMM with
+                                                       wna16_tc_config.tc_config: the
+                                                       table's next entry (16 rows: the
+                                                       kernel masks the rows past M), else
+                                                       the priors -- not GPU-checked as
+                                                       the table's are: there is no other
+                                                       kernel on this layout
+```
+
 The dequantise path writes and re-reads the weight in bf16 (about 2.5x a bf16 layer's
 weight traffic), so it pays only where the GEMM is compute-bound (large M: prefill); its
 scratch is one buffer per (device, dtype) the size of the largest such layer (Llama-3-8B
@@ -49,12 +82,15 @@ M).
 
 from __future__ import annotations
 
+import os
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+import pagedllm.envs as envs
 from pagedllm.layers.quantization.int4pack import PackedInt4, mm_parts, packable
 from pagedllm.layers.quantization.int_layout import IntWeight, act_order_permutation
 
@@ -62,6 +98,7 @@ if TYPE_CHECKING:
     from pagedllm.layers.linear import LinearBase
 
 _TINYGEMM_GROUPS = (32, 64, 128, 256)
+KMAJOR_GEMV_MAX_M = 4  # kmajor layers: rows the K-major GEMV takes (it can take 8)
 
 
 class _Scratch:
@@ -115,17 +152,42 @@ def dequant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     features at a time (each GEMM writes its column block of the output in place)."""
     from pagedllm.kernels.wna16_stripe import stripe_dequantize
 
-    n, k = qweight.shape[0], x.shape[1]
+    def dequant(n0: int, n1: int, w: torch.Tensor) -> torch.Tensor:
+        return stripe_dequantize(qweight[n0:n1], scales[n0:n1],
+                                 None if zeros is None else zeros[n0:n1], bits,
+                                 group_size, w)
+
+    return _dequant_mm(x, qweight.shape[0], scratch, chunk_rows, dequant)
+
+
+def kmajor_dequant_linear(x: torch.Tensor, qweight_t: torch.Tensor,
+                          scales_t: torch.Tensor, zeros_t: torch.Tensor | None,
+                          group_size: int, scratch: torch.Tensor,
+                          chunk_rows: int = 0) -> torch.Tensor:
+    """:func:`dequant_linear` for the K-major 4-bit layout (``wna16_kmajor``): a chunk is
+    the column slice ``[:, n0:n1]`` of the three tensors."""
+    from pagedllm.kernels.wna16_kmajor import kmajor_dequantize
+
+    def dequant(n0: int, n1: int, w: torch.Tensor) -> torch.Tensor:
+        return kmajor_dequantize(qweight_t[:, n0:n1], scales_t[:, n0:n1],
+                                 None if zeros_t is None else zeros_t[:, n0:n1],
+                                 group_size, w)
+
+    return _dequant_mm(x, qweight_t.shape[1], scratch, chunk_rows, dequant)
+
+
+def _dequant_mm(x: torch.Tensor, n: int, scratch: torch.Tensor, chunk_rows: int,
+                dequant: Callable[[int, int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``x @ W^T`` with ``dequant(n0, n1, out)`` writing weight rows ``n0:n1`` into
+    ``out`` (a ``[n1 - n0, K]`` view of ``scratch``): whole, or ``chunk_rows`` rows a
+    GEMM."""
+    k = x.shape[1]
     if chunk_rows <= 0 or chunk_rows >= n:
-        w = stripe_dequantize(qweight, scales, zeros, bits, group_size,
-                              scratch[:n * k].view(n, k))
-        return F.linear(x, w)
+        return F.linear(x, dequant(0, n, scratch[:n * k].view(n, k)))
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     for n0 in range(0, n, chunk_rows):  # a few weight chunks, host ints: graph-safe
         n1 = min(n, n0 + chunk_rows)
-        w = stripe_dequantize(qweight[n0:n1], scales[n0:n1],
-                              None if zeros is None else zeros[n0:n1], bits, group_size,
-                              scratch[:(n1 - n0) * k].view(n1 - n0, k))
+        w = dequant(n0, n1, scratch[:(n1 - n0) * k].view(n1 - n0, k))
         torch.mm(x, w.t(), out=out[:, n0:n1])
     return out
 
@@ -158,7 +220,7 @@ def _register(layer: torch.nn.Module, name: str, t: torch.Tensor | None) -> None
 
 def store_cuda(layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> None:
     """Store ``iw`` for the CUDA kernels (module doc); sets ``layer.int_layout``."""
-    from pagedllm.kernels.wna16_stripe import stripe_applies, to_stripes
+    from pagedllm.kernels.wna16_tc import tc_applies
 
     perm = None
     qweight, g_idx = iw.qweight, iw.g_idx
@@ -169,9 +231,31 @@ def store_cuda(layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> None:
 
             qweight = pack_codes(iw.codes()[:, perm], iw.bits)
             g_idx = None
+    layer.int_perm = perm  # type: ignore[assignment]
+    if (envs.int4_layout() == "kmajor"
+            and tc_applies(iw.bits, iw.k, iw.group_size, g_idx is not None)):
+        _store_kmajor(layer, iw, qweight, dtype)
+    else:
+        _store_striped(layer, iw, qweight, g_idx, dtype)
+    layer.int_tinygemm = None  # type: ignore[assignment]
+    if (tinygemm_max_m() > 0 and iw.bits == 4 and iw.qweight.is_cuda and g_idx is None
+            and iw.group_size in _TINYGEMM_GROUPS and packable(iw.n, iw.k, iw.qweight.device)):
+        codes = iw.codes() if perm is None else iw.codes()[:, perm]
+        s = iw.scales.float()
+        layer.int_tinygemm = PackedInt4(codes, s, (8.0 - iw.zero_codes()) * s,  # type: ignore
+                                        iw.group_size, iw.qweight.device)
+
+
+def _store_striped(layer: LinearBase, iw: IntWeight, qweight: torch.Tensor,
+                   g_idx: torch.Tensor | None, dtype: torch.dtype) -> None:
+    """The ``stripe+tc`` storage (and every layer ``kmajor`` leaves to it): the striped
+    layout where it applies (with the K-major copy where the tensor-core kernel does),
+    else the canonical one.  ``qweight`` and ``g_idx``: after any act-order
+    permutation."""
+    from pagedllm.kernels.wna16_stripe import stripe_applies, to_stripes
+
     stripe = stripe_applies(iw.bits, iw.k, iw.group_size, g_idx is not None)
     layer.int_layout = "stripe" if stripe else "canonical"  # type: ignore[assignment]
-    layer.int_perm = perm  # type: ignore[assignment]
     _register(layer, "int_qweight", to_stripes(qweight, iw.bits) if stripe else qweight)
     qw = layer.int_qweight
     qw.packed_factor = 32 // iw.bits  # type: ignore[attr-defined]  (weight_bytes log)
@@ -183,13 +267,33 @@ def store_cuda(layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> None:
         layer.int_scratch = reserve_scratch(  # type: ignore[assignment]
             iw.n * iw.k, qw.device, dtype)
     _store_tc(layer, iw, qweight, stripe, g_idx is not None, dtype)
-    layer.int_tinygemm = None  # type: ignore[assignment]
-    if (tinygemm_max_m() > 0 and iw.bits == 4 and qw.is_cuda and g_idx is None
-            and iw.group_size in _TINYGEMM_GROUPS and packable(iw.n, iw.k, qw.device)):
-        codes = iw.codes() if perm is None else iw.codes()[:, perm]
-        s = iw.scales.float()
-        layer.int_tinygemm = PackedInt4(codes, s, (8.0 - iw.zero_codes()) * s,  # type: ignore
-                                        iw.group_size, qw.device)
+
+
+def _store_kmajor(layer: LinearBase, iw: IntWeight, qweight: torch.Tensor,
+                  dtype: torch.dtype) -> None:
+    """The ``kmajor`` storage (module doc): the K-major layout alone, in the tensor-core
+    kernel's tensors (``int_tc_*``); ``qweight`` is the canonical weight after any
+    act-order permutation.  The dequantise scratch is reserved as for the striped layout
+    (also on CPU tensors under ``TRITON_INTERPRET=1``, so the tests reach that route)."""
+    from pagedllm.kernels.wna16_tc import to_kmajor
+
+    layer.int_layout = "kmajor"  # type: ignore[assignment]
+    layer.int_bits, layer.int_group = iw.bits, iw.group_size  # type: ignore[assignment]
+    for name in ("int_qweight", "int_scales", "int_zeros", "int_g_idx"):
+        setattr(layer, name, None)  # no striped or canonical copy
+    _register(layer, "int_tc_qweight", to_kmajor(qweight))
+    # the weight itself (not a second copy, as in stripe+tc): weight_bytes counts it
+    layer.int_tc_qweight.packed_factor = 32 // iw.bits  # type: ignore[union-attr]
+    _register(layer, "int_tc_scales", iw.scales.to(dtype).t())
+    # Symmetric: None, the kernels' constant zero 8 (kmajor_gemv bit for bit the explicit
+    # 8; tensor-core GEMM and dequantise the same arithmetic) -- fp32 8s would add 4
+    # bytes a group and column, 6% of a group-128 layer.
+    _register(layer, "int_tc_zeros", None if iw.zeros is None else iw.zeros.float().t())
+    layer.int_scratch = None  # type: ignore[assignment]
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if dequant_min_m() > 0 and (qweight.is_cuda or interpret):
+        layer.int_scratch = reserve_scratch(  # type: ignore[assignment]
+            iw.n * iw.k, qweight.device, dtype)
 
 
 def _store_tc(layer: LinearBase, iw: IntWeight, qweight: torch.Tensor, stripe: bool,
@@ -217,11 +321,13 @@ def _store_tc(layer: LinearBase, iw: IntWeight, qweight: torch.Tensor, stripe: b
     _register(layer, "int_tc_zeros", zeros)
 
 
-def _tc_route(layer: LinearBase, m: int, n: int, k: int,
-              device: torch.device) -> tuple[str, tuple[int, ...] | None] | None:
+def _tc_route(layer: LinearBase, m: int, n: int, k: int, device: torch.device,
+              can_dequant: bool | None = None
+              ) -> tuple[str, tuple[int, ...] | None] | None:
     """From ``TC_MIN_M`` rows (with the K-major copy stored): ``("tc", config)`` or
     ``("dequant", None)``; None below (the striped kernels' own choice).  Host ints only:
-    graph-safe, no sync."""
+    graph-safe, no sync.  ``can_dequant``: whether the layer has the dequantise scratch
+    (default: a CUDA device, the striped layers' case)."""
     if getattr(layer, "int_tc_qweight", None) is None:
         return None
     from pagedllm.kernels.wna16_tc_config import tc_choice, tc_min_m
@@ -234,10 +340,29 @@ def _tc_route(layer: LinearBase, m: int, n: int, k: int,
         # addresses on an H200 before the split-K fix): the striped kernels' own choice
         return None
     lim = dequant_min_m()
-    can_dequant = lim > 0 and device.type == "cuda"  # the scratch exists
+    can_dequant = lim > 0 and (device.type == "cuda" if can_dequant is None
+                               else can_dequant)  # the scratch exists
     if kind == "dequant":
         return ("dequant", None) if can_dequant else None
     return "tc", cfg
+
+
+def _kmajor_route(layer: LinearBase, m: int, n: int, k: int,
+                  device: torch.device) -> tuple[str, tuple[int, ...] | None]:
+    """A ``kmajor`` layer's kernel for ``m`` rows (module doc): ``("gemv", None)``,
+    ``("tc", config)`` or ``("dequant", None)``.  Host ints only: graph-safe, no sync."""
+    if m <= KMAJOR_GEMV_MAX_M:
+        return "gemv", None
+    scratch = getattr(layer, "int_scratch", None) is not None
+    route = _tc_route(layer, m, n, k, device, can_dequant=scratch)
+    if route is not None:
+        return route
+    lim = dequant_min_m()
+    if scratch and 0 < lim <= m:
+        return "dequant", None
+    from pagedllm.kernels.wna16_tc_config import tc_config
+
+    return "tc", tc_config(m, n, k, device)
 
 
 def apply_cuda(layer: LinearBase, x2: torch.Tensor) -> torch.Tensor:
@@ -249,24 +374,53 @@ def apply_cuda(layer: LinearBase, x2: torch.Tensor) -> torch.Tensor:
     tiny = layer.int_tinygemm  # type: ignore[attr-defined]
     if tiny is not None and m <= tinygemm_max_m():
         return mm_parts(x2, [tiny])
-    qw, s, z = layer.int_qweight, layer.int_scales, layer.int_zeros  # type: ignore[attr-defined]
-    bits, group = layer.int_bits, layer.int_group  # type: ignore[attr-defined]
-    if layer.int_layout == "stripe":  # type: ignore[attr-defined]
-        from pagedllm.kernels.wna16_stripe import stripe_gemm
-
-        route = _tc_route(layer, m, qw.shape[0], x2.shape[1], x2.device)
-        if route is not None and route[0] == "tc":
-            from pagedllm.kernels.wna16_tc import w4a16_tc_gemm
-
-            return w4a16_tc_gemm(x2, layer.int_tc_qweight,  # type: ignore[attr-defined]
-                                 layer.int_tc_scales,  # type: ignore[attr-defined]
-                                 layer.int_tc_zeros, group, route[1])  # type: ignore[attr-defined,arg-type]
-        lim = dequant_min_m()
-        if (route is not None or 0 < lim <= m) and x2.is_cuda:
-            return dequant_linear(x2, qw, s, z, bits, group,
-                                  _scratch(x2.device, x2.dtype),
-                                  dequant_chunk_rows(x2.shape[1]))
-        return stripe_gemm(x2, qw, s, z, bits, group)
+    layout = layer.int_layout  # type: ignore[attr-defined]
+    if layout == "kmajor":
+        return _apply_kmajor(layer, x2)
+    if layout == "stripe":
+        return _apply_striped(layer, x2)
     from pagedllm.kernels.wna16 import wna16_gemm
 
-    return wna16_gemm(x2, qw, s, z, layer.int_g_idx, bits, group)  # type: ignore[attr-defined]
+    return wna16_gemm(x2, layer.int_qweight, layer.int_scales,  # type: ignore[arg-type]
+                      layer.int_zeros, layer.int_g_idx, layer.int_bits,  # type: ignore[arg-type]
+                      layer.int_group)  # type: ignore[arg-type]
+
+
+def _apply_striped(layer: LinearBase, x2: torch.Tensor) -> torch.Tensor:
+    """The ``stripe`` layout (and its K-major copy, if stored): module doc."""
+    from pagedllm.kernels.wna16_stripe import stripe_gemm
+
+    qw, s, z = layer.int_qweight, layer.int_scales, layer.int_zeros  # type: ignore[attr-defined]
+    bits, group = layer.int_bits, layer.int_group  # type: ignore[attr-defined]
+    m = x2.shape[0]
+    route = _tc_route(layer, m, qw.shape[0], x2.shape[1], x2.device)
+    if route is not None and route[0] == "tc":
+        from pagedllm.kernels.wna16_tc import w4a16_tc_gemm
+
+        return w4a16_tc_gemm(x2, layer.int_tc_qweight,  # type: ignore[attr-defined]
+                             layer.int_tc_scales,  # type: ignore[attr-defined]
+                             layer.int_tc_zeros, group, route[1])  # type: ignore[attr-defined,arg-type]
+    lim = dequant_min_m()
+    if (route is not None or 0 < lim <= m) and x2.is_cuda:
+        return dequant_linear(x2, qw, s, z, bits, group, _scratch(x2.device, x2.dtype),
+                              dequant_chunk_rows(x2.shape[1]))
+    return stripe_gemm(x2, qw, s, z, bits, group)
+
+
+def _apply_kmajor(layer: LinearBase, x2: torch.Tensor) -> torch.Tensor:
+    """The ``kmajor`` layout: :func:`_kmajor_route`'s kernel."""
+    qw, s = layer.int_tc_qweight, layer.int_tc_scales  # type: ignore[attr-defined]
+    z, group = layer.int_tc_zeros, layer.int_group  # type: ignore[attr-defined]
+    k = x2.shape[1]
+    kind, cfg = _kmajor_route(layer, x2.shape[0], qw.shape[1], k, x2.device)
+    if kind == "gemv":
+        from pagedllm.kernels.wna16_kmajor import kmajor_gemv
+
+        return kmajor_gemv(x2, qw, s, z, group)
+    if kind == "dequant":
+        return kmajor_dequant_linear(x2, qw, s, z, group,
+                                     layer.int_scratch.tensor,  # type: ignore[attr-defined]
+                                     dequant_chunk_rows(k))
+    from pagedllm.kernels.wna16_tc import w4a16_tc_gemm
+
+    return w4a16_tc_gemm(x2, qw, s, z, group, cfg)  # type: ignore[arg-type]
