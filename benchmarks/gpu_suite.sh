@@ -199,7 +199,12 @@ import gpu_check_families as g; g.gemma('gemma3'); g.gemma('gemma2')"
       ab gemmaw1 python -m pagedllm bench throughput --workload W1 --dummy gemma-3-12b \
         --no-hf --repeats "${REPEATS:-1}" ;;
     int4)
+      step timeout 200 env PAGEDLLM_INT4_LAYOUT=kmajor python -m pytest -q -p no:cacheprovider \
+        tests/kernels/test_int4_kmajor_layer.py tests/kernels/test_wna16_kmajor.py \
+        tests/kernels/test_wna16_tc.py
       step timeout 150 python benchmarks/int4_layer_bench.py "$OUT/int4_layers.json"
+      step timeout 150 env PAGEDLLM_INT4_LAYOUT=kmajor python benchmarks/int4_layer_bench.py \
+        "$OUT/int4_layers_kmajor.json"
       step timeout 400 python benchmarks/wna16_kmajor_sweep.py --out "$OUT/kmajor_sweep.json"
       for d in llama3-8b-w4a16 llama3-8b-w4a16-asym; do
         VARIANTS="${INT4_VARIANTS:-two= kmajor=PAGEDLLM_INT4_LAYOUT=kmajor}" ab "w4_$d" \

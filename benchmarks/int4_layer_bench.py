@@ -26,7 +26,7 @@ from pagedllm.layers.quantization import int_cuda
 from pagedllm.layers.quantization.int_layout import IntWeight
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
-ROWS = (1, 2, 4, 8, 16, 64, 256, 1024)
+ROWS = (1, 2, 4, 8, 12, 16, 64, 256, 1024)
 COPIES = 4
 
 
