@@ -4,7 +4,7 @@ plain PyTorch: the CPU backend and the oracle for the GPU decode kernel
 
 KV cache layout, one tensor per layer (``ModelConfig.kv_entries_per_token`` = 1)::
 
-    [1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]   model dtype
+    [1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]   model dtype, or e4m3
                                    └─ per token: [ c_kv (after kv_a_layernorm) | k_pe (after RoPE) ]
 
 The leading 1 stands where GQA's ``[2, ...]`` has keys and values, so block moves
@@ -33,6 +33,16 @@ the Triton kernel ``kernels/mla_decode.py`` when it exists.
 
 Positions ``>= seq_len`` in a request's last block are masked with a boolean mask; sizes
 come from the ``*_cpu`` metadata, so nothing syncs the device.
+
+An fp8 cache (``kv_cache_dtype="fp8"``, ``attention/kv_cache_dtype.py``) stores the whole
+entry as ``[c_kv | k_pe] / k_scale`` rounded to e4m3 and saturated at +-448 (half the
+bytes of bf16: V2-Lite's 576-element entry is 576 bytes a token and layer).  One scale
+per layer, the layer's ``k_scale`` (vLLM's convention for the latent cache): 1.0, a
+checkpoint's ``self_attn.k_scale``, or ``--calculate-kv-scales``' ``amax / 200`` over the
+first batch's entries (``layers/mla.py``).  Every read dequantises (``* k_scale``): the
+expanded form and the torch absorbed paths into the query's dtype as they gather, the
+Triton decode kernel in its registers (``kernels/mla_decode.py``).  Gathers and the write
+move fp8 entries as bytes (fp8 has no ``index_copy_`` kernel on the CPU).
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.kv_cache_dtype import is_fp8, quantize_kv
 from pagedllm.attention.metadata import AttentionMetadata
 
 MLAMode = Literal["auto", "absorbed", "expanded"]
@@ -81,6 +92,21 @@ class _Plan:
     decode_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+def _entries(kv_cache: torch.Tensor) -> torch.Tensor:
+    """``kv_cache[0]`` (``[num_blocks, block_size, 1, L + R]``) for gathers: an fp8 cache
+    as its bytes (dequantised by ``_dequant`` after the gather)."""
+    return kv_cache[0].view(torch.uint8) if is_fp8(kv_cache) else kv_cache[0]
+
+
+def _dequant(entries: torch.Tensor, kv_cache: torch.Tensor, k_scale: float,
+             dtype: torch.dtype) -> torch.Tensor:
+    """Gathered ``_entries`` as values: an fp8 cache's bytes -> ``e4m3 * k_scale`` in
+    ``dtype`` (the product in fp32); a cache in the model dtype is returned as it is."""
+    if not is_fp8(kv_cache):
+        return entries
+    return (entries.view(kv_cache.dtype).float() * k_scale).to(dtype)
+
+
 def _kernel() -> object | None:
     """``kernels.mla_decode.mla_decode`` when the module exists (and imports), else None."""
     try:
@@ -98,6 +124,7 @@ class MLATorchBackend:
     identity and by the host tensors' contents, as ``torch_ref.TorchReferenceBackend``)."""
 
     name = "mla-torch"
+    kv_cache_dtypes = ("auto", "fp8")
 
     def __init__(self, use_kernel: bool = True) -> None:
         self.use_kernel = use_kernel
@@ -110,17 +137,22 @@ class MLATorchBackend:
 
     @staticmethod
     def write(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-              meta: AttentionMetadata) -> None:
+              meta: AttentionMetadata, k_scale: float = 1.0) -> None:
         """``c_kv [T, L]`` and ``k_pe [T, R]`` (rows ``>= num_actual_tokens`` and slots
-        of -1 are skipped) into ``kv_cache`` at ``meta.slot_mapping``."""
+        of -1 are skipped) into ``kv_cache`` at ``meta.slot_mapping``.  An fp8 cache gets
+        ``entry / k_scale`` saturated and rounded to e4m3 (``quantize_kv``, as the GQA
+        caches' writes); ``k_scale`` is ignored otherwise."""
         n = meta.num_actual_tokens
         if n == 0:
             return
-        if kv_cache.element_size() == 1:
-            raise ValueError("kv_cache_dtype: an fp8 KV cache is not supported with "
-                             "multi-head latent attention; use kv_cache_dtype='auto'")
         _, nb, bs, _, width = kv_cache.shape
-        entry = torch.cat((c_kv[:n], k_pe[:n]), dim=-1).to(kv_cache.dtype)
+        entry = torch.cat((c_kv[:n], k_pe[:n]), dim=-1)
+        flat = kv_cache.view(nb * bs, width)
+        if is_fp8(kv_cache):  # index_copy_ has no fp8 kernel on the CPU: copy the bytes
+            entry = quantize_kv(entry, k_scale).view(torch.uint8)
+            flat = flat.view(torch.uint8)
+        else:
+            entry = entry.to(kv_cache.dtype)
         slots = meta.slot_mapping[:n]
         valid = slots >= 0
         if kv_cache.device.type != "cpu":
@@ -130,17 +162,18 @@ class MLATorchBackend:
             slots = torch.where(valid, slots, torch.zeros_like(slots))
         elif not bool(valid.all()):
             slots, entry = slots[valid], entry[valid]
-        kv_cache.view(nb * bs, width).index_copy_(0, slots, entry)
+        flat.index_copy_(0, slots, entry)
 
     # -- attention ----------------------------------------------------------------
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, kv_b_weight: torch.Tensor,
-                dims: MLADims, mode: MLAMode = "auto") -> torch.Tensor:
+                dims: MLADims, mode: MLAMode = "auto", k_scale: float = 1.0) -> torch.Tensor:
         """Attention of the step's new tokens over their requests' cached context (the
         tokens just written included).  ``q_nope [T, H, Dn]``, ``q_pe [T, H, R]``
         (rotated), ``kv_b_weight [H * (Dn + Dv), L]`` -> ``[T, H, Dv]`` in q's dtype;
-        rows ``>= num_actual_tokens`` may hold anything."""
+        rows ``>= num_actual_tokens`` may hold anything.  ``k_scale``: an fp8 cache's
+        scale (the one ``write`` divided by; ignored for other caches)."""
         t = q_nope.shape[0]
         out = q_nope.new_zeros(t, dims.num_heads, dims.v_head_dim)
         if meta.num_reqs == 0 or meta.num_actual_tokens == 0:
@@ -155,7 +188,8 @@ class MLATorchBackend:
         expanded_rows = plan.chunks if mode == "auto" else \
             (list(range(meta.num_reqs)) if mode == "expanded" else [])
         if mode == "auto" and plan.decodes:
-            o_lat, tokens = self._decodes(q_nope, q_pe, w_uk, kv_cache, meta, plan, scale)
+            o_lat, tokens = self._decodes(q_nope, q_pe, w_uk, kv_cache, meta, plan, scale,
+                                          k_scale)
             o = self._up_v(o_lat, w_uv)
             if tokens is None:
                 out[:o.shape[0]] = o
@@ -164,13 +198,14 @@ class MLATorchBackend:
             absorbed_rows = []
         for r in absorbed_rows:
             s, e = qsl[r], qsl[r + 1]
-            latent = self._gather(kv_cache, meta, r, int(plan.seq_lens[r]))
+            latent = self._gather(kv_cache, meta, r, int(plan.seq_lens[r]), k_scale,
+                                  q_nope.dtype)
             q_lat = self._absorb_q(q_nope[s:e], w_uk)
             o_lat = self._attend_latent(q_lat, q_pe[s:e], latent, dims, scale)
             out[s:e] = self._up_v(o_lat, w_uv)
         if expanded_rows:
             self._expanded(q_nope, q_pe, kv_cache, meta, plan, scale, kv_b_weight, dims,
-                           expanded_rows, out)
+                           expanded_rows, out, k_scale)
         return out
 
     @staticmethod
@@ -184,12 +219,14 @@ class MLATorchBackend:
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     @staticmethod
-    def _gather(kv_cache: torch.Tensor, meta: AttentionMetadata, row: int,
-                seq_len: int) -> torch.Tensor:
-        """Request ``row``'s cached entries in position order: ``[seq_len, L + R]``."""
+    def _gather(kv_cache: torch.Tensor, meta: AttentionMetadata, row: int, seq_len: int,
+                k_scale: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Request ``row``'s cached entries in position order: ``[seq_len, L + R]``, in
+        the cache's dtype, or an fp8 cache's dequantised into ``dtype``."""
         bs = kv_cache.shape[2]
         blocks = meta.block_tables[row, :-(-seq_len // bs)].long()
-        return kv_cache[0].index_select(0, blocks).flatten(0, 1)[:seq_len, 0]
+        rows = _entries(kv_cache).index_select(0, blocks).flatten(0, 1)[:seq_len, 0]
+        return _dequant(rows, kv_cache, k_scale, dtype or torch.float32)
 
     @staticmethod
     def _attend_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
@@ -210,7 +247,7 @@ class MLATorchBackend:
 
     def _decodes(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
                  kv_cache: torch.Tensor, meta: AttentionMetadata, plan: _Plan,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 scale: float, k_scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         """All one-token requests at once in the absorbed form -> ``(o_latent [B, H, L],
         their token rows or None for rows 0..B-1)``."""
         b = len(plan.decodes)
@@ -229,7 +266,7 @@ class MLATorchBackend:
                 tables = meta.block_tables.index_select(0, rows)
                 seqs = meta.seq_lens.index_select(0, rows)
             o = kernel(q_lat.contiguous(), qp.contiguous(), kv_cache,  # type: ignore[operator]
-                       tables, seqs, qsl, scale, 1)
+                       tables, seqs, qsl, scale, 1, k_scale=k_scale)
             return o, tokens
         lat = kv_cache.shape[-1] - q_pe.shape[-1]
         if plan.decode_mask is None:  # built here, not in _plan: the kernel path needs none
@@ -243,8 +280,9 @@ class MLATorchBackend:
             rows, _ = self._decode_rows(plan, q_nope.device)
             tables = meta.block_tables.index_select(0, rows)[:, :plan.decode_blocks]
         length = plan.decode_blocks * kv_cache.shape[2]
-        entries = kv_cache[0].index_select(0, tables.reshape(-1).long()).view(
+        entries = _entries(kv_cache).index_select(0, tables.reshape(-1).long()).view(
             b, length, kv_cache.shape[-1])
+        entries = _dequant(entries, kv_cache, k_scale, q_nope.dtype)
         q = torch.cat((q_lat, qp), dim=-1).to(entries.dtype).unsqueeze(1)  # [B, 1, H, L+R]
         o = F.scaled_dot_product_attention(q, entries.unsqueeze(1),
                                            entries[..., :lat].unsqueeze(1),
@@ -264,12 +302,13 @@ class MLATorchBackend:
     def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                   meta: AttentionMetadata, plan: _Plan, scale: float,
                   kv_b_weight: torch.Tensor, dims: MLADims, rows: list[int],
-                  out: torch.Tensor) -> None:
+                  out: torch.Tensor, k_scale: float = 1.0) -> None:
         """Requests ``rows`` in the expanded form; one ``kv_b_proj`` GEMM over all their
         contexts, then one SDPA per request (causal with a context offset)."""
         qsl = plan.qsl.tolist()
         lens = [int(plan.seq_lens[r]) for r in rows]
-        latents = [self._gather(kv_cache, meta, r, n) for r, n in zip(rows, lens)]
+        latents = [self._gather(kv_cache, meta, r, n, k_scale, q_nope.dtype)
+                   for r, n in zip(rows, lens)]
         latent = torch.cat(latents) if len(latents) > 1 else latents[0]
         c_kv = latent[:, :dims.kv_lora_rank].to(q_nope.dtype)
         k_pe = latent[:, dims.kv_lora_rank:].to(q_nope.dtype)

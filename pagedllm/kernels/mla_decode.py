@@ -5,7 +5,7 @@ multi-token queries (speculative verification, small chunks), with split-KV
 What it computes.  The up-projections are absorbed into the query and the output, so
 every head attends over the same per-token latent::
 
-    kv_cache  (1, num_blocks, block_size, 1, L + R)  model dtype; per token [c_kv | k_pe]
+    kv_cache  (1, num_blocks, block_size, 1, L + R)  model dtype or fp8; a token: [c_kv | k_pe]
     q_latent  [T, H, L]      q_pe [T, H, R]          out [T, H, L] (q_latent's dtype)
 
     s[t, h, j] = (q_latent[t, h] . c_kv[j] + q_pe[t, h] . k_pe[j]) * scale
@@ -38,14 +38,27 @@ Grid::
             splits write a zero-weight partial.
 
 Inside a program: online softmax in the log2 domain, fp32 accumulation, P cast to the
-cache dtype for the P @ c_kv product (as FlashAttention does).  Every offset built from
+values' dtype for the P @ c_kv product (as FlashAttention does).  Every offset built from
 a block id or a token index is int64.
+
+An fp8 cache (``kv_cache_dtype="fp8"``, e4m3) holds ``[c_kv | k_pe] / k_scale``, one
+per-layer scale for the whole entry (``attention/mla_torch.py``).  It is dequantised in
+registers: each tile is upcast to the query's dtype as it is loaded (exact: e4m3 fits
+fp16 / bf16 / fp32), and ``* k_scale`` is applied where it costs one multiply, not one
+per element -- folded into the softmax scale on the host (both score terms, latent and
+rope, carry it) and into the output once before it is stored (the values are the
+latent; split partials are linear in them, so the merge needs no scale).  That equals
+attention over ``entry * k_scale`` up to fp32 rounding.  A bf16 query over an fp8 cache
+multiplies in fp16, as ``paged_attention.py`` does (``KV_FP8 == 2``): e4m3 -> fp16 is one
+instruction per two values, e4m3 -> bf16 is not; bf16 queries convert to fp16 exactly
+unless they fall below fp16's normal range (or are clamped at +-65504).
 
 Under ``TRITON_INTERPRET=1`` both products upcast to fp32 (the interpreter's bf16
 ``tl.dot`` returns garbage in triton 3.6; the upcast of bf16 is exact, so the numerics
 are the GPU's up to accumulation order).  fp32 inputs multiply in IEEE fp32, not TF32.
 
-:func:`mla_decode_ref` is the oracle: a per-request dense softmax in fp32.
+:func:`mla_decode_ref` is the oracle: a per-request dense softmax in fp32 (over the
+dequantised entries, ``fp8.float() * k_scale``, for an fp8 cache).
 """
 
 from __future__ import annotations
@@ -60,6 +73,8 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
+# Query dtypes the kernel takes over an fp8 cache.
+_FP8_QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _interpreting() -> bool:
@@ -85,10 +100,12 @@ def _mla_tile(start, kv_hi, q_lat, q_rope, q_pos, m_i, l_i, acc, kv_ptr, bt_row,
     pos_ok = pos < kv_hi
     block_id = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
     base = block_id * stride_kvb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kvs
+    # .to(q's dtype): a no-op for a cache in the model dtype, fp8's (exact) upcast; its
+    # k_scale is in scale_log2 and in the caller's final multiply.
     c_kv = tl.load(kv_ptr + base[:, None] + offs_l[None, :],
-                   mask=pos_ok[:, None] & l_ok[None, :], other=0.0)
+                   mask=pos_ok[:, None] & l_ok[None, :], other=0.0).to(q_lat.dtype)
     k_pe = tl.load(kv_ptr + base[:, None] + L + offs_r[None, :],
-                   mask=pos_ok[:, None] & r_ok[None, :], other=0.0)
+                   mask=pos_ok[:, None] & r_ok[None, :], other=0.0).to(q_rope.dtype)
     s = _mma(q_lat, tl.trans(c_kv), F32_DOT) + _mma(q_rope, tl.trans(k_pe), F32_DOT)
     s = s * scale_log2
     visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -106,13 +123,13 @@ def _mla_tile(start, kv_hi, q_lat, q_rope, q_pos, m_i, l_i, acc, kv_ptr, bt_row,
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _mla_decode_kernel(
     ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr,
-    scale_log2, num_heads, num_splits,
+    scale_log2, kv_scale, num_heads, num_splits,
     stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kvb, stride_kvs, stride_bt,
     stride_ot, stride_oh,
     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-    F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     req = tl.program_id(1)
     q_block = tl.program_id(0) // HEAD_BLOCKS
@@ -138,6 +155,9 @@ def _mla_decode_kernel(
                     + offs_l[None, :], mask=row_ok[:, None] & l_ok[None, :], other=0.0)
     q_rope = tl.load(qp_ptr + tok[:, None] * stride_qpt + head[:, None] * stride_qph
                      + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    if KV_FP8 == 2:  # a bf16 query over an fp8 cache multiplies in fp16 (module doc)
+        q_lat = tl.clamp(q_lat.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        q_rope = tl.clamp(q_rope.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     # Positions this program's rows need: up to its last query's position.  The split's
     # share is rounded up to whole tiles so that only the last tile of a split is ragged.
@@ -174,6 +194,8 @@ def _mla_decode_kernel(
                 L, BLOCK_SIZE, F32_DOT)
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        o = o * kv_scale  # the fp8 cache holds c_kv / k_scale
     if SPLIT:
         # Partials [T, S, H, L] fp32 and lse [T, S, H]; an empty split (or a row that
         # sees nothing in it) has l = 0 -> lse = -inf: zero weight in the merge.
@@ -230,7 +252,7 @@ class MlaLaunch:
 def plan_mla_decode(*, num_reqs: int, max_query_len: int, num_heads: int,
                     kv_lora_rank: int, sm_count: int = 132,
                     num_splits: int | None = None,
-                    max_seq_len: int | None = None) -> MlaLaunch:
+                    max_seq_len: int | None = None, kv_fp8: bool = False) -> MlaLaunch:
     """Tile shapes and the split count from host ints only (CUDA-graph safe unless
     ``max_seq_len`` is given, which only lowers the split count for short contexts).
 
@@ -242,8 +264,14 @@ def plan_mla_decode(*, num_reqs: int, max_query_len: int, num_heads: int,
     allow two), each context is split into ``2 * sm_count // programs`` parts (up to
     ``MAX_SPLITS``): all resident in one wave, and no more partials than that to write
     and merge (batch 64 x 16 heads on 132 SMs: 4 splits, 16 MB of fp32 partials
-    written and read beside 302 MB of cache).  ``num_splits`` forces the count (tests, sweeps)."""
-    max_rows = 64 if kv_lora_rank <= 512 else 32
+    written and read beside 302 MB of cache).  ``num_splits`` forces the count (tests, sweeps).
+
+    An fp8 cache (``kv_fp8``) needs more registers for the upcast tiles: sm_90 compiles
+    (``tests/kernels/test_deepseek_kernels_sm90.py``) spilled at 64 rows x 512 with 8 or
+    16 warps and at 16 rows with 4 warps, and fit at up to 32 rows with 8 warps -- so
+    rows are capped at 32 (V3's 128 heads: four head blocks) and 8 warps start at 16
+    rows x 512."""
+    max_rows = 64 if kv_lora_rank <= 512 and not kv_fp8 else 32
     block_h = min(max(16, triton.next_power_of_2(num_heads)), max_rows)
     block_q = max(1, min(triton.next_power_of_2(max(1, max_query_len)),
                          max_rows // block_h))
@@ -258,7 +286,7 @@ def plan_mla_decode(*, num_reqs: int, max_query_len: int, num_heads: int,
         if max_seq_len is not None:  # at least 4 tiles of work per split
             num_splits = max(1, min(num_splits, math.ceil(max_seq_len / block_n) // 4))
     rows = block_q * block_h
-    warps = 8 if rows * kv_lora_rank >= 32 * 512 else 4
+    warps = 8 if rows * kv_lora_rank >= (16 if kv_fp8 else 32) * 512 else 4
     return MlaLaunch(block_h=block_h, block_q=block_q, block_n=block_n,
                      num_splits=max(1, num_splits), num_warps=warps, num_stages=2)
 
@@ -267,13 +295,15 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
                block_tables: torch.Tensor, seq_lens: torch.Tensor,
                query_start_loc: torch.Tensor, scale: float, max_query_len: int, *,
                launch: MlaLaunch | None = None, max_seq_len: int | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, k_scale: float = 1.0) -> torch.Tensor:
     """Latent-space paged MLA (module doc) -> ``out [T, H, L]`` in ``q_latent``'s dtype.
 
     ``q_latent [T, H, L]`` and ``q_pe [T, H, R]``: any token / head strides, last dim
-    contiguous, the cache's dtype.  ``kv_cache (1, num_blocks, block_size, 1, L + R)``,
-    last dim contiguous.  ``block_tables [num_reqs, max_blocks]``, ``seq_lens
-    [num_reqs]`` and ``query_start_loc [num_reqs + 1]`` int32 on the same device;
+    contiguous, the cache's dtype (an fp8 cache: both fp32, bf16 or fp16, one dtype).
+    ``kv_cache (1, num_blocks, block_size, 1, L + R)``, last dim contiguous; ``k_scale``:
+    an fp8 cache's per-layer scale (a host float, ignored for other caches).
+    ``block_tables [num_reqs, max_blocks]``, ``seq_lens [num_reqs]`` and
+    ``query_start_loc [num_reqs + 1]`` int32 on the same device;
     ``max_query_len`` a host int >= every request's query length.  ``launch``: a plan
     by hand (else :func:`plan_mla_decode`); ``out``: a preallocated ``[T, H, L]``
     (token / head strides free, last dim contiguous)."""
@@ -284,7 +314,13 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
         raise ValueError(f"mla_decode: q_latent {tuple(q_latent.shape)}, q_pe "
                          f"{tuple(q_pe.shape)}, kv_cache {tuple(kv_cache.shape)}: expected "
                          "[T, H, L], [T, H, R], (1, num_blocks, block_size, 1, L + R)")
-    if q_latent.dtype != kv_cache.dtype or q_pe.dtype != kv_cache.dtype:
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        if q_pe.dtype != q_latent.dtype or q_latent.dtype not in _FP8_QUERY_DTYPES:
+            raise ValueError(f"mla_decode: over an fp8 cache q_latent {q_latent.dtype} and "
+                             f"q_pe {q_pe.dtype} must share one dtype of float32, bfloat16 "
+                             "or float16")
+    elif q_latent.dtype != kv_cache.dtype or q_pe.dtype != kv_cache.dtype:
         raise ValueError(f"mla_decode: q_latent {q_latent.dtype} and q_pe {q_pe.dtype} must "
                          f"have the cache's dtype {kv_cache.dtype}")
     if q_latent.stride(-1) != 1 or q_pe.stride(-1) != 1 or kv_cache.stride(-1) != 1:
@@ -302,11 +338,15 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
             sm = device_sm_count(q_latent.device)
         launch = plan_mla_decode(num_reqs=num_reqs, max_query_len=max_query_len,
                                  num_heads=h, kv_lora_rank=lat, sm_count=sm,
-                                 max_seq_len=max_seq_len)
+                                 max_seq_len=max_seq_len, kv_fp8=fp8)
     head_blocks = -(-h // launch.block_h)
     q_blocks = -(-max(1, max_query_len) // launch.block_q)
     splits = launch.num_splits
     f32_dot = _interpreting() or q_latent.dtype == torch.float32
+    # KV_FP8: 0 = a cache in the model dtype, 1 = fp8 upcast to q's dtype, 2 = fp8 with a
+    # bf16 query, both multiplied in fp16 (module doc).
+    kv_fp8 = 0 if not fp8 else 2 if q_latent.dtype == torch.bfloat16 else 1
+    kv_scale = float(k_scale) if fp8 else 1.0
     # tl.dot needs K >= 16 on the GPU: small latent / rope widths (tiny test models) are
     # padded and masked.
     block_l = max(16, triton.next_power_of_2(lat))
@@ -319,14 +359,15 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
         target, stride_ot, stride_oh = out, out.stride(0), out.stride(1)
     _mla_decode_kernel[(q_blocks * head_blocks, num_reqs, splits)](
         q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, target, lse,
-        scale * _LOG2E, h, splits,
+        scale * kv_scale * _LOG2E, kv_scale, h, splits,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
         stride_ot, stride_oh,
         L=lat, R=rope, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=launch.block_h, BLOCK_Q=launch.block_q, HEAD_BLOCKS=head_blocks,
         BLOCK_N=launch.block_n, BLOCK_SIZE=kv_cache.shape[2], SPLIT=splits > 1,
-        F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), num_warps=launch.num_warps,
+        F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), KV_FP8=kv_fp8,
+        num_warps=launch.num_warps,
         num_stages=launch.num_stages)
     if splits > 1:
         _mla_reduce_kernel[(t, h)](
@@ -339,14 +380,18 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
 def mla_decode_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, scale: float,
-                   max_query_len: int | None = None) -> torch.Tensor:
+                   max_query_len: int | None = None, k_scale: float = 1.0) -> torch.Tensor:
     """The oracle of :func:`mla_decode` (same contract): per request, gather the
-    context through the block table, dense causal softmax in fp32, output in
-    ``q_latent``'s dtype.  A python loop over requests: obviously right, not fast."""
+    context through the block table (an fp8 cache's entries dequantised,
+    ``fp8.float() * k_scale``), dense causal softmax in fp32, output in ``q_latent``'s
+    dtype.  A python loop over requests: obviously right, not fast."""
     del max_query_len  # same signature as the kernel; the loop needs no bound
     t, h, lat = q_latent.shape
     bs = kv_cache.shape[2]
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
     cache = kv_cache[0, :, :, 0, :]  # [num_blocks, block_size, L + R]
+    if fp8:  # gathered as bytes (fp8 indexing kernels are not everywhere)
+        cache = cache.view(torch.uint8)
     out = torch.zeros(t, h, lat, dtype=q_latent.dtype, device=q_latent.device)
     qsl = query_start_loc.tolist()
     for r, seq_len in enumerate(seq_lens.tolist()):
@@ -355,7 +400,8 @@ def mla_decode_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.T
             continue
         n_blocks = -(-seq_len // bs)
         ctx = cache[block_tables[r, :n_blocks].long()].reshape(-1, cache.shape[-1])
-        ctx = ctx[:seq_len].float()
+        ctx = ctx[:seq_len]
+        ctx = ctx.view(torch.float8_e4m3fn).float() * k_scale if fp8 else ctx.float()
         c_kv, k_pe = ctx[:, :lat], ctx[:, lat:]
         ql, qp = q_latent[lo:hi].float(), q_pe[lo:hi].float()  # [q, H, *]
         s = (torch.einsum("qhl,jl->qhj", ql, c_kv)

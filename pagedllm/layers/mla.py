@@ -23,6 +23,13 @@ Attention reads ``kv_b_proj``'s per-head blocks (``W_UK``, ``W_UV``) as a dense 
 identity -- the method's own dequantisation, to rounding -- cached until its parameters
 change.  The norms inside attention use eps 1e-6, as transformers builds them (not
 ``rms_norm_eps``).
+
+An fp8 latent cache (``kv_cache_dtype="fp8"``) stores ``[c_kv | k_pe] / k_scale``; the
+layer's ``k_scale`` is one host float for the whole entry (there is no separate value
+scale: the latent is both), set like a GQA layer's (``layers/attention.py``): 1.0, the
+checkpoint's ``self_attn.k_scale`` (``models/loader.take_kv_scales``), or, under
+``--calculate-kv-scales``, ``amax(|[c_kv | k_pe]|) / 200`` (``layers/kv_scales.py``'s
+key constant) over the first real batch.
 """
 
 from __future__ import annotations
@@ -122,6 +129,10 @@ class MultiHeadLatentAttention(nn.Module):
         self.backend = backend
         self.mode: MLAMode = "auto"
         self.kv_cache = torch.empty(0)
+        # The fp8 latent cache's scale (module doc); armed for one forward by the model
+        # runner under --calculate-kv-scales (layers/kv_scales.py).
+        self.k_scale = 1.0
+        self.calculate_kv_scales = False
 
     def set_mode(self, mode: str) -> None:
         """Force the absorbed or expanded form for every request, or "auto"."""
@@ -143,6 +154,16 @@ class MultiHeadLatentAttention(nn.Module):
             self._kv_b_dense = self.kv_b_proj(eye).t().contiguous()
             self._kv_b_key = key
         return self._kv_b_dense
+
+    def _calc_k_scale(self, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                      meta: AttentionMetadata) -> None:
+        """Set ``k_scale`` from this batch's real entries (as the cache stores them), once."""
+        from pagedllm.layers.kv_scales import scales_from_amax
+
+        n = meta.num_actual_tokens
+        entries = torch.cat((c_kv[:n], k_pe[:n]), dim=-1)
+        self.k_scale = scales_from_amax(entries, entries)[0]  # (its value scale: unused)
+        self.calculate_kv_scales = False
 
     def _rotate(self, x: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
         cos_sin = rope.cos_sin_cache.index_select(0, rope.positions).to(rope.dtype)
@@ -169,9 +190,13 @@ class MultiHeadLatentAttention(nn.Module):
         # q_pe and k_pe share the step's cos/sin: rotate them in one pass.
         pe = self._rotate(torch.cat((q_pe, k_pe), dim=1), rope)
         q_pe, k_pe = pe[:, :self.num_heads], pe[:, self.num_heads]
-        self.backend.write(c_kv, k_pe, self.kv_cache, meta)  # type: ignore[arg-type]
+        if self.calculate_kv_scales:
+            self._calc_k_scale(c_kv, k_pe, meta)
+        self.backend.write(c_kv, k_pe, self.kv_cache, meta,  # type: ignore[arg-type]
+                           self.k_scale)
         out = self.backend.forward(q_nope, q_pe, self.kv_cache, meta, self.scale,
-                                   self.kv_b_weight(x.dtype), self.dims, self.mode)
+                                   self.kv_b_weight(x.dtype), self.dims, self.mode,
+                                   self.k_scale)
         out = out.reshape(t, self.num_heads * self.v_head_dim)
         if rows is not None:
             out = out.index_select(0, rows)

@@ -114,8 +114,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             layer.set_mode(mode)
 
     def bind_kv_caches(self, kv_caches: list[Any]) -> None:
-        """Each MLA layer's latent cache ``[1, blocks, block_size, 1, L + R]``; ``None``
-        unbinds.  ``ValueError`` on an fp8 cache or a wrong shape."""
+        """Each MLA layer's latent cache ``[1, blocks, block_size, 1, L + R]`` (model dtype
+        or fp8 e4m3: ``attention/mla_torch.py``); ``None`` unbinds.  ``ValueError`` on a
+        wrong shape or another one-byte type."""
         layers = self.mla_layers()
         if len(kv_caches) != len(layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(layers)} layers")
@@ -123,9 +124,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             if cache is None:  # unbound (the start-up profile's caches are dropped)
                 layer.kv_cache = torch.empty(0)
                 continue
-            if cache.element_size() == 1:  # refused at start-up, not mid-step
-                raise ValueError("kv_cache_dtype: an fp8 KV cache is not supported with "
-                                 "multi-head latent attention; use kv_cache_dtype='auto'")
+            if cache.element_size() == 1 and cache.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"kv_cache_dtype: an MLA latent cache of {cache.dtype} is "
+                                 "not supported; use kv_cache_dtype='fp8' (e4m3) or 'auto'")
             want = (1, layer.kv_lora_rank + layer.rope_dim)
             if cache.dim() != 5 or (cache.shape[0], cache.shape[-1]) != want \
                     or cache.shape[3] != 1:

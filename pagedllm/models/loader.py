@@ -149,19 +149,25 @@ def take_kv_scales(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]
     """Pass ``weights`` through, except a checkpoint's per-layer KV-cache scales
     (``model.layers.N.self_attn.k_scale`` / ``v_scale``, compressed-tensors'
     ``kv_cache_scheme``): those become the layer's ``Attention.k_scale`` / ``v_scale``
-    host floats, used by an fp8 KV cache (``attention/kv_cache_dtype.py``)."""
+    host floats, used by an fp8 KV cache (``attention/kv_cache_dtype.py``).  An MLA layer
+    (``layers/mla.py``, itself the ``self_attn`` module) takes ``k_scale`` for its
+    latent cache; its ``v_scale`` is dropped (the latent is keys and values at once)."""
     modules = dict(model.named_modules())
     for name, tensor in weights:
         m = _KV_SCALE.match(name)
-        attn = modules.get(f"{m.group(1)}.attn") if m else None
-        if attn is None:
+        attn = None
+        if m:
+            attn = modules.get(f"{m.group(1)}.attn")
+            attn = modules.get(m.group(1)) if attn is None else attn
+        if attn is None or not hasattr(attn, "k_scale"):
             yield name, tensor
             continue
         value = float(tensor.float().reshape(-1).max())
         if not value > 0.0:
             raise ValueError(f"checkpoint tensor {name!r}: KV scale must be positive, "
                              f"got {value}")
-        setattr(attn, f"{m.group(2)}_scale", value)
+        if hasattr(attn, f"{m.group(2)}_scale"):
+            setattr(attn, f"{m.group(2)}_scale", value)
 
 
 def weight_bytes(model: nn.Module, as_dtype_bytes: int | None = None) -> int:

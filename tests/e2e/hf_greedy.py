@@ -4,15 +4,18 @@ prefix (so a second pass is served from the prefix cache) and transformers' own 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
-def shared_prefix_prompts(vocab: int, seed: int = 7) -> list[list[int]]:
-    """A 40-token prefix, then 5, 23, 12 and 30 further random tokens below ``vocab``."""
+def shared_prefix_prompts(vocab: int, seed: int = 7,
+                          tails: Sequence[int] = (5, 23, 12, 30)) -> list[list[int]]:
+    """A 40-token prefix, then ``tails`` (5, 23, 12 and 30) further random tokens below
+    ``vocab``, one prompt per tail."""
     g = torch.Generator().manual_seed(seed)
     shared = torch.randint(0, vocab, (40,), generator=g).tolist()
-    return [shared + torch.randint(0, vocab, (n,), generator=g).tolist()
-            for n in (5, 23, 12, 30)]
+    return [shared + torch.randint(0, vocab, (n,), generator=g).tolist() for n in tails]
 
 
 def hf_greedy(hf: torch.nn.Module, prompts: list[list[int]], new: int) -> list[list[int]]:

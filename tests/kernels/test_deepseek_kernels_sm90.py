@@ -4,8 +4,9 @@ shared memory and without register spills (no GPU needed: ``sm90_compile``).
 The interpreter cannot see registers or shared memory; an over-budget plan would fail at
 its first launch with ``OutOfResources``, a spilling one would run slower.  The shapes
 are DeepSeek-V2-Lite's decode at batch 64 (16 heads, split), V3's 128 heads (64-head
-blocks, 8 warps) and a 4-token verify; the GEMM's default configurations at a decode row
-and at 512 rows of a V3 projection.
+blocks, 8 warps) and a 4-token verify, each over a bf16 and an fp8 latent cache (bf16
+queries: the kernel's fp16 products, ``KV_FP8 == 2``); the GEMM's default configurations
+at a decode row and at 512 rows of a V3 projection.
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ _SCRIPT = textwrap.dedent(r"""
 
     cases = json.loads(sys.argv[1])
     out = []
-    for reqs, mql, heads in cases["mla"]:
+    for reqs, mql, heads, kv_fp8 in cases["mla"]:
         p = plan_mla_decode(num_reqs=reqs, max_query_len=mql, num_heads=heads,
-                            kv_lora_rank=512)
+                            kv_lora_rank=512, kv_fp8=bool(kv_fp8))
         split = p.num_splits > 1
-        sig = {"ql_ptr": "*bf16", "qp_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32",
+        sig = {"ql_ptr": "*bf16", "qp_ptr": "*bf16",
+               "kv_ptr": "*fp8e4nv" if kv_fp8 else "*bf16", "bt_ptr": "*i32",
                "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
                "out_ptr": "*fp32" if split else "*bf16", "lse_ptr": "*fp32",
-               "scale_log2": "fp32"}
+               "scale_log2": "fp32", "kv_scale": "fp32"}
         for k in ("num_heads", "num_splits", "stride_qlt", "stride_qlh", "stride_qpt",
                   "stride_qph", "stride_kvb", "stride_kvs", "stride_bt", "stride_ot",
                   "stride_oh"):
@@ -45,13 +47,14 @@ _SCRIPT = textwrap.dedent(r"""
         consts = dict(L=512, R=64, BLOCK_L=512, BLOCK_R=64, BLOCK_H=p.block_h,
                       BLOCK_Q=p.block_q, HEAD_BLOCKS=-(-heads // p.block_h),
                       BLOCK_N=p.block_n, BLOCK_SIZE=16, SPLIT=split, F32_DOT=False,
-                      WHILE_LOOP=False)
+                      WHILE_LOOP=False, KV_FP8=2 if kv_fp8 else 0)
         # Pointers and the (multiple-of-64) strides are specialised as divisible by 16.
         div = [i for i, n in enumerate(sig) if sig[n].startswith("*")
                or (n.startswith("stride") and n != "stride_bt")]
         _, st = compile_sm90(_mla_decode_kernel, sig, consts,
                              {"num_warps": p.num_warps, "num_stages": p.num_stages}, div)
-        out.append({"case": f"mla {reqs} x {mql} x {heads}", **st})
+        out.append({"case": f"mla {reqs} x {mql} x {heads}{' fp8' if kv_fp8 else ''}",
+                    **st})
     for m, n, k in cases["gemm"]:
         bm, bn, w, stages, split, swap = default_block_config(m, n, k)
         split = split_k_chunk(k, 128, split)[1]
@@ -73,7 +76,8 @@ _SCRIPT = textwrap.dedent(r"""
 
 
 def test_plans_fit_sm90(tmp_path) -> None:
-    cases = {"mla": [[64, 1, 16], [256, 1, 128], [64, 4, 16]],
+    cases = {"mla": [[64, 1, 16, 0], [256, 1, 128, 0], [64, 4, 16, 0], [64, 1, 16, 1],
+                     [256, 1, 128, 1], [64, 4, 16, 1]],
              "gemm": [[1, 4096, 7168], [512, 24576, 1536]]}
     res = run_script(_SCRIPT, tmp_path, json.dumps(cases))
     for r in res:
