@@ -19,7 +19,8 @@
 #   hybrid   issue 23's target: Gemma-3-12B shape, W5 with the hybrid KV cache manager
 #            vs --disable-hybrid-kv-cache-manager (tok/s, peak KV blocks/GiB in use), then
 #            the GPU greedy check of tests/e2e/test_hybrid_kv_greedy.py (CUDA graphs)
-#   deepseek issue 42's targets: DeepSeek-V2-Lite shape (MLA + DeepSeekMoE), W4 then W1;
+#   deepseek issue 42's targets: the MLA / block-FP8 kernel tests and the MLA decode
+#            bandwidth (bf16 and fp8 latent cache), then DeepSeek-V2-Lite W4 and W1;
 #            the header and JSON give KV bytes per token and the blocks a GQA cache of
 #            the same memory would hold (gqa_equivalent)
 #   vlm      issue 41's targets: Qwen2.5-VL-7B shape, V1 (256 requests of one 448x448
@@ -147,6 +148,10 @@ for part in $PARTS; do
     w5fcfs) ab w5fcfs python -m pagedllm bench throughput --workload W5 --dummy llama3-8b \
       --no-hf --repeats "${REPEATS:-1}" --scheduling-policy fcfs ;;
     deepseek)
+      step timeout 200 python -m pytest -q -p no:cacheprovider tests/kernels/test_mla_decode.py \
+        tests/kernels/test_mla_fp8.py tests/kernels/test_fp8_block_gemm.py
+      step timeout 120 python benchmarks/mla_fp8_bench.py --sections mla
+      step timeout 120 python benchmarks/mla_fp8_bench.py --sections mla --kv-cache-dtype fp8
       ab dsw4 python -m pagedllm bench latency --dummy deepseek-v2-lite
       # --vocab-hi 102399: vLLM's request set for this shape (68,960 output tokens)
       ab dsw1 python -m pagedllm bench throughput --workload W1 --dummy deepseek-v2-lite \
