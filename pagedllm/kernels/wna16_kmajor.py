@@ -8,7 +8,8 @@ Layout (``wna16_tc.to_kmajor``; ``G`` a multiple of 128, or ``K``):
 ```
  qweight_t  int32 [K / 8, N]   word (w, n), bits 4s..4s+3: code of input 8w + s, column n
  scales_t   [K / G, N]         activation dtype
- zeros_t    [K / G, N] fp32    integer code units, or None: symmetric, zero = 8
+ zeros_t    [K / G, N]         integer code units, fp32 or the scales' dtype (exact in
+                               bf16/fp16; read as fp32), or None: symmetric, zero = 8
 
  w[n, k] = (code[n, k] - zero[g(k), n]) * scale[g(k), n],   g(k) = k // G
 ```
@@ -100,7 +101,7 @@ def _group(s_ptr, z_ptr, k0, cols, rw, N, GROUP: tl.constexpr, BLOCK_K: tl.const
         bc = (k0 // GROUP) * N + cols[None, :] + (rw * 0)[:, None]
     sc = tl.load(s_ptr + bc).to(tl.float32)
     if HAS_ZERO:
-        z = tl.load(z_ptr + bc)
+        z = tl.load(z_ptr + bc).to(tl.float32)  # bf16/fp16 zeros: exact integers
     else:
         z = 8.0
     return sc, z
@@ -294,7 +295,7 @@ def _kmajor_dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, stride_qw, stride_s
     g = k0 // GROUP
     sc = tl.load(s_ptr + g * stride_s + cols)
     if HAS_ZERO:
-        z = tl.load(z_ptr + g * stride_z + cols)[:, None]
+        z = tl.load(z_ptr + g * stride_z + cols).to(tl.float32)[:, None]
     else:
         z = 8.0
     # The buffer it writes may still be read by the previous kernel (a shared scratch).

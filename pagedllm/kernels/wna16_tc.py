@@ -8,7 +8,8 @@ Layout (made once at load from the canonical one, ``layers/quantization/int_layo
 ```
  qweight  int32 [K / 8, N]   word (w, n), bits 4s..4s+3: code of input 8w + s, column n
  scales   [K / G, N]         activation dtype: scale[g, n]
- zeros    [K / G, N] fp32    in code units, or None: symmetric, zero = 8
+ zeros    [K / G, N]         in code units, fp32 or the scales' dtype (integers: exact in
+                             bf16/fp16; read as fp32), or None: symmetric, zero = 8
 
  w[n, k] = (code[n, k] - zero[g(k), n]) * scale[g(k), n],   g(k) = k // G
 ```
@@ -172,7 +173,7 @@ def _w4a16_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stri
     # the loads that feed the dot): a step never waits on a global round trip for them.
     sc_next = tl.load(s_ptr + (k_start // GROUP) * N + cols)
     if HAS_ZERO:
-        z_next = tl.load(z_ptr + (k_start // GROUP) * N + cols)
+        z_next = tl.load(z_ptr + (k_start // GROUP) * N + cols).to(tl.float32)
     for kt in range(0, K_CHUNK, BLOCK_K):
         k0 = k_start + kt
         words = tl.load(qw_base + ((k0 // 8 + rw).to(tl.int64) * N)[:, None])
@@ -182,7 +183,7 @@ def _w4a16_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stri
         sc_next = tl.load(s_ptr + g_next * N + cols)
         if HAS_ZERO:
             z = z_next[:, None]
-            z_next = tl.load(z_ptr + g_next * N + cols)
+            z_next = tl.load(z_ptr + g_next * N + cols).to(tl.float32)
         else:
             z = 8.0
         if SCALE_AFTER:
@@ -264,10 +265,11 @@ def _check(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor,
         raise ValueError(f"scales_t: expected contiguous [{k // group_size}, {n}], got "
                          f"{tuple(scales_t.shape)}")
     if zeros_t is not None and (tuple(zeros_t.shape) != (k // group_size, n)
-                                or zeros_t.dtype != torch.float32
+                                or zeros_t.dtype not in (torch.float32, scales_t.dtype)
                                 or not zeros_t.is_contiguous()):
-        raise ValueError(f"zeros_t: expected contiguous fp32 [{k // group_size}, {n}] or "
-                         f"None, got {zeros_t.dtype} {tuple(zeros_t.shape)}")
+        raise ValueError(f"zeros_t: expected contiguous fp32 or {scales_t.dtype} "
+                         f"[{k // group_size}, {n}] or None, got {zeros_t.dtype} "
+                         f"{tuple(zeros_t.shape)}")
     return n, k, group_size
 
 

@@ -94,8 +94,9 @@ def _route(layer: ReplicatedLinear, m: int) -> tuple:
 @pytest.mark.parametrize("zeros", [False, True])
 def test_kmajor_stores_one_copy(zeros: bool, table) -> None:
     """No striped copy; the K-major words are the weight's; symmetric zeros are None
-    (the kernels' constant 8); the buffers take the IntWeight's bytes (codes, scales in
-    the layer dtype, fp32 zeros) -- at most 1.05x; the dequantise scratch is reserved."""
+    (the kernels' constant 8); the buffers take the IntWeight's bytes (codes, scales and
+    zeros in the layer dtype, here fp32) -- at most 1.05x; the dequantise scratch is
+    reserved."""
     iw = _int_weight(zeros, 1)
     layer = _layer(iw)
     assert layer.int_layout == "kmajor" and layer.int_qweight is None
@@ -108,6 +109,29 @@ def test_kmajor_stores_one_copy(zeros: bool, table) -> None:
                for t in (iw.qweight, iw.scales, iw.zeros) if t is not None)
     assert stored <= 1.05 * ckpt, (stored, ckpt)
     assert layer.int_scratch is not None and layer.int_scratch.tensor.numel() >= N * K
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kmajor_zeros_in_the_scales_dtype(dtype: torch.dtype, table) -> None:
+    """Zero points are stored in the scales' dtype (the integer codes are exact there):
+    a group-128 layer is at most 1.03x its packed codes + scales + 4-bit zeros (fp32
+    zeros: 1.053x), and every route (GEMV, tensor-core GEMM, dequantise) gives the bits
+    of the same layer with fp32 zeros.  A zero the dtype would round keeps fp32."""
+    iw = _int_weight(True, 12, dtype)
+    layer = _layer(iw, dtype)
+    assert layer.int_tc_zeros.dtype == layer.int_tc_scales.dtype == dtype
+    assert torch.equal(layer.int_tc_zeros.float().cpu(), iw.zeros.t())  # type: ignore
+    stored = sum(b.numel() * b.element_size() for b in layer.buffers())
+    ckpt = N * K // 2 + iw.scales.numel() * 2 + iw.zeros.numel() // 2  # type: ignore
+    assert stored <= 1.03 * ckpt, (stored, ckpt)
+    x = torch.randn(100, K, generator=torch.Generator().manual_seed(13)).to(dtype)
+    x = x.to(DEVICE)
+    low = [int_cuda.apply_cuda(layer, x[:m]) for m in (2, 16, 100)]
+    layer.int_tc_zeros = layer.int_tc_zeros.float()
+    for m, got in zip((2, 16, 100), low):
+        assert torch.equal(got, int_cuda.apply_cuda(layer, x[:m])), m
+    iw.zeros[0, 0] = 2.5 + 2 ** -12  # type: ignore[index]  (not exact in bf16/fp16)
+    assert _layer(iw, dtype).int_tc_zeros.dtype == torch.float32
 
 
 def test_start_up_log_counts_the_kmajor_copy_as_the_weight(table, monkeypatch) -> None:

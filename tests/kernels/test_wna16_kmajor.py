@@ -198,6 +198,26 @@ def test_cpu_fallbacks_match_the_kernels(monkeypatch) -> None:
         assert _err(kern_y, ref_y) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_zeros_in_the_scales_dtype_give_the_fp32_zeros_bits(dtype: torch.dtype) -> None:
+    """Zero points in the scales' dtype (``int_cuda``'s ``kmajor`` storage): the integer
+    codes are exact there and the kernels read them as fp32 -- the GEMV and the
+    dequantise give the bits of fp32 zeros.  Another dtype is rejected."""
+    n, k, m = 40, 256, 3
+    (qt, st, zt), _ = _weight(n, k, 128, True, 15, dtype)
+    low = zt.to(dtype)  # type: ignore[union-attr]
+    x = _x(m, k, 16, dtype).to(DEVICE)
+    cfg = (4, 32, 128, 2, 4, 1)
+    assert torch.equal(km.kmajor_gemv(x, qt, st, low, 128, config=cfg),
+                       km.kmajor_gemv(x, qt, st, zt, 128, config=cfg))
+    out = torch.empty(n, k, dtype=dtype, device=DEVICE)
+    assert torch.equal(km.kmajor_dequantize(qt, st, low, 128, out.clone()),
+                       km.kmajor_dequantize(qt, st, zt, 128, out))
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(ValueError, match="zeros_t"):
+        km.kmajor_gemv(x, qt, st, zt.to(other), 128)  # type: ignore[union-attr]
+
+
 def test_rejects_what_the_kernels_cannot_take() -> None:
     n, k = 16, 256
     args, _ = _weight(n, k, 128, False, 0)

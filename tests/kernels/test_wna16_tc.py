@@ -123,6 +123,22 @@ def test_tc_gemm_bf16(after: int) -> None:
     assert float((got.float() - ref).abs().max()) <= 2 ** -7 * float(ref.abs().max())
 
 
+@pytest.mark.parametrize("after", [0, 1])
+def test_tc_gemm_bf16_zeros_give_the_fp32_zeros_bits(after: int) -> None:
+    """Zero points in the scales' dtype (bf16; ``int_cuda``'s ``kmajor`` storage) are
+    read as fp32: the bits of fp32 zeros.  Integer zeros are rejected."""
+    n, k = 32, 256
+    qw, sc, zp = _weight(n, k, 128, True, 7)
+    qt, st, zt = _tc_args(qw, sc.to(torch.bfloat16), zp)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    x = x.to(DEVICE)
+    cfg = (16, 32, 128, 1, 4, 2, 1, 1, after)
+    got = w4a16_tc_gemm(x, qt, st, zt.to(torch.bfloat16), 128, config=cfg)  # type: ignore
+    assert torch.equal(got, w4a16_tc_gemm(x, qt, st, zt, 128, config=cfg))
+    with pytest.raises(ValueError, match="zeros_t"):
+        w4a16_tc_gemm(x, qt, st, zt.int(), 128, config=cfg)  # type: ignore[union-attr]
+
+
 def test_tc_gemm_rejects_unsupported_groups() -> None:
     qw, sc, _ = _weight(8, 256, 64, False, 0)
     with pytest.raises(ValueError, match="group_size"):

@@ -16,9 +16,13 @@ experiment: one of the two layouts goes once a GPU has measured both):
  kmajor:
  4-bit, K % 128 == 0,                  only the K-major layout (int_layout "kmajor"):
    group % 128 == 0 | K                int32 [K/8, N] words, scales [K/G, N], zeros
-   (wna16_tc.tc_applies)               [K/G, N] fp32 or None (symmetric: the kernels'
-                                       constant 8; explicit 8s would cost 6% at group
-                                       128), whether or not there is a tuned table
+   (wna16_tc.tc_applies)               [K/G, N] in the scales' dtype (integer codes:
+                                       exact; fp32 if a zero is not) or None
+                                       (symmetric: the kernels' constant 8; explicit
+                                       fp32 8s would cost 6% at group 128), whether or
+                                       not there is a tuned table; a group-128
+                                       zero-point layer is ~1.02x its checkpoint
+                                       (fp32 zeros: 1.05x)
  other striped layers (either mode)    the striped layout alone
  anything else                         the canonical layout (kernels/wna16.py)
  tinygemm_max_m > 0                    also torch's int4 layout (4-bit, groups 32..256)
@@ -287,13 +291,25 @@ def _store_kmajor(layer: LinearBase, iw: IntWeight, qweight: torch.Tensor,
     _register(layer, "int_tc_scales", iw.scales.to(dtype).t())
     # Symmetric: None, the kernels' constant zero 8 (kmajor_gemv bit for bit the explicit
     # 8; tensor-core GEMM and dequantise the same arithmetic) -- fp32 8s would add 4
-    # bytes a group and column, 6% of a group-128 layer.
-    _register(layer, "int_tc_zeros", None if iw.zeros is None else iw.zeros.float().t())
+    # bytes a group and column, 6% of a group-128 layer.  Zero points: in the scales'
+    # dtype (2 bytes, not fp32's 4: 1.02x a group-128 checkpoint, not 1.05x); the
+    # checkpoints' integer codes are exact in bf16/fp16 and the kernels read them as
+    # fp32, so the results are those of fp32 zeros bit for bit.  A zero the dtype would
+    # round (no checkpoint format makes one) keeps fp32.
+    _register(layer, "int_tc_zeros", None if iw.zeros is None else _kmajor_zeros(iw, dtype))
     layer.int_scratch = None  # type: ignore[assignment]
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if dequant_min_m() > 0 and (qweight.is_cuda or interpret):
         layer.int_scratch = reserve_scratch(  # type: ignore[assignment]
             iw.n * iw.k, qweight.device, dtype)
+
+
+def _kmajor_zeros(iw: IntWeight, dtype: torch.dtype) -> torch.Tensor:
+    """``kmajor``'s ``[K/G, N]`` zero points: in ``dtype`` (the scales') when every zero
+    is exact there, else fp32 (one check at load)."""
+    z = iw.zeros.float().t()  # type: ignore[union-attr]
+    low = z.to(dtype)
+    return low if torch.equal(low.float(), z) else z
 
 
 def _store_tc(layer: LinearBase, iw: IntWeight, qweight: torch.Tensor, stripe: bool,
