@@ -29,39 +29,42 @@ def agree(a: list, b: list) -> tuple[int, int]:
     return sum(x == y for x, y in zip(a, b)), len(a)
 
 
-def ds(name: str) -> None:
+def text_family(label: str, build: object, vocab: int, runs: list[tuple[str, dict]],
+                passes: int = 1) -> None:
+    """A tiny text checkpoint (``build(path)``) through the engine on ``DEV`` for each of
+    ``runs`` (label, extra ``LLM`` arguments) against transformers fp32 on the CPU; with
+    ``passes`` 2 the prompts go twice in one call (prefix caching on: the second pass is
+    served from the cache and must repeat the first)."""
     from tests.e2e.hf_greedy import hf_greedy, shared_prefix_prompts
-    from tests.models.deepseek_tiny import VOCAB, build
     d = tempfile.mkdtemp()
-    hf = build(name, d)
-    prompts = shared_prefix_prompts(VOCAB)
+    hf = build(d)  # type: ignore[operator]
+    prompts = shared_prefix_prompts(vocab)
     ref = hf_greedy(hf, prompts, NEW)
     p = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    for label, kw in [("fp32", dict(dtype="float32")), ("bf16", dict(dtype="bfloat16")),
-                      ("bf16-eager", dict(dtype="bfloat16", enforce_eager=True))]:
+    n = len(prompts)
+    for run, kw in runs:
         llm = LLM(d, skip_tokenizer_init=True, device=DEV, max_model_len=128,
                   kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True, **kw)
-        outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts * 2, p, use_tqdm=False)]
+        outs = [list(o.outputs[0].token_ids)
+                for o in llm.generate(prompts * passes, p, use_tqdm=False)]
         llm.shutdown()
-        print(f"deepseek {name} {label}: {agree(outs[:4], ref)} exact seqs vs HF fp32 cpu; "
-              f"prefix-cached pass equal: {outs[:4] == outs[4:]}", flush=True)
+        cached = f"; prefix-cached pass equal: {outs[:n] == outs[n:]}" if passes > 1 else ""
+        print(f"{label} {run}: {agree(outs[:n], ref)} exact seqs vs HF fp32 cpu{cached}",
+              flush=True)
+
+
+def ds(name: str) -> None:
+    from tests.models.deepseek_tiny import VOCAB, build
+    text_family(f"deepseek {name}", lambda d: build(name, d), VOCAB,
+                [("fp32", dict(dtype="float32")), ("bf16", dict(dtype="bfloat16")),
+                 ("bf16-eager", dict(dtype="bfloat16", enforce_eager=True))], passes=2)
 
 
 def gemma(arch: str) -> None:
     """Gemma's Triton norms and GELU-tanh activation (the GPU path only) against HF."""
-    from tests.e2e.hf_greedy import hf_greedy, shared_prefix_prompts
     from tests.models.tiny_models import VOCAB, build
-    d = tempfile.mkdtemp()
-    hf = build(arch, d)
-    prompts = shared_prefix_prompts(VOCAB)
-    ref = hf_greedy(hf, prompts, NEW)
-    p = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    for label, kw in [("fp32", dict(dtype="float32")), ("bf16", dict(dtype="bfloat16"))]:
-        llm = LLM(d, skip_tokenizer_init=True, device=DEV, max_model_len=128,
-                  kv_cache_memory_bytes=64 << 20, **kw)
-        outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, p, use_tqdm=False)]
-        llm.shutdown()
-        print(f"{arch} {label}: {agree(outs, ref)} exact seqs vs HF fp32 cpu", flush=True)
+    text_family(arch, lambda d: build(arch, d), VOCAB,
+                [("fp32", dict(dtype="float32")), ("bf16", dict(dtype="bfloat16"))])
 
 
 def vl() -> None:
