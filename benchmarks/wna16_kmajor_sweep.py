@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from gpu_timing import bench_us, graph_us
+from wna16_tc_sweep import _weights as tc_weights
 
 ROWS = (1, 2, 4, 8)
 PROJ = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
@@ -46,18 +47,10 @@ DEV = "cuda"  # a CPU smoke test under TRITON_INTERPRET sets "cpu"
 
 
 def _weights(n: int, k: int, dev: torch.device, seed: int = 0):
-    from pagedllm.kernels.wna16 import pack_codes
-    from pagedllm.kernels.wna16_stripe import to_stripes
-    from pagedllm.kernels.wna16_tc import to_kmajor
-
-    g = torch.Generator(device=dev).manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32, generator=g)
-    qw = pack_codes(codes, 4)
-    sc = (torch.rand(n, k // GROUP, device=dev, generator=g) * 2e-3 + 1e-3
-          ).to(torch.bfloat16)
-    zp = torch.randint(0, 16, (n, k // GROUP), device=dev, generator=g).float()
-    return {"qw": qw, "st": to_stripes(qw, 4), "sc": sc, "zp": zp, "qt": to_kmajor(qw),
-            "sct": sc.t().contiguous(), "zt": zp.t().contiguous()}
+    """The tensor-core sweep's random group-128 weight (same codes, scales and zeros) in
+    every layout, by name."""
+    qw, st, qt, sc, sct, zt, zp = tc_weights(n, k, dev, seed)
+    return {"qw": qw, "st": st, "sc": sc, "zp": zp, "qt": qt, "sct": sct, "zt": zt}
 
 
 def gemv_configs(m: int, n: int, k: int, dev: torch.device) -> list[tuple[int, ...]]:
