@@ -8,7 +8,14 @@ is every ``tp``-th rank::
                      TP group 1: [2, 3]   (stage 1)     PP group 1: [1, 3]
 
 Data parallelism is engines, not ranks: each DP engine has its own world (its own
-executor and ``torch.distributed`` rendezvous), so no DP group lives here.
+executor and ``torch.distributed`` rendezvous) -- except with expert parallelism, whose
+experts are spread over every rank of every engine (EP size = DP x TP).  Then the
+engines' ranks join one world of ``dp * pp * tp`` ranks, engine ``d``'s rank ``r`` being
+global rank ``d * pp * tp + r``; the TP and PP groups stay inside an engine, the ``ep``
+group is a stage's ``dp * tp`` ranks (engine-major) and the ``dp`` group links the ranks
+at one (pp, tp) position of every engine::
+
+    dp=2, tp=2:      TP groups [0, 1] [2, 3]    EP group [0, 1, 2, 3]    DP groups [0, 2] [1, 3]
 
 How layers find their group: the worker builds a ``ParallelState`` once and enters
 ``parallel_context(state)`` while the model is built; a layer's constructor reads
@@ -119,9 +126,17 @@ class ParallelState:
     # Every rank of the engine (the start-up barrier and warm-up collective run over it).
     world: GroupCoordinator = _SINGLE
     # Expert parallelism (``enable_expert_parallel``): the ranks that split a MoE layer's
-    # experts between them -- the TP group (DP engines are separate worlds); single-rank
-    # when expert parallelism is off, so MoE layers keep every expert.
+    # experts between them -- the TP group, or with data parallelism every engine's TP
+    # ranks of this stage (engine-major); single-rank when expert parallelism is off, so
+    # MoE layers keep every expert.
     ep: GroupCoordinator = _SINGLE
+    # Expert parallelism across data-parallel engines only: the ranks at this rank's
+    # (pp, tp) position in every engine (their tokens differ, so MoE layers dispatch
+    # tokens to their experts' ranks: ``layers/fused_moe/dispatch.py``).
+    dp: GroupCoordinator = _SINGLE
+    # How those MoE layers move tokens (vLLM's ``all2all_backend`` names):
+    # "allgather_reducescatter" or "alltoall".
+    all2all_backend: str = "allgather_reducescatter"
 
     @property
     def tp_size(self) -> int:
@@ -138,6 +153,10 @@ class ParallelState:
     @property
     def pp_rank(self) -> int:
         return self.pp.rank_in_group
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp.world_size
 
 
 SINGLE_RANK = ParallelState()
@@ -173,48 +192,71 @@ def layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
 
 def init_parallel_state(tp_size: int, pp_size: int, rank: int, init_method: str,
                         backend: str, timeout_s: float,
-                        expert_parallel: bool = False) -> ParallelState:
+                        expert_parallel: bool = False, dp_size: int = 1, dp_rank: int = 0,
+                        all2all_backend: str = "allgather_reducescatter") -> ParallelState:
     """Join the engine's world (``tp_size * pp_size`` ranks at ``init_method``, e.g.
     ``tcp://127.0.0.1:PORT``) and create its TP and PP groups (``expert_parallel``: the
-    TP group is the EP group too).  Every rank calls this
-    with the same arguments but its own ``rank``.  Raises ``RuntimeError`` naming the
-    rank when the rendezvous or the start-up barrier does not complete in ``timeout_s``."""
-    world = tp_size * pp_size
+    TP group is the EP group too).  Every rank calls this with the same arguments but its
+    own ``rank`` (in its engine).  With ``expert_parallel`` and ``dp_size > 1`` the world
+    is every engine's ranks (``dp_rank``: this engine) and the EP and DP groups span the
+    engines (module doc).  Raises ``RuntimeError`` naming the rank when the rendezvous or
+    the start-up barrier does not complete in ``timeout_s``."""
+    span_dp = expert_parallel and dp_size > 1
+    engine_world = tp_size * pp_size
+    world = engine_world * (dp_size if span_dp else 1)
+    base = engine_world * dp_rank if span_dp else 0  # this engine's first global rank
+    grank = base + rank
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         dist.init_process_group(backend, init_method=init_method, world_size=world,
-                                rank=rank, timeout=timeout)
+                                rank=grank, timeout=timeout)
     except (RuntimeError, ValueError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RuntimeError(f"rank {rank}: joining the {world}-rank world at "
+        raise RuntimeError(f"rank {grank}: joining the {world}-rank world at "
                            f"{init_method} failed within {timeout_s:.0f} s ({msg})") from e
-    tp_group = pp_group = None
-    tp_cpu = pp_cpu = None
-    # new_group must be called by every rank for every group, in the same order.
-    for p in range(pp_size):
-        ranks = list(range(p * tp_size, (p + 1) * tp_size))
+
+    def group(ranks: list[int]) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
         g = dist.new_group(ranks, backend=backend, timeout=timeout)
         c = g if backend == "gloo" else dist.new_group(ranks, backend="gloo",
                                                        timeout=timeout)
-        if rank in ranks:
-            tp_group, tp_cpu = g, c
-    for t in range(tp_size):
-        ranks = list(range(t, world, tp_size))
-        g = dist.new_group(ranks, backend=backend, timeout=timeout)
-        c = g if backend == "gloo" else dist.new_group(ranks, backend="gloo",
-                                                       timeout=timeout)
-        if rank in ranks:
-            pp_group, pp_cpu = g, c
+        return g, c
+
     pp_rank, tp_rank = divmod(rank, tp_size)
+    engines = range(dp_size if span_dp else 1)
+    tp = pp = ep = dp = None
+    # new_group must be called by every rank for every group, in the same order.
+    for d in engines:
+        first = d * engine_world
+        for p in range(pp_size):
+            ranks = list(range(first + p * tp_size, first + (p + 1) * tp_size))
+            g, c = group(ranks)
+            if grank in ranks:
+                tp = GroupCoordinator(tuple(ranks), tp_rank, g, c)
+        for t in range(tp_size):
+            ranks = list(range(first + t, first + engine_world, tp_size))
+            g, c = group(ranks)
+            if grank in ranks:
+                pp = GroupCoordinator(tuple(ranks), pp_rank, g, c)
+    if span_dp:
+        for p in range(pp_size):
+            ranks = [d * engine_world + p * tp_size + t for d in engines
+                     for t in range(tp_size)]
+            g, c = group(ranks)
+            if grank in ranks:
+                ep = GroupCoordinator(tuple(ranks), ranks.index(grank), g, c)
+        for r in range(engine_world):
+            ranks = [d * engine_world + r for d in engines]
+            g, c = group(ranks)
+            if grank in ranks:
+                dp = GroupCoordinator(tuple(ranks), dp_rank, g, c)
+    assert tp is not None and pp is not None
     world_cpu = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
-    tp = GroupCoordinator(tuple(range(pp_rank * tp_size, (pp_rank + 1) * tp_size)),
-                          tp_rank, tp_group, tp_cpu)
     state = ParallelState(
-        rank=rank, world_size=world, tp=tp, ep=tp if expert_parallel else _SINGLE,
-        pp=GroupCoordinator(tuple(range(tp_rank, world, tp_size)), pp_rank, pp_group,
-                            pp_cpu),
+        rank=rank, world_size=engine_world, tp=tp, pp=pp,
+        ep=ep or (tp if expert_parallel else _SINGLE), dp=dp or _SINGLE,
+        all2all_backend=all2all_backend,
         # device_group None: the default (world) group.
-        world=GroupCoordinator(tuple(range(world)), rank, None, world_cpu))
+        world=GroupCoordinator(tuple(range(world)), grank, None, world_cpu))
     state.world.barrier(timeout_s, "the start-up barrier")
     if backend == "nccl":
         # Create the NCCL communicators now, eagerly: a CUDA graph may capture a
@@ -223,7 +265,9 @@ def init_parallel_state(tp_size: int, pp_size: int, rank: int, init_method: str,
         state.tp.all_reduce(one)
         if pp_size > 1:
             state.pp.all_reduce(one)
-            state.world.all_reduce(one)
+        for g in (state.ep, state.dp):
+            g.all_reduce(one)
+        state.world.all_reduce(one)
         torch.cuda.synchronize()
     return state
 
