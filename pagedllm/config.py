@@ -213,9 +213,25 @@ class ParallelConfig:
     distributed_executor_backend: str = "uni"
     distributed_timeout_seconds: float = 60.0
     # Whole experts per rank over the TP group instead of every expert replicated
-    # (distributed/parallel_state.ParallelState.ep; docs/parallelism.md).
+    # (distributed/parallel_state.ParallelState.ep; docs/parallelism.md); with
+    # data_parallel_size > 1 over every engine's TP ranks (EP size = DP x TP).
     enable_expert_parallel: bool = False
+    # How MoE layers move tokens when experts span data-parallel engines (vLLM's
+    # names): "allgather_reducescatter" or "alltoall" (layers/fused_moe/dispatch.py).
+    all2all_backend: str = "allgather_reducescatter"
+    # Expert parallelism across engines only: this engine's index, the loopback port of
+    # the ranks' shared rendezvous and the port of the engine cores' step lockstep
+    # (engine/dp_lockstep.py); set per engine by the DP client (engine/dp_client.py).
+    data_parallel_rank: int = 0
+    data_parallel_master_port: int = 0
+    data_parallel_rpc_port: int = 0
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def expert_parallel_spans_dp(self) -> bool:
+        """Experts are spread over every data-parallel engine's ranks, so the engines
+        step in lockstep and their ranks share one world."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1

@@ -136,8 +136,14 @@ class EngineArgs:
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: chosen (ParallelConfig)
     distributed_timeout_seconds: float = 60.0
-    # MoE experts split whole over the TP ranks (vLLM's name; docs/parallelism.md).
+    # MoE experts split whole over the TP ranks, and with data_parallel_size > 1 over
+    # every engine's (vLLM's names; docs/parallelism.md).
     enable_expert_parallel: bool = False
+    all2all_backend: str = "allgather_reducescatter"
+    # Set per engine by the DP client when experts span engines (engine/dp_client.py).
+    data_parallel_rank: int = 0
+    data_parallel_master_port: int = 0
+    data_parallel_rpc_port: int = 0
     # Pooling models (vLLM 0.26's names): "auto" | "generate" | "pooling"; a decoder
     # under runner "pooling" converts to "embed"; {"pooling_type", "normalize"}.
     runner: str = "auto"
@@ -216,7 +222,9 @@ class EngineArgs:
         parallel = make_parallel_config(
             self.tensor_parallel_size, self.pipeline_parallel_size,
             self.data_parallel_size, self.distributed_executor_backend,
-            self.distributed_timeout_seconds, self.enable_expert_parallel)
+            self.distributed_timeout_seconds, self.enable_expert_parallel,
+            self.all2all_backend, (self.data_parallel_rank, self.data_parallel_master_port,
+                                   self.data_parallel_rpc_port))
 
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
@@ -248,6 +256,8 @@ class EngineArgs:
                                  "only; use tensor_parallel_size 1 or quantization='none'")
             quantization = None  # detected, not asked for: dequantise, as before
         check_parallel_shapes(hf_config, parallel)
+        if parallel.expert_parallel_spans_dp:
+            _check_expert_parallel_across_engines(self.async_scheduling, spec)
         from pagedllm.models.pooling_setup import resolve_runner
 
         runner, convert, pooler = resolve_runner(hf_config, resolved.directory, self.runner,
@@ -329,12 +339,17 @@ class EngineArgs:
                 # while the policy wants proposals (Scheduler.requires_sync).
                 async_scheduling=(spec is None or spec.method == "ngram") and (
                     device == "cuda" if self.async_scheduling is None
-                    else bool(self.async_scheduling)),
+                    else bool(self.async_scheduling))
+                and not parallel.expert_parallel_spans_dp,
                 max_loras=lora.max_loras if lora else 0,
                 max_num_encoder_input_tokens=self.max_num_encoder_input_tokens or 0,
                 whole_placeholder_runs=whole_runs, speculative_config=spec),
             device_config=DeviceConfig(
-                device=device, enforce_eager=self.enforce_eager, num_threads=self.num_threads,
+                # Experts across engines: each MoE layer's collectives are sized by
+                # every engine's tokens of the step, which a CUDA graph cannot replay.
+                device=device,
+                enforce_eager=self.enforce_eager or parallel.expert_parallel_spans_dp,
+                num_threads=self.num_threads,
                 max_cudagraph_capture_size=_positive_int(
                     "max_cudagraph_capture_size", self.max_cudagraph_capture_size, 0)),
             parallel_config=parallel, lora_config=lora,
@@ -480,9 +495,13 @@ def _ray_session_active() -> bool:
 
 
 def make_parallel_config(tp: object, pp: object, dp: object, backend: object,
-                         timeout: object, expert_parallel: object = False) -> ParallelConfig:
+                         timeout: object, expert_parallel: object = False,
+                         all2all_backend: object = "allgather_reducescatter",
+                         dp_placement: tuple[int, int, int] = (0, 0, 0)) -> ParallelConfig:
     """Validate the parallel arguments (``ValueError`` naming the parameter) and pick the
-    executor backend when it is not given."""
+    executor backend when it is not given.  ``dp_placement``: this engine's
+    ``(data_parallel_rank, data_parallel_master_port, data_parallel_rpc_port)``, set by
+    the DP client when experts span engines."""
     tp = _positive_int("tensor_parallel_size", tp)
     pp = _positive_int("pipeline_parallel_size", pp)
     dp = _positive_int("data_parallel_size", dp)
@@ -499,11 +518,38 @@ def make_parallel_config(tp: object, pp: object, dp: object, backend: object,
                          f"tensor_parallel_size x pipeline_parallel_size = {tp * pp}")
     if not isinstance(expert_parallel, bool):
         raise ValueError(f"enable_expert_parallel must be a bool, got {expert_parallel!r}")
-    if expert_parallel and tp == 1:
-        raise ValueError("enable_expert_parallel spreads experts over an engine's tensor-"
-                         "parallel ranks, but tensor_parallel_size is 1 (data-parallel "
-                         "engines are separate worlds); use tensor_parallel_size > 1")
-    return ParallelConfig(tp, pp, dp, str(backend), float(timeout), expert_parallel)
+    if expert_parallel and tp * dp == 1:
+        raise ValueError("enable_expert_parallel spreads experts over tensor_parallel_size "
+                         "x data_parallel_size ranks, but both are 1; use "
+                         "tensor_parallel_size > 1 or data_parallel_size > 1")
+    if all2all_backend not in ("allgather_reducescatter", "alltoall"):
+        raise ValueError(f"all2all_backend must be 'allgather_reducescatter' or "
+                         f"'alltoall', got {all2all_backend!r}")
+    if expert_parallel and dp > 1:
+        if pp > 1:
+            raise ValueError("enable_expert_parallel with data_parallel_size > 1 needs "
+                             "pipeline_parallel_size 1 (the engines step in lockstep)")
+        if backend == "ray":
+            raise ValueError("enable_expert_parallel with data_parallel_size > 1 runs on "
+                             "one host: use distributed_executor_backend 'mp' or 'uni'")
+    rank, master, rpc = dp_placement
+    return ParallelConfig(tp, pp, dp, str(backend), float(timeout), expert_parallel,
+                          str(all2all_backend), rank, master, rpc)
+
+
+def _check_expert_parallel_across_engines(async_scheduling: object,
+                                          spec: SpeculativeConfig | None) -> None:
+    """Experts across data-parallel engines make every engine run one forward per
+    lockstep step (engine/dp_lockstep.py): async scheduling (a step launched before the
+    last one's tokens are read) and speculative decoding (extra draft forwards) would
+    break the count, so they are refused (``ValueError`` naming them)."""
+    if async_scheduling:
+        raise ValueError("async_scheduling is not supported with enable_expert_parallel "
+                         "and data_parallel_size > 1 (the engines step in lockstep); "
+                         "leave it unset")
+    if spec is not None:
+        raise ValueError("speculative_config is not supported with enable_expert_parallel "
+                         "and data_parallel_size > 1")
 
 
 def num_routed_experts(hf_config: Any) -> int:
@@ -528,10 +574,12 @@ def check_parallel_shapes(hf_config: Any, parallel: ParallelConfig) -> None:
         if not experts:
             raise ValueError("enable_expert_parallel needs a mixture-of-experts model; "
                              "this one has no routed experts")
-        if experts % tp:
+        ep = tp * (parallel.data_parallel_size if parallel.expert_parallel_spans_dp
+                   else 1)
+        if experts % ep:
             raise ValueError(f"enable_expert_parallel: the model's {experts} routed experts "
-                             f"do not divide over the expert-parallel size {tp} "
-                             f"(tensor_parallel_size)")
+                             f"do not divide over the expert-parallel size {ep} "
+                             f"(tensor_parallel_size x data_parallel_size)")
     elif tp > 1 and num_routed_experts(hf_config):
         # Without expert parallelism every expert (and a shared expert) is sliced.
         for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):

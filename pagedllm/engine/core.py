@@ -61,6 +61,9 @@ class EngineCore:
         # the first such request, so that plain serving never imports xgrammar).
         self._grammar_gate: Any = None
         self._engine_config = config
+        # Experts across data-parallel engines (engine/dp_lockstep.py): every ``step()``
+        # runs exactly one model step, an empty one when this engine has no work.
+        self.lockstep = config.parallel_config.expert_parallel_spans_dp
         sc = config.scheduler_config
         logger.info("engine ready in %.1f s: max_num_seqs=%d, max_num_batched_tokens=%d, "
                     "policy=%s, async_scheduling=%s", time.perf_counter() - t0,
@@ -120,11 +123,13 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """One engine step (``_step``), after admitting requests whose grammar has
-        compiled meanwhile.  With only compiling requests left, it waits briefly for one."""
+        compiled meanwhile.  With only compiling requests left, it waits briefly for one
+        (not in ``lockstep``, where a step always runs the model, empty or not)."""
         if not self._grammar_gate:
             return self._step()
         failed = self._admit_compiled()
-        if not self.scheduler.has_unfinished_requests() and self._inflight is None:
+        if not self.lockstep and not self.scheduler.has_unfinished_requests() \
+                and self._inflight is None:
             if not failed:
                 self._grammar_gate.wait(0.05)
                 failed = self._admit_compiled()

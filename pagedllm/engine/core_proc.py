@@ -39,7 +39,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -55,6 +55,9 @@ from pagedllm.messages import (
     FinishReason,
     SchedulerStats,
 )
+
+if TYPE_CHECKING:
+    from pagedllm.engine.dp_lockstep import DPLockstep
 
 logger = logging.getLogger("pagedllm.engine.core_proc")
 
@@ -127,6 +130,8 @@ class EngineCoreProc:
         self.ids_decoder = msgspec.msgpack.Decoder(_RequestIds)
         self.last_publish = 0.0
         self.stop = False
+        # Experts across data-parallel engines: the engines' step lockstep.
+        self.lockstep: DPLockstep | None = None
 
     # ------------------------------------------------------------------ sending
 
@@ -237,6 +242,8 @@ class EngineCoreProc:
 
     def run(self) -> int:
         """The busy loop; returns the process exit status."""
+        if self.lockstep is not None:
+            return self._run_lockstep(self.lockstep)
         while not self.stop:
             if not self.parent_alive():
                 logger.error("API server process %d is gone; engine core exiting",
@@ -253,6 +260,31 @@ class EngineCoreProc:
                 # Heartbeat; after aborts it also carries the freed-blocks snapshot.
                 self.publish(EngineCoreOutputs(scheduler_stats=self._idle_stats()))
         return 0
+
+    def _run_lockstep(self, lockstep: DPLockstep) -> int:
+        """The busy loop when experts span the data-parallel engines: every engine syncs
+        once per iteration and, when any engine has work, runs exactly one step --
+        an empty one when it has none (``engine/dp_lockstep.py``)."""
+        while True:
+            if not self.parent_alive():
+                logger.error("API server process %d is gone; engine core exiting",
+                             self.parent_pid)
+                self.stop = True
+            busy = self.core.has_unfinished_requests()
+            aborted = False
+            if not self.stop:
+                aborted = self.drain_inputs(0 if busy else int(lockstep.idle_poll_s * 1000))
+            anyone_busy, anyone_stopping = lockstep.sync(
+                self.core.has_unfinished_requests(), self.stop)
+            if anyone_stopping:
+                return 0 if self.parent_alive() else 1
+            if anyone_busy:
+                outputs = self.core.step()
+                if outputs.outputs or self.core.has_unfinished_requests() or aborted:
+                    self.publish(outputs)
+                    continue
+            if aborted or time.monotonic() - self.last_publish >= self.heartbeat_interval:
+                self.publish(EngineCoreOutputs(scheduler_stats=self._idle_stats()))
 
     def close(self) -> None:
         self.input.close(linger=0)
@@ -324,6 +356,13 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
             return
         proc = EngineCoreProc(core, input_addr, output_addr, parent_pid, heartbeat_interval,
                               keys)
+        if getattr(core, "lockstep", False):
+            from pagedllm.engine.dp_lockstep import DPLockstep
+
+            proc.lockstep = DPLockstep(core.config.parallel_config)
+            logger.info("data-parallel engine %d of %d: experts span every engine, so "
+                        "the engines step in lockstep",
+                        proc.lockstep.rank, proc.lockstep.size)
         freeze_gc_heap("engine core")
         cc = getattr(core, "config", config)
         proc.send_ready(EngineCoreReady(

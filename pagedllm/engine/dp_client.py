@@ -15,6 +15,11 @@ sent to it (exact: counted here as requests are sent and finish), then the fewes
 waiting in its last reported stats, then the lowest KV-cache usage.  An ``n > 1``
 request goes whole to one engine (its sequences share the prompt's blocks there).
 
+Expert parallelism (``enable_expert_parallel``) spreads each MoE layer's experts over
+every engine's ranks: the engines then get their index and two loopback ports
+(``engine_configs``), their ranks join one world and the cores step in lockstep
+(``engine/dp_lockstep.py``).  Requests are still balanced as above.
+
 Failure: when any engine dies or fails a step, ``get_output`` raises
 ``EngineDeadError`` naming it, so in-flight requests error, ``/health`` turns 503 and
 the server shuts every engine down (no engine keeps running unsupervised).
@@ -23,9 +28,11 @@ the server shuts every engine down (no engine keeps running unsupervised).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
+from pagedllm.config import EngineConfig
 from pagedllm.engine.core_proc import EngineCoreReady
 from pagedllm.engine.mp_client import AsyncMPClient, EngineDeadError
 from pagedllm.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
@@ -33,12 +40,31 @@ from pagedllm.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerSta
 logger = logging.getLogger(__name__)
 
 
+def engine_configs(config: Any, num_engines: int) -> list[Any]:
+    """Each engine's ``EngineConfig`` or ``EngineArgs``: ``config`` itself, unless experts
+    span the engines -- then each gets its ``data_parallel_rank`` and the two ports they
+    share (the ranks' rendezvous and the cores' lockstep)."""
+    pc = config.parallel_config if isinstance(config, EngineConfig) else config
+    if not (pc.enable_expert_parallel and num_engines > 1):
+        return [config] * num_engines
+    # Both bound by engine 0's processes a moment later (free_port imports no torch).
+    from pagedllm.executor.process_start import free_port
+
+    ports = {"data_parallel_master_port": free_port(), "data_parallel_rpc_port": free_port()}
+    if isinstance(config, EngineConfig):
+        return [dataclasses.replace(config, parallel_config=dataclasses.replace(
+            config.parallel_config, data_parallel_rank=d, **ports))
+            for d in range(num_engines)]
+    return [dataclasses.replace(config, data_parallel_rank=d, **ports)
+            for d in range(num_engines)]
+
+
 class DPClient:
     """``data_parallel_size`` engine cores as one (see the module doc)."""
 
     def __init__(self, config: Any, num_engines: int, *, transport: str = "ipc") -> None:
-        self.clients = [AsyncMPClient(config, transport=transport)
-                        for _ in range(num_engines)]
+        self.clients = [AsyncMPClient(c, transport=transport)
+                        for c in engine_configs(config, num_engines)]
         self.ready: EngineCoreReady | None = None
         self.dead: EngineDeadError | None = None
         # Per engine: unfinished sequences sent to it, and its last reported stats.

@@ -217,8 +217,16 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="Start-up collectives and each step's wait for the ranks time "
                         "out after this long, naming the rank.")
     g.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE models: place whole experts on the tensor-parallel ranks "
-                        "(each holds num_experts / tp) instead of every expert on each.")
+                   help="MoE models: place whole experts on the ranks (each holds "
+                        "num_experts / (tp x dp)) instead of slicing every expert; with "
+                        "--data-parallel-size > 1 the engines step in lockstep and "
+                        "dispatch tokens to their experts' ranks.")
+    g.add_argument("--all2all-backend", default="allgather_reducescatter",
+                   choices=["allgather_reducescatter", "alltoall"],
+                   help="Expert parallelism across data-parallel engines: how tokens "
+                        "reach their experts -- gather every engine's tokens and "
+                        "reduce-scatter the results, or send each (token, expert) pair "
+                        "to its expert's rank.  Default: %(default)s.")
 
 
 def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
@@ -250,6 +258,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
         distributed_executor_backend=args.distributed_executor_backend,
         distributed_timeout_seconds=args.distributed_timeout_seconds,
         enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+        all2all_backend=getattr(args, "all2all_backend", "allgather_reducescatter"),
         runner=getattr(args, "runner", "auto"), convert=getattr(args, "convert", "auto"),
         pooler_config=getattr(args, "pooler_config", None),
         enable_lora=getattr(args, "enable_lora", False),

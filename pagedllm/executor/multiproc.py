@@ -20,7 +20,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import socket
 import tempfile
 import time
 import weakref
@@ -33,7 +32,7 @@ import zmq
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.base import Executor, ExecutorError, output_rank
-from pagedllm.executor.process_start import start_process
+from pagedllm.executor.process_start import free_port, start_process
 from pagedllm.executor.worker_proc import (
     ENCODER,
     KIND_CACHE_READY,
@@ -53,13 +52,6 @@ from pagedllm.executor.worker_proc import (
 logger = logging.getLogger("pagedllm")
 
 POLL_INTERVAL = 0.2
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now (the rendezvous binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def rank_context(config: EngineConfig) -> multiprocessing.context.BaseContext:

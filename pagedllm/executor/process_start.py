@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import pickle
+import socket
 import sys
 from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
@@ -83,3 +84,10 @@ def start_process(ctx: multiprocessing.context.BaseContext, target: Any,
         with _main_hidden():
             proc.start()
     return proc
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now (the rendezvous binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

@@ -85,7 +85,13 @@ class Worker:
         self.init_method = distributed_init_method
         pc = config.parallel_config
         self.device = torch.device(config.device_config.device)
-        if self.device.type == "cuda" and pc.world_size > 1:
+        if pc.expert_parallel_spans_dp:
+            # One world of every engine's ranks on this host (parallel_state.py): engine
+            # d's ranks take the devices after engines 0..d-1's.
+            local_rank += pc.data_parallel_rank * pc.world_size
+            self.local_rank = local_rank
+            self.init_method = f"tcp://127.0.0.1:{pc.data_parallel_master_port}"
+        if self.device.type == "cuda" and (pc.world_size > 1 or pc.expert_parallel_spans_dp):
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
         threads = config.device_config.num_threads
@@ -116,7 +122,7 @@ class Worker:
         """Join the engine's world (every collective of it times out after
         ``distributed_timeout_seconds``, naming this rank)."""
         pc = self.config.parallel_config
-        if pc.world_size == 1:
+        if pc.world_size == 1 and not pc.expert_parallel_spans_dp:
             return
         if self.init_method is None:
             raise ValueError("a multi-rank worker needs distributed_init_method")
@@ -125,10 +131,13 @@ class Worker:
         self.parallel = init_parallel_state(
             pc.tensor_parallel_size, pc.pipeline_parallel_size, self.rank,
             self.init_method, backend, pc.distributed_timeout_seconds,
-            expert_parallel=pc.enable_expert_parallel)
-        logger.info("rank %d joined the %d-rank world (%s; tp rank %d, pp rank %d) in "
-                    "%.2f s", self.rank, pc.world_size, backend, self.parallel.tp_rank,
-                    self.parallel.pp_rank, time.perf_counter() - t0)
+            expert_parallel=pc.enable_expert_parallel, dp_size=pc.data_parallel_size,
+            dp_rank=pc.data_parallel_rank, all2all_backend=pc.all2all_backend)
+        logger.info("rank %d joined the %d-rank world (%s; tp rank %d, pp rank %d, "
+                    "expert-parallel rank %d of %d) in %.2f s", self.rank,
+                    self.parallel.world.world_size, backend, self.parallel.tp_rank,
+                    self.parallel.pp_rank, self.parallel.ep.rank_in_group,
+                    self.parallel.ep.world_size, time.perf_counter() - t0)
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
@@ -422,6 +431,7 @@ class Worker:
 
     def execute_model_async(self, sched: SchedulerOutput) -> StepHandle:
         assert self.runner is not None, "initialize_cache first"
+        self._moe_dummy_pass(sched)
         return self.runner.execute_model_async(sched)
 
     def record_sampled_tokens(self, req_ids: list[str],
@@ -434,7 +444,18 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_cache first"
+        self._moe_dummy_pass(sched)
         return self.runner.execute_model(sched)
+
+    def _moe_dummy_pass(self, sched: SchedulerOutput) -> None:
+        """Experts across data-parallel engines: a step with no tokens here still takes
+        part in every MoE layer's collectives, in order, so the other engines' tokens
+        reach this rank's experts (engine/dp_lockstep.py)."""
+        if sched.total_num_scheduled_tokens == 0 and self.parallel.dp.world_size > 1:
+            from pagedllm.layers.fused_moe.dispatch import moe_dummy_pass
+
+            with torch.inference_mode():
+                moe_dummy_pass(self.model)
 
     def shutdown(self) -> None:
         """Drop every reference to device memory -- the model runner (its CUDA graphs and
@@ -448,5 +469,5 @@ class Worker:
         self.kv_caches = []
         self.swap_caches = []
         self.offload_caches = []
-        if self.parallel.world_size > 1:
+        if self.parallel is not SINGLE_RANK:
             destroy_parallel_state()
