@@ -19,6 +19,12 @@ needs anyway::
     rank 0: experts 0..E/2-1   ─┐  out_r = sum over the pairs routed to rank r's experts
     rank 1: experts E/2..E-1   ─┴─► all_reduce(out_0 + out_1) = every pair's sum
 
+When the EP group spans data-parallel engines (EP = DP x TP, ``ParallelState.dp``), the
+engines' tokens differ, so the layer hands them to a dispatcher instead
+(``dispatch.py``: all-gather + reduce-scatter, or all-to-all, by
+``ParallelState.all2all_backend``), which returns this engine's full sums; an idle
+engine joins with zero tokens (``dispatch.moe_dummy_pass``).
+
 How the experts are stored and multiplied is the layer's ``quant_method``
 (``FusedMoEMethodBase``), as for linear layers: a quantisation config that knows MoE
 offers ``get_moe_method(layer, prefix)``; one that does not is refused at build time
@@ -33,6 +39,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import current_parallel_state
+from pagedllm.layers.fused_moe.dispatch import MoEDispatcher, make_dispatcher
 from pagedllm.layers.fused_moe.routing import select_experts
 from pagedllm.layers.fused_moe.torch_ref import fused_experts_ref
 from pagedllm.layers.quantization.base import QuantizationConfig, set_weight_attrs
@@ -115,7 +122,9 @@ class FusedMoE(nn.Module):
     (built with ``enable_expert_parallel``: whole experts per rank, no slicing), else
     ``tp_size``/``tp_rank`` to its ``tp`` group (every expert sliced).  Sizes given
     outright without a matching group (tests) make ``forward`` return this rank's partial
-    sum unreduced.
+    sum unreduced.  An ``ep`` group spanning DP engines gives the layer a ``dispatcher``
+    (``dispatch.py``) that ``forward`` and ``forward_topk`` go through; the fused
+    routing path is not used then.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int,
@@ -140,10 +149,16 @@ class FusedMoE(nn.Module):
                              f"divisible by the expert-parallel size {ep_size}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_size = hidden_size
+        # The model dtype the layer is built in: its activations' (an idle engine's dummy
+        # pass needs it; quantised weights do not tell it).
+        self.act_dtype = torch.get_default_dtype()
         self.tp_size, self.tp_rank = tp_size, tp_rank
         self.tp_group = state.tp if state.tp.world_size == tp_size > 1 else None
         self.ep_group = state.ep if state.ep.world_size == ep_size > 1 else None
         self.ep_size, self.ep_rank = ep_size, ep_rank
+        # EP across DP engines: their tokens differ, so they are dispatched, not reduced.
+        self.dispatcher: MoEDispatcher | None = \
+            make_dispatcher(state) if self.ep_group is not None else None
         self.num_local_experts = num_experts // ep_size
         self.expert_start = ep_rank * self.num_local_experts
         self.intermediate_per_partition = intermediate_size // tp_size
@@ -207,7 +222,7 @@ class FusedMoE(nn.Module):
         return dst, loaded.narrow(dim, self.tp_rank * dst.shape[dim], dst.shape[dim])
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        if self.ep_size == 1:
+        if self.ep_size == 1:  # (a dispatcher implies ep_size > 1)
             out = self.quant_method.apply_routed(self, x, router_logits)
             if out is not None:
                 return self._reduce(out)
@@ -217,11 +232,27 @@ class FusedMoE(nn.Module):
     def forward_topk(self, x: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` through the experts ``topk_ids [T, k]`` (global ids) weighted
-        by ``topk_weights [T, k]`` -> ``[T, H]``, summed over ranks."""
+        by ``topk_weights [T, k]`` -> ``[T, H]``, summed over ranks (this engine's
+        tokens through every expert, with a dispatcher; ``T`` may be 0)."""
+        if self.dispatcher is not None:
+            return self.dispatcher(self, x, topk_weights, topk_ids)
+        return self._reduce(self.partial_sum(x, topk_weights, topk_ids))
+
+    def partial_sum(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's unreduced ``[T, H]``: its experts' pairs of the global
+        ``topk_ids`` (every pair without expert parallelism; another rank's dropped,
+        ``local_topk``, with it)."""
         if self.ep_size > 1:
             topk_weights, topk_ids = self.local_topk(
                 topk_weights, topk_ids, skip_id=not (x.is_cuda or self.use_triton))
-        return self._reduce(self.quant_method.apply(self, x, topk_weights, topk_ids))
+        return self.apply_local(x, topk_weights, topk_ids)
+
+    def apply_local(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` through this rank's experts by local ids ``[0, E_local)`` (the
+        quantisation method's grouped matmuls) -> ``[T, H]``."""
+        return self.quant_method.apply(self, x, topk_weights, topk_ids)
 
     def local_topk(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    skip_id: bool) -> tuple[torch.Tensor, torch.Tensor]:
