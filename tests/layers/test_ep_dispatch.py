@@ -4,7 +4,8 @@ dispatch backends.  Each engine's output, on every one of its TP ranks, equals a
 single-rank ``FusedMoE`` holding every expert run on that engine's tokens (float32,
 tight tolerance) -- for different token counts per engine, an engine with zero tokens,
 both idle, fewer tokens than TP ranks, every token routed to one rank's experts, an
-expert no token chooses, and the router-logits path; the DeepSeek-V3 block (grouped
+expert no token chooses, the router-logits path and the Triton kernels (interpreted,
+tp=1); the DeepSeek-V3 block (grouped
 top-k, TP-sliced shared experts) and the Qwen2-MoE / Mixtral sparse block (shared
 expert) equal their single-rank blocks; ``moe_dummy_pass`` on an idle engine serves the
 other engine's tokens layer by layer.
@@ -28,10 +29,8 @@ from pagedllm.distributed.parallel_state import GroupCoordinator, ParallelState
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.fused_moe.dispatch import BACKENDS, make_dispatcher, spans_dp
 from pagedllm.layers.linear import load_weight
-from pagedllm.models.deepseek_moe import DeepseekMoE
+from pagedllm.models.deepseek_moe import DeepseekMoE, deepseek_moe_weight_target
 from pagedllm.models.moe import SparseMoeBlock
-from tests.models.test_deepseek_moe import _checkpoint, _randomize, _v3
-from tests.models.test_deepseek_moe import _load as load_deepseek
 
 E, K, H, INTER = 8, 2, 32, 16
 DP = 2
@@ -89,8 +88,12 @@ def _logits(d: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _deepseek() -> tuple[Any, dict[str, torch.Tensor]]:
     """A DeepSeek-V3 config (16 experts in 4 groups, top-4, 2 shared experts) and a
-    random checkpoint of its block, as ``test_expert_parallel`` builds them."""
+    random checkpoint of its block, as ``test_expert_parallel`` builds them.  Made in the
+    parent and handed to the ranks in a file: importing transformers' modelling code
+    would cost each rank seconds."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    from tests.models.test_deepseek_moe import _checkpoint, _randomize, _v3
 
     cfg = _v3(4, 2, 16, 4, True, 2.5, 2)
     torch.manual_seed(0)
@@ -99,9 +102,17 @@ def _deepseek() -> tuple[Any, dict[str, torch.Tensor]]:
     return cfg, _checkpoint(hf, fused=False)
 
 
+DEEPSEEK_PREFIX = "model.layers.3.mlp"  # the prefix of test_deepseek_moe's checkpoints
+
+
 def _deepseek_block(cfg: Any, ckpt: dict[str, torch.Tensor]) -> DeepseekMoE:
-    block = DeepseekMoE(cfg, prefix="model.layers.3.mlp")
-    load_deepseek(block, ckpt)
+    block = DeepseekMoE(cfg, prefix=DEEPSEEK_PREFIX)
+    params = dict(block.named_parameters())
+    for name, tensor in ckpt.items():
+        target = deepseek_moe_weight_target(name)
+        assert target is not None, name
+        load_weight(params[target[0].removeprefix(DEEPSEEK_PREFIX + ".")], tensor,
+                    *target[1])
     return block
 
 
@@ -146,7 +157,8 @@ def _rank_main(proc: int, tp: int, port: int, out_dir: str) -> None:
     state = init_parallel_state(tp, 1, rank, f"tcp://127.0.0.1:{port}", "gloo", 60.0,
                                 expert_parallel=True, dp_size=DP, dp_rank=d)
     outs: dict[str, Any] = {}
-    cfg, ckpt = _deepseek()
+    deepseek = torch.load(os.path.join(out_dir, "deepseek.pt"), weights_only=False)
+    cfg, ckpt = deepseek["cfg"], deepseek["ckpt"]
     try:
         with torch.no_grad():
             for backend in BACKENDS:
@@ -160,6 +172,11 @@ def _rank_main(proc: int, tp: int, port: int, out_dir: str) -> None:
                 outs[f"{backend}/local_experts"] = layer.num_local_experts
                 for name, case in _cases(DP * tp).items():
                     outs[f"{backend}/{name}"] = layer.forward_topk(*case[d])
+                if tp == 1:  # the GPU kernels (Triton interpreter): top-1, local ids
+                    layer.use_triton = True
+                    outs[f"{backend}/triton"] = layer.forward_topk(
+                        *_cases(DP)["different_counts"][d])
+                    layer.use_triton = False
                 layer.renormalize = True
                 outs[f"{backend}/logits"] = layer(*_logits(d))
                 outs[f"{backend}/deepseek_v3"] = block(_block_input(d, BLOCK_TOKENS[d]))
@@ -177,9 +194,8 @@ def _rank_main(proc: int, tp: int, port: int, out_dir: str) -> None:
         destroy_parallel_state()
 
 
-def _references() -> dict[str, list[torch.Tensor]]:
+def _references(cfg: Any, ckpt: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
     """Single-rank outputs per engine (every expert on one rank, no groups)."""
-    cfg, ckpt = _deepseek()
     layer, block, sparse = _layer(seed=0), _deepseek_block(cfg, ckpt), _sparse_block()
     dummy_a, dummy_b = _layer(seed=1), _deepseek_block(cfg, ckpt)
     refs: dict[str, list[torch.Tensor]] = {}
@@ -202,9 +218,11 @@ def _references() -> dict[str, list[torch.Tensor]]:
 def test_dp2_dispatch_equals_one_rank(tp: int, tmp_path) -> None:
     from pagedllm.executor.multiproc import free_port
 
+    cfg, ckpt = _deepseek()
+    torch.save({"cfg": cfg, "ckpt": ckpt}, tmp_path / "deepseek.pt")
     mp.start_processes(_rank_main, args=(tp, free_port(), str(tmp_path)), nprocs=DP * tp,
                        join=True, start_method="spawn")
-    refs = _references()
+    refs = _references(cfg, ckpt)
     expected = {"allgather_reducescatter": "AllGatherReduceScatter", "alltoall": "AllToAll"}
     for proc in range(DP * tp):
         d = proc // tp
@@ -224,6 +242,10 @@ def test_dp2_dispatch_equals_one_rank(tp: int, tmp_path) -> None:
                                            rtol=1e-5, atol=1e-5,
                                            msg=lambda m, b=backend, n=name, p=proc:
                                            f"{b} {n} proc {p}: {m}")
+            if tp == 1:
+                torch.testing.assert_close(got[f"{backend}/triton"],
+                                           refs["different_counts@tp1"][d],
+                                           rtol=1e-4, atol=1e-5)
             if d == 0:
                 torch.testing.assert_close(got[f"{backend}/dummy_pass"],
                                            refs["dummy_pass"][0], rtol=1e-5, atol=1e-5)
