@@ -111,6 +111,12 @@ class CacheConfig:
     kv_offload_bytes: int = 0
     num_offload_blocks: int = 0
     kv_offload_block_bytes: int = 0
+    # Its disk tier (core/disk_tier.py): bytes of a memory-mapped file for blocks the
+    # host tier evicts (0: off), the blocks it holds (same block size), and the
+    # directory its private temp directory goes in (None: the system's temp dir).
+    kv_offload_disk_bytes: int = 0
+    num_offload_disk_blocks: int = 0
+    kv_offload_disk_path: str | None = None
     # Filled in by the engine once memory is planned.
     num_blocks: int | None = None
     # Every layer's attention window when all layers slide with one (Mistral v0.1): KV

@@ -111,6 +111,14 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     kv_offload_bytes_to_device: int = 0
     kv_offload_usage: float = 0.0
     kv_offload_total_blocks: int = 0
+    # Its disk tier (core/disk_tier.py), likewise: tokens looked up past the device and
+    # host hits and found on disk, bytes host -> disk and disk -> host, fill, size.
+    kv_offload_disk_queries: int = 0
+    kv_offload_disk_hits: int = 0
+    kv_offload_bytes_to_disk: int = 0
+    kv_offload_bytes_from_disk: int = 0
+    kv_offload_disk_usage: float = 0.0
+    kv_offload_disk_total_blocks: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

@@ -41,16 +41,23 @@ swap-ins; issue the loads on the copy stream; copy-on-write copies):
   request not yet running; evicted anyway, the prefix comes back from the host again.
 * **A host slot read by a load is not overwritten before the copy reads it.**  A slot
   read by a load queued this step is never given to another hash before the step's
-  copies are taken (``_reading``); the runner reads it into a staging buffer when it
+  copies are taken (``_pinned``); the runner reads it into a staging buffer when it
   issues the load, after this step's offloads have landed in the slots it reads (so a
   block saved and looked up in one step round-trips), and the next step's offloads run
-  after that.
+  after that.  A slot written this step (an offload, a disk load) is pinned as well:
+  two copies never land in one slot in one step.
 * **Destinations are distinct.**  A loading block is held, so it cannot be promoted,
   evicted or taken again in the same step.
 * **Inclusive.**  A loaded hash stays in the host pool (LRU-touched): evicting the
   device copy again costs no copy.
 * **Nothing leaks.**  Holds last until ``take_copies``; host slots are either free or
   hold exactly one hash.
+
+**The disk tier** (``kv_offload_disk_bytes``, core/disk_tier.py) sits behind this one:
+a host slot reused for another key first saves its key to disk (``DiskTier.save``), and
+a promotion walks on through keys held only on disk, giving each a host slot with a
+disk -> host load queued before the host -> device load; the request waits its one step
+as for a host hit.  The runner applies the disk moves before this tier's.
 
 Hybrid KV cache groups work unchanged: a pool key carries its group, and a block id is
 one page in every shared KV tensor, which the runner copies whole.  A sliding-window
@@ -66,6 +73,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.disk_tier import DiskTier
 from pagedllm.request import Request
 
 
@@ -82,25 +90,33 @@ class _KeyedManager(Protocol):
 @dataclass(slots=True)
 class OffloadStats:
     """The tier's counters since the last ``take_stats``: tokens looked up past the
-    device hit and tokens found on the host (vLLM's external prefix cache), blocks
-    copied each way, and the host pool's fill."""
+    device hit and tokens found off the device -- on the host or on disk (vLLM's
+    external prefix cache), blocks copied each way, and the host pool's fill; with the
+    disk tier also tokens looked up past the device and host hits and tokens found on
+    disk, blocks copied host -> disk and disk -> host, and the disk pool's fill."""
 
     queries: int = 0
     hits: int = 0
     blocks_to_host: int = 0
     blocks_to_device: int = 0
     usage: float = 0.0
+    disk_queries: int = 0
+    disk_hits: int = 0
+    blocks_to_disk: int = 0
+    blocks_from_disk: int = 0
+    disk_usage: float = 0.0
 
 
 class OffloadTier:
     """The host pool's index (hash -> slot, LRU) and the step's copy lists.
 
     ``managers``: the KV cache manager of each group (one without hybrid groups), all on
-    ``pool``.  ``num_host_blocks``: slots in the runner's host KV tensors.
+    ``pool``.  ``num_host_blocks``: slots in the runner's host KV tensors.  ``disk``:
+    the disk tier behind the host pool, or None.
     """
 
     def __init__(self, pool: BlockPool, managers: Sequence[_KeyedManager],
-                 num_host_blocks: int) -> None:
+                 num_host_blocks: int, disk: DiskTier | None = None) -> None:
         if num_host_blocks < 1:
             raise ValueError(f"kv_offload_bytes: the host pool holds {num_host_blocks} "
                              "blocks; it needs at least one")
@@ -113,7 +129,7 @@ class OffloadTier:
         # This step's copies: (device block, host slot) and (host slot, device block).
         self._offload: list[tuple[int, int]] = []
         self._load: list[tuple[int, int]] = []
-        self._reading: set[int] = set()  # host slots loads read this step: pinned
+        self._pinned: set[int] = set()  # host slots read or written this step
         self._in_flight: set[int] = set()  # device blocks loaded this step
         # The blocks of each promotion with loads, referenced by the tier until the
         # step's copies are taken (the module doc's second contract).
@@ -126,9 +142,14 @@ class OffloadTier:
         # The last lookup's (request id, queried tokens, hit tokens): counted only when
         # that request is admitted (``record_lookup``), as the device cache's are.
         self._last: tuple[str, int, int] | None = None
-        # Host-hit tokens of a request that waited for its loads: its next lookup finds
-        # them on the device, but they count as host hits when it is admitted.
-        self._carried: dict[str, int] = {}
+        # The hits of a request that waited for its loads -- (tokens found off the
+        # device, disk-tier queries resolved, tokens found on disk): its next lookup
+        # finds them on the device, but they count as this tier's when it is admitted.
+        self._carried: dict[str, tuple[int, int, int]] = {}
+        self.disk = disk
+        # The disk moves taken with the last ``take_copies``: (host slot, disk slot)
+        # saves and (disk slot, host slot) loads; the runner applies them first.
+        self.disk_copies: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
         self.total_hit_blocks = 0
         pool.on_evict = self._save
 
@@ -163,17 +184,61 @@ class OffloadTier:
         if slot is None:
             return  # every slot is being read this step: this block is lost
         self._lru[key] = slot
+        self._pinned.add(slot)
         self._offload.append((block.block_id, slot))
 
     def _take_slot(self) -> int | None:
-        """A free host slot, else the least recently used one not read this step."""
+        """A free host slot, else the least recently used one not pinned this step,
+        whose key goes to the disk tier when there is one."""
         if self._free:
             return self._free.pop()
         for key, slot in self._lru.items():
-            if slot not in self._reading:
+            if slot not in self._pinned:
                 del self._lru[key]
+                if self.disk is not None:
+                    self.disk.save(key, slot)
                 return slot
         return None
+
+    def _stage(self, todo: list[tuple[Hashable, int | None]]
+               ) -> tuple[list[tuple[Hashable, int]], int]:
+        """Prepare a promotion's host side: pin the host slots it reads, and give each
+        disk hit (slot None) a host slot with a disk load queued into it.  Stops at the
+        first disk hit that finds no host slot (every one pinned): the promotion is a
+        prefix of ``todo``.  Returns the (key, host slot) pairs and how many came from
+        disk.  (Before ``get_new_blocks``: its evictions must not take these slots.)"""
+        disk = self.disk
+        if disk is not None:
+            # With a disk tier every block enters and leaves through a host slot: a
+            # promotion leaves a slot for each device block its new blocks may evict
+            # (else they would be lost) -- the rest waits for a later step.
+            room = self.num_host_blocks - len(self._pinned)
+            for i, (_, slot) in enumerate(todo):
+                room -= 1 + (slot is None or slot not in self._pinned)
+                if room < 0:
+                    todo = todo[:i]
+                    break
+        for _, slot in todo:
+            if slot is not None:
+                self._pinned.add(slot)
+        if disk is None or all(slot is not None for _, slot in todo):
+            return todo, 0  # type: ignore[return-value]
+        # Pinned first: the host slots taken below save their keys to disk, which
+        # must not reuse these keys' disk slots.
+        disk.pin(key for key, slot in todo if slot is None)
+        staged: list[tuple[Hashable, int]] = []
+        from_disk = 0
+        for key, slot in todo:
+            if slot is None:
+                slot = self._take_slot()
+                if slot is None:
+                    break
+                self._pinned.add(slot)
+                self._lru[key] = slot
+                disk.load(key, slot)
+                from_disk += 1
+            staged.append((key, slot))
+        return staged, from_disk
 
     # -- host -> device ------------------------------------------------------------
     def promote(self, request: Request, max_blocks: int | None = None) -> int:
@@ -194,17 +259,19 @@ class OffloadTier:
         """
         first = self.managers[0]
         rid = request.request_id
-        carried = self._carried.pop(rid, 0)
+        carried, carried_dq, carried_dh = self._carried.pop(rid, (0, 0, 0))
         if not first.wants_prefix_lookup(request):
             self._last = None
             return 0
         bs = self.block_size
         n = (request.num_tokens - 1) // bs if max_blocks is None else max_blocks
-        pool, in_flight = self.pool, self._in_flight
+        pool, in_flight, disk = self.pool, self._in_flight, self.disk
         queried = hit = promoted = loading = 0
+        disk_queried = disk_hit = disk_moved = 0
         for m in self.managers:
-            chain: list[KVCacheBlock | tuple[Hashable, int]] = []
-            device_prefix = -1
+            # Device hits as blocks, the rest as (key, host slot; None: on disk).
+            chain: list[KVCacheBlock | tuple[Hashable, int | None]] = []
+            device_prefix = host_prefix = -1  # first index missing there (and before)
             for i, key in enumerate(m.block_keys(request, n)):
                 b = pool.get_cached_block(key)
                 if b is not None:
@@ -216,23 +283,28 @@ class OffloadTier:
                     device_prefix = i
                 slot = self._lru.get(key)
                 if slot is None:
-                    break
+                    if host_prefix < 0:
+                        host_prefix = i
+                    if disk is None or key not in disk:
+                        break
                 chain.append((key, slot))
             if device_prefix < 0:
                 device_prefix = len(chain)
+            if host_prefix < 0:
+                host_prefix = len(chain)
             if m is first:
                 queried = (n - device_prefix) * bs
-            todo = [c for c in chain if not isinstance(c, KVCacheBlock)]
-            if not todo:
+                disk_queried = (n - host_prefix) * bs if disk is not None else 0
+            at = [i for i, c in enumerate(chain) if not isinstance(c, KVCacheBlock)]
+            if not at:
                 continue
             held = [c for c in chain if isinstance(c, KVCacheBlock)]
             pool.touch(held)
-            todo = todo[:pool.num_free_blocks]
-            if not todo:  # no free block left: nothing moves, the hits stay cached
+            todo, from_disk = self._stage(
+                [chain[i] for i in at[:pool.num_free_blocks]])  # type: ignore[misc]
+            if not todo:  # no free block (or host slot) left: nothing moves
                 pool.free_blocks(reversed(held))
                 continue
-            for _, slot in todo:
-                self._reading.add(slot)  # (before get_new_blocks: it may evict to host)
             new = pool.get_new_blocks(len(todo))
             for b, (key, slot) in zip(new, todo):
                 pool.cache_block(b, key)
@@ -246,21 +318,28 @@ class OffloadTier:
             loading += len(new)
             if m is first:
                 hit = len(new) * bs
+                disk_hit = from_disk * bs
+                # Loaded blocks past the host prefix leave the disk tier's next query.
+                disk_moved = sum(1 for i in at[:len(new)] if i >= host_prefix) * bs
         self.total_hit_blocks += promoted
         if loading:
             self._waiting[rid] = loading
-            self._carried[rid] = carried + hit
+            self._carried[rid] = (carried + hit, carried_dq + disk_moved,
+                                  carried_dh + disk_hit)
             self._last = None
         else:
-            self._last = (rid, queried + carried, hit + carried)
+            self._last = (rid, queried + carried, hit + carried,
+                          disk_queried + carried_dq, disk_hit + carried_dh)
         return loading
 
     def record_lookup(self, request: Request) -> None:
         """Count the last ``promote`` when its request is admitted (a request that
         waits is looked up again and must not count twice)."""
         if self._last is not None and self._last[0] == request.request_id:
-            self._stats.queries += self._last[1]
-            self._stats.hits += self._last[2]
+            st = self._stats
+            _, q, h, dq, dh = self._last
+            st.queries, st.hits = st.queries + q, st.hits + h
+            st.disk_queries, st.disk_hits = st.disk_queries + dq, st.disk_hits + dh
         self._last = None
 
     def forget(self, request_id: str) -> None:
@@ -271,9 +350,10 @@ class OffloadTier:
     # -- the step's copies -----------------------------------------------------------
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The copies queued since the last call, for the step about to run:
-        ``(offloads (device, host), loads (host, device))``.  Ends the step for the
-        tier: unpins the host slots and frees the promoted blocks' holds (their loads
-        land before the next step runs anything)."""
+        ``(offloads (device, host), loads (host, device))``; the disk tier's moves go
+        to ``disk_copies``.  Ends the step for the tier: unpins the host (and disk)
+        slots and frees the promoted blocks' holds (their loads land before the next
+        step runs anything)."""
         offload, self._offload = self._offload, []
         load, self._load = self._load, []
         pool = self.pool
@@ -281,17 +361,23 @@ class OffloadTier:
             pool.free_blocks(reversed(hold))
         self._holds = []
         self._in_flight.clear()
-        self._reading.clear()
+        self._pinned.clear()
         self.loading = frozenset(self._waiting)
         self._waiting = {}
         self._stats.blocks_to_host += len(offload)
         self._stats.blocks_to_device += len(load)
+        if self.disk is not None:
+            self.disk_copies = self.disk.take_copies()
+            self._stats.blocks_to_disk += len(self.disk_copies[0])
+            self._stats.blocks_from_disk += len(self.disk_copies[1])
         return offload, load
 
     def take_stats(self) -> OffloadStats:
         """The counters since the last call (usage is the current fill, 0..1)."""
         s, self._stats = self._stats, OffloadStats()
         s.usage = len(self._lru) / self.num_host_blocks
+        if self.disk is not None:
+            s.disk_usage = self.disk.num_used / self.disk.num_disk_blocks
         return s
 
     def reset(self) -> None:
@@ -299,8 +385,10 @@ class OffloadTier:
         copies queued so far have been taken, so nothing is held)."""
         self._lru.clear()
         self._free = list(range(self.num_host_blocks - 1, -1, -1))
-        self._reading.clear()
+        self._pinned.clear()
         self._carried.clear()
+        if self.disk is not None:
+            self.disk.reset()
 
     def check_invariants(self) -> None:
         """Every slot free or holding one hash; every load's destination distinct and
@@ -310,12 +398,18 @@ class OffloadTier:
         dst = [d for _, d in self._load]
         assert len(set(dst)) == len(dst), "two loads into one block"
         assert all(self.pool.blocks[d].ref_cnt > 0 for d in dst), "loading block not held"
+        if self.disk is not None:
+            self.disk.check_invariants()
 
 
-def make_offload_tier(kv: object, num_host_blocks: int) -> OffloadTier | None:
+def make_offload_tier(kv: object, num_host_blocks: int,
+                      num_disk_blocks: int = 0) -> OffloadTier | None:
     """The host tier over ``kv`` (a ``KVCacheManager`` or a hybrid manager, whose
-    ``managers`` are its groups), or None when ``num_host_blocks`` is 0 (off)."""
+    ``managers`` are its groups), or None when ``num_host_blocks`` is 0 (off); with a
+    disk tier behind it when ``num_disk_blocks`` > 0."""
     if num_host_blocks <= 0:
         return None
     managers = getattr(kv, "managers", None) or [kv]
-    return OffloadTier(kv.pool, managers, num_host_blocks)  # type: ignore[attr-defined]
+    disk = DiskTier(num_disk_blocks) if num_disk_blocks > 0 else None
+    return OffloadTier(kv.pool, managers, num_host_blocks,  # type: ignore[attr-defined]
+                       disk)

@@ -93,6 +93,10 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     kv_offload: list[tuple[int, int]] = field(default_factory=list)
     kv_load: list[tuple[int, int]] = field(default_factory=list)
+    # The prefix cache's disk tier (core/disk_tier.py), applied before the host tier's
+    # two lists: host slot -> disk slot saves, then disk slot -> host slot loads.
+    kv_disk_save: list[tuple[int, int]] = field(default_factory=list)
+    kv_disk_load: list[tuple[int, int]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Speculative decoding: req_id -> draft tokens to verify this step (they are the
     # last ``len(drafts)`` of its ``num_scheduled_tokens``; spec_decode/).

@@ -165,10 +165,12 @@ class Scheduler:
                                 scheduler_config.preemption_mode == "swap",
                                 scheduler_config.max_swap_blocks_per_step)
         # The prefix cache's host tier (``kv_offload_bytes``; None when off): evicted
-        # cached blocks go to host memory and come back on a hit (core/offload_tier.py).
+        # cached blocks go to host memory and come back on a hit (core/offload_tier.py),
+        # with a disk tier behind it (``kv_offload_disk_bytes``, core/disk_tier.py).
         self.offload = make_offload_tier(
             self.kv, getattr(cache_config, "num_offload_blocks", 0)
-            if cache_config.enable_prefix_caching else 0)
+            if cache_config.enable_prefix_caching else 0,
+            getattr(cache_config, "num_offload_disk_blocks", 0))
         self._offload_block_bytes = getattr(cache_config, "kv_offload_block_bytes", 0)
         # Images: when each is encoded, under the encoder budget (core/encoder_budget.py).
         self.encoder = EncoderBudget(
@@ -563,12 +565,15 @@ class Scheduler:
         num_scheduled, cow_copies = step.num_scheduled, step.cow_copies
         kv_offload, kv_load = self.offload.take_copies() if self.offload is not None \
             else ([], [])
+        disk_save, disk_load = self.offload.disk_copies if self.offload is not None \
+            else ([], [])
         return SchedulerOutput(
             new_reqs=step.new, cached_reqs=step.cached, num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished, preempted_req_ids=step.preempted_ids,
             forks=step.forks, swap_out=self.swap.swap_out, swap_in=self.swap.swap_in,
-            kv_offload=kv_offload, kv_load=kv_load,
+            kv_offload=kv_offload, kv_load=kv_load, kv_disk_save=disk_save,
+            kv_disk_load=disk_load,
             block_copies=[p for c in step.cached for p in cow_copies.get(c.req_id, ())]
             if cow_copies else [], scheduled_spec_decode_tokens=step.spec_tokens,
             num_spec_proposals=step.spec_next,
@@ -794,4 +799,11 @@ class Scheduler:
             stats.kv_offload_bytes_to_device = o.blocks_to_device * nbytes
             stats.kv_offload_usage = o.usage
             stats.kv_offload_total_blocks = self.offload.num_host_blocks
+            if self.offload.disk is not None:
+                stats.kv_offload_disk_queries = o.disk_queries
+                stats.kv_offload_disk_hits = o.disk_hits
+                stats.kv_offload_bytes_to_disk = o.blocks_to_disk * nbytes
+                stats.kv_offload_bytes_from_disk = o.blocks_from_disk * nbytes
+                stats.kv_offload_disk_usage = o.disk_usage
+                stats.kv_offload_disk_total_blocks = self.offload.disk.num_disk_blocks
         return stats

@@ -4,10 +4,10 @@ It mirrors the real runner's contract: it learns requests from ``new_reqs`` and 
 (copying the parent's row), forgets them on ``finished_req_ids`` (keeping preempted
 ones), checks that every scheduled chunk starts where the last one ended, applies
 copy-on-write replacements, beam-search token overrides and block moves (swap out,
-offload to the host tier, swap in, copies) in the real runner's order -- loads from the
-host tier land after the step's forward, which must not touch their blocks, as the real
-runner overlaps them with it -- and samples only when a request's known tokens are all
-computed.  The "model" emits
+the disk tier's saves and loads, offloads to the host tier, swap in, copies) in the real
+runner's order -- loads from the host tier land after the step's forward, which must not
+touch their blocks, as the real runner overlaps them with it -- and samples only when a
+request's known tokens are all computed.  The "model" emits
 ``(last token + position + 7 * seed) % 1000 + 10``; beam rows also report ``K``
 candidates with fixed, decreasing log probabilities.
 
@@ -49,6 +49,7 @@ class FakeRunner:
         self.kv: dict[int, list[int | None]] = {}
         self.cpu: dict[int, list[int | None]] = {}
         self.host: dict[int, list[int | None]] = {}  # the prefix cache's host tier
+        self.disk: dict[int, list[int | None]] = {}  # ... and its disk tier
         self.steps: list[SchedulerOutput] = []
 
     def _slot(self, rid: str, pos: int) -> tuple[int, int]:
@@ -93,6 +94,10 @@ class FakeRunner:
         # Block moves, in the real runner's order.
         for g, cpu in sched.swap_out:
             self.cpu[cpu] = list(self.kv.get(g, [None] * self.block_size))
+        for slot, d in sched.kv_disk_save:  # the disk tier: saves, then loads
+            self.disk[d] = list(self.host[slot])
+        for d, slot in sched.kv_disk_load:
+            self.host[slot] = list(self.disk[d])
         for g, slot in sched.kv_offload:  # the prefix cache's host tier
             self.host[slot] = list(self.kv.get(g, [None] * self.block_size))
         for cpu, g in sched.swap_in:
