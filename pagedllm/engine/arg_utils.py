@@ -35,7 +35,7 @@ from pagedllm.multimodal.config import (
     is_multimodal_config,
     lift_text_config,
 )
-from pagedllm.spec_decode.config import MODEL_METHODS, SpeculativeConfig
+from pagedllm.spec_decode.config import DRAFT_KV_METHODS, MODEL_METHODS, SpeculativeConfig
 
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32",
                   "fp32": "float32", "bf16": "bfloat16"}
@@ -304,6 +304,11 @@ class EngineArgs:
         if spec is not None and spec.method in MODEL_METHODS:
             spec = dataclasses.replace(spec, draft_model_config=_draft_model_config(
                 spec, model_config, self.quantization, parallel.world_size, device))
+        elif spec is not None and spec.method == "mtp":  # the target's own MTP layer
+            from pagedllm.worker.spec_decode.mtp import mtp_draft_config
+
+            spec = dataclasses.replace(spec, draft_model_config=mtp_draft_config(
+                model_config, parallel.world_size))
         # Pipeline stages hold different layers: one group there.
         kv_groups = make_kv_cache_groups(
             layer_sliding_windows(model_config.hf_config),
@@ -375,7 +380,7 @@ class EngineArgs:
         if not self.enable_prefix_caching:
             raise ValueError("kv_offload_bytes: the host tier extends the prefix cache; "
                              "it needs enable_prefix_caching on")
-        if spec is not None and spec.method in MODEL_METHODS:
+        if spec is not None and spec.method in DRAFT_KV_METHODS:
             raise ValueError("kv_offload_bytes: not supported with speculative_config "
                              f"method {spec.method!r} yet (the draft's KV stays on the "
                              "device)")

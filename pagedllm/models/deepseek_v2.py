@@ -49,6 +49,27 @@ def make_deepseek_mlp(config: Any, layer: int, quant_config: QuantizationConfig 
     return DeepseekMoE(config, quant_config, prefix)
 
 
+def bind_mla_caches(layers: list[MultiHeadLatentAttention], kv_caches: list[Any]) -> None:
+    """Bind each of ``layers`` its latent cache ``[1, blocks, block_size, 1, L + R]``
+    (model dtype or fp8 e4m3: ``attention/mla_torch.py``); ``None`` unbinds.
+    ``ValueError`` on a wrong count or shape, or another one-byte type."""
+    if len(kv_caches) != len(layers):
+        raise ValueError(f"got {len(kv_caches)} KV caches for {len(layers)} layers")
+    for layer, cache in zip(layers, kv_caches):
+        if cache is None:  # unbound (the start-up profile's caches are dropped)
+            layer.kv_cache = torch.empty(0)
+            continue
+        if cache.element_size() == 1 and cache.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"kv_cache_dtype: an MLA latent cache of {cache.dtype} is "
+                             "not supported; use kv_cache_dtype='fp8' (e4m3) or 'auto'")
+        want = (1, layer.kv_lora_rank + layer.rope_dim)
+        if cache.dim() != 5 or (cache.shape[0], cache.shape[-1]) != want \
+                or cache.shape[3] != 1:
+            raise ValueError(f"MLA KV cache must be [1, blocks, block_size, 1, "
+                             f"{want[1]}], got {list(cache.shape)}")
+        layer.kv_cache = cache
+
+
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     """The model interface of ``LlamaForCausalLM`` over MLA layers.
 
@@ -114,25 +135,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             layer.set_mode(mode)
 
     def bind_kv_caches(self, kv_caches: list[Any]) -> None:
-        """Each MLA layer's latent cache ``[1, blocks, block_size, 1, L + R]`` (model dtype
-        or fp8 e4m3: ``attention/mla_torch.py``); ``None`` unbinds.  ``ValueError`` on a
-        wrong shape or another one-byte type."""
-        layers = self.mla_layers()
-        if len(kv_caches) != len(layers):
-            raise ValueError(f"got {len(kv_caches)} KV caches for {len(layers)} layers")
-        for layer, cache in zip(layers, kv_caches):
-            if cache is None:  # unbound (the start-up profile's caches are dropped)
-                layer.kv_cache = torch.empty(0)
-                continue
-            if cache.element_size() == 1 and cache.dtype != torch.float8_e4m3fn:
-                raise ValueError(f"kv_cache_dtype: an MLA latent cache of {cache.dtype} is "
-                                 "not supported; use kv_cache_dtype='fp8' (e4m3) or 'auto'")
-            want = (1, layer.kv_lora_rank + layer.rope_dim)
-            if cache.dim() != 5 or (cache.shape[0], cache.shape[-1]) != want \
-                    or cache.shape[3] != 1:
-                raise ValueError(f"MLA KV cache must be [1, blocks, block_size, 1, "
-                                 f"{want[1]}], got {list(cache.shape)}")
-            layer.kv_cache = cache
+        """Each MLA layer's latent cache (``bind_mla_caches``)."""
+        bind_mla_caches(self.mla_layers(), kv_caches)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -128,17 +128,23 @@ def load_model(model_config: Any, device: torch.device, backend: AttentionBacken
             keep_quantized=bool(getattr(quant_config, "gguf_raw", False)), counter=counter))
     else:
         raise ValueError(f"load_format must be safetensors, gguf or dummy, got {fmt!r}")
+    finish_loading(model)
+    if counter is not None and counter.whole:
+        logger.info("tensor-parallel rank %d: %s", current_parallel_state().tp.rank_in_group,
+                    counter.summary())
+    return model.eval()
+
+
+def finish_loading(model: nn.Module) -> None:
+    """After the weights are in: each quantisation method's post-load repack, then the
+    norms that do part of the next projection's work (``link_norms``)."""
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, (LinearBase, FusedMoE)):
                 module.quant_method.process_weights_after_loading(module)  # type: ignore
             elif isinstance(module, VocabParallelEmbedding) and module.quant_method:
                 module.quant_method.process_weights_after_loading(module)
-    link_norms(model)  # norms that do part of the next projection's work
-    if counter is not None and counter.whole:
-        logger.info("tensor-parallel rank %d: %s", current_parallel_state().tp.rank_in_group,
-                    counter.summary())
-    return model.eval()
+    link_norms(model)
 
 
 _KV_SCALE = re.compile(r"^(.*\.self_attn)\.([kv])_scale$")

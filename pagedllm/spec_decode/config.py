@@ -13,6 +13,11 @@ asks for, validated once (vLLM's key names).  Torch-free: the scheduler reads it
 * ``"eagle"`` / ``"eagle3"`` -- an EAGLE / EAGLE-3 head (``model``: its checkpoint, in
   the published layout) proposes its greedy continuation from the target's hidden
   states (``worker/spec_decode/eagle.py``); resolved into ``draft_model_config`` likewise.
+* ``"mtp"`` (alias ``"deepseek_mtp"``, vLLM's names) -- a DeepSeek-V3 checkpoint's own
+  multi-token-prediction layer (``num_nextn_predict_layers``) proposes its greedy
+  continuation from the target's hidden states (``models/deepseek_mtp.py``,
+  ``worker/spec_decode/mtp.py``).  No ``model``: the layer is read from the target's
+  checkpoint; ``EngineArgs`` fills ``draft_model_config`` with the layer's KV shape.
 
 ``num_speculative_tokens`` (k) drafts per request per step; the target verifies them and
 its bonus token in one forward.  How many drafts a step verifies is decided per step
@@ -27,9 +32,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+# Other names accepted for a method (vLLM's), normalised on validation.
+METHOD_ALIASES = {"deepseek_mtp": "mtp"}
 # Methods whose ``model`` is a separate checkpoint with its own KV (draft_model.py).
 MODEL_METHODS = ("draft_model", "eagle", "eagle3")
+# Methods whose proposer keeps KV of its own in the target's blocks (draft_model.py).
+DRAFT_KV_METHODS = (*MODEL_METHODS, "mtp")
+# Methods whose proposer reads the target step's hidden states (eagle_proposer.py).
+HIDDEN_STATE_METHODS = ("eagle", "eagle3", "mtp")
 # No fixed batch-size cap by default: the per-step policy turns speculation down as the
 # measured cost of verifying k + 1 tokens per request outgrows the expected tokens.
 DEFAULT_DISABLE_BY_BATCH_SIZE: int | None = None
@@ -51,9 +62,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
-    # MODEL_METHODS: the draft's path as given, and its resolved ModelConfig
-    # (filled in by EngineArgs.create_engine_config; Any: this module stays torch- and
-    # config-free).
+    # MODEL_METHODS: the draft's path as given, and its resolved ModelConfig; "mtp":
+    # no path, the ModelConfig of the target's MTP layer (filled in by
+    # EngineArgs.create_engine_config; Any: this module stays torch- and config-free).
     model: str | None = None
     draft_model_config: Any = None
 
@@ -74,11 +85,15 @@ class SpeculativeConfig:
             method = "draft_model"  # vLLM infers it from the model (EAGLE heads aside)
         if method is None and "prompt_lookup_max" in raw:
             method = "ngram"  # vLLM infers it the same way
+        method = METHOD_ALIASES.get(method, method) if isinstance(method, str) else method
         if method not in METHODS:
             raise ValueError(f"speculative_config: method must be one of "
                              f"{', '.join(METHODS)}, got {method!r}")
         if method == "ngram" and model is not None:
             raise ValueError("speculative_config: model is not used by method 'ngram'")
+        if method == "mtp" and model is not None:
+            raise ValueError("speculative_config: model is not used by method 'mtp' (the "
+                             "MTP layer is read from the target model's checkpoint)")
         if method in MODEL_METHODS and (not isinstance(model, str) or not model):
             raise ValueError(f"speculative_config: method {method!r} needs model (the "
                              f"draft's path), got {model!r}")

@@ -150,8 +150,8 @@ class Worker:
         check_backend(self.backend, self.config.cache_config.cache_dtype)
         with parallel_context(self.parallel):  # layers take their groups from it
             self.model = load_model(self.config.model_config, self.device, self.backend)
-        # Speculative decoding with a draft model (worker/spec_decode/draft_model.py) or an
-        # EAGLE head (worker/spec_decode/eagle.py).
+        # Speculative decoding with a draft model (worker/spec_decode/draft_model.py), an
+        # EAGLE head (worker/spec_decode/eagle.py) or the target's MTP layer (mtp.py).
         draft_cfg = self._draft_config
         spec = self.config.scheduler_config.speculative_config
         if draft_cfg is not None and spec.method in ("eagle", "eagle3"):
@@ -163,6 +163,10 @@ class Worker:
                 sc = self.config.scheduler_config
                 enable_aux_states(self.model, draft_cfg.hf_config,
                                   max(sc.max_num_batched_tokens, sc.max_num_seqs))
+        elif draft_cfg is not None and spec.method == "mtp":
+            from pagedllm.worker.spec_decode.mtp import load_mtp
+
+            self.draft_model = load_mtp(draft_cfg, self.model, self.device)
         else:
             self.draft_model = None if draft_cfg is None else load_model(
                 draft_cfg, self.device, self.backend)
@@ -207,8 +211,8 @@ class Worker:
 
     @property
     def _draft_config(self) -> object | None:
-        """The draft's ModelConfig (speculative_config method "draft_model", "eagle" or
-        "eagle3")."""
+        """The draft's ModelConfig (speculative_config method "draft_model", "eagle",
+        "eagle3" or "mtp")."""
         spec = self.config.scheduler_config.speculative_config
         return None if spec is None else spec.draft_model_config
 

@@ -51,7 +51,10 @@ class TargetStates:
 
 
 class EagleProposer(DraftModelProposer):
-    """``model``: an ``EagleHead``; otherwise as ``DraftModelProposer``."""
+    """``model``: an ``EagleHead`` or a DeepSeek MTP layer (``models/deepseek_mtp.py``:
+    the same interface -- ``target_hidden``, ``forward(ids, positions, hidden, meta) ->
+    (for_logits, next_hidden)``, ``draft_tokens``, ``bind_kv_caches``); otherwise as
+    ``DraftModelProposer``."""
 
     @torch.inference_mode()
     def propose(self, batch: Any, rows: Sequence[int], req_ids: Sequence[str],

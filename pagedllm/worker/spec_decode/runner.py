@@ -30,7 +30,7 @@ import torch
 
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.config import HIDDEN_STATE_METHODS, SpeculativeConfig
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.spec_decode.draft_model import DraftModelProposer
 from pagedllm.worker.spec_decode.eagle_proposer import TargetStates
@@ -92,8 +92,8 @@ class SpecDecodeRunner:
         self.grammar = grammar
         self.proposer = NgramProposer(config.num_speculative_tokens,
                                       config.prompt_lookup_min, config.prompt_lookup_max)
-        # methods "draft_model", "eagle", "eagle3": set by the worker once the draft's KV
-        # is allocated.
+        # methods "draft_model", "eagle", "eagle3", "mtp": set by the worker once the
+        # draft's KV is allocated.
         self.draft: DraftModelProposer | None = None
 
     def forget(self, req_id: str) -> None:
@@ -244,8 +244,9 @@ class SpecDecodeRunner:
 
     @property
     def wants_target_states(self) -> bool:
-        """Whether the proposer reads the target step's hidden states (EAGLE heads)."""
-        return self.config.method in ("eagle", "eagle3")
+        """Whether the proposer reads the target step's hidden states (EAGLE heads, a
+        DeepSeek MTP layer)."""
+        return self.config.method in HIDDEN_STATE_METHODS
 
     def observe(self, rows: Sequence[int], req_ids: Sequence[str], target: Any) -> None:
         """EAGLE: write the head KV of a step's rows for requests that get no drafts
