@@ -20,8 +20,9 @@ the full sum over every expert, identical on the engine's TP ranks::
   all_reduce over tp (TP > 1)                ranks all_gather their shares (TP > 1)
 
 **allgather_reducescatter** sends every token to every rank (``dp * T_max`` rows each)
-and sums ``[dp * T_max, H]`` partial outputs; three small collectives and two big ones
-whatever the routing.  Its combine is the sum over the EP group ``{(d, t)}`` handed back
+and sums ``[dp * T_max, H]`` partial outputs: two small gathers (counts, routing) and
+two big collectives (hidden states, partial sums), plus the TP all-reduce, whatever the
+routing.  Its combine is the sum over the EP group ``{(d, t)}`` handed back
 by engine: the reduce-scatter over the dp group (the ranks ``(*, t)``) sums over ``d``
 and leaves each rank its engine's ``T_max`` rows, then the all-reduce over the engine's
 TP group sums over ``t``.  Reduce-scatter first because it shrinks the tensor ``dp``-fold
@@ -39,10 +40,12 @@ local expert of every row it gets; no ids travel.  The receiver runs the rows th
 the sender, which applies them when it sums a token's returning rows (in expert order,
 as the single-rank reference adds them).
 
-Both read token counts on the host (``.tolist()``: one device->host sync per layer, the
-split sizes a collective needs); a per-step exchange of every engine's count (vLLM's
-``DPMetadata``) would save the allgather backend's first collective.  A zero-token input
-(``[0, H]``, ``[0, k]``) takes part in every collective; ``moe_dummy_pass`` runs an idle
+Both read token counts on the host (one device->host sync per layer: the sizes a
+collective needs), so a layer with a dispatcher cannot be captured in a CUDA graph; a
+per-step exchange of every engine's count (vLLM's ``DPMetadata``) would save the
+allgather backend's first collective.  A zero-token input (``[0, H]``, ``[0, k]``) takes
+part in every collective (when every engine has zero tokens the allgather backend stops
+after the counts, on every rank alike); ``moe_dummy_pass`` runs an idle
 engine's share of one forward.  Shared experts (DeepSeek, Qwen2-MoE) are the model's and
 stay TP-sliced inside each engine; nothing here touches them.
 """
