@@ -335,8 +335,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         logger.info("imported torch and the engine in %.1f s", t1 - t0)
         try:
             if isinstance(config, EngineArgs):  # spawned before the parent built its copy
-                config = config.create_engine_config()
-                logger.info("built the engine config in %.1f s", time.perf_counter() - t1)
+                config = config.create_engine_config()  # logs its own time
             if warmup is not None:  # its CUDA context must be gone before the memory plan
                 warmup.wait()
                 warmup = None
