@@ -13,9 +13,9 @@ vLLM's ``deepseek_mtp.py`` (what the published checkpoints were trained for)::
                                                     target's lm_head when absent
  draft step j >= 2: h := g of step j - 1, t := the previous draft, one position on
 
-The decoder layer runs at the position of the hidden state it reads (p, not p + 1), as
-vLLM feeds it (the target's positions, the ids shifted by one): RoPE sees relative
-distances only, so this is the sequence the layer was trained on.  Only the first MTP
+The decoder layer runs at the position of the hidden state it reads (p), as vLLM feeds
+it (the target's positions, the ids shifted by one); p + 1 would attend the same (RoPE
+sees relative distances only), but the position-0 mask above is p's.  Only the first MTP
 layer (index ``N``) is built; vLLM cycles through several for several draft steps, but
 every released checkpoint has one, and vLLM applies that one at every step, as here.
 
@@ -121,8 +121,7 @@ class DeepseekMTP(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         emb = self.embed_tokens if self.embed_tokens is not None \
             else self.target.model.embed_tokens  # type: ignore[union-attr]
-        e = emb(ids)
-        e = torch.where((positions == 0).unsqueeze(-1), torch.zeros_like(e), e)
+        e = emb(ids).masked_fill((positions == 0).unsqueeze(-1), 0.0)
         x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden)], dim=-1))
         rope = self.target.model.rotary_emb.inputs(  # type: ignore[union-attr]
             positions, x.dtype)

@@ -142,11 +142,21 @@ def _prompts(n: int = 4) -> list[dict[str, list[int]]]:
             for _ in range(n)]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _restore_threads():
+    """The engines below run one torch thread (``num_threads=1`` sets it process-wide);
+    the rest of the session gets its count back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def _generate(path: str, spec: dict | None, prompts: list, kv_bytes: int = 1 << 20,
               **kw: object) -> tuple[list[list[int]], LLM]:
+    # One thread: tiny matrices, and a second thread only waits on a busy shared CPU.
     llm = LLM(model=path, device="cpu", skip_tokenizer_init=True, max_model_len=64,
               max_num_batched_tokens=16, kv_cache_memory_bytes=kv_bytes,
-              speculative_config=spec, **kw)
+              speculative_config=spec, num_threads=1, **kw)
     if spec is not None:  # drafts are verified whatever the shared CPU timed
         pin_flat_step_cost(llm, spec["num_speculative_tokens"])
     outs = llm.generate(prompts, PARAMS, use_tqdm=False)
