@@ -250,6 +250,24 @@ class EngineMetrics:
         self.kv_offload_total_blocks = gauge(
             "pagedllm:kv_offload_total_blocks",
             "KV blocks in the prefix cache's host tier (0: off).")
+        # Its disk tier (core/disk_tier.py; zero when off), named like the host tier's.
+        self.kv_offload_disk_queries = counter(
+            "pagedllm:kv_offload_disk_queries", "Tokens looked up in the prefix cache's "
+            "disk tier (past the device and host tiers' hits).")
+        self.kv_offload_disk_hits = counter(
+            "pagedllm:kv_offload_disk_hits",
+            "Tokens found in the prefix cache's disk tier (also counted in "
+            "vllm:external_prefix_cache_hits).")
+        self.kv_offload_disk_bytes = counter(
+            "pagedllm:kv_offload_disk_bytes", "KV bytes copied by the prefix cache's disk "
+            "tier: blocks the host tier evicts to disk, prefix hits back to the host.",
+            ("direction",))
+        self.kv_offload_disk_usage_perc = gauge(
+            "pagedllm:kv_offload_disk_usage_perc",
+            "Fill of the prefix cache's disk tier. 1 means 100 percent.")
+        self.kv_offload_disk_total_blocks = gauge(
+            "pagedllm:kv_offload_disk_total_blocks",
+            "KV blocks in the prefix cache's disk tier (0: off).")
         self.requests_rejected = counter(
             "pagedllm:requests_rejected", "Requests refused by admission control or draining.",
             ("reason",))
@@ -279,7 +297,9 @@ class EngineMetrics:
                        self.prefill_time, self.decode_time, self.kv_cache_free_blocks,
                        self.kv_cache_total_blocks, self.engine_alive,
                        self.external_prefix_cache_queries, self.external_prefix_cache_hits,
-                       self.kv_offload_usage_perc, self.kv_offload_total_blocks):
+                       self.kv_offload_usage_perc, self.kv_offload_total_blocks,
+                       self.kv_offload_disk_queries, self.kv_offload_disk_hits,
+                       self.kv_offload_disk_usage_perc, self.kv_offload_disk_total_blocks):
             metric.labels(*m)
         if speculative:
             for metric in (self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
@@ -287,6 +307,8 @@ class EngineMetrics:
                 metric.labels(*m)
         for direction in ("to_host", "to_device"):
             self.kv_offload_bytes.labels(*m, direction)
+        for direction in ("to_disk", "to_host"):
+            self.kv_offload_disk_bytes.labels(*m, direction)
         for reason in TRANSPORT_REJECT_REASONS:
             self.engine_transport_rejected.labels(*m, reason)
         self._seqs: dict[str, _SeqState] = {}
@@ -326,6 +348,21 @@ class EngineMetrics:
         if stats.kv_offload_bytes_to_device:
             self.kv_offload_bytes.labels(*m, "to_device").inc(
                 stats.kv_offload_bytes_to_device)
+        if stats.kv_offload_disk_total_blocks:
+            self._record_offload_disk(stats)
+
+    def _record_offload_disk(self, stats: SchedulerStats) -> None:
+        m = self._lbl
+        self.kv_offload_disk_usage_perc.labels(*m).set(stats.kv_offload_disk_usage)
+        self.kv_offload_disk_total_blocks.labels(*m).set(stats.kv_offload_disk_total_blocks)
+        for metric, n in ((self.kv_offload_disk_queries, stats.kv_offload_disk_queries),
+                          (self.kv_offload_disk_hits, stats.kv_offload_disk_hits)):
+            if n:
+                metric.labels(*m).inc(n)
+        for direction, n in (("to_disk", stats.kv_offload_bytes_to_disk),
+                             ("to_host", stats.kv_offload_bytes_from_disk)):
+            if n:
+                self.kv_offload_disk_bytes.labels(*m, direction).inc(n)
 
     def _record_spec(self, stats: SchedulerStats) -> None:
         m = self._lbl

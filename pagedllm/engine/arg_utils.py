@@ -117,6 +117,12 @@ class EngineArgs:
     # Host memory for the prefix cache's second tier (core/offload_tier.py): cached KV
     # blocks evicted from the device pool wait there for a prefix hit.  0: off.
     kv_offload_bytes: int = 0
+    # Local disk for its third tier (core/disk_tier.py): blocks the host tier evicts go
+    # to a memory-mapped file of this many bytes (0: off; needs kv_offload_bytes), in a
+    # private directory made under kv_offload_disk_path (None: the system's temp
+    # directory) and removed at shutdown.
+    kv_offload_disk_bytes: int = 0
+    kv_offload_disk_path: str | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     # "fcfs" | "priority" | "throughput"; None: the entry point's default -- fcfs for a
@@ -203,6 +209,7 @@ class EngineArgs:
         lora = self._lora_config()
         spec = SpeculativeConfig.from_dict(self.speculative_config)
         self._check_kv_offload(spec)
+        self._check_kv_offload_disk()
         if spec is not None and self.pipeline_parallel_size != 1:
             raise ValueError("speculative_config is not supported with "
                              "pipeline_parallel_size > 1")
@@ -322,6 +329,10 @@ class EngineArgs:
         if self.kv_offload_bytes and num_offload == 0:
             raise ValueError(f"kv_offload_bytes ({self.kv_offload_bytes}) holds no KV "
                              f"block: one is {block_bytes} bytes")
+        num_disk = self.kv_offload_disk_bytes // block_bytes
+        if self.kv_offload_disk_bytes and num_disk == 0:
+            raise ValueError(f"kv_offload_disk_bytes ({self.kv_offload_disk_bytes}) holds "
+                             f"no KV block: one is {block_bytes} bytes")
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -332,7 +343,10 @@ class EngineArgs:
                 calculate_kv_scales=self.calculate_kv_scales and cache_dtype == "fp8",
                 sliding_window=uniform_sliding_window(model_config.hf_config),
                 kv_cache_groups=kv_groups, kv_offload_bytes=self.kv_offload_bytes,
-                num_offload_blocks=num_offload, kv_offload_block_bytes=block_bytes),
+                num_offload_blocks=num_offload, kv_offload_block_bytes=block_bytes,
+                kv_offload_disk_bytes=self.kv_offload_disk_bytes,
+                num_offload_disk_blocks=num_disk,
+                kv_offload_disk_path=self.kv_offload_disk_path if num_disk else None),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len, policy=policy,  # type: ignore
@@ -384,6 +398,37 @@ class EngineArgs:
             raise ValueError("kv_offload_bytes: not supported with speculative_config "
                              f"method {spec.method!r} yet (the draft's KV stays on the "
                              "device)")
+
+    def _check_kv_offload_disk(self) -> None:
+        """``kv_offload_disk_bytes``: bytes, with the host tier on, at most the free
+        space of the filesystem of ``kv_offload_disk_path`` (default: the system's temp
+        directory), which must be a writable directory (ValueError naming the one at
+        fault).  The path is not looked at while the disk tier is off."""
+        import os
+        import shutil
+        import tempfile
+
+        db = self.kv_offload_disk_bytes
+        if isinstance(db, bool) or not isinstance(db, int) or db < 0:
+            raise ValueError("kv_offload_disk_bytes must be a number of bytes >= 0 (0: "
+                             f"off), got {db!r}")
+        if db == 0:
+            return
+        if not self.kv_offload_bytes:
+            raise ValueError("kv_offload_disk_bytes: the disk tier keeps what the host "
+                             "tier evicts; it needs kv_offload_bytes > 0")
+        path = self.kv_offload_disk_path
+        where = tempfile.gettempdir() if path is None else os.fspath(path)
+        if not os.path.isdir(where) or not os.access(where, os.W_OK | os.X_OK):
+            raise ValueError(f"kv_offload_disk_path ({where!r}) is not a writable "
+                             "directory")
+        free = shutil.disk_usage(where).free
+        dp = self.data_parallel_size if isinstance(self.data_parallel_size, int) else 1
+        if db * max(dp, 1) > free:  # every data-parallel engine has its own file
+            each = f" x data_parallel_size {dp}" if dp > 1 else ""
+            raise ValueError(f"kv_offload_disk_bytes ({db} bytes, {db / 2**30:.2f} GiB"
+                             f"{each}) exceeds the free space of {where!r}'s filesystem "
+                             f"({free / 2**30:.2f} GiB)")
 
     def _lora_config(self) -> LoRAConfig | None:
         """The LoRA settings (``ValueError`` naming the parameter), None when off."""

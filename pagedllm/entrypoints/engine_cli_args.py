@@ -143,6 +143,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="GiB of host memory for the prefix cache's second tier: KV blocks "
                         "evicted from the device pool wait there and are loaded back on "
                         "a prefix hit (0: off; vLLM's --kv-offloading-size).")
+    g.add_argument("--kv-offload-disk-size", type=float, default=0.0, metavar="GiB",
+                   help="GiB of local disk for the prefix cache's third tier: blocks "
+                        "the host tier (--kv-offload-size, required) evicts go to a "
+                        "memory-mapped file and are loaded back on a prefix hit "
+                        "(default: 0, off).")
+    g.add_argument("--kv-offload-disk-path", default=None, metavar="DIR",
+                   help="Directory for the disk tier's file, in a private subdirectory "
+                        "removed at shutdown (default: the system's temp directory, "
+                        "e.g. $TMPDIR or /tmp).")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="Load no tokenizer (e.g. a dummy-weight benchmark model with only "
                         "config.json): prompts must be token ids, and outputs carry token "
@@ -248,6 +257,8 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
         disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         preemption_mode=args.preemption_mode, swap_space=args.swap_space,
         kv_offload_bytes=int(getattr(args, "kv_offload_size", 0.0) * (1 << 30)),
+        kv_offload_disk_bytes=int(getattr(args, "kv_offload_disk_size", 0.0) * (1 << 30)),
+        kv_offload_disk_path=getattr(args, "kv_offload_disk_path", None),
         trust_remote_code=args.trust_remote_code,
         speculative_config=getattr(args, "speculative_config", None),
         served_model_name=getattr(args, "served_model_name", None),

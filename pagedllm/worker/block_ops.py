@@ -11,11 +11,21 @@ The prefix cache's host tier (``kv_offload_bytes``, core/offload_tier.py) adds t
  kv_offload [(gpu block, host slot)]  GPU KV -> host pool   (an evicted cached block)
  kv_load    [(host slot, gpu block)]  host pool -> GPU KV   (a prefix hit on the host)
 
+and its disk tier (``kv_offload_disk_bytes``, core/disk_tier.py; worker/disk_pool.py)
+two more, between the host pool and a memory-mapped file::
+
+ kv_disk_save [(host slot, disk slot)]  host pool -> disk  (a key the host evicts)
+ kv_disk_load [(disk slot, host slot)]  disk -> host pool  (a prefix hit on disk, which
+                                                            kv_load then reads)
+
 Order matters and is fixed: first wait for the last step's loads (below), then
-everything that reads GPU blocks into host memory (swap-outs, then offloads: those GPU
-blocks may have been handed to someone else this very step), then everything that writes
-GPU blocks from host memory (swap-ins, then loads: a block offloaded and looked up again
-in one step round-trips), then copies -- all before the forward writes any new KV.
+everything that reads GPU blocks into host memory (swap-outs, then -- after the disk
+moves: saves read host slots before anything of this step writes them, then disk loads
+write them -- offloads: those GPU blocks may have been handed to someone else this very
+step), then everything that writes GPU blocks from host memory (swap-ins, then loads: a
+block offloaded and looked up again in one step round-trips), then copies -- all before
+the forward writes any new KV.  The disk moves are synchronous CPU copies; they first
+land (waiting) the earlier offloads into the host slots they touch.
 
 Loads overlap the forward.  The scheduler never lets a step read or write a block whose
 load it issues (the request waits a step, core/offload_tier.py), so on CUDA the loads go
@@ -50,6 +60,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.core.outputs import SchedulerOutput
+from pagedllm.worker.disk_pool import DiskPool
 
 
 def _index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -111,15 +122,18 @@ class BlockOps:
     ``kv_caches``: one GPU (or CPU) tensor per layer; ``swap_caches``: the same shapes
     with the swap space's block count, on the CPU (pinned when the KV is on a GPU), or
     empty when swapping is off; ``offload_caches``: likewise with the prefix cache's
-    host pool's block count, or empty when the host tier is off.
+    host pool's block count, or empty when the host tier is off; ``disk_pool``: the
+    disk tier's file behind that host pool, or None.
     """
 
     def __init__(self, kv_caches: Sequence[torch.Tensor],
                  swap_caches: Sequence[torch.Tensor] = (),
-                 offload_caches: Sequence[torch.Tensor] = ()) -> None:
+                 offload_caches: Sequence[torch.Tensor] = (),
+                 disk_pool: DiskPool | None = None) -> None:
         self.kv_caches = list(kv_caches)
         self.swap_caches = list(swap_caches)
         self.offload_caches = list(offload_caches)
+        self.disk_pool = disk_pool
         self.device = self.kv_caches[0].device if self.kv_caches else torch.device("cpu")
         # The host tier's loads run here, overlapping the forward (CUDA only).
         self._load_stream = torch.cuda.Stream(self.device) \
@@ -143,11 +157,25 @@ class BlockOps:
             torch.cuda.current_stream(self.device).wait_event(self._loads_done)
             self._loads_done = None
         move_blocks(self.kv_caches, self.swap_caches, sched.swap_out)
+        if sched.kv_disk_save or sched.kv_disk_load:
+            self._disk_moves(sched.kv_disk_save, sched.kv_disk_load)
         self._offload(sched.kv_offload)
         self._land_offloads({slot for slot, _ in sched.kv_load})
         move_blocks(self.swap_caches, self.kv_caches, sched.swap_in)
         self._load(sched.kv_load)
         move_blocks(self.kv_caches, self.kv_caches, sched.block_copies)
+
+    def _disk_moves(self, save: Sequence[tuple[int, int]],
+                    load: Sequence[tuple[int, int]]) -> None:
+        """The disk tier's moves, synchronously: land the earlier steps' offloads into
+        the host slots they read or write, then saves (host -> disk), then disk loads
+        (disk -> host; this step's ``kv_load`` reads those slots)."""
+        if self.disk_pool is None or not self.offload_caches:
+            raise RuntimeError("the scheduler moved blocks to the disk tier but no disk "
+                               "pool exists")
+        self._land_offloads({s for s, _ in save} | {s for _, s in load})
+        self.disk_pool.save(self.offload_caches, save)
+        self.disk_pool.load(self.offload_caches, load)
 
     def _offload(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Issue the host tier's offloads (module doc): gather on the compute stream now;

@@ -37,6 +37,7 @@ from pagedllm.worker.cuda_graphs import (
     chunk_capture_sizes,
     graph_memory_margin,
 )
+from pagedllm.worker.disk_pool import DiskPool
 from pagedllm.worker.kv_groups import bind_kv_cache_groups
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
 from pagedllm.worker.profile import profile_run, profile_tokens, warm_logits_and_sampling
@@ -112,6 +113,7 @@ class Worker:
         self.num_cpu_blocks = 0
         # The prefix cache's host tier (core/offload_tier.py): empty when off.
         self.offload_caches: list[torch.Tensor] = []
+        self.disk_pool: DiskPool | None = None  # its disk tier (core/disk_tier.py)
         # Speculative decoding: the measured step-cost curve (worker/step_cost.py).
         self.step_cost: StepCostCurve | None = None
         # The memory plan's share for CUDA graphs (the fixed margin when the KV cache
@@ -268,6 +270,13 @@ class Worker:
         logger.info("prefix cache pools: device %d blocks (%.2f GiB), host %d blocks "
                     "(%.2f GiB)", num_blocks - 1, (num_blocks - 1) * per_block / 2**30,
                     cc.num_offload_blocks, cc.num_offload_blocks * per_block / 2**30)
+        n = getattr(cc, "num_offload_disk_blocks", 0)
+        if n:
+            self.disk_pool = DiskPool(n, self.offload_caches, cc.kv_offload_disk_path)
+            logger.info("prefix cache disk pool: %d blocks (%d bytes, %.2f GiB; this "
+                        "rank's file %.2f GiB) in %s", n, n * per_block,
+                        n * per_block / 2**30, n * self.disk_pool.block_bytes / 2**30,
+                        self.disk_pool.dir)
 
     def _too_small_message(self, budget: int, num_blocks: int, need: int) -> str:
         """Why a KV budget cannot hold one max_model_len request, and what to change."""
@@ -365,7 +374,7 @@ class Worker:
             self._allocate_offload_pool(num_blocks)
         self.runner = ModelRunner(self.config, self.model, self.device, self.parallel)
         self.runner.block_ops = BlockOps(self.kv_caches, self.swap_caches,
-                                         self.offload_caches)
+                                         self.offload_caches, self.disk_pool)
         if self.draft_model is not None:
             from pagedllm.worker.spec_decode.draft_model import DraftModelProposer, attach_draft
             from pagedllm.worker.spec_decode.eagle_proposer import EagleProposer
@@ -473,5 +482,8 @@ class Worker:
         self.kv_caches = []
         self.swap_caches = []
         self.offload_caches = []
+        if self.disk_pool is not None:  # (removes its private directory)
+            self.disk_pool.close()
+            self.disk_pool = None
         if self.parallel is not SINGLE_RANK:
             destroy_parallel_state()

@@ -242,3 +242,28 @@ DiskTierMachine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 test_disk_tier_state_machine = DiskTierMachine.TestCase
+
+
+def test_metrics_expose_the_disk_tier() -> None:
+    from prometheus_client import generate_latest
+
+    from pagedllm.messages import SchedulerStats
+    from pagedllm.metrics import EngineMetrics
+
+    m = EngineMetrics("m", process_collectors=False)
+    text = generate_latest(m.registry).decode()
+    assert 'pagedllm:kv_offload_disk_total_blocks{engine="0",model_name="m"} 0.0' in text
+    m.record_stats(SchedulerStats(kv_offload_total_blocks=8, kv_offload_disk_total_blocks=64,
+                                  kv_offload_disk_queries=48, kv_offload_disk_hits=32,
+                                  kv_offload_bytes_to_disk=4096,
+                                  kv_offload_bytes_from_disk=2048,
+                                  kv_offload_disk_usage=0.5))
+    text = generate_latest(m.registry).decode()
+    lbl = 'engine="0",model_name="m"'
+    for line in (f'pagedllm:kv_offload_disk_queries_total{{{lbl}}} 48.0',
+                 f'pagedllm:kv_offload_disk_hits_total{{{lbl}}} 32.0',
+                 f'pagedllm:kv_offload_disk_usage_perc{{{lbl}}} 0.5',
+                 f'pagedllm:kv_offload_disk_total_blocks{{{lbl}}} 64.0',
+                 f'pagedllm:kv_offload_disk_bytes_total{{direction="to_disk",{lbl}}} 4096.0',
+                 f'pagedllm:kv_offload_disk_bytes_total{{direction="to_host",{lbl}}} 2048.0'):
+        assert line in text, line
