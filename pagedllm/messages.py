@@ -103,8 +103,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
     # The prefix cache's host tier (core/offload_tier.py), since the last snapshot:
-    # tokens looked up past the device hit and found there, bytes copied each way; its
-    # fill (0..1) and size in blocks (0: off).
+    # tokens looked up past the device hit and found there (or on its disk tier), bytes
+    # copied each way; its fill (0..1) and size in blocks (0: off).
     kv_offload_queries: int = 0
     kv_offload_hits: int = 0
     kv_offload_bytes_to_host: int = 0

@@ -182,7 +182,7 @@ class OffloadTier:
             return
         slot = self._take_slot()
         if slot is None:
-            return  # every slot is being read this step: this block is lost
+            return  # every slot is read or written this step: this block is lost
         self._lru[key] = slot
         self._pinned.add(slot)
         self._offload.append((block.block_id, slot))
