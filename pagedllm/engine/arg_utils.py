@@ -12,6 +12,9 @@ it imports no torch at module level (the entrypoints import it before any model 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +39,8 @@ from pagedllm.multimodal.config import (
     lift_text_config,
 )
 from pagedllm.spec_decode.config import DRAFT_KV_METHODS, MODEL_METHODS, SpeculativeConfig
+
+logger = logging.getLogger("pagedllm")
 
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32",
                   "fp32": "float32", "bf16": "bfloat16"}
@@ -172,7 +177,22 @@ class EngineArgs:
     def create_engine_config(self, hf_config: Any = None) -> EngineConfig:
         """Validate and build.  ``hf_config`` replaces the model's transformers config
         (the start-up kernel warm-up passes config.json's raw keys,
-        ``engine/kernel_warmup.py``); normally it is loaded here."""
+        ``engine/kernel_warmup.py``); normally it is loaded here, and the log says how
+        long that took and how many of transformers' modules it imported (on a fresh
+        process, most of a start-up's config time)."""
+        t0 = time.perf_counter()
+        timing: dict[str, float] = {}
+        config = self._build_engine_config(hf_config, timing)
+        if hf_config is None:
+            logger.info("built the engine config in %.1f s (the model's config %.1f s, "
+                        "importing %d transformers modules on the way)",
+                        time.perf_counter() - t0, timing.get("hf_config", 0.0),
+                        int(timing.get("transformers_modules", 0)))
+        return config
+
+    def _build_engine_config(self, hf_config: Any, timing: dict[str, float]) -> EngineConfig:
+        """``create_engine_config``'s body; ``timing`` gets the model config's seconds
+        (``hf_config``) and the transformers modules imported meanwhile."""
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
@@ -247,7 +267,13 @@ class EngineArgs:
             raise ValueError(f"quantization must be a string, got {self.quantization!r}")
         resolved = resolve_model(self.model, self.tokenizer, self.load_format)
         if hf_config is None:
+            t0 = time.perf_counter()
+            before = _transformers_modules()
             hf_config = resolved.load_hf_config(self.trust_remote_code)
+            timing["hf_config"] = time.perf_counter() - t0
+            # transformers imports lazily: the config class pulls in most of the library
+            # (its first use in a process is most of this time).
+            timing["transformers_modules"] = _transformers_modules() - before
         # A vision-language config: the engine reads the decoder's numbers at the top.
         hf_config = lift_text_config(hf_config)
         mm_config = MultiModalConfig.from_arg(self.limit_mm_per_prompt) \
@@ -537,9 +563,11 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _ray_session_active() -> bool:
-    import sys
+def _transformers_modules() -> int:
+    return sum(1 for name in list(sys.modules) if name.startswith("transformers"))
 
+
+def _ray_session_active() -> bool:
     ray = sys.modules.get("ray")  # never import Ray just to ask
     return bool(ray is not None and ray.is_initialized())
 
