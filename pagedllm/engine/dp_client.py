@@ -174,6 +174,7 @@ class DPClient:
         s = self.engine_stats
         free, total = sum(x.num_free_blocks for x in s), sum(x.num_total_blocks for x in s)
         host = sum(x.kv_offload_total_blocks for x in s)  # the prefix cache's host tier
+        disk = sum(x.kv_offload_disk_total_blocks for x in s)  # and its disk tier
         return SchedulerStats(
             num_running_reqs=sum(x.num_running_reqs for x in s),
             num_waiting_reqs=sum(x.num_waiting_reqs for x in s),
@@ -188,7 +189,14 @@ class DPClient:
             kv_offload_bytes_to_device=step.kv_offload_bytes_to_device,
             kv_offload_usage=sum(x.kv_offload_usage * x.kv_offload_total_blocks
                                  for x in s) / host if host else 0.0,
-            kv_offload_total_blocks=host)
+            kv_offload_total_blocks=host,
+            kv_offload_disk_queries=step.kv_offload_disk_queries,
+            kv_offload_disk_hits=step.kv_offload_disk_hits,
+            kv_offload_bytes_to_disk=step.kv_offload_bytes_to_disk,
+            kv_offload_bytes_from_disk=step.kv_offload_bytes_from_disk,
+            kv_offload_disk_usage=sum(x.kv_offload_disk_usage * x.kv_offload_disk_total_blocks
+                                      for x in s) / disk if disk else 0.0,
+            kv_offload_disk_total_blocks=disk)
 
     def shutdown(self) -> None:
         for t in self._readers:
