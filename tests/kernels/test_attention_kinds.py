@@ -75,3 +75,20 @@ def test_triton_matches_reference(kind: AttentionKind, launch: str) -> None:
         num_splits={"one": 1, "mixed": None, "split": 4}[launch],
         sliding_window=kind.sliding_window, soft_cap=kind.logits_soft_cap)
     torch.testing.assert_close(got.cpu(), ref.cpu(), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("launch", ["one", "mixed", "split"])
+def test_triton_head_dim_256_with_window_and_soft_cap(launch: str) -> None:
+    """Gemma 2/3's shape (issue 43): head_dim 256, a soft-cap and a sliding window, GQA
+    2:1, against the dense definition."""
+    kind = AttentionKind(sliding_window=20, logits_soft_cap=50.0)
+    q_lens, ctx = ([1, 1], [45, 12]) if launch == "split" else ([1, 23, 1], [30, 9, 0])
+    b = make_paged_batch(q_lens, ctx, num_heads=4, num_kv_heads=2, head_dim=256,
+                         block_size=16, dtype=torch.float32, device=DEVICE,
+                         gen=torch.Generator().manual_seed(5))
+    got = paged_attention(
+        b.query, b.kv_cache, b.block_tables, b.seq_lens, b.query_start_loc,
+        num_reqs=b.num_reqs, max_query_len=b.max_query_len, scale=256 ** -0.5,
+        num_splits={"one": 1, "mixed": None, "split": 4}[launch],
+        sliding_window=kind.sliding_window, soft_cap=kind.logits_soft_cap)
+    torch.testing.assert_close(got.cpu(), _dense(b, 256 ** -0.5, kind), atol=2e-5, rtol=1e-5)
