@@ -62,7 +62,47 @@ class ResolvedModel:
         ``AutoConfig.from_pretrained(gguf_file=...)``, which dequantises nothing but still
         parses every field through ``GGUFReader`` (~10 s on a small CPU).  Other GGUF
         architectures fall back to transformers.
+
+        In a process that has not imported transformers (the engine core, its ranks), a
+        config built before is read back from the on-disk cache as a ``ConfigView``
+        with the same attribute values, and transformers stays unimported
+        (``config_cache.py``: that import was most of a start-up's config time).
         """
+        from pagedllm.model_files import config_cache
+
+        key = None if trust_remote_code else self._config_cache_key()
+        if not config_cache.transformers_loaded():
+            view = config_cache.load(key)
+            if view is not None:
+                return view
+        config = self._build_hf_config(trust_remote_code)
+        if key is not None and config_cache.load(key) is None:
+            config_cache.save(key, config)
+        return config
+
+    def _config_cache_key(self) -> str | None:
+        """What the config is built from, as a ``config_cache`` key: config.json's bytes,
+        or a GGUF's identity and this module's GGUF mapping (None: nothing to key on)."""
+        import hashlib
+        import inspect
+
+        from pagedllm.model_files import config_cache
+
+        cfg_json = os.path.join(self.directory, "config.json")
+        try:
+            if os.path.isfile(cfg_json):
+                with open(cfg_json, "rb") as f:
+                    return config_cache.key_for_bytes("config.json", f.read())
+            if self.gguf_path is not None:  # the mapping below is part of what builds it
+                mapping = hashlib.sha256(inspect.getsource(hf_config_from_gguf).encode())
+                return config_cache.key_for_file(f"gguf|{mapping.hexdigest()[:16]}",
+                                                 self.gguf_path)
+        except OSError:
+            return None
+        return None
+
+    def _build_hf_config(self, trust_remote_code: bool) -> Any:
+        """``load_hf_config`` through transformers."""
         from transformers import AutoConfig
 
         try:
