@@ -332,7 +332,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         from pagedllm.engine.core import EngineCore
 
         t1 = time.perf_counter()
-        logger.info("imported torch and the engine in %.1f s", t1 - t0)
+        logger.info("imported the engine core's modules in %.1f s", t1 - t0)
         try:
             if isinstance(config, EngineArgs):  # spawned before the parent built its copy
                 config = config.create_engine_config()  # logs its own time
