@@ -74,6 +74,7 @@ from typing import Protocol
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.disk_tier import DiskTier
+from pagedllm.messages import SchedulerStats
 from pagedllm.request import Request
 
 
@@ -379,6 +380,23 @@ class OffloadTier:
         if self.disk is not None:
             s.disk_usage = self.disk.num_used / self.disk.num_disk_blocks
         return s
+
+    def record_stats(self, stats: SchedulerStats, block_bytes: int) -> None:
+        """Put the counters since the last call (``take_stats``) into the scheduler's
+        ``stats``, blocks as bytes (``block_bytes`` a block)."""
+        o = self.take_stats()
+        stats.kv_offload_queries, stats.kv_offload_hits = o.queries, o.hits
+        stats.kv_offload_bytes_to_host = o.blocks_to_host * block_bytes
+        stats.kv_offload_bytes_to_device = o.blocks_to_device * block_bytes
+        stats.kv_offload_usage = o.usage
+        stats.kv_offload_total_blocks = self.num_host_blocks
+        if self.disk is not None:
+            stats.kv_offload_disk_queries = o.disk_queries
+            stats.kv_offload_disk_hits = o.disk_hits
+            stats.kv_offload_bytes_to_disk = o.blocks_to_disk * block_bytes
+            stats.kv_offload_bytes_from_disk = o.blocks_from_disk * block_bytes
+            stats.kv_offload_disk_usage = o.disk_usage
+            stats.kv_offload_disk_total_blocks = self.disk.num_disk_blocks
 
     def reset(self) -> None:
         """Forget every host-held hash (``reset_prefix_cache``, between steps: the

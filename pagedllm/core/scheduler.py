@@ -793,17 +793,5 @@ class Scheduler:
             num_free_blocks=self.kv.num_free_blocks,
             num_total_blocks=self.kv.num_usable_blocks)
         if self.offload is not None:
-            o, nbytes = self.offload.take_stats(), self._offload_block_bytes
-            stats.kv_offload_queries, stats.kv_offload_hits = o.queries, o.hits
-            stats.kv_offload_bytes_to_host = o.blocks_to_host * nbytes
-            stats.kv_offload_bytes_to_device = o.blocks_to_device * nbytes
-            stats.kv_offload_usage = o.usage
-            stats.kv_offload_total_blocks = self.offload.num_host_blocks
-            if self.offload.disk is not None:
-                stats.kv_offload_disk_queries = o.disk_queries
-                stats.kv_offload_disk_hits = o.disk_hits
-                stats.kv_offload_bytes_to_disk = o.blocks_to_disk * nbytes
-                stats.kv_offload_bytes_from_disk = o.blocks_from_disk * nbytes
-                stats.kv_offload_disk_usage = o.disk_usage
-                stats.kv_offload_disk_total_blocks = self.offload.disk.num_disk_blocks
+            self.offload.record_stats(stats, self._offload_block_bytes)
         return stats
