@@ -19,8 +19,9 @@ An idle engine's empty step costs its ranks one pass over the MoE layers' collec
 engines poll their inputs for ``IDLE_POLL_S`` between syncs, so a request that arrives
 at an idle server waits at most that long for the others to join.  A shutdown is agreed
 the same way (any engine stopping stops all), so no engine is left waiting in a
-collective; an engine that dies instead makes the others' sync fail after
-``distributed_timeout_seconds`` (the server treats any engine's death as fatal anyway).
+collective; an engine that dies instead makes the others' next sync fail at once (gloo
+sees its connection close; ``distributed_timeout_seconds`` bounds a hung one), and the
+server treats any engine's death as fatal anyway.
 
 The sync is one all-reduce of two integers over a gloo group of the engine-core
 processes, built from its own ``TCPStore`` (engine 0 hosts it, on
@@ -61,6 +62,11 @@ class DPLockstep:
         """``(anyone has work, anyone is stopping)``; blocks until every engine calls it
         (``RuntimeError`` after ``distributed_timeout_seconds`` if one never does)."""
         self._flags[0], self._flags[1] = int(has_work), int(stopping)
-        self._group.allreduce([self._flags]).wait()
+        try:
+            self._group.allreduce([self._flags]).wait()
+        except RuntimeError as e:  # gloo's message names a socket, not an engine
+            raise RuntimeError(f"another data-parallel engine left the step lockstep "
+                               f"(experts span every engine, so this one cannot go on): "
+                               f"{str(e).strip().splitlines()[0][:200]}") from e
         self.syncs += 1
         return bool(self._flags[0]), bool(self._flags[1])

@@ -116,3 +116,59 @@ def test_all2all_backend_cli_flag() -> None:
     assert p.parse_args(["--all2all-backend", "alltoall"]).all2all_backend == "alltoall"
     help_text = " ".join(p.format_help().split())  # argparse wraps lines
     assert "--all2all-backend" in help_text and "Default: allgather_reducescatter" in help_text
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_engine_fails_the_others_promptly(tmp_path) -> None:
+    """Experts span both engines, so when one dies the other cannot go on: the running
+    requests end with an error at once (not after the distributed timeout), and shutdown
+    leaves no engine process behind."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.engine.mp_client import EngineDeadError
+
+    path = str(tmp_path)
+    BUILDERS["qwen2_moe"](path)
+
+    async def go() -> tuple[list[str], float, list[int]]:
+        llm = await AsyncLLM.create(EngineArgs(
+            model=path, skip_tokenizer_init=True, device="cpu", dtype="float32",
+            max_model_len=256, enable_prefix_caching=False, data_parallel_size=2,
+            enable_expert_parallel=True))
+        pids = [int(p) for p in llm.client.pids]
+        params = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)
+
+        async def one(i: int) -> str:
+            started.set()
+            try:
+                async for _ in llm.generate({"prompt_token_ids": [5, 6, 7]}, params, f"r{i}"):
+                    pass
+            except EngineDeadError as e:
+                return str(e)
+            return "finished"
+
+        started = asyncio.Event()
+        tasks = [asyncio.create_task(one(i)) for i in range(2)]
+        await started.wait()
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        results = await asyncio.gather(*tasks)
+        waited = time.monotonic() - t0
+        await llm.shutdown()
+        return results, waited, pids
+
+    results, waited, pids = asyncio.run(go())
+    assert all("engine" in r and r != "finished" for r in results), results
+    assert waited < 20  # the distributed timeout is 60 s
+    deadline = time.monotonic() + 20
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+              for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                   for p in pids)
