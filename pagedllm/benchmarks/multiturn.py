@@ -12,7 +12,8 @@ smaller than the working set (limit it with ``--kv-cache-memory-bytes``).
 With ``--kv-offload-size`` > 0 the workload runs twice on fresh engines, the host tier
 off and then on (``--only`` picks one), and reports for each: TTFT p50/p99 (submission
 to first token), output and total token throughput, and the prompt tokens served from
-the prefix cache (either tier).  Token ids are random (``--seed``), so ``--dummy`` shapes
+the prefix cache (any tier; ``--kv-offload-disk-size`` adds the disk tier behind the
+host's in the "on" run).  Token ids are random (``--seed``), so ``--dummy`` shapes
 (dummy weights) work as well as real models.
 
     pagedllm bench multiturn --dummy llama3-8b --kv-cache-memory-bytes 8e9 \\
@@ -163,6 +164,8 @@ def _one_run(args: argparse.Namespace, offload_bytes: int) -> dict[str, Any]:
 
     eargs = engine_args_from_cli(args)
     eargs.kv_offload_bytes = offload_bytes
+    if not offload_bytes:  # "off": no tier at all (the disk tier sits behind the host's)
+        eargs.kv_offload_disk_bytes = 0
     llm = LLM(eargs.model, **{k: v for k, v in vars(eargs).items()
                               if k not in ("model", "extra")})
     try:
@@ -173,6 +176,8 @@ def _one_run(args: argparse.Namespace, offload_bytes: int) -> dict[str, Any]:
         tier = llm.llm_engine.client.core.scheduler.offload
         if tier is not None:
             out["host_blocks"] = tier.num_host_blocks
+            if tier.disk is not None:
+                out["disk_blocks"] = tier.disk.num_disk_blocks
             out["host_hit_blocks"] = tier.total_hit_blocks
         return out
     finally:
