@@ -2,7 +2,8 @@
 tokens equal transformers' ``generate`` token for token (fp32, CPU) -- batched with a
 small token budget (chunked prefill), a latent KV pool small enough that requests are
 preempted (recomputed, or swapped to CPU and back), prefix caching on (the prompts
-share a 40-token prefix; the second pass is served from cached blocks), and n > 1.  The pool is
+share a 40-token prefix; the second pass is served from cached blocks), n > 1, and beam
+search.  The pool is
 sized in the MLA cache's bytes per token, which the engine computes
 (``ModelConfig.kv_bytes_per_token``)."""
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.beam_search import BeamSearchParams
 from pagedllm.engine.arg_utils import EngineArgs
 from tests.e2e.hf_greedy import hf_greedy, shared_prefix_prompts
 from tests.models.deepseek_tiny import VOCAB, build
@@ -145,3 +147,22 @@ def test_fp8_latent_cache_greedy_agreement(calculated: bool, tmp_path) -> None:
     scales = [m.k_scale for m in worker.model.mla_layers()]
     assert all(s != 1.0 and 0 < s < 0.1 for s in scales) if calculated \
         else scales == [1.0] * len(scales)
+
+
+@pytest.mark.parametrize("width", [2, 3])
+def test_beam_search_equals_transformers(width: int, tmp_path) -> None:
+    """Beam search over the latent cache: the beams share the prompt's blocks and copy the
+    partial last block on write (one-entry latent tensors); the beams equal transformers'
+    ``generate(num_beams=...)``, best first."""
+    hf = build("v2_lite", str(tmp_path))
+    prompts = shared_prefix_prompts(VOCAB)[:2]
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, device="cpu", dtype="float32",
+              max_model_len=128, block_size=BLOCK)
+    ours = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                           BeamSearchParams(beam_width=width, max_tokens=8, ignore_eos=True))
+    for p, out in zip(prompts, ours):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8,
+                              do_sample=False, num_beams=width, num_return_sequences=width,
+                              top_p=None, top_k=None, temperature=None)
+        assert [s.tokens for s in out.sequences] == ref.tolist()
