@@ -50,6 +50,13 @@ class LLM(PoolingMixin):
         unknown = sorted(set(kwargs) - _ENGINE_ARG_NAMES - {"max_logprobs"})
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+        dp = kwargs.get("data_parallel_size", 1)
+        if isinstance(dp, int) and not isinstance(dp, bool) and dp > 1:
+            # Not silently one engine (with expert parallelism it would wait for the
+            # other engines' ranks until the distributed timeout).
+            raise ValueError(f"data_parallel_size {dp}: the offline LLM runs one engine; "
+                             f"data-parallel engines run behind the API server "
+                             f"(pagedllm serve --data-parallel-size {dp}) or AsyncLLM")
         init_logger()
         max_logprobs = kwargs.pop("max_logprobs", 20)
         if kwargs.get("scheduling_policy") is None:

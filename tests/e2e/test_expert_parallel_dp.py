@@ -103,6 +103,11 @@ def test_expert_parallel_across_engines_refusals(tmp_path) -> None:
         config(all2all_backend="deepep")
     with pytest.raises(ValueError, match="enable_expert_parallel spreads experts"):
         config(data_parallel_size=1)
+    # The offline LLM runs one engine: refused rather than waiting for a second one.
+    from pagedllm import LLM
+
+    with pytest.raises(ValueError, match="data_parallel_size 2: the offline LLM runs one"):
+        LLM(moe, device="cpu", data_parallel_size=2, enable_expert_parallel=True)
 
 
 def test_all2all_backend_cli_flag() -> None:
