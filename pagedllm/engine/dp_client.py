@@ -15,10 +15,12 @@ sent to it (exact: counted here as requests are sent and finish), then the fewes
 waiting in its last reported stats, then the lowest KV-cache usage.  An ``n > 1``
 request goes whole to one engine (its sequences share the prompt's blocks there).
 
-Expert parallelism (``enable_expert_parallel``) spreads each MoE layer's experts over
-every engine's ranks: the engines then get their index and two loopback ports
-(``engine_configs``), their ranks join one world and the cores step in lockstep
-(``engine/dp_lockstep.py``).  Requests are still balanced as above.
+Each engine gets its index (``data_parallel_rank``): on CUDA its ranks take their own
+devices, engine ``d`` the ``tp * pp`` devices after engines ``0..d-1``'s.  Expert
+parallelism (``enable_expert_parallel``) spreads each MoE layer's experts over every
+engine's ranks: the engines then also get two loopback ports (``engine_configs``), their
+ranks join one world and the cores step in lockstep (``engine/dp_lockstep.py``).
+Requests are still balanced as above.
 
 Failure: when any engine dies or fails a step, ``get_output`` raises
 ``EngineDeadError`` naming it, so in-flight requests error, ``/health`` turns 503 and
@@ -41,16 +43,20 @@ logger = logging.getLogger(__name__)
 
 
 def engine_configs(config: Any, num_engines: int) -> list[Any]:
-    """Each engine's ``EngineConfig`` or ``EngineArgs``: ``config`` itself, unless experts
-    span the engines -- then each gets its ``data_parallel_rank`` and the two ports they
-    share (the ranks' rendezvous and the cores' lockstep)."""
+    """Each engine's ``EngineConfig`` or ``EngineArgs``: ``config`` with the engine's
+    ``data_parallel_rank`` (its ranks take their own devices: ``worker.device_index``),
+    and when experts span the engines the two ports they share (the ranks' rendezvous
+    and the cores' lockstep)."""
+    if num_engines == 1:
+        return [config]
     pc = config.parallel_config if isinstance(config, EngineConfig) else config
-    if not (pc.enable_expert_parallel and num_engines > 1):
-        return [config] * num_engines
-    # Both bound by engine 0's processes a moment later (free_port imports no torch).
-    from pagedllm.executor.process_start import free_port
+    ports: dict[str, int] = {}
+    if pc.enable_expert_parallel:
+        # Both bound by engine 0's processes a moment later (free_port imports no torch).
+        from pagedllm.executor.process_start import free_port
 
-    ports = {"data_parallel_master_port": free_port(), "data_parallel_rpc_port": free_port()}
+        ports = {"data_parallel_master_port": free_port(),
+                 "data_parallel_rpc_port": free_port()}
     if isinstance(config, EngineConfig):
         return [dataclasses.replace(config, parallel_config=dataclasses.replace(
             config.parallel_config, data_parallel_rank=d, **ports))

@@ -18,7 +18,7 @@ import torch
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.kv_cache_dtype import check_backend, kv_torch_dtype
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, ParallelConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import (
     SINGLE_RANK,
@@ -73,6 +73,15 @@ def make_backend(device: torch.device) -> AttentionBackend:
     return TorchReferenceBackend()
 
 
+def device_index(pc: ParallelConfig, local_rank: int) -> int:
+    """The host device of an engine's rank ``local_rank``: data-parallel engine ``d``'s
+    ranks take the devices after engines ``0..d-1``'s (each engine its own GPUs, as in
+    vLLM; the DP client gives every engine its ``data_parallel_rank``)."""
+    if pc.data_parallel_size > 1:
+        return pc.data_parallel_rank * pc.world_size + local_rank
+    return local_rank
+
+
 class Worker:
     """One rank.  ``rank`` in its engine's world (``distributed/parallel_state.py``),
     ``local_rank`` its device index on this host, ``distributed_init_method`` the
@@ -86,13 +95,11 @@ class Worker:
         self.init_method = distributed_init_method
         pc = config.parallel_config
         self.device = torch.device(config.device_config.device)
+        self.local_rank = local_rank = device_index(pc, local_rank)
         if pc.expert_parallel_spans_dp:
-            # One world of every engine's ranks on this host (parallel_state.py): engine
-            # d's ranks take the devices after engines 0..d-1's.
-            local_rank += pc.data_parallel_rank * pc.world_size
-            self.local_rank = local_rank
+            # One world of every engine's ranks on this host (parallel_state.py).
             self.init_method = f"tcp://127.0.0.1:{pc.data_parallel_master_port}"
-        if self.device.type == "cuda" and (pc.world_size > 1 or pc.expert_parallel_spans_dp):
+        if self.device.type == "cuda" and (pc.world_size > 1 or pc.data_parallel_size > 1):
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
         threads = config.device_config.num_threads

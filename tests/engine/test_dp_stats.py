@@ -1,6 +1,6 @@
-"""The DP client's totals over engines (``DPClient._total``): gauges summed or weighted
-by each engine's pool, per-step counters taken from the reporting engine, for the KV
-pool and both offload tiers (host and disk)."""
+"""The DP client: its totals over engines (``DPClient._total``: gauges summed or
+weighted by each engine's pool, per-step counters taken from the reporting engine, for
+the KV pool and both offload tiers), and each engine's rank, devices and ports."""
 
 from __future__ import annotations
 
@@ -32,3 +32,25 @@ def test_totals_over_engines_include_both_offload_tiers() -> None:
     assert (t.kv_offload_disk_queries, t.kv_offload_disk_hits) == (7, 3)
     assert (t.kv_offload_bytes_to_disk, t.kv_offload_bytes_from_disk) == (4096, 2048)
     assert (t.kv_offload_queries, t.kv_offload_hits) == (9, 4)
+
+
+def test_each_engine_gets_its_rank_and_its_own_devices() -> None:
+    """Data-parallel engines on one host: engine d's ranks take the devices after
+    engines 0..d-1's (each engine was on device 0 before); only expert parallelism
+    across engines adds the shared ports."""
+    from pagedllm.config import ParallelConfig
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.dp_client import engine_configs
+    from pagedllm.worker.worker import device_index
+
+    plain = engine_configs(EngineArgs(data_parallel_size=2, tensor_parallel_size=2), 2)
+    assert [a.data_parallel_rank for a in plain] == [0, 1]
+    assert {a.data_parallel_master_port for a in plain} == {0}
+    ep = engine_configs(EngineArgs(data_parallel_size=2, enable_expert_parallel=True), 2)
+    assert [a.data_parallel_rank for a in ep] == [0, 1]
+    assert ep[0].data_parallel_master_port > 0 and ep[0].data_parallel_rpc_port > 0
+    assert ep[0].data_parallel_master_port == ep[1].data_parallel_master_port
+    pcs = [ParallelConfig(tensor_parallel_size=2, data_parallel_size=3,
+                          data_parallel_rank=d) for d in range(3)]
+    assert [device_index(pc, r) for pc in pcs for r in range(2)] == [0, 1, 2, 3, 4, 5]
+    assert device_index(ParallelConfig(tensor_parallel_size=2), 1) == 1
