@@ -31,6 +31,15 @@ take the absorbed form and longer ones the expanded form; ``"absorbed"`` /
 ``"expanded"`` force one for every request (tests).  On CUDA a decode-only step calls
 the Triton kernel ``kernels/mla_decode.py`` when it exists.
 
+The expanded form has two paths on CUDA, chosen by ``PAGEDLLM_MLA_PREFILL`` (``envs.py``;
+a temporary A/B switch, issue 42): ``sdpa`` (the default) gathers each request's
+context, expands ``k_pe`` over the heads and runs one SDPA per request; ``triton``
+gathers every request's context in one ``index_select`` (token slots computed from the
+block tables: no loop over requests), runs the same one ``kv_b_proj`` GEMM, and one
+launch of the varlen kernel ``kernels/mla_prefill.py`` for the whole step (``k_pe``
+never expanded; Dv != Dn + R is no obstacle there, as it is to FlashAttention).  The
+CPU takes the SDPA path unless a test sets ``kernel_on_cpu``.
+
 Positions ``>= seq_len`` in a request's last block are masked with a boolean mask; sizes
 come from the ``*_cpu`` metadata, so nothing syncs the device.
 
@@ -53,6 +62,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from pagedllm import envs
 from pagedllm.attention.kv_cache_dtype import is_fp8, quantize_kv
 from pagedllm.attention.metadata import AttentionMetadata
 
@@ -77,6 +87,21 @@ class MLADims:
 
 
 @dataclass
+class _ContextIndex:
+    """Where the expanded rows' contexts are, on the device (host-derived, once a step):
+    context token ``j`` of the concatenation is position ``col[j] * block_size +
+    off[j]`` of request row ``req[j]``; ``cu_k [num_reqs + 1]`` int32 gives each row's
+    range in the concatenation (empty for rows not expanded)."""
+
+    rows: tuple[int, ...]  # the expanded request rows (the cache key)
+    req: torch.Tensor  # [S] int64
+    col: torch.Tensor  # [S] int64, block-table column
+    off: torch.Tensor  # [S] int64, offset in the block
+    cu_k: torch.Tensor  # [num_reqs + 1] int32
+    total: int  # S
+
+
+@dataclass
 class _Plan:
     """Per-step structure of the batch (host metadata only), shared by every layer."""
 
@@ -90,6 +115,8 @@ class _Plan:
     decode_mask: torch.Tensor | None
     # device, a mixed step's decodes: (request rows, query starts 0..B); see _decode_rows
     decode_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the Triton expanded path's context index (_context_index)
+    context_index: _ContextIndex | None = None
 
 
 def _entries(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -116,6 +143,19 @@ def _kernel() -> object | None:
     return mla_decode
 
 
+def _prefill_kernel() -> object | None:
+    """``kernels.mla_prefill.mla_prefill`` when the module exists (and imports), else None."""
+    try:
+        from pagedllm.kernels.mla_prefill import mla_prefill
+    except ImportError:
+        return None
+    return mla_prefill
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 class MLATorchBackend:
     """Writes ``[c_kv | k_pe]`` at ``slot_mapping`` and attends over the paged latent
     cache in the absorbed or expanded form (module docstring).
@@ -128,7 +168,8 @@ class MLATorchBackend:
 
     def __init__(self, use_kernel: bool = True) -> None:
         self.use_kernel = use_kernel
-        # Call the Triton decode kernel on CPU tensors too (tests, TRITON_INTERPRET=1).
+        # Call the Triton kernels (decode; prefill when PAGEDLLM_MLA_PREFILL=triton) on
+        # CPU tensors too (tests, TRITON_INTERPRET=1).
         self.kernel_on_cpu = False
         self._meta_seq: torch.Tensor | None = None
         self._plan_cache: _Plan | None = None
@@ -304,7 +345,15 @@ class MLATorchBackend:
                   kv_b_weight: torch.Tensor, dims: MLADims, rows: list[int],
                   out: torch.Tensor, k_scale: float = 1.0) -> None:
         """Requests ``rows`` in the expanded form; one ``kv_b_proj`` GEMM over all their
-        contexts, then one SDPA per request (causal with a context offset)."""
+        contexts, then one SDPA per request (causal with a context offset) -- or, under
+        ``PAGEDLLM_MLA_PREFILL=triton``, one kernel launch (``_expanded_kernel``)."""
+        if self.use_kernel and (q_nope.is_cuda or self.kernel_on_cpu) \
+                and envs.mla_prefill() == "triton":
+            kernel = _prefill_kernel()
+            if kernel is not None:
+                self._expanded_kernel(kernel, q_nope, q_pe, kv_cache, meta, plan, scale,
+                                      kv_b_weight, dims, rows, out, k_scale)
+                return
         qsl = plan.qsl.tolist()
         lens = [int(plan.seq_lens[r]) for r in rows]
         latents = [self._gather(kv_cache, meta, r, n, k_scale, q_nope.dtype)
@@ -332,6 +381,55 @@ class MLATorchBackend:
                 mask = torch.arange(n, device=q.device).unsqueeze(0) <= qpos
                 o = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask, scale=scale)
             out[s:e] = o[0].transpose(0, 1)
+
+    def _expanded_kernel(self, kernel: object, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                         kv_cache: torch.Tensor, meta: AttentionMetadata, plan: _Plan,
+                         scale: float, kv_b_weight: torch.Tensor, dims: MLADims,
+                         rows: list[int], out: torch.Tensor, k_scale: float) -> None:
+        """``_expanded`` through ``kernels/mla_prefill.py``: the rows' contexts in one
+        gather (no loop over requests), one ``kv_b_proj`` GEMM, one launch over the
+        step's ``query_start_loc``; rows not in ``rows`` get an empty context, so the
+        kernel leaves their outputs (the absorbed form's) as they are.  No device->host
+        sync: sizes are the plan's host ints."""
+        bs = kv_cache.shape[2]
+        idx = self._context_index(plan, rows, bs, q_nope.device)
+        slots = meta.block_tables[idx.req, idx.col].long() * bs + idx.off
+        latent = _entries(kv_cache).flatten(0, 2).index_select(0, slots)  # [S, L + R]
+        latent = _dequant(latent, kv_cache, k_scale, q_nope.dtype)
+        c_kv = latent[:, :dims.kv_lora_rank].to(q_nope.dtype)
+        k_pe = latent[:, dims.kv_lora_rank:].to(q_nope.dtype)  # a strided view: no copy
+        kv = F.linear(c_kv, kv_b_weight).view(idx.total, dims.num_heads,
+                                              dims.qk_nope_head_dim + dims.v_head_dim)
+        k_nope, v = kv.split([dims.qk_nope_head_dim, dims.v_head_dim], dim=-1)
+        kernel(_last_dim_contiguous(q_nope), _last_dim_contiguous(q_pe),  # type: ignore[operator]
+               k_nope, _last_dim_contiguous(k_pe), v,
+               meta.query_start_loc[:meta.num_reqs + 1], idx.cu_k, scale, out=out)
+
+    @staticmethod
+    def _context_index(plan: _Plan, rows: list[int], block_size: int,
+                       device: torch.device) -> _ContextIndex:
+        """The expanded rows' context index (``_ContextIndex``), built on the host from
+        the plan's lengths with vector ops and copied once a step (every layer reads
+        it).  Block ids are not cached: they are read from the metadata's block tables
+        at each use, so a plan reused for a later step with equal lengths stays right."""
+        key = tuple(rows)
+        cached = plan.context_index
+        if cached is not None and cached.rows == key:
+            return cached
+        num_reqs = plan.seq_lens.shape[0]
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        lens = plan.seq_lens.long().index_select(0, rows_t)
+        per_req = torch.zeros(num_reqs, dtype=torch.long).index_copy_(0, rows_t, lens)
+        cu_k = torch.zeros(num_reqs + 1, dtype=torch.long)
+        cu_k[1:] = per_req.cumsum(0)
+        total = int(cu_k[-1])
+        req = rows_t.repeat_interleave(lens)
+        pos = torch.arange(total) - cu_k.index_select(0, rows_t).repeat_interleave(lens)
+        host = torch.stack((req, pos // block_size, pos % block_size))
+        dev = host.to(device)
+        plan.context_index = _ContextIndex(key, dev[0], dev[1], dev[2],
+                                           cu_k.to(device=device, dtype=torch.int32), total)
+        return plan.context_index
 
     def _plan(self, meta: AttentionMetadata, block_size: int,
               device: torch.device) -> _Plan:
