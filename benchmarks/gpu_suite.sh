@@ -149,10 +149,15 @@ for part in $PARTS; do
       --no-hf --repeats "${REPEATS:-1}" --scheduling-policy fcfs ;;
     deepseek)
       step timeout 200 python -m pytest -q -p no:cacheprovider tests/kernels/test_mla_decode.py \
-        tests/kernels/test_mla_fp8.py tests/kernels/test_fp8_block_gemm.py
+        tests/kernels/test_mla_fp8.py tests/kernels/test_fp8_block_gemm.py \
+        tests/kernels/test_mla_prefill.py
       step timeout 120 python benchmarks/mla_fp8_bench.py --sections mla
       step timeout 120 python benchmarks/mla_fp8_bench.py --sections mla --kv-cache-dtype fp8
       ab dsw4 python -m pagedllm bench latency --dummy deepseek-v2-lite
+      # Issue 42's temporary A/B: the prompt's expanded form through the varlen Triton
+      # kernel (kernels/mla_prefill.py) against dsw4's SDPA per request; the loser goes.
+      VARIANTS="mlaprefill=PAGEDLLM_MLA_PREFILL=triton" ab dsw4 python -m pagedllm \
+        bench latency --dummy deepseek-v2-lite
       # --vocab-hi 102399: vLLM's request set for this shape (68,960 output tokens)
       ab dsw1 python -m pagedllm bench throughput --workload W1 --dummy deepseek-v2-lite \
         --no-hf --vocab-hi 102399 --repeats "${REPEATS:-1}" ;;

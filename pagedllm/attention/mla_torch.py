@@ -99,6 +99,9 @@ class _ContextIndex:
     off: torch.Tensor  # [S] int64, offset in the block
     cu_k: torch.Tensor  # [num_reqs + 1] int32
     total: int  # S
+    # The cache slots of those tokens, for one metadata object (a step's block tables
+    # do not change while its layers run; the runner builds new metadata every step).
+    slots: tuple[AttentionMetadata, torch.Tensor] | None = None
 
 
 @dataclass
@@ -393,7 +396,9 @@ class MLATorchBackend:
         sync: sizes are the plan's host ints."""
         bs = kv_cache.shape[2]
         idx = self._context_index(plan, rows, bs, q_nope.device)
-        slots = meta.block_tables[idx.req, idx.col].long() * bs + idx.off
+        if idx.slots is None or idx.slots[0] is not meta:  # once a step, not per layer
+            idx.slots = (meta, meta.block_tables[idx.req, idx.col].long() * bs + idx.off)
+        slots = idx.slots[1]
         latent = _entries(kv_cache).flatten(0, 2).index_select(0, slots)  # [S, L + R]
         latent = _dequant(latent, kv_cache, k_scale, q_nope.dtype)
         c_kv = latent[:, :dims.kv_lora_rank].to(q_nope.dtype)
@@ -410,8 +415,8 @@ class MLATorchBackend:
                        device: torch.device) -> _ContextIndex:
         """The expanded rows' context index (``_ContextIndex``), built on the host from
         the plan's lengths with vector ops and copied once a step (every layer reads
-        it).  Block ids are not cached: they are read from the metadata's block tables
-        at each use, so a plan reused for a later step with equal lengths stays right."""
+        it).  Block ids are cached only per metadata object (``_ContextIndex.slots``), so
+        a plan reused for a later step with equal lengths reads that step's tables."""
         key = tuple(rows)
         cached = plan.context_index
         if cached is not None and cached.rows == key:
