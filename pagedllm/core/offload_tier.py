@@ -140,9 +140,10 @@ class OffloadTier:
         # for them and are admissible from the next step on (tests, debugging).
         self.loading: frozenset[str] = frozenset()
         self._stats = OffloadStats()
-        # The last lookup's (request id, queried tokens, hit tokens): counted only when
-        # that request is admitted (``record_lookup``), as the device cache's are.
-        self._last: tuple[str, int, int] | None = None
+        # The last lookup's (request id, queried tokens, hit tokens, disk-tier queried
+        # tokens, disk hit tokens): counted only when that request is admitted
+        # (``record_lookup``), as the device cache's are.
+        self._last: tuple[str, int, int, int, int] | None = None
         # The hits of a request that waited for its loads -- (tokens found off the
         # device, disk-tier queries resolved, tokens found on disk): its next lookup
         # finds them on the device, but they count as this tier's when it is admitted.
