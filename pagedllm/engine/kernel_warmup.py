@@ -125,10 +125,19 @@ class WarmupProcess:
 def start(engine_args: Any) -> WarmupProcess | None:
     """Start the helper for ``engine_args`` (an ``EngineArgs``) if it can help: a GPU
     start (device not "cpu") of a model directory with a config.json, warm-up not
-    turned off, and no marker of an identical finished warm-up.  Returns None
-    otherwise.  Cheap: reads config.json and stats the package's sources."""
+    turned off, no marker of an identical finished warm-up, and data-parallel engine 0
+    (or no data parallelism).  Returns None otherwise.  Cheap: reads config.json and
+    stats the package's sources.
+
+    Why engine 0 only: the helper runs on the default device, which is engine 0's;
+    engine ``d > 0`` plans its memory on its own device (``worker.device_index``) but
+    would find its helper's memory on engine 0's device, shrinking engine 0's plan.  The
+    kernels are the same for every engine, so engine 0's helper warms the shared Triton
+    cache for all of them."""
     if not _enabled() or getattr(engine_args, "device", "auto") == "cpu" \
             or not _nvidia_gpu_present():
+        return None
+    if getattr(engine_args, "data_parallel_rank", 0):
         return None
     model = getattr(engine_args, "model", None)
     cfg_path = os.path.join(model, "config.json") if model else ""

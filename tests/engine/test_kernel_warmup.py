@@ -53,6 +53,11 @@ def test_start_only_when_it_can_help(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PAGEDLLM_KERNEL_WARMUP", "0")
     assert kernel_warmup.start(args) is None
     monkeypatch.delenv("PAGEDLLM_KERNEL_WARMUP")
+    # Data-parallel engine 1: its helper would sit on engine 0's device (the default)
+    # while engine 0 plans its memory; engine 0's helper warms the cache for both.
+    assert kernel_warmup.start(EngineArgs(model=d, load_format="dummy",
+                                          data_parallel_size=2,
+                                          data_parallel_rank=1)) is None
     # A finished warm-up's marker stops a second one; the key follows the arguments.
     with open(os.path.join(d, "config.json")) as f:
         config = json.load(f)
