@@ -81,8 +81,10 @@ class ResolvedModel:
         return config
 
     def _config_cache_key(self) -> str | None:
-        """What the config is built from, as a ``config_cache`` key: config.json's bytes,
-        or a GGUF's identity and this module's GGUF mapping (None: nothing to key on)."""
+        """What the config is built from, as a ``config_cache`` key: config.json's bytes
+        and directory (transformers records the directory, ``name_or_path``, so two
+        copies of one config.json are two entries), or a GGUF's identity and this
+        module's GGUF mapping (None: nothing to key on)."""
         import hashlib
         import inspect
 
@@ -92,7 +94,8 @@ class ResolvedModel:
         try:
             if os.path.isfile(cfg_json):
                 with open(cfg_json, "rb") as f:
-                    return config_cache.key_for_bytes("config.json", f.read())
+                    return config_cache.key_for_bytes(
+                        f"config.json|{os.path.abspath(self.directory)}", f.read())
             if self.gguf_path is not None:  # the mapping below is part of what builds it
                 mapping = hashlib.sha256(inspect.getsource(hf_config_from_gguf).encode())
                 return config_cache.key_for_file(f"gguf|{mapping.hexdigest()[:16]}",

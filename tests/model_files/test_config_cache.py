@@ -139,3 +139,22 @@ def test_unstorable_configs_and_remote_code_are_not_cached(tmp_path, monkeypatch
     resolve_model(str(model), None, "dummy").load_hf_config(trust_remote_code=True)
     assert not os.path.isdir(config_cache.cache_root()) or \
         not os.listdir(config_cache.cache_root())
+
+
+def test_a_copied_config_json_is_not_served_the_original_directory(
+        tmp_path, monkeypatch) -> None:
+    """transformers records the directory a config came from (``name_or_path``); the
+    view of a byte-identical config.json elsewhere must not report the first one's."""
+    import shutil
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    write_dummy_model("llama3-8b", str(a))
+    shutil.copytree(a, b)
+    assert resolve_model(str(a), None, "dummy").load_hf_config().name_or_path == str(a)
+    monkeypatch.setattr(config_cache, "transformers_loaded", lambda: False)
+    view = resolve_model(str(a), None, "dummy").load_hf_config()
+    assert isinstance(view, config_cache.ConfigView) and view.name_or_path == str(a)
+    other = resolve_model(str(b), None, "dummy").load_hf_config()
+    assert other.name_or_path == str(b)
