@@ -13,7 +13,7 @@ How: whenever a config is built through transformers, a snapshot of it is writte
 ``$PAGEDLLM_CACHE_DIR/hf_configs/<key>.json``: every instance attribute, the value of
 every public property and ``attribute_map`` alias, sub-configs (``text_config``,
 ``vision_config``) as nested snapshots.  The key hashes what the config was built from
-(config.json's bytes, or a GGUF's path, size and mtime), the transformers version and
+(config.json's bytes and directory, or a GGUF's path, size and mtime), the transformers version and
 this module's format version.  A process without transformers loaded reads the snapshot
 back as a :class:`ConfigView`: the same attribute values, class attributes such as
 ``model_type`` included (tested attribute by attribute
