@@ -55,8 +55,10 @@ def engine_configs(config: Any, num_engines: int) -> list[Any]:
         # Both bound by engine 0's processes a moment later (free_port imports no torch).
         from pagedllm.executor.process_start import free_port
 
-        ports = {"data_parallel_master_port": free_port(),
-                 "data_parallel_rpc_port": free_port()}
+        master = rpc = free_port()
+        while rpc == master:  # the OS may hand the same free port out twice
+            rpc = free_port()
+        ports = {"data_parallel_master_port": master, "data_parallel_rpc_port": rpc}
     if isinstance(config, EngineConfig):
         return [dataclasses.replace(config, parallel_config=dataclasses.replace(
             config.parallel_config, data_parallel_rank=d, **ports))

@@ -54,3 +54,17 @@ def test_each_engine_gets_its_rank_and_its_own_devices() -> None:
                           data_parallel_rank=d) for d in range(3)]
     assert [device_index(pc, r) for pc in pcs for r in range(2)] == [0, 1, 2, 3, 4, 5]
     assert device_index(ParallelConfig(tensor_parallel_size=2), 1) == 1
+
+
+def test_expert_parallel_ports_are_distinct(monkeypatch) -> None:
+    """The ranks' rendezvous and the cores' lockstep both bind a port on engine 0: the
+    same free port handed out twice must not become both."""
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.dp_client import engine_configs
+    from pagedllm.executor import process_start
+
+    ports = iter([41000, 41000, 41000, 41001])
+    monkeypatch.setattr(process_start, "free_port", lambda host="127.0.0.1": next(ports))
+    ep = engine_configs(EngineArgs(data_parallel_size=2, enable_expert_parallel=True), 2)
+    assert {(a.data_parallel_master_port, a.data_parallel_rpc_port) for a in ep} == \
+        {(41000, 41001)}
