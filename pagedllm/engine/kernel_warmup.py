@@ -125,19 +125,23 @@ class WarmupProcess:
 def start(engine_args: Any) -> WarmupProcess | None:
     """Start the helper for ``engine_args`` (an ``EngineArgs``) if it can help: a GPU
     start (device not "cpu") of a model directory with a config.json, warm-up not
-    turned off, no marker of an identical finished warm-up, and data-parallel engine 0
-    (or no data parallelism).  Returns None otherwise.  Cheap: reads config.json and
-    stats the package's sources.
+    turned off, no marker of an identical finished warm-up, and not a data-parallel
+    engine ``d > 0`` of independent engines.  Returns None otherwise.  Cheap: reads
+    config.json and stats the package's sources.
 
-    Why engine 0 only: the helper runs on the default device, which is engine 0's;
-    engine ``d > 0`` plans its memory on its own device (``worker.device_index``) but
-    would find its helper's memory on engine 0's device, shrinking engine 0's plan.  The
-    kernels are the same for every engine, so engine 0's helper warms the shared Triton
-    cache for all of them."""
+    Why: the helper runs on the default device, which is engine 0's; engine ``d > 0``
+    plans its memory on its own device (``worker.device_index``), and its helper would
+    sit on engine 0's while engine 0 plans, shrinking that plan.  The kernels are the
+    same for every engine, so engine 0's helper warms the shared Triton cache for all.
+    With experts across the engines each still starts one: their ranks share one world,
+    so engine ``d`` must wait for a helper as long as engine 0 does before joining it
+    (and engine 0 plans only after every engine's ranks have loaded, helpers gone)."""
     if not _enabled() or getattr(engine_args, "device", "auto") == "cpu" \
             or not _nvidia_gpu_present():
         return None
-    if getattr(engine_args, "data_parallel_rank", 0):
+    if getattr(engine_args, "data_parallel_rank", 0) and not (
+            getattr(engine_args, "enable_expert_parallel", False)
+            and getattr(engine_args, "data_parallel_size", 1) > 1):
         return None
     model = getattr(engine_args, "model", None)
     cfg_path = os.path.join(model, "config.json") if model else ""

@@ -76,3 +76,11 @@ def test_start_only_when_it_can_help(tmp_path, monkeypatch) -> None:
     helper.wait(timeout=120)
     assert helper.proc.returncode == 0
     assert not os.path.exists(kernel_warmup._marker(key))  # nothing was compiled
+    # Experts across the engines: engine 1 joins engine 0's world, so it waits for a
+    # helper of its own as engine 0 does (rather than racing into the rendezvous).
+    helper = kernel_warmup.start(EngineArgs(model=d, load_format="dummy",
+                                            data_parallel_size=2, data_parallel_rank=1,
+                                            enable_expert_parallel=True))
+    assert helper is not None
+    helper.wait(timeout=120)
+    assert helper.proc.returncode == 0
