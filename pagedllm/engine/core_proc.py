@@ -292,6 +292,26 @@ class EngineCoreProc:
         self.ctx.term()
 
 
+def _join_lockstep(proc: EngineCoreProc, core: Any) -> str | None:
+    """Experts across data-parallel engines (``core.lockstep``): give ``proc`` its seat
+    in the engines' step lockstep.  Returns why it could not join (one line: a port
+    taken meanwhile, another engine that never came), else None.  (Run outside the
+    start-up ``try`` of ``run_engine_core``, whose ``os._exit`` would swallow the
+    exception unreported.)"""
+    if not getattr(core, "lockstep", False):
+        return None
+    from pagedllm.engine.dp_lockstep import DPLockstep
+
+    try:
+        proc.lockstep = DPLockstep(core.config.parallel_config)
+    except Exception as e:
+        logger.exception("engine core failed to join the data-parallel step lockstep")
+        return f"joining the data-parallel engines' step lockstep failed: {first_line(e)}"
+    logger.info("data-parallel engine %d of %d: experts span every engine, so the "
+                "engines step in lockstep", proc.lockstep.rank, proc.lockstep.size)
+    return None
+
+
 def _setup_logging() -> None:
     logging.basicConfig(
         level=envs.logging_level(),
@@ -355,13 +375,14 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
             return
         proc = EngineCoreProc(core, input_addr, output_addr, parent_pid, heartbeat_interval,
                               keys)
-        if getattr(core, "lockstep", False):
-            from pagedllm.engine.dp_lockstep import DPLockstep
-
-            proc.lockstep = DPLockstep(core.config.parallel_config)
-            logger.info("data-parallel engine %d of %d: experts span every engine, so "
-                        "the engines step in lockstep",
-                        proc.lockstep.rank, proc.lockstep.size)
+        error = _join_lockstep(proc, core)
+        if error is not None:  # said as a start-up failure, not a silent exit
+            proc.send_ready(EngineCoreReady(pid=os.getpid(), error=error))
+            try:
+                core.shutdown()
+            except Exception:  # already failing: the reason above is the one to report
+                logger.exception("engine core shutdown failed")
+            return
         freeze_gc_heap("engine core")
         cc = getattr(core, "config", config)
         proc.send_ready(EngineCoreReady(

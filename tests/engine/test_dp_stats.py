@@ -68,3 +68,24 @@ def test_expert_parallel_ports_are_distinct(monkeypatch) -> None:
     ep = engine_configs(EngineArgs(data_parallel_size=2, enable_expert_parallel=True), 2)
     assert {(a.data_parallel_master_port, a.data_parallel_rpc_port) for a in ep} == \
         {(41000, 41001)}
+
+
+def test_a_lockstep_that_cannot_be_joined_is_a_start_up_error(monkeypatch) -> None:
+    """The lockstep is joined after the core is built, outside the start-up ``try``;
+    a failure there must come back as a reason (it used to vanish in ``os._exit``)."""
+    from types import SimpleNamespace
+
+    from pagedllm.engine import core_proc, dp_lockstep
+
+    def refuse(self, parallel) -> None:
+        raise RuntimeError("The server socket has failed to listen on any local network "
+                           "address.\nport 41000 in use")
+
+    monkeypatch.setattr(dp_lockstep.DPLockstep, "__init__", refuse)
+    proc = SimpleNamespace(lockstep=None)
+    core = SimpleNamespace(lockstep=True, config=SimpleNamespace(parallel_config=None))
+    error = core_proc._join_lockstep(proc, core)  # type: ignore[arg-type]
+    assert error is not None and "step lockstep failed" in error \
+        and "failed to listen" in error and "\n" not in error
+    assert proc.lockstep is None
+    assert core_proc._join_lockstep(proc, SimpleNamespace(lockstep=False)) is None
