@@ -20,6 +20,9 @@ ever read after the step that wrote it (core/disk_tier.py), by this process, so 
 The file lives in a private directory (``tempfile.mkdtemp`` inside
 ``kv_offload_disk_path``, default the system's temp directory) that ``close`` removes;
 a finalizer removes it too if the pool is dropped without ``close`` (interpreter exit).
+The file is reserved at full size (``posix_fallocate``: a disk that fills up later
+cannot turn a save into a SIGBUS) and unlinked once mapped, so an engine that is killed
+leaves no blocks on disk.
 Each tensor/pipeline-parallel rank has its own file with its own share of each block.
 """
 
@@ -62,9 +65,20 @@ class DiskPool:
         self.dir = tempfile.mkdtemp(prefix="pagedllm-kv-disk-", dir=directory)
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
         self.path = os.path.join(self.dir, "kv-blocks.bin")
-        # mode "w+": created at full size, sparse -- disk is used as blocks are saved.
-        self._mm: np.memmap | None = np.memmap(self.path, dtype=np.uint8, mode="w+",
-                                               shape=(num_blocks, off))
+        try:
+            with open(self.path, "wb") as f:
+                # Reserved now, not sparse: a filesystem that fills up later would
+                # otherwise kill the engine with SIGBUS on the first write past it.
+                os.posix_fallocate(f.fileno(), 0, num_blocks * off)
+            self._mm: np.memmap | None = np.memmap(self.path, dtype=np.uint8, mode="r+",
+                                                   shape=(num_blocks, off))
+        except OSError as e:
+            self._cleanup()
+            raise ValueError(f"kv_offload_disk_bytes: cannot reserve {num_blocks * off} "
+                             f"bytes in {directory or tempfile.gettempdir()}: {e}") from e
+        # The mapping keeps the file alive: unlinked now, a crashed or killed engine
+        # leaves no blocks behind (only the empty private directory until close).
+        os.unlink(self.path)
         self.rows = torch.from_numpy(self._mm)
 
     def save(self, host: Sequence[torch.Tensor], pairs: Sequence[tuple[int, int]]) -> None:

@@ -103,3 +103,18 @@ def test_gpu_to_host_to_disk_and_back_bitwise(tmp_path) -> None:
     for t, w in zip(kv, want):
         assert torch.equal(t[:, 20:24], w)
     disk.close()
+
+
+def test_file_is_reserved_and_unlinked_and_too_large_is_a_value_error(tmp_path) -> None:
+    """The file is reserved at full size and unlinked once mapped (a killed engine leaves
+    no blocks behind); a reservation the filesystem cannot hold is a ValueError naming
+    kv_offload_disk_bytes, and leaves no directory behind."""
+    host = [torch.zeros((2, 3, 4, 2, 8))]
+    pool = DiskPool(4, host, str(tmp_path))
+    assert os.listdir(pool.dir) == []  # mapped, not on disk
+    pool.save(host, [(0, 3)])
+    pool.load(host, [(3, 1)])
+    pool.close()
+    with pytest.raises(ValueError, match="kv_offload_disk_bytes: cannot reserve"):
+        DiskPool(1 << 45, host, str(tmp_path))  # 2**45 blocks of 1 KiB: 32 PiB
+    assert os.listdir(tmp_path) == []
