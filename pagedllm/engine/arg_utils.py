@@ -298,6 +298,10 @@ class EngineArgs:
         if runner == "pooling" and parallel.world_size > 1:
             raise ValueError("runner 'pooling' runs on one rank: use tensor_parallel_size "
                              "and pipeline_parallel_size 1 (data_parallel_size scales it)")
+        if runner == "pooling" and parallel.expert_parallel_spans_dp:
+            raise ValueError("runner 'pooling' does not run with enable_expert_parallel "
+                             "across data-parallel engines (its engines do not step in "
+                             "lockstep)")
 
         if dtype == "auto":
             # fp32 on CPU (the parity reference); the checkpoint's half type on GPU.

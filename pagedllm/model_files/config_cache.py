@@ -248,6 +248,11 @@ class ConfigView:
 _VIEW_FIELDS = ("config_class", "_aliases", "_props", "_missing")
 
 
+def has(key: str) -> bool:
+    """Whether an entry for ``key`` exists (readable or not)."""
+    return os.path.isfile(os.path.join(cache_root(), key + ".json"))
+
+
 def load(key: str | None) -> ConfigView | None:
     """The cached view for ``key``, or None (no entry, or one that cannot be read)."""
     if key is None:

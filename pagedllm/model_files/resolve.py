@@ -76,7 +76,7 @@ class ResolvedModel:
             if view is not None:
                 return view
         config = self._build_hf_config(trust_remote_code)
-        if key is not None and config_cache.load(key) is None:
+        if key is not None and not config_cache.has(key):
             config_cache.save(key, config)
         return config
 

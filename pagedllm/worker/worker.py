@@ -98,6 +98,11 @@ class Worker:
         self.local_rank = local_rank = device_index(pc, local_rank)
         if pc.expert_parallel_spans_dp:
             # One world of every engine's ranks on this host (parallel_state.py).
+            if not pc.data_parallel_master_port:
+                raise ValueError("enable_expert_parallel with data_parallel_size > 1: "
+                                 "data_parallel_master_port is not set (the DP client "
+                                 "sets it for each engine: run the engines through "
+                                 "pagedllm serve or AsyncLLM)")
             self.init_method = f"tcp://127.0.0.1:{pc.data_parallel_master_port}"
         if self.device.type == "cuda" and (pc.world_size > 1 or pc.data_parallel_size > 1):
             self.device = torch.device("cuda", local_rank)

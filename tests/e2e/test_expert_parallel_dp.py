@@ -99,10 +99,17 @@ def test_expert_parallel_across_engines_refusals(tmp_path) -> None:
         config(async_scheduling=True)
     with pytest.raises(ValueError, match="speculative_config"):
         config(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="runner 'pooling' does not run with enable_exp"):
+        config(runner="pooling")
     with pytest.raises(ValueError, match="all2all_backend"):
         config(all2all_backend="deepep")
     with pytest.raises(ValueError, match="enable_expert_parallel spreads experts"):
         config(data_parallel_size=1)
+    # A rank of such an engine without the DP client's rendezvous port: named, at once.
+    from pagedllm.worker.worker import Worker
+
+    with pytest.raises(ValueError, match="data_parallel_master_port is not set"):
+        Worker(cfg)
     # The offline LLM runs one engine: refused rather than waiting for a second one.
     from pagedllm import LLM
 
