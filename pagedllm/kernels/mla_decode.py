@@ -64,30 +64,18 @@ dequantised entries, ``fp8.float() * k_scale``, for an fp8 cache).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
+# The GQA kernel's helpers: the same MMA numerics, tile search and interpreter test.
+from pagedllm.kernels.paged_attention import _LOG2E, _interpreting, _mma
+
 MAX_SPLITS = 32
 # Query dtypes the kernel takes over an fp8 cache.
 _FP8_QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _mma(a, b, F32_DOT: tl.constexpr):
-    """``a @ b`` with fp32 accumulation (fp32 IEEE products where ``F32_DOT``)."""
-    if F32_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit

@@ -53,41 +53,14 @@ latent entries; the kernel takes token / head strides so none of them is copied.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _mma(a, b, F32_DOT: tl.constexpr):
-    """``a @ b`` with fp32 accumulation (fp32 IEEE products where ``F32_DOT``)."""
-    if F32_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def _find_request(cu_q_ptr, tile_idx, num_reqs, BLOCK_M: tl.constexpr):
-    """Largest b with ``cu_q[b] // BLOCK_M + b <= tile_idx`` (binary search)."""
-    lo = 0
-    hi = num_reqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(cu_q_ptr + mid) // BLOCK_M + mid <= tile_idx:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+# The GQA kernel's helpers: the same MMA numerics, tile search and interpreter test.
+from pagedllm.kernels.paged_attention import _LOG2E, _find_request, _interpreting, _mma
 
 
 @triton.jit
