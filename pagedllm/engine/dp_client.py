@@ -195,15 +195,14 @@ class DPClient:
             kv_offload_hits=step.kv_offload_hits,
             kv_offload_bytes_to_host=step.kv_offload_bytes_to_host,
             kv_offload_bytes_to_device=step.kv_offload_bytes_to_device,
-            kv_offload_usage=sum(x.kv_offload_usage * x.kv_offload_total_blocks
-                                 for x in s) / host if host else 0.0,
+            kv_offload_usage=_pooled_usage(s, "kv_offload_usage", "kv_offload_total_blocks"),
             kv_offload_total_blocks=host,
             kv_offload_disk_queries=step.kv_offload_disk_queries,
             kv_offload_disk_hits=step.kv_offload_disk_hits,
             kv_offload_bytes_to_disk=step.kv_offload_bytes_to_disk,
             kv_offload_bytes_from_disk=step.kv_offload_bytes_from_disk,
-            kv_offload_disk_usage=sum(x.kv_offload_disk_usage * x.kv_offload_disk_total_blocks
-                                      for x in s) / disk if disk else 0.0,
+            kv_offload_disk_usage=_pooled_usage(s, "kv_offload_disk_usage",
+                                                "kv_offload_disk_total_blocks"),
             kv_offload_disk_total_blocks=disk)
 
     def shutdown(self) -> None:
@@ -211,3 +210,11 @@ class DPClient:
             t.cancel()
         for c in self.clients:
             c.shutdown()
+
+
+def _pooled_usage(stats: list[SchedulerStats], usage: str, blocks: str) -> float:
+    """The fill of the engines' pools taken together: each engine's ``usage`` fraction
+    weighted by its ``blocks`` (0 when no engine has the pool)."""
+    total = sum(getattr(x, blocks) for x in stats)
+    return sum(getattr(x, usage) * getattr(x, blocks) for x in stats) / total \
+        if total else 0.0
