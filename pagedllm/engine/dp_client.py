@@ -34,6 +34,8 @@ import dataclasses
 import logging
 from typing import Any
 
+import msgspec
+
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_proc import EngineCoreReady
 from pagedllm.engine.mp_client import AsyncMPClient, EngineDeadError
@@ -179,31 +181,23 @@ class DPClient:
         return item
 
     def _total(self, step: SchedulerStats) -> SchedulerStats:
+        """``step`` (one engine's snapshot) with its gauges replaced by the engines'
+        totals; every per-step counter (tokens scheduled, preemptions, prefix-cache and
+        tier lookups, speculative-decoding drafts) stays the reporting engine's, since
+        each engine's snapshot reaches the metrics once."""
         s = self.engine_stats
         free, total = sum(x.num_free_blocks for x in s), sum(x.num_total_blocks for x in s)
-        host = sum(x.kv_offload_total_blocks for x in s)  # the prefix cache's host tier
-        disk = sum(x.kv_offload_disk_total_blocks for x in s)  # and its disk tier
-        return SchedulerStats(
+        return msgspec.structs.replace(
+            step,
             num_running_reqs=sum(x.num_running_reqs for x in s),
             num_waiting_reqs=sum(x.num_waiting_reqs for x in s),
             kv_cache_usage=(1.0 - free / total) if total else 0.0,
-            num_preemptions=step.num_preemptions,
-            prefix_cache_queries=step.prefix_cache_queries,
-            prefix_cache_hits=step.prefix_cache_hits,
             num_free_blocks=free, num_total_blocks=total,
-            kv_offload_queries=step.kv_offload_queries,
-            kv_offload_hits=step.kv_offload_hits,
-            kv_offload_bytes_to_host=step.kv_offload_bytes_to_host,
-            kv_offload_bytes_to_device=step.kv_offload_bytes_to_device,
             kv_offload_usage=_pooled_usage(s, "kv_offload_usage", "kv_offload_total_blocks"),
-            kv_offload_total_blocks=host,
-            kv_offload_disk_queries=step.kv_offload_disk_queries,
-            kv_offload_disk_hits=step.kv_offload_disk_hits,
-            kv_offload_bytes_to_disk=step.kv_offload_bytes_to_disk,
-            kv_offload_bytes_from_disk=step.kv_offload_bytes_from_disk,
+            kv_offload_total_blocks=sum(x.kv_offload_total_blocks for x in s),
             kv_offload_disk_usage=_pooled_usage(s, "kv_offload_disk_usage",
                                                 "kv_offload_disk_total_blocks"),
-            kv_offload_disk_total_blocks=disk)
+            kv_offload_disk_total_blocks=sum(x.kv_offload_disk_total_blocks for x in s))
 
     def shutdown(self) -> None:
         for t in self._readers:

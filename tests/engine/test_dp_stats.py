@@ -21,7 +21,10 @@ def test_totals_over_engines_include_both_offload_tiers() -> None:
                        kv_offload_disk_usage=1.0, kv_offload_disk_total_blocks=200)]
     step = SchedulerStats(kv_offload_disk_queries=7, kv_offload_disk_hits=3,
                           kv_offload_bytes_to_disk=4096, kv_offload_bytes_from_disk=2048,
-                          kv_offload_queries=9, kv_offload_hits=4)
+                          kv_offload_queries=9, kv_offload_hits=4,
+                          num_scheduled_tokens=33, num_preemptions=1,
+                          spec_num_drafts=5, spec_num_draft_tokens=15,
+                          spec_num_accepted_tokens=11, spec_accepted_per_pos=[5, 4, 2])
     t = client._total(step)
     assert (t.num_running_reqs, t.num_free_blocks, t.num_total_blocks) == (3, 40, 80)
     assert t.kv_cache_usage == pytest.approx(0.5)
@@ -32,6 +35,10 @@ def test_totals_over_engines_include_both_offload_tiers() -> None:
     assert (t.kv_offload_disk_queries, t.kv_offload_disk_hits) == (7, 3)
     assert (t.kv_offload_bytes_to_disk, t.kv_offload_bytes_from_disk) == (4096, 2048)
     assert (t.kv_offload_queries, t.kv_offload_hits) == (9, 4)
+    # The step's own counters pass through (they were dropped to 0 before).
+    assert (t.num_scheduled_tokens, t.num_preemptions) == (33, 1)
+    assert (t.spec_num_drafts, t.spec_num_draft_tokens, t.spec_num_accepted_tokens,
+            t.spec_accepted_per_pos) == (5, 15, 11, [5, 4, 2])
 
 
 def test_each_engine_gets_its_rank_and_its_own_devices() -> None:
