@@ -154,10 +154,6 @@ for part in $PARTS; do
       step timeout 120 python benchmarks/mla_fp8_bench.py --sections mla
       step timeout 120 python benchmarks/mla_fp8_bench.py --sections mla --kv-cache-dtype fp8
       ab dsw4 python -m pagedllm bench latency --dummy deepseek-v2-lite
-      # Issue 42's temporary A/B: the prompt's expanded form through the varlen Triton
-      # kernel (kernels/mla_prefill.py) against dsw4's SDPA per request; the loser goes.
-      VARIANTS="mlaprefill=PAGEDLLM_MLA_PREFILL=triton" ab dsw4 python -m pagedllm \
-        bench latency --dummy deepseek-v2-lite
       # --vocab-hi 102399: vLLM's request set for this shape (68,960 output tokens)
       ab dsw1 python -m pagedllm bench throughput --workload W1 --dummy deepseek-v2-lite \
         --no-hf --vocab-hi 102399 --repeats "${REPEATS:-1}" ;;

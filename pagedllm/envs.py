@@ -31,10 +31,6 @@ Variable (type, default): why it exists.
   4-bit layers the tensor-core kernel takes (``layers/quantization/int_cuda.py``).  A
   tuning experiment (issue 43 item 3: one weight copy instead of two), to be removed with
   the losing layout once a GPU has measured both.
-* ``PAGEDLLM_MLA_PREFILL`` (str, ``sdpa``; or ``triton``): MLA's expanded-form prompt
-  attention on CUDA (``attention/mla_torch.py``): one SDPA per request, or the varlen
-  Triton kernel ``kernels/mla_prefill.py``.  An A/B experiment (issue 42), to be removed
-  with the losing path once a GPU has timed both.
 
 Standard variables of other tools (``HF_HOME``, ``CUDA_VISIBLE_DEVICES``,
 ``TRITON_INTERPRET``, ...) are read where they are used.  Test-only hooks live in the
@@ -119,22 +115,6 @@ def int4_layout() -> str:
     if value not in INT4_LAYOUTS:
         raise ValueError(f"PAGEDLLM_INT4_LAYOUT: expected one of {', '.join(INT4_LAYOUTS)}"
                          f", got {value!r}")
-    return value
-
-
-MLA_PREFILL_PATHS = ("sdpa", "triton")
-
-
-def mla_prefill() -> str:
-    """``PAGEDLLM_MLA_PREFILL``: ``sdpa`` (the default: one SDPA per request) or
-    ``triton`` (``kernels/mla_prefill.py``, one launch for the step) for MLA's
-    expanded-form attention.  Read at each call (a dict lookup), so a test's
-    ``monkeypatch.setenv`` applies to a loaded model.  A temporary A/B switch (issue 42):
-    it goes, with the slower path, once a GPU has timed both."""
-    value = os.environ.get("PAGEDLLM_MLA_PREFILL") or MLA_PREFILL_PATHS[0]
-    if value not in MLA_PREFILL_PATHS:
-        raise ValueError("PAGEDLLM_MLA_PREFILL: expected one of "
-                         f"{', '.join(MLA_PREFILL_PATHS)}, got {value!r}")
     return value
 
 

@@ -166,10 +166,10 @@ def _backend_batch(q_lens: list[int], seq_lens: list[int], dims, dtype, seed: in
 
 @pytest.mark.parametrize("mode", ["expanded", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backend_triton_equals_sdpa(monkeypatch, mode: str, dtype: torch.dtype) -> None:
-    """``MLATorchBackend`` with ``PAGEDLLM_MLA_PREFILL=triton`` (kernel forced on the
-    CPU) equals its default SDPA path: the loop-free gather through the block tables,
-    the skipped decodes of an "auto" step (served by the absorbed form either way)."""
+def test_backend_triton_equals_sdpa(mode: str, dtype: torch.dtype) -> None:
+    """``MLATorchBackend`` with the kernel (forced on the CPU) equals its SDPA path: the
+    loop-free gather through the block tables, the skipped decodes of an "auto" step
+    (served by the absorbed form either way)."""
     from pagedllm.attention.mla_torch import MLADims, MLATorchBackend
 
     dims = MLADims(num_heads=3, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -178,7 +178,6 @@ def test_backend_triton_equals_sdpa(monkeypatch, mode: str, dtype: torch.dtype) 
     q_nope, q_pe, cache, meta, w = _backend_batch(q_lens, seq_lens, dims, dtype, seed=5)
     outs = {}
     for path in ("sdpa", "triton"):
-        monkeypatch.setenv("PAGEDLLM_MLA_PREFILL", path)
         backend = MLATorchBackend()
         backend.kernel_on_cpu = path == "triton"
         outs[path] = backend.forward(q_nope, q_pe, cache, meta, 0.25, w, dims, mode)
@@ -191,7 +190,7 @@ def test_backend_triton_equals_sdpa(monkeypatch, mode: str, dtype: torch.dtype) 
     assert_close(outs["triton"].cpu()[rows], ref[rows], dtype, 5, scale=2.0)
 
 
-def test_backend_fp8_cache(monkeypatch) -> None:
+def test_backend_fp8_cache() -> None:
     """Over an e4m3 latent cache the loop-free gather moves bytes and dequantises
     (``* k_scale``) as the SDPA path does: the two paths agree."""
     from pagedllm.attention.mla_torch import MLADims, MLATorchBackend
@@ -203,22 +202,11 @@ def test_backend_fp8_cache(monkeypatch) -> None:
     cache = cache.to(torch.float8_e4m3fn)
     outs = {}
     for path in ("sdpa", "triton"):
-        monkeypatch.setenv("PAGEDLLM_MLA_PREFILL", path)
         backend = MLATorchBackend()
         backend.kernel_on_cpu = path == "triton"
         outs[path] = backend.forward(q_nope, q_pe, cache, meta, 0.25, w, dims, "expanded",
                                      k_scale=0.5)
     assert_close(outs["triton"], outs["sdpa"], torch.float32, 6)
-
-
-def test_switch_is_checked(monkeypatch) -> None:
-    from pagedllm import envs
-
-    monkeypatch.setenv("PAGEDLLM_MLA_PREFILL", "flash")
-    with pytest.raises(ValueError, match="PAGEDLLM_MLA_PREFILL"):
-        envs.mla_prefill()
-    monkeypatch.delenv("PAGEDLLM_MLA_PREFILL")
-    assert envs.mla_prefill() == "sdpa"
 
 
 def _backend_ref(q_nope, q_pe, cache, meta, w, dims, scale) -> torch.Tensor:
@@ -243,13 +231,13 @@ def _backend_ref(q_nope, q_pe, cache, meta, w, dims, scale) -> torch.Tensor:
 # -- the model ---------------------------------------------------------------------
 
 
-def test_tiny_deepseek_triton_equals_default(monkeypatch, tmp_path) -> None:
-    """A tiny DeepSeek-V2-Lite checkpoint (tests/models/deepseek_tiny.py) through the paged latent
-    cache: whole prompts, chunks with context, decodes and a step mixing them, with
-    ``PAGEDLLM_MLA_PREFILL=triton`` and the kernels forced on the CPU, equal the
-    default path's logits to fp32 rounding (and transformers'), in the "auto" form
-    (prompt kernel + decode kernel) and the "expanded" form (every request, single-token
-    queries included, through the prompt kernel)."""
+def test_tiny_deepseek_triton_equals_default(tmp_path) -> None:
+    """A tiny DeepSeek-V2-Lite checkpoint (tests/models/deepseek_tiny.py) through the
+    paged latent cache: whole prompts, chunks with context, decodes and a step mixing
+    them, with the kernels forced on the CPU, equal the SDPA path's logits to fp32
+    rounding (and transformers'), in the "auto" form (prompt kernel + decode kernel) and
+    the "expanded" form (every request, single-token queries included, through the
+    prompt kernel)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs the Triton kernels on CPU tensors: needs TRITON_INTERPRET=1")
     from pagedllm.attention.torch_ref import TorchReferenceBackend
@@ -269,7 +257,6 @@ def test_tiny_deepseek_triton_equals_default(monkeypatch, tmp_path) -> None:
     schedule = [{0: (0, 13), 2: (0, 5)}, {0: (13, 21), 1: (0, 14), 2: (5, 9)}]
 
     def run(path: str, mode: str) -> dict[int, torch.Tensor]:
-        monkeypatch.setenv("PAGEDLLM_MLA_PREFILL", path)
         ours.set_mla_mode(mode)
         ours.mla_backend.kernel_on_cpu = path == "triton"
         try:
