@@ -122,7 +122,7 @@ ab() {
       t0=$(date +%s.%N)
       echo "=== $part $name round $r: ${spec:-defaults}"
       env "${envs[@]}" "$@" "${flags[@]}" ${EXTRA_ARGS:-} \
-        --output-json "$OUT/${part}_${name}_$r.json" 2>&1 | grep -vE "^(INFO|DEBUG)"
+        --output-json "$OUT/${part}_${name}_$r.json" 2>&1 | grep --line-buffered -vE "^(INFO|DEBUG)"
       echo "${part}_${name}_$r $t0 $(date +%s.%N)" >> "$OUT/windows.txt"
     done
   done
