@@ -64,6 +64,7 @@ import torch.nn.functional as F
 
 from pagedllm.attention.kv_cache_dtype import is_fp8, quantize_kv
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.rope import RopeInputs
 
 MLAMode = Literal["auto", "absorbed", "expanded"]
 MLA_MODES: tuple[str, ...] = ("auto", "absorbed", "expanded")
@@ -154,6 +155,15 @@ def _prefill_kernel() -> object | None:
     return mla_prefill
 
 
+def _prologue_kernel() -> object | None:
+    """``kernels.mla_rope_write.mla_rope_norm_write`` when it imports, else None."""
+    try:
+        from pagedllm.kernels.mla_rope_write import mla_rope_norm_write
+    except ImportError:
+        return None
+    return mla_rope_norm_write
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -206,6 +216,26 @@ class MLATorchBackend:
         elif not bool(valid.all()):
             slots, entry = slots[valid], entry[valid]
         flat.index_copy_(0, slots, entry)
+
+    def rope_norm_write(self, q: torch.Tensor, ckv: torch.Tensor, norm_weight: torch.Tensor,
+                        eps: float, rope: RopeInputs, interleaved: bool,
+                        kv_cache: torch.Tensor, meta: AttentionMetadata, nope: int,
+                        k_scale: float = 1.0) -> torch.Tensor | None:
+        """The layer's prologue in one launch where the Triton kernel runs (CUDA, or the
+        CPU with ``kernel_on_cpu``; ``kernels/mla_rope_write.py``): ``q [T, H, Dn + R]``
+        and ``ckv [T, L + R]`` (``kv_a_proj_with_mqa``'s output) -> the rotated ``q_pe
+        [T, H, R]``, with ``[rms_norm(c_kv) * norm_weight | rotated k_pe]`` stored as
+        :meth:`write` stores it.  None where the kernel does not run: the caller then
+        rotates, normalises and calls :meth:`write` in torch (same values)."""
+        if not (self.use_kernel and (q.is_cuda or self.kernel_on_cpu)):
+            return None
+        kernel = _prologue_kernel()
+        if kernel is None:
+            return None
+        return kernel(q, ckv, norm_weight, eps, rope.positions,  # type: ignore[operator]
+                      rope.cos_sin_cache, kv_cache, meta.slot_mapping,
+                      meta.num_actual_tokens, nope, interleaved=interleaved,
+                      k_scale=k_scale)
 
     # -- attention ----------------------------------------------------------------
 
@@ -308,8 +338,11 @@ class MLATorchBackend:
                 rows, qsl = self._decode_rows(plan, q_nope.device)
                 tables = meta.block_tables.index_select(0, rows)
                 seqs = meta.seq_lens.index_select(0, rows)
-            o = kernel(q_lat.contiguous(), qp.contiguous(), kv_cache,  # type: ignore[operator]
-                       tables, seqs, qsl, scale, 1, k_scale=k_scale)
+            # The kernel takes any token / head strides: no copies of the transposed
+            # q_lat or the sliced q_pe.
+            o = kernel(_last_dim_contiguous(q_lat),  # type: ignore[operator]
+                       _last_dim_contiguous(qp), kv_cache, tables, seqs, qsl, scale, 1,
+                       k_scale=k_scale)
             return o, tokens
         lat = kv_cache.shape[-1] - q_pe.shape[-1]
         if plan.decode_mask is None:  # built here, not in _plan: the kernel path needs none

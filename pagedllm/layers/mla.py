@@ -170,6 +170,22 @@ class MultiHeadLatentAttention(nn.Module):
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
         return rotate_pairs(x, cos, sin) if self.interleaved else apply_rotary(x, cos, sin)
 
+    def _rope_norm_write_torch(self, q: torch.Tensor, ckv: torch.Tensor, rope: RopeInputs,
+                               meta: AttentionMetadata) -> torch.Tensor:
+        """The prologue in torch ops (the CPU's path, and the first batch under
+        ``--calculate-kv-scales``): rotate q_pe and k_pe, normalise c_kv, write the
+        latent entry -> the rotated ``q_pe [T, H, R]``."""
+        c_kv = self.kv_a_layernorm(ckv[:, :self.kv_lora_rank].contiguous())
+        k_pe = ckv[:, self.kv_lora_rank:].unsqueeze(1)
+        # q_pe and k_pe share the step's cos/sin: rotate them in one pass.
+        pe = self._rotate(torch.cat((q[..., self.nope:], k_pe), dim=1), rope)
+        q_pe, k_pe = pe[:, :self.num_heads], pe[:, self.num_heads]
+        if self.calculate_kv_scales:
+            self._calc_k_scale(c_kv, k_pe, meta)
+        self.backend.write(c_kv, k_pe, self.kv_cache, meta,  # type: ignore[arg-type]
+                           self.k_scale)
+        return q_pe
+
     def forward(self, rope: RopeInputs, x: torch.Tensor, meta: AttentionMetadata,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]`` (or one row per index of ``rows``, in
@@ -183,17 +199,16 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, self.num_heads, self.nope + self.rope_dim)
-        q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]
+        q_nope = q[..., :self.nope]
         ckv = self.kv_a_proj_with_mqa(x)
-        c_kv = self.kv_a_layernorm(ckv[:, :self.kv_lora_rank].contiguous())
-        k_pe = ckv[:, self.kv_lora_rank:].unsqueeze(1)
-        # q_pe and k_pe share the step's cos/sin: rotate them in one pass.
-        pe = self._rotate(torch.cat((q_pe, k_pe), dim=1), rope)
-        q_pe, k_pe = pe[:, :self.num_heads], pe[:, self.num_heads]
-        if self.calculate_kv_scales:
-            self._calc_k_scale(c_kv, k_pe, meta)
-        self.backend.write(c_kv, k_pe, self.kv_cache, meta,  # type: ignore[arg-type]
-                           self.k_scale)
+        q_pe = None
+        if not self.calculate_kv_scales:  # one launch where the backend's kernel runs
+            q_pe = self.backend.rope_norm_write(q, ckv, self.kv_a_layernorm.weight,
+                                                self.kv_a_layernorm.eps, rope,
+                                                self.interleaved, self.kv_cache, meta,
+                                                self.nope, self.k_scale)
+        if q_pe is None:
+            q_pe = self._rope_norm_write_torch(q, ckv, rope, meta)
         out = self.backend.forward(q_nope, q_pe, self.kv_cache, meta, self.scale,
                                    self.kv_b_weight(x.dtype), self.dims, self.mode,
                                    self.k_scale)
