@@ -3,6 +3,7 @@ checkpoint-name mapping.
 
 ```
  x ─► gate (float32 router, [E] logits) ─► grouped_topk ─► FusedMoE.forward_topk ─┐
+  │        (a plain softmax top-k, V2-Lite's: FusedMoE.forward routes itself)      │
   │        (+ e_score_correction_bias, V3: selection only)   routed experts       │
   └─► shared_experts (dense SwiGLU, n_shared_experts * moe_intermediate_size) ───┴─► + ─► out
 ```
@@ -84,9 +85,13 @@ class DeepseekRouter(nn.Module):
             self.e_score_correction_bias = nn.Parameter(
                 torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` -> the float32 router logits ``[T, E]``."""
+        return F.linear(x.float(), self.weight)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight)
-        return grouped_topk(logits, self.top_k, self.routing, self.e_score_correction_bias)
+        return grouped_topk(self.logits(x), self.top_k, self.routing,
+                            self.e_score_correction_bias)
 
 
 class DeepseekMoE(nn.Module):
@@ -115,8 +120,13 @@ class DeepseekMoE(nn.Module):
                                            f"{prefix}.shared_experts")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        out = self.experts.forward_topk(x, weights, ids)
+        if self.gate.routing.plain_softmax and self.gate.e_score_correction_bias is None:
+            # V2-Lite's router is a plain softmax top-k: the expert layer routes (one
+            # launch on CUDA, or inside the decode kernels' prologue), not 3 torch ops.
+            out = self.experts(x, self.gate.logits(x))
+        else:
+            weights, ids = self.gate(x)
+            out = self.experts.forward_topk(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

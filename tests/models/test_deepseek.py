@@ -263,3 +263,29 @@ def test_quantised_kv_b_proj_is_read_dequantised(tmp_path) -> None:
         outs.append(torch.cat([s.step({0: ids[:20]})[0]]
                               + [s.step({0: [t]})[0] for t in ids[20:]]))
     torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=0)
+
+
+def test_triton_kernels_in_every_layer(pair) -> None:
+    """The CUDA path's kernels (interpreted on CPU) in every layer: the MLA prologue and
+    decode kernels and the fused-MoE kernels -- for V2-Lite's plain softmax router the
+    expert layer routes itself (``FusedMoE.forward``), V3's grouped router goes through
+    ``grouped_topk`` -- prefill, then decodes: logits equal transformers'."""
+    from pagedllm.layers.fused_moe import FusedMoE
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels on CPU tensors: needs TRITON_INTERPRET=1")
+    ours, hf = pair[0], pair[1]
+    moes = [m for m in ours.modules() if isinstance(m, FusedMoE)]
+    ours.set_mla_mode("auto")
+    ours.mla_backend.kernel_on_cpu = True
+    for m in moes:
+        m.use_triton = True
+    try:
+        ids = _prompt(22, seed=10)
+        s = session_for(pair, block_size=4, seed=10)
+        parts = [s.step({0: ids[:18]})[0]] + [s.step({0: [t]})[0] for t in ids[18:]]
+    finally:
+        ours.mla_backend.kernel_on_cpu = False
+        for m in moes:
+            m.use_triton = False
+    torch.testing.assert_close(torch.cat(parts), hf_logits_of(hf, ids), atol=ATOL, rtol=0)

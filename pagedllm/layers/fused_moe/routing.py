@@ -64,6 +64,14 @@ class GroupedTopK:
     renormalize: bool = False
     routed_scaling_factor: float = 1.0
 
+    @property
+    def plain_softmax(self) -> bool:
+        """Whether these steps reduce to a plain softmax top-k (V2's greedy router: every
+        group kept, not renormalised, unscaled), which ``select_experts`` -- and the
+        expert layer's own routing, ``FusedMoE.forward`` -- computes."""
+        return (self.scoring_func == "softmax" and self.topk_group == self.num_expert_group
+                and not self.renormalize and self.routed_scaling_factor == 1.0)
+
     def __post_init__(self) -> None:
         if self.scoring_func not in ("softmax", "sigmoid"):
             raise ValueError(f"scoring_func must be 'softmax' or 'sigmoid', got "
