@@ -248,9 +248,8 @@ class MLATorchBackend:
         rows ``>= num_actual_tokens`` may hold anything.  ``k_scale``: an fp8 cache's
         scale (the one ``write`` divided by; ignored for other caches)."""
         t = q_nope.shape[0]
-        out = q_nope.new_zeros(t, dims.num_heads, dims.v_head_dim)
         if meta.num_reqs == 0 or meta.num_actual_tokens == 0:
-            return out
+            return q_nope.new_zeros(t, dims.num_heads, dims.v_head_dim)
         plan = self._plan(meta, kv_cache.shape[2], q_nope.device)
         w = kv_b_weight.view(dims.num_heads, dims.qk_nope_head_dim + dims.v_head_dim,
                              dims.kv_lora_rank)
@@ -264,11 +263,16 @@ class MLATorchBackend:
             o_lat, tokens = self._decodes(q_nope, q_pe, w_uk, kv_cache, meta, plan, scale,
                                           k_scale)
             o = self._up_v(o_lat, w_uv)
+            if tokens is None and o.shape[0] == t:  # a decode-only step: every row
+                return o
+            out = q_nope.new_zeros(t, dims.num_heads, dims.v_head_dim)
             if tokens is None:
                 out[:o.shape[0]] = o
             else:
                 out[tokens] = o
             absorbed_rows = []
+        else:
+            out = q_nope.new_zeros(t, dims.num_heads, dims.v_head_dim)
         for r in absorbed_rows:
             s, e = qsl[r], qsl[r + 1]
             latent = self._gather(kv_cache, meta, r, int(plan.seq_lens[r]), k_scale,
