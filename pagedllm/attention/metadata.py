@@ -67,6 +67,10 @@ class AttentionMetadata:
     # [num_tokens] int32 on the device: the last key position each query may see (module
     # doc); None -- every step of every other model -- is plain causal attention.
     query_limits: torch.Tensor | None = None
+    # False in a CUDA graph's metadata (worker/cuda_graphs.py): the ``*_cpu`` twins are
+    # then placeholders fixed at capture, so a backend may plan from the host ints above
+    # (tokens, requests, ``max_query_len``) but never from the twins' contents.
+    host_lens: bool = True
 
     def with_groups(self, tables: list[torch.Tensor], slots: list[torch.Tensor],
                     ) -> AttentionMetadata:

@@ -250,10 +250,13 @@ class MLATorchBackend:
         t = q_nope.shape[0]
         if meta.num_reqs == 0 or meta.num_actual_tokens == 0:
             return q_nope.new_zeros(t, dims.num_heads, dims.v_head_dim)
-        plan = self._plan(meta, kv_cache.shape[2], q_nope.device)
         w = kv_b_weight.view(dims.num_heads, dims.qk_nope_head_dim + dims.v_head_dim,
                              dims.kv_lora_rank)
         w_uk, w_uv = w[:, :dims.qk_nope_head_dim], w[:, dims.qk_nope_head_dim:]
+        if not meta.host_lens:
+            return self._graph_step(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv,
+                                    k_scale)
+        plan = self._plan(meta, kv_cache.shape[2], q_nope.device)
         qsl = plan.qsl.tolist()
         absorbed_rows = plan.decodes if mode == "auto" else \
             (list(range(meta.num_reqs)) if mode == "absorbed" else [])
@@ -284,6 +287,29 @@ class MLATorchBackend:
             self._expanded(q_nope, q_pe, kv_cache, meta, plan, scale, kv_b_weight, dims,
                            expanded_rows, out, k_scale)
         return out
+
+    def _graph_step(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, w_uk: torch.Tensor,
+                    w_uv: torch.Tensor, k_scale: float) -> torch.Tensor:
+        """A step replayed from a CUDA graph (``meta.host_lens`` False: no host plan).
+        Every row, prompt chunks included, attends in the absorbed form through the
+        decode kernel, whose launch depends on host ints alone (``max_query_len`` is the
+        graph's token count); it reads the lengths from the device metadata.  Rows
+        past the last request's tokens (padding) come out zero."""
+        if not (self.use_kernel and (q_nope.is_cuda or self.kernel_on_cpu)):
+            raise RuntimeError("MLA: a step without host lengths (a CUDA graph's) needs "
+                               "the Triton decode kernel")
+        kernel = _kernel()
+        if kernel is None:
+            raise RuntimeError("MLA: a CUDA graph's step needs kernels/mla_decode.py")
+        n = meta.num_reqs
+        q_lat = self._absorb_q(q_nope, w_uk)
+        o_lat = q_lat.new_zeros(q_lat.shape)  # padding rows, which the kernel skips
+        kernel(_last_dim_contiguous(q_lat), _last_dim_contiguous(q_pe),  # type: ignore[operator]
+               kv_cache, meta.block_tables[:n], meta.seq_lens[:n],
+               meta.query_start_loc[:n + 1], scale, meta.max_query_len, out=o_lat,
+               k_scale=k_scale)
+        return self._up_v(o_lat, w_uv)
 
     @staticmethod
     def _absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:

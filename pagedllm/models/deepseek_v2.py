@@ -84,7 +84,12 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     # The torch MLA path plans steps with prompt chunks on the host (a loop over
     # requests, ``attention/mla_torch.py``): those run eagerly.  Decode-only steps go
     # through the Triton kernel, whose launch depends on host ints only: CUDA graphs.
-    cuda_graph_steps = "decode"
+    # Chunk steps replay graphs too: the MLA backend runs a graph's steps in the absorbed
+    # form through the decode kernel (``MLATorchBackend._graph_step``: no host plan),
+    # whose attention work grows with a chunk's square, so chunk graphs stop at 1,024
+    # tokens; larger steps run eagerly in the expanded form (kernels/mla_prefill.py).
+    cuda_graph_steps = "all"
+    max_chunk_graph_tokens = 1024
 
     def __init__(self, hf_config: Any, backend: AttentionBackend,
                  quant_config: QuantizationConfig | None = None) -> None:

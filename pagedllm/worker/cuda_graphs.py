@@ -217,7 +217,8 @@ class CudaGraphRunner:
             max_seq_len=self.max_model_len, query_start_loc=qsl,
             seq_lens=self.seq_lens[:reqs], block_tables=self.block_tables[:reqs],
             slot_mapping=self.slot_mapping[:tokens], query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=torch.ones(reqs, dtype=torch.int32), block_size=self.block_size)
+            seq_lens_cpu=torch.ones(reqs, dtype=torch.int32), block_size=self.block_size,
+            host_lens=False)
         return meta.with_groups([t[:reqs] for t in self.group_tables],
                                 [s[:tokens] for s in self.group_slots])
 

@@ -248,11 +248,14 @@ class ModelRunner:
         mc = self.config.model_config
         if self.lora is not None:  # graphs always contain the LoRA ops (-1 rows: no-op)
             self.lora.mapping.active = True
+        # A model may cap its chunk graphs (``max_chunk_graph_tokens``: MLA's chunk steps
+        # replay the absorbed form, whose cost grows with the chunk's square).
+        max_capture = min(self.config.device_config.max_cudagraph_capture_size,
+                          getattr(self.model, "max_chunk_graph_tokens", None) or 1 << 30)
         self.graphs = CudaGraphRunner(
             self.model, self.device, self.config.scheduler_config.max_num_seqs,
             self.batch.block_table.shape[1], self.block_size, mc.max_model_len,
-            self.config.scheduler_config.max_num_batched_tokens,
-            self.config.device_config.max_cudagraph_capture_size, memory_margin,
+            self.config.scheduler_config.max_num_batched_tokens, max_capture, memory_margin,
             last_only=self.last_only, num_kv_groups=self.num_kv_groups,
             position_rows=3 if self.mrope is not None else 1,
             chunk_graphs=getattr(self.model, "cuda_graph_steps", "all") == "all")

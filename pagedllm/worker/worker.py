@@ -396,8 +396,7 @@ class Worker:
                          DraftModelProposer if method == "draft_model" else EagleProposer)
         # Pipeline stages exchange hidden states between graph replays: run them eagerly.
         # A model's ``cuda_graph_steps`` ("all", "decode" or "none") limits what is
-        # captured: MLA's torch path plans prompt chunks on the host, so only its
-        # decode-only steps replay graphs.
+        # captured (a model whose prompt-chunk attention plans on the host: "decode").
         if self.device.type == "cuda" and not self.config.device_config.enforce_eager \
                 and self.parallel.pp_size == 1 \
                 and getattr(self.model, "cuda_graph_steps", "all") != "none":

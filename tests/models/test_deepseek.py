@@ -289,3 +289,96 @@ def test_triton_kernels_in_every_layer(pair) -> None:
         for m in moes:
             m.use_triton = False
     torch.testing.assert_close(torch.cat(parts), hf_logits_of(hf, ids), atol=ATOL, rtol=0)
+
+
+def _graph_meta(meta, tokens: int, reqs: int):  # type: ignore[no-untyped-def]
+    """``meta`` as a CUDA graph of ``tokens`` rows and ``reqs`` request slots sees it
+    (worker/cuda_graphs.py): padded rows write nowhere (slot -1), the unused request
+    slots own no token, and the host twins are the capture's placeholders."""
+    from pagedllm.attention.metadata import AttentionMetadata
+
+    t, n = meta.num_actual_tokens, meta.num_reqs
+    i32 = torch.int32
+    qsl = torch.full((reqs + 1,), t, dtype=i32)
+    qsl[:n + 1] = meta.query_start_loc
+    seq = torch.ones(reqs, dtype=i32)
+    seq[:n] = meta.seq_lens
+    tables = torch.zeros(reqs, meta.block_tables.shape[1], dtype=i32)
+    tables[:n] = meta.block_tables
+    slots = torch.full((tokens,), -1, dtype=torch.int64)
+    slots[:t] = meta.slot_mapping
+    placeholder = torch.full((reqs + 1,), tokens, dtype=i32)
+    placeholder[0] = 0
+    return AttentionMetadata(
+        num_actual_tokens=tokens, num_reqs=reqs, max_query_len=tokens,
+        max_seq_len=meta.max_seq_len, query_start_loc=qsl, seq_lens=seq,
+        block_tables=tables, slot_mapping=slots, query_start_loc_cpu=placeholder,
+        seq_lens_cpu=torch.ones(reqs, dtype=i32), block_size=meta.block_size,
+        host_lens=False)
+
+
+def test_graph_steps_without_host_lengths(pair) -> None:
+    """Steps as a CUDA graph replays them (``AttentionMetadata.host_lens`` False: padded
+    rows and request slots, placeholder host twins): prompt chunks, a chunk after
+    context beside a decode, and decodes all run the absorbed kernel path
+    (``MLATorchBackend._graph_step``) -- the real rows' logits equal transformers'."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels on CPU tensors: needs TRITON_INTERPRET=1")
+    import tests.models.paged as paged
+
+    ours, hf = pair[0], pair[1]
+    a, b = _prompt(19, seed=11), _prompt(9, seed=12)
+    real = paged.build_metadata
+    shape = {"tokens": 0, "reqs": 0}
+
+    def graph_metadata(*args, **kwargs):  # type: ignore[no-untyped-def]
+        return _graph_meta(real(*args, **kwargs), shape["tokens"], shape["reqs"])
+
+    class GraphSession(PagedSession):
+        """Pads ids and positions to the graph's rows; logits of the real rows."""
+
+        def step(self, new_tokens, last_only=False):  # type: ignore[no-untyped-def]
+            t = sum(len(v) for v in new_tokens.values())
+            pad = shape["tokens"] - t
+            orig_model = self.model
+
+            def forward(ids, positions, meta, last_only=False):  # type: ignore[no-untyped-def]
+                ids = torch.cat((ids, ids.new_zeros(pad)))
+                positions = torch.cat((positions, positions.new_zeros(pad)))
+                return orig_model(ids, positions, meta, last_only=last_only)[:t]
+
+            class Shim:  # the model as the session calls it
+                __call__ = staticmethod(forward)
+                compute_logits = staticmethod(orig_model.compute_logits)
+
+            self.model = Shim()  # type: ignore[assignment]
+            try:
+                return PagedSession.step(self, new_tokens, last_only)
+            finally:
+                self.model = orig_model
+
+    ours.set_mla_mode("auto")
+    ours.mla_backend.kernel_on_cpu = True
+    paged.build_metadata = graph_metadata
+    try:
+        mc = pair[2].model_config
+        s = GraphSession(ours, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks=48,
+                         block_size=4, seed=13, kv_entries=mc.kv_entries_per_token)
+        got_a, got_b = [], []
+        shape.update(tokens=16, reqs=4)
+        got_a.append(s.step({0: a[:12]})[0])
+        shape.update(tokens=32, reqs=8)  # a chunk after context beside a whole prompt
+        out = s.step({0: a[12:17], 1: b})
+        got_a.append(out[0])
+        got_b.append(out[1])
+        shape.update(tokens=8, reqs=8)  # decodes, with padding rows
+        for ta, tb in zip(a[17:], [2, 3]):
+            out = s.step({0: [ta], 1: [tb]})
+            got_a.append(out[0])
+            got_b.append(out[1])
+    finally:
+        paged.build_metadata = real
+        ours.mla_backend.kernel_on_cpu = False
+    torch.testing.assert_close(torch.cat(got_a), hf_logits_of(hf, a), atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat(got_b), hf_logits_of(hf, b + [2, 3]), atol=ATOL,
+                               rtol=0)
