@@ -37,8 +37,7 @@
 #            Gemma kernel tests, then Gemma-3-12B W4 and W1
 #   int4     issue 43: int4 layers with / without zero points through the engine's routing
 #            (int4_layer_bench.py), the K-major kernels' sweep (wna16_kmajor_sweep.py),
-#            then W4 and W1 of llama3-8b-w4a16 and -asym; INT4_VARIANTS (default
-#            "two= kmajor=PAGEDLLM_INT4_LAYOUT=kmajor") A/Bs the storage layouts
+#            then W4 and W1 of llama3-8b-w4a16 (symmetric: striped) and -asym (K-major)
 #   w6       issue 45: the multi-turn benchmark, host tier off / on (200 conversations,
 #            30 GB device pool, 80 GiB host pool: fits the 128 GiB machine)
 #   w2       online serving at 10 and 20 req/s (benchmarks/w2_suite.sh; RATES to change)
@@ -205,18 +204,14 @@ import gpu_check_families as g; g.gemma('gemma3'); g.gemma('gemma2')"
       ab gemmaw1 python -m pagedllm bench throughput --workload W1 --dummy gemma-3-12b \
         --no-hf --repeats "${REPEATS:-1}" ;;
     int4)
-      step timeout 200 env PAGEDLLM_INT4_LAYOUT=kmajor python -m pytest -q -p no:cacheprovider \
+      step timeout 200 python -m pytest -q -p no:cacheprovider \
         tests/kernels/test_int4_kmajor_layer.py tests/kernels/test_wna16_kmajor.py \
         tests/kernels/test_wna16_tc.py
       step timeout 150 python benchmarks/int4_layer_bench.py "$OUT/int4_layers.json"
-      step timeout 150 env PAGEDLLM_INT4_LAYOUT=kmajor python benchmarks/int4_layer_bench.py \
-        "$OUT/int4_layers_kmajor.json"
       step timeout 400 python benchmarks/wna16_kmajor_sweep.py --out "$OUT/kmajor_sweep.json"
       for d in llama3-8b-w4a16 llama3-8b-w4a16-asym; do
-        VARIANTS="${INT4_VARIANTS:-two= kmajor=PAGEDLLM_INT4_LAYOUT=kmajor}" ab "w4_$d" \
-          python -m pagedllm bench latency --dummy "$d"
-        VARIANTS="${INT4_VARIANTS:-two= kmajor=PAGEDLLM_INT4_LAYOUT=kmajor}" ab "w1_$d" \
-          python -m pagedllm bench throughput --workload W1 --dummy "$d" --no-hf \
+        ab "w4_$d" python -m pagedllm bench latency --dummy "$d"
+        ab "w1_$d" python -m pagedllm bench throughput --workload W1 --dummy "$d" --no-hf \
           --repeats "${REPEATS:-1}"
       done ;;
     w6) step python -m pagedllm bench multiturn --dummy llama3-8b --max-model-len 4096 \

@@ -27,10 +27,6 @@ Variable (type, default): why it exists.
 * ``PAGEDLLM_FP8_GEMM_CONFIGS``, ``PAGEDLLM_WNA16_CONFIGS``,
   ``PAGEDLLM_WNA16_TC_CONFIGS`` (path, unset: the table shipped for this GPU, if any):
   a launch table a sweep in ``benchmarks/`` wrote for a GPU model we ship none for.
-* ``PAGEDLLM_INT4_LAYOUT`` (str, ``stripe+tc``; or ``kmajor``): the CUDA storage of the
-  4-bit layers the tensor-core kernel takes (``layers/quantization/int_cuda.py``).  A
-  tuning experiment (issue 43 item 3: one weight copy instead of two), to be removed with
-  the losing layout once a GPU has measured both.
 
 Standard variables of other tools (``HF_HOME``, ``CUDA_VISIBLE_DEVICES``,
 ``TRITON_INTERPRET``, ...) are read where they are used.  Test-only hooks live in the
@@ -102,20 +98,6 @@ def allow_runtime_lora_updating() -> bool:
                          "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING"))
 
 
-INT4_LAYOUTS = ("stripe+tc", "kmajor")
-
-
-def int4_layout() -> str:
-    """``PAGEDLLM_INT4_LAYOUT``: ``stripe+tc`` (the default) stores a 4-bit CUDA layer
-    twice, striped (decode GEMV, tile, dequantise) and K-major (the tensor-core GEMM);
-    ``kmajor`` stores only the K-major copy where the tensor-core kernel applies
-    (``int_cuda`` module doc).  A tuning experiment, read at load: it goes, with the
-    layout that loses, once measured on a GPU (issue 43 item 3)."""
-    value = os.environ.get("PAGEDLLM_INT4_LAYOUT") or INT4_LAYOUTS[0]
-    if value not in INT4_LAYOUTS:
-        raise ValueError(f"PAGEDLLM_INT4_LAYOUT: expected one of {', '.join(INT4_LAYOUTS)}"
-                         f", got {value!r}")
-    return value
 
 
 # Tuned launch tables.  ``kernels/tuned/<prefix>_<GPU name>.json`` ships the tables swept

@@ -1,5 +1,6 @@
-"""The single-copy K-major storage of the 4-bit CUDA layers (``PAGEDLLM_INT4_LAYOUT=kmajor``,
-``layers/quantization/int_cuda.py``): what is stored, what the start-up log counts, and
+"""The single-copy K-major storage of the 4-bit CUDA layers with zero points
+(``layers/quantization/int_cuda.py``; symmetric layers keep the striped layout): what is
+stored, what the start-up log counts, and
 that every row count's route (the K-major GEMV, the tensor-core GEMM with a table or
 prior configuration, dequantise + ``F.linear`` whole or in column chunks) equals the
 dequantised weight's product.
@@ -41,10 +42,9 @@ def _clear_tables() -> None:
 
 @pytest.fixture
 def table(tmp_path, monkeypatch):
-    """``kmajor`` mode (read by ``store_cuda``) and a tensor-core table for (N, K)."""
+    """A tensor-core table for (N, K)."""
     path = tmp_path / "wna16_tc.json"
     path.write_text(json.dumps({"configs": TABLE, "summary": {"tc_min_m": 16}}))
-    monkeypatch.setenv("PAGEDLLM_INT4_LAYOUT", "kmajor")
     monkeypatch.setenv("PAGEDLLM_WNA16_TC_CONFIGS", str(path))
     monkeypatch.delenv("PAGEDLLM_WNA16_CONFIGS", raising=False)  # dequant_min_m: 512
     _clear_tables()
@@ -91,24 +91,32 @@ def _route(layer: ReplicatedLinear, m: int) -> tuple:
     return int_cuda._kmajor_route(layer, m, N, K, torch.device(DEVICE))
 
 
-@pytest.mark.parametrize("zeros", [False, True])
-def test_kmajor_stores_one_copy(zeros: bool, table) -> None:
-    """No striped copy; the K-major words are the weight's; symmetric zeros are None
-    (the kernels' constant 8); the buffers take the IntWeight's bytes (codes, scales and
-    zeros in the layer dtype, here fp32) -- at most 1.05x; the dequantise scratch is
-    reserved."""
-    iw = _int_weight(zeros, 1)
+def test_zero_points_store_one_kmajor_copy(table) -> None:
+    """With zero points: no striped copy; the K-major words are the weight's; the buffers
+    take the IntWeight's bytes (codes, scales and zeros in the layer dtype, here fp32) --
+    at most 1.05x; the dequantise scratch is reserved."""
+    iw = _int_weight(True, 1)
     layer = _layer(iw)
     assert layer.int_layout == "kmajor" and layer.int_qweight is None
     names = dict(layer.named_buffers())
     assert "int_qweight" not in names and "int_tc_qweight" in names
     assert torch.equal(from_kmajor(layer.int_tc_qweight.cpu()), iw.qweight)
-    assert (layer.int_tc_zeros is None) == (not zeros)
+    assert layer.int_tc_zeros is not None
     stored = sum(b.numel() * b.element_size() for b in layer.buffers())
     ckpt = sum(t.numel() * t.element_size()
                for t in (iw.qweight, iw.scales, iw.zeros) if t is not None)
     assert stored <= 1.05 * ckpt, (stored, ckpt)
     assert layer.int_scratch is not None and layer.int_scratch.tensor.numel() >= N * K
+
+
+def test_symmetric_weights_keep_the_striped_layout(table) -> None:
+    """Symmetric: the striped layout, with the K-major copy for the tensor-core GEMM
+    where a tuned table exists (the fixture's), and the reference product."""
+    iw = _int_weight(False, 1)
+    layer = _layer(iw)
+    assert layer.int_layout == "stripe" and layer.int_tc_qweight is not None
+    for m in (1, 16, 100):
+        _check(layer, iw, m, 40 + m)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -134,41 +142,37 @@ def test_kmajor_zeros_in_the_scales_dtype(dtype: torch.dtype, table) -> None:
     assert _layer(iw, dtype).int_tc_zeros.dtype == torch.float32
 
 
-def test_start_up_log_counts_the_kmajor_copy_as_the_weight(table, monkeypatch) -> None:
-    """``loader.weight_bytes``: the unquantised figure is N * K elements in both modes
-    (``stripe+tc``'s K-major copy counts nothing there); ``kmajor`` stores about half."""
+def test_start_up_log_counts_the_kmajor_copy_as_the_weight(table) -> None:
+    """``loader.weight_bytes``: the unquantised figure is N * K elements for both
+    storages (the symmetric layer's K-major copy counts nothing there); the zero-point
+    layer's single K-major copy stores about half a byte per weight less."""
     from pagedllm.models.loader import weight_bytes
 
-    iw = _int_weight(True, 2)
-    kmajor = _layer(iw, torch.bfloat16)
-    monkeypatch.setenv("PAGEDLLM_INT4_LAYOUT", "stripe+tc")
-    both = _layer(iw, torch.bfloat16)
+    kmajor = _layer(_int_weight(True, 2), torch.bfloat16)
+    both = _layer(_int_weight(False, 2), torch.bfloat16)
     assert both.int_layout == "stripe" and both.int_tc_qweight is not None
+    assert kmajor.int_layout == "kmajor"
     for layer in (kmajor, both):
         assert weight_bytes(layer, as_dtype_bytes=2) == N * K * 2
     codes = N * K // 2
-    assert weight_bytes(both) - weight_bytes(kmajor) >= codes
+    assert weight_bytes(both) - weight_bytes(kmajor) >= codes - N * (K // G) * 2
     assert weight_bytes(kmajor) <= 1.05 * (codes + N * (K // G) * (2 + 4))
 
 
-def test_other_layers_keep_todays_storage(table, monkeypatch) -> None:
-    """Where the tensor-core kernel does not apply (8-bit here) ``kmajor`` changes
-    nothing; a bad value of the variable is an error naming it."""
-    iw = _int_weight(False, 3, bits=8)
+def test_other_layers_keep_todays_storage(table) -> None:
+    """Where the tensor-core kernel does not apply (8-bit here) zero points change
+    nothing: the striped layout."""
+    iw = _int_weight(True, 3, bits=8)
     layer = _layer(iw)
     assert layer.int_layout == "stripe" and layer.int_tc_qweight is None
     _check(layer, iw, 3, 4)
-    monkeypatch.setenv("PAGEDLLM_INT4_LAYOUT", "kmajor-only")
-    with pytest.raises(ValueError, match="PAGEDLLM_INT4_LAYOUT"):
-        _layer(_int_weight(False, 3))
 
 
-@pytest.mark.parametrize("zeros", [False, True])
-def test_routes_by_rows_match_the_reference(zeros: bool, table, monkeypatch) -> None:
+def test_routes_by_rows_match_the_reference(table, monkeypatch) -> None:
     """1 and 3 rows: the GEMV; 8: the tensor-core GEMM with the table's 16-row entry
     (rows past M masked); 16 / 40: the table's entries; 100: the table's "dequant"
     (kmajor_dequantize + F.linear), whole and in two column chunks."""
-    iw = _int_weight(zeros, 5)
+    iw = _int_weight(True, 5)
     layer = _layer(iw)
     expect = {1: ("gemv", None), 3: ("gemv", None), 8: ("tc", tuple(CFG16)),
               16: ("tc", tuple(CFG16)), 40: ("tc", tuple(CFG64)), 100: ("dequant", None)}
@@ -234,7 +238,8 @@ def test_kmajor_dequantize_takes_column_slices() -> None:
 @pytest.mark.parametrize("sym", [True, False])
 def test_gptq_layer_forward(sym: bool, table) -> None:
     """A GPTQ act-order checkpoint layer through its quantisation method (checkpoint
-    tensors -> ``store_canonical`` -> ``layer(x)``): K-major only, and the reference."""
+    tensors -> ``store_canonical`` -> ``layer(x)``): K-major only with zero points, the
+    striped layout symmetric; both equal the reference."""
     from pagedllm.layers.quantization.gptq import GPTQConfig
     from tests.layers.int_fixtures import pack_gptq
 
@@ -251,8 +256,9 @@ def test_gptq_layer_forward(sym: bool, table) -> None:
         delattr(layer, name)
     layer.register_buffer("int_perm", None, persistent=False)
     method.store_canonical(layer, iw, torch.float32)
-    assert layer.int_layout == "kmajor" and layer.int_perm is not None
-    assert "int_qweight" not in dict(layer.named_buffers())
+    assert layer.int_layout == ("stripe" if sym else "kmajor")
+    assert layer.int_perm is not None
+    assert ("int_qweight" in dict(layer.named_buffers())) == sym
     for m in (3, 20):
         x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
         y = layer(x.to(DEVICE)).float().cpu()

@@ -106,26 +106,28 @@ def test_stripe_gemm_rejects_a_group_it_cannot_stripe() -> None:
 
 
 def test_act_order_layer_is_permuted_at_load_and_exact() -> None:
-    """GPTQ act-order (equal groups, a random order): stored striped with the inputs
-    permuted; the layer's dequantised weight, un-permuted, is the format's; the product
-    matches ``x @ w^T``."""
+    """GPTQ act-order (equal groups, a random order), symmetric: stored striped with the
+    inputs permuted; the layer's dequantised weight, un-permuted, is the format's; the
+    product matches ``x @ w^T``."""
     from pagedllm.layers.linear import ReplicatedLinear
     from pagedllm.layers.quantization.int_cuda import apply_cuda, store_cuda
 
     n, k, g = 16, 256, 128
-    qw, sc, zp = _weight(n, k, 4, g, True, 5)
+    qw, sc, zp = _weight(n, k, 4, g, False, 5)
     gen = torch.Generator().manual_seed(6)
     g_idx = (torch.argsort(torch.randperm(k, generator=gen)) // g).to(torch.int32)
     iw = IntWeight(qw, sc, zp, g_idx, 4, g)
     with torch.device(DEVICE):
         layer = ReplicatedLinear(k, n, bias=False, prefix="x")
     layer.register_buffer("int_perm", None, persistent=False)
-    store_cuda(layer, IntWeight(qw.to(DEVICE), sc.to(DEVICE), zp.to(DEVICE),
-                                g_idx.to(DEVICE), 4, g), torch.float32)
+    assert zp is None
+    store_cuda(layer, IntWeight(qw.to(DEVICE), sc.to(DEVICE), None, g_idx.to(DEVICE), 4,
+                                g), torch.float32)
     assert layer.int_layout == "stripe" and layer.int_g_idx is None
     perm = layer.int_perm.cpu()
-    w = dequantize(from_stripes(layer.int_qweight.cpu(), 4), layer.int_scales.cpu(),
-                   layer.int_zeros.cpu(), None, 4, g)
+    zeros = None if layer.int_zeros is None else layer.int_zeros.cpu()
+    w = dequantize(from_stripes(layer.int_qweight.cpu(), 4), layer.int_scales.cpu(), zeros,
+                   None, 4, g)
     ref_w = iw.dequantize(torch.float32)
     assert torch.equal(w, ref_w[:, perm])
     x = torch.randn(2, k, generator=gen)

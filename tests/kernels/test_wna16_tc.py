@@ -168,11 +168,10 @@ def clean_tables():
     _clear_tables()
 
 
-@pytest.mark.parametrize("zeros", [True, False])
-def test_act_order_layer_routes_rows_by_count(zeros: bool, tmp_path, monkeypatch,
-                                              clean_tables) -> None:
-    """GPTQ act-order, with zero points or symmetric (stored with zero = 8), through the
-    CUDA layer storage: inputs permuted at load, the K-major copy made from the permuted
+def test_act_order_layer_routes_rows_by_count(tmp_path, monkeypatch, clean_tables) -> None:
+    """GPTQ act-order, symmetric (the K-major copy stored with zero = 8; weights with zero
+    points keep the K-major layout alone: tests/kernels/test_int4_kmajor_layer.py), through
+    the CUDA layer storage: inputs permuted at load, the K-major copy made from the permuted
     weight; with a table entry 20 rows (>= TC_MIN_M) take the tensor-core GEMM, 3 rows
     the striped kernel; both equal ``x @ w^T``."""
     from pagedllm.layers.linear import ReplicatedLinear
@@ -181,7 +180,7 @@ def test_act_order_layer_routes_rows_by_count(zeros: bool, tmp_path, monkeypatch
     n, k, g = 32, 256, 128
     _use_table(monkeypatch, tmp_path / "t.json",
                [[64, n, k, "tc", [16, 32, 128, 1, 4, 2, 1, 1, 0]]])
-    qw, sc, zp = _weight(n, k, g, zeros, 7)
+    qw, sc, zp = _weight(n, k, g, False, 7)
     gen = torch.Generator().manual_seed(8)
     g_idx = (torch.argsort(torch.randperm(k, generator=gen)) // g).to(torch.int32)
     iw = IntWeight(qw, sc, zp, g_idx, 4, g)

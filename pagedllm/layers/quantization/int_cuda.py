@@ -2,36 +2,39 @@
 
 ``IntLinearMethod`` hands every CUDA layer's canonical weight (``int_layout.IntWeight``)
 to :func:`store_cuda` at load and every call to :func:`apply_cuda`.  What is stored
-depends on ``PAGEDLLM_INT4_LAYOUT`` (``envs.int4_layout``, read at load; a tuning
-experiment: one of the two layouts goes once a GPU has measured both):
+depends on whether the weight has zero points (AWQ, asymmetric GPTQ and
+compressed-tensors) or is symmetric:
 
 ```
  act-order (g_idx) with equal groups   inputs permuted at load (groups contiguous);
                                        apply gathers x[:, perm] once per call
- stripe+tc (the default):
+ with zero points ("kmajor"):
+ 4-bit, K % 128 == 0,                  only the K-major layout (int_layout "kmajor"):
+   group % 128 == 0 | K                int32 [K/8, N] words, scales [K/G, N], zeros
+   (wna16_tc.tc_applies)               [K/G, N] in the scales' dtype (integer codes:
+                                       exact; fp32 if a zero is not), whether or not
+                                       there is a tuned table; a group-128 layer is
+                                       ~1.02x its checkpoint (fp32 zeros: 1.05x)
+ symmetric ("stripe+tc"):
  K % 128 == 0, group % 128 == 0 | K    the striped layout (kernels/wna16_stripe.py)
    and 4-bit, tc_min_m > 0             also the K-major layout (kernels/wna16_tc.py):
    (16 with a tuned table, else 0)     int32 [K/8, N] words, scales [K/G, N], zeros
                                        (8 for symmetric weights)
- kmajor:
- 4-bit, K % 128 == 0,                  only the K-major layout (int_layout "kmajor"):
-   group % 128 == 0 | K                int32 [K/8, N] words, scales [K/G, N], zeros
-   (wna16_tc.tc_applies)               [K/G, N] in the scales' dtype (integer codes:
-                                       exact; fp32 if a zero is not) or None
-                                       (symmetric: the kernels' constant 8; explicit
-                                       fp32 8s would cost 6% at group 128), whether or
-                                       not there is a tuned table; a group-128
-                                       zero-point layer is ~1.02x its checkpoint
-                                       (fp32 zeros: 1.05x)
- other striped layers (either mode)    the striped layout alone
+ other striped layers                  the striped layout alone
  anything else                         the canonical layout (kernels/wna16.py)
  tinygemm_max_m > 0                    also torch's int4 layout (4-bit, groups 32..256)
 ```
 
-In ``stripe+tc`` the K-major copy costs another half byte per weight (the striped copy
-stays for the decode GEMV below ``TC_MIN_M`` rows and for the dequantise path); in
-``kmajor`` the K-major copy is the weight (``packed_factor`` 8: the start-up log counts
-it as such) and the layer keeps no ``int_qweight``.
+Why by zero points (H100, 2026-12-05, `bench latency`, Llama-3-8B shape, no tuned
+tensor-core table on that GPU, so "stripe+tc" stored the striped copy alone): with zero
+points the K-major layout ran W4 at TPOT 4.27 ms against the striped layout's 8.61
+(its zero-point GEMV is 2-3x faster per layer, ``benchmarks/int4_layer_bench.py``);
+symmetric, the striped GEMV ran 3.60 ms against K-major's 5.83.  With a tuned table
+(H200) the symmetric layers' K-major copy costs another half byte per weight (the
+striped copy stays for the decode GEMV below ``TC_MIN_M`` rows and for the dequantise
+path); a "kmajor" layer's K-major copy is the weight (``packed_factor`` 8: the start-up
+log counts it as such) and it keeps no ``int_qweight``.  The K-major kernels still
+take symmetric weights (``zeros`` None: the constant 8), as their tests do.
 
 Which kernel runs depends only on the row count ``M`` (host int): CUDA graphs and eager
 runs of one batch size agree, and nothing syncs.  The thresholds are the tuned table's
@@ -94,7 +97,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-import pagedllm.envs as envs
 from pagedllm.layers.quantization.int4pack import PackedInt4, mm_parts, packable
 from pagedllm.layers.quantization.int_layout import IntWeight, act_order_permutation
 
@@ -236,8 +238,8 @@ def store_cuda(layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> None:
             qweight = pack_codes(iw.codes()[:, perm], iw.bits)
             g_idx = None
     layer.int_perm = perm  # type: ignore[assignment]
-    if (envs.int4_layout() == "kmajor"
-            and tc_applies(iw.bits, iw.k, iw.group_size, g_idx is not None)):
+    if iw.zeros is not None and tc_applies(iw.bits, iw.k, iw.group_size,
+                                           g_idx is not None):
         _store_kmajor(layer, iw, qweight, dtype)
     else:
         _store_striped(layer, iw, qweight, g_idx, dtype)
@@ -252,9 +254,9 @@ def store_cuda(layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> None:
 
 def _store_striped(layer: LinearBase, iw: IntWeight, qweight: torch.Tensor,
                    g_idx: torch.Tensor | None, dtype: torch.dtype) -> None:
-    """The ``stripe+tc`` storage (and every layer ``kmajor`` leaves to it): the striped
-    layout where it applies (with the K-major copy where the tensor-core kernel does),
-    else the canonical one.  ``qweight`` and ``g_idx``: after any act-order
+    """The ``stripe+tc`` storage (symmetric weights, and layers ``kmajor`` does not take):
+    the striped layout where it applies (with the K-major copy where the tensor-core
+    kernel does), else the canonical one.  ``qweight`` and ``g_idx``: after any act-order
     permutation."""
     from pagedllm.kernels.wna16_stripe import stripe_applies, to_stripes
 
