@@ -233,15 +233,19 @@ def default_decode_config(tokens: int, top_k: int, inter: int,
                           hidden: int) -> DecodeConfig:
     """The heuristic for shapes ``DECODE_CONFIGS`` does not list.  Gate-up:
     :func:`decode_block_n` rows per program, :func:`_block_k` columns, 4 warps.  Down:
-    the all-slots kernel with 2 rows per program and whole rows (8 warps, <= 128 bytes
-    of weights a thread, no spills on sm_90) while one row of all ``k`` slots is at most
-    16 KB (Qwen3-30B-A3B: 8 x 1024 padded bf16), where the slot loop would be ``k *
-    I / BLOCK_K`` dependent round trips of one 16-byte load a thread; else the slot
-    loop (Mixtral: 2 slots of 14336-wide rows, already ~86% of its floor)."""
+    the all-slots kernel with 2 rows per program (8 warps) and a ``[k, 2, BLOCK_K]``
+    tile of at most 16 KB a row (<= 128 bytes of weights a thread, no spills on sm_90):
+    the whole row where it fits (Qwen3-30B-A3B: 8 x 1024 padded bf16), else in a few
+    steps for four or more slots (DeepSeek-V2-Lite: 6 slots of 1408, two steps of 1024),
+    where the slot loop is ``k * I / BLOCK_K`` dependent round trips of one 16-byte
+    load a thread (an H100 profile, 2026-12-05: V2-Lite's down GEMV at 35% of its
+    floor on the slot loop); the slot loop for one or two slots of long rows (Mixtral:
+    2 slots of 14336-wide rows, already ~86% of its floor)."""
     gate_up = (decode_block_n(inter, tokens * top_k), _block_k(hidden), 4)
-    i_p2 = triton.next_power_of_2(inter)
-    if triton.next_power_of_2(top_k) * i_p2 * 2 <= 16 * 1024:
-        return DecodeConfig(*gate_up, 2, i_p2, 8, True)
+    k_p2, i_p2 = triton.next_power_of_2(top_k), triton.next_power_of_2(inter)
+    block_k = min(i_p2, 16 * 1024 // (2 * k_p2))
+    if block_k == i_p2 or k_p2 >= 4:
+        return DecodeConfig(*gate_up, 2, block_k, 8, True)
     return DecodeConfig(*gate_up, decode_block_n(hidden, tokens), _block_k(inter), 4, False)
 
 

@@ -211,6 +211,7 @@ _DECODE_CONFIGS = [  # (gate-up BN, BK, warps, down BN, BK, warps, all slots)
     (4, 64, 4, 2, 32, 4, False),    # the slot loop, K steps that divide H / I
     (2, 128, 2, 4, 64, 2, True),    # all slots, whole rows (I = 48: masked columns)
     (8, 32, 4, 1, 16, 8, True),     # all slots, several K steps, one feature each
+    (8, 64, 4, 2, 32, 8, True),     # all slots, K steps with a masked last (I = 48)
 ]
 
 
@@ -223,6 +224,7 @@ _DECODE_CASES = [  # (config index, dtype, T, E, top-k)
     (1, torch.float32, 2, 12, 3), (1, torch.bfloat16, 8, 8, 2),
     (2, torch.float32, 5, 16, 4), (2, torch.bfloat16, 1, 16, 8),
     (2, torch.bfloat16, 2, 12, 3),
+    (3, torch.float32, 1, 16, 6), (3, torch.bfloat16, 4, 12, 6),  # DeepSeek's top-6
 ]
 
 
@@ -273,7 +275,9 @@ _COMPILE_DECODE = textwrap.dedent(r"""
             ("qwen3", 128, 8, 2048, 768, 1, False), ("qwen3", 128, 8, 2048, 768, 8, False),
             ("qwen3 routed", 128, 8, 2048, 768, 1, True),
             ("mixtral", 8, 2, 4096, 14336, 1, False),
-            ("mixtral", 8, 2, 4096, 14336, 4, False)]:
+            ("mixtral", 8, 2, 4096, 14336, 4, False),
+            ("deepseek-v2-lite", 64, 6, 2048, 1408, 1, True),
+            ("deepseek-v2-lite", 64, 6, 2048, 1408, 8, False)]:
         c = D.get_decode_config(t, e, i, h) or D.default_decode_config(t, k, i, h)
         route = dict(ROUTED=routed, NUM_EXPERTS=e if routed else 1,
                      E_P2=triton.next_power_of_2(e) if routed else 1)
@@ -302,7 +306,7 @@ def test_decode_kernels_compile_for_sm90_without_spills(tmp_path) -> None:
     from tests.kernels.sm90_compile import run_script
 
     stats = run_script(_COMPILE_DECODE, tmp_path)
-    assert len(stats) == 10, stats
+    assert len(stats) == 14, stats
     assert not any(s["spill_stores"] for s in stats.values()), stats
 
 
