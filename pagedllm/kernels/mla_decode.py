@@ -29,7 +29,12 @@ Grid::
             ``tl.dot`` with M = BLOCK_Q * BLOCK_H >= 16 rows.  DeepSeek-V2-Lite's 16
             heads fit one head block; V3's 128 split into head blocks of 64 (a 64 x 512
             fp32 accumulator is already 128 registers a thread at 8 warps).
-    axis 1: requests.
+    axis 1: requests.  Queries longer than one token (``max_query_len > 1``: a CUDA
+            graph's chunk step, speculative verification) instead put every request's
+            query tiles on axis 0, as ``paged_attention.py`` does: a program finds its
+            request by binary search over ``query_start_loc`` (tile start
+            ``query_start_loc[r] // BLOCK_Q + r``), and the grid is the upper bound
+            ``num_tokens // BLOCK_Q + num_reqs`` tiles (axis 1 is 1).
     axis 2: KV splits.  Split ``s`` of ``S`` takes a contiguous, BLOCK_N-aligned run of
             the positions its rows need, writes its normalised partial output and its
             log-sum-exp (log2 domain), and ``_mla_reduce_kernel`` merges the S partials.
@@ -71,7 +76,7 @@ import triton
 import triton.language as tl
 
 # The GQA kernel's helpers: the same MMA numerics, tile search and interpreter test.
-from pagedllm.kernels.paged_attention import _LOG2E, _interpreting, _mma
+from pagedllm.kernels.paged_attention import _LOG2E, _find_request, _interpreting, _mma
 
 MAX_SPLITS = 32
 # Query dtypes the kernel takes over an fp8 cache.
@@ -108,25 +113,35 @@ def _mla_tile(start, kv_hi, q_lat, q_rope, q_pos, m_i, l_i, acc, kv_ptr, bt_row,
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "num_reqs"])
 def _mla_decode_kernel(
     ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr,
-    scale_log2, kv_scale, num_heads, num_splits,
+    scale_log2, kv_scale, num_heads, num_splits, num_reqs,
     stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kvb, stride_kvs, stride_bt,
     stride_ot, stride_oh,
     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, KV_FP8: tl.constexpr,
+    SEARCH: tl.constexpr,
 ):
-    req = tl.program_id(1)
-    q_block = tl.program_id(0) // HEAD_BLOCKS
     h_block = tl.program_id(0) % HEAD_BLOCKS
     split = tl.program_id(2)
-    q_start = tl.load(qsl_ptr + req)
-    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if SEARCH:  # query tiles of all requests on axis 0 (module doc, "Grid")
+        tile_idx = tl.program_id(0) // HEAD_BLOCKS
+        if tile_idx >= tl.load(qsl_ptr + num_reqs) // BLOCK_Q + num_reqs:
+            return  # past the last real tile of the upper-bound grid
+        req = _find_request(qsl_ptr, tile_idx, num_reqs, BLOCK_Q)
+        q_start = tl.load(qsl_ptr + req)
+        q_len = tl.load(qsl_ptr + req + 1) - q_start
+        q_block = tile_idx - (q_start // BLOCK_Q + req)
+    else:
+        req = tl.program_id(1)
+        q_block = tl.program_id(0) // HEAD_BLOCKS
+        q_start = tl.load(qsl_ptr + req)
+        q_len = tl.load(qsl_ptr + req + 1) - q_start
     if q_block * BLOCK_Q >= q_len:
-        return  # the grid is sized for max_query_len; shorter requests exit
+        return  # a surplus program (a shorter request, a padded empty one)
     seq_len = tl.load(seq_lens_ptr + req)
 
     rows = tl.arange(0, BLOCK_Q * BLOCK_H)
@@ -345,16 +360,23 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     else:
         lse = seq_lens  # unused
         target, stride_ot, stride_oh = out, out.stride(0), out.stride(1)
-    _mla_decode_kernel[(q_blocks * head_blocks, num_reqs, splits)](
+    # Multi-token queries: one program per query tile of any request, found by search
+    # (``num_tokens // BLOCK_Q + num_reqs`` tiles at most), not max_query_len's tiles for
+    # every request -- a CUDA graph's chunk step (a 1,024-token graph with 256 request
+    # slots) would otherwise launch 65k programs, nearly all exiting at once.
+    search = max_query_len > 1
+    grid = ((t // launch.block_q + num_reqs) * head_blocks, 1, splits) if search \
+        else (q_blocks * head_blocks, num_reqs, splits)
+    _mla_decode_kernel[grid](
         q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, target, lse,
-        scale * kv_scale * _LOG2E, kv_scale, h, splits,
+        scale * kv_scale * _LOG2E, kv_scale, h, splits, num_reqs,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
         stride_ot, stride_oh,
         L=lat, R=rope, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=launch.block_h, BLOCK_Q=launch.block_q, HEAD_BLOCKS=head_blocks,
         BLOCK_N=launch.block_n, BLOCK_SIZE=kv_cache.shape[2], SPLIT=splits > 1,
-        F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), KV_FP8=kv_fp8,
+        F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), KV_FP8=kv_fp8, SEARCH=search,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages)
     if splits > 1:

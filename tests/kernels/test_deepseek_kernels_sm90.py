@@ -40,14 +40,14 @@ _SCRIPT = textwrap.dedent(r"""
                "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
                "out_ptr": "*fp32" if split else "*bf16", "lse_ptr": "*fp32",
                "scale_log2": "fp32", "kv_scale": "fp32"}
-        for k in ("num_heads", "num_splits", "stride_qlt", "stride_qlh", "stride_qpt",
+        for k in ("num_heads", "num_splits", "num_reqs", "stride_qlt", "stride_qlh", "stride_qpt",
                   "stride_qph", "stride_kvb", "stride_kvs", "stride_bt", "stride_ot",
                   "stride_oh"):
             sig[k] = "i32"
         consts = dict(L=512, R=64, BLOCK_L=512, BLOCK_R=64, BLOCK_H=p.block_h,
                       BLOCK_Q=p.block_q, HEAD_BLOCKS=-(-heads // p.block_h),
                       BLOCK_N=p.block_n, BLOCK_SIZE=16, SPLIT=split, F32_DOT=False,
-                      WHILE_LOOP=False, KV_FP8=2 if kv_fp8 else 0)
+                      WHILE_LOOP=False, KV_FP8=2 if kv_fp8 else 0, SEARCH=mql > 1)
         # Pointers and the (multiple-of-64) strides are specialised as divisible by 16.
         div = [i for i, n in enumerate(sig) if sig[n].startswith("*")
                or (n.startswith("stride") and n != "stride_bt")]

@@ -140,3 +140,27 @@ def test_padded_rows_and_strided_queries(splits: int) -> None:
     assert bool((out[3:] == 7.0).all())
     with pytest.raises(ValueError, match="dtype"):
         mla_decode(q_lat.to(torch.bfloat16), q_pe, cache, tables, seq, qsl, 0.1, 1)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_graph_chunk_step_searches_query_tiles(splits: int) -> None:
+    """A CUDA graph's chunk step (``MLATorchBackend._graph_step``): ``max_query_len`` is
+    the graph's row count, so the query tiles of every request sit on one axis and each
+    program searches its request.  A prompt chunk of 9 over cached context, a decode, a
+    chunk of 5, two empty request slots and five padding rows: the real rows equal the
+    reference, the padding rows are left as they were."""
+    q_lens, seq_lens = [9, 1, 5, 0, 0], [30, 12, 5, 1, 1]
+    q_lat, q_pe, cache, tables, seq, qsl = _batch(q_lens, seq_lens, 4, torch.float32,
+                                                   seed=9)
+    t = sum(q_lens)
+    pad = 5
+    pad_lat = torch.cat((q_lat, q_lat[:pad]))
+    pad_pe = torch.cat((q_pe, q_pe[:pad]))
+    out = torch.full((t + pad, 4, LAT), 7.0, device=DEVICE)
+    launch = MlaLaunch(block_h=16, block_q=4, block_n=16, num_splits=splits)
+    mla_decode(pad_lat, pad_pe, cache, tables, seq, qsl, 0.1, t + pad, launch=launch,
+               out=out)
+    ref = mla_decode_ref(q_lat.cpu(), q_pe.cpu(), cache.cpu(), tables.cpu(), seq.cpu(),
+                         qsl.cpu(), 0.1)
+    assert_close(out[:t], ref, torch.float32, 9)
+    assert bool((out[t:] == 7.0).all())
