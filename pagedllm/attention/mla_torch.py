@@ -294,8 +294,9 @@ class MLATorchBackend:
         """A step replayed from a CUDA graph (``meta.host_lens`` False: no host plan).
         Every row, prompt chunks included, attends in the absorbed form through the
         decode kernel, whose launch depends on host ints alone (``max_query_len`` is the
-        graph's token count); it reads the lengths from the device metadata.  Rows
-        past the last request's tokens (padding) come out zero."""
+        graph's token count); it reads the lengths from the device metadata.  In a chunk
+        graph rows past the last request's tokens (padding) come out zero; a decode
+        graph's rows are all requests' (padded ones read the null block)."""
         if not (self.use_kernel and (q_nope.is_cuda or self.kernel_on_cpu)):
             raise RuntimeError("MLA: a step without host lengths (a CUDA graph's) needs "
                                "the Triton decode kernel")
@@ -304,11 +305,12 @@ class MLATorchBackend:
             raise RuntimeError("MLA: a CUDA graph's step needs kernels/mla_decode.py")
         n = meta.num_reqs
         q_lat = self._absorb_q(q_nope, w_uk)
-        o_lat = q_lat.new_zeros(q_lat.shape)  # padding rows, which the kernel skips
-        kernel(_last_dim_contiguous(q_lat), _last_dim_contiguous(q_pe),  # type: ignore[operator]
-               kv_cache, meta.block_tables[:n], meta.seq_lens[:n],
-               meta.query_start_loc[:n + 1], scale, meta.max_query_len, out=o_lat,
-               k_scale=k_scale)
+        # A chunk graph's padding rows, which the kernel skips, are zeroed first.
+        o_lat = q_lat.new_zeros(q_lat.shape) if meta.max_query_len > 1 else None
+        o_lat = kernel(_last_dim_contiguous(q_lat),  # type: ignore[operator]
+                       _last_dim_contiguous(q_pe), kv_cache, meta.block_tables[:n],
+                       meta.seq_lens[:n], meta.query_start_loc[:n + 1], scale,
+                       meta.max_query_len, out=o_lat, k_scale=k_scale)
         return self._up_v(o_lat, w_uv)
 
     @staticmethod

@@ -81,13 +81,11 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     stacked_params_mapping = [("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
     make_mlp = staticmethod(make_deepseek_mlp)
-    # The torch MLA path plans steps with prompt chunks on the host (a loop over
-    # requests, ``attention/mla_torch.py``): those run eagerly.  Decode-only steps go
-    # through the Triton kernel, whose launch depends on host ints only: CUDA graphs.
-    # Chunk steps replay graphs too: the MLA backend runs a graph's steps in the absorbed
-    # form through the decode kernel (``MLATorchBackend._graph_step``: no host plan),
-    # whose attention work grows with a chunk's square, so chunk graphs stop at 1,024
-    # tokens; larger steps run eagerly in the expanded form (kernels/mla_prefill.py).
+    # Every step replays CUDA graphs, chunk steps too: the MLA backend runs a graph's
+    # steps in the absorbed form through the decode kernel, whose launch depends on host
+    # ints only (``MLATorchBackend._graph_step``: no host plan).  That form's attention
+    # work grows with a chunk's square, so chunk graphs stop at 1,024 tokens; larger
+    # steps run eagerly, chunks in the expanded form (kernels/mla_prefill.py).
     cuda_graph_steps = "all"
     max_chunk_graph_tokens = 1024
 

@@ -299,7 +299,9 @@ def _graph_meta(meta, tokens: int, reqs: int):  # type: ignore[no-untyped-def]
 
     t, n = meta.num_actual_tokens, meta.num_reqs
     i32 = torch.int32
-    qsl = torch.full((reqs + 1,), t, dtype=i32)
+    decode = tokens == reqs and meta.max_query_len == 1  # a decode graph: row i = request i
+    qsl = torch.arange(reqs + 1, dtype=i32) if decode else torch.full((reqs + 1,), t,
+                                                                         dtype=i32)
     qsl[:n + 1] = meta.query_start_loc
     seq = torch.ones(reqs, dtype=i32)
     seq[:n] = meta.seq_lens
@@ -309,8 +311,10 @@ def _graph_meta(meta, tokens: int, reqs: int):  # type: ignore[no-untyped-def]
     slots[:t] = meta.slot_mapping
     placeholder = torch.full((reqs + 1,), tokens, dtype=i32)
     placeholder[0] = 0
+    if decode:
+        placeholder = torch.arange(reqs + 1, dtype=i32)
     return AttentionMetadata(
-        num_actual_tokens=tokens, num_reqs=reqs, max_query_len=tokens,
+        num_actual_tokens=tokens, num_reqs=reqs, max_query_len=1 if decode else tokens,
         max_seq_len=meta.max_seq_len, query_start_loc=qsl, seq_lens=seq,
         block_tables=tables, slot_mapping=slots, query_start_loc_cpu=placeholder,
         seq_lens_cpu=torch.ones(reqs, dtype=i32), block_size=meta.block_size,
@@ -320,8 +324,9 @@ def _graph_meta(meta, tokens: int, reqs: int):  # type: ignore[no-untyped-def]
 def test_graph_steps_without_host_lengths(pair) -> None:
     """Steps as a CUDA graph replays them (``AttentionMetadata.host_lens`` False: padded
     rows and request slots, placeholder host twins): prompt chunks, a chunk after
-    context beside a decode, and decodes all run the absorbed kernel path
-    (``MLATorchBackend._graph_step``) -- the real rows' logits equal transformers'."""
+    context beside a whole prompt, decodes in a chunk graph and in a decode graph all
+    run the absorbed kernel path (``MLATorchBackend._graph_step``) -- the real rows'
+    logits equal transformers'."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs the Triton kernels on CPU tensors: needs TRITON_INTERPRET=1")
     import tests.models.paged as paged
@@ -371,8 +376,12 @@ def test_graph_steps_without_host_lengths(pair) -> None:
         out = s.step({0: a[12:17], 1: b})
         got_a.append(out[0])
         got_b.append(out[1])
-        shape.update(tokens=8, reqs=8)  # decodes, with padding rows
-        for ta, tb in zip(a[17:], [2, 3]):
+        shape.update(tokens=8, reqs=8)  # decodes in a chunk graph, with padding rows
+        out = s.step({0: [a[17]], 1: [2]})
+        got_a.append(out[0])
+        got_b.append(out[1])
+        shape.update(tokens=4, reqs=4)  # a decode graph: padded requests read block 0
+        for ta, tb in zip(a[18:], [3]):
             out = s.step({0: [ta], 1: [tb]})
             got_a.append(out[0])
             got_b.append(out[1])
