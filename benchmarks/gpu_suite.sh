@@ -20,7 +20,8 @@
 #            vs --disable-hybrid-kv-cache-manager (tok/s, peak KV blocks/GiB in use), then
 #            the GPU greedy check of tests/e2e/test_hybrid_kv_greedy.py (CUDA graphs)
 #   deepseek issue 42's targets: the MLA / block-FP8 kernel tests and the MLA decode
-#            bandwidth (bf16 and fp8 latent cache), then DeepSeek-V2-Lite W4 and W1;
+#            bandwidth (bf16 and fp8 latent cache), then DeepSeek-V2-Lite W4 and W1,
+#            their profiles and the sorted MoE kernels' sweep for its expert shape;
 #            the header and JSON give KV bytes per token and the blocks a GQA cache of
 #            the same memory would hold (gqa_equivalent)
 #   vlm      issue 41's targets: Qwen2.5-VL-7B shape, V1 (256 requests of one 448x448
@@ -155,7 +156,16 @@ for part in $PARTS; do
       ab dsw4 python -m pagedllm bench latency --dummy deepseek-v2-lite
       # --vocab-hi 102399: vLLM's request set for this shape (68,960 output tokens)
       ab dsw1 python -m pagedllm bench throughput --workload W1 --dummy deepseek-v2-lite \
-        --no-hf --vocab-hi 102399 --repeats "${REPEATS:-1}" ;;
+        --no-hf --vocab-hi 102399 --repeats "${REPEATS:-1}"
+      # Where W4's prompt step and W1's time go, then the sorted MoE kernels' sweep for
+      # (64, 1408, 2048) (it prints a CONFIGS entry for kernels/fused_moe_configs.py).
+      mkdir -p "$OUT/dsprof/w4" "$OUT/dsprof/w1"
+      step timeout 90 python benchmarks/profile_step.py --dummy deepseek-v2-lite --w4 \
+        --per-step --no-cprofile --out "$OUT/dsprof/w4"
+      step timeout 120 python benchmarks/profile_step.py --dummy deepseek-v2-lite \
+        --num-prompts 256 --no-cprofile --out "$OUT/dsprof/w1"
+      step timeout 300 python benchmarks/moe_bench.py --shapes deepseek-v2-lite --sweep \
+        --out "$OUT/moe_sweep_deepseek.json" ;;
     vlm)
       V1="python -m pagedllm bench throughput --workload V1 --dummy qwen2.5-vl-7b --no-hf"
       ab v1 $V1
