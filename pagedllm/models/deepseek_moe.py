@@ -70,6 +70,9 @@ def deepseek_routing(config: Any) -> GroupedTopK:
                        renormalize=False, routed_scaling_factor=scale)
 
 
+ROUTER_GEMV_CONFIG = (4, 512, 4)  # kernels/gemv.py (BLOCK_N, BLOCK_K, warps)
+
+
 class DeepseekRouter(nn.Module):
     """``weight [E, H]`` float32 (and ``e_score_correction_bias [E]`` float32 with
     ``bias``): ``x [T, H]`` -> ``(topk_weights, topk_ids)`` by ``routing``."""
@@ -86,7 +89,15 @@ class DeepseekRouter(nn.Module):
                 torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]`` -> the float32 router logits ``[T, E]``."""
+        """``x [T, H]`` -> the float32 router logits ``[T, E]``.  One row on CUDA: the
+        GEMV (``kernels/gemv.py``) reads the bf16 row and the float32 weight in one
+        launch; cuBLAS's float32 path was three (the cast, a dot, a reduction)."""
+        if x.is_cuda and x.shape[0] == 1 and x.dtype != torch.float32 and x.is_contiguous():
+            from pagedllm.kernels.gemv import gemv
+
+            out = torch.empty(1, self.weight.shape[0], dtype=torch.float32, device=x.device)
+            # 4 rows a program: 16 programs for 64 experts (the default 8 gives 8).
+            return gemv(x, self.weight, out=out, config=ROUTER_GEMV_CONFIG)
         return F.linear(x.float(), self.weight)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,3 +68,19 @@ def test_gemv_rejects_bad_shapes() -> None:
 def test_gpu_gemv_real_shapes(n: int, k: int) -> None:
     _check(n, k, torch.bfloat16, bias=False, seed=fresh_seed())
     _check(n, k, torch.bfloat16, bias=False, seed=fresh_seed(), silu=True)
+
+
+def test_bf16_row_fp32_weight_fp32_out() -> None:
+    """DeepSeek's router at one row (``models/deepseek_moe.DeepseekRouter.logits``): a
+    bf16 row against a float32 weight into a float32 output equals ``F.linear(x.float(),
+    w)`` to fp32 accumulation order (64 experts, hidden 2048: V2-Lite's)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 2048, generator=gen).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(64, 2048, generator=gen) / 2048 ** 0.5).to(DEVICE)
+    from pagedllm.models.deepseek_moe import ROUTER_GEMV_CONFIG
+
+    ref = torch.nn.functional.linear(x.float(), w)
+    for config in (None, ROUTER_GEMV_CONFIG):
+        out = torch.full((1, 64), float("nan"), device=DEVICE)
+        gemv(x, w, out=out, config=config)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
