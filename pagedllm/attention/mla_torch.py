@@ -56,8 +56,9 @@ move fp8 entries as bytes (fp8 has no ``index_copy_`` kernel on the CPU).
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -137,31 +138,10 @@ def _dequant(entries: torch.Tensor, kv_cache: torch.Tensor, k_scale: float,
     return (entries.view(kv_cache.dtype).float() * k_scale).to(dtype)
 
 
-def _kernel() -> object | None:
-    """``kernels.mla_decode.mla_decode`` when the module exists (and imports), else None."""
-    try:
-        from pagedllm.kernels.mla_decode import mla_decode
-    except ImportError:
-        return None
-    return mla_decode
-
-
-def _prefill_kernel() -> object | None:
-    """``kernels.mla_prefill.mla_prefill`` when the module exists (and imports), else None."""
-    try:
-        from pagedllm.kernels.mla_prefill import mla_prefill
-    except ImportError:
-        return None
-    return mla_prefill
-
-
-def _prologue_kernel() -> object | None:
-    """``kernels.mla_rope_write.mla_rope_norm_write`` when it imports, else None."""
-    try:
-        from pagedllm.kernels.mla_rope_write import mla_rope_norm_write
-    except ImportError:
-        return None
-    return mla_rope_norm_write
+# The Triton kernels this backend calls, by name: (module, function).
+_KERNELS = {"decode": ("pagedllm.kernels.mla_decode", "mla_decode"),
+            "prefill": ("pagedllm.kernels.mla_prefill", "mla_prefill"),
+            "prologue": ("pagedllm.kernels.mla_rope_write", "mla_rope_norm_write")}
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -185,6 +165,17 @@ class MLATorchBackend:
         self.kernel_on_cpu = False
         self._meta_seq: torch.Tensor | None = None
         self._plan_cache: _Plan | None = None
+
+    def _triton(self, x: torch.Tensor, name: str) -> Any | None:
+        """The ``_KERNELS[name]`` function where the Triton kernels run for ``x`` (CUDA,
+        or the CPU with ``kernel_on_cpu``) and its module imports, else None."""
+        if not (self.use_kernel and (x.is_cuda or self.kernel_on_cpu)):
+            return None
+        module, fn = _KERNELS[name]
+        try:
+            return getattr(importlib.import_module(module), fn)
+        except ImportError:
+            return None
 
     # -- cache write --------------------------------------------------------------
 
@@ -227,15 +218,12 @@ class MLATorchBackend:
         [T, H, R]``, with ``[rms_norm(c_kv) * norm_weight | rotated k_pe]`` stored as
         :meth:`write` stores it.  None where the kernel does not run: the caller then
         rotates, normalises and calls :meth:`write` in torch (same values)."""
-        if not (self.use_kernel and (q.is_cuda or self.kernel_on_cpu)):
-            return None
-        kernel = _prologue_kernel()
+        kernel = self._triton(q, "prologue")
         if kernel is None:
             return None
-        return kernel(q, ckv, norm_weight, eps, rope.positions,  # type: ignore[operator]
-                      rope.cos_sin_cache, kv_cache, meta.slot_mapping,
-                      meta.num_actual_tokens, nope, interleaved=interleaved,
-                      k_scale=k_scale)
+        return kernel(q, ckv, norm_weight, eps, rope.positions, rope.cos_sin_cache,
+                      kv_cache, meta.slot_mapping, meta.num_actual_tokens, nope,
+                      interleaved=interleaved, k_scale=k_scale)
 
     # -- attention ----------------------------------------------------------------
 
@@ -297,17 +285,15 @@ class MLATorchBackend:
         graph's token count); it reads the lengths from the device metadata.  In a chunk
         graph rows past the last request's tokens (padding) come out zero; a decode
         graph's rows are all requests' (padded ones read the null block)."""
-        if not (self.use_kernel and (q_nope.is_cuda or self.kernel_on_cpu)):
-            raise RuntimeError("MLA: a step without host lengths (a CUDA graph's) needs "
-                               "the Triton decode kernel")
-        kernel = _kernel()
+        kernel = self._triton(q_nope, "decode")
         if kernel is None:
-            raise RuntimeError("MLA: a CUDA graph's step needs kernels/mla_decode.py")
+            raise RuntimeError("MLA: a step without host lengths (a CUDA graph's) needs "
+                               "the Triton decode kernel (kernels/mla_decode.py)")
         n = meta.num_reqs
         q_lat = self._absorb_q(q_nope, w_uk)
         # A chunk graph's padding rows, which the kernel skips, are zeroed first.
         o_lat = q_lat.new_zeros(q_lat.shape) if meta.max_query_len > 1 else None
-        o_lat = kernel(_last_dim_contiguous(q_lat),  # type: ignore[operator]
+        o_lat = kernel(_last_dim_contiguous(q_lat),
                        _last_dim_contiguous(q_pe), kv_cache, meta.block_tables[:n],
                        meta.seq_lens[:n], meta.query_start_loc[:n + 1], scale,
                        meta.max_query_len, out=o_lat, k_scale=k_scale)
@@ -360,8 +346,7 @@ class MLATorchBackend:
         qn = q_nope[:b] if tokens is None else q_nope.index_select(0, tokens)
         qp = q_pe[:b] if tokens is None else q_pe.index_select(0, tokens)
         q_lat = self._absorb_q(qn, w_uk)
-        use_kernel = self.use_kernel and (q_nope.is_cuda or self.kernel_on_cpu)
-        kernel = _kernel() if use_kernel else None
+        kernel = self._triton(q_nope, "decode")
         if kernel is not None:
             if tokens is None:  # decode-only step (graph-safe: no copies, host ints only)
                 tables, seqs = meta.block_tables[:b], meta.seq_lens[:b]
@@ -372,7 +357,7 @@ class MLATorchBackend:
                 seqs = meta.seq_lens.index_select(0, rows)
             # The kernel takes any token / head strides: no copies of the transposed
             # q_lat or the sliced q_pe.
-            o = kernel(_last_dim_contiguous(q_lat),  # type: ignore[operator]
+            o = kernel(_last_dim_contiguous(q_lat),
                        _last_dim_contiguous(qp), kv_cache, tables, seqs, qsl, scale, 1,
                        k_scale=k_scale)
             return o, tokens
@@ -414,12 +399,11 @@ class MLATorchBackend:
         """Requests ``rows`` in the expanded form; one ``kv_b_proj`` GEMM over all their
         contexts, then one kernel launch on CUDA (``_expanded_kernel``), else one SDPA per
         request (causal with a context offset)."""
-        if self.use_kernel and (q_nope.is_cuda or self.kernel_on_cpu):
-            kernel = _prefill_kernel()
-            if kernel is not None:
-                self._expanded_kernel(kernel, q_nope, q_pe, kv_cache, meta, plan, scale,
-                                      kv_b_weight, dims, rows, out, k_scale)
-                return
+        kernel = self._triton(q_nope, "prefill")
+        if kernel is not None:
+            self._expanded_kernel(kernel, q_nope, q_pe, kv_cache, meta, plan, scale,
+                                  kv_b_weight, dims, rows, out, k_scale)
+            return
         qsl = plan.qsl.tolist()
         lens = [int(plan.seq_lens[r]) for r in rows]
         latents = [self._gather(kv_cache, meta, r, n, k_scale, q_nope.dtype)

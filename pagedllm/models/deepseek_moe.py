@@ -122,6 +122,9 @@ class DeepseekMoE(nn.Module):
         routing = deepseek_routing(config)
         self.gate = DeepseekRouter(hidden, num_experts, top_k, routing,
                                    bias=is_deepseek_v3_routing(config))
+        # V2-Lite's router is a plain softmax top-k: the expert layer routes (one launch
+        # on CUDA, or inside the decode kernels' prologue), not 3 torch ops.
+        self.experts_route = routing.plain_softmax and not is_deepseek_v3_routing(config)
         self.experts = FusedMoE(num_experts, top_k, hidden, inter, routing.renormalize,
                                 quant_config=quant_config, prefix=f"{prefix}.experts")
         shared = int(getattr(config, "n_shared_experts", None) or 0)
@@ -131,9 +134,7 @@ class DeepseekMoE(nn.Module):
                                            f"{prefix}.shared_experts")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate.routing.plain_softmax and self.gate.e_score_correction_bias is None:
-            # V2-Lite's router is a plain softmax top-k: the expert layer routes (one
-            # launch on CUDA, or inside the decode kernels' prologue), not 3 torch ops.
+        if self.experts_route:
             out = self.experts(x, self.gate.logits(x))
         else:
             weights, ids = self.gate(x)
