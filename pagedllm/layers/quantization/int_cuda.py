@@ -291,14 +291,12 @@ def _store_kmajor(layer: LinearBase, iw: IntWeight, qweight: torch.Tensor,
     # the weight itself (not a second copy, as in stripe+tc): weight_bytes counts it
     layer.int_tc_qweight.packed_factor = 32 // iw.bits  # type: ignore[union-attr]
     _register(layer, "int_tc_scales", iw.scales.to(dtype).t())
-    # Symmetric: None, the kernels' constant zero 8 (kmajor_gemv bit for bit the explicit
-    # 8; tensor-core GEMM and dequantise the same arithmetic) -- fp32 8s would add 4
-    # bytes a group and column, 6% of a group-128 layer.  Zero points: in the scales'
-    # dtype (2 bytes, not fp32's 4: 1.02x a group-128 checkpoint, not 1.05x); the
-    # checkpoints' integer codes are exact in bf16/fp16 and the kernels read them as
-    # fp32, so the results are those of fp32 zeros bit for bit.  A zero the dtype would
-    # round (no checkpoint format makes one) keeps fp32.
-    _register(layer, "int_tc_zeros", None if iw.zeros is None else _kmajor_zeros(iw, dtype))
+    # Zero points (only those layers are stored here: store_cuda) in the scales' dtype
+    # (2 bytes, not fp32's 4: 1.02x a group-128 checkpoint, not 1.05x); the checkpoints'
+    # integer codes are exact in bf16/fp16 and the kernels read them as fp32, so the
+    # results are those of fp32 zeros bit for bit.  A zero the dtype would round (no
+    # checkpoint format makes one) keeps fp32.
+    _register(layer, "int_tc_zeros", _kmajor_zeros(iw, dtype))
     layer.int_scratch = None  # type: ignore[assignment]
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if dequant_min_m() > 0 and (qweight.is_cuda or interpret):
