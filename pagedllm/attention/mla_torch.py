@@ -182,8 +182,9 @@ class MLATorchBackend:
     @staticmethod
     def write(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
               meta: AttentionMetadata, k_scale: float = 1.0) -> None:
-        """``c_kv [T, L]`` and ``k_pe [T, R]`` (rows ``>= num_actual_tokens`` and slots
-        of -1 are skipped) into ``kv_cache`` at ``meta.slot_mapping``.  An fp8 cache gets
+        """``c_kv [T, L]`` and ``k_pe [T, R]`` (rows ``>= num_actual_tokens`` are
+        skipped; slots of -1 too on the CPU, into the null block 0 elsewhere) into
+        ``kv_cache`` at ``meta.slot_mapping``.  An fp8 cache gets
         ``entry / k_scale`` saturated and rounded to e4m3 (``quantize_kv``, as the GQA
         caches' writes); ``k_scale`` is ignored otherwise."""
         n = meta.num_actual_tokens

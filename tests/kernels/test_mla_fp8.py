@@ -159,8 +159,14 @@ def test_backend_write_and_reads() -> None:
     want = quantize_kv(torch.cat((c_kv, k_pe), -1)[:3], k_scale).float()
     assert torch.equal(written.cpu(), want)
     assert float(written.abs().max()) == 448.0
-    changed = (flat != before).any(-1).nonzero().flatten()
-    assert changed.tolist() == sorted(meta.slot_mapping[:3].tolist())  # pads skipped
+    changed = (flat != before).any(-1).nonzero().flatten().tolist()
+    want_slots = sorted(meta.slot_mapping[:3].tolist())
+    if fp8.device.type != "cpu":
+        # Off the CPU the pads write the null block 0 (no boolean indexing: CUDA graphs
+        # capture the write), which the block pool never hands to a request.
+        assert min(want_slots) >= block_size
+        changed = [c for c in changed if c >= block_size]
+    assert changed == want_slots  # pads skipped
 
     heads, dn, dv = 4, 8, 12
     dims = MLADims(heads, LAT, dn, ROPE, dv)
