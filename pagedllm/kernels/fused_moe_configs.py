@@ -39,6 +39,18 @@ CONFIGS: dict[tuple[int, int, int], dict[int, Config]] = {
         128: (64, 128, 128, 1, 8, 4),
         256: (128, 256, 64, 16, 8, 4),
     },
+    # DeepSeek-V2-Lite: 64 experts, I 1408, H 2048 (no vLLM table for it): `python
+    # benchmarks/moe_bench.py --shapes deepseek-v2-lite --sweep` on one H100
+    # (2026-12-05); the comment gives the whole call, graph-timed, against the
+    # default_config fallback it replaces.
+    (64, 1408, 2048): {
+        16: (16, 128, 128, 1, 4, 3),  # 328 us (was 364)
+        64: (16, 128, 128, 1, 8, 4),  # 407 us (was 442)
+        256: (32, 128, 128, 1, 4, 3),  # 422 us (was 464)
+        512: (64, 128, 128, 16, 8, 4),  # 444 us (was 624)
+        1024: (64, 256, 64, 16, 8, 4),  # 522 us (was 629)
+        4096: (128, 256, 64, 16, 8, 4),  # 1003 us (was 1550)
+    },
 }
 
 
@@ -77,6 +89,15 @@ DECODE_CONFIGS: dict[tuple[int, int, int], dict[int, DecodeConfig]] = {
         2: DecodeConfig(4, 2048, 4, 4, 256, 4, True, False),  # 39.9 us (heuristic 67.3)
         4: DecodeConfig(4, 2048, 4, 4, 256, 4, True, False),  # 69.4 us (heuristic 124.9)
         8: DecodeConfig(4, 2048, 4, 4, 256, 4, True, False),  # 120.2 us (heuristic 234.9)
+    },
+    # DeepSeek-V2-Lite, the same sweep on one H100 (2026-12-05): in-kernel routing
+    # timed slower than the routing launch here (the 6-of-64 softmax top-k in both
+    # kernels' prologue).  Down K split 256 at every T, as above.
+    (64, 1408, 2048): {
+        1: DecodeConfig(2, 1024, 4, 4, 256, 8, True, False),  # 39.2 us (heuristic 53.9)
+        2: DecodeConfig(2, 1024, 4, 4, 256, 8, True, False),  # 70.8 us (heuristic 90.4)
+        4: DecodeConfig(2, 1024, 4, 4, 256, 8, True, False),  # 124.6 us (heuristic 166.8)
+        8: DecodeConfig(2, 1024, 4, 4, 256, 8, True, False),  # 203.6 us (heuristic 291.7)
     },
 }
 
