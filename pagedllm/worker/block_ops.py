@@ -53,6 +53,8 @@ whatever the number of blocks: no Python loop over blocks.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +63,8 @@ import torch
 
 from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.worker.disk_pool import DiskPool
+
+logger = logging.getLogger(__name__)
 
 
 def _index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -246,5 +250,25 @@ def allocate_swap_space(num_blocks: int, like: torch.Tensor,
     KV lives on a GPU, so copies run at full PCIe bandwidth; plain memory when the
     "device" is the CPU itself."""
     shape = (like.shape[0], num_blocks, *like.shape[2:])
-    pin = like.device.type == "cuda"
-    return [torch.zeros(shape, dtype=like.dtype, pin_memory=pin) for _ in range(num_layers)]
+    if like.device.type != "cuda":
+        return [torch.zeros(shape, dtype=like.dtype) for _ in range(num_layers)]
+    return [_pinned_zeros(shape, like.dtype) for _ in range(num_layers)]
+
+
+def _pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeroed host memory pinned in place by ``cudaHostRegister``.  Not ``pin_memory=True``:
+    torch's caching host allocator rounds every allocation up to a power of two, so a
+    2.5 GiB layer of an 80 GiB host tier pins 4 GiB (128 GiB for 32 layers: an H100
+    machine's OOM killer took W6's "on" run, 2026-12-05).  Unregistered when the tensor
+    is collected.  Where registration fails (a locked-memory limit), the pool stays
+    pageable: copies still work, synchronously."""
+    t = torch.zeros(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
+    if int(err) != 0:
+        logger.warning("could not pin %.2f GiB of host KV blocks (cudaHostRegister: %s); "
+                       "their copies will be synchronous", nbytes / 2**30, err)
+        return t
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t
