@@ -4,6 +4,7 @@ out-of-memory error during a start-up phase."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -72,3 +73,24 @@ def test_out_of_memory_in_a_startup_phase_names_the_flags() -> None:
         torch.empty(1 << 60, dtype=torch.uint8)
     with pytest.raises(KeyError), out_of_memory_hint("kv", config):  # others pass through
         raise KeyError("x")
+
+
+def test_broken_xgrammar_after_engine_start_exits_with_one_line(tmp_path) -> None:
+    """A failure after the engine core is up (here: the tools' prompt fallback meets an
+    xgrammar whose own import fails, as a half-installed wheel does) is one line naming
+    the fix, and the server exits: the engine core is shut down, not left running with
+    the API process waiting on it (it hung until killed, 2026-12-05)."""
+    pkg = tmp_path / "xgrammar"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from tvm_ffi_absent_for_this_test import x  # noqa\n")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port",
+                        "0", "--skip-tokenizer-init", "--max-model-len", "256"],
+                       capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}"
+                            f"{os.environ.get('PYTHONPATH', '')}"})
+    line = _one_line_error(p.stderr)
+    assert p.returncode == 1
+    assert "xgrammar" in line and "--tool-call-parser none" in line, line
+    assert "tvm_ffi_absent_for_this_test" in line
+    assert time.monotonic() - t0 < 200

@@ -493,38 +493,13 @@ def _load_chat_template(value: str | None) -> str | None:
     return value
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    from pagedllm.engine.arg_utils import check_dtype_on_device
-    from pagedllm.entrypoints.engine_cli_args import engine_args_from_cli
-
-    names: list[str] | None = args.served_model_name
-    engine_args = engine_args_from_cli(args)
-    engine_args = dataclasses.replace(engine_args,
-                                      served_model_name=names[0] if names else None)
-    chat_template = _load_chat_template(args.chat_template)
-    api_keys = list(args.api_key or [])
-    if not api_keys and envs.api_key():
-        api_keys = [envs.api_key()]
-    try:
-        sock = _bind(args.host, args.port)
-    except OSError as e:
-        raise ValueError(f"port: cannot listen on {args.host}:{args.port}: "
-                         f"{e.strerror or e}") from None
-    # Before spawning the engine core: an impossible dtype is refused at once.
-    check_dtype_on_device(engine_args.dtype, engine_args.device)
-    max_pending = (None if args.max_num_queued_requests is None
-                   else args.max_num_seqs + args.max_num_queued_requests)
-    try:
-        # From the arguments: the engine core starts while this process builds its config.
-        engine = await AsyncLLM.create(engine_args, max_pending_seqs=max_pending,
-                                       max_logprobs=args.max_logprobs,
-                                       transport=args.engine_transport)
-    except EngineStartupError as e:
-        sock.close()
-        raise ValueError(f"engine core failed to start: {e}") from None
-    except BaseException:
-        sock.close()
-        raise
+async def _prepare(args: argparse.Namespace, engine: AsyncLLM, sock: socket.socket,
+                   names: list[str] | None, chat_template: str | None,
+                   api_keys: list[str], max_pending: int | None) -> tuple[_Server, ServingState]:
+    """Everything between the engine's start and serving: metrics, the serving state,
+    LoRA modules, tool support, images, the app and its uvicorn server; logs what the
+    server decided.  Raises ``ValueError`` with a one-line reason on bad flags; the
+    caller shuts the engine down on any failure."""
     config = engine.config
     mc = config.model_config
     names = names or [mc.served_model_name]
@@ -555,8 +530,6 @@ async def _serve(args: argparse.Namespace) -> int:
                 state.loras.add(m["name"], m["path"], engine.input_processor.loras.check,
                                 names, m.get("base_model_name"))
             except ValueError as e:
-                await engine.shutdown()
-                sock.close()
                 raise ValueError(f"--lora-modules: {e}") from None
     state.grammar_check_timeout = getattr(args, "structured_outputs_check_timeout", 10.0)
     _detect_tool_support(state, args, mc)
@@ -564,14 +537,9 @@ async def _serve(args: argparse.Namespace) -> int:
         from pagedllm.entrypoints.openai.request_logger import RequestLogger
 
         state.request_logger = RequestLogger(args.max_log_len)
-    try:
-        from pagedllm.entrypoints.openai.chat_images import from_args as images_from_args
+    from pagedllm.entrypoints.openai.chat_images import from_args as images_from_args
 
-        state.images = images_from_args(args, config)
-    except ValueError as e:
-        await engine.shutdown()
-        sock.close()
-        raise ValueError(str(e)) from None
+    state.images = images_from_args(args, config)
     if args.trust_request_chat_template:
         # Client templates render in a bounded child process; start it now (~1 s).
         state.template_sandbox = TemplateSandbox(max_chars=args.max_request_body_bytes)
@@ -627,6 +595,51 @@ async def _serve(args: argparse.Namespace) -> int:
                 "%.0f s, %d connections (open-files limit %d)", limits.max_header_bytes,
                 limits.max_header_count, limits.header_timeout, args.timeout_keep_alive,
                 limits.max_connections, fd_limit)
+    return server, state
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from pagedllm.engine.arg_utils import check_dtype_on_device
+    from pagedllm.entrypoints.engine_cli_args import engine_args_from_cli
+
+    names: list[str] | None = args.served_model_name
+    engine_args = engine_args_from_cli(args)
+    engine_args = dataclasses.replace(engine_args,
+                                      served_model_name=names[0] if names else None)
+    chat_template = _load_chat_template(args.chat_template)
+    api_keys = list(args.api_key or [])
+    if not api_keys and envs.api_key():
+        api_keys = [envs.api_key()]
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        raise ValueError(f"port: cannot listen on {args.host}:{args.port}: "
+                         f"{e.strerror or e}") from None
+    # Before spawning the engine core: an impossible dtype is refused at once.
+    check_dtype_on_device(engine_args.dtype, engine_args.device)
+    max_pending = (None if args.max_num_queued_requests is None
+                   else args.max_num_seqs + args.max_num_queued_requests)
+    try:
+        # From the arguments: the engine core starts while this process builds its config.
+        engine = await AsyncLLM.create(engine_args, max_pending_seqs=max_pending,
+                                       max_logprobs=args.max_logprobs,
+                                       transport=args.engine_transport)
+    except EngineStartupError as e:
+        sock.close()
+        raise ValueError(f"engine core failed to start: {e}") from None
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        server, state = await _prepare(args, engine, sock, names, chat_template, api_keys,
+                                       max_pending)
+    except BaseException:
+        # Whatever fails between the engine's start and serving (a bad --lora-modules, a
+        # broken optional dependency) must not leave the engine core running: the
+        # process would hang after printing its error instead of exiting.
+        await engine.shutdown()
+        sock.close()
+        raise
     try:
         await server.serve(sockets=[sock])
     finally:
@@ -660,8 +673,14 @@ def _detect_tool_support(state: ServingState, args: argparse.Namespace, mc: Any)
     state.enable_auto_tool_choice = support.auto
     state.tool_prompt_fallback = support.prompt_fallback
     if support.prompt_fallback:
-        import xgrammar  # noqa: F401  (builds the call grammars; seconds to import: not
-        # on the event loop at the first request with tools)
+        # xgrammar builds the call grammars; it takes seconds to import, so not on the
+        # event loop at the first request with tools.
+        try:
+            import xgrammar  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"tool calls need xgrammar, which cannot be imported ({e}): "
+                             "reinstall pagedllm's dependencies, or pass "
+                             "--tool-call-parser none") from None
     logger.info("%s", support.summary)
 
 
