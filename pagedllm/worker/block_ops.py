@@ -27,37 +27,34 @@ block offloaded and looked up again in one step round-trips), then copies -- all
 the forward writes any new KV.  The disk moves are synchronous CPU copies; they first
 land (waiting) the earlier offloads into the host slots they touch.
 
-Loads overlap the forward.  The scheduler never lets a step read or write a block whose
-load it issues (the request waits a step, core/offload_tier.py), so on CUDA the loads go
-out on a copy stream of their own, after the work queued so far (the step's offloads
-read their destinations' old KV first), and record an event; the *next* step's block
-moves and forward wait for that event on the compute stream -- a GPU-side wait, no host
-sync.  The host pool is pinned and the load's gather goes into pinned staging, so the
-copy is truly asynchronous.  Swap-ins and copies stay on the compute stream, ordered
-before the forward.
-
-Offloads overlap the forward too.  The gather of the evicted blocks runs on the compute
-stream, before the forward (an offloaded block's new owner writes it in this step); the
-device-to-host copy of the gathered blocks into pinned staging runs on the copy stream,
-and the staging is scattered into the host pool once its event has completed -- at a
-later step's ``apply``, without waiting -- or at once, waiting, when a load of this step
-reads one of its slots (a block offloaded and looked up again before it landed).
-Pending offloads land in issue order, so a slot reused for a newer block ends with the
-newer bytes.  Nothing else reads the host pool.  On the CPU every move is synchronous,
-on the same code path with no streams (an offload lands within its ``apply``).
+Loads and offloads overlap the forward and cost the host nothing.  On CUDA the host pool
+is pinned in place and mapped (``cudaHostRegister``), so the GPU addresses it directly:
+a load is a GPU gather from the pool over PCIe into the device blocks, an offload a GPU
+scatter from a device gather into the pool -- no staging, no CPU copy on the step's
+thread (a CPU gather / scatter of the moved blocks took the H100's W6 "on" run to 1.83x
+the TTFT of "off", 2026-12-05).  Both run on a copy stream of their own, in issue order:
+an offload's gather of the evicted blocks runs first on the compute stream (their new
+owner writes them in this step's forward), and the scatter on the copy stream after it;
+a load issued later in the same step, or in any later step, reads what the offload
+wrote.  The scheduler never lets a step read or write a block whose load it issues (the
+request waits a step, core/offload_tier.py), so the *next* step's block moves and
+forward wait for the loads' event on the compute stream -- a GPU-side wait, no host
+sync.  The host touches the pool itself only for the disk tier's moves, which first
+wait for the copy stream.  Swap-ins and copies stay on the compute stream, ordered
+before the forward.  On the CPU every move is synchronous, on the same code path with
+no streams.
 
 Each move is one gather and one scatter per layer (``index_select`` +
-``index_copy_`` over the block dimension of ``[2 | 1, num_blocks, block_size, heads, dim]``),
-whatever the number of blocks: no Python loop over blocks.
+``index_copy_`` over the block dimension of ``[2 | 1, num_blocks, block_size, heads, dim]``,
+as 8-byte words where the rows allow), whatever the number of blocks: no Python loop
+over blocks.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -106,28 +103,15 @@ def move_blocks(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
         d.index_copy_(1, d_idx, blocks)
 
 
-@dataclass
-class _PendingOffload:
-    """An offload whose device-to-host copy may still be running: per layer the gathered
-    device blocks (held so that their memory is not reused while the copy reads it) and
-    their pinned host staging, the host slots they go to, and the copy's event (None:
-    already complete)."""
-
-    gathered: list[torch.Tensor]
-    staged: list[torch.Tensor]
-    slots: frozenset[int]
-    slot_idx: torch.Tensor
-    done: torch.cuda.Event | None
-
-
 class BlockOps:
     """The runner's handle on the KV tensors for block moves.
 
     ``kv_caches``: one GPU (or CPU) tensor per layer; ``swap_caches``: the same shapes
     with the swap space's block count, on the CPU (pinned when the KV is on a GPU), or
     empty when swapping is off; ``offload_caches``: likewise with the prefix cache's
-    host pool's block count, or empty when the host tier is off; ``disk_pool``: the
-    disk tier's file behind that host pool, or None.
+    host pool's block count (from :func:`allocate_swap_space`: mapped on CUDA), or
+    empty when the host tier is off; ``disk_pool``: the disk tier's file behind that
+    host pool, or None.
     """
 
     def __init__(self, kv_caches: Sequence[torch.Tensor],
@@ -139,19 +123,24 @@ class BlockOps:
         self.offload_caches = list(offload_caches)
         self.disk_pool = disk_pool
         self.device = self.kv_caches[0].device if self.kv_caches else torch.device("cpu")
-        # The host tier's loads run here, overlapping the forward (CUDA only).
-        self._load_stream = torch.cuda.Stream(self.device) \
-            if self.device.type == "cuda" and self.offload_caches else None
+        cuda_tier = self.device.type == "cuda" and bool(self.offload_caches)
+        # The host tier's loads and offloads run here, overlapping the forward (CUDA).
+        self._load_stream = torch.cuda.Stream(self.device) if cuda_tier else None
+        # The host pool as the tier's copies address it: on CUDA device tensors over the
+        # same (mapped) host memory, on the CPU the pool itself.
+        self._host = ([device_alias(h, self.device) for h in self.offload_caches]
+                      if cuda_tier else self.offload_caches)
         # Recorded after the last step's loads; the next step waits for it.
         self._loads_done: torch.cuda.Event | None = None
-        # Offloads copied to pinned staging but not yet scattered into the host pool.
-        self._pending: deque[_PendingOffload] = deque()
+        # Recorded after the copy stream's last move (loads and offloads, in order):
+        # the disk tier's host-side copies wait for it.
+        self._tier_done: torch.cuda.Event | None = None
 
     def apply(self, sched: SchedulerOutput) -> None:
-        """Wait for the last step's loads, then perform this step's swap-outs, (issue)
-        offloads, land the pending offloads that are done or that this step's loads read,
-        then swap-ins, (issue) loads and copy-on-write copies, in that order (the module
-        doc says why).  Called before every forward, also one with no moves."""
+        """Wait for the last step's loads, then perform this step's swap-outs, the disk
+        tier's moves, (issue) offloads, swap-ins, (issue) loads and copy-on-write copies,
+        in that order (the module doc says why).  Called before every forward, also one
+        with no moves."""
         if (sched.swap_out or sched.swap_in) and not self.swap_caches:
             raise RuntimeError("the scheduler swapped blocks but no swap space exists")
         if (sched.kv_offload or sched.kv_load) and not self.offload_caches:
@@ -164,66 +153,46 @@ class BlockOps:
         if sched.kv_disk_save or sched.kv_disk_load:
             self._disk_moves(sched.kv_disk_save, sched.kv_disk_load)
         self._offload(sched.kv_offload)
-        self._land_offloads({slot for slot, _ in sched.kv_load})
         move_blocks(self.swap_caches, self.kv_caches, sched.swap_in)
         self._load(sched.kv_load)
         move_blocks(self.kv_caches, self.kv_caches, sched.block_copies)
 
     def _disk_moves(self, save: Sequence[tuple[int, int]],
                     load: Sequence[tuple[int, int]]) -> None:
-        """The disk tier's moves, synchronously: land the earlier steps' offloads into
-        the host slots they read or write, then saves (host -> disk), then disk loads
-        (disk -> host; this step's ``kv_load`` reads those slots)."""
+        """The disk tier's moves, synchronously: wait for the copy stream (its offloads
+        write host slots that saves read, its loads read slots that disk loads write),
+        then saves (host -> disk), then disk loads (disk -> host; this step's
+        ``kv_load`` reads those slots)."""
         if self.disk_pool is None or not self.offload_caches:
             raise RuntimeError("the scheduler moved blocks to the disk tier but no disk "
                                "pool exists")
-        self._land_offloads({s for s, _ in save} | {s for _, s in load})
+        if self._tier_done is not None:
+            self._tier_done.synchronize()
+            self._tier_done = None
         self.disk_pool.save(self.offload_caches, save)
         self.disk_pool.load(self.offload_caches, load)
 
     def _offload(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Issue the host tier's offloads (module doc): gather on the compute stream now;
-        on CUDA copy to pinned staging on the copy stream (queued as pending), on the CPU
-        the gathered blocks are the staging (pending and complete)."""
+        """Issue the host tier's offloads (module doc): the gather on the compute stream
+        now, the scatter into the host pool on the copy stream after it (CUDA) or at
+        once (CPU)."""
         if not pairs:
             return
         src_idx = _index([p[0] for p in pairs], self.device)
-        slot_ids = [p[1] for p in pairs]
-        gathered = [_bytes(k).index_select(1, src_idx) for k in self.kv_caches]
+        gathered = [_words(k).index_select(1, src_idx) for k in self.kv_caches]
         stream = self._load_stream
-        done = None
-        staged = gathered
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                staged = [torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
-                          for g in gathered]
-                for h, g in zip(staged, gathered):
-                    h.copy_(g, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
-        self._pending.append(_PendingOffload(gathered, staged, frozenset(slot_ids),
-                                             torch.tensor(slot_ids, dtype=torch.int64),
-                                             done))
-
-    def _land_offloads(self, needed: set[int]) -> None:
-        """Scatter pending offloads into the host pool, oldest first: every one whose
-        copy has completed, and -- waiting for it -- every one up to the last that
-        writes a slot in ``needed`` (this step's loads read them)."""
-        pending = self._pending
-        last = max((i for i, p in enumerate(pending) if needed & p.slots), default=-1)
-        i = 0
-        while pending:
-            p = pending[0]
-            if p.done is not None:
-                if i <= last:
-                    p.done.synchronize()
-                elif not p.done.query():
-                    break
-            for host, h in zip(self.offload_caches, p.staged):
-                _bytes(host).index_copy_(1, p.slot_idx, h)
-            pending.popleft()
-            i += 1
+        if stream is None:
+            slot_idx = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+            for host, g in zip(self._host, gathered):
+                _words(host).index_copy_(1, slot_idx, g)
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            slot_idx = _index([p[1] for p in pairs], self.device)
+            for host, g in zip(self._host, gathered):
+                _words(host).index_copy_(1, slot_idx, g)
+                g.record_stream(stream)  # allocated on the compute stream, read here
+            self._tier_done = _record(stream)
 
     def _load(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Issue the host tier's loads: on the copy stream when there is one (after the
@@ -237,10 +206,62 @@ class BlockOps:
         # Everything allocated here belongs to the copy stream's pool: reused only
         # after the copy, in that stream's order.
         with torch.cuda.stream(stream):
-            move_blocks(self.offload_caches, self.kv_caches, pairs)
-            done = torch.cuda.Event()
-            done.record(stream)
-        self._loads_done = done
+            s_idx = _index([p[0] for p in pairs], self.device)
+            d_idx = _index([p[1] for p in pairs], self.device)
+            for host, kv in zip(self._host, self.kv_caches):
+                _words(kv).index_copy_(1, d_idx, _words(host).index_select(1, s_idx))
+            self._loads_done = self._tier_done = _record(stream)
+
+
+def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    done = torch.cuda.Event()
+    done.record(stream)
+    return done
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """A KV tensor as 8-byte words where its rows allow (fewer, wider accesses for a
+    gather over PCIe), else as bytes for fp8 (``_bytes``)."""
+    if t.dim() > 2 and t.shape[-1] * t.element_size() % 8 == 0 and t.is_contiguous():
+        return t.view(torch.int64)
+    return _bytes(t)
+
+
+_INT_TYPES = {1: (torch.uint8, "|u1"), 2: (torch.int16, "<i2"), 4: (torch.int32, "<i4"),
+              8: (torch.int64, "<i8")}
+
+
+class _MappedHost:
+    """The ``__cuda_array_interface__`` of a mapped host tensor (torch reads it)."""
+
+    def __init__(self, t: torch.Tensor, typestr: str) -> None:
+        self.__cuda_array_interface__ = {"shape": tuple(t.shape), "typestr": typestr,
+                                         "data": (t.data_ptr(), False), "strides": None,
+                                         "version": 3}
+
+
+def device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor over the same bytes as ``host`` (contiguous, registered mapped by
+    :func:`allocate_swap_space`): under unified addressing a registered host pointer is
+    also its device pointer, so GPU kernels read and write the pool over PCIe.  The
+    caller keeps ``host`` alive as long as the alias.  Checked once by a write through
+    the alias read back on the host; RuntimeError where the GPU does not see it."""
+    ints, typestr = _INT_TYPES[host.element_size()]
+    raw = host.view(ints)
+    why = ("kv_offload_bytes: the GPU cannot address the host pool at its host address "
+           "({}); the host tier needs pinned, mapped memory under unified addressing")
+    try:
+        with torch.cuda.device(device):
+            alias = torch.as_tensor(_MappedHost(raw, typestr), device=device)
+            alias.view(-1)[:1].fill_(0x5A)
+            torch.cuda.synchronize(device)
+    except RuntimeError as e:  # not registered (pinning failed): torch refuses the pointer
+        raise RuntimeError(why.format(str(e).splitlines()[0])) from None
+    seen = int(raw.view(-1)[0])
+    raw.view(-1)[0] = 0
+    if seen != 0x5A:
+        raise RuntimeError(why.format("a write through the alias did not reach it"))
+    return alias.view(host.dtype)
 
 
 def allocate_swap_space(num_blocks: int, like: torch.Tensor,
@@ -255,17 +276,21 @@ def allocate_swap_space(num_blocks: int, like: torch.Tensor,
     return [_pinned_zeros(shape, like.dtype) for _ in range(num_layers)]
 
 
+_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: GPU kernels may address it
+
+
 def _pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeroed host memory pinned in place by ``cudaHostRegister``.  Not ``pin_memory=True``:
     torch's caching host allocator rounds every allocation up to a power of two, so a
     2.5 GiB layer of an 80 GiB host tier pins 4 GiB (128 GiB for 32 layers: an H100
     machine's OOM killer took W6's "on" run, 2026-12-05).  Unregistered when the tensor
     is collected.  Where registration fails (a locked-memory limit), the pool stays
-    pageable: copies still work, synchronously."""
+    pageable: swaps still work, synchronously; the host tier's :func:`device_alias`
+    then refuses it."""
     t = torch.zeros(shape, dtype=dtype)
     nbytes = t.numel() * t.element_size()
     cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
+    err = cudart.cudaHostRegister(t.data_ptr(), nbytes, _HOST_REGISTER_MAPPED)
     if int(err) != 0:
         logger.warning("could not pin %.2f GiB of host KV blocks (cudaHostRegister: %s); "
                        "their copies will be synchronous", nbytes / 2**30, err)
