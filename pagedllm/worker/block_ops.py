@@ -179,18 +179,19 @@ class BlockOps:
         if not pairs:
             return
         src_idx = _index([p[0] for p in pairs], self.device)
-        gathered = [_words(k).index_select(1, src_idx) for k in self.kv_caches]
+        views = [_as_words(k, h) for k, h in zip(self.kv_caches, self._host)]
+        gathered = [k.index_select(1, src_idx) for k, _ in views]
         stream = self._load_stream
         if stream is None:
             slot_idx = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
-            for host, g in zip(self._host, gathered):
-                _words(host).index_copy_(1, slot_idx, g)
+            for (_, host), g in zip(views, gathered):
+                host.index_copy_(1, slot_idx, g)
             return
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             slot_idx = _index([p[1] for p in pairs], self.device)
-            for host, g in zip(self._host, gathered):
-                _words(host).index_copy_(1, slot_idx, g)
+            for (_, host), g in zip(views, gathered):
+                host.index_copy_(1, slot_idx, g)
                 g.record_stream(stream)  # allocated on the compute stream, read here
             self._tier_done = _record(stream)
 
@@ -208,8 +209,8 @@ class BlockOps:
         with torch.cuda.stream(stream):
             s_idx = _index([p[0] for p in pairs], self.device)
             d_idx = _index([p[1] for p in pairs], self.device)
-            for host, kv in zip(self._host, self.kv_caches):
-                _words(kv).index_copy_(1, d_idx, _words(host).index_select(1, s_idx))
+            for kv, host in map(_as_words, self.kv_caches, self._host):
+                kv.index_copy_(1, d_idx, host.index_select(1, s_idx))
             self._loads_done = self._tier_done = _record(stream)
 
 
@@ -219,12 +220,16 @@ def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
     return done
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """A KV tensor as 8-byte words where its rows allow (fewer, wider accesses for a
-    gather over PCIe), else as bytes for fp8 (``_bytes``)."""
-    if t.dim() > 2 and t.shape[-1] * t.element_size() % 8 == 0 and t.is_contiguous():
-        return t.view(torch.int64)
-    return _bytes(t)
+def _as_words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two KV tensors of one shape (a layer's blocks and its host pool) viewed alike: as
+    8-byte words where both rows allow (fewer, wider accesses for a gather over PCIe),
+    else as they are (fp8 as bytes, ``_bytes``)."""
+    def ok(t: torch.Tensor) -> bool:
+        return t.dim() > 2 and t.shape[-1] * t.element_size() % 8 == 0 and t.is_contiguous()
+
+    if ok(a) and ok(b):
+        return a.view(torch.int64), b.view(torch.int64)
+    return _bytes(a), _bytes(b)
 
 
 _INT_TYPES = {1: (torch.uint8, "|u1"), 2: (torch.int16, "<i2"), 4: (torch.int32, "<i4"),

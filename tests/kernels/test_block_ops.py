@@ -120,3 +120,18 @@ def test_offloads_land_within_the_step_on_cpu() -> None:
     ops.apply(sched(kv_offload=[(3, 1)]))
     for h, o in zip(host, old):
         assert torch.equal(h[:, 1], o)
+
+
+def test_round_trip_with_strided_device_blocks_on_cpu() -> None:
+    """A layer's KV may be a strided view (no 8-byte word view of it): the pool's copies
+    then view both sides alike, element for element."""
+    wide = caches("cpu", 8, block=(4, 2, 16))
+    kv = [t[..., :8] for t in wide]  # rows of 8 floats inside rows of 16
+    assert not kv[0].is_contiguous()
+    host = allocate_swap_space(4, kv[0], len(kv))
+    ops = BlockOps(kv, offload_caches=host)
+    old = [t[:, 3].clone() for t in kv]
+    ops.apply(sched(kv_offload=[(3, 2)]))
+    ops.apply(sched(kv_load=[(2, 6)]))
+    for t, o in zip(kv, old):
+        assert torch.equal(t[:, 6], o)
