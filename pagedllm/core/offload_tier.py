@@ -18,9 +18,9 @@ runner's ``BlockOps`` copies the bytes).
 ```
 
 Contracts (the runner's order, ``worker/block_ops.py``: wait for the last step's loads;
-swap-outs; offloads (gathered on the compute stream, copied to the host on the copy
-stream, landing in the host pool at a later step or before a load reads their slots);
-swap-ins; issue the loads on the copy stream; copy-on-write copies):
+swap-outs; the disk moves; offloads (gathered on the compute stream, scattered into the
+host pool on the copy stream); swap-ins; loads (gathered from the host pool on the copy
+stream, after the offloads); copy-on-write copies):
 
 * **A block is saved before its new owner writes it.**  ``BlockPool`` calls ``_save``
   when it hands out a free block that still holds a cached hash; that block was computed
@@ -41,10 +41,10 @@ swap-ins; issue the loads on the copy stream; copy-on-write copies):
   request not yet running; evicted anyway, the prefix comes back from the host again.
 * **A host slot read by a load is not overwritten before the copy reads it.**  A slot
   read by a load queued this step is never given to another hash before the step's
-  copies are taken (``_pinned``); the runner reads it into a staging buffer when it
-  issues the load, after this step's offloads have landed in the slots it reads (so a
-  block saved and looked up in one step round-trips), and the next step's offloads run
-  after that.  A slot written this step (an offload, a disk load) is pinned as well:
+  copies are taken (``_pinned``); the runner's copy stream reads it after this step's
+  offloads (so a block saved and looked up in one step round-trips), and the next
+  step's offloads follow on the same stream; its disk moves, copies on the host, first
+  wait for that stream.  A slot written this step (an offload, a disk load) is pinned as well:
   two copies never land in one slot in one step.
 * **Destinations are distinct.**  A loading block is held, so it cannot be promoted,
   evicted or taken again in the same step.
