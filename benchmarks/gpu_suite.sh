@@ -154,6 +154,10 @@ for part in $PARTS; do
         tests/kernels/test_mla_prefill.py
       step timeout 120 python benchmarks/mla_fp8_bench.py --sections mla
       step timeout 120 python benchmarks/mla_fp8_bench.py --sections mla --kv-cache-dtype fp8
+      # W1's decode steps: ~250 requests at every stage (is one program per request,
+      # the longest context setting the time, worth splits?)
+      step timeout 200 python benchmarks/mla_fp8_bench.py --sections mla --sweep --batch 256 \
+        --context 1536 --context-min 128
       ab dsw4 python -m pagedllm bench latency --dummy deepseek-v2-lite
       # --vocab-hi 102399: vLLM's request set for this shape (68,960 output tokens)
       ab dsw1 python -m pagedllm bench throughput --workload W1 --dummy deepseek-v2-lite \

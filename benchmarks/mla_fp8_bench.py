@@ -7,6 +7,8 @@ Usage (on the H200)::
     python benchmarks/mla_fp8_bench.py                    # both sections, default plans
     python benchmarks/mla_fp8_bench.py --sections mla --sweep
     python benchmarks/mla_fp8_bench.py --sections mla --kv-cache-dtype fp8   # e4m3 cache
+    python benchmarks/mla_fp8_bench.py --sections mla --sweep --batch 256 --context 1536 \
+        --context-min 128                               # W1-like ragged contexts
     python benchmarks/mla_fp8_bench.py --sections fp8 --sweep --ms 1 32 128
     TRITON_INTERPRET=1 python benchmarks/mla_fp8_bench.py --smoke   # CPU: checks only
 
@@ -14,7 +16,9 @@ Usage (on the H200)::
 (16 heads, kv_lora_rank 512, qk_rope_head_dim 64, block_size 16, bf16), block tables a
 random permutation of the pool.  Achieved bandwidth counts the latent cache's bytes
 (``sum(seq_lens) * 576 * 2``) plus queries and outputs, over the CUDA-graph replay
-time; the issue's target is >= 70% of 4.2 TB/s.  ``--sweep`` times a grid of launch
+time; the issue's target is >= 70% of 4.2 TB/s.  ``--context-min`` makes the contexts
+ragged (uniform from it to ``--context``): with one program per request (the plan's
+choice at 132+ requests) the longest context sets the time.  ``--sweep`` times a grid of launch
 plans (tile, splits, warps, stages) and prints the best.  ``--kv-cache-dtype fp8``: the
 same cache rounded to e4m3 (scale 1.0; 576 bytes a token), checked against the oracle
 over the same fp8 entries, and its plans (``plan_mla_decode(kv_fp8=True)``).
@@ -86,7 +90,11 @@ def _time(calls: list[Callable[[], Any]]) -> float | None:
 
 
 def mla_inputs(batch: int, context: int, heads: int, lat: int, rope: int, bs: int,
-               device: str, seed: int = 0) -> tuple[torch.Tensor, ...]:
+               device: str, seed: int = 0,
+               context_min: int | None = None) -> tuple[torch.Tensor, ...]:
+    """One decode token per request; contexts all ``context`` long, or (``context_min``)
+    drawn uniformly from ``[context_min, context]`` (a W1 step: requests at every
+    stage, the longest setting a one-wave launch's time)."""
     g = torch.Generator(device=device).manual_seed(seed)
     per = -(-context // bs)
     nb = batch * per
@@ -95,7 +103,11 @@ def mla_inputs(batch: int, context: int, heads: int, lat: int, rope: int, bs: in
     tables = torch.randperm(nb, generator=g, device=device).view(batch, per).to(torch.int32)
     q_lat = torch.randn(batch, heads, lat, generator=g, device=device, dtype=torch.bfloat16)
     q_pe = torch.randn(batch, heads, rope, generator=g, device=device, dtype=torch.bfloat16)
-    seq = torch.full((batch,), context, dtype=torch.int32, device=device)
+    if context_min is None:
+        seq = torch.full((batch,), context, dtype=torch.int32, device=device)
+    else:
+        seq = torch.randint(context_min, context + 1, (batch,), generator=g, device=device,
+                            dtype=torch.int32)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
     return q_lat, q_pe, kv, tables, seq, qsl
 
@@ -104,7 +116,8 @@ def bench_mla(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
     heads, lat, rope, bs = args.heads, 512, 64, 16
     if args.smoke:
         lat, rope = 64, 16
-    inputs = mla_inputs(args.batch, args.context, heads, lat, rope, bs, device)
+    inputs = mla_inputs(args.batch, args.context, heads, lat, rope, bs, device,
+                        context_min=args.context_min)
     fp8 = args.kv_cache_dtype == "fp8"
     if fp8:
         from pagedllm.attention.kv_cache_dtype import quantize_kv
@@ -113,7 +126,7 @@ def bench_mla(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
     scale = (128 + rope) ** -0.5
     q_lat, q_pe, kv, tables, seq, qsl = inputs
     # Bytes a decode must move: every context token's latent row once, q and out.
-    nbytes = (args.batch * args.context * (lat + rope) * kv.element_size()
+    nbytes = (int(seq.sum()) * (lat + rope) * kv.element_size()
               + (2 * q_lat.numel() + q_pe.numel()) * 2)
     # Check a slice of the batch against the oracle (the whole batch at 4k on the GPU is
     # fine too, but the reference is a python loop).
@@ -140,7 +153,8 @@ def bench_mla(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
         us = _time([call]) if ok else None
         row = {"section": "mla", "default": i == 0, "plan": plan.__dict__,
                "kv_cache_dtype": args.kv_cache_dtype,
-               "batch": args.batch, "context": args.context, "heads": heads,
+               "batch": args.batch, "context": args.context,
+               "context_min": args.context_min, "heads": heads,
                "max_abs_err": err, "ok": ok, "us": us,
                "GBps": None if us is None else nbytes / us / 1e3}
         if us is not None:
@@ -159,7 +173,8 @@ def _print_mla(r: dict[str, Any]) -> None:
     p = r["plan"]
     t = "untimed" if r["us"] is None else (f"{r['us']:8.1f} us {r['GBps']:7.0f} GB/s "
                                            f"({r['pct_of_4.2TBps']:.0f}% of 4.2 TB/s)")
-    print(f"mla {r['kv_cache_dtype']} b{r['batch']} x {r['context']} H{r['heads']} "
+    ctx = r["context"] if r["context_min"] is None else f"{r['context_min']}..{r['context']}"
+    print(f"mla {r['kv_cache_dtype']} b{r['batch']} x {ctx} H{r['heads']} "
           f"block_h {p['block_h']} block_n {p['block_n']} "
           f"splits {p['num_splits']} warps {p['num_warps']} stages {p['num_stages']}: "
           f"{t}  err {r['max_abs_err']:.2e} {'ok' if r['ok'] else 'WRONG'}")
@@ -272,6 +287,9 @@ def main() -> None:
     ap.add_argument("--sections", nargs="+", default=["mla", "fp8"], choices=["mla", "fp8"])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--context-min", type=int, default=None,
+                    help="ragged contexts, uniform in [this, --context] (W1-like: "
+                         "--batch 256 --context 1536 --context-min 128)")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                     help="the MLA section's latent cache: bf16 (auto) or e4m3")
