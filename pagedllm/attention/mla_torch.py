@@ -56,6 +56,7 @@ move fp8 entries as bytes (fp8 has no ``index_copy_`` kernel on the CPU).
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -144,6 +145,17 @@ _KERNELS = {"decode": ("pagedllm.kernels.mla_decode", "mla_decode"),
             "prologue": ("pagedllm.kernels.mla_rope_write", "mla_rope_norm_write")}
 
 
+@functools.cache
+def _import_kernel(name: str) -> Any | None:
+    """``_KERNELS[name]``'s function, or None where its module does not import; looked
+    up once (every layer of every eager step asks)."""
+    module, fn = _KERNELS[name]
+    try:
+        return getattr(importlib.import_module(module), fn)
+    except ImportError:
+        return None
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -171,11 +183,7 @@ class MLATorchBackend:
         or the CPU with ``kernel_on_cpu``) and its module imports, else None."""
         if not (self.use_kernel and (x.is_cuda or self.kernel_on_cpu)):
             return None
-        module, fn = _KERNELS[name]
-        try:
-            return getattr(importlib.import_module(module), fn)
-        except ImportError:
-            return None
+        return _import_kernel(name)
 
     # -- cache write --------------------------------------------------------------
 

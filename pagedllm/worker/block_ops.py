@@ -25,7 +25,7 @@ write them -- offloads: those GPU blocks may have been handed to someone else th
 step), then everything that writes GPU blocks from host memory (swap-ins, then loads: a
 block offloaded and looked up again in one step round-trips), then copies -- all before
 the forward writes any new KV.  The disk moves are synchronous CPU copies; they first
-land (waiting) the earlier offloads into the host slots they touch.
+wait for the copy stream (its offloads write, its loads read, the host slots).
 
 Loads and offloads overlap the forward and cost the host nothing.  On CUDA the host pool
 is pinned in place and mapped (``cudaHostRegister``), so the GPU addresses it directly:
