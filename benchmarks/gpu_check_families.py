@@ -1,10 +1,12 @@
 """GPU greedy check of the DeepSeek (MLA), Gemma 2/3 and vision-language families: the
 tests' tiny random checkpoints (``tests/models/deepseek_tiny.py``,
-``tests/models/tiny_models.py``, ``tests/models/tiny_qwen_vl.py``)
-through the engine on the GPU against transformers in fp32 on the CPU, in fp32, in bf16
-with CUDA graphs, and (DeepSeek) in bf16 eager; DeepSeek's second pass is served from the
-prefix cache and must repeat the first.  Prints agreement counts (bf16 may differ from the
-fp32 reference by rounding); asserts nothing.
+``tests/models/tiny_models.py``, ``tests/models/tiny_qwen_vl.py``) through the engine on
+the GPU -- in fp32, in bf16 with CUDA graphs and (DeepSeek) in bf16 eager -- against two
+references: transformers in fp32 on the CPU, and (text models) the engine itself on the
+CPU in fp32, which the tests hold equal to the newest transformers where the GPU
+machine's may be older.  DeepSeek's second pass is served from the prefix cache and
+must repeat the first.  Prints agreement counts (bf16 may differ from the fp32
+reference by rounding); asserts nothing.
 
 Usage (repository root): ``python benchmarks/gpu_check_families.py``; ``DEV=cpu`` runs it
 on the CPU (a smoke test of the script itself).
@@ -17,6 +19,8 @@ import sys
 import tempfile
 import time
 import traceback
+
+import transformers
 
 from pagedllm import LLM, SamplingParams
 
@@ -42,15 +46,26 @@ def text_family(label: str, build: object, vocab: int, runs: list[tuple[str, dic
     ref = hf_greedy(hf, prompts, NEW)
     p = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     n = len(prompts)
-    for run, kw in runs:
-        llm = LLM(d, skip_tokenizer_init=True, device=DEV, max_model_len=128,
+
+    def engine(device: str, kw: dict) -> list[list[int]]:
+        llm = LLM(d, skip_tokenizer_init=True, device=device, max_model_len=128,
                   kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True, **kw)
         outs = [list(o.outputs[0].token_ids)
                 for o in llm.generate(prompts * passes, p, use_tqdm=False)]
         llm.shutdown()
+        return outs
+
+    # The engine on the CPU in fp32 is the second reference: the tests hold it equal to
+    # the newest transformers, and a GPU machine may carry an older one (transformers
+    # 5.17 greedy-decodes the Gemma 2 tiny model differently from 5.25).
+    cpu = engine("cpu", dict(dtype="float32"))[:n] if DEV != "cpu" else ref
+    print(f"{label}: transformers {transformers.__version__}; the engine on the CPU "
+          f"(fp32) agrees with it on {agree(cpu, ref)} seqs", flush=True)
+    for run, kw in runs:
+        outs = engine(DEV, kw)
         cached = f"; prefix-cached pass equal: {outs[:n] == outs[n:]}" if passes > 1 else ""
-        print(f"{label} {run}: {agree(outs[:n], ref)} exact seqs vs HF fp32 cpu{cached}",
-              flush=True)
+        print(f"{label} {run}: {agree(outs[:n], ref)} exact seqs vs HF fp32 cpu, "
+              f"{agree(outs[:n], cpu)} vs the engine on the CPU{cached}", flush=True)
 
 
 def ds(name: str) -> None:

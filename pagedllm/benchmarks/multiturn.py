@@ -14,7 +14,8 @@ off and then on (``--only`` picks one), and reports for each: TTFT p50/p99 (subm
 to first token), output and total token throughput, and the prompt tokens served from
 the prefix cache (any tier; ``--kv-offload-disk-size`` adds the disk tier behind the
 host's in the "on" run).  Token ids are random (``--seed``), so ``--dummy`` shapes
-(dummy weights) work as well as real models.
+(dummy weights) work as well as real models.  The scheduling policy is the server's
+default, fcfs, unless ``--scheduling-policy`` names another.
 
     pagedllm bench multiturn --dummy llama3-8b --kv-cache-memory-bytes 8e9 \\
         --kv-offload-size 64 --max-model-len 4096
@@ -163,6 +164,11 @@ def _one_run(args: argparse.Namespace, offload_bytes: int) -> dict[str, Any]:
     from pagedllm import LLM
 
     eargs = engine_args_from_cli(args)
+    if eargs.scheduling_policy is None:
+        # Chat turns are served traffic: the server's default policy, not the offline
+        # LLM's "throughput" (on CUDA), which paces prompts over the decode horizon
+        # and so sets TTFT by pacing rather than by what the prefix cache saves.
+        eargs.scheduling_policy = "fcfs"
     eargs.kv_offload_bytes = offload_bytes
     if not offload_bytes:  # "off": no tier at all (the disk tier sits behind the host's)
         eargs.kv_offload_disk_bytes = 0
