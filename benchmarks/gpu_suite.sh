@@ -153,9 +153,12 @@ for part in $PARTS; do
         tests/kernels/test_mla_fp8.py tests/kernels/test_fp8_block_gemm.py \
         tests/kernels/test_mla_prefill.py
       step timeout 120 python benchmarks/mla_fp8_bench.py --sections mla
-      step timeout 120 python benchmarks/mla_fp8_bench.py --sections mla --kv-cache-dtype fp8
-      # W1's decode steps: ~250 requests at every stage (is one program per request,
-      # the longest context setting the time, worth splits?)
+      # The fp8 latent cache ran at 18% of the bandwidth on the H100 (bf16: 56%): sweep it.
+      step timeout 120 python benchmarks/mla_fp8_bench.py --sections mla --kv-cache-dtype fp8 \
+        --sweep
+      cp "$OUT/mla_fp8_bench.json" "$OUT/mla_fp8_sweep.json"
+      # W1's decode steps: ~250 requests at every stage, one program each (a length-
+      # balanced split helped the kernel 11% and W1 nothing: docs/benchmarks.md)
       step timeout 200 python benchmarks/mla_fp8_bench.py --sections mla --sweep --batch 256 \
         --context 1536 --context-min 128
       ab dsw4 python -m pagedllm bench latency --dummy deepseek-v2-lite
