@@ -11,10 +11,13 @@ reference path, ~30x slower at batch 1 on this machine) and accumulate in fp32:
 A weight may be a sum of parts (a code wider than 4 bits split into nibbles,
 ``gguf_blocks.int4_parts``): ``x W^T = sum_p x W_p^T``.
 
-The CPU packed layout (``[N, K/2]`` bytes, read off torch's packing): rows in tiles of
-64; inside tile ``t`` byte ``(k // 2) * 64 + (k % 2) * 32 + n % 32`` of the tile holds
-``v[64 t + n, k]`` in its low nibble for ``n % 64 < 32``, high nibble otherwise.
-``gather_rows`` uses it so that an embedding can share its tied lm_head's storage.
+The CPU packed layout (``[N, K/2]`` bytes): rows in tiles of 64, each tile ``64 * K / 2``
+contiguous bytes, the nibbles inside a tile placed by the CPU's vector ISA (AVX-512:
+byte ``(k // 2) * 64 + (k % 2) * 32 + n % 32``, low nibble for ``n % 64 < 32``; AVX2:
+byte ``(n % 64 // 32) * K * 16 + k * 16 + n % 16``, low nibble for ``n % 32 < 16``).
+``gather_rows`` reads it through a map taken from packing probe tiles on this machine
+(``_tile_map``), so that an embedding can share its tied lm_head's storage whatever
+the ISA.
 
 On a CPU with AVX512-VNNI (``int4_vnni.py``) a part is packed in that kernel's "vnni4"
 layout instead (``layout == "vnni4"``; ``"vnni4x8"`` for a weight made with ``act8``,
@@ -24,6 +27,8 @@ float32.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from pagedllm.layers.quantization import int4_vnni
@@ -31,6 +36,27 @@ from pagedllm.layers.quantization import int4_vnni
 ACT_DTYPE = torch.bfloat16
 _TILE_N = 64
 VNNI4 = ("vnni4", "vnni4x8")  # the int4_vnni kernel's int4 layouts
+
+
+@functools.cache
+def _tile_map(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(byte, shift)``, each ``[64, k]``: where torch's CPU packing puts ``v[n, k]`` of a
+    64-row tile (its byte in the tile, and 0 or 4 for its nibble).  Read off packing probe
+    tiles whose codes are the base-16 digits of each element's index, one probe a digit:
+    the layout depends on the CPU's vector ISA (module doc), the probes see this one."""
+    pos = torch.arange(_TILE_N * k, dtype=torch.int64).view(_TILE_N, k)
+    found = torch.zeros(_TILE_N * k, dtype=torch.int64)  # index stored at each nibble
+    digit = 0
+    while (_TILE_N * k) >> (4 * digit):
+        probe = ((pos >> (4 * digit)) & 0x0F).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 2).flatten()
+        nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten().to(torch.int64)
+        found |= nibbles << (4 * digit)
+        digit += 1
+    where = torch.empty_like(found)
+    where[found] = torch.arange(found.numel())  # nibble slot of each element index
+    where = where.view(_TILE_N, k)
+    return where // 2, ((where % 2) * 4).to(torch.uint8)
 
 
 class PackedInt4:
@@ -82,11 +108,11 @@ class PackedInt4:
                                          self.layout == "vnni4x8")
         if self.device.type != "cpu" or self.n % _TILE_N:
             raise ValueError("gather_rows needs the CPU layout and N % 64 == 0")
-        tiles = self.packed.view(self.n // _TILE_N, self.k // 2, 2, 32)
+        byte, shift = _tile_map(self.k)
+        tiles = self.packed.view(self.n // _TILE_N, _TILE_N * self.k // 2)
         r = ids % _TILE_N
-        b = tiles[ids // _TILE_N, :, :, r % 32]  # [T, K/2, 2] -> k = 2 * (k//2) + k%2
-        shift = ((r >= 32).to(torch.uint8) * 4).view(-1, 1)
-        return (b.reshape(ids.shape[0], self.k) >> shift) & 0x0F
+        b = tiles[(ids // _TILE_N)[:, None], byte[r]]  # [T, K]
+        return (b >> shift[r]) & 0x0F
 
 
 class PackedInt8:
