@@ -231,6 +231,9 @@ class ParallelConfig:
     data_parallel_rank: int = 0
     data_parallel_master_port: int = 0
     data_parallel_rpc_port: int = 0
+    # How the DP client places requests on engines (engine/dp_routing.py): "prefix"
+    # (the engine holding most of the prompt's prefix, unless clearly busier) or "load".
+    data_parallel_routing: str = "prefix"
 
     @property
     def world_size(self) -> int:

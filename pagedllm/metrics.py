@@ -372,11 +372,14 @@ class EngineMetrics:
         for pos, n in enumerate(stats.spec_accepted_per_pos):
             self.spec_decode_num_accepted_tokens_per_pos.labels(*m, str(pos)).inc(n)
 
-    def track_engines(self, stats: list[SchedulerStats], assigned: list[int]) -> None:
+    def track_engines(self, stats: list[SchedulerStats], assigned: list[int],
+                      prefix_routed: list[int] | None = None) -> None:
         """Data parallelism (``engine/dp_client.py``): per-engine gauges labelled
-        ``engine``, read at scrape time from ``stats`` and ``assigned`` (sequences sent
-        to each engine so far), lists the DP client keeps current; the ``vllm:`` gauges
-        (whose ``engine`` label stays "0") are the totals."""
+        ``engine``, read at scrape time from ``stats``, ``assigned`` (sequences sent
+        to each engine so far) and ``prefix_routed`` (those of them placed there for
+        their cached prefix, ``engine/dp_routing.py``), lists the DP client keeps
+        current; the ``vllm:`` gauges (whose ``engine`` label stays "0") are the
+        totals."""
         lbl = ["model_name", "engine"]
         specs = (("engine_num_requests_running", "Requests running, per engine.",
                   "num_running_reqs"),
@@ -393,6 +396,13 @@ class EngineMetrics:
                   lbl, registry=self.registry)
         for i in range(len(assigned)):
             g.labels(self.model_name, str(i)).set_function(lambda i=i: float(assigned[i]))
+        routed = prefix_routed if prefix_routed is not None else [0] * len(assigned)
+        g = Gauge("pagedllm:engine_requests_prefix_routed",
+                  "Sequences sent to each engine because it held at least half of their "
+                  "prompt's blocks (--data-parallel-routing prefix).",
+                  lbl, registry=self.registry)
+        for i in range(len(routed)):
+            g.labels(self.model_name, str(i)).set_function(lambda i=i: float(routed[i]))
 
     def set_engine_alive(self, alive: bool) -> None:
         self.engine_alive.labels(*self._lbl).set(1 if alive else 0)

@@ -32,6 +32,7 @@ from pagedllm.config import (
     SchedulerConfig,
 )
 from pagedllm.core.kv_cache_groups import make_kv_cache_groups
+from pagedllm.engine.dp_routing import check_routing
 from pagedllm.model_files.resolve import resolve_model
 from pagedllm.multimodal.config import (
     MultiModalConfig,
@@ -155,6 +156,8 @@ class EngineArgs:
     data_parallel_rank: int = 0
     data_parallel_master_port: int = 0
     data_parallel_rpc_port: int = 0
+    # "prefix" | "load": how requests are placed on data-parallel engines (dp_routing).
+    data_parallel_routing: str = "prefix"
     # Pooling models (vLLM 0.26's names): "auto" | "generate" | "pooling"; a decoder
     # under runner "pooling" converts to "embed"; {"pooling_type", "normalize"}.
     runner: str = "auto"
@@ -251,7 +254,8 @@ class EngineArgs:
             self.data_parallel_size, self.distributed_executor_backend,
             self.distributed_timeout_seconds, self.enable_expert_parallel,
             self.all2all_backend, (self.data_parallel_rank, self.data_parallel_master_port,
-                                   self.data_parallel_rpc_port))
+                                   self.data_parallel_rpc_port),
+            routing=self.data_parallel_routing)
 
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
@@ -579,11 +583,12 @@ def _ray_session_active() -> bool:
 def make_parallel_config(tp: object, pp: object, dp: object, backend: object,
                          timeout: object, expert_parallel: object = False,
                          all2all_backend: object = "allgather_reducescatter",
-                         dp_placement: tuple[int, int, int] = (0, 0, 0)) -> ParallelConfig:
+                         dp_placement: tuple[int, int, int] = (0, 0, 0),
+                         routing: object = "prefix") -> ParallelConfig:
     """Validate the parallel arguments (``ValueError`` naming the parameter) and pick the
     executor backend when it is not given.  ``dp_placement``: this engine's
     ``(data_parallel_rank, data_parallel_master_port, data_parallel_rpc_port)``, set by
-    the DP client when experts span engines."""
+    the DP client when experts span engines; ``routing``: ``data_parallel_routing``."""
     tp = _positive_int("tensor_parallel_size", tp)
     pp = _positive_int("pipeline_parallel_size", pp)
     dp = _positive_int("data_parallel_size", dp)
@@ -614,9 +619,10 @@ def make_parallel_config(tp: object, pp: object, dp: object, backend: object,
         if backend == "ray":
             raise ValueError("enable_expert_parallel with data_parallel_size > 1 runs on "
                              "one host: use distributed_executor_backend 'mp' or 'uni'")
+    routing = check_routing(routing)
     rank, master, rpc = dp_placement
     return ParallelConfig(tp, pp, dp, str(backend), float(timeout), expert_parallel,
-                          str(all2all_backend), rank, master, rpc)
+                          str(all2all_backend), rank, master, rpc, routing)
 
 
 def _check_expert_parallel_across_engines(async_scheduling: object,

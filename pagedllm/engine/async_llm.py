@@ -195,7 +195,8 @@ class AsyncLLM:
                 metrics.record_transport_rejected(reason, count)
             c.on_rejected = metrics.record_transport_rejected
         if isinstance(self.client, DPClient):  # per-engine gauges beside the totals
-            metrics.track_engines(self.client.engine_stats, self.client.assigned)
+            metrics.track_engines(self.client.engine_stats, self.client.assigned,
+                                  self.client.routed_by_prefix)
 
     # ------------------------------------------------------------------ health
 

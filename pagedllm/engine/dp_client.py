@@ -10,7 +10,10 @@
 unchanged.  Each core is a full engine (scheduler, KV cache, executor); they share
 nothing, so a request lives on one engine from start to finish.
 
-Balancing: a new request goes to the engine with the fewest unfinished sequences
+Balancing: a new request goes to the engine that already holds most of its prompt in
+its prefix cache, unless that engine is clearly busier (``engine/dp_routing.py``;
+``data_parallel_routing="prefix"``, the default), else -- and always under
+``data_parallel_routing="load"`` -- to the engine with the fewest unfinished sequences
 sent to it (exact: counted here as requests are sent and finish), then the fewest
 waiting in its last reported stats, then the lowest KV-cache usage.  An ``n > 1``
 request goes whole to one engine (its sequences share the prompt's blocks there).
@@ -38,6 +41,7 @@ import msgspec
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_proc import EngineCoreReady
+from pagedllm.engine.dp_routing import PrefixRouter, check_routing
 from pagedllm.engine.mp_client import AsyncMPClient, EngineDeadError
 from pagedllm.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
@@ -73,8 +77,11 @@ class DPClient:
     """``data_parallel_size`` engine cores as one (see the module doc)."""
 
     def __init__(self, config: Any, num_engines: int, *, transport: str = "ipc") -> None:
+        pc = config.parallel_config if isinstance(config, EngineConfig) else config
+        self.routing = check_routing(getattr(pc, "data_parallel_routing", "prefix"))
         self.clients = [AsyncMPClient(c, transport=transport)
                         for c in engine_configs(config, num_engines)]
+        self.router: PrefixRouter | None = None  # built at start (needs the block size)
         self.ready: EngineCoreReady | None = None
         self.dead: EngineDeadError | None = None
         # Per engine: unfinished sequences sent to it, and its last reported stats.
@@ -100,10 +107,15 @@ class DPClient:
             max_num_seqs=sum(r.max_num_seqs for r in readies),
             max_tokens_per_request=min(r.max_tokens_per_request for r in readies),
             device=first.device, dtype=first.dtype)
+        if self.routing == "prefix":
+            self.router = PrefixRouter(len(self.clients), first.block_size)
+            for i, r in enumerate(readies):
+                self.router.set_capacity(i, r.num_blocks)
         loop = asyncio.get_running_loop()
         self._readers = [loop.create_task(self._read(i)) for i in range(len(self.clients))]
-        logger.info("%d data-parallel engines ready (pids %s)", len(self.clients),
-                    [r.pid for r in readies])
+        logger.info("%d data-parallel engines ready (pids %s), requests routed by %s",
+                    len(self.clients), [r.pid for r in readies],
+                    "cached prefix, then load" if self.router else "load")
         return self.ready
 
     @property
@@ -128,10 +140,25 @@ class DPClient:
             self.outstanding[i], self.engine_stats[i].num_waiting_reqs,
             self.engine_stats[i].kv_cache_usage, i))
 
+    @property
+    def routed_by_prefix(self) -> list[int]:
+        """Per engine, sequences sent there because it held at least half of their
+        prompt's blocks (``dp_routing``); zeros under ``data_parallel_routing="load"``."""
+        return self.router.routed_by_prefix if self.router else [0] * len(self.clients)
+
+    def route(self, request: EngineCoreRequest) -> int:
+        """The engine for ``request`` (module doc)."""
+        if self.router is None:
+            return self.pick_engine()
+        lora = request.lora_request.lora_int_id if request.lora_request else None
+        return self.router.pick(request.prompt_token_ids, self.outstanding,
+                                self.pick_engine,
+                                root=(lora, request.sampling_params.cache_salt))
+
     async def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         if self.dead is not None:
             raise self.dead
-        i = self.pick_engine()
+        i = self.route(requests[0])
         for r in requests:
             for sid in (r.request_id, *r.fork_ids):
                 self._owner[sid] = i
@@ -155,7 +182,12 @@ class DPClient:
             while True:
                 out = await self.clients[i].get_output()
                 if out.scheduler_stats is not None:
-                    self.engine_stats[i] = out.scheduler_stats
+                    self.engine_stats[i] = st = out.scheduler_stats
+                    if self.router is not None and st.num_total_blocks > 0:
+                        self.router.set_capacity(  # what its cache can hold now
+                            i, st.num_total_blocks
+                                                 + st.kv_offload_total_blocks
+                                                 + st.kv_offload_disk_total_blocks)
                 for o in out.outputs:
                     if o.finished and self._owner.pop(o.request_id, None) is not None:
                         self.outstanding[i] -= 1

@@ -216,7 +216,15 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="Pipeline stages, each running a contiguous range of layers.")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="Engine cores behind one API server, requests balanced by load.")
+                   help="Engine cores behind one API server (see "
+                        "--data-parallel-routing).")
+    g.add_argument("--data-parallel-routing", default="prefix", choices=["prefix", "load"],
+                   help="How requests are placed on data-parallel engines: 'prefix' sends "
+                        "one to the engine that already caches at least half of its "
+                        "prompt (a conversation's next turn goes where its history is) "
+                        "unless that engine has more than max(4, 25%%) more unfinished "
+                        "requests than the least-loaded one, else by load; 'load' by "
+                        "load alone.  Default: %(default)s.")
     g.add_argument("--distributed-executor-backend", default=None,
                    choices=["uni", "mp", "ray"],
                    help="How ranks run: in process (uni), one process each on this host "
@@ -266,6 +274,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=args.data_parallel_size,
+        data_parallel_routing=args.data_parallel_routing,
         distributed_executor_backend=args.distributed_executor_backend,
         distributed_timeout_seconds=args.distributed_timeout_seconds,
         enable_expert_parallel=getattr(args, "enable_expert_parallel", False),

@@ -160,7 +160,8 @@ class ServerProcess:
 
 
 _PER_ENGINE = {f"pagedllm:engine_{n}" for n in (
-    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "requests_assigned")}
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "requests_assigned",
+    "requests_prefix_routed")}
 
 
 @contextlib.contextmanager
