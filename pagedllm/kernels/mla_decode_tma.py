@@ -3,11 +3,13 @@ memory accelerator: an experiment beside ``mla_decode.py``'s gather kernel.
 
 Why.  The gather kernel holds at 2.4 TB/s on the H100 and the H200 alike: each SM's
 rate, not HBM, limits it (docs/benchmarks.md), and no tile, split, warp or stage count
-changed that.  Its loads are per-position gathers through the block table, which the
-compiler cannot issue ahead of the previous tile's math.  Here a page of the cache
-(``block_size`` consecutive tokens, contiguous in memory) is one TMA box, addressed by
-its block id: the loads are asynchronous bulk copies into shared memory that the
-software pipeline (``num_stages``) issues a stage ahead, the way FlashMLA streams pages.
+changed that.  Its loads are per-position gathers through the block table: compiled for
+sm_90 at its default plan they are 16-byte ``cp.async`` copies, 18 a thread for each
+32-position tile, each with its own address arithmetic (pipelined two stages deep).
+Here a page of the cache (``block_size`` consecutive tokens, contiguous in memory) is
+one TMA box, addressed by its block id: three bulk copies a page for the whole program,
+issued a page ahead by the software pipeline (``num_stages`` >= 2; the compile test
+checks it), leaving the issue slots to the math -- the way FlashMLA streams pages.
 
 What it computes is ``mla_decode``'s contract for ``max_query_len == 1`` over a cache in
 the query's dtype (bf16 / fp16 / fp32) with ``kv_lora_rank`` 512 and a block size of 16
