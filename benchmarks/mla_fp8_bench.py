@@ -37,7 +37,6 @@ Results: printed, and as JSON in ``$OUT/mla_fp8_bench.json`` (``$OUT`` default
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import itertools
 import json
@@ -136,18 +135,11 @@ def bench_mla(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
                          qsl[:ref_n + 1], scale).float()
     plans = [plan_mla_decode(num_reqs=args.batch, max_query_len=1, num_heads=heads,
                              kv_lora_rank=lat, kv_fp8=fp8)]
-    if not fp8:  # the TMA page kernel (kernels/mla_decode_tma.py) with the same plan
-        plans.append(dataclasses.replace(plans[0], tma=True))
     if args.sweep:
         for bn, sp, w, st in itertools.product((16, 32, 64), (1, 2, 4, 8, 16), (4, 8),
                                                (2, 3)):
             plans.append(MlaLaunch(block_h=plans[0].block_h, block_q=1, block_n=bn,
                                     num_splits=sp, num_warps=w, num_stages=st))
-        if not fp8:
-            for sp, w, st in itertools.product((1, 2, 4, 8, 16), (4, 8), (2, 3, 4)):
-                plans.append(MlaLaunch(block_h=plans[0].block_h, block_q=1, block_n=16,
-                                        num_splits=sp, num_warps=w, num_stages=st,
-                                        tma=True))
     rows = []
     for i, plan in enumerate(plans):
         call = functools.partial(mla_decode, *inputs, scale, 1, launch=plan)
@@ -168,8 +160,7 @@ def bench_mla(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
         if us is not None:
             row["pct_of_4.2TBps"] = 100 * row["GBps"] / (HBM_TBPS * 1e3)
         rows.append(row)
-        if i == 0 or (plan.tma and plan == dataclasses.replace(plans[0], tma=True)) \
-                or args.verbose:
+        if i == 0 or args.verbose:
             _print_mla(row)
     timed = [r for r in rows if r["us"] is not None]
     if args.sweep and timed:
@@ -185,8 +176,7 @@ def _print_mla(r: dict[str, Any]) -> None:
     ctx = r["context"] if r["context_min"] is None else f"{r['context_min']}..{r['context']}"
     print(f"mla {r['kv_cache_dtype']} b{r['batch']} x {ctx} H{r['heads']} "
           f"block_h {p['block_h']} block_n {p['block_n']} "
-          f"splits {p['num_splits']} warps {p['num_warps']} stages {p['num_stages']}"
-          f"{' tma' if p.get('tma') else ''}: "
+          f"splits {p['num_splits']} warps {p['num_warps']} stages {p['num_stages']}: "
           f"{t}  err {r['max_abs_err']:.2e} {'ok' if r['ok'] else 'WRONG'}")
 
 

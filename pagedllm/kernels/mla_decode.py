@@ -76,7 +76,6 @@ import triton
 import triton.language as tl
 
 # The GQA kernel's helpers: the same MMA numerics, tile search and interpreter test.
-from pagedllm.kernels.mla_decode_tma import launch_tma, tma_applies
 from pagedllm.kernels.paged_attention import _LOG2E, _find_request, _interpreting, _mma
 
 MAX_SPLITS = 32
@@ -251,7 +250,6 @@ class MlaLaunch:
     num_splits: int  # 1 = one pass; > 1 = split-KV + reduce
     num_warps: int = 4
     num_stages: int = 2
-    tma: bool = False  # decode over a model-dtype cache: kernels/mla_decode_tma.py
 
 
 def plan_mla_decode(*, num_reqs: int, max_query_len: int, num_heads: int,
@@ -369,25 +367,18 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     search = max_query_len > 1
     grid = ((t // launch.block_q + num_reqs) * head_blocks, 1, splits) if search \
         else (q_blocks * head_blocks, num_reqs, splits)
-    if launch.tma and tma_applies(q_latent, kv_cache, max_query_len):
-        launch_tma(q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc,
-                   scale * _LOG2E, block_h=launch.block_h, num_splits=splits,
-                   num_warps=launch.num_warps, num_stages=launch.num_stages,
-                   target=target, lse=lse, stride_ot=stride_ot, stride_oh=stride_oh,
-                   f32_dot=f32_dot, interpreting=_interpreting())
-    else:
-        _mla_decode_kernel[grid](
-            q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, target, lse,
-            scale * kv_scale * _LOG2E, kv_scale, h, splits, num_reqs,
-            q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
-            kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
-            stride_ot, stride_oh,
-            L=lat, R=rope, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope)),
-            BLOCK_H=launch.block_h, BLOCK_Q=launch.block_q, HEAD_BLOCKS=head_blocks,
-            BLOCK_N=launch.block_n, BLOCK_SIZE=kv_cache.shape[2], SPLIT=splits > 1,
-            F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), KV_FP8=kv_fp8, SEARCH=search,
-            num_warps=launch.num_warps,
-            num_stages=launch.num_stages)
+    _mla_decode_kernel[grid](
+        q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, target, lse,
+        scale * kv_scale * _LOG2E, kv_scale, h, splits, num_reqs,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
+        stride_ot, stride_oh,
+        L=lat, R=rope, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope)),
+        BLOCK_H=launch.block_h, BLOCK_Q=launch.block_q, HEAD_BLOCKS=head_blocks,
+        BLOCK_N=launch.block_n, BLOCK_SIZE=kv_cache.shape[2], SPLIT=splits > 1,
+        F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), KV_FP8=kv_fp8, SEARCH=search,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages)
     if splits > 1:
         _mla_reduce_kernel[(t, h)](
             part, lse, out, query_start_loc, num_reqs, h, splits, out.stride(0),

@@ -164,38 +164,3 @@ def test_graph_chunk_step_searches_query_tiles(splits: int) -> None:
                          qsl.cpu(), 0.1)
     assert_close(out[:t], ref, torch.float32, 9)
     assert bool((out[t:] == 7.0).all())
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("splits,block_size", [(1, 16), (3, 16), (2, 32)])
-def test_tma_page_kernel(dtype: torch.dtype, splits: int, block_size: int) -> None:
-    """``MlaLaunch(tma=True)`` (kernels/mla_decode_tma.py: a page per TMA box) at the
-    real latent width (512 + 64): ragged contexts, partial last pages, uneven and empty
-    splits, a padded request with no query (left unwritten)."""
-    from pagedllm.kernels.mla_decode_tma import tma_applies
-
-    g = torch.Generator().manual_seed(11)
-    lat, rope, heads, seq_lens = 512, 64, 16, [1, 17, 70, 33, 0]
-    per = [-(-s // block_size) for s in seq_lens]
-    nb = len(seq_lens) * max(per) + 3  # every table's blocks distinct, spares unused
-    cache = torch.randn(1, nb, block_size, 1, lat + rope, generator=g)
-    tables = torch.randint(0, nb, (len(seq_lens), max(per) + 1), generator=g)
-    tables[:, :max(per)] = torch.randperm(nb, generator=g)[:len(seq_lens) * max(per)].view(
-        len(seq_lens), max(per))
-    q_lat = torch.randn(5, heads, lat, generator=g)
-    q_pe = torch.randn(5, heads, rope, generator=g)
-    qsl = torch.tensor([0, 1, 2, 3, 4, 4])  # the fifth request is padding
-
-    def dev(x: torch.Tensor, dt: torch.dtype = dtype) -> torch.Tensor:
-        return x.to(device=DEVICE, dtype=dt)
-
-    args = (dev(q_lat), dev(q_pe), dev(cache), dev(tables, torch.int32),
-            dev(torch.tensor(seq_lens), torch.int32), dev(qsl, torch.int32))
-    assert tma_applies(args[0], args[2], 1)
-    out = torch.full((5, heads, lat), 7.0, dtype=dtype, device=DEVICE)
-    launch = MlaLaunch(block_h=16, block_q=1, block_n=16, num_splits=splits, tma=True)
-    mla_decode(*args, 0.05, 1, launch=launch, out=out)
-    ref = mla_decode_ref(*(a.cpu().float() for a in args[:3]),
-                         *(a.cpu() for a in args[3:]), 0.05)
-    assert_close(out[:4], ref[:4], dtype, 11)
-    assert bool((out[4] == 7.0).all())
