@@ -52,8 +52,9 @@ def test_second_turns_go_where_their_history_is() -> None:
         routed = [m[f'pagedllm:engine_requests_prefix_routed{{engine="{i}"}}']
                   for i in (0, 1)]
     assert got == ref
-    # First turns by load (two each), second turns by prefix: every one of them found
-    # its six history blocks cached on its engine.
-    assert assigned == [4, 4], assigned
+    # First turns by load (about two each: a first turn may finish before the last is
+    # sent), second turns by prefix: every one found its six history blocks cached on
+    # its engine (by load alone, turned round, about half would).
+    assert sum(assigned) == 8 and min(assigned) >= 2, assigned
     assert sum(routed) == 4, routed
     assert hits >= 4 * 6 * BLOCK, hits
