@@ -185,9 +185,8 @@ class DPClient:
                     self.engine_stats[i] = st = out.scheduler_stats
                     if self.router is not None and st.num_total_blocks > 0:
                         self.router.set_capacity(  # what its cache can hold now
-                            i, st.num_total_blocks
-                                                 + st.kv_offload_total_blocks
-                                                 + st.kv_offload_disk_total_blocks)
+                            i, st.num_total_blocks + st.kv_offload_total_blocks
+                            + st.kv_offload_disk_total_blocks)
                 for o in out.outputs:
                     if o.finished and self._owner.pop(o.request_id, None) is not None:
                         self.outstanding[i] -= 1
