@@ -373,7 +373,7 @@ class EngineMetrics:
             self.spec_decode_num_accepted_tokens_per_pos.labels(*m, str(pos)).inc(n)
 
     def track_engines(self, stats: list[SchedulerStats], assigned: list[int],
-                      prefix_routed: list[int] | None = None) -> None:
+                      prefix_routed: list[int]) -> None:
         """Data parallelism (``engine/dp_client.py``): per-engine gauges labelled
         ``engine``, read at scrape time from ``stats``, ``assigned`` (sequences sent
         to each engine so far) and ``prefix_routed`` (those of them placed there for
@@ -396,13 +396,13 @@ class EngineMetrics:
                   lbl, registry=self.registry)
         for i in range(len(assigned)):
             g.labels(self.model_name, str(i)).set_function(lambda i=i: float(assigned[i]))
-        routed = prefix_routed if prefix_routed is not None else [0] * len(assigned)
         g = Gauge("pagedllm:engine_requests_prefix_routed",
                   "Sequences sent to each engine because it held at least half of their "
                   "prompt's blocks (--data-parallel-routing prefix).",
                   lbl, registry=self.registry)
-        for i in range(len(routed)):
-            g.labels(self.model_name, str(i)).set_function(lambda i=i: float(routed[i]))
+        for i in range(len(prefix_routed)):
+            g.labels(self.model_name, str(i)).set_function(
+                lambda i=i: float(prefix_routed[i]))
 
     def set_engine_alive(self, alive: bool) -> None:
         self.engine_alive.labels(*self._lbl).set(1 if alive else 0)

@@ -68,6 +68,14 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...],
     return hash((parent_hash, token_ids, extra_key))
 
 
+def prefix_extra_key(sampling_params: object, lora_request: object) -> object:
+    """What besides the tokens decides a block's KV: the cache salt and the LoRA
+    adapter (the same tokens under another adapter have other K/V)."""
+    salt = getattr(sampling_params, "cache_salt", None)
+    lora_id = getattr(lora_request, "lora_int_id", None)
+    return salt if lora_id is None else (salt, "lora", lora_id)
+
+
 class KVCacheManager:
     """Owns request -> blocks and request -> block hashes; the scheduler asks, never edits."""
 
@@ -114,20 +122,13 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     # -- prefix cache --------------------------------------------------------------
-    def _extra_key(self, request: Request) -> object:
-        """What besides the tokens decides a block's KV: the cache salt and the LoRA
-        adapter (the same tokens under another adapter have other K/V)."""
-        salt = getattr(request.sampling_params, "cache_salt", None)
-        lora = request.lora_request
-        return salt if lora is None else (salt, "lora", lora.lora_int_id)
-
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
         """The request's chained hashes for its first ``num_full_blocks`` blocks,
         extending the memoised list only by the blocks not hashed yet."""
         hashes = self.req_to_hashes.setdefault(request.request_id, [])
         bs = self.block_size
         tokens = request.all_token_ids
-        extra = self._extra_key(request)
+        extra = prefix_extra_key(request.sampling_params, request.lora_request)
         mm = request.mm_features  # images: their identifiers join their blocks' keys
         while len(hashes) < num_full_blocks:
             i = len(hashes)

@@ -40,6 +40,7 @@ from typing import Any
 import msgspec
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import prefix_extra_key
 from pagedllm.engine.core_proc import EngineCoreReady
 from pagedllm.engine.dp_routing import PrefixRouter, check_routing
 from pagedllm.engine.mp_client import AsyncMPClient, EngineDeadError
@@ -150,10 +151,9 @@ class DPClient:
         """The engine for ``request`` (module doc)."""
         if self.router is None:
             return self.pick_engine()
-        lora = request.lora_request.lora_int_id if request.lora_request else None
         return self.router.pick(request.prompt_token_ids, self.outstanding,
-                                self.pick_engine,
-                                root=(lora, request.sampling_params.cache_salt))
+                                self.pick_engine, root=prefix_extra_key(
+                                    request.sampling_params, request.lora_request))
 
     async def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         if self.dead is not None:

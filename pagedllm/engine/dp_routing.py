@@ -39,6 +39,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from pagedllm.core.kv_cache_manager import hash_block
+
 ROUTING_POLICIES = ("prefix", "load")
 MIN_MATCH_FRACTION = 0.5
 MIN_SLACK = 4
@@ -56,12 +58,12 @@ def check_routing(policy: object) -> str:
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int,
                         root: object = None) -> list[int]:
-    """Chained hashes of the prompt's full blocks: entry ``i`` names blocks ``0..i``
-    (and ``root``), as the engines' prefix-cache keys do."""
+    """Chained hashes of the prompt's full blocks (the engines' ``hash_block``, with
+    ``root`` as every block's extra key): entry ``i`` names blocks ``0..i``."""
     out: list[int] = []
-    h = hash(("pagedllm-dp", root))
+    h = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        h = hash((h, tuple(token_ids[start:start + block_size])))
+        h = hash_block(h, tuple(token_ids[start:start + block_size]), root)
         out.append(h)
     return out
 
@@ -102,21 +104,16 @@ class PrefixRouter:
         blocks are then listed for it.  ``outstanding[i]``: engine ``i``'s unfinished
         sequences; ``fallback()``: the least-loaded engine."""
         hashes = prompt_block_hashes(token_ids, self.block_size, root)
-        least = fallback()
-        choice = least
+        least = choice = fallback()
         if hashes:
-            best, best_n = least, self.matched_blocks(least, hashes)
-            for i in range(len(self._blocks)):
-                n = self.matched_blocks(i, hashes) if i != least else best_n
-                if n > best_n:
-                    best, best_n = i, n
+            matched = [self.matched_blocks(i, hashes) for i in range(len(self._blocks))]
+            # The longest match; a tie goes to the least-loaded engine, then the lowest.
+            best = max(range(len(matched)), key=lambda i: (matched[i], i == least, -i))
             slack = max(MIN_SLACK, int(outstanding[least] * SLACK_FRACTION))
-            if best != least and best_n >= MIN_MATCH_FRACTION * len(hashes) \
+            if matched[best] >= MIN_MATCH_FRACTION * len(hashes) \
                     and outstanding[best] <= outstanding[least] + slack:
                 choice = best
                 self.routed_by_prefix[best] += 1
-            elif best == least and best_n >= MIN_MATCH_FRACTION * len(hashes):
-                self.routed_by_prefix[least] += 1
         self._record(choice, hashes)
         return choice
 
