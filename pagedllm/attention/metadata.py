@@ -36,6 +36,7 @@ one-token query's limit is therefore its own position, and decode paths ignore l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,10 @@ class AttentionMetadata:
     # then placeholders fixed at capture, so a backend may plan from the host ints above
     # (tokens, requests, ``max_query_len``) but never from the twins' contents.
     host_lens: bool = True
+    # Set in a step that loads KV blocks back from the prefix cache's host tier
+    # (worker/block_ops.py): each attention layer calls it with its KV tensor before
+    # touching it, so it reads the loaded blocks only once they have landed.
+    kv_ready: Callable[[torch.Tensor], None] | None = None
 
     def with_groups(self, tables: list[torch.Tensor], slots: list[torch.Tensor],
                     ) -> AttentionMetadata:
@@ -81,6 +86,14 @@ class AttentionMetadata:
             self.kv_groups = (self, *(dataclasses.replace(self, block_tables=t,
                                                           slot_mapping=s)
                                       for t, s in zip(tables, slots)))
+        return self
+
+    def with_kv_ready(self, ready: Callable[[torch.Tensor], None] | None,
+                      ) -> AttentionMetadata:
+        """Set ``kv_ready`` here and on every KV cache group's copy."""
+        self.kv_ready = ready
+        for g in self.kv_groups:
+            g.kv_ready = ready
         return self
 
     def with_query_limits(self, limits: torch.Tensor | None) -> AttentionMetadata:

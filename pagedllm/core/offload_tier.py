@@ -1,7 +1,7 @@
 """The host tier of the prefix cache (``kv_offload_bytes``): KV blocks evicted from the
 device pool are kept in host memory, keyed by their block hash, and loaded back on a
-prefix hit, a step ahead of the request that needs them (torch-free bookkeeping; the
-runner's ``BlockOps`` copies the bytes).
+prefix hit, in the step that admits the request that needs them (torch-free
+bookkeeping; the runner's ``BlockOps`` copies the bytes).
 
 ```
  device pool (BlockPool)                         host pool (this class)
@@ -11,10 +11,10 @@ runner's ``BlockOps`` copies the bytes).
                                device  hit  miss miss     host: h1 -> s1, h2 -> s2
  step N    promote: new blocks b1, b2 ◄──copy── s1, s2   (load pairs: (s1, b1), (s2, b2))
            registered as h1, h2, held (with b0) until the step's copies are taken;
-           r is not admitted: it keeps its place in the queue
-           runner: loads on a copy stream, overlapping step N's forward
- step N+1  the forward waits for the loads first; r's lookup finds b0, b1, b2 as
-           ordinary device hits (num_cached_tokens counts them) and r is admitted
+           r's lookup finds b0, b1, b2 as device hits (num_cached_tokens counts
+           them) and r is admitted in this step
+           runner: loads on a copy stream, layer by layer, overlapping step N's
+           forward; each layer's attention first waits for that layer's copies
 ```
 
 Contracts (the runner's order, ``worker/block_ops.py``: wait for the last step's loads;
@@ -28,17 +28,18 @@ stream, after the offloads); copy-on-write copies):
   hash dropped, ``KVCacheManager._release``; a loading block is held, so it is not on
   the free list), so the copy, ordered before this step's writes, reads valid KV.  A hash
   the host already holds is only marked recently used.
-* **No one reads or writes a block while its load is in flight.**  The load issued with
-  step N's output lands before anything of step N+1 runs (the runner's compute stream
-  waits for it), so only step N's own decisions could race it.  In step N a promoted
-  block is referenced by the tier (``_holds``), so no allocation takes it, and a lookup
-  whose prefix runs through it (another request's load, ``_in_flight``) makes that
-  request wait a step too.  The holds are dropped when the copies are taken: from step
-  N+1 on the blocks are ordinary cached blocks (at the free list's tail, prefix last).
-  An abort or preemption has nothing to release (the request holds no loading blocks;
-  ``forget`` drops its counters).  Not holding past step N is deliberate: a hold through
-  step N+1 would have running requests preempt one another to keep a prefix for a
-  request not yet running; evicted anyway, the prefix comes back from the host again.
+* **A loading block is read only after its copy lands, and never written.** The loads
+  issued with step N's output are read by step N's forward -- by the request that
+  promoted them and any other whose prefix runs through them -- and the runner makes
+  each layer's attention wait for that layer's copies first (worker/block_ops.py);
+  everything of step N+1 runs after all of them.  A promoted block is full and
+  registered under its hash, so no one writes it, and in step N it is referenced by the
+  tier (``_holds``), so no allocation takes it.  The holds are dropped when the copies
+  are taken: from step N+1 on the blocks are ordinary cached blocks, referenced by the
+  requests admitted on them (else at the free list's tail, prefix last).  A request
+  promoted but not admitted (no room, or only part of its prefix promoted: it waits a
+  step for the rest) finds them as device hits later while they stay cached; an abort or
+  preemption has nothing of the tier's to release (``forget`` drops its counters).
 * **A host slot read by a load is not overwritten before the copy reads it.**  A slot
   read by a load queued this step is never given to another hash before the step's
   copies are taken (``_pinned``); the runner's copy stream reads it after this step's
@@ -56,8 +57,8 @@ stream, after the offloads); copy-on-write copies):
 **The disk tier** (``kv_offload_disk_bytes``, core/disk_tier.py) sits behind this one:
 a host slot reused for another key first saves its key to disk (``DiskTier.save``), and
 a promotion walks on through keys held only on disk, giving each a host slot with a
-disk -> host load queued before the host -> device load; the request waits its one step
-as for a host hit.  The runner applies the disk moves before this tier's.
+disk -> host load queued before the host -> device load.  The runner applies the disk
+moves (on the host) before this tier's.
 
 Hybrid KV cache groups work unchanged: a pool key carries its group, and a block id is
 one page in every shared KV tensor, which the runner copies whole.  A sliding-window
@@ -131,21 +132,20 @@ class OffloadTier:
         self._offload: list[tuple[int, int]] = []
         self._load: list[tuple[int, int]] = []
         self._pinned: set[int] = set()  # host slots read or written this step
-        self._in_flight: set[int] = set()  # device blocks loaded this step
         # The blocks of each promotion with loads, referenced by the tier until the
         # step's copies are taken (the module doc's second contract).
         self._holds: list[list[KVCacheBlock]] = []
-        self._waiting: dict[str, int] = {}  # request id -> blocks it waits for
-        # The request ids whose loads went out with the last step's copies: they wait
-        # for them and are admissible from the next step on (tests, debugging).
+        self._loaders: set[str] = set()  # request ids whose lookups promoted this step
+        # The request ids whose promotions went out with the last step's copies (tests,
+        # debugging): that step's forward read the loads once they landed.
         self.loading: frozenset[str] = frozenset()
         self._stats = OffloadStats()
         # The last lookup's (request id, queried tokens, hit tokens, disk-tier queried
         # tokens, disk hit tokens): counted only when that request is admitted
         # (``record_lookup``), as the device cache's are.
         self._last: tuple[str, int, int, int, int] | None = None
-        # The hits of a request that waited for its loads -- (tokens found off the
-        # device, disk-tier queries resolved, tokens found on disk): its next lookup
+        # The hits of a request promoted but not (yet) admitted -- (tokens found off
+        # the device, disk-tier queries resolved, tokens found on disk): its next lookup
         # finds them on the device, but they count as this tier's when it is admitted.
         self._carried: dict[str, tuple[int, int, int]] = {}
         self.disk = disk
@@ -162,11 +162,6 @@ class OffloadTier:
     @property
     def num_used(self) -> int:
         return len(self._lru)
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests looked up this step that wait for loads (not admitted)."""
-        return len(self._waiting)
 
     def slot_of(self, key: Hashable) -> int | None:
         """The host slot holding ``key`` (tests and debugging)."""
@@ -243,12 +238,14 @@ class OffloadTier:
         return staged, from_disk
 
     # -- host -> device ------------------------------------------------------------
-    def promote(self, request: Request, max_blocks: int | None = None) -> int:
-        """Start bringing the host-held blocks of ``request``'s cached prefix back to
-        the device before its prefix lookup, in every group; returns the blocks of that
-        prefix whose load is in flight this step (promoted now, or by another request
-        earlier in the step).  Nonzero: the request must not run this step -- admitted
-        in a later one, its lookup finds them as ordinary device hits.
+    def promote(self, request: Request, max_blocks: int | None = None) -> bool:
+        """Bring the host-held blocks of ``request``'s cached prefix back to the device
+        before its prefix lookup, in every group.  The lookup that follows finds them
+        as device hits, and the request may run in this step: the runner's attention
+        waits for each layer's copies (module doc).  Returns True when the request
+        should wait a step instead: this step brought back only part of what the host
+        (and disk) hold of its prefix -- the rest needs device blocks or host slots that
+        this step cannot give -- and the next step's promotion continues from there.
 
         Walks the request's full blocks (at most ``max_blocks``, default: all but the
         last token's, like ``get_computed_blocks``) and stops at the first block cached
@@ -257,18 +254,20 @@ class OffloadTier:
         its hash and its load queued, and the walk's blocks stay referenced until
         ``take_copies`` (then freed tail first, so the prefix stays cached longest).
         When the device pool has fewer free blocks than host hits, the first ones are
-        promoted.
+        promoted (and the request waits).  It also waits when the host slots this step
+        leaves unpinned are fewer than the blocks its admission may evict.
         """
         first = self.managers[0]
         rid = request.request_id
         carried, carried_dq, carried_dh = self._carried.pop(rid, (0, 0, 0))
         if not first.wants_prefix_lookup(request):
             self._last = None
-            return 0
+            return False
         bs = self.block_size
         n = (request.num_tokens - 1) // bs if max_blocks is None else max_blocks
-        pool, in_flight, disk = self.pool, self._in_flight, self.disk
-        queried = hit = promoted = loading = 0
+        pool, disk = self.pool, self.disk
+        queried = hit = promoted = found = 0
+        partial = False
         disk_queried = disk_hit = disk_moved = 0
         for m in self.managers:
             # Device hits as blocks, the rest as (key, host slot; None: on disk).
@@ -277,8 +276,6 @@ class OffloadTier:
             for i, key in enumerate(m.block_keys(request, n)):
                 b = pool.get_cached_block(key)
                 if b is not None:
-                    if b.block_id in in_flight:
-                        loading += 1
                     chain.append(b)
                     continue
                 if device_prefix < 0:
@@ -297,6 +294,7 @@ class OffloadTier:
             if m is first:
                 queried = (n - device_prefix) * bs
                 disk_queried = (n - host_prefix) * bs if disk is not None else 0
+                found = len(chain)
             at = [i for i, c in enumerate(chain) if not isinstance(c, KVCacheBlock)]
             if not at:
                 continue
@@ -304,6 +302,7 @@ class OffloadTier:
             pool.touch(held)
             todo, from_disk = self._stage(
                 [chain[i] for i in at[:pool.num_free_blocks]])  # type: ignore[misc]
+            partial |= len(todo) < len(at)
             if not todo:  # no free block (or host slot) left: nothing moves
                 pool.free_blocks(reversed(held))
                 continue
@@ -311,32 +310,38 @@ class OffloadTier:
             for b, (key, slot) in zip(new, todo):
                 pool.cache_block(b, key)
                 self._load.append((slot, b.block_id))
-                in_flight.add(b.block_id)
                 self._lru.move_to_end(key)
             taken = iter(new)
             hold = [c if isinstance(c, KVCacheBlock) else next(taken, None) for c in chain]
             self._holds.append([b for b in hold if b is not None])
             promoted += len(new)
-            loading += len(new)
             if m is first:
                 hit = len(new) * bs
                 disk_hit = from_disk * bs
                 # Loaded blocks past the host prefix leave the disk tier's next query.
                 disk_moved = sum(1 for i in at[:len(new)] if i >= host_prefix) * bs
         self.total_hit_blocks += promoted
-        if loading:
-            self._waiting[rid] = loading
+        if promoted:
+            self._loaders.add(rid)
+        if hit or disk_moved or carried or carried_dq:
+            # Found off the device: kept until the request is admitted
+            # (``record_lookup``), for a later lookup that finds these blocks on it.
             self._carried[rid] = (carried + hit, carried_dq + disk_moved,
                                   carried_dh + disk_hit)
-            self._last = None
-        else:
-            self._last = (rid, queried + carried, hit + carried,
-                          disk_queried + carried_dq, disk_hit + carried_dh)
-        return loading
+        self._last = (rid, queried + carried, hit + carried, disk_queried + carried_dq,
+                      disk_hit + carried_dh)
+        if not promoted:
+            return False
+        # Admitted now, its new blocks would evict cached device blocks into host slots
+        # in this same step; with fewer slots left unpinned than that, those blocks would
+        # find none and be dropped: it waits a step (fresh slots) instead.
+        need = (-(-request.num_tokens // bs) - found) * len(self.managers)
+        return partial or self.num_host_blocks - len(self._pinned) < need
 
     def record_lookup(self, request: Request) -> None:
-        """Count the last ``promote`` when its request is admitted (a request that
-        waits is looked up again and must not count twice)."""
+        """Count the last ``promote`` when its request is admitted (a request that is
+        not admitted is looked up again and must not count twice)."""
+        self._carried.pop(request.request_id, None)
         if self._last is not None and self._last[0] == request.request_id:
             st = self._stats
             _, q, h, dq, dh = self._last
@@ -354,18 +359,17 @@ class OffloadTier:
         """The copies queued since the last call, for the step about to run:
         ``(offloads (device, host), loads (host, device))``; the disk tier's moves go
         to ``disk_copies``.  Ends the step for the tier: unpins the host (and disk)
-        slots and frees the promoted blocks' holds (their loads land before the next
-        step runs anything)."""
+        slots and frees the promoted blocks' holds (their loads land before this step's
+        attention reads them)."""
         offload, self._offload = self._offload, []
         load, self._load = self._load, []
         pool = self.pool
         for hold in self._holds:
             pool.free_blocks(reversed(hold))
         self._holds = []
-        self._in_flight.clear()
         self._pinned.clear()
-        self.loading = frozenset(self._waiting)
-        self._waiting = {}
+        self.loading = frozenset(self._loaders)
+        self._loaders = set()
         self._stats.blocks_to_host += len(offload)
         self._stats.blocks_to_device += len(load)
         if self.disk is not None:

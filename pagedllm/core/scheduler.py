@@ -396,9 +396,8 @@ class Scheduler:
             self._schedule_waiting(step, loras, now)
 
         # 4. Nothing runs although requests wait: beams waiting for group-mates that
-        # cannot get in (a deadlock only beams cause; not a request waiting for its
-        # host-tier loads).  Make room at the queue's back.
-        if not step.touched and not (self.offload is not None and self.offload.num_waiting):
+        # cannot get in (a deadlock only beams cause).  Make room at the queue's back.
+        if not step.touched:
             victim = self.beams.deadlock_victim(
                 self.running, bool(len(self.waiting) or len(self.swap)))
             if victim is not None:
@@ -512,9 +511,10 @@ class Scheduler:
     def _schedule_waiting(self, step: _Step, loras: LoRABudget, now: float) -> None:
         """Admit waiting requests in queue order while the budget (under the throughput
         policy: what the prefill pace leaves), blocks and seats allow; prefix-cache hits
-        count as computed.  One whose adapter would exceed ``max_loras``, or whose
-        prefix is loading from the host tier (core/offload_tier.py), is skipped this step
-        and keeps its place."""
+        count as computed, those the host tier loads back in this step too
+        (core/offload_tier.py).  One whose adapter would exceed ``max_loras``, or of
+        whose host-held prefix this step could load only part, is skipped this step and
+        keeps its place."""
         budget = step.budget
         if step.prefill_cap is not None:
             budget = min(budget, step.prefill_cap)
@@ -529,9 +529,10 @@ class Scheduler:
             if not loras.admits(req):
                 skipped.append(waiting.pop())
                 continue
+            # Host-held blocks of its prefix come back to the device, loaded while this
+            # step runs: the lookup below finds them as device hits.  Only part of them
+            # (no room this step): it waits a step for the rest rather than recompute.
             if self.offload is not None and self.offload.promote(req):
-                # Part of its prefix is loading from the host tier, overlapping this
-                # step: it runs next step, when those blocks are ordinary device hits.
                 skipped.append(waiting.pop())
                 continue
             hits, num_hit = kv.get_computed_blocks(req)

@@ -61,6 +61,8 @@ class Attention(nn.Module):
             raise RuntimeError("Attention.kv_cache is not bound; call "
                                "model.bind_kv_caches(kv_caches) before forward")
         meta = self.group_meta(meta)
+        if meta.kv_ready is not None:  # blocks of this step loaded from the host tier
+            meta.kv_ready(self.kv_cache)
         t = q.shape[0]
         q3 = q.view(t, self.num_heads, self.head_dim)
         k3 = k.view(t, self.num_kv_heads, self.head_dim)
@@ -90,6 +92,8 @@ class Attention(nn.Module):
         in ``kv_cache`` (the batch-1 QKV kernel writes them: ``kernels/gemv_rope.py``).
         ``q: [T, num_heads * head_dim]`` -> same shape."""
         meta = self.group_meta(meta)
+        if meta.kv_ready is not None:
+            meta.kv_ready(self.kv_cache)
         t = q.shape[0]
         out = self.backend.attend(q.view(t, self.num_heads, self.head_dim), self.kv_cache,
                                   meta, self.scale, self.kind, self.k_scale, self.v_scale)

@@ -193,6 +193,8 @@ class MultiHeadLatentAttention(nn.Module):
         if self.kv_cache.numel() == 0:
             raise RuntimeError("MultiHeadLatentAttention.kv_cache is not bound; call "
                                "model.bind_kv_caches(kv_caches) before forward")
+        if meta.kv_ready is not None:  # blocks of this step loaded from the host tier
+            meta.kv_ready(self.kv_cache)
         t = x.shape[0]
         if self.q_lora_rank is None:
             q = self.q_proj(x)

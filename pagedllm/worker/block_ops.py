@@ -36,13 +36,16 @@ the TTFT of "off", 2026-12-05).  Both run on a copy stream of their own, in issu
 an offload's gather of the evicted blocks runs first on the compute stream (their new
 owner writes them in this step's forward), and the scatter on the copy stream after it;
 a load issued later in the same step, or in any later step, reads what the offload
-wrote.  The scheduler never lets a step read or write a block whose load it issues (the
-request waits a step, core/offload_tier.py), so the *next* step's block moves and
-forward wait for the loads' event on the compute stream -- a GPU-side wait, no host
-sync.  The host touches the pool itself only for the disk tier's moves, which first
-wait for the copy stream.  Swap-ins and copies stay on the compute stream, ordered
-before the forward.  On the CPU every move is synchronous, on the same code path with
-no streams.
+wrote.  The step that issues a load also reads its blocks (the request is admitted at
+once, core/offload_tier.py): loads go out layer by layer, each KV tensor's with an event
+of its own, and the attention of a layer waits for its tensor's event before touching
+it (``LayerLoads``, handed to the forward as ``AttentionMetadata.kv_ready``; such a step
+runs eagerly, not as a CUDA graph), so layer 0 computes while the later layers' blocks
+still cross PCIe.  The *next* step's block moves and forward wait for all of them --
+GPU-side waits, no host sync.  The host touches the pool itself only for the disk tier's
+moves, which first wait for the copy stream.  Swap-ins and copies stay on the compute
+stream, ordered before the forward.  On the CPU every move is synchronous, on the same
+code path with no streams.
 
 Each move is one gather and one scatter per layer (``index_select`` +
 ``index_copy_`` over the block dimension of ``[2 | 1, num_blocks, block_size, heads, dim]``,
@@ -132,6 +135,12 @@ class BlockOps:
                       if cuda_tier else self.offload_caches)
         # Recorded after the last step's loads; the next step waits for it.
         self._loads_done: torch.cuda.Event | None = None
+        # This step's loads per KV tensor, for the forward's attention (None: no loads).
+        self.step_loads: LayerLoads | None = None
+        # Forwards that read this step's loads, and those of them that left a loaded
+        # tensor unwaited (``check_waits``).
+        self.load_steps = 0
+        self.missed_waits = 0
         # Recorded after the copy stream's last move (loads and offloads, in order):
         # the disk tier's host-side copies wait for it.
         self._tier_done: torch.cuda.Event | None = None
@@ -149,6 +158,7 @@ class BlockOps:
         if self._loads_done is not None:
             torch.cuda.current_stream(self.device).wait_event(self._loads_done)
             self._loads_done = None
+        self.step_loads = None
         move_blocks(self.kv_caches, self.swap_caches, sched.swap_out)
         if sched.kv_disk_save or sched.kv_disk_load:
             self._disk_moves(sched.kv_disk_save, sched.kv_disk_load)
@@ -156,6 +166,19 @@ class BlockOps:
         move_blocks(self.swap_caches, self.kv_caches, sched.swap_in)
         self._load(sched.kv_load)
         move_blocks(self.kv_caches, self.kv_caches, sched.block_copies)
+
+    def check_waits(self, loads: LayerLoads) -> None:
+        """After a forward that read ``loads``: every loaded KV tensor should have been
+        waited for by its attention layers; count (``missed_waits``) and log the steps
+        where some were not (a model reading its KV outside the attention layers)."""
+        missed = loads.finish()
+        self.load_steps += 1
+        if missed:
+            self.missed_waits += 1
+            if self.missed_waits == 1:
+                logger.warning("%d KV tensors with host-tier loads were not waited for by "
+                               "an attention layer: the model may read its KV cache "
+                               "outside Attention / MultiHeadLatentAttention", missed)
 
     def _disk_moves(self, save: Sequence[tuple[int, int]],
                     load: Sequence[tuple[int, int]]) -> None:
@@ -196,22 +219,58 @@ class BlockOps:
             self._tier_done = _record(stream)
 
     def _load(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Issue the host tier's loads: on the copy stream when there is one (after the
-        work queued so far: earlier forwards and this step's offloads may read or write
-        their destinations), with an event for the next step; else synchronously."""
+        """Issue the host tier's loads and set ``step_loads``: on the copy stream when
+        there is one (after the work queued so far: earlier forwards and this step's
+        offloads may read or write their destinations), one KV tensor after the other
+        in layer order, with an event per tensor for this step's attention and one
+        after all of them for the next step; else synchronously."""
+        if not pairs:
+            return
         stream = self._load_stream
-        if stream is None or not pairs:
+        if stream is None:
             move_blocks(self.offload_caches, self.kv_caches, pairs)
+            self.step_loads = LayerLoads({kv.data_ptr(): None for kv in self.kv_caches})
             return
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        ready: dict[int, torch.cuda.Event | None] = {}
         # Everything allocated here belongs to the copy stream's pool: reused only
         # after the copy, in that stream's order.
         with torch.cuda.stream(stream):
             s_idx = _index([p[0] for p in pairs], self.device)
             d_idx = _index([p[1] for p in pairs], self.device)
-            for kv, host in map(_as_words, self.kv_caches, self._host):
-                kv.index_copy_(1, d_idx, host.index_select(1, s_idx))
+            for layer, host in zip(self.kv_caches, self._host):
+                kv, h = _as_words(layer, host)
+                kv.index_copy_(1, d_idx, h.index_select(1, s_idx))
+                ready[layer.data_ptr()] = _record(stream)
             self._loads_done = self._tier_done = _record(stream)
+        self.step_loads = LayerLoads(ready)
+
+
+class LayerLoads:
+    """One step's host-tier loads, by destination KV tensor (its ``data_ptr``): the
+    event after that tensor's copies on the copy stream (None where the copy was
+    synchronous).  ``wait(kv_cache)`` -- the attention layers call it through
+    ``AttentionMetadata.kv_ready`` before they touch their tensor -- makes the current
+    stream wait for that event, once; ``finish`` after the forward waits for any
+    tensor no layer waited for and returns how many there were (0 unless a model reads
+    its KV cache outside the attention layers: a bug the runner logs)."""
+
+    def __init__(self, ready: dict[int, torch.cuda.Event | None]) -> None:
+        self._ready = ready
+
+    def wait(self, kv_cache: torch.Tensor) -> None:
+        key = kv_cache.data_ptr()
+        if key in self._ready:
+            event = self._ready.pop(key)
+            if event is not None:
+                torch.cuda.current_stream(kv_cache.device).wait_event(event)
+
+    def finish(self) -> int:
+        missed, self._ready = self._ready, {}
+        for event in missed.values():
+            if event is not None:
+                torch.cuda.current_stream().wait_event(event)
+        return len(missed)
 
 
 def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:

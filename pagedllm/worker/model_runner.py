@@ -352,25 +352,34 @@ class ModelRunner:
         elif self._graph_margin is not None:
             margin, self._graph_margin = self._graph_margin, None
             self.capture_cuda_graphs(margin)
-        if self.graphs is not None and embed is None:
+        # KV blocks this step loads from the host tier: each layer's attention waits
+        # for its own (worker/block_ops.py), which a graph replay cannot.
+        loads = self.block_ops.step_loads if self.block_ops is not None else None
+        if self.graphs is not None and embed is None and loads is None:
             shape = self.graphs.padded_shape(len(inp.input_ids), num_reqs,
                                              inp.max_query_len)
             # A chunk graph returns what it was captured for: every row, or the last ones.
             if shape is not None and (shape.decode or last_only == self.graphs.last_only):
                 return self.graphs.run(inp, shape, fix, self.h2d.parity)
         meta = self._metadata(inp)
+        if loads is not None:
+            meta.with_kv_ready(loads.wait)
         ids = self.h2d("ids", inp.input_ids)
         if fix is not None:
             fix(ids)
         if embed is not None:
             if query_limits is not None:
                 meta.with_query_limits(self.h2d("query_limits", query_limits))
-            return self.model(ids, self.h2d("pos", inp.positions), meta, last_only,
-                              inputs_embeds=embed(ids))
-        if self.stage is not None:
-            return self.stage.forward(self.model, ids, self.h2d("pos", inp.positions), meta,
-                                      last_only)
-        return self.model(ids, self.h2d("pos", inp.positions), meta, last_only)
+            hidden = self.model(ids, self.h2d("pos", inp.positions), meta, last_only,
+                                inputs_embeds=embed(ids))
+        elif self.stage is not None:
+            hidden = self.stage.forward(self.model, ids, self.h2d("pos", inp.positions),
+                                        meta, last_only)
+        else:
+            hidden = self.model(ids, self.h2d("pos", inp.positions), meta, last_only)
+        if loads is not None:
+            self.block_ops.check_waits(loads)  # type: ignore[union-attr]
+        return hidden
 
     def _pending_fix(self, order: list[str], inp: StepInputs,
                      ) -> tuple[np.ndarray, Callable[[torch.Tensor], None] | None]:

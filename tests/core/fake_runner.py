@@ -102,26 +102,29 @@ class FakeRunner:
             self.host[slot] = list(self.kv.get(g, [None] * self.block_size))
         for cpu, g in sched.swap_in:
             self.kv[g] = list(self.cpu[cpu])
-        # Loads from the host tier land after this step's forward (the real runner
-        # overlaps them with it on a copy stream): read them into flight now.
+        # Loads from the host tier land before this step's attention reads them (the
+        # real runner overlaps them with the forward, layer by layer); nothing of this
+        # step may write a block being loaded.
         loading = {g for _, g in sched.kv_load}
         assert len(loading) == len(sched.kv_load), "two loads, one block"
-        landing = [(g, list(self.host[slot])) for slot, g in sched.kv_load]
+        for slot, g in sched.kv_load:
+            self.kv[g] = list(self.host[slot])
         copies = [(d, list(self.kv.get(s, [None] * self.block_size)))
                   for s, d in sched.block_copies]
         assert len({d for d, _ in copies}) == len(copies), "two copies into one block"
+        assert not loading & {d for d, _ in copies}, "a copy into a block being loaded"
         for d, content in copies:
             self.kv[d] = content
 
         out = ModelRunnerOutput(list(sched.num_scheduled_tokens), [])
         for rid, n in sched.num_scheduled_tokens.items():
-            assert not loading & set(self.blocks[rid]), f"{rid} uses a block still loading"
             toks = self.tokens[rid]
             start = self.computed[rid]
             end = start + n
             assert end <= len(toks), "scheduled beyond known tokens"
             for pos in range(start, end):
                 b, off = self._slot(rid, pos)
+                assert b not in loading, f"{rid} writes block {b}, which is being loaded"
                 if self.pool is not None and self.pool.blocks[b].block_hash is None:
                     self._check_no_reader(rid, b, off)
                 self.kv.setdefault(b, [None] * self.block_size)[off] = toks[pos]
@@ -142,6 +145,4 @@ class FakeRunner:
             for pos in range(self.computed[rid]):
                 b, off = self._slot(rid, pos)
                 assert self.kv[b][off] == toks[pos], f"{rid}: KV of position {pos} lost"
-        for g, content in landing:
-            self.kv[g] = content
         return out

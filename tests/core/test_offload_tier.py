@@ -130,7 +130,7 @@ def test_stats_count_tokens_once_and_bytes_each_way() -> None:
 def test_a_block_offloaded_and_looked_up_in_one_step_round_trips() -> None:
     """``b``'s allocation evicts ``a``'s blocks and ``a2`` finds them on the host in the
     same step: offloads are applied before loads are issued, so ``a2`` reads ``a``'s KV
-    the step after."""
+    in that very step."""
     s = make(num_blocks=30, budget=128)
     runner = FakeRunner(BS, pool=s.kv.pool)
     run(s, runner, [req("a", list(range(1, 25)), max_tokens=1)])  # 7 blocks, 6 cached
@@ -142,7 +142,7 @@ def test_a_block_offloaded_and_looked_up_in_one_step_round_trips() -> None:
     assert so.kv_offload and so.kv_load
     offloaded = {slot for _, slot in so.kv_offload}
     assert offloaded & {slot for slot, _ in so.kv_load}
-    assert "a2" not in so.num_scheduled_tokens  # it runs once its loads have landed
+    assert so.num_scheduled_tokens["a2"] == 2  # 6 blocks loaded back, 2 tokens to run
     s.update_from_output(so, runner.execute_model(so))
     run(s, runner, [])
     assert_nothing_held(s)
@@ -151,7 +151,7 @@ def test_a_block_offloaded_and_looked_up_in_one_step_round_trips() -> None:
 def test_block_pool_eviction_hook_and_promotion_unit() -> None:
     pool = BlockPool(6, enable_caching=True)
     kv = KVCacheManager(6, BS, enable_caching=True, pool=pool)
-    tier = OffloadTier(pool, [kv], 3)
+    tier = OffloadTier(pool, [kv], 4)
     a = req("a", list(range(1, 14)))  # 3 full blocks + 1 token
     assert kv.allocate_slots(a, 13) is not None
     a.num_computed_tokens = 13
@@ -162,23 +162,34 @@ def test_block_pool_eviction_hook_and_promotion_unit() -> None:
     assert len(offload) == 3 and not load and all(k in tier for k in keys)
     pool.free_blocks(pool.blocks[1:])
     a2 = req("a2", list(range(1, 14)))
-    assert tier.promote(a2) == 3  # three blocks loading: a2 waits a step
+    assert not tier.promote(a2)  # all three blocks loading: a2 may run this step
     hits, n = kv.get_computed_blocks(a2)
     assert n == 12 and [b.block_hash for b in hits] == keys
     # Held by the tier while their loads are queued: no allocation can take them, and
-    # another lookup of the same prefix this step waits for them too.
+    # another lookup of the same prefix this step finds them as device hits.
     assert pool.num_free_blocks == 2 and all(b.ref_cnt == 1 for b in hits)
-    assert tier.promote(req("a3", list(range(1, 14)))) == 3
+    assert not tier.promote(req("a3", list(range(1, 14))))
     tier.check_invariants()
     offload, load = tier.take_copies()
     assert not offload and sorted(s for s, _ in load) == sorted(tier.slot_of(k) for k in keys)
-    assert tier.loading == {"a2", "a3"}
-    # The next step: ordinary cached blocks, nothing to wait for; evicting them again
-    # costs no copy (the host keeps its copy).
+    assert tier.loading == {"a2"}  # a3 loaded nothing of its own
+    # The next step: ordinary cached blocks; evicting them again costs no copy (the
+    # host keeps its copy).
     assert pool.num_free_blocks == 5 and all(b.ref_cnt == 0 for b in hits)
-    assert tier.promote(a2) == 0
+    assert not tier.promote(a2)
     pool.get_new_blocks(5)
     assert tier.take_copies() == ([], []) and all(k in tier for k in keys)
+    tier.check_invariants()
+    # Room for one block only: the first one comes back and a2 waits a step for the
+    # rest (rather than recompute them); the next step brings the other two.
+    pool.free_blocks(pool.blocks[1:])
+    rest = pool.get_new_blocks(4)
+    assert tier.promote(a2)
+    assert [s for s, _ in tier.take_copies()[1]] == [tier.slot_of(keys[0])]
+    pool.free_blocks(rest)
+    assert not tier.promote(a2)
+    assert sorted(s for s, _ in tier.take_copies()[1]) == \
+        sorted(tier.slot_of(k) for k in keys[1:])
     tier.check_invariants()
 
 
@@ -195,8 +206,11 @@ def test_host_lru_evicts_oldest_and_pins_slots_read_this_step() -> None:
         pool.free_blocks(pool.blocks[1:])
         tier.take_copies()
     r0, r1, r2 = (req(f"x{f}", list(range(f, f + 5))) for f in (1, 50, 90))
-    assert tier.promote(r0) == 0  # the oldest went first
-    assert tier.promote(r1) == 1 and tier.promote(r2) == 1  # both slots read this step
+    assert not tier.promote(r0)  # its block was the first to go: nothing to load
+    assert not tier.promote(r1)
+    # Both slots are now pinned: admitted now, r2's own new block would find no host
+    # slot for the block it evicts, so r2 waits a step.
+    assert tier.promote(r2)
     slots = (tier.slot_of(kv.block_keys(r1, 1)[0]), tier.slot_of(kv.block_keys(r2, 1)[0]))
     # A new cached block evicted now finds no slot to take: both are pinned.
     r3 = req("r3", list(range(200, 205)))
@@ -208,6 +222,7 @@ def test_host_lru_evicts_oldest_and_pins_slots_read_this_step() -> None:
     assert key3 not in tier
     offload, load = tier.take_copies()
     assert not offload and sorted(s for s, _ in load) == sorted(slots)
+    assert tier.loading == {"x50", "x90"}
     tier.check_invariants()
 
 
@@ -263,17 +278,17 @@ class TierMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.s is not None)
     @rule(mid=st.sampled_from(["none", "abort", "preempt"]), pick=st.integers(0, 100))
     def step(self, mid: str, pick: int) -> None:
-        """One step; ``mid``: abort a request (preferably one waiting for the loads the
-        step issued) or recompute-preempt a running one while its copies are in flight."""
+        """One step; ``mid``: abort a request (preferably one whose promotion issued
+        the step's loads) or recompute-preempt a running one while its copies are in
+        flight."""
         s, runner = self.s, self.runner
         assert s is not None and runner is not None and s.offload is not None
         so = s.schedule()
-        waiting_for_loads = s.offload.loading
-        assert waiting_for_loads.isdisjoint(so.num_scheduled_tokens)
+        loaders = s.offload.loading
         if so.kv_load:
-            assert waiting_for_loads, "loads issued for no one"
+            assert loaders, "loads issued for no one"
         if mid == "abort" and s.requests:
-            ids = sorted(waiting_for_loads) or sorted(s.requests)
+            ids = sorted(loaders) or sorted(s.requests)
             s.finish_requests([ids[pick % len(ids)]])
         elif mid == "preempt" and s.running and not s.swap.enabled:
             s._preempt(s.running[pick % len(s.running)])
@@ -366,18 +381,19 @@ def test_abort_of_a_waiting_request_after_promotion_leaks_nothing() -> None:
     run(s, runner, [req("b", list(range(500, 532)))])  # a's blocks go to the host
     a2 = req("a2", list(range(1, 33)))
     s.add_request(a2)
-    assert s.offload is not None and s.offload.promote(a2) > 0
+    assert s.offload is not None and not s.offload.promote(a2)  # (all of it promoted)
     s.finish_requests(["a2"], RequestStatus.FINISHED_ABORTED)
     so = s.schedule()
     assert so.kv_load  # the loads still land: the blocks are cached on the device
     s.update_from_output(so, runner.execute_model(so))
     assert_nothing_held(s)
-    # Aborted while its own loads are in flight (issued by ``schedule``): likewise.
+    # Admitted on its loads and aborted while they are in flight (issued by
+    # ``schedule``): likewise.
     run(s, runner, [req("d", list(range(600, 632)))])  # a's blocks back to the host
     a4 = req("a4", list(range(1, 33)))
     s.add_request(a4)
     so = s.schedule()
-    assert so.kv_load and s.offload.loading == {"a4"}
+    assert so.kv_load and s.offload.loading == {"a4"} and "a4" in so.num_scheduled_tokens
     s.finish_requests(["a4"])
     s.update_from_output(so, runner.execute_model(so))
     assert_nothing_held(s) and not s.offload._carried
@@ -387,11 +403,11 @@ def test_abort_of_a_waiting_request_after_promotion_leaks_nothing() -> None:
     assert_nothing_held(s)
 
 
-def test_a_promoted_request_runs_the_step_after_its_loads() -> None:
-    """A waiting request whose prefix is on the host is not admitted in the step that
-    issues its loads (the runner overlaps them with that step's forward), keeps its
-    place at the head of the queue while a request behind it runs, and is admitted the
-    next step with the loaded blocks as ordinary device hits, counted once."""
+def test_a_promoted_request_runs_in_the_step_that_loads_it() -> None:
+    """A waiting request whose prefix is on the host is admitted in the step that
+    issues its loads (the runner's attention waits for each layer's copies), on the
+    loaded blocks as device hits, counted once as the tier's; the request behind it
+    runs too."""
     s = make(num_blocks=12)
     runner = FakeRunner(BS, pool=s.kv.pool)
     run(s, runner, [req("a", list(range(1, 33)))])
@@ -401,19 +417,17 @@ def test_a_promoted_request_runs_the_step_after_its_loads() -> None:
     s.add_request(c)
     so = s.schedule()
     assert s.offload is not None and s.offload.loading == {"a2"}
-    assert so.kv_load and list(so.num_scheduled_tokens) == ["c"]
+    assert so.kv_load and list(so.num_scheduled_tokens) == ["a2", "c"]
     from_host = BS * len(so.kv_load)  # (the rest of the 7 full blocks: device hits)
-    assert a2.status == RequestStatus.WAITING and s.waiting.peek() is a2
+    assert so.num_scheduled_tokens["a2"] == 4 and a2.num_cached_tokens == 28
     loaded = {d for _, d in so.kv_load}
-    assert all(s.kv.pool.blocks[d].ref_cnt == 0 for d in loaded)  # released: issued
-    eco = s.update_from_output(so, runner.execute_model(so))
-    so = s.schedule()
-    assert not so.kv_load and so.num_scheduled_tokens["a2"] == 4
-    assert loaded <= set(s.kv.get_block_ids("a2")) and a2.num_cached_tokens == 28
+    assert loaded <= set(s.kv.get_block_ids("a2"))
+    assert all(s.kv.pool.blocks[d].ref_cnt == 1 for d in loaded)  # a2's, not the tier's
     eco = s.update_from_output(so, runner.execute_model(so))
     st_ = eco.scheduler_stats
     assert st_ is not None
-    assert (st_.kv_offload_queries, st_.kv_offload_hits) == (from_host, from_host)
+    # (c's one full block missed in both tiers)
+    assert (st_.kv_offload_queries, st_.kv_offload_hits) == (from_host + BS, from_host)
     ref = run(make(caching=False), FakeRunner(BS), [req("a2", list(range(1, 33)))])
     got = run(s, runner, [])
     assert [*a2.output_token_ids] == ref["a2"] and "c" in got

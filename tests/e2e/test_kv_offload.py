@@ -102,6 +102,10 @@ def test_tier_equals_caching_off_hits_and_round_trips_bitwise(reference) -> None
     tier.check_invariants()
     pool = sched.kv.pool
     assert pool.num_free_blocks == pool.num_usable_blocks
+    # The requests ran in the steps that loaded their blocks, every layer waiting for
+    # its tensor's copies first (worker/block_ops.py).
+    ops = worker.runner.block_ops
+    assert ops.load_steps > 0 and ops.missed_waits == 0
 
 
 def test_worker_process_applies_the_tier_copies(reference) -> None:
@@ -169,5 +173,7 @@ def test_hybrid_groups_with_the_tier_equal_transformers(model) -> None:  # noqa:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert sched.offload.total_hit_blocks > 0 and sum(o.num_cached_tokens for o in outs) > 0
+    ops = llm.llm_engine.client.core.executor.worker.runner.block_ops
+    assert ops.load_steps > 0 and ops.missed_waits == 0  # one tensor, four groups' layers
     sched.offload.check_invariants()
     assert sched.kv.num_free_blocks == sched.kv.num_usable_blocks

@@ -50,6 +50,8 @@ def _turns(llm: LLM) -> tuple[list[list[int]], list[int]]:
                 cached.append(o.num_cached_tokens)
                 prompts[c] = prompts[c] + toks + [(200 + 5 * c + i) % vocab
                                                   for i in range(12)]
+        # Every forward that read host-tier loads had each latent layer wait for them.
+        assert llm.llm_engine.client.core.executor.worker.runner.block_ops.missed_waits == 0
     finally:
         llm.llm_engine.shutdown()
     return outs, cached

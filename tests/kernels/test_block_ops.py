@@ -39,6 +39,30 @@ def test_offload_then_load_round_trips_in_one_step_on_cpu(dtype) -> None:
     assert ops._loads_done is None  # the CPU has no streams: nothing to wait for
 
 
+def test_step_loads_name_every_loaded_tensor_once() -> None:
+    """The step's ``LayerLoads`` lists each KV tensor (landed already on the CPU):
+    ``finish`` counts those no attention layer waited for; the next step clears it."""
+    kv = caches("cpu", 8)
+    ops = BlockOps(kv, offload_caches=allocate_swap_space(4, kv[0], len(kv)))
+    ops.apply(sched(kv_offload=[(5, 2)]))
+    assert ops.step_loads is None  # no loads, nothing to wait for
+    ops.apply(sched(kv_load=[(2, 1)]))
+    loads = ops.step_loads
+    assert loads is not None
+    loads.wait(kv[0])
+    loads.wait(kv[0])  # a second layer on one tensor (hybrid groups): nothing more
+    loads.wait(kv[2][0])  # a view from the tensor's start is the same tensor
+    assert loads.finish() == 1  # kv[1]'s
+    ops.check_waits(loads)
+    assert (ops.load_steps, ops.missed_waits) == (1, 0)
+    ops.apply(sched(kv_load=[(2, 3)]))
+    assert ops.step_loads is not None and ops.step_loads is not loads
+    ops.check_waits(ops.step_loads)
+    assert (ops.load_steps, ops.missed_waits) == (2, 1)
+    ops.apply(sched())
+    assert ops.step_loads is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_loads_overlap_and_land_before_the_next_step_reads_them() -> None:
@@ -62,6 +86,36 @@ def test_loads_overlap_and_land_before_the_next_step_reads_them() -> None:
         torch.cuda.set_sync_debug_mode("default")
     got = [t[:, 8:72].clone() for t in kv]  # queued on the compute stream, after the wait
     torch.cuda.synchronize()
+    for g, h in zip(got, host):
+        assert torch.equal(g.cpu(), h[:, :64])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_layer_reads_its_loads_in_the_same_step_after_its_wait() -> None:
+    """The step that issues loads reads them: each layer's ``wait`` orders the compute
+    stream after that tensor's copies only (no host sync); what it reads then is the
+    host's bytes, the first layer's while later layers may still be copying."""
+    kv = caches("cuda", 80, torch.bfloat16, layers=4, block=(16, 8, 128 * 128))
+    host = allocate_swap_space(72, kv[0], len(kv))
+    for h in host:
+        h.copy_(torch.randn(h.shape).to(h.dtype))
+    ops = BlockOps(kv, offload_caches=host)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.apply(sched(kv_load=[(s, 8 + s) for s in range(64)]))
+        loads = ops.step_loads
+        assert loads is not None
+        got = []
+        for t in kv:  # the forward: a layer waits, then reads its tensor
+            loads.wait(t)
+            got.append(t[:, 8:72] * 1)
+        ops.check_waits(loads)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert ops.missed_waits == 0
     for g, h in zip(got, host):
         assert torch.equal(g.cpu(), h[:, :64])
 
