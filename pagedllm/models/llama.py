@@ -275,6 +275,9 @@ class LlamaModel(nn.Module):
         last = len(self.layers) - 1
         stack = self._cpu_stack(hidden, meta)
         if stack is not None:  # a CPU decode step: every layer in one C call
+            if meta.kv_ready is not None:  # (host-tier loads: on the CPU, landed already)
+                for i in range(self.start_layer, self.end_layer):
+                    meta.kv_ready(self.layers[i].self_attn.attn.kv_cache)
             hidden, residual = stack.run(hidden, residual, rope, meta)
         else:
             for i in range(self.start_layer, self.end_layer):
