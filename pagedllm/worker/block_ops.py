@@ -21,31 +21,33 @@ two more, between the host pool and a memory-mapped file::
 Order matters and is fixed: first wait for the last step's loads (below), then
 everything that reads GPU blocks into host memory (swap-outs, then -- after the disk
 moves: saves read host slots before anything of this step writes them, then disk loads
-write them -- offloads: those GPU blocks may have been handed to someone else this very
-step), then everything that writes GPU blocks from host memory (swap-ins, then loads: a
-block offloaded and looked up again in one step round-trips), then copies -- all before
-the forward writes any new KV.  The disk moves are synchronous CPU copies; they first
-wait for the copy stream (its offloads write, its loads read, the host slots).
+write them -- the offloads' gathers: those GPU blocks may have been handed to someone
+else this very step), then everything that writes GPU blocks from host memory
+(swap-ins, then, layer by layer, the offloads' scatters into the pool and the loads
+from it: a block offloaded and looked up again in one step round-trips), then copies
+-- all before the forward writes any new KV.  The disk moves are synchronous CPU
+copies; they first wait for the copy stream (its offloads write, its loads read, the
+host slots).
 
 Loads and offloads overlap the forward and cost the host nothing.  On CUDA the host pool
 is pinned in place and mapped (``cudaHostRegister``), so the GPU addresses it directly:
 a load is a GPU gather from the pool over PCIe into the device blocks, an offload a GPU
 scatter from a device gather into the pool -- no staging, no CPU copy on the step's
 thread (a CPU gather / scatter of the moved blocks took the H100's W6 "on" run to 1.83x
-the TTFT of "off", 2026-12-05).  Both run on a copy stream of their own, in issue order:
-an offload's gather of the evicted blocks runs first on the compute stream (their new
-owner writes them in this step's forward), and the scatter on the copy stream after it;
-a load issued later in the same step, or in any later step, reads what the offload
+the TTFT of "off", 2026-12-05).  An offload's gather of the evicted blocks runs first on
+the compute stream (their new owner writes them in this step's forward); the scatters
+and loads run on a copy stream of their own, layer by layer (layer i's scatter, then
+layer i's loads), so a load reads what an offload of the same step or an earlier one
 wrote.  The step that issues a load also reads its blocks (the request is admitted at
-once, core/offload_tier.py): loads go out layer by layer, each KV tensor's with an event
-of its own, and the attention of a layer waits for its tensor's event before touching
-it (``LayerLoads``, handed to the forward as ``AttentionMetadata.kv_ready``; such a step
-runs eagerly, not as a CUDA graph), so layer 0 computes while the later layers' blocks
-still cross PCIe.  The *next* step's block moves and forward wait for all of them --
-GPU-side waits, no host sync.  The host touches the pool itself only for the disk tier's
-moves, which first wait for the copy stream.  Swap-ins and copies stay on the compute
-stream, ordered before the forward.  On the CPU every move is synchronous, on the same
-code path with no streams.
+once, core/offload_tier.py): each layer's loads get an event of their own, and the
+attention of a layer waits for its tensor's event before touching it (``LayerLoads``,
+handed to the forward as ``AttentionMetadata.kv_ready``; such a step runs eagerly, not
+as a CUDA graph), so layer 0 computes while the later layers' blocks still cross PCIe
+(and waits for layer 0's offloads only, not every layer's).  The *next* step's block
+moves and forward wait for all of them -- GPU-side waits, no host sync.  The host
+touches the pool itself only for the disk tier's moves, which first wait for the copy
+stream.  Swap-ins and copies stay on the compute stream, ordered before the forward.
+On the CPU every move is synchronous, on the same code path with no streams.
 
 Each move is one gather and one scatter per layer (``index_select`` +
 ``index_copy_`` over the block dimension of ``[2 | 1, num_blocks, block_size, heads, dim]``,
@@ -55,6 +57,7 @@ over blocks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Sequence
@@ -147,8 +150,9 @@ class BlockOps:
 
     def apply(self, sched: SchedulerOutput) -> None:
         """Wait for the last step's loads, then perform this step's swap-outs, the disk
-        tier's moves, (issue) offloads, swap-ins, (issue) loads and copy-on-write copies,
-        in that order (the module doc says why).  Called before every forward, also one
+        tier's moves, the offloads' gathers, swap-ins, (issue) the offloads' scatters and
+        the loads, layer by layer, and copy-on-write copies, in that order (the module
+        doc says why).  Called before every forward, also one
         with no moves."""
         if (sched.swap_out or sched.swap_in) and not self.swap_caches:
             raise RuntimeError("the scheduler swapped blocks but no swap space exists")
@@ -162,9 +166,9 @@ class BlockOps:
         move_blocks(self.kv_caches, self.swap_caches, sched.swap_out)
         if sched.kv_disk_save or sched.kv_disk_load:
             self._disk_moves(sched.kv_disk_save, sched.kv_disk_load)
-        self._offload(sched.kv_offload)
+        gathered = self._gather_offloads(sched.kv_offload)
         move_blocks(self.swap_caches, self.kv_caches, sched.swap_in)
-        self._load(sched.kv_load)
+        self._tier_copies(sched.kv_offload, gathered, sched.kv_load)
         move_blocks(self.kv_caches, self.kv_caches, sched.block_copies)
 
     def check_waits(self, loads: LayerLoads) -> None:
@@ -195,55 +199,54 @@ class BlockOps:
         self.disk_pool.save(self.offload_caches, save)
         self.disk_pool.load(self.offload_caches, load)
 
-    def _offload(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Issue the host tier's offloads (module doc): the gather on the compute stream
-        now, the scatter into the host pool on the copy stream after it (CUDA) or at
-        once (CPU)."""
+    def _gather_offloads(self, pairs: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+        """The evicted blocks' KV, gathered now on the compute stream (before anything
+        of this step writes them), one tensor per layer; their scatter into the host
+        pool is ``_tier_copies``'s."""
         if not pairs:
-            return
+            return []
         src_idx = _index([p[0] for p in pairs], self.device)
-        views = [_as_words(k, h) for k, h in zip(self.kv_caches, self._host)]
-        gathered = [k.index_select(1, src_idx) for k, _ in views]
-        stream = self._load_stream
-        if stream is None:
-            slot_idx = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
-            for (_, host), g in zip(views, gathered):
-                host.index_copy_(1, slot_idx, g)
-            return
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            slot_idx = _index([p[1] for p in pairs], self.device)
-            for (_, host), g in zip(views, gathered):
-                host.index_copy_(1, slot_idx, g)
-                g.record_stream(stream)  # allocated on the compute stream, read here
-            self._tier_done = _record(stream)
+        return [k.index_select(1, src_idx)
+                for k, _ in map(_as_words, self.kv_caches, self._host)]
 
-    def _load(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Issue the host tier's loads and set ``step_loads``: on the copy stream when
-        there is one (after the work queued so far: earlier forwards and this step's
-        offloads may read or write their destinations), one KV tensor after the other
-        in layer order, with an event per tensor for this step's attention and one
-        after all of them for the next step; else synchronously."""
-        if not pairs:
+    def _tier_copies(self, offload: Sequence[tuple[int, int]], gathered: list[torch.Tensor],
+                     load: Sequence[tuple[int, int]]) -> None:
+        """Issue the host tier's copies and set ``step_loads``: layer by layer, the
+        offloads' scatter into the host pool, then the loads' gather from it into the
+        device blocks (after the scatter: a slot saved and looked up in one step
+        round-trips), with an event per layer that has loads.  On CUDA on the copy
+        stream, after the work queued so far (earlier forwards and this step's gathers
+        read or write the blocks), so layer 0's loads need not wait for every layer's
+        offloads; an event after all of them for the next step and the disk moves.  On
+        the CPU synchronously."""
+        if not offload and not load:
             return
         stream = self._load_stream
-        if stream is None:
-            move_blocks(self.offload_caches, self.kv_caches, pairs)
-            self.step_loads = LayerLoads({kv.data_ptr(): None for kv in self.kv_caches})
-            return
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        views = [_as_words(k, h) for k, h in zip(self.kv_caches, self._host)]
         ready: dict[int, torch.cuda.Event | None] = {}
-        # Everything allocated here belongs to the copy stream's pool: reused only
-        # after the copy, in that stream's order.
-        with torch.cuda.stream(stream):
-            s_idx = _index([p[0] for p in pairs], self.device)
-            d_idx = _index([p[1] for p in pairs], self.device)
-            for layer, host in zip(self.kv_caches, self._host):
-                kv, h = _as_words(layer, host)
-                kv.index_copy_(1, d_idx, h.index_select(1, s_idx))
-                ready[layer.data_ptr()] = _record(stream)
-            self._loads_done = self._tier_done = _record(stream)
-        self.step_loads = LayerLoads(ready)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        # On CUDA everything allocated here belongs to the copy stream's pool: reused
+        # only after the copies, in that stream's order.
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            slot_idx = _index([p[1] for p in offload], self.device) if offload else None
+            s_idx = _index([p[0] for p in load], self.device) if load else None
+            d_idx = _index([p[1] for p in load], self.device) if load else None
+            for i, (layer, (kv, host)) in enumerate(zip(self.kv_caches, views)):
+                if slot_idx is not None:
+                    host.index_copy_(1, slot_idx, gathered[i])
+                    if stream is not None:  # allocated on the compute stream, read here
+                        gathered[i].record_stream(stream)
+                if s_idx is not None:
+                    kv.index_copy_(1, d_idx, host.index_select(1, s_idx))
+                    ready[layer.data_ptr()] = _record(stream) if stream is not None \
+                        else None
+            if stream is not None:
+                self._tier_done = _record(stream)
+                if load:
+                    self._loads_done = self._tier_done
+        if load:
+            self.step_loads = LayerLoads(ready)
 
 
 class LayerLoads:

@@ -101,23 +101,27 @@ def test_a_layer_reads_its_loads_in_the_same_step_after_its_wait() -> None:
     for h in host:
         h.copy_(torch.randn(h.shape).to(h.dtype))
     ops = BlockOps(kv, offload_caches=host)
+    zero = [t[:, 0].cpu() for t in kv]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        ops.apply(sched(kv_load=[(s, 8 + s) for s in range(64)]))
+        # With offloads in the same step (blocks 0..7 to slots 64..71), one of which
+        # comes straight back (slot 64 -> block 79): layer i's scatter precedes its loads.
+        ops.apply(sched(kv_offload=[(b, 64 + b) for b in range(8)],
+                        kv_load=[*((s, 8 + s) for s in range(64)), (64, 79)]))
         loads = ops.step_loads
         assert loads is not None
         got = []
         for t in kv:  # the forward: a layer waits, then reads its tensor
             loads.wait(t)
-            got.append(t[:, 8:72] * 1)
+            got.append((t[:, 8:72] * 1, t[:, 79] * 1))
         ops.check_waits(loads)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert ops.missed_waits == 0
-    for g, h in zip(got, host):
-        assert torch.equal(g.cpu(), h[:, :64])
+    for (g, back), h, z in zip(got, host, zero):
+        assert torch.equal(g.cpu(), h[:, :64]) and torch.equal(back.cpu(), z)
 
 
 @pytest.mark.gpu
