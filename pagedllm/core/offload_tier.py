@@ -18,9 +18,9 @@ bookkeeping; the runner's ``BlockOps`` copies the bytes).
 ```
 
 Contracts (the runner's order, ``worker/block_ops.py``: wait for the last step's loads;
-swap-outs; the disk moves; offloads (gathered on the compute stream, scattered into the
-host pool on the copy stream); swap-ins; loads (gathered from the host pool on the copy
-stream, after the offloads); copy-on-write copies):
+swap-outs; the disk moves; the offloads' gathers on the compute stream; swap-ins; then
+on the copy stream, layer by layer, the offloads' scatters into the host pool and the
+loads from it; copy-on-write copies):
 
 * **A block is saved before its new owner writes it.**  ``BlockPool`` calls ``_save``
   when it hands out a free block that still holds a cached hash; that block was computed
