@@ -61,9 +61,10 @@ disk -> host load queued before the host -> device load.  The runner applies the
 moves (on the host) before this tier's.
 
 Hybrid KV cache groups work unchanged: a pool key carries its group, and a block id is
-one page in every shared KV tensor, which the runner copies whole.  A sliding-window
-group promotes every host-held block of the walk, also those before the window of the
-hit that follows (correct, but bytes it need not move).
+one page in every shared KV tensor, which the runner copies whole.  The full-attention
+groups are walked first; a sliding-window group then walks only the blocks inside the
+window of the furthest hit they allow (a hit needs no more), so a long history moves
+about ``window / block_size`` blocks per sliding group, not all of them.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class _KeyedManager(Protocol):
     """What the tier needs of a ``KVCacheManager`` (one per KV cache group)."""
 
     block_size: int
+    sliding_window: int | None  # None: full attention
 
     def block_keys(self, request: Request, num_blocks: int) -> list[Hashable]: ...
 
@@ -269,11 +271,16 @@ class OffloadTier:
         queried = hit = promoted = found = 0
         partial = False
         disk_queried = disk_hit = disk_moved = 0
-        for m in self.managers:
-            # Device hits as blocks, the rest as (key, host slot; None: on disk).
+        reach = n  # where the full-attention groups' walks end: no hit goes past it
+        for m in sorted(self.managers, key=lambda m: m.sliding_window is not None):
+            # A sliding window W: a hit that ends at ``reach`` needs only the blocks its
+            # last query sees, from ``lo`` on (``find_longest_cache_hit``).
+            w = m.sliding_window
+            lo = 0 if w is None else max(0, reach * bs - w + 1) // bs
+            # Device hits as blocks, the rest as (key, host slot; None: on disk), from lo.
             chain: list[KVCacheBlock | tuple[Hashable, int | None]] = []
             device_prefix = host_prefix = -1  # first index missing there (and before)
-            for i, key in enumerate(m.block_keys(request, n)):
+            for i, key in enumerate(m.block_keys(request, n if w is None else reach)[lo:]):
                 b = pool.get_cached_block(key)
                 if b is not None:
                     chain.append(b)
@@ -291,10 +298,12 @@ class OffloadTier:
                 device_prefix = len(chain)
             if host_prefix < 0:
                 host_prefix = len(chain)
+            if w is None:
+                reach = min(reach, len(chain))
             if m is first:
-                queried = (n - device_prefix) * bs
-                disk_queried = (n - host_prefix) * bs if disk is not None else 0
-                found = len(chain)
+                queried = (n - lo - device_prefix) * bs
+                disk_queried = (n - lo - host_prefix) * bs if disk is not None else 0
+                found = lo + len(chain)
             at = [i for i, c in enumerate(chain) if not isinstance(c, KVCacheBlock)]
             if not at:
                 continue

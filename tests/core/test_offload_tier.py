@@ -226,6 +226,29 @@ def test_host_lru_evicts_oldest_and_pins_slots_read_this_step() -> None:
     tier.check_invariants()
 
 
+def test_a_sliding_group_loads_only_its_window() -> None:
+    """A full group and a window of 8 tokens (2 blocks): a 40-token history comes back
+    as all 9 full-group blocks but only the sliding group's last 2 (the window of the
+    36-token hit), and the hit and the answer are as with everything loaded."""
+    groups = make_kv_cache_groups([None, 8])
+    s = make(num_blocks=30, groups=groups, budget=64)
+    runner = FakeRunner(BS, pool=s.kv.pool)
+    run(s, runner, [req("a", list(range(1, 41)))])
+    run(s, runner, [req("b", list(range(500, 540))), req("c", list(range(600, 640)))])
+    a2 = req("a2", list(range(1, 41)))
+    s.add_request(a2)
+    so = s.schedule()
+    keys = [s.kv.pool.blocks[d].block_hash for _, d in so.kv_load]
+    sliding = [k for k in keys if isinstance(k, tuple)]  # group 1's keys carry its id
+    assert (len(keys) - len(sliding), len(sliding)) == (9, 2)
+    assert so.num_scheduled_tokens == {"a2": 4} and a2.num_cached_tokens == 36
+    s.update_from_output(so, runner.execute_model(so))
+    ref = run(make(caching=False, groups=groups), FakeRunner(BS), [req("a2", list(range(1, 41)))])
+    run(s, runner, [])
+    assert [*a2.output_token_ids] == ref["a2"]
+    assert_nothing_held(s)
+
+
 def test_hybrid_groups_and_swap_with_the_tier() -> None:
     groups = make_kv_cache_groups([None, 8, 8, None, 8, 8])
     for kw in ({"groups": groups}, {"mode": "swap", "cpu_blocks": 16}):
