@@ -126,6 +126,9 @@ class OffloadTier:
                              "blocks; it needs at least one")
         self.pool = pool
         self.managers = list(managers)
+        # The promotion walk's order: full-attention groups first, since a sliding
+        # group's window is placed at the end of their hit.
+        self._walk = sorted(self.managers, key=lambda m: m.sliding_window is not None)
         self.block_size = self.managers[0].block_size
         self.num_host_blocks = num_host_blocks
         self._lru: OrderedDict[Hashable, int] = OrderedDict()  # least recent first
@@ -272,7 +275,7 @@ class OffloadTier:
         partial = False
         disk_queried = disk_hit = disk_moved = 0
         reach = n  # where the full-attention groups' walks end: no hit goes past it
-        for m in sorted(self.managers, key=lambda m: m.sliding_window is not None):
+        for m in self._walk:
             # A sliding window W: a hit that ends at ``reach`` needs only the blocks its
             # last query sees, from ``lo`` on (``find_longest_cache_hit``).
             w = m.sliding_window

@@ -57,7 +57,6 @@ over blocks.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from collections.abc import Sequence
@@ -152,8 +151,7 @@ class BlockOps:
         """Wait for the last step's loads, then perform this step's swap-outs, the disk
         tier's moves, the offloads' gathers, swap-ins, (issue) the offloads' scatters and
         the loads, layer by layer, and copy-on-write copies, in that order (the module
-        doc says why).  Called before every forward, also one
-        with no moves."""
+        doc says why).  Called before every forward, also one with no moves."""
         if (sched.swap_out or sched.swap_in) and not self.swap_caches:
             raise RuntimeError("the scheduler swapped blocks but no swap space exists")
         if (sched.kv_offload or sched.kv_load) and not self.offload_caches:
@@ -227,8 +225,8 @@ class BlockOps:
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         # On CUDA everything allocated here belongs to the copy stream's pool: reused
-        # only after the copies, in that stream's order.
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        # only after the copies, in that stream's order (no stream: a no-op context).
+        with torch.cuda.stream(stream):
             slot_idx = _index([p[1] for p in offload], self.device) if offload else None
             s_idx = _index([p[0] for p in load], self.device) if load else None
             d_idx = _index([p[1] for p in load], self.device) if load else None
