@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import pickle
+import random
 import socket
 import sys
 from collections.abc import Iterator
@@ -86,8 +87,40 @@ def start_process(ctx: multiprocessing.context.BaseContext, target: Any,
     return proc
 
 
+# Ports below the kernel's ephemeral range that ``free_port`` picks from.
+_PORT_FLOOR = 20000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ``bind(0)`` and ``connect`` (Linux's default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now (the rendezvous binds it a moment later)."""
+    """A TCP port free right now, which the rendezvous binds a moment later.
+
+    The port is taken below the kernel's ephemeral range when there is room: a port
+    from ``bind(0)`` goes back into that range as soon as it is released, and in the
+    seconds before the rendezvous binds it any socket the kernel numbers itself (gloo's
+    pair connections of an earlier world, an HTTP client) may be handed it, which then
+    fails the rendezvous with ``EADDRINUSE``.  Outside the range only an explicit bind
+    can take it."""
+    lo, _ = _ephemeral_range()
+    rng = random.Random()
+    if lo - _PORT_FLOOR >= 1000:
+        for _ in range(64):
+            port = rng.randrange(_PORT_FLOOR, lo)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
