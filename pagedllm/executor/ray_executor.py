@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.base import Executor, ExecutorError, output_rank
+from pagedllm.executor.process_start import free_port
 from pagedllm.executor.worker_proc import (
     ENCODER,
     OUTPUT_DECODER,
@@ -50,10 +50,7 @@ class RayWorkerWrapper:
         import ray
 
         ip = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ip}:{port}"
+        return f"tcp://{ip}:{free_port('')}"
 
     def start(self, config: EngineConfig, rank: int, init_method: str,
               is_output_rank: bool) -> int:
