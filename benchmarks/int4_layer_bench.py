@@ -7,7 +7,9 @@ Issue 43 measured W4 TPOT 8.00 ms for a zero-point checkpoint against 2.70 ms fo
 symmetric twin; this isolates the layer: per (shape, kind, M) the microseconds of one
 call replayed in a CUDA graph over 4 weight copies (no L2 reuse; ``gpu_timing.graph_us``),
 the relative error against the dequantised weight in fp32, and the bytes the layer
-stores (both layouts: the weight-memory item of the issue).
+stores (both layouts: the weight-memory item of the issue).  The "zero_points striped"
+rows time the striped GEMV on zero-point weights directly (M <= 4; the engine stores such
+layers K-major): the candidate that would let them share the symmetric layout.
 
 Usage (repository root, a CUDA device): ``python benchmarks/int4_layer_bench.py
 [out.json]``.  Not a test: nothing asserts a time.
@@ -22,6 +24,7 @@ import torch
 from gpu_timing import graph_us
 
 from pagedllm.kernels.wna16 import pack_codes
+from pagedllm.kernels.wna16_stripe import GEMV_MAX_M, stripe_gemm, to_stripes
 from pagedllm.layers.quantization import int_cuda
 from pagedllm.layers.quantization.int_layout import IntWeight
 
@@ -61,6 +64,16 @@ def main() -> None:
                 res[key] = {"us": round(us, 1), "rel_err": err, "stored_mib": stored / 2**20}
                 print(f"{n:>6}x{k:<6}{kind:>12} M={m:<5}{us:9.1f} us  rel err {err:.1e}  "
                       f"stored {stored / 2**20:.0f} MiB", flush=True)
+                if kind == "zero_points" and m <= GEMV_MAX_M:
+                    striped = [(to_stripes(iw.qweight, 4), iw.scales, iw.zeros)
+                               for _, iw in built]
+                    got = stripe_gemm(x, *striped[0], 4, 128).float()
+                    err = float((got - ref).abs().max() / ref.abs().max())
+                    us = graph_us([lambda w=w, x=x: stripe_gemm(x, *w, 4, 128)
+                                   for w in striped])
+                    res[f"{key} striped"] = {"us": round(us, 1), "rel_err": err}
+                    print(f"{n:>6}x{k:<6}{'zp striped':>12} M={m:<5}{us:9.1f} us  "
+                          f"rel err {err:.1e}", flush=True)
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(res, f, indent=1)

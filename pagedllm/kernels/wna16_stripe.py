@@ -23,8 +23,14 @@ Unpacking without int->float conversions: the slots of the low half-word (``w``)
 the high one (``w >> 16``) sit at bit offsets ``o < 16``; ``(h & (mask << o)) |
 0x4B000000`` read as fp32 is ``2**23 + code * 2**o`` (the code lands in the mantissa),
 and ``v * 2**-o - 2**(23 - o)`` (one FMA, exact) is the code.  A code costs a LOP3, an
-FMA and the product's FMA.  The zero point leaves the inner loop: ``sum_s (c - z) x =
-sum_s c x - z * sum_s x`` per word, and the group scale is applied once per word.
+FMA and the product's FMA, and the group scale is applied once per word.
+
+Zero points leave the GEMV's inner loop: it runs the symmetric loop (``c - 2**(bits-1)``,
+the bias folded into the constant) and adds, per stripe of the step, ``scale * (2**(bits-1)
+- z) * sum(x over the stripe)`` to a ``[BLOCK_N]`` correction -- a few loads of L1-resident
+``x`` and one ``[BLOCK_N, STRIPES]`` tile of scales and zeros per step, instead of an extra
+operation on every code.  The tensor-core and dequantise kernels subtract ``z`` per code
+(their cost per code is shared by many rows).
 
 Contract: ``K`` a multiple of 128, group ``G`` a multiple of 128 or ``K``, no ``g_idx``
 (act-order weights are permuted at load, ``layers/quantization/int_cuda.py``);
@@ -179,8 +185,41 @@ def _gemv_step(x_ptr, w, sc, z, zrow, k0, xoff4, j_ok, stride_xm, M, a0, a1, a2,
 
 
 @triton.jit
-def _store_row(out_base, r: tl.constexpr, acc, rn, N, M, stride_om):
-    tl.store(out_base + r * stride_om + rn, tl.sum(acc, axis=1).to(
+def _stripe_xsum(x_ptr, r: tl.constexpr, kt, t_ok, stride_xm, M):
+    """``[STRIPES]`` fp32 sums of row ``r`` of ``x`` over each stripe starting at ``kt``."""
+    xo = kt[:, None] + tl.arange(0, 128)[None, :]
+    xs = tl.load(x_ptr + r * stride_xm + xo, mask=t_ok[:, None] & (r < M), other=0.0)
+    return tl.sum(xs.to(tl.float32), axis=1)
+
+
+@triton.jit
+def _zero_step(x_ptr, s_ptr, z_ptr, rows, k0, stride_xm, stride_sn, stride_zn, M,
+               c0, c1, c2, c3, K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+               STRIPES: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The zero points' share of the step at ``k0`` (module doc): ``c_r [BLOCK_N] +=
+    sum_t scale * (2**(BITS-1) - z) * sum(x_r over stripe t)``.  The product of a scale
+    and a small integer is exact in fp32, so only the sums' roundings differ from
+    subtracting ``z`` from each code."""
+    kt = k0 + tl.arange(0, STRIPES) * 128
+    t_ok = kt < K
+    g = kt // GROUP
+    sc = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :], mask=t_ok[None, :],
+                 other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + rows[:, None] * stride_zn + g[None, :], mask=t_ok[None, :],
+                other=0.0).to(tl.float32)
+    zs = sc * ((1 << (BITS - 1)) - z)
+    c0 += tl.sum(zs * _stripe_xsum(x_ptr, 0, kt, t_ok, stride_xm, M)[None, :], axis=1)
+    if BLOCK_M > 1:
+        c1 += tl.sum(zs * _stripe_xsum(x_ptr, 1, kt, t_ok, stride_xm, M)[None, :], axis=1)
+    if BLOCK_M > 2:
+        c2 += tl.sum(zs * _stripe_xsum(x_ptr, 2, kt, t_ok, stride_xm, M)[None, :], axis=1)
+        c3 += tl.sum(zs * _stripe_xsum(x_ptr, 3, kt, t_ok, stride_xm, M)[None, :], axis=1)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _store_row(out_base, r: tl.constexpr, acc, corr, rn, N, M, stride_om):
+    tl.store(out_base + r * stride_om + rn, (tl.sum(acc, axis=1) + corr).to(
         out_base.dtype.element_ty), mask=(rn < N) & (r < M))
 
 
@@ -197,7 +236,8 @@ def _stripe_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
     only): each step's words and scales are loaded before the previous step's arithmetic,
     so that the loads are in flight during it (the last step re-reads its own, an L1/L2
     hit); it pays for long rows (down_proj: 22.7 -> 17.4 us on an H200) and not for
-    short ones, so the tuned table chooses it per shape."""
+    short ones, so the tuned table chooses it per shape.  ``HAS_ZERO``: the symmetric loop plus
+    ``_zero_step``'s correction (module doc)."""
     pdl_trigger(USE_PDL)
     P: tl.constexpr = 32 // BITS
     S: tl.constexpr = 128 // P
@@ -216,40 +256,56 @@ def _stripe_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
     j_ok = (k_start + (rj // S) * 128) < K
     w = _load_words(qw_ptr, rows, k_start, rj, stride_qn, EVEN, j_ok, BITS)
     sc, z = _group_params(s_ptr, z_ptr, rows, k_start, rj, stride_sn, stride_zn, EVEN,
-                          j_ok, BITS, GROUP, S, HAS_ZERO)
+                          j_ok, BITS, GROUP, S, False)
     pdl_wait(USE_PDL)
     a0 = tl.zeros((BLOCK_N, J), dtype=tl.float32)
     a1 = tl.zeros((BLOCK_N, J), dtype=tl.float32)
     a2 = tl.zeros((BLOCK_N, J), dtype=tl.float32)
     a3 = tl.zeros((BLOCK_N, J), dtype=tl.float32)
+    c0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    c1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    c2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    c3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     STEP: tl.constexpr = STRIPES * 128
     if AHEAD:
         for kt in range(0, K_CHUNK, STEP):
             kn = k_start + tl.minimum(kt + STEP, K_CHUNK - STEP)
             wn = _load_words(qw_ptr, rows, kn, rj, stride_qn, True, j_ok, BITS)
             scn, zn = _group_params(s_ptr, z_ptr, rows, kn, rj, stride_sn, stride_zn, True,
-                                    j_ok, BITS, GROUP, S, HAS_ZERO)
+                                    j_ok, BITS, GROUP, S, False)
             a0, a1, a2, a3 = _gemv_step(x_ptr, w, sc, z, zrow, k_start + kt, xoff4, j_ok,
                                         stride_xm, M, a0, a1, a2, a3, BITS, S, BLOCK_M, True)
+            if HAS_ZERO:
+                c0, c1, c2, c3 = _zero_step(x_ptr, s_ptr, z_ptr, rows, k_start + kt,
+                                            stride_xm, stride_sn, stride_zn, M, c0, c1, c2,
+                                            c3, K, BITS, GROUP, STRIPES, BLOCK_M)
             w, sc, z = wn, scn, zn
     else:
         a0, a1, a2, a3 = _gemv_step(x_ptr, w, sc, z, zrow, k_start, xoff4, j_ok, stride_xm,
                                     M, a0, a1, a2, a3, BITS, S, BLOCK_M, EVEN)
+        if HAS_ZERO:
+            c0, c1, c2, c3 = _zero_step(x_ptr, s_ptr, z_ptr, rows, k_start, stride_xm,
+                                        stride_sn, stride_zn, M, c0, c1, c2, c3, K, BITS,
+                                        GROUP, STRIPES, BLOCK_M)
         for kt in range(STEP, K_CHUNK, STEP):
             k0 = k_start + kt
             j_ok = (k0 + (rj // S) * 128) < K
             w = _load_words(qw_ptr, rows, k0, rj, stride_qn, EVEN, j_ok, BITS)
             sc, z = _group_params(s_ptr, z_ptr, rows, k0, rj, stride_sn, stride_zn, EVEN,
-                                  j_ok, BITS, GROUP, S, HAS_ZERO)
+                                  j_ok, BITS, GROUP, S, False)
             a0, a1, a2, a3 = _gemv_step(x_ptr, w, sc, z, zrow, k0, xoff4, j_ok, stride_xm,
                                         M, a0, a1, a2, a3, BITS, S, BLOCK_M, EVEN)
+            if HAS_ZERO:
+                c0, c1, c2, c3 = _zero_step(x_ptr, s_ptr, z_ptr, rows, k0, stride_xm,
+                                            stride_sn, stride_zn, M, c0, c1, c2, c3, K,
+                                            BITS, GROUP, STRIPES, BLOCK_M)
     out_base = out_ptr + pid_k.to(tl.int64) * stride_os
-    _store_row(out_base, 0, a0, rn, N, M, stride_om)
+    _store_row(out_base, 0, a0, c0, rn, N, M, stride_om)
     if BLOCK_M > 1:
-        _store_row(out_base, 1, a1, rn, N, M, stride_om)
+        _store_row(out_base, 1, a1, c1, rn, N, M, stride_om)
     if BLOCK_M > 2:
-        _store_row(out_base, 2, a2, rn, N, M, stride_om)
-        _store_row(out_base, 3, a3, rn, N, M, stride_om)
+        _store_row(out_base, 2, a2, c2, rn, N, M, stride_om)
+        _store_row(out_base, 3, a3, c3, rn, N, M, stride_om)
 
 
 @triton.jit

@@ -72,6 +72,23 @@ def test_stripe_gemm_split_k_with_a_ragged_chunk(config: tuple[int, ...]) -> Non
     assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
 
 
+@pytest.mark.parametrize("stripes", [1, 4, 8])
+@pytest.mark.parametrize("bits,group", [(4, 128), (4, 256), (8, -1)])
+def test_gemv_zero_points_at_every_step_width(stripes: int, bits: int, group: int) -> None:
+    """The GEMV runs the symmetric loop and adds the zero points once per stripe (a
+    ``[BLOCK_N]`` correction, module doc): steps of 1..8 stripes, groups of one stripe,
+    two, or the whole row, a masked last step (K = 6 stripes), 1 and 4 rows of x."""
+    n, k = 20, 768
+    qw, sc, zp = _weight(n, k, bits, group, True, stripes)
+    st, sc_d, zp_d = to_stripes(qw, bits).to(DEVICE), sc.to(DEVICE), zp.to(DEVICE)  # type: ignore[union-attr]
+    for m, bm in ((1, 1), (3, 4)):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        got = stripe_gemm(x.to(DEVICE), st, sc_d, zp_d, bits, group,
+                          config=(bm, 8, stripes, 4, 1, 1)).cpu()
+        ref = wna16_ref(x, qw, sc, zp, None, bits, group)
+        assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
 @pytest.mark.parametrize("m,zeros,split", [(1, False, 1), (3, True, 1), (1, True, 2)])
 def test_gemv_register_prefetch_is_bit_identical(m: int, zeros: bool, split: int) -> None:
     """The GEMV's ``ahead`` flag (a tuned-table option) only moves loads: the same sums in
