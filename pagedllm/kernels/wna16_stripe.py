@@ -185,17 +185,20 @@ def _gemv_step(x_ptr, w, sc, z, zrow, k0, xoff4, j_ok, stride_xm, M, a0, a1, a2,
 
 
 @triton.jit
-def _stripe_xsum(x_ptr, r: tl.constexpr, kt, t_ok, stride_xm, M):
+def _stripe_xsum(x_ptr, r: tl.constexpr, kt, t_ok, stride_xm, M, EVEN: tl.constexpr):
     """``[STRIPES]`` fp32 sums of row ``r`` of ``x`` over each stripe starting at ``kt``."""
     xo = kt[:, None] + tl.arange(0, 128)[None, :]
-    xs = tl.load(x_ptr + r * stride_xm + xo, mask=t_ok[:, None] & (r < M), other=0.0)
+    if r == 0 and EVEN:
+        xs = tl.load(x_ptr + xo)
+    else:
+        xs = tl.load(x_ptr + r * stride_xm + xo, mask=t_ok[:, None] & (r < M), other=0.0)
     return tl.sum(xs.to(tl.float32), axis=1)
 
 
 @triton.jit
 def _zero_step(x_ptr, s_ptr, z_ptr, rows, k0, stride_xm, stride_sn, stride_zn, M,
                c0, c1, c2, c3, K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-               STRIPES: tl.constexpr, BLOCK_M: tl.constexpr):
+               STRIPES: tl.constexpr, BLOCK_M: tl.constexpr, EVEN: tl.constexpr):
     """The zero points' share of the step at ``k0`` (module doc): ``c_r [BLOCK_N] +=
     sum_t scale * (2**(BITS-1) - z) * sum(x_r over stripe t)``.  The product of a scale
     and a small integer is exact in fp32, so only the sums' roundings differ from
@@ -203,17 +206,21 @@ def _zero_step(x_ptr, s_ptr, z_ptr, rows, k0, stride_xm, stride_sn, stride_zn, M
     kt = k0 + tl.arange(0, STRIPES) * 128
     t_ok = kt < K
     g = kt // GROUP
-    sc = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :], mask=t_ok[None, :],
-                 other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + rows[:, None] * stride_zn + g[None, :], mask=t_ok[None, :],
-                other=0.0).to(tl.float32)
-    zs = sc * ((1 << (BITS - 1)) - z)
-    c0 += tl.sum(zs * _stripe_xsum(x_ptr, 0, kt, t_ok, stride_xm, M)[None, :], axis=1)
+    s_offs = rows[:, None] * stride_sn + g[None, :]
+    z_offs = rows[:, None] * stride_zn + g[None, :]
+    if EVEN:  # every step is whole
+        sc = tl.load(s_ptr + s_offs).to(tl.float32)
+        z = tl.load(z_ptr + z_offs)
+    else:
+        sc = tl.load(s_ptr + s_offs, mask=t_ok[None, :], other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + z_offs, mask=t_ok[None, :], other=0.0)
+    zs = sc * ((1 << (BITS - 1)) - z.to(tl.float32))
+    c0 += tl.sum(zs * _stripe_xsum(x_ptr, 0, kt, t_ok, stride_xm, M, EVEN)[None, :], axis=1)
     if BLOCK_M > 1:
-        c1 += tl.sum(zs * _stripe_xsum(x_ptr, 1, kt, t_ok, stride_xm, M)[None, :], axis=1)
+        c1 += tl.sum(zs * _stripe_xsum(x_ptr, 1, kt, t_ok, stride_xm, M, EVEN)[None, :], axis=1)
     if BLOCK_M > 2:
-        c2 += tl.sum(zs * _stripe_xsum(x_ptr, 2, kt, t_ok, stride_xm, M)[None, :], axis=1)
-        c3 += tl.sum(zs * _stripe_xsum(x_ptr, 3, kt, t_ok, stride_xm, M)[None, :], axis=1)
+        c2 += tl.sum(zs * _stripe_xsum(x_ptr, 2, kt, t_ok, stride_xm, M, EVEN)[None, :], axis=1)
+        c3 += tl.sum(zs * _stripe_xsum(x_ptr, 3, kt, t_ok, stride_xm, M, EVEN)[None, :], axis=1)
     return c0, c1, c2, c3
 
 
@@ -278,7 +285,7 @@ def _stripe_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
             if HAS_ZERO:
                 c0, c1, c2, c3 = _zero_step(x_ptr, s_ptr, z_ptr, rows, k_start + kt,
                                             stride_xm, stride_sn, stride_zn, M, c0, c1, c2,
-                                            c3, K, BITS, GROUP, STRIPES, BLOCK_M)
+                                            c3, K, BITS, GROUP, STRIPES, BLOCK_M, True)
             w, sc, z = wn, scn, zn
     else:
         a0, a1, a2, a3 = _gemv_step(x_ptr, w, sc, z, zrow, k_start, xoff4, j_ok, stride_xm,
@@ -286,7 +293,7 @@ def _stripe_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
         if HAS_ZERO:
             c0, c1, c2, c3 = _zero_step(x_ptr, s_ptr, z_ptr, rows, k_start, stride_xm,
                                         stride_sn, stride_zn, M, c0, c1, c2, c3, K, BITS,
-                                        GROUP, STRIPES, BLOCK_M)
+                                        GROUP, STRIPES, BLOCK_M, EVEN)
         for kt in range(STEP, K_CHUNK, STEP):
             k0 = k_start + kt
             j_ok = (k0 + (rj // S) * 128) < K
@@ -298,7 +305,7 @@ def _stripe_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
             if HAS_ZERO:
                 c0, c1, c2, c3 = _zero_step(x_ptr, s_ptr, z_ptr, rows, k0, stride_xm,
                                             stride_sn, stride_zn, M, c0, c1, c2, c3, K,
-                                            BITS, GROUP, STRIPES, BLOCK_M)
+                                            BITS, GROUP, STRIPES, BLOCK_M, EVEN)
     out_base = out_ptr + pid_k.to(tl.int64) * stride_os
     _store_row(out_base, 0, a0, c0, rn, N, M, stride_om)
     if BLOCK_M > 1:
