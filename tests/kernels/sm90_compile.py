@@ -6,6 +6,8 @@ GPU compiler may reject, and cannot see registers, spills or shared memory.
 :func:`run_script` (test side) runs a script in a subprocess without
 ``TRITON_INTERPRET`` and with an empty Triton cache (a real compile, not a hit); the
 script calls :func:`compile_sm90` and prints a JSON value as its last line.
+:func:`sass_loops` reads the instruction mix of a compiled kernel's loops
+(``benchmarks/triton_sass.py`` prints it).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,3 +62,34 @@ def compile_sm90(kernel: Any, sig: dict[str, str], consts: dict[str, Any],
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", res.stderr))
     regs = max(int(x) for x in re.findall(r"Used (\d+) registers", res.stderr))
     return k, {"spill_stores": spills, "registers": regs, "shared": k.metadata.shared}
+
+
+_INSN = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
+
+
+def sass_loops(cubin: bytes) -> list[dict[str, Any]]:
+    """The loops (backward branches) of a compiled kernel's SASS, each ``{"instructions":
+    count, "ops": {opcode: count}}``, through the ``cuobjdump`` Triton ships.  Shared-memory
+    traffic in a loop (``STS``, ``LDS``, ``BAR``) is a layout conversion per iteration."""
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                             "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(f.name)
+    insns = [(int(m.group(1), 16), m.group(2)) for m in map(_INSN.match, sass.splitlines())
+             if m]
+    loops = []
+    for addr, text in insns:
+        target = re.search(r"BRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr:
+            body = [t for a, t in insns if int(target.group(1), 16) <= a <= addr]
+            ops = Counter(t.split()[1 if t.startswith("@") else 0].split(".")[0]
+                          for t in body)
+            loops.append({"instructions": len(body), "ops": dict(ops)})
+    return loops
