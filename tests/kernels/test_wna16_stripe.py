@@ -179,14 +179,16 @@ def test_w8a8_quantiser_is_the_librarys(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("zeros", [False, True])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
 @pytest.mark.parametrize("m", [1, 3, 16, 256])
-def test_gpu_stripe_gemm_llama3_shapes(n: int, k: int, m: int) -> None:
-    qw, sc, _ = _weight(n, k, 4, 128, False, m)
+def test_gpu_stripe_gemm_llama3_shapes(n: int, k: int, m: int, zeros: bool) -> None:
+    qw, sc, zp = _weight(n, k, 4, 128, zeros, m)
     qw, sc = qw.cuda(), sc.to(torch.bfloat16).cuda()
+    zp = None if zp is None else zp.cuda()
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    got = stripe_gemm(x, to_stripes(qw, 4), sc, None, 4, 128)
-    ref = wna16_ref(x.float(), qw, sc, None, None, 4, 128)
+    got = stripe_gemm(x, to_stripes(qw, 4), sc, zp, 4, 128)
+    ref = wna16_ref(x.float(), qw, sc, zp, None, 4, 128)
     # bf16 output rounding (2**-8 relative) plus fp32 accumulation-order differences
     assert float((got.float() - ref).abs().max()) <= 2 ** -7 * float(ref.abs().max())
 
