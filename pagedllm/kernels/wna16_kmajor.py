@@ -19,21 +19,27 @@ step it loads a ``[BLOCK_K / 8, BLOCK_N]`` word tile: ``BLOCK_K / 8`` contiguous
 ``4 * BLOCK_N`` bytes (coalesced), each word read once.  Slot ``s`` of the tile is the
 ``[BLOCK_K / 8, BLOCK_N]`` code tile of inputs ``k0 + 8w + s``, unpacked in place with the
 fp32 magic-number trick of ``kernels/wna16_stripe.py`` (``_slot``: one LOP3 and one FMA a
-code, the zero point folded into the FMA's constant, exact) and met by ``x[m, k0 + 8w +
-s]``, a ``[BLOCK_K / 8]`` vector broadcast along N (a thread loads only its own word rows'
-values; the warp's duplicates are one broadcast).  Each code is unpacked once for all
-``BLOCK_M`` rows (1, 2, 4 or 8; one unrolled ``[BLOCK_K / 8, BLOCK_N]`` fp32 accumulator
-each).  A word lies in one group, so the step's products ``p_m = sum_s (c - z) x_m`` (per
-word) are scaled once: ``acc_m += p_m * scale[g, n]``, one FMA per word and row (the zero
-point and the scale leave the per-code work).  Where ``BLOCK_K`` divides ``G`` the step's
-scales and zeros are one ``[BLOCK_N]`` row; a ``BLOCK_K`` that is a multiple of ``G``
-(more than 16 word rows a step at group 128) reads each word row's own.  The
-accumulators are reduced along K once, at the end; fp32 throughout, one rounding to
-``x.dtype``.  Split-K partials (fp32 ``[split, M, N]``) are added in a fixed order by
-``int8_gemm.splitk_reduce``: deterministic.  With PDL the first step's weights and group
-parameters are loaded before the wait (``kernels/pdl.py``: no kernel writes weights).
-A configuration's ``ahead`` loads each step's tile before the previous step's
-arithmetic (a register prefetch: Triton's pipeliner stages only loads that feed a dot).
+code, the symmetric zero 8 folded into the FMA's constant, exact) and met by ``x[m, k0 +
+8w + s]``, a ``[BLOCK_K / 8]`` vector broadcast along N (a thread loads only its own word
+rows' values; the warp's duplicates are one broadcast).  Each code is unpacked once for
+all ``BLOCK_M`` rows (1, 2, 4 or 8; one unrolled ``[BLOCK_K / 8, BLOCK_N]`` fp32
+accumulator each).  A word lies in one group, so the step's products ``p_m = sum_s (c -
+8) x_m`` (per word) are scaled once: ``acc_m += p_m * scale[g, n]``, one FMA per word and
+row.  Zero points stay out of the loop, which is the symmetric one: ``sum (c - z) x = sum
+(c - 8) x + (8 - z) sum x`` per group, so after the loop ``_zero_correction`` adds
+``scale * (8 - z) * sum(x over the segment)`` for each segment of the chunk (inside one
+group: :func:`zero_segments`), once per program for its ``BLOCK_N`` columns.
+(Folding ``z`` into the unpacking FMA instead doubled the registers at one row, 126
+against 64, and so halved the programs an SM holds: ``benchmarks/triton_sass.py``.)
+Where ``BLOCK_K`` divides ``G`` the step's scales are one ``[BLOCK_N]`` row; a
+``BLOCK_K`` that is a multiple of ``G`` (more than 16 word rows a step at group 128)
+reads each word row's own.  The accumulators are reduced along K once, at the end;
+fp32 throughout, one rounding to ``x.dtype``.  Split-K partials (fp32 ``[split, M, N]``)
+are added in a fixed order by ``int8_gemm.splitk_reduce``: deterministic.  With PDL the
+first step's weights and scales are loaded before the wait (``kernels/pdl.py``: no
+kernel writes weights).  A configuration's ``ahead`` loads each step's tile before the
+previous step's arithmetic (a register prefetch: Triton's pipeliner stages only loads
+that feed a dot).
 
 Dequantise.  A program turns a ``[BLOCK_K / 8, BLOCK_N]`` word tile into ``out[n, k0 :
 k0 + BLOCK_K]`` (``[N, K]``, rows contiguous): the tile is transposed in registers and
@@ -87,30 +93,23 @@ def _xrow(x_ptr, r: tl.constexpr, M, stride_xm):
 
 
 @triton.jit
-def _group(s_ptr, z_ptr, k0, cols, rw, N, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-           HAS_ZERO: tl.constexpr):
-    """fp32 ``[BW, BLOCK_N]`` scales and zeros of the step's word rows (the symmetric
-    zero 8 as a constant).  ``BLOCK_K <= G``: one group, loaded through a pointer tile
-    that repeats one row -- it gets the words' register layout (a ``[BLOCK_N]`` load
-    needs a shared-memory layout conversion and two barriers per step on sm_90), and the
-    compiler merges each thread's repeated addresses into one load.  ``BLOCK_K > G``
-    (several groups a step): each word row's own group."""
+def _group(s_ptr, k0, cols, rw, N, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 ``[BW, BLOCK_N]`` scales of the step's word rows.  ``BLOCK_K <= G``: one
+    group, loaded through a pointer tile that repeats one row -- it gets the words'
+    register layout (a ``[BLOCK_N]`` load needs a shared-memory layout conversion and two
+    barriers per step on sm_90), and the compiler merges each thread's repeated addresses
+    into one load.  ``BLOCK_K > G`` (several groups a step): each word row's own group."""
     if BLOCK_K > GROUP:
         bc = ((k0 + rw * 8) // GROUP * N)[:, None] + cols[None, :]
     else:
         bc = (k0 // GROUP) * N + cols[None, :] + (rw * 0)[:, None]
-    sc = tl.load(s_ptr + bc).to(tl.float32)
-    if HAS_ZERO:
-        z = tl.load(z_ptr + bc).to(tl.float32)  # bf16/fp16 zeros: exact integers
-    else:
-        z = 8.0
-    return sc, z
+    return tl.load(s_ptr + bc).to(tl.float32)
 
 
 @triton.jit
-def _step(x0, x1, x2, x3, x4, x5, x6, x7, words, sc, z, xo,
+def _step(x0, x1, x2, x3, x4, x5, x6, x7, words, sc, xo,
           a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M: tl.constexpr):
-    """``a_m [BW, BN] += (sum_s (c_s - z) x_m[xo + s]) * sc`` for rows ``m < BLOCK_M``."""
+    """``a_m [BW, BN] += (sum_s (c_s - 8) x_m[xo + s]) * sc`` for rows ``m < BLOCK_M``."""
     hi = words >> 16
     p0 = tl.zeros(words.shape, dtype=tl.float32)
     p1 = tl.zeros(words.shape, dtype=tl.float32)
@@ -121,7 +120,7 @@ def _step(x0, x1, x2, x3, x4, x5, x6, x7, words, sc, z, xo,
     p6 = tl.zeros(words.shape, dtype=tl.float32)
     p7 = tl.zeros(words.shape, dtype=tl.float32)
     for s in tl.static_range(8):
-        c = _slot(words, hi, s, 4, z)  # code - zero, exact
+        c = _slot(words, hi, s, 4, 8.0)  # code - 8, exact
         p0 += c * tl.load(x0 + xo + s).to(tl.float32)[:, None]
         if BLOCK_M > 1:
             p1 += c * tl.load(x1 + xo + s).to(tl.float32)[:, None]
@@ -155,33 +154,81 @@ def _load_words(qw_base, k0, rw, N):
 
 
 @triton.jit
-def _advance(x0, x1, x2, x3, x4, x5, x6, x7, qw_base, s_ptr, z_ptr, cols, rw, N, k0,
-             words, sc, z, a0, a1, a2, a3, a4, a5, a6, a7, GROUP: tl.constexpr,
-             BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, HAS_ZERO: tl.constexpr,
-             AHEAD: tl.constexpr):
-    """Load step ``k0``'s words and group parameters (returned for the next call) and
-    do the arithmetic of ``AHEAD``: the previous step (``words``, ``sc``, ``z``), so
+def _advance(x0, x1, x2, x3, x4, x5, x6, x7, qw_base, s_ptr, cols, rw, N, k0,
+             words, sc, a0, a1, a2, a3, a4, a5, a6, a7, GROUP: tl.constexpr,
+             BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, AHEAD: tl.constexpr):
+    """Load step ``k0``'s words and scales (returned for the next call) and do the
+    arithmetic of ``AHEAD``: the previous step (``words``, ``sc``), so
     that the loads are in flight during it, at the cost of a second word tile in
     registers (Triton's pipeliner stages only loads that feed a ``tl.dot``;
     ``num_stages`` does nothing here); else of this step (the first step is done before
     the loop)."""
     wn = _load_words(qw_base, k0, rw, N)
-    sn, zn = _group(s_ptr, z_ptr, k0, cols, rw, N, GROUP, BLOCK_K, HAS_ZERO)
+    sn = _group(s_ptr, k0, cols, rw, N, GROUP, BLOCK_K)
     if AHEAD:
         a0, a1, a2, a3, a4, a5, a6, a7 = _step(
-            x0, x1, x2, x3, x4, x5, x6, x7, words, sc, z, k0 - BLOCK_K + rw * 8,
+            x0, x1, x2, x3, x4, x5, x6, x7, words, sc, k0 - BLOCK_K + rw * 8,
             a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
     else:
         a0, a1, a2, a3, a4, a5, a6, a7 = _step(
-            x0, x1, x2, x3, x4, x5, x6, x7, wn, sn, zn, k0 + rw * 8,
+            x0, x1, x2, x3, x4, x5, x6, x7, wn, sn, k0 + rw * 8,
             a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
-    return wn, sn, zn, a0, a1, a2, a3, a4, a5, a6, a7
+    return wn, sn, a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @triton.jit
-def _store_row(out_base, r: tl.constexpr, acc, rn, N, M, stride_om):
+def _segment_sums(xr, ks, rs, ok):
+    """fp32 ``[ZSEGS]`` sums of one row of ``x`` over the segments starting at ``ks``."""
+    xs = tl.load(xr + ks[:, None] + rs[None, :], mask=ok[:, None], other=0.0)
+    return tl.sum(xs.to(tl.float32), axis=1)
+
+
+@triton.jit
+def _zero_correction(x0, x1, x2, x3, x4, x5, x6, x7, s_ptr, z_ptr, cols, k_start, k_stop,
+                     N, GROUP: tl.constexpr, SEG: tl.constexpr, ZSEGS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The zero points' share of the chunk ``[k_start, k_stop)`` (module doc): ``c_m
+    [BLOCK_N] = sum over segments of scale * (8 - z) * sum(x_m over the segment)``,
+    ``ZSEGS`` segments of ``SEG`` inputs (one group each) at a time.  A scale times a
+    small integer is exact in fp32."""
+    c0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    c1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    c2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    c3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    c4 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    c5 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    c6 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    c7 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    rz = tl.arange(0, ZSEGS) * SEG
+    rs = tl.arange(0, SEG)
+    t0 = k_start
+    while t0 < k_stop:  # a few iterations (interpreter-safe; not the hot loop)
+        ks = t0 + rz
+        ok = ks < k_stop
+        offs = (ks // GROUP * N)[:, None] + cols[None, :]
+        sc = tl.load(s_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + offs, mask=ok[:, None], other=8.0).to(tl.float32)
+        zs = sc * (8.0 - z)
+        c0 += tl.sum(zs * _segment_sums(x0, ks, rs, ok)[:, None], axis=0)
+        if BLOCK_M > 1:
+            c1 += tl.sum(zs * _segment_sums(x1, ks, rs, ok)[:, None], axis=0)
+        if BLOCK_M > 2:
+            c2 += tl.sum(zs * _segment_sums(x2, ks, rs, ok)[:, None], axis=0)
+            c3 += tl.sum(zs * _segment_sums(x3, ks, rs, ok)[:, None], axis=0)
+        if BLOCK_M > 4:
+            c4 += tl.sum(zs * _segment_sums(x4, ks, rs, ok)[:, None], axis=0)
+            c5 += tl.sum(zs * _segment_sums(x5, ks, rs, ok)[:, None], axis=0)
+            c6 += tl.sum(zs * _segment_sums(x6, ks, rs, ok)[:, None], axis=0)
+            c7 += tl.sum(zs * _segment_sums(x7, ks, rs, ok)[:, None], axis=0)
+        t0 += ZSEGS * SEG
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _store_row(out_base, r: tl.constexpr, acc, corr, rn, N, M, stride_om):
     tl.store(out_base + r * stride_om + rn,
-             tl.sum(acc, axis=0).to(out_base.dtype.element_ty), mask=(rn < N) & (r < M))
+             (tl.sum(acc, axis=0) + corr).to(out_base.dtype.element_ty),
+             mask=(rn < N) & (r < M))
 
 
 @triton.jit
@@ -191,9 +238,11 @@ def _kmajor_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         K_CHUNK: tl.constexpr, EVEN_N: tl.constexpr,
                         AHEAD: tl.constexpr, WHILE_LOOP: tl.constexpr,
-                        USE_PDL: tl.constexpr):
+                        USE_PDL: tl.constexpr, ZSEGS: tl.constexpr,
+                        ZSEG: tl.constexpr):
     """Up to ``BLOCK_M`` rows of ``x`` times ``BLOCK_N`` columns over one K chunk (module
-    doc)."""
+    doc); ``HAS_ZERO``: the symmetric loop, then ``_zero_correction`` over ``ZSEGS``
+    segments of ``ZSEG`` inputs at a time (:func:`zero_segments`)."""
     pdl_trigger(USE_PDL)
     BW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
@@ -207,9 +256,9 @@ def _kmajor_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
     qw_base = qw_ptr + cols[None, :]
     k_start = pid_k * K_CHUNK
     k_stop = tl.minimum(k_start + K_CHUNK, K)  # the last chunk may be shorter
-    # The first step's weights and group parameters before the PDL wait.
+    # The first step's weights and scales before the PDL wait.
     words = _load_words(qw_base, k_start, rw, N)
-    sc, z = _group(s_ptr, z_ptr, k_start, cols, rw, N, GROUP, BLOCK_K, HAS_ZERO)
+    sc = _group(s_ptr, k_start, cols, rw, N, GROUP, BLOCK_K)
     pdl_wait(USE_PDL)
     x0 = _xrow(x_ptr, 0, M, stride_xm)
     x1 = _xrow(x_ptr, 1, M, stride_xm)
@@ -229,40 +278,44 @@ def _kmajor_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
     a7 = tl.zeros((BW, BLOCK_N), dtype=tl.float32)
     if not AHEAD:
         a0, a1, a2, a3, a4, a5, a6, a7 = _step(
-            x0, x1, x2, x3, x4, x5, x6, x7, words, sc, z, k_start + rw * 8,
+            x0, x1, x2, x3, x4, x5, x6, x7, words, sc, k_start + rw * 8,
             a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
     if WHILE_LOOP:
         # The interpreter cannot take program-id-derived scalars as range() bounds (numpy
         # refuses int() of their shape-(1,) arrays); on the GPU the for-loop stays.
         k0 = k_start + BLOCK_K
         while k0 < k_stop:
-            words, sc, z, a0, a1, a2, a3, a4, a5, a6, a7 = _advance(
-                x0, x1, x2, x3, x4, x5, x6, x7, qw_base, s_ptr, z_ptr, cols, rw, N, k0,
-                words, sc, z, a0, a1, a2, a3, a4, a5, a6, a7, GROUP, BLOCK_K, BLOCK_M,
-                HAS_ZERO, AHEAD)
+            words, sc, a0, a1, a2, a3, a4, a5, a6, a7 = _advance(
+                x0, x1, x2, x3, x4, x5, x6, x7, qw_base, s_ptr, cols, rw, N, k0,
+                words, sc, a0, a1, a2, a3, a4, a5, a6, a7, GROUP, BLOCK_K, BLOCK_M, AHEAD)
             k0 += BLOCK_K
     else:
         for k0 in range(k_start + BLOCK_K, k_stop, BLOCK_K):
-            words, sc, z, a0, a1, a2, a3, a4, a5, a6, a7 = _advance(
-                x0, x1, x2, x3, x4, x5, x6, x7, qw_base, s_ptr, z_ptr, cols, rw, N, k0,
-                words, sc, z, a0, a1, a2, a3, a4, a5, a6, a7, GROUP, BLOCK_K, BLOCK_M,
-                HAS_ZERO, AHEAD)
+            words, sc, a0, a1, a2, a3, a4, a5, a6, a7 = _advance(
+                x0, x1, x2, x3, x4, x5, x6, x7, qw_base, s_ptr, cols, rw, N, k0,
+                words, sc, a0, a1, a2, a3, a4, a5, a6, a7, GROUP, BLOCK_K, BLOCK_M, AHEAD)
     if AHEAD:  # the last step, loaded by the last iteration
         a0, a1, a2, a3, a4, a5, a6, a7 = _step(
-            x0, x1, x2, x3, x4, x5, x6, x7, words, sc, z, k_stop - BLOCK_K + rw * 8,
+            x0, x1, x2, x3, x4, x5, x6, x7, words, sc, k_stop - BLOCK_K + rw * 8,
             a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
+    if HAS_ZERO:
+        c0, c1, c2, c3, c4, c5, c6, c7 = _zero_correction(
+            x0, x1, x2, x3, x4, x5, x6, x7, s_ptr, z_ptr, cols, k_start, k_stop, N, GROUP,
+            ZSEG, ZSEGS, BLOCK_M, BLOCK_N)
+    else:
+        c0, c1, c2, c3, c4, c5, c6, c7 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     out_base = out_ptr + pid_k.to(tl.int64) * stride_os
-    _store_row(out_base, 0, a0, rn, N, M, stride_om)
+    _store_row(out_base, 0, a0, c0, rn, N, M, stride_om)
     if BLOCK_M > 1:
-        _store_row(out_base, 1, a1, rn, N, M, stride_om)
+        _store_row(out_base, 1, a1, c1, rn, N, M, stride_om)
     if BLOCK_M > 2:
-        _store_row(out_base, 2, a2, rn, N, M, stride_om)
-        _store_row(out_base, 3, a3, rn, N, M, stride_om)
+        _store_row(out_base, 2, a2, c2, rn, N, M, stride_om)
+        _store_row(out_base, 3, a3, c3, rn, N, M, stride_om)
     if BLOCK_M > 4:
-        _store_row(out_base, 4, a4, rn, N, M, stride_om)
-        _store_row(out_base, 5, a5, rn, N, M, stride_om)
-        _store_row(out_base, 6, a6, rn, N, M, stride_om)
-        _store_row(out_base, 7, a7, rn, N, M, stride_om)
+        _store_row(out_base, 4, a4, c4, rn, N, M, stride_om)
+        _store_row(out_base, 5, a5, c5, rn, N, M, stride_om)
+        _store_row(out_base, 6, a6, c6, rn, N, M, stride_om)
+        _store_row(out_base, 7, a7, c7, rn, N, M, stride_om)
 
 
 @triton.jit
@@ -367,6 +420,21 @@ def _check_config(cfg: KmajorConfig, m: int, k: int, group_size: int) -> None:
         raise ValueError(f"config: split_k={split} must be >= 1")
 
 
+def zero_segments(block_m: int, block_n: int, block_k: int, group_size: int,
+                  k_chunk: int) -> tuple[int, int]:
+    """``(ZSEGS, ZSEG)`` for ``_zero_correction``: segments of ``ZSEG`` inputs (128 where
+    the chunks are whole multiples of 128, else a step or a group: every segment lies in
+    one group and chunk boundaries fall between segments), ``ZSEGS`` of them at a time
+    (a power of two, at most the chunk's).  From sm_90 compiles
+    (``benchmarks/triton_sass.py``): a ``[4, 128]`` tile of scales and zeros at one or two
+    rows keeps the registers of the symmetric loop (64 at one row) for about 4-5% more
+    instructions; at four rows and more, one segment at a time (96 registers, as the
+    zero folded into the loop had)."""
+    seg = 128 if k_chunk % 128 == 0 else min(block_k, group_size)
+    per_tile = 512 // block_n if block_m <= 2 else 1
+    return max(1, min(triton.next_power_of_2(k_chunk // seg), per_tile)), seg
+
+
 def kmajor_gemv(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor,
                 zeros_t: torch.Tensor | None, group_size: int,
                 config: KmajorConfig | None = None) -> torch.Tensor:
@@ -393,12 +461,13 @@ def kmajor_gemv(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor
     k_chunk, split = split_k_chunk(k, bk, split)
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32,
                                                 device=x.device)
+    zsegs, zseg = zero_segments(bm, bn, bk, group_size, k_chunk)
     _kmajor_gemv_kernel[(triton.cdiv(n, bn), split)](
         x, qweight_t, scales_t, zeros_t if zeros_t is not None else scales_t, target, m, n,
         x.stride(0), n, m * n if split > 1 else 0, K=k, GROUP=group_size,
         HAS_ZERO=zeros_t is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_CHUNK=k_chunk,
         EVEN_N=n % bn == 0, AHEAD=len(cfg) > 6 and bool(cfg[6]), WHILE_LOOP=_INTERPRET,
-        num_warps=warps, num_stages=stages,
+        ZSEGS=zsegs, ZSEG=zseg, num_warps=warps, num_stages=stages,
         **pdl_launch_args(x.device))
     if split > 1:
         splitk_reduce(target, out)  # fixed order: deterministic
