@@ -9,7 +9,8 @@ A backend owns two operations over the paged KV cache (layout in ``metadata.py``
 
 Both are called by ``layers.attention.Attention`` once per layer per step.  A backend
 with ``fuses_rope = True`` also applies rotary embeddings itself (``forward_rope``), so
-the model hands it unrotated queries and keys and one kernel rotates and stores them.
+the model hands it unrotated queries and keys and one kernel rotates and stores them --
+and un-normed ones where the layer norms each head first (``QKNorm``: Qwen3, Gemma 3).
 
 KV element types (``attention/kv_cache_dtype.py``): a backend lists the
 ``kv_cache_dtype`` values it serves in ``kv_cache_dtypes``; with an fp8 cache every
@@ -25,7 +26,7 @@ import torch
 
 from pagedllm.attention.kinds import FULL, AttentionKind
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.rope import RopeInputs
+from pagedllm.attention.rope import QKNorm, RopeInputs
 
 
 class AttentionBackend(ABC):
@@ -68,7 +69,11 @@ class AttentionBackend(ABC):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, rope: RopeInputs,
         kind: AttentionKind = FULL, k_scale: float = 1.0, v_scale: float = 1.0,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:
-        """``forward`` on unrotated ``query``/``key``: rotate both, then attend."""
+        """``forward`` on unrotated ``query``/``key`` (un-normed with ``qk_norm``): norm
+        and rotate both, then attend."""
+        if qk_norm is not None:
+            query, key = qk_norm.apply(query, key)
         return self.forward(rope.rotate(query), rope.rotate(key), value, kv_cache, meta,
                             scale, kind, k_scale, v_scale)

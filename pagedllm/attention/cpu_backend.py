@@ -30,7 +30,7 @@ import torch
 from pagedllm.attention import cpu_decode
 from pagedllm.attention.kinds import FULL, AttentionKind
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.rope import RopeInputs
+from pagedllm.attention.rope import QKNorm, RopeInputs
 from pagedllm.attention.torch_ref import TorchReferenceBackend
 
 
@@ -71,7 +71,10 @@ class CpuBackend(TorchReferenceBackend):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, rope: RopeInputs,
         kind: AttentionKind = FULL, k_scale: float = 1.0, v_scale: float = 1.0,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:
+        if qk_norm is not None:  # the layer's own norm modules (one fused C call each)
+            query, key = qk_norm.apply(query, key)
         if cpu_decode.applies(query, key, value, kv_cache, meta):
             return cpu_decode.run(query, key, value, kv_cache, meta, scale, rope, kind)
         if (meta.kv_groups or meta.query_limits is not None or meta.num_actual_tokens == 0

@@ -1,5 +1,6 @@
 """One step's rotary inputs (``RopeInputs``), the type the model hands its layers and the
-attention backends.
+attention backends, and a layer's per-head query/key norms (``QKNorm``) that such a
+backend may fuse in before it rotates.
 
 It lives here, below both ``layers/`` and the backends, so that a backend which fuses the
 rotation into its KV write (``AttentionBackend.fuses_rope``) and the layers that rotate in
@@ -45,3 +46,29 @@ class RopeInputs:
             cos_sin = self.cos_sin_cache.index_select(0, self.positions).to(self.dtype)
             self._cos, self._sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
         return apply_rotary(x, self._cos, self._sin)
+
+
+@dataclass(frozen=True)
+class QKNorm:
+    """A layer's per-head RMSNorms of queries and keys, applied before the rotation (Qwen3,
+    Gemma 3), handed to ``AttentionBackend.forward_rope`` so that a backend which rotates
+    in its KV write can norm in the same launch (``kernels/rotary.py``).
+
+    ``q`` and ``k`` are the layer's norm modules over ``head_dim`` (``weight``, ``eps``;
+    read at call time, so weight loading after construction is seen); ``gemma``: Gemma's
+    arithmetic, ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32 with one rounding, else
+    Llama's, the normed value rounded to the activation dtype before the weight multiply.
+    ``apply`` runs the modules themselves: what a backend does when it does not fuse."""
+
+    q: torch.nn.Module
+    k: torch.nn.Module
+    gemma: bool
+
+    @property
+    def eps(self) -> float:
+        return float(self.q.eps)  # type: ignore[arg-type]
+
+    def apply(self, query: torch.Tensor, key: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q(query), k(key))`` on ``[T, H, D]`` views, as new tensors."""
+        return self.q(query), self.k(key)

@@ -20,10 +20,10 @@ import torch
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.kinds import FULL, AttentionKind
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.rope import RopeInputs
+from pagedllm.attention.rope import QKNorm, RopeInputs
 from pagedllm.kernels.kv_write import write_kv_cache
 from pagedllm.kernels.paged_attention import paged_attention
-from pagedllm.kernels.rotary import rotary_and_write_kv
+from pagedllm.kernels.rotary import fuses_qk_norm, rotary_and_write_kv
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -66,9 +66,20 @@ class TritonAttentionBackend(AttentionBackend):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, rope: RopeInputs,
         kind: AttentionKind = FULL, k_scale: float = 1.0, v_scale: float = 1.0,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:
-        # Query rotated in place; rotated keys and the values go straight into the cache.
+        # Query (normed and) rotated in place; rotated keys and the values go straight
+        # into the cache.  The per-head norms ride in the same launch where the rotation
+        # covers the head.
+        if qk_norm is not None and not fuses_qk_norm(query.shape[-1],
+                                                     rope.cos_sin_cache.shape[-1]):
+            query, key = qk_norm.apply(query, key)
+            qk_norm = None
         rotary_and_write_kv(rope.positions, query, key, value, query.shape[-1],
                             rope.cos_sin_cache, kv_cache, meta.slot_mapping,
-                            k_scale=k_scale, v_scale=v_scale)
+                            k_scale=k_scale, v_scale=v_scale,
+                            q_norm_weight=None if qk_norm is None else qk_norm.q.weight,
+                            k_norm_weight=None if qk_norm is None else qk_norm.k.weight,
+                            norm_eps=0.0 if qk_norm is None else qk_norm.eps,
+                            gemma_norm=qk_norm is not None and qk_norm.gemma)
         return self.attend(query, kv_cache, meta, scale, kind, k_scale, v_scale)

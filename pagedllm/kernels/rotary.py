@@ -20,6 +20,13 @@ Two entry points: ``apply_rotary`` (q and k in place) and ``rotary_and_write_kv`
 the GPU attention backend uses: one launch per layer rotates q in place and stores the
 rotated k and the v straight into the paged KV cache (the same rounding, so the cache
 holds exactly what ``apply_rotary`` + ``kv_write.write_kv_cache`` would write).
+
+``rotary_and_write_kv`` also takes a layer's per-head q/k RMSNorms (Qwen3, Gemma 3;
+``attention.rope.QKNorm``) where the rotation covers the whole head: each head is normed
+from the rotation pairs already in registers, in the norm's own roundings (Llama's or
+Gemma's, as ``kernels/norm.py``), before it is rotated -- two launches a layer fewer.
+The statistics sum the two halves of a head separately, so they may differ from the
+standalone norm kernel's in the last fp32 bit.
 """
 
 from __future__ import annotations
@@ -56,14 +63,37 @@ def _rope(x1, x2, cos, sin):
 
 
 @triton.jit
+def _norm_pairs(x1, x2, w_ptr, off1, off2, imask, eps, HEAD_DIM: tl.constexpr,
+                NORM: tl.constexpr):
+    """Per-head RMSNorm of heads held as rotation pairs ``[H, HALF]`` (the rotation covers
+    the head; masked lanes are 0).  ``NORM`` 1: Llama's (``w * (x * r).to(dt)``), 2:
+    Gemma's (``x * r * (1 + w)`` in fp32); ``r = rsqrt(mean(x^2) + eps)``."""
+    dt = x1.dtype
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    r = tl.math.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / HEAD_DIM + eps)[:, None]
+    w1 = tl.load(w_ptr + off1, mask=imask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + off2, mask=imask, other=0.0).to(tl.float32)[None, :]
+    if NORM == 2:
+        return (f1 * r * (1.0 + w1)).to(dt), (f2 * r * (1.0 + w2)).to(dt)
+    y1 = (f1 * r).to(dt).to(tl.float32)
+    y2 = (f2 * r).to(dt).to(tl.float32)
+    return (y1 * w1).to(dt), (y2 * w2).to(dt)
+
+
+@triton.jit
 def _rotate_heads(base_ptr, stride_h, num_heads, heads, i, imask, cos, sin,
-                  HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+                  HALF: tl.constexpr, IS_NEOX: tl.constexpr, w_ptr=None, eps=0.0,
+                  HEAD_DIM: tl.constexpr = 0, NORM: tl.constexpr = 0):
     off1, off2 = _pair_offsets(i, HALF, IS_NEOX)
     mask = (heads[:, None] < num_heads) & imask[None, :]
     p1 = base_ptr + heads[:, None] * stride_h + off1[None, :]
     p2 = base_ptr + heads[:, None] * stride_h + off2[None, :]
-    y1, y2 = _rope(tl.load(p1, mask=mask, other=0.0), tl.load(p2, mask=mask, other=0.0),
-                   cos, sin)
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p2, mask=mask, other=0.0)
+    if NORM:
+        x1, x2 = _norm_pairs(x1, x2, w_ptr, off1, off2, imask, eps, HEAD_DIM, NORM)
+    y1, y2 = _rope(x1, x2, cos, sin)
     tl.store(p1, y1, mask=mask)
     tl.store(p2, y2, mask=mask)
 
@@ -102,11 +132,11 @@ def _rotary_kernel(
 def _rotary_kv_write_kernel(
     pos_ptr, q_ptr, k_ptr, v_ptr, cache_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
-    stride_cb, stride_cs, stride_ch, num_q_heads, k_scale, v_scale,
+    stride_cb, stride_cs, stride_ch, num_q_heads, k_scale, v_scale, qw_ptr, kw_ptr, eps,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HALF: tl.constexpr, HALF_P2: tl.constexpr, QH_P2: tl.constexpr, KH_P2: tl.constexpr,
     DIM_P2: tl.constexpr, IS_NEOX: tl.constexpr, USE_PDL: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, NORM: tl.constexpr,
 ):
     pdl_start(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
@@ -114,7 +144,7 @@ def _rotary_kv_write_kernel(
     imask = i < HALF
     cos, sin = _cos_sin(pos_ptr, cache_ptr, stride_c, tok, i, imask, q_ptr, HALF)
     _rotate_heads(q_ptr + tok * stride_qt, stride_qh, num_q_heads, tl.arange(0, QH_P2), i,
-                  imask, cos, sin, HALF, IS_NEOX)
+                  imask, cos, sin, HALF, IS_NEOX, qw_ptr, eps, HEAD_DIM, NORM)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot < 0:
         return  # CUDA-graph padding: nothing to store
@@ -125,8 +155,11 @@ def _rotary_kv_write_kernel(
     off1, off2 = _pair_offsets(i, HALF, IS_NEOX)
     pair_ok = head_ok & imask[None, :]
     src = k_ptr + tok * stride_kt + kh[:, None] * stride_kh
-    y1, y2 = _rope(tl.load(src + off1[None, :], mask=pair_ok, other=0.0),
-                   tl.load(src + off2[None, :], mask=pair_ok, other=0.0), cos, sin)
+    x1 = tl.load(src + off1[None, :], mask=pair_ok, other=0.0)
+    x2 = tl.load(src + off2[None, :], mask=pair_ok, other=0.0)
+    if NORM:
+        x1, x2 = _norm_pairs(x1, x2, kw_ptr, off1, off2, imask, eps, HEAD_DIM, NORM)
+    y1, y2 = _rope(x1, x2, cos, sin)
     kdst = k_cache_ptr + dst + kh[:, None] * stride_ch
     tl.store(kdst + off1[None, :], to_cache(y1, k_scale, k_cache_ptr, FP8), mask=pair_ok)
     tl.store(kdst + off2[None, :], to_cache(y2, k_scale, k_cache_ptr, FP8), mask=pair_ok)
@@ -182,7 +215,9 @@ def rotary_and_write_kv(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     head_size: int, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor, is_neox: bool = True, k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    v_scale: float = 1.0, q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0,
+    gemma_norm: bool = False,
 ) -> None:
     """One launch per layer: rotate ``query`` in place, and store the rotated ``key`` and
     the ``value`` into ``kv_cache`` at ``slot_mapping`` (-1 = skip, CUDA-graph padding);
@@ -192,7 +227,10 @@ def rotary_and_write_kv(
     ``pagedllm.kernels.kv_write.write_kv_cache(key, value, kv_cache, slot_mapping)``,
     except that ``key`` itself is left unrotated (attention reads keys from the cache).
     Shapes as in those two functions; ``kv_cache`` is one layer's
-    ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+    ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.  ``q_norm_weight`` and
+    ``k_norm_weight`` (``[head_dim]``, with ``norm_eps``): q and k are normed per head
+    first, Gemma's way with ``gemma_norm`` (module doc; the rotation must cover the whole
+    head: :func:`fuses_qk_norm`).
     """
     q = _as_heads(query, head_size)
     k = _as_heads(key, head_size)
@@ -208,15 +246,29 @@ def rotary_and_write_kv(
         return
     half = rot_dim // 2
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    normed = q_norm_weight is not None and k_norm_weight is not None
+    if normed and not fuses_qk_norm(head_size, rot_dim):
+        raise ValueError(f"q_norm_weight: the fused norm needs a rotation over the whole "
+                         f"head (rot_dim {rot_dim}, head_size {head_size})")
+    norm = 0 if not normed else (2 if gemma_norm else 1)
+    qw = q_norm_weight if normed else q
+    kw = k_norm_weight if normed else q
     _rotary_kv_write_kernel[(num_tokens,)](
         positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        q.shape[1], float(k_scale), float(v_scale),
+        q.shape[1], float(k_scale), float(v_scale), qw, kw,
+        float(norm_eps),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_size, BLOCK_SIZE=kv_cache.shape[2],
         HALF=half, HALF_P2=triton.next_power_of_2(half),
         QH_P2=triton.next_power_of_2(q.shape[1]), KH_P2=triton.next_power_of_2(num_kv_heads),
         DIM_P2=triton.next_power_of_2(head_size), IS_NEOX=is_neox,
-        FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        FP8=kv_cache.dtype == torch.float8_e4m3fn, NORM=norm,
         num_warps=4 if q.shape[1] * half >= 1024 else 1, **pdl_launch_args(q.device),
     )
+
+
+def fuses_qk_norm(head_size: int, rot_dim: int) -> bool:
+    """Whether :func:`rotary_and_write_kv` can norm q and k: the rotation pairs must hold
+    the whole head (no partial rotary)."""
+    return rot_dim == head_size

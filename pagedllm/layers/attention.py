@@ -8,7 +8,7 @@ from torch import nn
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.kinds import FULL, AttentionKind
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.rope import RopeInputs
+from pagedllm.attention.rope import QKNorm, RopeInputs
 
 
 class Attention(nn.Module):
@@ -52,11 +52,13 @@ class Attention(nn.Module):
         return meta.kv_groups[self.kv_group] if meta.kv_groups else meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, rope: RopeInputs | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, rope: RopeInputs | None = None,
+                qk_norm: QKNorm | None = None) -> torch.Tensor:
         """q: ``[T, num_heads * head_dim]``, k/v: ``[T, num_kv_heads * head_dim]`` (views
         of the fused QKV output are fine) -> ``[T, num_heads * head_dim]``.  With
         ``rope`` given, q and k are unrotated and the backend rotates them (q may be
-        rotated in place)."""
+        rotated in place); with ``qk_norm`` too they are un-normed, and the backend norms
+        each head first (fused into its rotation where it can)."""
         if self.kv_cache.numel() == 0:
             raise RuntimeError("Attention.kv_cache is not bound; call "
                                "model.bind_kv_caches(kv_caches) before forward")
@@ -67,11 +69,15 @@ class Attention(nn.Module):
         q3 = q.view(t, self.num_heads, self.head_dim)
         k3 = k.view(t, self.num_kv_heads, self.head_dim)
         v3 = v.view(t, self.num_kv_heads, self.head_dim)
+        if qk_norm is not None and (rope is None or self.calculate_kv_scales):
+            q3, k3 = qk_norm.apply(q3, k3)  # the scales are taken from the normed keys
+            qk_norm = None
         if self.calculate_kv_scales:
             self._calc_kv_scales(k3, v3, meta, rope)
         if rope is not None:
             out = self.backend.forward_rope(q3, k3, v3, self.kv_cache, meta, self.scale, rope,
-                                            self.kind, self.k_scale, self.v_scale)
+                                            self.kind, self.k_scale, self.v_scale,
+                                            qk_norm=qk_norm)
         else:
             out = self.backend.forward(q3, k3, v3, self.kv_cache, meta, self.scale,
                                        self.kind, self.k_scale, self.v_scale)

@@ -14,6 +14,7 @@ prompt token (about 1/L of a prompt's GEMM work).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,7 +24,7 @@ from torch import nn
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.kinds import AttentionKind, layer_sliding_windows
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.rope import RopeInputs
+from pagedllm.attention.rope import QKNorm, RopeInputs
 from pagedllm.distributed.parallel_state import current_parallel_state, layer_range
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
@@ -35,7 +36,7 @@ from pagedllm.layers.linear import (
     gemv_applies,
     load_weight,
 )
-from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedllm.models.cpu_decode_stack import DecodeStack, StackLayer
@@ -112,6 +113,14 @@ class LlamaAttention(nn.Module):
                               self.num_kv_heads, backend,
                               attention_kind(config, layer_index(prefix)))
 
+    @functools.cached_property
+    def _qk_norm(self) -> QKNorm | None:
+        """The per-head norms handed to a backend that rotates (built on first use: Gemma
+        sets its own norm modules after this constructor)."""
+        if not self.qk_norm:
+            return None
+        return QKNorm(self.q_norm, self.k_norm, isinstance(self.q_norm, GemmaRMSNorm))
+
     def _fused_qkv_rope(self, x: torch.Tensor, rope: RopeInputs) -> bool:
         """Whether this step's QKV runs as the batch-1 GEMV with rotary and the KV write
         fused in.  Like ``gemv_applies`` it depends only on shapes and types, never on
@@ -148,13 +157,15 @@ class LlamaAttention(nn.Module):
         q_end = self.q_size
         k_end = q_end + self.kv_size
         v = qkv[:, k_end:]
+        if self.attn.backend.fuses_rope:
+            # One kernel (norms each head,) rotates and writes the KV cache.
+            return self._out(self.attn(qkv[:, :q_end], qkv[:, q_end:k_end], v, meta, rope,
+                                       self._qk_norm), rows)
         if self.qk_norm:
             q = self.q_norm(qkv[:, :q_end].view(t, -1, self.head_dim))
             k = self.k_norm(qkv[:, q_end:k_end].view(t, -1, self.head_dim))
         else:
             q, k = qkv[:, :q_end], qkv[:, q_end:k_end]
-        if self.attn.backend.fuses_rope:  # one kernel rotates and writes the KV cache
-            return self._out(self.attn(q, k, v, meta, rope), rows)
         if self.qk_norm:
             q, k = rope.rotate(q), rope.rotate(k)
         else:

@@ -245,3 +245,92 @@ def test_rotary_and_write_kv(neox: bool, head_size: int, rot_dim: int,
     assert torch.equal(q, rq), f"seed={seed}"
     assert torch.equal(cache, ref_cache), f"seed={seed}"
     assert torch.equal(k, k_before), f"key buffer must stay unrotated (seed={seed})"
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_and_write_kv_with_qk_norms(gemma: bool, neox: bool,
+                                           dtype: torch.dtype) -> None:
+    """The per-head q/k norms in the fused launch (Qwen3's ``RMSNorm``, Gemma 3's
+    ``GemmaRMSNorm``) equal the layer's norm modules followed by ``apply_rotary`` +
+    ``write_kv_cache``, to an ulp of the dtype (the statistics sum each head's two
+    halves separately); the padding slot unwritten, the k/v buffers left as they were."""
+    from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    t, hq, hk, d, max_pos, bs, nb = 5, 4, 2, 64, 256, 16, 4
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1).to(DEVICE)
+    pos = torch.randint(0, max_pos, (t,), generator=gen).to(DEVICE)
+    qkv = (3 * torch.randn(t, (hq + 2 * hk) * d, generator=gen)).to(DEVICE, dtype)
+    slots = torch.randperm(nb * bs, generator=gen)[:t]
+    slots[1] = -1
+    slots = slots.to(DEVICE)
+    cache = torch.zeros(2, nb, bs, hk, d, device=DEVICE, dtype=dtype)
+    norm_cls = GemmaRMSNorm if gemma else RMSNorm
+    q_norm, k_norm = norm_cls(d, 1e-6).to(DEVICE), norm_cls(d, 1e-6).to(DEVICE)
+    with torch.no_grad():
+        for n in (q_norm, k_norm):
+            n.weight.copy_(torch.randn(d, generator=gen) * 0.5 + (0.0 if gemma else 1.0))
+    q_norm, k_norm = q_norm.to(dtype), k_norm.to(dtype)
+    q_end, k_end = hq * d, (hq + hk) * d
+
+    ref_cache = cache.clone()
+    rq = q_norm(qkv[:, :q_end].view(t, hq, d)).contiguous()
+    rk = k_norm(qkv[:, q_end:k_end].view(t, hk, d)).contiguous()
+    apply_rotary(pos, rq, rk, d, cos_sin, is_neox=neox)
+    write_kv_cache(rk, qkv[:, k_end:].view(t, hk, d), ref_cache, slots)
+
+    got = qkv.clone()
+    q = got[:, :q_end].view(t, hq, d)
+    k = got[:, q_end:k_end].view(t, hk, d)
+    rotary_and_write_kv(pos, q, k, got[:, k_end:].view(t, hk, d), d, cos_sin, cache, slots,
+                        is_neox=neox, q_norm_weight=q_norm.weight,
+                        k_norm_weight=k_norm.weight, norm_eps=1e-6, gemma_norm=gemma)
+    # Two roundings in a row (the norm's, then the rotation's): two ulps.
+    ulp = {torch.float32: 1e-5, torch.bfloat16: 8e-3 if ON_GPU else 2.4e-2,
+           torch.float16: 1e-3}[dtype]
+    for a, b in ((q, rq), (cache, ref_cache)):  # both caches start at zero (slot -1 too)
+        err = (a.float() - b.float()).abs() / (b.float().abs() + 0.5)
+        assert err.max().item() <= 2 * ulp, f"max rel err {err.max().item()} (seed={seed})"
+    assert torch.equal(got[:, q_end:], qkv[:, q_end:]), f"k/v buffers changed (seed={seed})"
+
+
+_ROTARY_SM90 = r"""
+import json
+import triton
+from tests.kernels.sm90_compile import compile_sm90
+from pagedllm.kernels.rotary import _rotary_kv_write_kernel
+
+sig = {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+       "cache_ptr": "*fp32", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+       "slot_ptr": "*i64"}
+for a in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
+          "stride_c", "stride_cb", "stride_cs", "stride_ch", "num_q_heads"):
+    sig[a] = "i32"
+sig.update({"k_scale": "fp32", "v_scale": "fp32", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
+            "eps": "fp32"})
+div = [i for i, n in enumerate(sig) if sig[n].startswith("*") or n.startswith("stride")]
+out = []
+for d, hq, hk in ((256, 16, 8), (128, 32, 4)):  # Gemma-3-12B, Qwen3-30B-A3B
+    for norm in (1, 2):
+        consts = dict(NUM_KV_HEADS=hk, HEAD_DIM=d, BLOCK_SIZE=16, HALF=d // 2,
+                      HALF_P2=d // 2, QH_P2=hq, KH_P2=triton.next_power_of_2(hk), DIM_P2=d,
+                      IS_NEOX=True, USE_PDL=True, FP8=False, NORM=norm)
+        out.append(compile_sm90(_rotary_kv_write_kernel, sig, consts, {"num_warps": 4},
+                                div)[1])
+print(json.dumps(out))
+"""
+
+
+def test_rotary_with_qk_norms_compiles_for_sm90(tmp_path) -> None:
+    """The fused norm + rotary + KV write compiles for an H100/H200 at the Gemma-3-12B
+    and Qwen3-30B-A3B head shapes, both norm styles, without spills (the interpreter
+    accepts code the GPU compiler may not)."""
+    from tests.kernels.sm90_compile import run_script
+
+    for st in run_script(_ROTARY_SM90, tmp_path):
+        assert st["spill_stores"] == 0 and 0 < st["registers"] <= 128, st
