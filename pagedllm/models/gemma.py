@@ -93,16 +93,21 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.is_sliding = self.self_attn.attn.kind.sliding_window is not None
 
-    def forward(self, rope: RopeInputs, hidden: torch.Tensor, meta: AttentionMetadata,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
-        attn = self.self_attn(rope, self.input_layernorm(hidden), meta, rows)
+    def forward(self, rope: RopeInputs, hidden: torch.Tensor, normed: torch.Tensor,
+                meta: AttentionMetadata, next_norm: GemmaRMSNorm,
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``normed = input_layernorm(hidden)`` (the previous layer's launch made it);
+        returns ``(next_norm(h), h)`` for this layer's output ``h``, where ``next_norm``
+        reads it: the next layer's input norm, or the model's final norm."""
+        attn = self.self_attn(rope, normed, meta, rows)
         if rows is not None:
             hidden = hidden.index_select(0, rows)
-        # post-attention norm + skip + pre-feed-forward norm, then post-norm + skip: two
-        # launches on the GPU (a decode step is otherwise ~40 tiny kernels a layer).
+        # post-attention norm + skip + pre-feed-forward norm, then post-norm + skip + the
+        # next norm: two launches on the GPU (a decode step is otherwise ~40 tiny kernels
+        # a layer).
         normed, hidden = self.post_attention_layernorm.add_then(
             attn, hidden, self.pre_feedforward_layernorm)
-        return self.post_feedforward_layernorm.add_to(self.mlp(normed), hidden)
+        return self.post_feedforward_layernorm.add_then(self.mlp(normed), hidden, next_norm)
 
 
 class GemmaModel(nn.Module):
@@ -150,10 +155,12 @@ class GemmaModel(nn.Module):
         rows = meta.query_start_loc[1:] - 1 if last_only and meta.max_query_len > 1 \
             else None
         last = len(self.layers) - 1
+        normed = self.layers[0].input_layernorm(hidden)
         for i, layer in enumerate(self.layers):
-            hidden = layer(rope_local if layer.is_sliding else rope, hidden, meta,
-                           rows if i == last else None)
-        return self.norm(hidden)
+            nxt = self.layers[i + 1].input_layernorm if i < last else self.norm
+            normed, hidden = layer(rope_local if layer.is_sliding else rope, hidden, normed,
+                                   meta, nxt, rows if i == last else None)
+        return normed
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
