@@ -1,5 +1,6 @@
 """Matrix-vector product for batch-1 decode: ``y = x W^T (+ b)`` with one row in ``x``,
-optionally with the gated-MLP activation fused in front (``x = silu(g) * u``).
+optionally with the gated-MLP activation fused in front (``x = silu(g) * u``, or Gemma's
+``gelu_tanh(g) * u``).
 
 At decode batch 1 a linear layer is a pure read of its weight: 2 bytes per weight, one
 FMA each.  For Llama's thin projections (``qkv``: 6144 x 4096, ``o_proj``: 4096 x 4096)
@@ -34,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.activation import silu_mul_tile
+from pagedllm.kernels.activation import gelu_tanh_mul_tile, silu_mul_tile
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_trigger, pdl_wait
 
 
@@ -58,9 +59,11 @@ class GemvLoRA:
 
 
 @triton.jit
-def _load_x(x_ptr, ks, k_ok, K: tl.constexpr, SILU_MUL: tl.constexpr, MASKED: tl.constexpr):
+def _load_x(x_ptr, ks, k_ok, K: tl.constexpr, SILU_MUL: tl.constexpr, MASKED: tl.constexpr,
+            GELU: tl.constexpr = False):
     """The input chunk ``ks`` in fp32.  With ``SILU_MUL``, ``x = silu(gate) * up`` from
-    ``[gate | up]`` (K each), rounded as ``kernels/activation.silu_mul_tile`` rounds it."""
+    ``[gate | up]`` (K each), rounded as ``kernels/activation.silu_mul_tile`` rounds it;
+    with ``GELU`` too, ``gelu_tanh(gate) * up`` (``gelu_tanh_mul_tile``)."""
     if SILU_MUL:
         if MASKED:
             g = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
@@ -68,6 +71,8 @@ def _load_x(x_ptr, ks, k_ok, K: tl.constexpr, SILU_MUL: tl.constexpr, MASKED: tl
         else:
             g = tl.load(x_ptr + ks)
             u = tl.load(x_ptr + K + ks)
+        if GELU:
+            return gelu_tanh_mul_tile(g, u).to(tl.float32)
         return silu_mul_tile(g, u).to(tl.float32)
     if MASKED:
         return tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
@@ -83,19 +88,19 @@ def _load_w(w_rows, ks, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _row_dots(x_ptr, w_rows, w0, rk, K: tl.constexpr, SILU_MUL: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GELU: tl.constexpr = False):
     """``sum_k w[n, k] * x[k]`` in fp32 for the program's ``BLOCK_N`` rows ``w_rows``,
     given their first K tile ``w0`` (fetched by the caller, before its PDL wait).  The
     accumulator is an elementwise ``[BLOCK_N, BLOCK_K]`` tile reduced once at the end, so
     the loop body is loads and FMAs only."""
-    x0 = _load_x(x_ptr, rk, rk < K, K, SILU_MUL, K % BLOCK_K != 0)
+    x0 = _load_x(x_ptr, rk, rk < K, K, SILU_MUL, K % BLOCK_K != 0, GELU)
     out = tl.sum(w0.to(tl.float32) * x0[None, :], axis=1)
     if BLOCK_K < K:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(BLOCK_K, K, BLOCK_K):
             ks = k0 + rk
             w = _load_w(w_rows, ks, K, BLOCK_K)
-            x = _load_x(x_ptr, ks, ks < K, K, SILU_MUL, K % BLOCK_K != 0)
+            x = _load_x(x_ptr, ks, ks < K, K, SILU_MUL, K % BLOCK_K != 0, GELU)
             acc += w.to(tl.float32) * x[None, :]
         out += tl.sum(acc, axis=1)
     return out
@@ -149,7 +154,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, ls_ptr, lt_ptr, lb_
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
                  SCALED: tl.constexpr = False, HAS_LORA: tl.constexpr = False,
                  LORA_R: tl.constexpr = 1, LORA_SR: tl.constexpr = 1,
-                 LORA_SPLIT: tl.constexpr = 1, LORA_BLOCK_R: tl.constexpr = 1):
+                 LORA_SPLIT: tl.constexpr = 1, LORA_BLOCK_R: tl.constexpr = 1,
+                 GELU: tl.constexpr = False):
     pdl_trigger(USE_PDL)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -169,7 +175,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, ls_ptr, lt_ptr, lb_
     pdl_wait(USE_PDL)
     if HAS_LORA:
         lp = _lora_partials(lt_ptr, lrows, LORA_R, LORA_SR, LORA_SPLIT, LORA_BLOCK_R)
-    out = _row_dots(x_ptr, w_rows, w0, rk, K, SILU_MUL, BLOCK_N, BLOCK_K)
+    out = _row_dots(x_ptr, w_rows, w0, rk, K, SILU_MUL, BLOCK_N, BLOCK_K, GELU)
     if SCALED:  # fp8: per-token x scale times per-channel w scales
         out = out * tl.load(xs_ptr) * tl.load(ws_ptr + rn_safe)
     if HAS_BIAS:
@@ -200,14 +206,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          out: torch.Tensor | None = None, silu_mul: bool = False,
          config: tuple[int, int, int] | None = None, x_scale: torch.Tensor | None = None,
          w_scale: torch.Tensor | None = None, lora: GemvLoRA | None = None,
-         ) -> torch.Tensor:
+         gelu_tanh_mul: bool = False) -> torch.Tensor:
     """``x: [1, K]`` (``[1, 2K]`` = ``[gate | up]`` when ``silu_mul``; contiguous),
     ``weight: [N, K]`` with contiguous rows, ``bias: [N]`` or None -> ``[1, N]`` in
     ``x``'s dtype (``out``'s when given).  ``config`` overrides :func:`gemv_config` (for
     tuning).  ``x_scale`` ``[1, 1]`` / ``w_scale`` ``[N]`` (fp32): the scales of e4m3
     ``x`` and ``weight`` (see the module doc); pass ``out`` in the model dtype.
     ``lora``: an adapter's delta for this row (``kernels/lora.lora_shrink``, which ran
-    the shrink), added in the epilogue to the rounded output and rounded again."""
+    the shrink), added in the epilogue to the rounded output and rounded again.
+    ``gelu_tanh_mul``: ``x`` is ``[gate | up]`` read as ``gelu_tanh(gate) * up``
+    (Gemma's MLP; without an adapter)."""
+    if gelu_tanh_mul and lora is not None:
+        raise ValueError("gemv: gelu_tanh_mul takes no LoRA delta")
+    silu_mul = silu_mul or gelu_tanh_mul
     n, k = weight.shape
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv takes exactly one row, got x of shape {tuple(x.shape)}")
@@ -228,7 +239,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, bias if bias is not None else weight, out,
         x_scale if scaled else out, w_scale if scaled else out, *lora_args[:3], n,
         weight.stride(0), *lora_args[3:], K=k, HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul, BLOCK_N=block_n, BLOCK_K=block_k, SCALED=scaled,
+        SILU_MUL=silu_mul, GELU=gelu_tanh_mul, BLOCK_N=block_n, BLOCK_K=block_k,
+        SCALED=scaled,
         num_warps=warps, **lora_consts, **pdl_launch_args(x.device))
     return out
 

@@ -413,6 +413,14 @@ class RowParallelLinear(LinearBase):
             return self._reduce(self.lora.gemv(gate_up, self._local_bias, silu_mul=True))
         return self._reduce(gemv(gate_up, self.weight, self._local_bias, silu_mul=True))
 
+    def forward_gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward_silu_mul` with Gemma's ``gelu_tanh(gate) * up``.  Only where
+        ``gemv_applies(gate_up, self)`` and no LoRA adapter is attached."""
+        from pagedllm.kernels.gemv import gemv
+
+        return self._reduce(gemv(gate_up, self.weight, self._local_bias,
+                                 gelu_tanh_mul=True))
+
     @property
     def _local_bias(self) -> torch.Tensor | None:
         """The bias to add inside the matmul: only without tensor parallelism (with it,

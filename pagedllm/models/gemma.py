@@ -32,7 +32,11 @@ from pagedllm.attention.rope import RopeInputs
 from pagedllm.distributed.parallel_state import current_parallel_state
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from pagedllm.layers.linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    gemv_applies,
+)
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
@@ -52,6 +56,9 @@ class GemmaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if gemv_applies(gate_up, self.down_proj) and self.down_proj.lora is None:
+            # Batch-1 decode: the activation runs inside down_proj's GEMV.
+            return self.down_proj.forward_gelu_tanh_mul(gate_up)
         if gate_up.is_cuda and gate_up.dtype != torch.float32:  # one launch, same roundings
             from pagedllm.kernels.activation import gelu_tanh_and_mul
 

@@ -1,5 +1,6 @@
 """The batch-1 decode GEMV (``kernels/gemv.py``) against an fp64 ``x @ W^T + b``, and
-with SiLU-and-mul fused into its input against ``kernels/activation.py`` then the matmul.
+with SiLU-and-mul (or Gemma's GELU-tanh-and-mul) fused into its input against
+``kernels/activation.py`` then the matmul.
 
 Outputs are poisoned with NaN first so an unwritten element fails.  Shapes include K
 not a multiple of the K step and N not a multiple of the rows per program."""
@@ -10,7 +11,7 @@ import pytest
 import torch
 from kernel_refs import DEVICE, ON_GPU, fresh_seed
 
-from pagedllm.kernels.activation import silu_and_mul
+from pagedllm.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from pagedllm.kernels.gemv import gemv
 
 DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if ON_GPU else [])
@@ -18,15 +19,16 @@ CONFIGS = [None, (4, 64, 2), (16, 128, 4)]  # the default and two tuning variant
 
 
 def _check(n: int, k: int, dtype: torch.dtype, bias: bool, seed: int, silu: bool = False,
-           config: tuple[int, int, int] | None = None) -> None:
+           config: tuple[int, int, int] | None = None, gelu: bool = False) -> None:
     gen = torch.Generator().manual_seed(seed)
+    silu = silu or gelu
     x = torch.randn(1, 2 * k if silu else k, generator=gen).to(DEVICE, dtype)
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
     b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
     out = torch.full((1, n), float("nan"), dtype=dtype, device=DEVICE)
-    gemv(x, w, b, out=out, silu_mul=silu, config=config)
+    gemv(x, w, b, out=out, silu_mul=silu and not gelu, config=config, gelu_tanh_mul=gelu)
     # The reference uses the same rounded inputs (and, fused, the rounded activation).
-    xin = silu_and_mul(x) if silu else x
+    xin = (gelu_tanh_and_mul(x) if gelu else silu_and_mul(x)) if silu else x
     ref = xin.double().cpu() @ w.double().cpu().T
     if b is not None:
         ref += b.double().cpu()
@@ -50,6 +52,7 @@ def test_gemv_matches_matmul(dtype: torch.dtype,
     _check(64, 256, dtype, bias=True, seed=seed + 1, config=config)  # even K, bias
     _check(24, 96, dtype, bias=False, seed=seed + 2, silu=True, config=config)
     _check(40, 256, dtype, bias=True, seed=seed + 3, silu=True, config=config)
+    _check(40, 300, dtype, bias=False, seed=seed + 4, gelu=True, config=config)
 
 
 def test_gemv_rejects_bad_shapes() -> None:
@@ -68,6 +71,7 @@ def test_gemv_rejects_bad_shapes() -> None:
 def test_gpu_gemv_real_shapes(n: int, k: int) -> None:
     _check(n, k, torch.bfloat16, bias=False, seed=fresh_seed())
     _check(n, k, torch.bfloat16, bias=False, seed=fresh_seed(), silu=True)
+    _check(n, k, torch.bfloat16, bias=False, seed=fresh_seed(), gelu=True)
 
 
 def test_bf16_row_fp32_weight_fp32_out() -> None:
