@@ -91,14 +91,14 @@ def start_process(ctx: multiprocessing.context.BaseContext, target: Any,
 _PORT_FLOOR = 20000
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """The kernel's range for ``bind(0)`` and ``connect`` (Linux's default elsewhere)."""
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for ``bind(0)`` and ``connect`` (Linux's
+    default where it cannot be read)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo, hi = (int(x) for x in f.read().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -110,7 +110,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     pair connections of an earlier world, an HTTP client) may be handed it, which then
     fails the rendezvous with ``EADDRINUSE``.  Outside the range only an explicit bind
     can take it."""
-    lo, _ = _ephemeral_range()
+    lo = _ephemeral_low()
     rng = random.Random()
     if lo - _PORT_FLOOR >= 1000:
         for _ in range(64):

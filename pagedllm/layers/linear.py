@@ -403,23 +403,17 @@ class RowParallelLinear(LinearBase):
         # before the all-reduce, which sums it into the exact delta.
         return self._reduce(self._apply(x, self._local_bias))
 
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``forward(silu(gate) * up)`` for ``gate_up = [gate | up]``, with the activation
-        fused into the GEMV's read of its input (one kernel instead of two).  Only where
-        ``gemv_applies(gate_up, self)``."""
+    def forward_gated(self, gate_up: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
+        """``forward(silu(gate) * up)`` for ``gate_up = [gate | up]`` (Gemma's
+        ``gelu_tanh(gate) * up`` with ``gelu_tanh``), with the activation fused into the
+        GEMV's read of its input (one kernel instead of two).  Only where
+        ``gemv_applies(gate_up, self)``, and for ``gelu_tanh`` without a LoRA adapter."""
         from pagedllm.kernels.gemv import gemv
 
         if self.lora is not None:  # the partial delta joins before the all-reduce
             return self._reduce(self.lora.gemv(gate_up, self._local_bias, silu_mul=True))
-        return self._reduce(gemv(gate_up, self.weight, self._local_bias, silu_mul=True))
-
-    def forward_gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward_silu_mul` with Gemma's ``gelu_tanh(gate) * up``.  Only where
-        ``gemv_applies(gate_up, self)`` and no LoRA adapter is attached."""
-        from pagedllm.kernels.gemv import gemv
-
         return self._reduce(gemv(gate_up, self.weight, self._local_bias,
-                                 gelu_tanh_mul=True))
+                                 silu_mul=not gelu_tanh, gelu_tanh_mul=gelu_tanh))
 
     @property
     def _local_bias(self) -> torch.Tensor | None:

@@ -58,7 +58,7 @@ class GemmaMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if gemv_applies(gate_up, self.down_proj) and self.down_proj.lora is None:
             # Batch-1 decode: the activation runs inside down_proj's GEMV.
-            return self.down_proj.forward_gelu_tanh_mul(gate_up)
+            return self.down_proj.forward_gated(gate_up, gelu_tanh=True)
         if gate_up.is_cuda and gate_up.dtype != torch.float32:  # one launch, same roundings
             from pagedllm.kernels.activation import gelu_tanh_and_mul
 

@@ -75,7 +75,7 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if gemv_applies(gate_up, self.down_proj):
             # Batch-1 decode: the activation runs inside down_proj's GEMV.
-            return self.down_proj.forward_silu_mul(gate_up)
+            return self.down_proj.forward_gated(gate_up)
         return self.down_proj(self.act_fn(gate_up))
 
 
