@@ -243,7 +243,6 @@ def _kmajor_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
     """Up to ``BLOCK_M`` rows of ``x`` times ``BLOCK_N`` columns over one K chunk (module
     doc); ``HAS_ZERO``: the symmetric loop, then ``_zero_correction`` over ``ZSEGS``
     segments of ``ZSEG`` inputs at a time (:func:`zero_segments`)."""
-    pdl_trigger(USE_PDL)
     BW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -304,6 +303,7 @@ def _kmajor_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
             ZSEG, ZSEGS, BLOCK_M, BLOCK_N)
     else:
         c0, c1, c2, c3, c4, c5, c6, c7 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    pdl_trigger(USE_PDL)
     out_base = out_ptr + pid_k.to(tl.int64) * stride_os
     _store_row(out_base, 0, a0, c0, rn, N, M, stride_om)
     if BLOCK_M > 1:

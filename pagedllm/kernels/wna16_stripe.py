@@ -245,7 +245,6 @@ def _stripe_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
     hit); it pays for long rows (down_proj: 22.7 -> 17.4 us on an H200) and not for
     short ones, so the tuned table chooses it per shape.  ``HAS_ZERO``: the symmetric loop plus
     ``_zero_step``'s correction (module doc)."""
-    pdl_trigger(USE_PDL)
     P: tl.constexpr = 32 // BITS
     S: tl.constexpr = 128 // P
     J: tl.constexpr = STRIPES * S  # words per row per step
@@ -306,6 +305,7 @@ def _stripe_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
                 c0, c1, c2, c3 = _zero_step(x_ptr, s_ptr, z_ptr, rows, k0, stride_xm,
                                             stride_sn, stride_zn, M, c0, c1, c2, c3, K,
                                             BITS, GROUP, STRIPES, BLOCK_M, EVEN)
+    pdl_trigger(USE_PDL)
     out_base = out_ptr + pid_k.to(tl.int64) * stride_os
     _store_row(out_base, 0, a0, c0, rn, N, M, stride_om)
     if BLOCK_M > 1:
