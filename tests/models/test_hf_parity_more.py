@@ -107,18 +107,23 @@ def test_triton_backend_serves_every_attention_kind(pair) -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_bf16_triton_matches_transformers(pair) -> None:
+def test_cuda_bf16_triton_matches_fp32(pair) -> None:
     """On the GPU with the Triton backend (fused MoE, windowed / soft-capped attention
-    kernels) in bf16: logits loosely equal HF's fp32 ones."""
+    kernels) in bf16: logits loosely equal the fp32 ones.  The reference is our model in
+    fp32 on the CPU, which the tests above hold equal to the newest transformers (a GPU
+    machine's older transformers may compute a tiny model differently: 5.17 does for
+    Gemma 2).  ``atol`` 0.3: a bf16 forward of these models strays up to 0.26 from fp32
+    over 40 positions (H100, 2026-12-06); a wrong kernel strays by whole units."""
     import dataclasses
 
     from pagedllm.attention.triton_backend import TritonAttentionBackend
 
-    _, hf, cfg = pair
+    _, _, cfg = pair
     mc = dataclasses.replace(cfg.model_config, dtype="bfloat16")
     ours = load_model(mc, torch.device("cuda"), TritonAttentionBackend())
     ids = _prompt(40, seed=5)
     s = PagedSession(ours, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks=16,
                      dtype=torch.bfloat16, device="cuda")
     got = torch.cat([s.step({0: ids[:25]})[0]] + [s.step({0: [t]})[0] for t in ids[25:]])
-    torch.testing.assert_close(got.float().cpu(), hf_logits_of(hf, ids), atol=0.15, rtol=0)
+    ref = session_for(pair).step({0: ids})[0]
+    torch.testing.assert_close(got.float().cpu(), ref, atol=0.3, rtol=0)
