@@ -31,6 +31,15 @@ that predecessor could not complete before its own wait returned, so once a kern
 its wait every earlier kernel in the stream has finished.  Kernels without PDL (cuBLAS,
 torch ops) keep ordinary stream order, and mixing the two is safe in both directions.
 
+**Where a kernel triggers** is measured per kernel, not assumed.  A trigger at the start
+lets the next kernel launch at once; its programs then wait resident on the SMs for as long
+as this kernel runs.  For the bf16 GEMV that pays (Llama-3-8B W4 TPOT 5.41 ms against 5.48
+with the trigger after its stores; H100, 2026-12-06).  The int4 GEMVs (``wna16_stripe``,
+``wna16_kmajor``), whose programs are many and register-light, lost to it: they trigger
+after their last load (W4 TPOT with zero points 6.50 -> 4.17 ms, symmetric 3.57 -> 3.33;
+PDL off entirely: 4.29 and 3.41).  ``tests/kernels/sm90_compile.pdl_trigger_follows_loads``
+holds them there.
+
 CUDA graphs keep the dependency (stream capture records a programmatic edge), so the
 overlap also happens on replay.  PDL is off in the Triton interpreter and below compute
 capability 9.0 (tests/kernels/test_pdl.py compares both by patching ``_capability_ok``).

@@ -303,6 +303,7 @@ def _kmajor_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
             ZSEG, ZSEGS, BLOCK_M, BLOCK_N)
     else:
         c0, c1, c2, c3, c4, c5, c6, c7 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    # The trigger after the last load, not first (kernels/pdl.py: measured).
     pdl_trigger(USE_PDL)
     out_base = out_ptr + pid_k.to(tl.int64) * stride_os
     _store_row(out_base, 0, a0, c0, rn, N, M, stride_om)

@@ -305,6 +305,7 @@ def _stripe_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
                 c0, c1, c2, c3 = _zero_step(x_ptr, s_ptr, z_ptr, rows, k0, stride_xm,
                                             stride_sn, stride_zn, M, c0, c1, c2, c3, K,
                                             BITS, GROUP, STRIPES, BLOCK_M, EVEN)
+    # The trigger after the last load, not first (kernels/pdl.py: measured).
     pdl_trigger(USE_PDL)
     out_base = out_ptr + pid_k.to(tl.int64) * stride_os
     _store_row(out_base, 0, a0, c0, rn, N, M, stride_om)

@@ -7,7 +7,8 @@ GPU compiler may reject, and cannot see registers, spills or shared memory.
 ``TRITON_INTERPRET`` and with an empty Triton cache (a real compile, not a hit); the
 script calls :func:`compile_sm90` and prints a JSON value as its last line.
 :func:`sass_loops` reads the instruction mix of a compiled kernel's loops
-(``benchmarks/triton_sass.py`` prints it).
+(``benchmarks/triton_sass.py`` prints it); :func:`pdl_trigger_follows_loads` where its
+PDL trigger sits.
 """
 
 from __future__ import annotations
@@ -93,3 +94,12 @@ def sass_loops(cubin: bytes) -> list[dict[str, Any]]:
                           for t in body)
             loops.append({"instructions": len(body), "ops": dict(ops)})
     return loops
+
+
+def pdl_trigger_follows_loads(ptx: str) -> bool:
+    """Whether a kernel's PDL trigger (``griddepcontrol.launch_dependents``, emitted by
+    ``kernels/pdl.pdl_trigger``) comes after every global load of its PTX: the next kernel
+    launches only once each program has read all it reads (``kernels/pdl.py``: where a
+    GEMV's trigger belongs)."""
+    trigger = ptx.find("griddepcontrol.launch_dependents")
+    return trigger >= 0 and ptx.rfind("ld.global") < trigger
