@@ -7,7 +7,13 @@ small-M candidate from 4 rows), at the Llama-3-8B projections, M = 1, 2, 4, 8; t
 dequantise kernel checked bit for bit and timed against ``stripe_dequantize``.  One
 device call (< 8 min):
 
-    python benchmarks/wna16_kmajor_sweep.py --out $OUT/wna16_kmajor_sweep.json
+    python benchmarks/wna16_kmajor_sweep.py --out $OUT/wna16_kmajor_sweep.json \
+        --table $OUT/wna16_kmajor_configs.json
+
+``--table`` writes each shape's fastest checked configuration in the format of
+``PAGEDLLM_WNA16_KMAJOR_CONFIGS`` (``kernels/wna16_kmajor.tuned_table``): point the
+engine at it for an end-to-end A/B, and ship it as
+``pagedllm/kernels/tuned/wna16_kmajor_<GPU name>.json`` once that wins.
 
 Weights as the layers store them: bf16 scales, explicit fp32 zero points (the layers'
 contract: symmetric weights get zero 8).  Timing: one call per weight copy (> 256 MB of
@@ -186,6 +192,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--procs", type=int, default=12)
     ap.add_argument("--budget-s", type=float, default=420)
+    ap.add_argument("--table", default=None,
+                    help="write PAGEDLLM_WNA16_KMAJOR_CONFIGS JSON here")
     args = ap.parse_args()
     t0 = time.time()
     dev = torch.device("cuda")
@@ -225,6 +233,15 @@ def main() -> None:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows,
                    "per_step_ms_x32_layers": totals,
                    "checks": {str(jobs[i]): r for i, r in checked.items()}}, fh, indent=1)
+    if args.table:
+        with open(args.table, "w") as fh:
+            json.dump(table_of(rows), fh, indent=1)
+
+
+def table_of(rows: list[dict[str, Any]]) -> dict[str, list]:
+    """The ``--table`` JSON: per timed ``(m, projection)``, its fastest configuration."""
+    return {"configs": [[r["m"], *PROJ[r["proj"]], list(r["kmajor_best"])]
+                        for r in rows if r.get("kmajor_best")]}
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ Variable (type, default): why it exists.
 * ``PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING`` (bool, off; vLLM's name works too): the
   server's adapter load/unload routes, which read any path the server can.
 * ``PAGEDLLM_FP8_GEMM_CONFIGS``, ``PAGEDLLM_WNA16_CONFIGS``,
-  ``PAGEDLLM_WNA16_TC_CONFIGS`` (path, unset: the table shipped for this GPU, if any):
+  ``PAGEDLLM_WNA16_TC_CONFIGS``, ``PAGEDLLM_WNA16_KMAJOR_CONFIGS`` (path, unset: the
+  table shipped for this GPU, if any):
   a launch table a sweep in ``benchmarks/`` wrote for a GPU model we ship none for.
 
 Standard variables of other tools (``HF_HOME``, ``CUDA_VISIBLE_DEVICES``,
@@ -108,6 +109,8 @@ TUNED_TABLE_ENV = {
     "fp8_gemm": "PAGEDLLM_FP8_GEMM_CONFIGS",  # kernels/fp8_gemm.py
     "wna16": "PAGEDLLM_WNA16_CONFIGS",  # kernels/wna16_stripe.py, benchmarks/wna16_sweep.py
     "wna16_tc": "PAGEDLLM_WNA16_TC_CONFIGS",  # kernels/wna16_tc_config.py, wna16_tc_sweep.py
+    # kernels/wna16_kmajor.py (the GEMV), benchmarks/wna16_kmajor_sweep.py
+    "wna16_kmajor": "PAGEDLLM_WNA16_KMAJOR_CONFIGS",
 }
 
 

@@ -54,8 +54,9 @@ Contract: 4-bit; ``K % 128 == 0``; ``G`` a multiple of 128 or ``K``; ``BLOCK_K``
 of two dividing ``K``, and dividing ``G`` (the GEMV: or a multiple of ``G``); no
 ``g_idx`` (act-order weights are permuted at load by ``int_cuda.store_cuda``).  Launch
 configurations depend on shapes only (no device->host sync): graph-safe.
-:func:`kmajor_config` gives priors (not yet timed on a GPU); a ``config`` argument
-overrides them for sweeps.
+:func:`kmajor_config` takes the tuned table of this GPU model (:func:`tuned_table`,
+written by ``benchmarks/wna16_kmajor_sweep.py --table``) where it has the shape, else
+priors (not yet timed on a GPU); a ``config`` argument overrides both for sweeps.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ import triton.language as tl
 
 from pagedllm.kernels.int8_gemm import split_k_chunk, splitk_reduce, target_programs
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_start, pdl_trigger, pdl_wait
+from pagedllm.kernels.tuned_tables import load_tuned_table
 from pagedllm.kernels.wna16_stripe import _slot
 from pagedllm.kernels.wna16_tc import _check, _dequant_nk, from_kmajor, w4a16_tc_ref
 
@@ -366,10 +368,32 @@ def _kmajor_dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, stride_qw, stride_s
 # --------------------------------------------------------------------------- launch
 
 
+@functools.cache
+def tuned_table() -> dict[tuple[int, int, int], KmajorConfig]:
+    """``PAGEDLLM_WNA16_KMAJOR_CONFIGS`` (else the shipped table of this GPU model): a
+    JSON file written by ``benchmarks/wna16_kmajor_sweep.py --table``
+    (``{"configs": [[m, n, k, [block_m, block_n, block_k, split_k, warps, stages,
+    ahead]], ...]}``); empty without either.  An entry that :func:`kmajor_gemv` would
+    reject is a ``ValueError`` naming the variable, at the first launch."""
+    data = load_tuned_table("wna16_kmajor")
+    table: dict[tuple[int, int, int], KmajorConfig] = {}
+    for m, n, k, cfg in data.get("configs", []):
+        entry = tuple(int(v) for v in cfg)
+        try:
+            _check_config(entry, int(m), int(k), 128)
+        except ValueError as e:
+            raise ValueError(f"PAGEDLLM_WNA16_KMAJOR_CONFIGS: the entry for M={m}, "
+                             f"N={n}, K={k}: {e}") from None
+        table[(int(m), int(n), int(k))] = entry
+    return table
+
+
 @functools.lru_cache(maxsize=4096)
 def kmajor_config(m: int, n: int, k: int, device: torch.device) -> KmajorConfig:
-    """Priors for ``m <= 8`` rows, not yet timed on a GPU (the sweep,
-    ``benchmarks/wna16_kmajor_sweep.py``, is to replace them), chosen from sm_90 compiles
+    """The tuned table's entry for the smallest swept row count ``>= m`` at ``(n, k)``
+    (:func:`tuned_table`; its ``block_m`` holds every row), else the priors below.
+
+    Priors for ``m <= 8`` rows, not yet timed on a GPU, chosen from sm_90 compiles
     (ptxas): no spills, and the most word bytes in flight per SM at the occupancy the
     registers allow -- 8 words a thread (4 at 8 rows) with the register prefetch (two
     tiles in flight a program): 128 registers at 1-2 rows (4 programs of 4 warps an
@@ -379,6 +403,10 @@ def kmajor_config(m: int, n: int, k: int, device: torch.device) -> KmajorConfig:
     if m > GEMV_MAX_M:
         raise ValueError(f"kmajor_config: the GEMV takes at most {GEMV_MAX_M} rows, "
                          f"got {m}")
+    table = tuned_table()
+    fits = [tm for (tm, tn, tk) in table if (tn, tk) == (n, k) and tm >= m]
+    if fits and table[(min(fits), n, k)][0] >= m:
+        return table[(min(fits), n, k)]
     bm = 1 if m <= 1 else triton.next_power_of_2(m)
     if bm <= 2:
         bn, bk, warps = 128, 64, 4

@@ -313,3 +313,59 @@ def test_kernels_compile_for_sm90_without_spills_or_layout_conversions(tmp_path)
     # One row with zero points in the symmetric loop's registers (64 with triton 3.6;
     # folding the zero into the loop took 126, half the programs an SM holds).
     assert results[0]["registers"] <= 80, results[0]
+
+
+def _clear_tables() -> None:
+    km.tuned_table.cache_clear()
+    km.kmajor_config.cache_clear()
+
+
+def test_tuned_table_overrides_the_priors(tmp_path, monkeypatch) -> None:
+    """``PAGEDLLM_WNA16_KMAJOR_CONFIGS`` in the format the sweep's ``--table`` writes
+    (``table_of``): the entry of the smallest swept M >= M at (N, K) whose block_m holds
+    the rows wins and runs exactly; other shapes keep the priors."""
+    import importlib
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+    monkeypatch.syspath_prepend(os.path.abspath(bench))
+    sweep = importlib.import_module("wna16_kmajor_sweep")
+    monkeypatch.setitem(sweep.PROJ, "tiny", (256, 512))
+    rows = [{"proj": "tiny", "m": 1, "kmajor_best": (1, 32, 256, 2, 4, 1, 0)},
+            {"proj": "tiny", "m": 4, "kmajor_best": (4, 64, 128, 1, 4, 1, 1)},
+            {"proj": "tiny", "m": 8, "kmajor_best": None}]  # nothing timed in budget
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(sweep.table_of(rows)))
+    monkeypatch.setenv("PAGEDLLM_WNA16_KMAJOR_CONFIGS", str(path))
+    _clear_tables()
+    try:
+        cpu = torch.device("cpu")
+        assert km.kmajor_config(1, 256, 512, cpu) == (1, 32, 256, 2, 4, 1, 0)
+        assert km.kmajor_config(2, 256, 512, cpu) == (4, 64, 128, 1, 4, 1, 1)
+        assert km.kmajor_config(8, 256, 512, cpu)[0] == 8  # no entry >= 8: priors
+        assert km.kmajor_config(1, 512, 512, cpu)[1:3] == (128, 64)  # other shape: priors
+        (qt, st, zt), _ = _weight(256, 512, 128, True, seed=31)
+        for m in (1, 3):
+            x = _x(m, 512, seed=m)
+            got = km.kmajor_gemv(x.to(DEVICE), qt, st, zt, 128)  # the table's config
+            ref = w4a16_tc_ref(x, qt.cpu(), st.cpu(), zt.cpu(), 128)
+            assert _err(got, ref) <= 1e-5
+    finally:
+        monkeypatch.delenv("PAGEDLLM_WNA16_KMAJOR_CONFIGS")
+        _clear_tables()
+        sys.modules.pop("wna16_kmajor_sweep", None)
+
+
+def test_tuned_table_entry_the_gemv_cannot_take_names_the_variable(tmp_path,
+                                                                    monkeypatch) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"configs": [[4, 256, 512, [2, 64, 128, 1, 4, 1, 1]]]}))
+    monkeypatch.setenv("PAGEDLLM_WNA16_KMAJOR_CONFIGS", str(path))
+    _clear_tables()
+    try:
+        with pytest.raises(ValueError, match="PAGEDLLM_WNA16_KMAJOR_CONFIGS.*M=4"):
+            km.kmajor_config(1, 256, 512, torch.device("cpu"))
+    finally:
+        monkeypatch.delenv("PAGEDLLM_WNA16_KMAJOR_CONFIGS")
+        _clear_tables()
