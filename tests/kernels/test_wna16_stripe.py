@@ -92,7 +92,9 @@ def test_gemv_zero_points_at_every_step_width(stripes: int, bits: int, group: in
 @pytest.mark.parametrize("m,zeros,split", [(1, False, 1), (3, True, 1), (1, True, 2)])
 def test_gemv_register_prefetch_is_bit_identical(m: int, zeros: bool, split: int) -> None:
     """The GEMV's ``ahead`` flag (a tuned-table option) only moves loads: the same sums in
-    the same order as without it, split-K chunks included."""
+    the same order as without it, split-K chunks included.  Bit for bit under the
+    interpreter; on a GPU the zero-point correction's reductions are the compiler's to
+    order in each variant (an H100 differed at M = 1, split 2), so there: to rounding."""
     n, k = 24, 1024
     qw, sc, zp = _weight(n, k, 4, 128, zeros, 9)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(DEVICE)
@@ -101,7 +103,10 @@ def test_gemv_register_prefetch_is_bit_identical(m: int, zeros: bool, split: int
     bm = 1 if m == 1 else 4
     plain = stripe_gemm(x, *args, config=(bm, 8, 2, 4, 1, split))
     ahead = stripe_gemm(x, *args, config=(bm, 8, 2, 4, 1, split, 1))
-    assert torch.equal(plain, ahead)
+    if zeros and DEVICE == "cuda":
+        assert float((plain - ahead).abs().max()) <= 1e-6 * float(plain.abs().max())
+    else:
+        assert torch.equal(plain, ahead)
     ref = wna16_ref(x.cpu(), qw, sc, zp, None, 4, 128)
     assert float((ahead.cpu() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
 
