@@ -116,10 +116,11 @@ def _h200_table(name: str, m: int, n: int, k: int) -> tuple[int, ...] | None:
                         f"{name}_NVIDIA_H200.json")
     if not os.path.exists(path):
         return None
+    from pagedllm.kernels.tuned_tables import smallest_fit
+
     with open(path) as fh:
         table = {(e[0], e[1], e[2]): e[-1] for e in json.load(fh)["configs"]}
-    fits = [tm for (tm, tn, tk) in table if (tn, tk) == (n, k) and tm >= m]
-    cfg = table[(min(fits), n, k)] if fits else None
+    cfg = smallest_fit(table, m, n, k)
     return None if cfg is None else tuple(cfg)
 
 

@@ -71,15 +71,14 @@ class TritonAttentionBackend(AttentionBackend):
         # Query (normed and) rotated in place; rotated keys and the values go straight
         # into the cache.  The per-head norms ride in the same launch where the rotation
         # covers the head.
-        if qk_norm is not None and not fuses_qk_norm(query.shape[-1],
-                                                     rope.cos_sin_cache.shape[-1]):
-            query, key = qk_norm.apply(query, key)
-            qk_norm = None
+        norm: dict = {}
+        if qk_norm is not None:
+            if fuses_qk_norm(query.shape[-1], rope.cos_sin_cache.shape[-1]):
+                norm = dict(q_norm_weight=qk_norm.q.weight, k_norm_weight=qk_norm.k.weight,
+                            norm_eps=qk_norm.eps, gemma_norm=qk_norm.gemma)
+            else:
+                query, key = qk_norm.apply(query, key)
         rotary_and_write_kv(rope.positions, query, key, value, query.shape[-1],
                             rope.cos_sin_cache, kv_cache, meta.slot_mapping,
-                            k_scale=k_scale, v_scale=v_scale,
-                            q_norm_weight=None if qk_norm is None else qk_norm.q.weight,
-                            k_norm_weight=None if qk_norm is None else qk_norm.k.weight,
-                            norm_eps=0.0 if qk_norm is None else qk_norm.eps,
-                            gemma_norm=qk_norm is not None and qk_norm.gemma)
+                            k_scale=k_scale, v_scale=v_scale, **norm)
         return self.attend(query, kv_cache, meta, scale, kind, k_scale, v_scale)

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
+from typing import TypeVar
 
 import torch
 
 import pagedllm.envs as envs
+
+T = TypeVar("T")
 
 
 def shipped_table(prefix: str) -> str | None:
@@ -39,3 +43,10 @@ def load_tuned_table(prefix: str) -> dict:
     except (OSError, ValueError) as e:
         raise ValueError(f"{envs.TUNED_TABLE_ENV[prefix]}: cannot read {path!r}: {e}"
                          ) from None
+
+
+def smallest_fit(table: Mapping[tuple[int, int, int], T], m: int, n: int, k: int) -> T | None:
+    """The entry of ``table`` (keyed ``(m, n, k)``) for the smallest swept row count
+    ``>= m`` at ``(n, k)``, else None: how the sweeps' per-shape tables are read."""
+    fits = [tm for (tm, tn, tk) in table if (tn, tk) == (n, k) and tm >= m]
+    return table[(min(fits), n, k)] if fits else None

@@ -70,7 +70,7 @@ import triton.language as tl
 
 from pagedllm.kernels.int8_gemm import split_k_chunk, splitk_reduce, target_programs
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_start, pdl_trigger, pdl_wait
-from pagedllm.kernels.tuned_tables import load_tuned_table
+from pagedllm.kernels.tuned_tables import load_tuned_table, smallest_fit
 from pagedllm.kernels.wna16_stripe import _slot
 from pagedllm.kernels.wna16_tc import _check, _dequant_nk, from_kmajor, w4a16_tc_ref
 
@@ -403,10 +403,9 @@ def kmajor_config(m: int, n: int, k: int, device: torch.device) -> KmajorConfig:
     if m > GEMV_MAX_M:
         raise ValueError(f"kmajor_config: the GEMV takes at most {GEMV_MAX_M} rows, "
                          f"got {m}")
-    table = tuned_table()
-    fits = [tm for (tm, tn, tk) in table if (tn, tk) == (n, k) and tm >= m]
-    if fits and table[(min(fits), n, k)][0] >= m:
-        return table[(min(fits), n, k)]
+    tuned = smallest_fit(tuned_table(), m, n, k)
+    if tuned is not None and tuned[0] >= m:
+        return tuned
     bm = 1 if m <= 1 else triton.next_power_of_2(m)
     if bm <= 2:
         bn, bk, warps = 128, 64, 4

@@ -50,7 +50,7 @@ import triton.language as tl
 
 from pagedllm.kernels.int8_gemm import split_k_chunk, splitk_reduce, target_programs
 from pagedllm.kernels.pdl import pdl_launch_args, pdl_start, pdl_trigger, pdl_wait
-from pagedllm.kernels.tuned_tables import load_tuned_table
+from pagedllm.kernels.tuned_tables import load_tuned_table, smallest_fit
 from pagedllm.kernels.wna16 import pack_codes, unpack_codes
 
 STRIPE = 128  # inputs per stripe
@@ -437,13 +437,9 @@ def stripe_config(m: int, n: int, k: int, device: torch.device) -> StripeConfig:
     has the shape, else priors (not yet swept on a GPU; ``benchmarks/wna16_sweep.py``
     prints the best per shape): the GEMV reads a few KB of int4 a step per program with
     enough programs to fill the device; tiles follow the usual Triton W4A16 shapes."""
-    table = tuned_table()
-    if table:
-        fits = [tm for (tm, tn, tk) in table if tn == n and tk == k and tm >= m]
-        if fits:
-            cfg = table[(min(fits), n, k)]
-            if cfg[0] >= m or cfg[0] >= 16:  # a GEMV entry must hold every row
-                return cfg
+    cfg = smallest_fit(tuned_table(), m, n, k)
+    if cfg is not None and (cfg[0] >= m or cfg[0] >= 16):  # a GEMV entry must hold every row
+        return cfg
     if m <= GEMV_MAX_M:
         bm = 1 if m == 1 else triton.next_power_of_2(m)
         bn, stripes, warps, stages = 8, 8 if m == 1 else 4, 4, 1
