@@ -220,15 +220,7 @@ def main() -> None:
         del copies
         torch.cuda.empty_cache()
 
-    totals: dict[str, dict[str, float]] = {}
-    for r in rows:
-        if "m" not in r:
-            continue
-        t = totals.setdefault(str(r["m"]), {})
-        for key in ("stripe_us", "stripe_h200_table_us", "tc16_h200_table_us",
-                    "kmajor_prior_us", "kmajor_best_us"):
-            if r.get(key) is not None:
-                t[key] = t.get(key, 0.0) + r[key] * 32 / 1000  # ms per step, 32 layers
+    totals = step_totals(rows)
     print("per-step ms (32 layers):", json.dumps(totals), flush=True)
     with open(args.out, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows,
@@ -237,6 +229,23 @@ def main() -> None:
     if args.table:
         with open(args.table, "w") as fh:
             json.dump(table_of(rows), fh, indent=1)
+
+
+def step_totals(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per row count, each kernel's ms a decode step (the four projections, 32 layers):
+    only where that kernel was timed at every projection -- a sweep whose ``--budget-s``
+    ran out before the last projections leaves its K-major columns out rather than
+    summing fewer layers than the baselines'."""
+    totals: dict[str, dict[str, float]] = {}
+    for m in ROWS:
+        at_m = [r for r in rows if r.get("m") == m]
+        t = totals.setdefault(str(m), {})
+        for key in ("stripe_us", "stripe_h200_table_us", "tc16_h200_table_us",
+                    "kmajor_prior_us", "kmajor_best_us"):
+            if at_m and len(at_m) == len(PROJ) and all(r.get(key) is not None
+                                                        for r in at_m):
+                t[key] = sum(r[key] for r in at_m) * 32 / 1000
+    return totals
 
 
 def table_of(rows: list[dict[str, Any]]) -> dict[str, list]:
