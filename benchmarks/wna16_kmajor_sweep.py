@@ -236,15 +236,14 @@ def step_totals(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     only where that kernel was timed at every projection -- a sweep whose ``--budget-s``
     ran out before the last projections leaves its K-major columns out rather than
     summing fewer layers than the baselines'."""
+    keys = ("stripe_us", "stripe_h200_table_us", "tc16_h200_table_us", "kmajor_prior_us",
+            "kmajor_best_us")
     totals: dict[str, dict[str, float]] = {}
     for m in ROWS:
         at_m = [r for r in rows if r.get("m") == m]
-        t = totals.setdefault(str(m), {})
-        for key in ("stripe_us", "stripe_h200_table_us", "tc16_h200_table_us",
-                    "kmajor_prior_us", "kmajor_best_us"):
-            if at_m and len(at_m) == len(PROJ) and all(r.get(key) is not None
-                                                        for r in at_m):
-                t[key] = sum(r[key] for r in at_m) * 32 / 1000
+        complete = len(at_m) == len(PROJ)
+        totals[str(m)] = {key: sum(r[key] for r in at_m) * 32 / 1000 for key in keys
+                          if complete and all(r.get(key) is not None for r in at_m)}
     return totals
 
 

@@ -18,6 +18,7 @@ import glob
 import importlib
 import json
 import os
+import sys
 import textwrap
 
 import pytest
@@ -323,15 +324,19 @@ def _clear_tables() -> None:
     km.kmajor_config.cache_clear()
 
 
-def test_tuned_table_overrides_the_priors(tmp_path, monkeypatch) -> None:
+@pytest.fixture
+def sweep(monkeypatch):
+    """``benchmarks/wna16_kmajor_sweep.py`` as a module (dropped again afterwards)."""
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+    monkeypatch.syspath_prepend(os.path.abspath(bench))
+    yield importlib.import_module("wna16_kmajor_sweep")
+    sys.modules.pop("wna16_kmajor_sweep", None)
+
+
+def test_tuned_table_overrides_the_priors(tmp_path, monkeypatch, sweep) -> None:
     """``PAGEDLLM_WNA16_KMAJOR_CONFIGS`` in the format the sweep's ``--table`` writes
     (``table_of``): the entry of the smallest swept M >= M at (N, K) whose block_m holds
     the rows wins and runs exactly; other shapes keep the priors."""
-    import sys
-
-    bench = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
-    monkeypatch.syspath_prepend(os.path.abspath(bench))
-    sweep = importlib.import_module("wna16_kmajor_sweep")
     monkeypatch.setitem(sweep.PROJ, "tiny", (256, 512))
     rows = [{"proj": "tiny", "m": 1, "kmajor_best": (1, 32, 256, 2, 4, 1, 0)},
             {"proj": "tiny", "m": 4, "kmajor_best": (4, 64, 128, 1, 4, 1, 1)},
@@ -355,16 +360,13 @@ def test_tuned_table_overrides_the_priors(tmp_path, monkeypatch) -> None:
     finally:
         monkeypatch.delenv("PAGEDLLM_WNA16_KMAJOR_CONFIGS")
         _clear_tables()
-        sys.modules.pop("wna16_kmajor_sweep", None)
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(
-    os.path.dirname(km.__file__), "tuned", "wna16_kmajor_*.json"))) or ["none shipped"])
+    os.path.dirname(km.__file__), "tuned", "wna16_kmajor_*.json"))))
 def test_shipped_tables_load(path, monkeypatch) -> None:
     """Every shipped ``wna16_kmajor_<GPU>.json`` passes ``tuned_table``'s checks, and
     each entry's block_m holds its row count (so ``kmajor_config`` takes it)."""
-    if path == "none shipped":
-        pytest.skip("no K-major table is shipped")
     monkeypatch.setenv("PAGEDLLM_WNA16_KMAJOR_CONFIGS", path)
     _clear_tables()
     try:
@@ -376,26 +378,16 @@ def test_shipped_tables_load(path, monkeypatch) -> None:
         _clear_tables()
 
 
-def test_sweep_step_totals_leave_out_kernels_not_timed_everywhere(monkeypatch) -> None:
+def test_sweep_step_totals_leave_out_kernels_not_timed_everywhere(sweep) -> None:
     """The sweep's per-step sums cover a kernel only where it was timed at every
     projection: a budget that ran out after the first projection must not make the
     K-major GEMV look 10x faster than the baselines timed at all four."""
-    import sys
-
-    bench = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
-    monkeypatch.syspath_prepend(os.path.abspath(bench))
-    try:
-        sweep = importlib.import_module("wna16_kmajor_sweep")
-        rows = [{"proj": name, "m": 1, "stripe_us": 10.0,
-                 "kmajor_best_us": 8.0 if name == "qkv_proj" else None}
-                for name in sweep.PROJ]
-        rows.append({"dequant": {"proj": "qkv_proj"}})
-        totals = sweep.step_totals(rows)
-        assert totals["1"] == {"stripe_us": pytest.approx(10.0 * len(sweep.PROJ) * 32
-                                                          / 1000)}
-        assert totals["2"] == {}
-    finally:
-        sys.modules.pop("wna16_kmajor_sweep", None)
+    rows = [{"proj": name, "m": 1, "stripe_us": 10.0,
+             "kmajor_best_us": 8.0 if name == "qkv_proj" else None} for name in sweep.PROJ]
+    rows.append({"dequant": {"proj": "qkv_proj"}})
+    totals = sweep.step_totals(rows)
+    assert totals["1"] == {"stripe_us": pytest.approx(10.0 * len(sweep.PROJ) * 32 / 1000)}
+    assert totals["2"] == {}
 
 
 def test_tuned_table_entry_the_gemv_cannot_take_names_the_variable(tmp_path,
