@@ -388,6 +388,13 @@ def tuned_table() -> dict[tuple[int, int, int], KmajorConfig]:
     return table
 
 
+def has_table() -> bool:
+    """Whether this GPU has a tuned GEMV table (``PAGEDLLM_WNA16_KMAJOR_CONFIGS`` or the
+    shipped one).  ``int_cuda.store_cuda`` stores symmetric 4-bit layers K-major only
+    then: with the priors the striped GEMV is the faster one for them."""
+    return bool(tuned_table())
+
+
 @functools.lru_cache(maxsize=4096)
 def kmajor_config(m: int, n: int, k: int, device: torch.device) -> KmajorConfig:
     """The tuned table's entry for the smallest swept row count ``>= m`` at ``(n, k)``

@@ -1,6 +1,7 @@
-"""The single-copy K-major storage of the 4-bit CUDA layers with zero points
-(``layers/quantization/int_cuda.py``; symmetric layers keep the striped layout): what is
-stored, what the start-up log counts, and
+"""The single-copy K-major storage of the 4-bit CUDA layers with zero points, and of
+symmetric ones where a K-major GEMV table exists (``layers/quantization/int_cuda.py``;
+without one symmetric layers keep the striped layout): what is stored, what the start-up
+log counts, and
 that every row count's route (the K-major GEMV, the tensor-core GEMM with a table or
 prior configuration, dequantise + ``F.linear`` whole or in column chunks) equals the
 dequantised weight's product.
@@ -51,6 +52,24 @@ def table(tmp_path, monkeypatch):
     yield path
     monkeypatch.delenv("PAGEDLLM_WNA16_TC_CONFIGS")
     _clear_tables()
+
+
+@pytest.fixture
+def kmajor_table(table, tmp_path, monkeypatch):
+    """Beside the tensor-core table, a K-major GEMV table for (N, K) in the format the
+    sweep's ``--table`` writes (as the H100's shipped one)."""
+    from pagedllm.kernels import wna16_kmajor as km
+
+    path = tmp_path / "wna16_kmajor.json"
+    path.write_text(json.dumps({"configs": [[1, N, K, [1, 64, 128, 1, 4, 1, 0]],
+                                            [4, N, K, [4, 64, 128, 1, 4, 1, 1]]]}))
+    monkeypatch.setenv("PAGEDLLM_WNA16_KMAJOR_CONFIGS", str(path))
+    km.tuned_table.cache_clear()
+    km.kmajor_config.cache_clear()
+    yield path
+    monkeypatch.delenv("PAGEDLLM_WNA16_KMAJOR_CONFIGS")
+    km.tuned_table.cache_clear()
+    km.kmajor_config.cache_clear()
 
 
 def _int_weight(zeros: bool, seed: int, dtype: torch.dtype = torch.float32,
@@ -117,6 +136,22 @@ def test_symmetric_weights_keep_the_striped_layout(table) -> None:
     assert layer.int_layout == "stripe" and layer.int_tc_qweight is not None
     for m in (1, 16, 100):
         _check(layer, iw, m, 40 + m)
+
+
+def test_symmetric_weights_go_kmajor_with_a_kmajor_table(kmajor_table) -> None:
+    """With this GPU's K-major GEMV table a symmetric layer is stored as a zero-point one:
+    the K-major words alone (no striped copy, no zeros: the kernels' constant 8, at most
+    1.02x the packed codes + scales in bf16), and every route equals the reference."""
+    iw = _int_weight(False, 14, torch.bfloat16)
+    layer = _layer(iw, torch.bfloat16)
+    assert layer.int_layout == "kmajor" and layer.int_qweight is None
+    assert layer.int_tc_zeros is None
+    stored = sum(b.numel() * b.element_size() for b in layer.buffers())
+    assert stored <= 1.02 * (N * K // 2 + iw.scales.numel() * 2), stored
+    routes = {m: _route(layer, m)[0] for m in (1, 3, 8, 16, 40, 100)}
+    assert routes == {1: "gemv", 3: "gemv", 8: "tc", 16: "tc", 40: "tc", 100: "dequant"}
+    for m in routes:
+        _check(layer, iw, m, 50 + m, torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -183,6 +183,8 @@ def test_fp8_latent_cache_equals_fake_quantised_transformers(tmp_path) -> None:
     ours.mla_backend.kernel_on_cpu = False
 
 
+# One config: ``test_triton_kernels_in_every_layer`` runs this kernel on all four.
+@pytest.mark.parametrize("pair", ["v2_lite"], indirect=True)
 def test_triton_decode_kernel_in_the_model(pair) -> None:
     """Decode steps through ``kernels/mla_decode.py`` (interpreted on CPU tensors) over
     the cache this layer writes: the agreed layout, end to end."""
@@ -321,6 +323,10 @@ def _graph_meta(meta, tokens: int, reqs: int):  # type: ignore[no-untyped-def]
         host_lens=False)
 
 
+# The padding and placeholders under test do not depend on the config; these two cover
+# both RoPE layouts, both query paths and both routers (the interpreter's time is ~20 s
+# a config).
+@pytest.mark.parametrize("pair", ["v2_lite", "v3_neox_yarn"], indirect=True)
 def test_graph_steps_without_host_lengths(pair) -> None:
     """Steps as a CUDA graph replays them (``AttentionMetadata.host_lens`` False: padded
     rows and request slots, placeholder host twins): prompt chunks, a chunk after

@@ -3,19 +3,19 @@
 ``IntLinearMethod`` hands every CUDA layer's canonical weight (``int_layout.IntWeight``)
 to :func:`store_cuda` at load and every call to :func:`apply_cuda`.  What is stored
 depends on whether the weight has zero points (AWQ, asymmetric GPTQ and
-compressed-tensors) or is symmetric:
+compressed-tensors) or is symmetric, and on whether this GPU has a tuned K-major GEMV
+table (``wna16_kmajor.has_table``: shipped for the H100):
 
 ```
  act-order (g_idx) with equal groups   inputs permuted at load (groups contiguous);
                                        apply gathers x[:, perm] once per call
- with zero points ("kmajor"):
- 4-bit, K % 128 == 0,                  only the K-major layout (int_layout "kmajor"):
+ "kmajor": 4-bit, K % 128 == 0,        only the K-major layout (int_layout "kmajor"):
    group % 128 == 0 | K                int32 [K/8, N] words, scales [K/G, N], zeros
-   (wna16_tc.tc_applies)               [K/G, N] in the scales' dtype (integer codes:
-                                       exact; fp32 if a zero is not), whether or not
-                                       there is a tuned table; a group-128 layer is
-                                       ~1.02x its checkpoint (fp32 zeros: 1.05x)
- symmetric ("stripe+tc"):
+   (wna16_tc.tc_applies), and          [K/G, N] in the scales' dtype (integer codes:
+   zero points or a K-major table      exact; fp32 if a zero is not) or None
+                                       (symmetric: the kernels' constant 8); a
+                                       group-128 layer is ~1.02x its checkpoint
+ symmetric without a K-major table ("stripe+tc"):
  K % 128 == 0, group % 128 == 0 | K    the striped layout (kernels/wna16_stripe.py)
    and 4-bit, tc_min_m > 0             also the K-major layout (kernels/wna16_tc.py):
    (16 with a tuned table, else 0)     int32 [K/8, N] words, scales [K/G, N], zeros
@@ -25,16 +25,18 @@ compressed-tensors) or is symmetric:
  tinygemm_max_m > 0                    also torch's int4 layout (4-bit, groups 32..256)
 ```
 
-Why by zero points (H100, 2026-12-05, `bench latency`, Llama-3-8B shape, no tuned
-tensor-core table on that GPU, so "stripe+tc" stored the striped copy alone): with zero
-points the K-major layout ran W4 at TPOT 4.27 ms against the striped layout's 8.61
-(its zero-point GEMV is 2-3x faster per layer, ``benchmarks/int4_layer_bench.py``);
-symmetric, the striped GEMV ran 3.60 ms against K-major's 5.83.  With a tuned table
-(H200) the symmetric layers' K-major copy costs another half byte per weight (the
-striped copy stays for the decode GEMV below ``TC_MIN_M`` rows and for the dequantise
-path); a "kmajor" layer's K-major copy is the weight (``packed_factor`` 8: the start-up
-log counts it as such) and it keeps no ``int_qweight``.  The K-major kernels still
-take symmetric weights (``zeros`` None: the constant 8), as their tests do.
+Why (H100, `bench latency --num-prompts 2`, Llama-3-8B shape, no tuned tensor-core table
+on that GPU): with zero points the K-major layout ran W4 at TPOT 4.27 ms against the
+striped layout's 8.61 (2026-12-05; its zero-point GEMV is 2-3x faster per layer,
+``benchmarks/int4_layer_bench.py``).  Symmetric, the K-major GEMV wins only tuned
+(2026-12-06, one lease, the shipped table of every projection): 3.04 ms against the
+striped layout's 3.33, and W1 6,636 against 5,935 output tok/s; with its priors it
+loses by about the table's gain (the sweep's per-step sums: 3.05 ms of GEMV against
+2.42 tuned), so a GPU without a K-major table keeps "stripe+tc".  There, with a tuned
+tensor-core table (H200), the symmetric layers' K-major copy costs another half byte
+per weight (the striped copy stays for the decode GEMV below ``TC_MIN_M`` rows and for
+the dequantise path); a "kmajor" layer's K-major copy is the weight (``packed_factor``
+8: the start-up log counts it as such) and it keeps no ``int_qweight``.
 
 Which kernel runs depends only on the row count ``M`` (host int): CUDA graphs and eager
 runs of one batch size agree, and nothing syncs.  The thresholds are the tuned table's
@@ -226,6 +228,7 @@ def _register(layer: torch.nn.Module, name: str, t: torch.Tensor | None) -> None
 
 def store_cuda(layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> None:
     """Store ``iw`` for the CUDA kernels (module doc); sets ``layer.int_layout``."""
+    from pagedllm.kernels.wna16_kmajor import has_table as kmajor_has_table
     from pagedllm.kernels.wna16_tc import tc_applies
 
     perm = None
@@ -238,8 +241,8 @@ def store_cuda(layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> None:
             qweight = pack_codes(iw.codes()[:, perm], iw.bits)
             g_idx = None
     layer.int_perm = perm  # type: ignore[assignment]
-    if iw.zeros is not None and tc_applies(iw.bits, iw.k, iw.group_size,
-                                           g_idx is not None):
+    if (tc_applies(iw.bits, iw.k, iw.group_size, g_idx is not None)
+            and (iw.zeros is not None or kmajor_has_table())):
         _store_kmajor(layer, iw, qweight, dtype)
     else:
         _store_striped(layer, iw, qweight, g_idx, dtype)
@@ -291,7 +294,7 @@ def _store_kmajor(layer: LinearBase, iw: IntWeight, qweight: torch.Tensor,
     # the weight itself (not a second copy, as in stripe+tc): weight_bytes counts it
     layer.int_tc_qweight.packed_factor = 32 // iw.bits  # type: ignore[union-attr]
     _register(layer, "int_tc_scales", iw.scales.to(dtype).t())
-    # Zero points (only those layers are stored here: store_cuda) in the scales' dtype
+    # Zero points (symmetric weights have none: the kernels' constant 8) in the scales' dtype
     # (2 bytes, not fp32's 4: 1.02x a group-128 checkpoint, not 1.05x); the checkpoints'
     # integer codes are exact in bf16/fp16 and the kernels read them as fp32, so the
     # results are those of fp32 zeros bit for bit.  A zero the dtype would round (no
@@ -304,10 +307,13 @@ def _store_kmajor(layer: LinearBase, iw: IntWeight, qweight: torch.Tensor,
             iw.n * iw.k, qweight.device, dtype)
 
 
-def _kmajor_zeros(iw: IntWeight, dtype: torch.dtype) -> torch.Tensor:
+def _kmajor_zeros(iw: IntWeight, dtype: torch.dtype) -> torch.Tensor | None:
     """``kmajor``'s ``[K/G, N]`` zero points: in ``dtype`` (the scales') when every zero
-    is exact there, else fp32 (one check at load)."""
-    z = iw.zeros.float().t()  # type: ignore[union-attr]
+    is exact there, else fp32 (one check at load); None for symmetric weights (the
+    kernels' constant 8)."""
+    if iw.zeros is None:
+        return None
+    z = iw.zeros.float().t()
     low = z.to(dtype)
     return low if torch.equal(low.float(), z) else z
 
