@@ -13,28 +13,31 @@ from pagedllm.benchmarks.matrix import Row, format_table, parse_rows
 from pagedllm.benchmarks.workloads import DUMMY_CONFIGS
 from pagedllm.entrypoints.cli import main
 
-ROWS = ["smollm2-135m", "smollm2-135m-w4a16-asym"]
+ROW = "smollm2-135m-w4a16-asym"  # one row: each run is a child process (~10 s on CI)
 
 
-def test_two_tiny_rows_report_w1_and_w4(tmp_path: Path) -> None:
+def test_a_tiny_row_reports_w1_and_w4(tmp_path: Path) -> None:
     out = tmp_path / "matrix.json"
-    rc = main(["bench", "matrix", "--rows", ",".join(ROWS), "--device", "cpu",
+    rc = main(["bench", "matrix", "--rows", ROW, "--device", "cpu",
                "--dummy-overrides", '{"num_hidden_layers": 2}', "--w1-num-prompts", "2",
                "--w4-input-len", "32", "--w4-output-len", "8", "--w4-num-prompts", "1",
                "--row-timeout", "120", "--log-dir", str(tmp_path / "logs"),
                "--output-json", str(out)])
     report = json.loads(out.read_text())
     assert rc == 0, [r["status"] for r in report["rows"]]
-    assert [r["row"] for r in report["rows"]] == ROWS
-    for r in report["rows"]:
-        assert r["ok"] and r["status"] == "ok"
-        assert r["w1_out_tok_s"] > 0 and r["w4_tpot_ms"] > 0 and r["w4_ttft_ms"] > 0
-        assert r["weight_gib"] > 0  # parsed from the child's start-up log line
-        assert r["device"] == "cpu"
-        assert "--dummy-overrides" in r["runs"]["W1"]["command"]
-    # Zero points' int4 weights are smaller than the fp32 shape's.
-    assert report["rows"][1]["weight_gib"] < report["rows"][0]["weight_gib"]
-    assert report["rows"][1]["runs"]["W4"]["report"]["quantization"] == "compressed-tensors"
+    (r,) = report["rows"]
+    assert r["row"] == ROW and r["ok"] and r["status"] == "ok"
+    assert r["w1_out_tok_s"] > 0 and r["w4_tpot_ms"] > 0 and r["w4_ttft_ms"] > 0
+    assert r["device"] == "cpu"
+    assert "--dummy-overrides" in r["runs"]["W1"]["command"]
+    assert r["runs"]["W4"]["report"]["quantization"] == "compressed-tensors"
+    # Parsed from the child's start-up log line: the int4 weights of the 2-layer shape
+    # (tied 49152 x 576 embedding kept in fp32) are under its fp32 size.
+    cfg = DUMMY_CONFIGS["smollm2-135m"]
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    fp32 = 4 * (cfg["vocab_size"] * h + 2 * (h * (2 * h + 2 * kv) + 3 * h * i))
+    assert 0 < r["weight_gib"] * 2 ** 30 < fp32
 
 
 def test_unknown_row_exits_naming_rows_before_running() -> None:
