@@ -34,42 +34,44 @@ TABLE = [[16, N, K, "tc", CFG16], [64, N, K, "tc", CFG64], [2048, N, K, "dequant
 
 
 def _clear_tables() -> None:
+    from pagedllm.kernels import wna16_kmajor as km
     from pagedllm.kernels import wna16_tc_config as tcc
 
     tcc._tuned_file.cache_clear()
     tcc._table.cache_clear()
     tcc.tc_choice.cache_clear()
+    km.tuned_table.cache_clear()
+    km.kmajor_config.cache_clear()
 
 
 @pytest.fixture
 def table(tmp_path, monkeypatch):
-    """A tensor-core table for (N, K)."""
+    """A tensor-core table for (N, K), and an empty K-major GEMV table (so a GPU's
+    shipped one does not decide the symmetric layers' storage)."""
     path = tmp_path / "wna16_tc.json"
     path.write_text(json.dumps({"configs": TABLE, "summary": {"tc_min_m": 16}}))
+    no_kmajor = tmp_path / "no_kmajor.json"
+    no_kmajor.write_text(json.dumps({"configs": []}))
     monkeypatch.setenv("PAGEDLLM_WNA16_TC_CONFIGS", str(path))
+    monkeypatch.setenv("PAGEDLLM_WNA16_KMAJOR_CONFIGS", str(no_kmajor))
     monkeypatch.delenv("PAGEDLLM_WNA16_CONFIGS", raising=False)  # dequant_min_m: 512
     _clear_tables()
     yield path
     monkeypatch.delenv("PAGEDLLM_WNA16_TC_CONFIGS")
+    monkeypatch.delenv("PAGEDLLM_WNA16_KMAJOR_CONFIGS")
     _clear_tables()
 
 
 @pytest.fixture
 def kmajor_table(table, tmp_path, monkeypatch):
     """Beside the tensor-core table, a K-major GEMV table for (N, K) in the format the
-    sweep's ``--table`` writes (as the H100's shipped one)."""
-    from pagedllm.kernels import wna16_kmajor as km
-
+    sweep's ``--table`` writes (as the H100's shipped one); ``table`` clears both."""
     path = tmp_path / "wna16_kmajor.json"
     path.write_text(json.dumps({"configs": [[1, N, K, [1, 64, 128, 1, 4, 1, 0]],
                                             [4, N, K, [4, 64, 128, 1, 4, 1, 1]]]}))
     monkeypatch.setenv("PAGEDLLM_WNA16_KMAJOR_CONFIGS", str(path))
-    km.tuned_table.cache_clear()
-    km.kmajor_config.cache_clear()
-    yield path
-    monkeypatch.delenv("PAGEDLLM_WNA16_KMAJOR_CONFIGS")
-    km.tuned_table.cache_clear()
-    km.kmajor_config.cache_clear()
+    _clear_tables()
+    return path
 
 
 def _int_weight(zeros: bool, seed: int, dtype: torch.dtype = torch.float32,
