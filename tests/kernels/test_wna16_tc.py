@@ -174,9 +174,12 @@ def test_act_order_layer_routes_rows_by_count(tmp_path, monkeypatch, clean_table
     the CUDA layer storage: inputs permuted at load, the K-major copy made from the permuted
     weight; with a table entry 20 rows (>= TC_MIN_M) take the tensor-core GEMM, 3 rows
     the striped kernel; both equal ``x @ w^T``."""
+    from pagedllm.kernels import wna16_kmajor
     from pagedllm.layers.linear import ReplicatedLinear
     from pagedllm.layers.quantization.int_cuda import _tc_route, apply_cuda, store_cuda
 
+    # the striped storage under test, whatever K-major table this GPU ships
+    monkeypatch.setattr(wna16_kmajor, "has_table", lambda: False)
     n, k, g = 32, 256, 128
     _use_table(monkeypatch, tmp_path / "t.json",
                [[64, n, k, "tc", [16, 32, 128, 1, 4, 2, 1, 1, 0]]])
@@ -238,6 +241,7 @@ def test_no_table_means_no_kmajor_copy_and_no_unchecked_route(tmp_path, monkeypa
 
 
 def test_tc_off_and_w8_keep_no_kmajor_copy(monkeypatch) -> None:
+    from pagedllm.kernels import wna16_kmajor
     from pagedllm.kernels import wna16_tc_config as tcc
     from pagedllm.layers.linear import ReplicatedLinear
     from pagedllm.layers.quantization.int_cuda import store_cuda
@@ -245,6 +249,7 @@ def test_tc_off_and_w8_keep_no_kmajor_copy(monkeypatch) -> None:
     n, k = 16, 256
     qw, sc, _ = _weight(n, k, 128, False, 9)
     monkeypatch.setattr(tcc, "tc_min_m", lambda: 0)  # a table with tc_min_m 0, or none
+    monkeypatch.setattr(wna16_kmajor, "has_table", lambda: False)  # nor a K-major one
     with torch.device(DEVICE):
         layer = ReplicatedLinear(k, n, bias=False, prefix="x")
     store_cuda(layer, IntWeight(qw.to(DEVICE), sc.to(DEVICE), None, None, 4, 128),
