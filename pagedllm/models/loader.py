@@ -129,6 +129,12 @@ def load_model(model_config: Any, device: torch.device, backend: AttentionBacken
     else:
         raise ValueError(f"load_format must be safetensors, gguf or dummy, got {fmt!r}")
     finish_loading(model)
+    if model.quant_description and device.type == "cuda":
+        from pagedllm.layers.quantization.int_cuda import layout_summary
+
+        layouts = layout_summary(model.modules())  # what the int storage decided
+        if layouts:
+            model.quant_description += f"; {layouts}"
     if counter is not None and counter.whole:
         logger.info("tensor-parallel rank %d: %s", current_parallel_state().tp.rank_in_group,
                     counter.summary())

@@ -156,6 +156,15 @@ def test_symmetric_weights_go_kmajor_with_a_kmajor_table(kmajor_table) -> None:
         _check(layer, iw, m, 50 + m, torch.bfloat16)
 
 
+def test_layout_summary_names_what_was_stored(table) -> None:
+    """The start-up log's ``int layouts`` part (``loader.load_model`` on CUDA)."""
+    layers = [_layer(_int_weight(True, 15)), _layer(_int_weight(True, 16)),
+              _layer(_int_weight(False, 17)), _layer(_int_weight(True, 18, bits=8))]
+    assert int_cuda.layout_summary([torch.nn.ReLU(), *layers]) == (
+        "int layouts: kmajor x2, stripe x1, stripe+tc x1")
+    assert int_cuda.layout_summary([torch.nn.ReLU()]) is None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kmajor_zeros_in_the_scales_dtype(dtype: torch.dtype, table) -> None:
     """Zero points are stored in the scales' dtype (the integer codes are exact there):

@@ -93,7 +93,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -253,6 +253,23 @@ def store_cuda(layer: LinearBase, iw: IntWeight, dtype: torch.dtype) -> None:
         s = iw.scales.float()
         layer.int_tinygemm = PackedInt4(codes, s, (8.0 - iw.zero_codes()) * s,  # type: ignore
                                         iw.group_size, iw.qweight.device)
+
+
+def layout_summary(modules: Iterable[torch.nn.Module]) -> str | None:
+    """What :func:`store_cuda` decided, for the start-up log: ``"int layouts: kmajor x224"``
+    (``stripe+tc`` for a striped layer that also keeps the K-major copy); None without
+    such layers."""
+    counts: dict[str, int] = {}
+    for m in modules:
+        layout = getattr(m, "int_layout", None)
+        if layout is None:
+            continue
+        if layout == "stripe" and getattr(m, "int_tc_qweight", None) is not None:
+            layout = "stripe+tc"
+        counts[layout] = counts.get(layout, 0) + 1
+    if not counts:
+        return None
+    return "int layouts: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
 
 
 def _store_striped(layer: LinearBase, iw: IntWeight, qweight: torch.Tensor,
