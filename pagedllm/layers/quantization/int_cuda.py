@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -259,14 +260,13 @@ def layout_summary(modules: Iterable[torch.nn.Module]) -> str | None:
     """What :func:`store_cuda` decided, for the start-up log: ``"int layouts: kmajor x224"``
     (``stripe+tc`` for a striped layer that also keeps the K-major copy); None without
     such layers."""
-    counts: dict[str, int] = {}
+    counts: Counter[str] = Counter()
     for m in modules:
         layout = getattr(m, "int_layout", None)
-        if layout is None:
-            continue
         if layout == "stripe" and getattr(m, "int_tc_qweight", None) is not None:
             layout = "stripe+tc"
-        counts[layout] = counts.get(layout, 0) + 1
+        if layout is not None:
+            counts[layout] += 1
     if not counts:
         return None
     return "int layouts: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
@@ -274,7 +274,8 @@ def layout_summary(modules: Iterable[torch.nn.Module]) -> str | None:
 
 def _store_striped(layer: LinearBase, iw: IntWeight, qweight: torch.Tensor,
                    g_idx: torch.Tensor | None, dtype: torch.dtype) -> None:
-    """The ``stripe+tc`` storage (symmetric weights, and layers ``kmajor`` does not take):
+    """The ``stripe+tc`` storage (symmetric weights on a GPU without a K-major GEMV
+    table, and layers ``kmajor`` does not take):
     the striped layout where it applies (with the K-major copy where the tensor-core
     kernel does), else the canonical one.  ``qweight`` and ``g_idx``: after any act-order
     permutation."""
