@@ -62,10 +62,9 @@ def kmajor_gemv(zero: bool, config: tuple[int, ...], k: int) -> dict[str, Any]:
            "out_ptr": "*fp32", "M": "i32", "N": "i32", "stride_xm": "i32",
            "stride_om": "i32", "stride_os": "i32"}
     k_chunk = k // 4
-    zsegs, zseg = wna16_kmajor.zero_segments(bm, bn, bk, 128, k_chunk)
     consts = {"K": k, "GROUP": 128, "HAS_ZERO": zero, "BLOCK_M": bm, "BLOCK_N": bn,
               "BLOCK_K": bk, "K_CHUNK": k_chunk, "EVEN_N": True, "AHEAD": bool(ahead),
-              "WHILE_LOOP": False, "USE_PDL": False, "ZSEGS": zsegs, "ZSEG": zseg}
+              "WHILE_LOOP": False, "USE_PDL": False}
     divisible = [i for i, n in enumerate(sig) if n != "M"]
     kernel, stats = compile_sm90(wna16_kmajor._kmajor_gemv_kernel, sig, consts,
                                  {"num_warps": warps, "num_stages": 1}, divisible)

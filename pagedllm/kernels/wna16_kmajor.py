@@ -25,12 +25,16 @@ rows' values; the warp's duplicates are one broadcast).  Each code is unpacked o
 all ``BLOCK_M`` rows (1, 2, 4 or 8; one unrolled ``[BLOCK_K / 8, BLOCK_N]`` fp32
 accumulator each).  A word lies in one group, so the step's products ``p_m = sum_s (c -
 8) x_m`` (per word) are scaled once: ``acc_m += p_m * scale[g, n]``, one FMA per word and
-row.  Zero points stay out of the loop, which is the symmetric one: ``sum (c - z) x = sum
-(c - 8) x + (8 - z) sum x`` per group, so after the loop ``_zero_correction`` adds
-``scale * (8 - z) * sum(x over the segment)`` for each segment of the chunk (inside one
-group: :func:`zero_segments`), once per program for its ``BLOCK_N`` columns.
-(Folding ``z`` into the unpacking FMA instead doubled the registers at one row, 126
-against 64, and so halved the programs an SM holds: ``benchmarks/triton_sass.py``.)
+row.  Zero points leave the unpacking alone, which is the symmetric one: ``sum_s (c - z)
+x = sum_s (c - 8) x + (8 - z) sum_s x`` per word (a word lies in one group), so with
+zero points a step also sums each word row's eight inputs (``q_m``, shared by the
+``BLOCK_N`` columns) and adds ``(8 - z) q_m`` to ``p_m`` before the scaling: one FMA a
+word and row, the zero tile loaded like the scales' (``_group``) for the step being
+computed.  (A correction pass after the loop instead -- ``scale * (8 - z) * sum x``
+per segment of the chunk -- re-read scales and zeros through shared memory at the end
+of every program: Llama-3-8B's zero-point W4 ran TPOT 3.30 ms with it, 3.20-3.21 ms
+with the per-step term, H100, 2026-12-06.  Folding ``z`` into the unpacking FMA
+doubled the registers at one row, 126 against 64: ``benchmarks/triton_sass.py``.)
 Where ``BLOCK_K`` divides ``G`` the step's scales are one ``[BLOCK_N]`` row; a
 ``BLOCK_K`` that is a multiple of ``G`` (more than 16 word rows a step at group 128)
 reads each word row's own.  The accumulators are reduced along K once, at the end;
@@ -109,9 +113,10 @@ def _group(s_ptr, k0, cols, rw, N, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _step(x0, x1, x2, x3, x4, x5, x6, x7, words, sc, xo,
-          a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M: tl.constexpr):
-    """``a_m [BW, BN] += (sum_s (c_s - 8) x_m[xo + s]) * sc`` for rows ``m < BLOCK_M``."""
+def _step(x0, x1, x2, x3, x4, x5, x6, x7, words, sc, zc, xo,
+          a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M: tl.constexpr, HAS_ZERO: tl.constexpr):
+    """``a_m [BW, BN] += (sum_s (c_s - 8) x_m[xo + s] + zc sum_s x_m[xo + s]) * sc`` for
+    rows ``m < BLOCK_M``; ``zc = 8 - zero`` (``HAS_ZERO``), else no second term."""
     hi = words >> 16
     p0 = tl.zeros(words.shape, dtype=tl.float32)
     p1 = tl.zeros(words.shape, dtype=tl.float32)
@@ -121,19 +126,64 @@ def _step(x0, x1, x2, x3, x4, x5, x6, x7, words, sc, xo,
     p5 = tl.zeros(words.shape, dtype=tl.float32)
     p6 = tl.zeros(words.shape, dtype=tl.float32)
     p7 = tl.zeros(words.shape, dtype=tl.float32)
+    # The step's x sums per word row (HAS_ZERO): q_m [BW] = sum_s x_m[xo + s].
+    q0 = tl.zeros(xo.shape, dtype=tl.float32)
+    q1 = tl.zeros(xo.shape, dtype=tl.float32)
+    q2 = tl.zeros(xo.shape, dtype=tl.float32)
+    q3 = tl.zeros(xo.shape, dtype=tl.float32)
+    q4 = tl.zeros(xo.shape, dtype=tl.float32)
+    q5 = tl.zeros(xo.shape, dtype=tl.float32)
+    q6 = tl.zeros(xo.shape, dtype=tl.float32)
+    q7 = tl.zeros(xo.shape, dtype=tl.float32)
     for s in tl.static_range(8):
         c = _slot(words, hi, s, 4, 8.0)  # code - 8, exact
-        p0 += c * tl.load(x0 + xo + s).to(tl.float32)[:, None]
+        v = tl.load(x0 + xo + s).to(tl.float32)
+        p0 += c * v[:, None]
+        if HAS_ZERO:
+            q0 += v
         if BLOCK_M > 1:
-            p1 += c * tl.load(x1 + xo + s).to(tl.float32)[:, None]
+            v = tl.load(x1 + xo + s).to(tl.float32)
+            p1 += c * v[:, None]
+            if HAS_ZERO:
+                q1 += v
         if BLOCK_M > 2:
-            p2 += c * tl.load(x2 + xo + s).to(tl.float32)[:, None]
-            p3 += c * tl.load(x3 + xo + s).to(tl.float32)[:, None]
+            v = tl.load(x2 + xo + s).to(tl.float32)
+            p2 += c * v[:, None]
+            if HAS_ZERO:
+                q2 += v
+            v = tl.load(x3 + xo + s).to(tl.float32)
+            p3 += c * v[:, None]
+            if HAS_ZERO:
+                q3 += v
         if BLOCK_M > 4:
-            p4 += c * tl.load(x4 + xo + s).to(tl.float32)[:, None]
-            p5 += c * tl.load(x5 + xo + s).to(tl.float32)[:, None]
-            p6 += c * tl.load(x6 + xo + s).to(tl.float32)[:, None]
-            p7 += c * tl.load(x7 + xo + s).to(tl.float32)[:, None]
+            v = tl.load(x4 + xo + s).to(tl.float32)
+            p4 += c * v[:, None]
+            if HAS_ZERO:
+                q4 += v
+            v = tl.load(x5 + xo + s).to(tl.float32)
+            p5 += c * v[:, None]
+            if HAS_ZERO:
+                q5 += v
+            v = tl.load(x6 + xo + s).to(tl.float32)
+            p6 += c * v[:, None]
+            if HAS_ZERO:
+                q6 += v
+            v = tl.load(x7 + xo + s).to(tl.float32)
+            p7 += c * v[:, None]
+            if HAS_ZERO:
+                q7 += v
+    if HAS_ZERO:  # sum (c - z) x = sum (c - 8) x + (8 - z) sum x: one FMA a word and row
+        p0 += zc * q0[:, None]
+        if BLOCK_M > 1:
+            p1 += zc * q1[:, None]
+        if BLOCK_M > 2:
+            p2 += zc * q2[:, None]
+            p3 += zc * q3[:, None]
+        if BLOCK_M > 4:
+            p4 += zc * q4[:, None]
+            p5 += zc * q5[:, None]
+            p6 += zc * q6[:, None]
+            p7 += zc * q7[:, None]
     a0 += p0 * sc
     if BLOCK_M > 1:
         a1 += p1 * sc
@@ -156,80 +206,47 @@ def _load_words(qw_base, k0, rw, N):
 
 
 @triton.jit
-def _advance(x0, x1, x2, x3, x4, x5, x6, x7, qw_base, s_ptr, cols, rw, N, k0,
+def _zeros_c(z_ptr, k0, cols, rw, N, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+             HAS_ZERO: tl.constexpr):
+    """``8 - zero``, fp32 ``[BW, BLOCK_N]`` in the scales' layout (``_group``), for the
+    step's word rows; a dummy ``0.0`` without zero points (nothing loaded or carried)."""
+    if HAS_ZERO:
+        zc = 8.0 - _group(z_ptr, k0, cols, rw, N, GROUP, BLOCK_K)
+    else:
+        zc = 0.0
+    return zc
+
+
+@triton.jit
+def _advance(x0, x1, x2, x3, x4, x5, x6, x7, qw_base, s_ptr, z_ptr, cols, rw, N, k0,
              words, sc, a0, a1, a2, a3, a4, a5, a6, a7, GROUP: tl.constexpr,
-             BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, AHEAD: tl.constexpr):
+             BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, AHEAD: tl.constexpr,
+             HAS_ZERO: tl.constexpr):
     """Load step ``k0``'s words and scales (returned for the next call) and do the
-    arithmetic of ``AHEAD``: the previous step (``words``, ``sc``), so
-    that the loads are in flight during it, at the cost of a second word tile in
-    registers (Triton's pipeliner stages only loads that feed a ``tl.dot``;
-    ``num_stages`` does nothing here); else of this step (the first step is done before
-    the loop)."""
+    arithmetic of ``AHEAD``: the previous step (``words``, ``sc``), so that the loads
+    are in flight during it, at the cost of a second word tile in registers (Triton's
+    pipeliner stages only loads that feed a ``tl.dot``; ``num_stages`` does nothing
+    here); else of this step (the first step is done before the loop).  The zero points
+    are loaded for the step being computed, not ahead: they are needed only at its end,
+    and a prefetched tile cost 32 registers at one row (96 against 64)."""
     wn = _load_words(qw_base, k0, rw, N)
     sn = _group(s_ptr, k0, cols, rw, N, GROUP, BLOCK_K)
     if AHEAD:
+        zc = _zeros_c(z_ptr, k0 - BLOCK_K, cols, rw, N, GROUP, BLOCK_K, HAS_ZERO)
         a0, a1, a2, a3, a4, a5, a6, a7 = _step(
-            x0, x1, x2, x3, x4, x5, x6, x7, words, sc, k0 - BLOCK_K + rw * 8,
-            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
+            x0, x1, x2, x3, x4, x5, x6, x7, words, sc, zc, k0 - BLOCK_K + rw * 8,
+            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, HAS_ZERO)
     else:
+        zc = _zeros_c(z_ptr, k0, cols, rw, N, GROUP, BLOCK_K, HAS_ZERO)
         a0, a1, a2, a3, a4, a5, a6, a7 = _step(
-            x0, x1, x2, x3, x4, x5, x6, x7, wn, sn, k0 + rw * 8,
-            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
+            x0, x1, x2, x3, x4, x5, x6, x7, wn, sn, zc, k0 + rw * 8,
+            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, HAS_ZERO)
     return wn, sn, a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @triton.jit
-def _segment_sums(xr, ks, rs, ok):
-    """fp32 ``[ZSEGS]`` sums of one row of ``x`` over the segments starting at ``ks``."""
-    xs = tl.load(xr + ks[:, None] + rs[None, :], mask=ok[:, None], other=0.0)
-    return tl.sum(xs.to(tl.float32), axis=1)
-
-
-@triton.jit
-def _zero_correction(x0, x1, x2, x3, x4, x5, x6, x7, s_ptr, z_ptr, cols, k_start, k_stop,
-                     N, GROUP: tl.constexpr, SEG: tl.constexpr, ZSEGS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The zero points' share of the chunk ``[k_start, k_stop)`` (module doc): ``c_m
-    [BLOCK_N] = sum over segments of scale * (8 - z) * sum(x_m over the segment)``,
-    ``ZSEGS`` segments of ``SEG`` inputs (one group each) at a time.  A scale times a
-    small integer is exact in fp32."""
-    c0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    c1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    c2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    c3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    c4 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    c5 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    c6 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    c7 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    rz = tl.arange(0, ZSEGS) * SEG
-    rs = tl.arange(0, SEG)
-    t0 = k_start
-    while t0 < k_stop:  # a few iterations (interpreter-safe; not the hot loop)
-        ks = t0 + rz
-        ok = ks < k_stop
-        offs = (ks // GROUP * N)[:, None] + cols[None, :]
-        sc = tl.load(s_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + offs, mask=ok[:, None], other=8.0).to(tl.float32)
-        zs = sc * (8.0 - z)
-        c0 += tl.sum(zs * _segment_sums(x0, ks, rs, ok)[:, None], axis=0)
-        if BLOCK_M > 1:
-            c1 += tl.sum(zs * _segment_sums(x1, ks, rs, ok)[:, None], axis=0)
-        if BLOCK_M > 2:
-            c2 += tl.sum(zs * _segment_sums(x2, ks, rs, ok)[:, None], axis=0)
-            c3 += tl.sum(zs * _segment_sums(x3, ks, rs, ok)[:, None], axis=0)
-        if BLOCK_M > 4:
-            c4 += tl.sum(zs * _segment_sums(x4, ks, rs, ok)[:, None], axis=0)
-            c5 += tl.sum(zs * _segment_sums(x5, ks, rs, ok)[:, None], axis=0)
-            c6 += tl.sum(zs * _segment_sums(x6, ks, rs, ok)[:, None], axis=0)
-            c7 += tl.sum(zs * _segment_sums(x7, ks, rs, ok)[:, None], axis=0)
-        t0 += ZSEGS * SEG
-    return c0, c1, c2, c3, c4, c5, c6, c7
-
-
-@triton.jit
-def _store_row(out_base, r: tl.constexpr, acc, corr, rn, N, M, stride_om):
-    tl.store(out_base + r * stride_om + rn,
-             (tl.sum(acc, axis=0) + corr).to(out_base.dtype.element_ty),
+def _store_row(out_base, r: tl.constexpr, acc, rn, N, M, stride_om):
+    tl.store(out_base + r * stride_om + rn, tl.sum(acc, axis=0).to(out_base.dtype.element_ty),
              mask=(rn < N) & (r < M))
 
 
@@ -240,11 +257,9 @@ def _kmajor_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         K_CHUNK: tl.constexpr, EVEN_N: tl.constexpr,
                         AHEAD: tl.constexpr, WHILE_LOOP: tl.constexpr,
-                        USE_PDL: tl.constexpr, ZSEGS: tl.constexpr,
-                        ZSEG: tl.constexpr):
+                        USE_PDL: tl.constexpr):
     """Up to ``BLOCK_M`` rows of ``x`` times ``BLOCK_N`` columns over one K chunk (module
-    doc); ``HAS_ZERO``: the symmetric loop, then ``_zero_correction`` over ``ZSEGS``
-    segments of ``ZSEG`` inputs at a time (:func:`zero_segments`)."""
+    doc); ``HAS_ZERO``: each step adds ``(8 - zero) * sum x`` per word row."""
     BW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -278,47 +293,45 @@ def _kmajor_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
     a6 = tl.zeros((BW, BLOCK_N), dtype=tl.float32)
     a7 = tl.zeros((BW, BLOCK_N), dtype=tl.float32)
     if not AHEAD:
+        zc = _zeros_c(z_ptr, k_start, cols, rw, N, GROUP, BLOCK_K, HAS_ZERO)
         a0, a1, a2, a3, a4, a5, a6, a7 = _step(
-            x0, x1, x2, x3, x4, x5, x6, x7, words, sc, k_start + rw * 8,
-            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
+            x0, x1, x2, x3, x4, x5, x6, x7, words, sc, zc, k_start + rw * 8,
+            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, HAS_ZERO)
     if WHILE_LOOP:
         # The interpreter cannot take program-id-derived scalars as range() bounds (numpy
         # refuses int() of their shape-(1,) arrays); on the GPU the for-loop stays.
         k0 = k_start + BLOCK_K
         while k0 < k_stop:
             words, sc, a0, a1, a2, a3, a4, a5, a6, a7 = _advance(
-                x0, x1, x2, x3, x4, x5, x6, x7, qw_base, s_ptr, cols, rw, N, k0,
-                words, sc, a0, a1, a2, a3, a4, a5, a6, a7, GROUP, BLOCK_K, BLOCK_M, AHEAD)
+                x0, x1, x2, x3, x4, x5, x6, x7, qw_base, s_ptr, z_ptr, cols, rw, N, k0,
+                words, sc, a0, a1, a2, a3, a4, a5, a6, a7, GROUP, BLOCK_K, BLOCK_M,
+                AHEAD, HAS_ZERO)
             k0 += BLOCK_K
     else:
         for k0 in range(k_start + BLOCK_K, k_stop, BLOCK_K):
             words, sc, a0, a1, a2, a3, a4, a5, a6, a7 = _advance(
-                x0, x1, x2, x3, x4, x5, x6, x7, qw_base, s_ptr, cols, rw, N, k0,
-                words, sc, a0, a1, a2, a3, a4, a5, a6, a7, GROUP, BLOCK_K, BLOCK_M, AHEAD)
+                x0, x1, x2, x3, x4, x5, x6, x7, qw_base, s_ptr, z_ptr, cols, rw, N, k0,
+                words, sc, a0, a1, a2, a3, a4, a5, a6, a7, GROUP, BLOCK_K, BLOCK_M,
+                AHEAD, HAS_ZERO)
     if AHEAD:  # the last step, loaded by the last iteration
+        zc = _zeros_c(z_ptr, k_stop - BLOCK_K, cols, rw, N, GROUP, BLOCK_K, HAS_ZERO)
         a0, a1, a2, a3, a4, a5, a6, a7 = _step(
-            x0, x1, x2, x3, x4, x5, x6, x7, words, sc, k_stop - BLOCK_K + rw * 8,
-            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
-    if HAS_ZERO:
-        c0, c1, c2, c3, c4, c5, c6, c7 = _zero_correction(
-            x0, x1, x2, x3, x4, x5, x6, x7, s_ptr, z_ptr, cols, k_start, k_stop, N, GROUP,
-            ZSEG, ZSEGS, BLOCK_M, BLOCK_N)
-    else:
-        c0, c1, c2, c3, c4, c5, c6, c7 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+            x0, x1, x2, x3, x4, x5, x6, x7, words, sc, zc, k_stop - BLOCK_K + rw * 8,
+            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, HAS_ZERO)
     # The trigger after the last load, not first (kernels/pdl.py: measured).
     pdl_trigger(USE_PDL)
     out_base = out_ptr + pid_k.to(tl.int64) * stride_os
-    _store_row(out_base, 0, a0, c0, rn, N, M, stride_om)
+    _store_row(out_base, 0, a0, rn, N, M, stride_om)
     if BLOCK_M > 1:
-        _store_row(out_base, 1, a1, c1, rn, N, M, stride_om)
+        _store_row(out_base, 1, a1, rn, N, M, stride_om)
     if BLOCK_M > 2:
-        _store_row(out_base, 2, a2, c2, rn, N, M, stride_om)
-        _store_row(out_base, 3, a3, c3, rn, N, M, stride_om)
+        _store_row(out_base, 2, a2, rn, N, M, stride_om)
+        _store_row(out_base, 3, a3, rn, N, M, stride_om)
     if BLOCK_M > 4:
-        _store_row(out_base, 4, a4, c4, rn, N, M, stride_om)
-        _store_row(out_base, 5, a5, c5, rn, N, M, stride_om)
-        _store_row(out_base, 6, a6, c6, rn, N, M, stride_om)
-        _store_row(out_base, 7, a7, c7, rn, N, M, stride_om)
+        _store_row(out_base, 4, a4, rn, N, M, stride_om)
+        _store_row(out_base, 5, a5, rn, N, M, stride_om)
+        _store_row(out_base, 6, a6, rn, N, M, stride_om)
+        _store_row(out_base, 7, a7, rn, N, M, stride_om)
 
 
 @triton.jit
@@ -455,21 +468,6 @@ def _check_config(cfg: KmajorConfig, m: int, k: int, group_size: int) -> None:
         raise ValueError(f"config: split_k={split} must be >= 1")
 
 
-def zero_segments(block_m: int, block_n: int, block_k: int, group_size: int,
-                  k_chunk: int) -> tuple[int, int]:
-    """``(ZSEGS, ZSEG)`` for ``_zero_correction``: segments of ``ZSEG`` inputs (128 where
-    the chunks are whole multiples of 128, else a step or a group: every segment lies in
-    one group and chunk boundaries fall between segments), ``ZSEGS`` of them at a time
-    (a power of two, at most the chunk's).  From sm_90 compiles
-    (``benchmarks/triton_sass.py``): a ``[4, 128]`` tile of scales and zeros at one or two
-    rows keeps the registers of the symmetric loop (64 at one row) for about 4-5% more
-    instructions; at four rows and more, one segment at a time (96 registers, as the
-    zero folded into the loop had)."""
-    seg = 128 if k_chunk % 128 == 0 else min(block_k, group_size)
-    per_tile = 512 // block_n if block_m <= 2 else 1
-    return max(1, min(triton.next_power_of_2(k_chunk // seg), per_tile)), seg
-
-
 def kmajor_gemv(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor,
                 zeros_t: torch.Tensor | None, group_size: int,
                 config: KmajorConfig | None = None) -> torch.Tensor:
@@ -496,13 +494,12 @@ def kmajor_gemv(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor
     k_chunk, split = split_k_chunk(k, bk, split)
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32,
                                                 device=x.device)
-    zsegs, zseg = zero_segments(bm, bn, bk, group_size, k_chunk)
     _kmajor_gemv_kernel[(triton.cdiv(n, bn), split)](
         x, qweight_t, scales_t, zeros_t if zeros_t is not None else scales_t, target, m, n,
         x.stride(0), n, m * n if split > 1 else 0, K=k, GROUP=group_size,
         HAS_ZERO=zeros_t is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_CHUNK=k_chunk,
         EVEN_N=n % bn == 0, AHEAD=len(cfg) > 6 and bool(cfg[6]), WHILE_LOOP=_INTERPRET,
-        ZSEGS=zsegs, ZSEG=zseg, num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages,
         **pdl_launch_args(x.device))
     if split > 1:
         splitk_reduce(target, out)  # fixed order: deterministic
