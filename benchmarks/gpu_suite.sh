@@ -40,8 +40,8 @@
 #            (int4_layer_bench.py), the K-major kernels' sweep (wna16_kmajor_sweep.py),
 #            then W4 and W1 of llama3-8b-w4a16 (symmetric: striped) and -asym (K-major)
 #   w6       issue 45: the host tier's GPU copy tests, then the multi-turn benchmark, host
-#            tier off / on (200 conversations, 30 GB device pool, 80 GiB host pool: fits
-#            the 128 GiB machine)
+#            tier off / on (600 conversations x 4 turns, fp8 KV: a 108 GiB working set,
+#            2.9x the 40 GB device pool, fits device + an 88 GiB host pool on 128 GiB)
 #   w2       online serving at 10 and 20 req/s (benchmarks/w2_suite.sh; RATES to change)
 #   w3       shared prefix, prefix caching on vs off (benchmarks/w3_suite.sh gpu)
 #   startup  cold then warm server start to the first /health 200 (startup_probe.sh)
@@ -237,7 +237,7 @@ import gpu_check_families as g; g.gemma('gemma3'); g.gemma('gemma2')"
       step timeout 120 python -m pytest -q -p no:cacheprovider -m gpu \
         tests/kernels/test_block_ops.py tests/kernels/test_disk_pool.py
       step python -m pagedllm bench multiturn --dummy llama3-8b --max-model-len 4096 \
-        --num-conversations 200 --kv-cache-memory-bytes 30e9 --kv-offload-size 80 \
+        --kv-cache-dtype fp8 --kv-cache-memory-bytes 40e9 --kv-offload-size 88 \
         --output-json "$OUT/w6.json" ;;
     w2) step env RATES="${RATES:-10 20}" bash benchmarks/w2_suite.sh ;;
     w3) step bash benchmarks/w3_suite.sh gpu ;;
