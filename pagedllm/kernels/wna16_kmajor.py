@@ -113,6 +113,17 @@ def _group(s_ptr, k0, cols, rw, N, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _mac(xr, offs, c, p, q, HAS_ZERO: tl.constexpr):
+    """One slot of one row: ``p += c * x[offs]`` (broadcast along N) and, with zero
+    points, ``q += x[offs]``."""
+    v = tl.load(xr + offs).to(tl.float32)
+    p += c * v[:, None]
+    if HAS_ZERO:
+        q += v
+    return p, q
+
+
+@triton.jit
 def _step(x0, x1, x2, x3, x4, x5, x6, x7, words, sc, zc, xo,
           a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M: tl.constexpr, HAS_ZERO: tl.constexpr):
     """``a_m [BW, BN] += (sum_s (c_s - 8) x_m[xo + s] + zc sum_s x_m[xo + s]) * sc`` for
@@ -137,41 +148,17 @@ def _step(x0, x1, x2, x3, x4, x5, x6, x7, words, sc, zc, xo,
     q7 = tl.zeros(xo.shape, dtype=tl.float32)
     for s in tl.static_range(8):
         c = _slot(words, hi, s, 4, 8.0)  # code - 8, exact
-        v = tl.load(x0 + xo + s).to(tl.float32)
-        p0 += c * v[:, None]
-        if HAS_ZERO:
-            q0 += v
+        p0, q0 = _mac(x0, xo + s, c, p0, q0, HAS_ZERO)
         if BLOCK_M > 1:
-            v = tl.load(x1 + xo + s).to(tl.float32)
-            p1 += c * v[:, None]
-            if HAS_ZERO:
-                q1 += v
+            p1, q1 = _mac(x1, xo + s, c, p1, q1, HAS_ZERO)
         if BLOCK_M > 2:
-            v = tl.load(x2 + xo + s).to(tl.float32)
-            p2 += c * v[:, None]
-            if HAS_ZERO:
-                q2 += v
-            v = tl.load(x3 + xo + s).to(tl.float32)
-            p3 += c * v[:, None]
-            if HAS_ZERO:
-                q3 += v
+            p2, q2 = _mac(x2, xo + s, c, p2, q2, HAS_ZERO)
+            p3, q3 = _mac(x3, xo + s, c, p3, q3, HAS_ZERO)
         if BLOCK_M > 4:
-            v = tl.load(x4 + xo + s).to(tl.float32)
-            p4 += c * v[:, None]
-            if HAS_ZERO:
-                q4 += v
-            v = tl.load(x5 + xo + s).to(tl.float32)
-            p5 += c * v[:, None]
-            if HAS_ZERO:
-                q5 += v
-            v = tl.load(x6 + xo + s).to(tl.float32)
-            p6 += c * v[:, None]
-            if HAS_ZERO:
-                q6 += v
-            v = tl.load(x7 + xo + s).to(tl.float32)
-            p7 += c * v[:, None]
-            if HAS_ZERO:
-                q7 += v
+            p4, q4 = _mac(x4, xo + s, c, p4, q4, HAS_ZERO)
+            p5, q5 = _mac(x5, xo + s, c, p5, q5, HAS_ZERO)
+            p6, q6 = _mac(x6, xo + s, c, p6, q6, HAS_ZERO)
+            p7, q7 = _mac(x7, xo + s, c, p7, q7, HAS_ZERO)
     if HAS_ZERO:  # sum (c - z) x = sum (c - 8) x + (8 - z) sum x: one FMA a word and row
         p0 += zc * q0[:, None]
         if BLOCK_M > 1:
