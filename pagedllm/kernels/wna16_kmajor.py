@@ -259,9 +259,12 @@ def _kmajor_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
     qw_base = qw_ptr + cols[None, :]
     k_start = pid_k * K_CHUNK
     k_stop = tl.minimum(k_start + K_CHUNK, K)  # the last chunk may be shorter
-    # The first step's weights and scales before the PDL wait.
+    # The first step's weights, scales (and, computed before the loop, zero points)
+    # before the PDL wait.
     words = _load_words(qw_base, k_start, rw, N)
     sc = _group(s_ptr, k_start, cols, rw, N, GROUP, BLOCK_K)
+    if not AHEAD:
+        zc = _zeros_c(z_ptr, k_start, cols, rw, N, GROUP, BLOCK_K, HAS_ZERO)
     pdl_wait(USE_PDL)
     x0 = _xrow(x_ptr, 0, M, stride_xm)
     x1 = _xrow(x_ptr, 1, M, stride_xm)
@@ -280,7 +283,6 @@ def _kmajor_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
     a6 = tl.zeros((BW, BLOCK_N), dtype=tl.float32)
     a7 = tl.zeros((BW, BLOCK_N), dtype=tl.float32)
     if not AHEAD:
-        zc = _zeros_c(z_ptr, k_start, cols, rw, N, GROUP, BLOCK_K, HAS_ZERO)
         a0, a1, a2, a3, a4, a5, a6, a7 = _step(
             x0, x1, x2, x3, x4, x5, x6, x7, words, sc, zc, k_start + rw * 8,
             a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, HAS_ZERO)
