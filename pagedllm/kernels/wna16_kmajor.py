@@ -40,10 +40,10 @@ Where ``BLOCK_K`` divides ``G`` the step's scales are one ``[BLOCK_N]`` row; a
 reads each word row's own.  The accumulators are reduced along K once, at the end;
 fp32 throughout, one rounding to ``x.dtype``.  Split-K partials (fp32 ``[split, M, N]``)
 are added in a fixed order by ``int8_gemm.splitk_reduce``: deterministic.  With PDL the
-first step's weights and scales are loaded before the wait (``kernels/pdl.py``: no
-kernel writes weights).  A configuration's ``ahead`` loads each step's tile before the
-previous step's arithmetic (a register prefetch: Triton's pipeliner stages only loads
-that feed a dot).
+first step's weights and scales (and, without ``ahead``, zero points) are loaded before
+the wait (``kernels/pdl.py``: no kernel writes weights).  A configuration's ``ahead``
+loads each step's tile before the previous step's arithmetic (a register prefetch:
+Triton's pipeliner stages only loads that feed a dot).
 
 Dequantise.  A program turns a ``[BLOCK_K / 8, BLOCK_N]`` word tile into ``out[n, k0 :
 k0 + BLOCK_K]`` (``[N, K]``, rows contiguous): the tile is transposed in registers and
@@ -259,8 +259,8 @@ def _kmajor_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, s
     qw_base = qw_ptr + cols[None, :]
     k_start = pid_k * K_CHUNK
     k_stop = tl.minimum(k_start + K_CHUNK, K)  # the last chunk may be shorter
-    # The first step's weights, scales (and, computed before the loop, zero points)
-    # before the PDL wait.
+    # The first step's weights and scales before the PDL wait; its zero points too where
+    # that step is computed before the loop (no register prefetch).
     words = _load_words(qw_base, k_start, rw, N)
     sc = _group(s_ptr, k_start, cols, rw, N, GROUP, BLOCK_K)
     if not AHEAD:
