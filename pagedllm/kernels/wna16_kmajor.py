@@ -218,16 +218,14 @@ def _advance(x0, x1, x2, x3, x4, x5, x6, x7, qw_base, s_ptr, z_ptr, cols, rw, N,
     and a prefetched tile cost 32 registers at one row (96 against 64)."""
     wn = _load_words(qw_base, k0, rw, N)
     sn = _group(s_ptr, k0, cols, rw, N, GROUP, BLOCK_K)
-    if AHEAD:
-        zc = _zeros_c(z_ptr, k0 - BLOCK_K, cols, rw, N, GROUP, BLOCK_K, HAS_ZERO)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _step(
-            x0, x1, x2, x3, x4, x5, x6, x7, words, sc, zc, k0 - BLOCK_K + rw * 8,
-            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, HAS_ZERO)
+    if AHEAD:  # the step computed now: the previous one, or this one
+        kc, wc, scc = k0 - BLOCK_K, words, sc
     else:
-        zc = _zeros_c(z_ptr, k0, cols, rw, N, GROUP, BLOCK_K, HAS_ZERO)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _step(
-            x0, x1, x2, x3, x4, x5, x6, x7, wn, sn, zc, k0 + rw * 8,
-            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, HAS_ZERO)
+        kc, wc, scc = k0, wn, sn
+    zc = _zeros_c(z_ptr, kc, cols, rw, N, GROUP, BLOCK_K, HAS_ZERO)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _step(
+        x0, x1, x2, x3, x4, x5, x6, x7, wc, scc, zc, kc + rw * 8,
+        a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, HAS_ZERO)
     return wn, sn, a0, a1, a2, a3, a4, a5, a6, a7
 
 

@@ -248,17 +248,19 @@ def test_config_priors(tmp_path, monkeypatch) -> None:
     empty.write_text('{"configs": []}')
     monkeypatch.setenv("PAGEDLLM_WNA16_KMAJOR_CONFIGS", str(empty))
     _clear_tables()
-    for m in range(1, 9):
-        for n, k, g in [(6144, 4096, 128), (4096, 14336, 128), (28672, 4096, 4096),
-                        (4096, 4096, -1), (256, 384, 128)]:
-            cfg = km.kmajor_config(m, n, k, torch.device("cpu"))
-            bm, bn, bk, split = cfg[:4]
-            assert bm >= m and bm in (1, 2, 4, 8)
-            assert (k if g == -1 else g) % bk == 0 and k % bk == 0
-            assert 1 <= split <= min(16, k // bk)
-            km._check_config(cfg, m, k, k if g == -1 else g)  # what kmajor_gemv checks
-    monkeypatch.delenv("PAGEDLLM_WNA16_KMAJOR_CONFIGS")
-    _clear_tables()
+    try:
+        for m in range(1, 9):
+            for n, k, g in [(6144, 4096, 128), (4096, 14336, 128), (28672, 4096, 4096),
+                            (4096, 4096, -1), (256, 384, 128)]:
+                cfg = km.kmajor_config(m, n, k, torch.device("cpu"))
+                bm, bn, bk, split = cfg[:4]
+                assert bm >= m and bm in (1, 2, 4, 8)
+                assert (k if g == -1 else g) % bk == 0 and k % bk == 0
+                assert 1 <= split <= min(16, k // bk)
+                km._check_config(cfg, m, k, k if g == -1 else g)  # what kmajor_gemv checks
+    finally:
+        monkeypatch.delenv("PAGEDLLM_WNA16_KMAJOR_CONFIGS")
+        _clear_tables()
 
 
 _SCRIPT = textwrap.dedent(r"""
