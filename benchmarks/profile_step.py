@@ -152,6 +152,7 @@ def per_step(prof, trace_path: str, skip: int, out_dir: str) -> None:
             steps.append([])
     steps = [st for st in steps if st]
     rows = []
+    by_kind_kernel: dict[str, dict[str, float]] = {}  # step kind -> kernel name -> us
     for i, st in enumerate(steps):
         start = st[0][0]
         end = steps[i + 1][0][0] if i + 1 < len(steps) else max(k[1] for k in st)
@@ -167,6 +168,10 @@ def per_step(prof, trace_path: str, skip: int, out_dir: str) -> None:
             else:
                 cur_e = max(cur_e, e0)
         busy += cur_e - cur_s
+        kind = "mixed" if t.get("chunks") else "decode"
+        kk = by_kind_kernel.setdefault(kind, {})
+        for s0, e0, name in st:
+            kk[name] = kk.get(name, 0.0) + (e0 - s0)
         rows.append({"step": i, "tokens": t.get("tokens"), "reqs": t.get("reqs"),
                      "prefill": sum(t.get("chunks") or ()),
                      "mixed": bool(t.get("chunks")), "span_ms": (end - start) / 1e3,
@@ -202,6 +207,12 @@ def per_step(prof, trace_path: str, skip: int, out_dir: str) -> None:
         print(f"{name:14s} {len(g):5d} {sum(r['tokens'] or 0 for r in g):7d} "
               f"{sum(r['prefill'] for r in g):7d} " + " ".join(
             f"{tot[c] / 1e3:5.2f}/{tot[c] / len(g):5.2f}" for c in cols))
+    # The kernels behind each kind's time (a prompt step's are what TTFT is made of).
+    for kind, kk in by_kind_kernel.items():
+        n = sum(1 for r in rows if r["mixed"] == (kind == "mixed"))
+        print(f"top kernels of the {n} {kind} steps (total ms / per step ms):")
+        for name, us in sorted(kk.items(), key=lambda kv: -kv[1])[:14]:
+            print(f"  {us / 1e3:8.2f} {us / 1e3 / max(n, 1):7.3f}  {name[:90]}")
 
 
 if __name__ == "__main__":
