@@ -4,8 +4,11 @@ bits) in worker processes, then timed under CUDA-graph replay against the stripe
 (its configuration for this GPU, and the shipped H200 table's) and the tensor-core GEMM
 of ``kernels/wna16_tc.py`` (the H200 table's M = 16 entry; the K-major layout's other
 small-M candidate from 4 rows), at the Llama-3-8B projections, M = 1, 2, 4, 8; the
-dequantise kernel checked bit for bit and timed against ``stripe_dequantize``.  One
-device call (< 8 min):
+dequantise kernel checked bit for bit and timed against ``stripe_dequantize``, then the
+dequantise + cuBLAS route (``int_cuda.kmajor_dequant_linear``) at 256 and 1,024 rows,
+whole and in L2-sized chunks (``dequant_chunk_mb`` 8 / 16 / 32), against bf16
+``F.linear``: the numbers that decide where the tensor-core table's ``dequant`` entries
+and its ``dequant_chunk_mb`` should stand for this layout.  One device call (< 8 min):
 
     python benchmarks/wna16_kmajor_sweep.py --out $OUT/wna16_kmajor_sweep.json \
         --table $OUT/wna16_kmajor_configs.json
@@ -188,6 +191,49 @@ def time_dequant(name: str, w: dict) -> dict[str, Any]:
     return res
 
 
+DEQUANT_ROWS = (256, 1024)  # prompt-chunk and W1-decode-sized row counts
+CHUNK_MB = (8, 16, 32)  # dequant_chunk_mb candidates: a chunk's bf16 rows stay in L2
+
+
+def time_dequant_mm(name: str, copies: list[dict]) -> list[dict[str, Any]]:
+    """The dequantise + cuBLAS route as the layers run it (``int_cuda.
+    kmajor_dequant_linear``), whole and in ``dequant_chunk_mb`` chunks, against bf16
+    ``F.linear`` at ``DEQUANT_ROWS`` (graph-timed, one call per weight copy).  A chunk's
+    result must match the whole layer's to ``TOL`` (cuBLAS may pick another kernel for a
+    narrower N)."""
+    import torch.nn.functional as F
+
+    from pagedllm.kernels.wna16 import dequantize
+    from pagedllm.layers.quantization.int_cuda import kmajor_dequant_linear
+
+    n, k = PROJ[name]
+    scratch = torch.empty(n * k, device=DEV, dtype=torch.bfloat16)
+    dense = dequantize(copies[0]["qw"], copies[0]["sc"], copies[0]["zp"], None, 4,
+                       GROUP).to(torch.bfloat16)
+    dcopies = [dense] + [dense.clone() for _ in range(max(0, COPY_BYTES // (2 * n * k)))]
+    out = []
+    for m in DEQUANT_ROWS:
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        row: dict[str, Any] = {"proj": name, "m": m, "bf16_us": graph_us(
+            [partial(F.linear, x, w) for w in dcopies])}
+
+        def call(c: dict, rows: int, x: torch.Tensor = x,
+                 scratch: torch.Tensor = scratch) -> torch.Tensor:
+            return kmajor_dequant_linear(x, c["qt"], c["sct"], c["zt"], GROUP, scratch, rows)
+
+        whole = call(copies[0], 0).float()
+        row["whole_us"] = graph_us([partial(call, c, 0) for c in copies])
+        for mb in CHUNK_MB:
+            rows = (mb << 20) // (2 * k)
+            if rows >= n:
+                continue
+            err = _rel(call(copies[0], rows), whole)
+            row[f"chunk{mb}_us"] = graph_us([partial(call, c, rows) for c in copies]) \
+                if err <= TOL else None
+        out.append(row)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -217,14 +263,20 @@ def main() -> None:
                   flush=True)
         rows.append({"dequant": time_dequant(name, copies[0])})
         print(json.dumps(rows[-1]), flush=True)
+        for r in time_dequant_mm(name, copies):
+            rows.append({"dequant_mm": r})
+            print(json.dumps(rows[-1]), flush=True)
         del copies
         torch.cuda.empty_cache()
 
     totals = step_totals(rows)
     print("per-step ms (32 layers):", json.dumps(totals), flush=True)
+    mm_totals = dequant_mm_totals(rows)
+    print("dequantise + cuBLAS, per-step ms (32 layers):", json.dumps(mm_totals), flush=True)
     with open(args.out, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows,
                    "per_step_ms_x32_layers": totals,
+                   "dequant_mm_per_step_ms_x32_layers": mm_totals,
                    "checks": {str(jobs[i]): r for i, r in checked.items()}}, fh, indent=1)
     if args.table:
         with open(args.table, "w") as fh:
@@ -244,6 +296,20 @@ def step_totals(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         complete = len(at_m) == len(PROJ)
         totals[str(m)] = {key: sum(r[key] for r in at_m) * 32 / 1000 for key in keys
                           if complete and all(r.get(key) is not None for r in at_m)}
+    return totals
+
+
+def dequant_mm_totals(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per row count of ``DEQUANT_ROWS``, each variant's ms a step (four projections, 32
+    layers), where every projection timed it."""
+    mm = [r["dequant_mm"] for r in rows if "dequant_mm" in r]
+    totals: dict[str, dict[str, float]] = {}
+    for m in DEQUANT_ROWS:
+        at_m = [r for r in mm if r["m"] == m]
+        keys = {key for r in at_m for key in r if key.endswith("_us")}
+        totals[str(m)] = {key: sum(r[key] for r in at_m) * 32 / 1000 for key in sorted(keys)
+                          if len(at_m) == len(PROJ)
+                          and all(r.get(key) is not None for r in at_m)}
     return totals
 
 

@@ -410,3 +410,17 @@ def test_tuned_table_entry_the_gemv_cannot_take_names_the_variable(tmp_path,
     finally:
         monkeypatch.delenv("PAGEDLLM_WNA16_KMAJOR_CONFIGS")
         _clear_tables()
+
+
+def test_sweep_dequant_mm_totals_sum_complete_variants(sweep) -> None:
+    """The dequantise + cuBLAS sums: per row count, a variant (whole, a chunk size, bf16)
+    only where every projection timed it (a chunk that failed its check is None)."""
+    rows = [{"dequant_mm": {"proj": name, "m": 256, "bf16_us": 5.0, "whole_us": 9.0,
+                            "chunk16_us": None if name == "o_proj" else 7.0}}
+            for name in sweep.PROJ]
+    rows.append({"proj": "qkv_proj", "m": 1, "stripe_us": 1.0})  # a GEMV row: ignored
+    totals = sweep.dequant_mm_totals(rows)
+    n = len(sweep.PROJ) * 32 / 1000
+    assert totals["256"] == {"bf16_us": pytest.approx(5.0 * n),
+                             "whole_us": pytest.approx(9.0 * n)}
+    assert totals["1024"] == {}
