@@ -204,7 +204,7 @@ def time_dequant_mm(name: str, copies: list[dict]) -> list[dict[str, Any]]:
     import torch.nn.functional as F
 
     from pagedllm.kernels.wna16 import dequantize
-    from pagedllm.layers.quantization.int_cuda import kmajor_dequant_linear
+    from pagedllm.layers.quantization.int_cuda import chunk_rows_of, kmajor_dequant_linear
 
     n, k = PROJ[name]
     scratch = torch.empty(n * k, device=DEV, dtype=torch.bfloat16)
@@ -224,7 +224,7 @@ def time_dequant_mm(name: str, copies: list[dict]) -> list[dict[str, Any]]:
         whole = call(copies[0], 0).float()
         row["whole_us"] = graph_us([partial(call, c, 0) for c in copies])
         for mb in CHUNK_MB:
-            rows = (mb << 20) // (2 * k)
+            rows = chunk_rows_of(mb, k)
             if rows >= n:
                 continue
             err = _rel(call(copies[0], rows), whole)

@@ -151,7 +151,12 @@ def dequant_chunk_rows(k: int) -> int:
     scratch, so that the bf16 chunk is still in L2 when cuBLAS reads it (and is
     overwritten there by the next chunk, never written back) -- at the cost of more,
     narrower GEMMs."""
-    mb = _threshold("dequant_chunk_mb", 0)
+    return chunk_rows_of(_threshold("dequant_chunk_mb", 0), k)
+
+
+def chunk_rows_of(mb: int, k: int) -> int:
+    """``mb`` MB of bf16 weight rows of ``k`` inputs, in whole 128-row tiles (at least
+    one; 0 for ``mb <= 0``: whole layers)."""
     return 0 if mb <= 0 else max(128, (mb << 20) // (2 * k) // 128 * 128)
 
 
