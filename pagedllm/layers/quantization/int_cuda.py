@@ -32,8 +32,8 @@ striped layout's 8.61 (2026-12-05; its zero-point GEMV is 2-3x faster per layer,
 (2026-12-06, one lease, the shipped table of every projection): 3.04 ms against the
 striped layout's 3.33, and W1 6,636 against 5,935 output tok/s; with its priors it
 loses by about the table's gain (the sweep's per-step sums: 3.05 ms of GEMV against
-2.42 tuned), so a GPU without a K-major table keeps "stripe+tc".  On the H200 with its table
-(2026-12-06): symmetric K-major 2.83 ms against striped 2.81, W1 7,342 against 7,249,
+2.42 tuned), so a GPU without a K-major table keeps "stripe+tc".  On the H200 with its
+table (2026-12-06): symmetric K-major 2.83 ms against striped 2.81, W1 7,342 against 7,249,
 in half the weight memory of "stripe+tc".  Where "stripe+tc" stays and a tuned
 tensor-core table exists, the symmetric layers' K-major copy costs another half byte
 per weight (the striped copy stays for the decode GEMV below ``TC_MIN_M`` rows and for
