@@ -168,8 +168,7 @@ def per_step(prof, trace_path: str, skip: int, out_dir: str) -> None:
             else:
                 cur_e = max(cur_e, e0)
         busy += cur_e - cur_s
-        kind = "mixed" if t.get("chunks") else "decode"
-        kk = by_kind_kernel.setdefault(kind, {})
+        kk = by_kind_kernel.setdefault("mixed" if t.get("chunks") else "decode", {})
         for s0, e0, name in st:
             kk[name] = kk.get(name, 0.0) + (e0 - s0)
         rows.append({"step": i, "tokens": t.get("tokens"), "reqs": t.get("reqs"),

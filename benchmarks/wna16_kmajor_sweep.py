@@ -283,33 +283,33 @@ def main() -> None:
             json.dump(table_of(rows), fh, indent=1)
 
 
+def _per_step(at_m: list[dict[str, Any]], keys: Any) -> dict[str, float]:
+    """Each of ``keys`` summed over one row count's projections, as ms a decode step (32
+    layers): only where every projection has a row and timed it -- a sweep whose budget
+    ran out before the last projections (or a variant that failed its check) is left out
+    rather than summing fewer layers than the baselines'."""
+    if len(at_m) != len(PROJ):
+        return {}
+    return {key: sum(r[key] for r in at_m) * 32 / 1000 for key in keys
+            if all(r.get(key) is not None for r in at_m)}
+
+
 def step_totals(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per row count, each kernel's ms a decode step (the four projections, 32 layers):
-    only where that kernel was timed at every projection -- a sweep whose ``--budget-s``
-    ran out before the last projections leaves its K-major columns out rather than
-    summing fewer layers than the baselines'."""
+    """Per row count, each GEMV kernel's ms a decode step (``_per_step``)."""
     keys = ("stripe_us", "stripe_h200_table_us", "tc16_h200_table_us", "kmajor_prior_us",
             "kmajor_best_us")
-    totals: dict[str, dict[str, float]] = {}
-    for m in ROWS:
-        at_m = [r for r in rows if r.get("m") == m]
-        complete = len(at_m) == len(PROJ)
-        totals[str(m)] = {key: sum(r[key] for r in at_m) * 32 / 1000 for key in keys
-                          if complete and all(r.get(key) is not None for r in at_m)}
-    return totals
+    return {str(m): _per_step([r for r in rows if r.get("m") == m], keys) for m in ROWS}
 
 
 def dequant_mm_totals(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per row count of ``DEQUANT_ROWS``, each variant's ms a step (four projections, 32
-    layers), where every projection timed it."""
+    """Per row count of ``DEQUANT_ROWS``, each dequantise + cuBLAS variant's (and bf16's)
+    ms a step (``_per_step``)."""
     mm = [r["dequant_mm"] for r in rows if "dequant_mm" in r]
     totals: dict[str, dict[str, float]] = {}
     for m in DEQUANT_ROWS:
         at_m = [r for r in mm if r["m"] == m]
-        keys = {key for r in at_m for key in r if key.endswith("_us")}
-        totals[str(m)] = {key: sum(r[key] for r in at_m) * 32 / 1000 for key in sorted(keys)
-                          if len(at_m) == len(PROJ)
-                          and all(r.get(key) is not None for r in at_m)}
+        totals[str(m)] = _per_step(at_m, sorted({k for r in at_m for k in r
+                                                 if k.endswith("_us")}))
     return totals
 
 
