@@ -33,7 +33,7 @@ STACK_TYPES = {**TYPES, "attn_v": Q.Q4_0}
 
 pytestmark = pytest.mark.skipif(
     decode_stack._lib() is None or not int4_vnni.available(),
-    reason="no C compiler or no AVX512-VNNI: the per-module path runs instead")
+    reason="no C compiler or neither AVX512-VNNI nor AVX2: the per-module path runs instead")
 
 
 def _model(path: str, quantization: str | None = None):

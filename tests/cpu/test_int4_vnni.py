@@ -1,4 +1,6 @@
-"""The CPU int4 GEMM for VNNI CPUs (``layers/quantization/int4_vnni.py``).
+"""The CPU int4 GEMM for VNNI and AVX2 CPUs (``layers/quantization/int4_vnni.py``): every
+test runs on the CPU's own kernels and again on the AVX2 ones (``force_avx2``), so a VNNI
+machine checks both.
 
 Fixtures: GGUF Q4_1 (one int4 part) and Q8_0 (two parts) tensors written by gguf-py's
 quantiser, split by ``gguf_blocks.int4_parts``, packed by ``PackedInt4``; a Q8_0 table as
@@ -23,7 +25,18 @@ from pagedllm.layers.quantization import int4_vnni
 from pagedllm.layers.quantization.int4pack import PackedInt4, PackedInt8, mm_parts
 
 pytestmark = pytest.mark.skipif(not int4_vnni.available(),
-                                reason="no C compiler or no AVX512-VNNI on this CPU")
+                                reason="no C compiler or neither AVX512-VNNI nor AVX2 here")
+
+
+@pytest.fixture(autouse=True, params=["native", "avx2"])
+def isa(request: pytest.FixtureRequest):
+    """The CPU's own kernels, then the AVX2 ones."""
+    if request.param == "avx2" and not int4_vnni.force_avx2(True):
+        pytest.skip("the library has no AVX2 kernels (built without AVX2 + FMA)")
+    try:
+        yield request.param
+    finally:
+        int4_vnni.force_avx2(False)
 
 
 ACT = pytest.mark.parametrize("act8", [False, True], ids=["int16-x", "int8-x"])

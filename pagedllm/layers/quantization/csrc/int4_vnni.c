@@ -47,16 +47,36 @@
 #include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
 #define HAVE_VNNI 1
 #else
 #define HAVE_VNNI 0
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2 1 /* csrc/int4_avx2.h: the same kernels for CPUs without VNNI */
+#else
+#define HAVE_AVX2 0
+#endif
+#if HAVE_VNNI || HAVE_AVX2
+#include <immintrin.h>
 #endif
 
 #define MAX_PARTS 4
 #define MB 4 /* rows of x per pass over a unit's weights */
 
-int int4_vnni_supported(void) { return HAVE_VNNI; }
+/* 1 when the kernels run here: AVX512-VNNI, else AVX2 + FMA. */
+int int4_vnni_supported(void) { return HAVE_VNNI || HAVE_AVX2; }
+
+/* Tests: run the AVX2 kernels on a VNNI CPU too (on = 1).  Returns HAVE_AVX2. */
+static int force_avx2 = 0;
+int int4_vnni_force_avx2(int on) {
+    force_avx2 = on;
+    return HAVE_AVX2;
+}
+
+#if HAVE_VNNI || HAVE_AVX2
+/* Which kernels a call runs: 1 = AVX512-VNNI, 0 = AVX2. */
+static int use_vnni(void) { return HAVE_VNNI && !(HAVE_AVX2 && force_avx2); }
+#endif
 
 /* Repack v [N, K] (uint8 codes, row-major) into the vnni4 layout, or vnni4x8 with act8
  * (out: N * K / 2 bytes either way). */
@@ -117,6 +137,9 @@ static void quantize_row(const float *x, int k, void *q, int a8, float *d, float
     }
 }
 
+#endif
+
+#if HAVE_VNNI || HAVE_AVX2
 /* The rows of x as the kernels read them: codes q [m][k] (int16, or int8 when a8), and
  * per 32 columns the scale d, the sum s of x and 8 times the codes' sum q8 ([m][k / 32]
  * each). */
@@ -151,14 +174,28 @@ static void xrows_free(XRows *r) {
 /* Quantise the m rows, shared out over the enclosing parallel region's threads (at 64
  * rows this was ~20% of a small projection's time on one thread); the loop's barrier
  * publishes them. */
-static void xrows_fill(const XRows *r, const float *x, long ldx, int m, int k) {
+static void quantize_row_avx2(const float *x, int k, void *q, int a8, float *d, float *sum,
+                              int32_t *qsum8);
+
+static void xrows_fill(const XRows *r, const float *x, long ldx, int m, int k, int vnni) {
 #pragma omp for schedule(static)
-    for (int i = 0; i < m; i++)
-        quantize_row(x + (size_t)i * ldx, k, (char *)r->q + (size_t)i * k * (r->a8 ? 1 : 2),
-                     r->a8, r->d + (size_t)i * (k / 32), r->s + (size_t)i * (k / 32),
-                     r->q8 + (size_t)i * (k / 32));
+    for (int i = 0; i < m; i++) {
+        const float *xi = x + (size_t)i * ldx;
+        void *q = (char *)r->q + (size_t)i * k * (r->a8 ? 1 : 2);
+        const size_t o = (size_t)i * (k / 32);
+#if HAVE_VNNI
+        if (vnni) {
+            quantize_row(xi, k, q, r->a8, r->d + o, r->s + o, r->q8 + o);
+            continue;
+        }
+#endif
+        (void)vnni;
+        quantize_row_avx2(xi, k, q, r->a8, r->d + o, r->s + o, r->q8 + o);
+    }
 }
 #endif
+
+#include "int4_avx2.h"
 
 #if HAVE_VNNI
 /* The float steps after the integer sums, with explicit fused multiply-adds so that the
@@ -360,21 +397,27 @@ static inline __attribute__((always_inline)) void unit8_rows(
 int int8_vnni_gemm(const uint8_t *packed, const uint16_t *sz, int n, int k, int g,
                    const float *x, long ldx, int m, float *y, long ldy, int nthreads,
                    int act8) {
-#if HAVE_VNNI
+#if HAVE_VNNI || HAVE_AVX2
     if (n % 16 || k % 32 || g % 32 || k % g || m < 1 || ldx < k || ldy < n) return -1;
     XRows xr;
     if (xrows_alloc(&xr, m, k, act8)) return -2;
     /* As int4_vnni_gemm: one thread below ~32K weight bytes. */
     const int threads = (long)n * k * (m < 4 ? m : 4) < 32768 ? 1 : nthreads;
+    const int vnni = use_vnni();
 #pragma omp parallel num_threads(threads)
     {
-    xrows_fill(&xr, x, ldx, m, k);
+    xrows_fill(&xr, x, ldx, m, k, vnni);
 #pragma omp for schedule(static)
     for (int u = 0; u < n / 16; u++) {
         float acc[MB][16];
         for (int m0 = 0; m0 < m; m0 += MB) {
             const int mb = m - m0 < MB ? m - m0 : MB;
             memset(acc, 0, sizeof(acc));
+            if (!vnni) {
+                unit8_avx2(packed, sz, n, k, g, u, &xr, m0, mb, acc, act8);
+                goto store8;
+            }
+#if HAVE_VNNI
             switch (act8 ? mb + 4 : mb) {
             case 1: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 1, acc, 0); break;
             case 2: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 2, acc, 0); break;
@@ -385,6 +428,8 @@ int int8_vnni_gemm(const uint8_t *packed, const uint16_t *sz, int n, int k, int 
             case 7: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 3, acc, 1); break;
             default: unit8_rows(packed, sz, n, k, g, u, &xr, m0, 4, acc, 1); break;
             }
+#endif
+        store8:
             for (int r = 0; r < mb; r++)
                 memcpy(y + (size_t)(m0 + r) * ldy + (size_t)u * 16, acc[r], sizeof(float) * 16);
         }
@@ -405,7 +450,7 @@ int int8_vnni_gemm(const uint8_t *packed, const uint16_t *sz, int n, int k, int 
 int int4_vnni_gemm(int nparts, const uint8_t *const *packed, const uint16_t *const *sz,
                    int n, int k, int g, const float *x, long ldx, int m, float *y, long ldy,
                    int nthreads, int act8) {
-#if HAVE_VNNI
+#if HAVE_VNNI || HAVE_AVX2
     if (nparts < 1 || nparts > MAX_PARTS || n % 32 || k % 32 || g % 32 || k % g || m < 1 ||
         ldx < k || ldy < n)
         return -1;
@@ -414,9 +459,10 @@ int int4_vnni_gemm(int nparts, const uint8_t *const *packed, const uint16_t *con
     const int units = n / 32;
     /* A fork-join costs a few microseconds: not worth it below ~32K weight bytes. */
     const int threads = (long)n * k * (m < 4 ? m : 4) < 65536 ? 1 : nthreads;
+    const int vnni = use_vnni();
 #pragma omp parallel num_threads(threads)
     {
-    xrows_fill(&xr, x, ldx, m, k);
+    xrows_fill(&xr, x, ldx, m, k, vnni);
 #pragma omp for schedule(static)
     for (int u = 0; u < units; u++) {
         float acc[MB][32];
@@ -425,6 +471,11 @@ int int4_vnni_gemm(int nparts, const uint8_t *const *packed, const uint16_t *con
             memset(acc, 0, sizeof(acc));
             for (int p = 0; p < nparts; p++) {
                 const uint8_t *w = packed[p];
+                if (!vnni) {
+                    unit_avx2(w, sz[p], n, k, g, u, &xr, m0, mb, acc, act8);
+                    continue;
+                }
+#if HAVE_VNNI
                 switch (act8 ? mb + 4 : mb) { /* constant row counts: loops over m unroll */
                 case 1: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 1, acc, 0); break;
                 case 2: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 2, acc, 0); break;
@@ -435,6 +486,7 @@ int int4_vnni_gemm(int nparts, const uint8_t *const *packed, const uint16_t *con
                 case 7: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 3, acc, 1); break;
                 default: unit_rows(w, sz[p], n, k, g, u, &xr, m0, 4, acc, 1); break;
                 }
+#endif
             }
             for (int r = 0; r < mb; r++)
                 memcpy(y + (size_t)(m0 + r) * ldy + (size_t)u * 32, acc[r], sizeof(float) * 32);
