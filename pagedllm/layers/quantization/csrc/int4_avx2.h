@@ -15,18 +15,27 @@
  */
 #if HAVE_AVX2
 
+/* The sum of 32 floats in quantize_row's order (the two 16-wide halves added, then
+ * GCC's _mm512_reduce_add_ps: halves of 8, of 4, then lanes 0 + 2, 1 + 3 and those two),
+ * so that both instruction sets give every row the same bits. */
+static inline float sum32(const float *x) {
+    float v[16], w[8], u[4];
+    for (int i = 0; i < 16; i++) v[i] = x[i] + x[16 + i];
+    for (int i = 0; i < 8; i++) w[i] = v[8 + i] + v[i];
+    for (int i = 0; i < 4; i++) u[i] = w[4 + i] + w[i];
+    return (u[0] + u[2]) + (u[1] + u[3]);
+}
+
 /* x row -> codes (int16, or int8 with a8), per-32 scales d, per-32 sums of x and 8 times
- * the codes' sum; quantize_row's arithmetic (round to nearest even), sums in index order. */
+ * the codes' sum: quantize_row's arithmetic (round to nearest even) and sums. */
 static void quantize_row_avx2(const float *x, int k, void *q, int a8, float *d, float *sum,
                               int32_t *qsum8) {
     const float top = a8 ? 127.f : 32767.f;
     for (int b = 0; b < k / 32; b++) {
         const float *xb = x + 32 * b;
-        float amax = 0.f, s = 0.f;
-        for (int i = 0; i < 32; i++) {
-            amax = fmaxf(amax, fabsf(xb[i]));
-            s += xb[i];
-        }
+        float amax = 0.f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float s = sum32(xb);
         const float inv = amax > 0.f ? top / amax : 0.f;
         int32_t qs = 0;
         for (int i = 0; i < 32; i++) {
