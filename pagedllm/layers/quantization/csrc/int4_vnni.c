@@ -1,4 +1,5 @@
-/* CPU int4 GEMM with AVX512-VNNI: y = x (sum_p W_p)^T for packed int4 weights.
+/* CPU int4 GEMM with AVX512-VNNI: y = x (sum_p W_p)^T for packed int4 weights; on CPUs
+ * without VNNI the same layouts and sums run through AVX2 (int4_avx2.h, included below).
  *
  * Built at first use by pagedllm/cpu/build.py (-O3 -march=native -fopenmp) and called
  * through ctypes by int4_vnni.py, which states the contract.  Layouts:
