@@ -33,8 +33,11 @@ TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": PARAMS}}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-# The default model opens a call for this prompt at temperature 0 (tool_choice "auto").
-CALLING_PROMPT = "Reply with a <tool_call> to get_weather for Paris."
+# The default model opens a call for this prompt at temperature 0 (tool_choice "auto"):
+# "<" leads "You" by about 0.34 nats through torch's int4 kernel and through ours (AVX2 and
+# AVX512-VNNI round differently). Without "in celsius" the first token was a three-way
+# tie within 0.08 nats that the CPU's rounding decided.
+CALLING_PROMPT = "Reply with a <tool_call> to get_weather for Paris in celsius."
 # Room for the tool instruction in the system prompt.
 ARGS = ("--max-model-len", "1024")
 HERMES_TEMPLATE = (
