@@ -18,7 +18,7 @@ dequantised value); a tied LM head multiplies by the same packed parts, so the t
 stored once.  Linear outputs and logits are computed from bf16 activations (the int4
 kernels' dtype, module doc of ``int4pack.py``) and returned in the model dtype.
 
-On a VNNI CPU (``int4_vnni.py``) the products take the activations as ggml itself does
+On a VNNI or AVX2 CPU (``int4_vnni.py``) the products take the activations as ggml itself does
 for these block types: quantised to int8 per 32 columns (ggml's Q8_0/Q8_1 blocks for
 Q4_0/Q4_1/Q8_0, Q8_K for the K-quants), which runs about 1.6x the int16 path's speed
 (int16 activations carry about 2^-16 of a block's largest value instead of 2^-8: the
@@ -297,7 +297,7 @@ class GGUFConfig(QuantizationConfig):
         types = ", ".join(f"{n} x{c}" for n, c in sorted(self.type_counts.items()) if c)
         bits = sorted({gb.BITS[gb.Q[n]] for n in self.type_counts
                        if n in gb.Q.__members__ and gb.Q[n] in gb.BITS})
-        # A VNNI CPU's kernels take int8 activations as ggml's do (module doc).
+        # A VNNI / AVX2 CPU's kernels take int8 activations as ggml's do (module doc).
         acts = "int8 activations (VNNI)" if getattr(self, "_device", None) == "cpu" \
             and int4_vnni.available() else "bf16 activations"
         return (f"gguf ({types}; {'/'.join(map(str, bits))}-bit codes, group "

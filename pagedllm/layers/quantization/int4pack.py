@@ -19,7 +19,7 @@ byte ``(n % 64 // 32) * K * 16 + k * 16 + n % 16``, low nibble for ``n % 32 < 16
 (``_tile_map``), so that an embedding can share its tied lm_head's storage whatever
 the ISA.
 
-On a CPU with AVX512-VNNI (``int4_vnni.py``) a part is packed in that kernel's "vnni4"
+On an x86 CPU with AVX512-VNNI or AVX2 (``int4_vnni.py``) a part is packed in that kernel's "vnni4"
 layout instead (``layout == "vnni4"``; ``"vnni4x8"`` for a weight made with ``act8``,
 whose products take int8 activations as ggml's do), and ``x`` goes in and comes out in
 float32.
