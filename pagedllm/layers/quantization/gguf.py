@@ -298,7 +298,7 @@ class GGUFConfig(QuantizationConfig):
         bits = sorted({gb.BITS[gb.Q[n]] for n in self.type_counts
                        if n in gb.Q.__members__ and gb.Q[n] in gb.BITS})
         # A VNNI / AVX2 CPU's kernels take int8 activations as ggml's do (module doc).
-        acts = "int8 activations (VNNI)" if getattr(self, "_device", None) == "cpu" \
+        acts = "int8 activations (VNNI / AVX2 kernels)" if getattr(self, "_device", None) == "cpu" \
             and int4_vnni.available() else "bf16 activations"
         return (f"gguf ({types}; {'/'.join(map(str, bits))}-bit codes, group "
                 f"{gb.GROUP} int4 kernels, {acts}; "
