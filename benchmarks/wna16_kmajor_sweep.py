@@ -5,10 +5,9 @@ bits) in worker processes, then timed under CUDA-graph replay against the stripe
 of ``kernels/wna16_tc.py`` (the H200 table's M = 16 entry; the K-major layout's other
 small-M candidate from 4 rows), at the Llama-3-8B projections, M = 1, 2, 4, 8; the
 dequantise kernel checked bit for bit and timed against ``stripe_dequantize``, then the
-dequantise + cuBLAS route (``int_cuda.kmajor_dequant_linear``) at 256 and 1,024 rows,
-whole and in L2-sized chunks (``dequant_chunk_mb`` 8 / 16 / 32), against bf16
-``F.linear``: the numbers that decide where the tensor-core table's ``dequant`` entries
-and its ``dequant_chunk_mb`` should stand for this layout.  One device call (< 8 min):
+dequantise + cuBLAS route (``int_cuda.kmajor_dequant_linear``, whole layers) at 256 and
+1,024 rows against bf16 ``F.linear``: the numbers that decide where the tensor-core
+table's ``dequant`` entries should stand for this layout.  One device call (< 8 min):
 
     python benchmarks/wna16_kmajor_sweep.py --out $OUT/wna16_kmajor_sweep.json \
         --table $OUT/wna16_kmajor_configs.json
@@ -192,19 +191,16 @@ def time_dequant(name: str, w: dict) -> dict[str, Any]:
 
 
 DEQUANT_ROWS = (256, 1024)  # prompt-chunk and W1-decode-sized row counts
-CHUNK_MB = (8, 16, 32)  # dequant_chunk_mb candidates: a chunk's bf16 rows stay in L2
 
 
 def time_dequant_mm(name: str, copies: list[dict]) -> list[dict[str, Any]]:
     """The dequantise + cuBLAS route as the layers run it (``int_cuda.
-    kmajor_dequant_linear``), whole and in ``dequant_chunk_mb`` chunks, against bf16
-    ``F.linear`` at ``DEQUANT_ROWS`` (graph-timed, one call per weight copy).  A chunk's
-    result must match the whole layer's to ``TOL`` (cuBLAS may pick another kernel for a
-    narrower N)."""
+    kmajor_dequant_linear``: the whole layer) against bf16 ``F.linear`` at
+    ``DEQUANT_ROWS`` (graph-timed, one call per weight copy)."""
     import torch.nn.functional as F
 
     from pagedllm.kernels.wna16 import dequantize
-    from pagedllm.layers.quantization.int_cuda import chunk_rows_of, kmajor_dequant_linear
+    from pagedllm.layers.quantization.int_cuda import kmajor_dequant_linear
 
     n, k = PROJ[name]
     scratch = torch.empty(n * k, device=DEV, dtype=torch.bfloat16)
@@ -216,20 +212,8 @@ def time_dequant_mm(name: str, copies: list[dict]) -> list[dict[str, Any]]:
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         row: dict[str, Any] = {"proj": name, "m": m, "bf16_us": graph_us(
             [partial(F.linear, x, w) for w in dcopies])}
-
-        def call(c: dict, rows: int, x: torch.Tensor = x,
-                 scratch: torch.Tensor = scratch) -> torch.Tensor:
-            return kmajor_dequant_linear(x, c["qt"], c["sct"], c["zt"], GROUP, scratch, rows)
-
-        whole = call(copies[0], 0).float()
-        row["whole_us"] = graph_us([partial(call, c, 0) for c in copies])
-        for mb in CHUNK_MB:
-            rows = chunk_rows_of(mb, k)
-            if rows >= n:
-                continue
-            err = _rel(call(copies[0], rows), whole)
-            row[f"chunk{mb}_us"] = graph_us([partial(call, c, rows) for c in copies]) \
-                if err <= TOL else None
+        row["whole_us"] = graph_us([partial(kmajor_dequant_linear, x, c["qt"], c["sct"],
+                                            c["zt"], GROUP, scratch) for c in copies])
         out.append(row)
     return out
 
@@ -302,15 +286,11 @@ def step_totals(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 def dequant_mm_totals(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per row count of ``DEQUANT_ROWS``, each dequantise + cuBLAS variant's (and bf16's)
-    ms a step (``_per_step``)."""
+    """Per row count of ``DEQUANT_ROWS``, bf16's and the whole-layer dequantise +
+    cuBLAS route's ms a step (``_per_step``)."""
     mm = [r["dequant_mm"] for r in rows if "dequant_mm" in r]
-    totals: dict[str, dict[str, float]] = {}
-    for m in DEQUANT_ROWS:
-        at_m = [r for r in mm if r["m"] == m]
-        totals[str(m)] = _per_step(at_m, sorted({k for r in at_m for k in r
-                                                 if k.endswith("_us")}))
-    return totals
+    return {str(m): _per_step([r for r in mm if r["m"] == m], ("bf16_us", "whole_us"))
+            for m in DEQUANT_ROWS}
 
 
 def table_of(rows: list[dict[str, Any]]) -> dict[str, list]:

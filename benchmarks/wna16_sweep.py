@@ -20,8 +20,8 @@ Variants (W4, symmetric, group 128, bf16 activations, as ``--dummy llama3-8b-w4a
 * ``canonical``: ``kernels/wna16.py`` (the previous kernel), its default configuration;
 * ``stripe``: ``kernels/wna16_stripe.py``, each configuration of a small grid (the GEMV
   for M <= 4, the tensor-core tile for M >= 2);
-* ``dequant``: ``stripe_dequantize`` into a bf16 scratch + cuBLAS (M >= 64), whole and
-  in 16 / 32 MB chunks (the table's ``dequant_chunk_mb``: each chunk still in L2).
+* ``dequant``: ``stripe_dequantize`` of the whole layer into a bf16 scratch + cuBLAS
+  (M >= 64).
 
 M <= 64 is timed as CUDA-graph replays over weight copies (> 256 MB: every call reads
 HBM, no launch gaps: a decode step's cost); larger M with ``triton.testing.do_bench``.
@@ -58,7 +58,6 @@ MMA_GRID = {  # block_m -> (block_n, stripes, warps, stages)
     128: [(128, 1, 8, 3), (128, 2, 8, 3), (256, 1, 8, 3), (128, 1, 4, 4)],
 }
 L2_FLUSH_BYTES = 256 << 20
-CHUNK_MB = (16, 32)
 
 
 def _sms(dev: torch.device) -> int:
@@ -231,10 +230,10 @@ def w8a8_quantiser(dev: torch.device) -> list[dict[str, Any]]:
 
 
 def _dequant_linear(x: torch.Tensor, st: torch.Tensor, sc: torch.Tensor,
-                    scratch: torch.Tensor, chunk_rows: int = 0) -> torch.Tensor:
+                    scratch: torch.Tensor) -> torch.Tensor:
     from pagedllm.layers.quantization.int_cuda import dequant_linear
 
-    return dequant_linear(x, st, sc, None, 4, GROUP, scratch.view(-1), chunk_rows)
+    return dequant_linear(x, st, sc, None, 4, GROUP, scratch.view(-1))
 
 
 def sweep(dev: torch.device, budget_s: float, t0: float) -> tuple[list[dict], list[dict]]:
@@ -273,11 +272,6 @@ def sweep(dev: torch.device, budget_s: float, t0: float) -> tuple[list[dict], li
             if m >= 64:
                 res["dequant"] = _time([partial(_dequant_linear, x, st, sc, scratch)
                                         for _, st, sc in sets], m)
-                for mb in CHUNK_MB:  # dequant_chunk_mb candidates
-                    rows_c = max(128, (mb << 20) // (2 * k) // 128 * 128)
-                    res[f"dequant_chunk{mb}"] = res["dequant"] if rows_c >= n else _time(
-                        [partial(_dequant_linear, x, st, sc, scratch, rows_c)
-                         for _, st, sc in sets], m)
             res["stripe_default"] = _time([partial(stripe_gemm, x, st, sc, None, 4, GROUP)
                                            for _, st, sc in sets], m)
             best = None
@@ -297,8 +291,7 @@ def sweep(dev: torch.device, budget_s: float, t0: float) -> tuple[list[dict], li
             if best is not None:
                 res["stripe_best"], res["stripe_best_config"] = best[1], list(best[0])
             kinds = [c for c in ("bf16", "tinygemm", "canonical", "dequant",
-                                 "dequant_chunk16", "dequant_chunk32", "stripe_default",
-                                 "stripe_best") if c in res]
+                                 "stripe_default", "stripe_best") if c in res]
             res["winner_w4"] = min((c for c in kinds if c != "bf16"), key=lambda c: res[c])
             rows.append(res)
             print("time", json.dumps({kk: (round(v, 2) if isinstance(v, float) else v)
@@ -313,22 +306,17 @@ def summarise(rows: list[dict]) -> dict[str, Any]:
     per_m: dict[int, dict[str, float]] = {}
     for r in rows:
         t = per_m.setdefault(r["M"], {})
-        for c in ("bf16", "tinygemm", "canonical", "dequant", "dequant_chunk16",
-                  "dequant_chunk32", "stripe_default", "stripe_best"):
+        for c in ("bf16", "tinygemm", "canonical", "dequant", "stripe_default",
+                  "stripe_best"):
             if c in r:
                 t[c] = t.get(c, 0.0) + 32 * r[c] / 1e3
     complete = {m: t for m, t in per_m.items()
                 if sum(1 for r in rows if r["M"] == m) == len(PROJ)}
     best_triton = {m: t.get("stripe_best", t.get("stripe_default", 1e9))
                    for m, t in complete.items()}
-    # The dequantise variant (whole layers or L2-sized chunks) that is fastest at the
-    # largest M measured (prefill), and the smallest M from which it beats the tile.
-    variants = {"dequant": 0, **{f"dequant_chunk{mb}": mb for mb in CHUNK_MB}}
-    big = max((m for m, t in complete.items() if "dequant" in t), default=None)
-    deq = min((v for v in variants if big is not None and v in complete[big]),
-              key=lambda v: complete[big][v], default="dequant")
+    # The smallest M from which dequantise + cuBLAS beats the tile.
     deq_ms = sorted(m for m, t in complete.items()
-                    if deq in t and t[deq] < best_triton[m])
+                    if "dequant" in t and t["dequant"] < best_triton[m])
     tiny_ms = sorted(m for m, t in complete.items() if t["tinygemm"] < best_triton[m])
     tiny_max = 0
     for m in sorted(complete):
@@ -339,7 +327,6 @@ def summarise(rows: list[dict]) -> dict[str, Any]:
     return {"per_step_ms_x32_layers": {str(m): {k: round(v, 3) for k, v in t.items()}
                                        for m, t in sorted(complete.items())},
             "dequant_min_m": deq_ms[0] if deq_ms else 0,
-            "dequant_chunk_mb": variants[deq],
             "tinygemm_max_m": tiny_max}
 
 

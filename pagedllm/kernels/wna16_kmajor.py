@@ -340,7 +340,7 @@ def _kmajor_dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, stride_qw, stride_s
                            USE_PDL: tl.constexpr):
     """``out[n, k] = (code - zero) * scale`` for a ``[BLOCK_N, BLOCK_K]`` tile (module
     doc).  The row strides ``stride_qw`` / ``stride_s`` / ``stride_z`` let the weight be a
-    column slice ``[:, n0:n1]`` of the layer's (``int_cuda``'s chunked dequantise)."""
+    column slice ``[:, n0:n1]`` of the layer's."""
     BW: tl.constexpr = BLOCK_K // 8
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
@@ -498,9 +498,9 @@ def kmajor_dequantize(qweight_t: torch.Tensor, scales_t: torch.Tensor,
                       config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """The K-major weight -> ``out [N, K]`` (its dtype, rows contiguous; a scratch
     buffer), input order, rounded as the module doc says.  The weight tensors may be
-    column slices ``[:, n0:n1]`` of a layer's (contiguous columns, any row stride: the
-    chunked dequantise of ``int_cuda``).  ``config``: ``(block_n, block_k, warps)``.  CPU
-    tensors outside the interpreter get the torch reference."""
+    column slices ``[:, n0:n1]`` of a layer's (contiguous columns, any row stride).
+    ``config``: ``(block_n, block_k, warps)``.  CPU tensors outside the interpreter get
+    the torch reference."""
     k = qweight_t.shape[0] * 8
     probe = torch.empty(0, k, dtype=out.dtype, device=out.device)  # _check's x: K, dtype
     # _check's shapes and dtypes on dense stand-ins (it wants contiguous tensors); the

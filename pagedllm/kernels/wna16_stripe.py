@@ -411,7 +411,7 @@ def _tuned_file() -> dict:
 
 def tuned_threshold(name: str) -> int | None:
     """A dispatch threshold the sweep recommended (``summary[name]`` of the tuned file:
-    ``dequant_min_m``, ``dequant_chunk_mb``, ``tinygemm_max_m``), if any."""
+    ``dequant_min_m``, ``tinygemm_max_m``), if any."""
     value = _tuned_file().get("summary", {}).get(name)
     return None if value is None else int(value)
 

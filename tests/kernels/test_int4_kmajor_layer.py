@@ -3,8 +3,7 @@ symmetric ones where a K-major GEMV table exists (``layers/quantization/int_cuda
 without one symmetric layers keep the striped layout): what is stored, what the start-up
 log counts, and
 that every row count's route (the K-major GEMV, the tensor-core GEMM with a table or
-prior configuration, dequantise + ``F.linear`` whole or in column chunks) equals the
-dequantised weight's product.
+prior configuration, dequantise + ``F.linear``) equals the dequantised weight's product.
 
 Layers are built through ``store_cuda`` on CPU tensors under ``TRITON_INTERPRET=1`` (or on
 the GPU), N = K = 256, group 128, symmetric and with zero points.  A tuned tensor-core
@@ -214,10 +213,10 @@ def test_other_layers_keep_todays_storage(table) -> None:
     _check(layer, iw, 3, 4)
 
 
-def test_routes_by_rows_match_the_reference(table, monkeypatch) -> None:
+def test_routes_by_rows_match_the_reference(table) -> None:
     """1 and 3 rows: the GEMV; 8: the tensor-core GEMM with the table's 16-row entry
     (rows past M masked); 16 / 40: the table's entries; 100: the table's "dequant"
-    (kmajor_dequantize + F.linear), whole and in two column chunks."""
+    (kmajor_dequantize of the whole layer + F.linear)."""
     iw = _int_weight(True, 5)
     layer = _layer(iw)
     expect = {1: ("gemv", None), 3: ("gemv", None), 8: ("tc", tuple(CFG16)),
@@ -225,8 +224,6 @@ def test_routes_by_rows_match_the_reference(table, monkeypatch) -> None:
     for m, route in expect.items():
         assert _route(layer, m) == route, m
         _check(layer, iw, m, 10 + m)
-    monkeypatch.setattr(int_cuda, "dequant_chunk_rows", lambda k: 128)
-    _check(layer, iw, 100, 7)
 
 
 def test_shapes_without_a_table_entry(table, monkeypatch) -> None:
@@ -262,8 +259,8 @@ def test_bf16_gemv_tc_and_dequant(table) -> None:
 
 
 def test_kmajor_dequantize_takes_column_slices() -> None:
-    """The chunked dequantise's ``[:, n0:n1]`` views (row stride N): exactly the rows
-    ``n0:n1`` of the whole weight."""
+    """Column slices ``[:, n0:n1]`` (row stride N): exactly the rows ``n0:n1`` of the
+    whole weight."""
     from pagedllm.kernels.wna16_kmajor import kmajor_dequantize
     from pagedllm.kernels.wna16_tc import to_kmajor
 

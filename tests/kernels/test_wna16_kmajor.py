@@ -412,12 +412,13 @@ def test_tuned_table_entry_the_gemv_cannot_take_names_the_variable(tmp_path,
         _clear_tables()
 
 
-def test_sweep_dequant_mm_totals_sum_complete_variants(sweep) -> None:
-    """The dequantise + cuBLAS sums: per row count, a variant (whole, a chunk size, bf16)
-    only where every projection timed it (a chunk that failed its check is None)."""
-    rows = [{"dequant_mm": {"proj": name, "m": 256, "bf16_us": 5.0, "whole_us": 9.0,
-                            "chunk16_us": None if name == "o_proj" else 7.0}}
+def test_sweep_dequant_mm_totals_sum_complete_row_counts(sweep) -> None:
+    """The dequantise + cuBLAS sums (whole layers, bf16): per row count, only where every
+    projection was timed (a sweep whose budget ran out before the last is left out)."""
+    rows = [{"dequant_mm": {"proj": name, "m": 256, "bf16_us": 5.0, "whole_us": 9.0}}
             for name in sweep.PROJ]
+    rows += [{"dequant_mm": {"proj": name, "m": 1024, "bf16_us": 20.0, "whole_us": 30.0}}
+             for name in list(sweep.PROJ)[:-1]]  # the last projection missing
     rows.append({"proj": "qkv_proj", "m": 1, "stripe_us": 1.0})  # a GEMV row: ignored
     totals = sweep.dequant_mm_totals(rows)
     n = len(sweep.PROJ) * 32 / 1000

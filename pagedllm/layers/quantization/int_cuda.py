@@ -56,10 +56,9 @@ striped layer):
                                                        entry (or a table: TC_MIN_M is 0
                                                        then) the rows below
  M <  dequant_min_m  (default 512)                    wna16_stripe GEMV (M <= 4) / tile
- M >= dequant_min_m                                    dequantise into one shared bf16
-                                                       scratch + cuBLAS F.linear (whole,
-                                                       or dequant_chunk_mb chunks that
-                                                       stay in L2)
+ M >= dequant_min_m                                    dequantise the whole layer into
+                                                       one shared bf16 scratch + cuBLAS
+                                                       F.linear
 ```
 
 ``kmajor`` layers (:func:`_kmajor_route`):
@@ -70,8 +69,8 @@ striped layer):
  M >= tc_min_m, a table entry for (N, K)               as above: its tensor-core
                                                        configuration, or its "dequant"
                                                        (wna16_kmajor.kmajor_dequantize
-                                                       into the scratch + F.linear, whole
-                                                       or in dequant_chunk_mb chunks)
+                                                       of the whole layer into the
+                                                       scratch + F.linear)
  otherwise, M >= dequant_min_m                         kmajor_dequantize + F.linear
  otherwise (5..15 rows; shapes the table lacks)       the tensor-core GEMM with
                                                        wna16_tc_config.tc_config: the
@@ -88,7 +87,9 @@ scratch is one buffer per (device, dtype) the size of the largest such layer (Ll
 gate_up: 28672 x 4096 bf16, 235 MB), allocated at load so the KV-cache planner counts it
 as weights.  Layers run one after another on one stream, so they share it (also inside a
 CUDA graph).  A table's ``dequant_min_m`` of 0 turns it off (the Triton tile for every
-M).
+M).  Dequantising in L2-sized chunks (one GEMM a chunk) was measured slower and removed
+(H100, 2026-12-07: 16.0 / 24.2 ms in 16 / 8 MB chunks against 13.3 whole, a 256-row step
+of 32 Llama-3-8B layers).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -145,67 +146,29 @@ def tinygemm_max_m() -> int:
     return _threshold("tinygemm_max_m", 0)
 
 
-def dequant_chunk_rows(k: int) -> int:
-    """The table's ``dequant_chunk_mb`` (default 0: whole layers) as weight rows: the
-    dequantise path then runs chunk by chunk through one chunk-sized piece of the
-    scratch, so that the bf16 chunk is still in L2 when cuBLAS reads it (and is
-    overwritten there by the next chunk, never written back) -- at the cost of more,
-    narrower GEMMs."""
-    return chunk_rows_of(_threshold("dequant_chunk_mb", 0), k)
-
-
-def chunk_rows_of(mb: int, k: int) -> int:
-    """``mb`` MB of bf16 weight rows of ``k`` inputs, in whole 128-row tiles (at least
-    one; 0 for ``mb <= 0``: whole layers)."""
-    return 0 if mb <= 0 else max(128, (mb << 20) // (2 * k) // 128 * 128)
-
-
 def dequant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    zeros: torch.Tensor | None, bits: int, group_size: int,
-                   scratch: torch.Tensor, chunk_rows: int = 0) -> torch.Tensor:
-    """``x [M, K] @ W^T`` by dequantising the striped weight into ``scratch`` (flat, at
-    least ``N * K`` elements of ``x.dtype``) and cuBLAS, whole or ``chunk_rows`` output
-    features at a time (each GEMM writes its column block of the output in place)."""
+                   scratch: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ W^T`` by dequantising the whole striped weight into ``scratch``
+    (flat, at least ``N * K`` elements of ``x.dtype``) and one cuBLAS GEMM."""
     from pagedllm.kernels.wna16_stripe import stripe_dequantize
 
-    def dequant(n0: int, n1: int, w: torch.Tensor) -> torch.Tensor:
-        return stripe_dequantize(qweight[n0:n1], scales[n0:n1],
-                                 None if zeros is None else zeros[n0:n1], bits,
-                                 group_size, w)
-
-    return _dequant_mm(x, qweight.shape[0], scratch, chunk_rows, dequant)
+    n, k = qweight.shape[0], x.shape[1]
+    w = stripe_dequantize(qweight, scales, zeros, bits, group_size,
+                          scratch[:n * k].view(n, k))
+    return F.linear(x, w)
 
 
 def kmajor_dequant_linear(x: torch.Tensor, qweight_t: torch.Tensor,
                           scales_t: torch.Tensor, zeros_t: torch.Tensor | None,
-                          group_size: int, scratch: torch.Tensor,
-                          chunk_rows: int = 0) -> torch.Tensor:
-    """:func:`dequant_linear` for the K-major 4-bit layout (``wna16_kmajor``): a chunk is
-    the column slice ``[:, n0:n1]`` of the three tensors."""
+                          group_size: int, scratch: torch.Tensor) -> torch.Tensor:
+    """:func:`dequant_linear` for the K-major 4-bit layout (``wna16_kmajor``)."""
     from pagedllm.kernels.wna16_kmajor import kmajor_dequantize
 
-    def dequant(n0: int, n1: int, w: torch.Tensor) -> torch.Tensor:
-        return kmajor_dequantize(qweight_t[:, n0:n1], scales_t[:, n0:n1],
-                                 None if zeros_t is None else zeros_t[:, n0:n1],
-                                 group_size, w)
-
-    return _dequant_mm(x, qweight_t.shape[1], scratch, chunk_rows, dequant)
-
-
-def _dequant_mm(x: torch.Tensor, n: int, scratch: torch.Tensor, chunk_rows: int,
-                dequant: Callable[[int, int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``x @ W^T`` with ``dequant(n0, n1, out)`` writing weight rows ``n0:n1`` into
-    ``out`` (a ``[n1 - n0, K]`` view of ``scratch``): whole, or ``chunk_rows`` rows a
-    GEMM."""
-    k = x.shape[1]
-    if chunk_rows <= 0 or chunk_rows >= n:
-        return F.linear(x, dequant(0, n, scratch[:n * k].view(n, k)))
-    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    for n0 in range(0, n, chunk_rows):  # a few weight chunks, host ints: graph-safe
-        n1 = min(n, n0 + chunk_rows)
-        w = dequant(n0, n1, scratch[:(n1 - n0) * k].view(n1 - n0, k))
-        torch.mm(x, w.t(), out=out[:, n0:n1])
-    return out
+    n, k = qweight_t.shape[1], x.shape[1]
+    w = kmajor_dequantize(qweight_t, scales_t, zeros_t, group_size,
+                          scratch[:n * k].view(n, k))
+    return F.linear(x, w)
 
 
 def reserve_scratch(numel: int, device: torch.device, dtype: torch.dtype) -> _Scratch:
@@ -449,8 +412,7 @@ def _apply_striped(layer: LinearBase, x2: torch.Tensor) -> torch.Tensor:
                              layer.int_tc_zeros, group, route[1])  # type: ignore[attr-defined,arg-type]
     lim = dequant_min_m()
     if (route is not None or 0 < lim <= m) and x2.is_cuda:
-        return dequant_linear(x2, qw, s, z, bits, group, _scratch(x2.device, x2.dtype),
-                              dequant_chunk_rows(x2.shape[1]))
+        return dequant_linear(x2, qw, s, z, bits, group, _scratch(x2.device, x2.dtype))
     return stripe_gemm(x2, qw, s, z, bits, group)
 
 
@@ -466,8 +428,7 @@ def _apply_kmajor(layer: LinearBase, x2: torch.Tensor) -> torch.Tensor:
         return kmajor_gemv(x2, qw, s, z, group)
     if kind == "dequant":
         return kmajor_dequant_linear(x2, qw, s, z, group,
-                                     layer.int_scratch.tensor,  # type: ignore[attr-defined]
-                                     dequant_chunk_rows(k))
+                                     layer.int_scratch.tensor)  # type: ignore[attr-defined]
     from pagedllm.kernels.wna16_tc import w4a16_tc_gemm
 
     return w4a16_tc_gemm(x2, qw, s, z, group, cfg)  # type: ignore[arg-type]
