@@ -127,7 +127,7 @@ def test_gathered_rows_are_the_codes_and_layout_switch(act8: bool) -> None:
 
 
 def test_without_vnni_keeps_torchs_layout(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(int4_vnni, "available", lambda: False)  # a CPU without VNNI
+    monkeypatch.setattr(int4_vnni, "available", lambda: False)  # a CPU with neither VNNI nor AVX2
     parts, gguf_ref, _ = _parts(Q.Q4_1, 64, 128)
     assert parts[0].layout == "torch"
     x = torch.randn(2, 128)

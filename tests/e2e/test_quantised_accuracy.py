@@ -86,11 +86,11 @@ def test_quantised_path_accuracy_against_fp32(quantised: LLM, llm: LLM) -> None:
     """Bounds from the figures measured on these 16 prompts (docs/quantization.md,
     2026-12-05, AVX512-VNNI CPU): perplexity +0.80% (16.682 -> 16.815), top-1 agreement
     96.9% of 1,159 positions, free greedy replies sharing 19.9 of 32 tokens on average.
-    Margins: the figures are deterministic here, but a CPU without VNNI takes torch's
-    int4 kernel (bf16 activations, other roundings), so perplexity may move by up to
-    2.5% (3x the measured change), top-1 agreement may drop to 95% (60% more
-    disagreeing positions than measured) and the shared greedy prefix to a third of
-    the reply (about half of the measured one)."""
+    Margins: the figures are deterministic here, but a CPU with neither VNNI nor AVX2
+    takes torch's int4 kernel (bf16 activations, other roundings), so perplexity may
+    move by up to 2.5% (3x the measured change), top-1 agreement may drop to 95% (60%
+    more disagreeing positions than measured) and the shared greedy prefix to a third
+    of the reply (about half of the measured one)."""
     assert quantised.llm_engine.config.model_config.quantization == "gguf"
     acc = measure(quantised, llm, PROMPTS)
     assert abs(acc.ppl_delta) <= 0.025, acc

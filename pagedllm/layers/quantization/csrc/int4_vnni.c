@@ -445,8 +445,8 @@ int int8_vnni_gemm(const uint8_t *packed, const uint16_t *sz, int n, int k, int 
 #endif
 }
 
-/* Returns 0; -1 for arguments outside the contract or a CPU without VNNI (nothing
- * written); -2 when the activation buffer cannot be allocated.  act8: the parts are in
+/* Returns 0; -1 for arguments outside the contract or a CPU with neither VNNI nor AVX2
+ * (nothing written); -2 when the activation buffer cannot be allocated.  act8: the parts are in
  * the vnni4x8 layout and x is quantised to int8 (else vnni4, int16). */
 int int4_vnni_gemm(int nparts, const uint8_t *const *packed, const uint16_t *const *sz,
                    int n, int k, int g, const float *x, long ldx, int m, float *y, long ldy,
