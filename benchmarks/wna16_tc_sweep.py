@@ -91,7 +91,8 @@ def candidates(m: int, n: int, k: int, dev: torch.device) -> list[tuple[int, ...
 
 def _weights(n: int, k: int, device: torch.device, seed: int = 0):
     """``(canonical qweight, striped, k-major, scales [N, K/G], scales_t, zeros_t, zeros)``
-    with random zero points (the shipped layer path always has a zeros tensor)."""
+    with random zero points; ``zeros_t`` in the scales' dtype (exact integers), as the
+    K-major layers store them (``int_cuda._kmajor_zeros``)."""
     from pagedllm.kernels.wna16 import pack_codes
     from pagedllm.kernels.wna16_stripe import to_stripes
     from pagedllm.kernels.wna16_tc import to_kmajor
@@ -103,7 +104,7 @@ def _weights(n: int, k: int, device: torch.device, seed: int = 0):
           ).to(torch.bfloat16)
     zp = torch.randint(0, 16, (n, k // GROUP), device=device, generator=g).float()
     return (qw, to_stripes(qw, 4), to_kmajor(qw), sc, sc.t().contiguous(),
-            zp.t().contiguous(), zp)
+            zp.t().contiguous().to(sc.dtype), zp)
 
 
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -21,9 +21,18 @@ copies), each word read once.  It is transposed in registers (a layout relabel) 
 of ``kernels/wna16_stripe.py`` (``(h & mask) | 0x4B000000`` read as fp32 is ``2**23 +
 code * 2**o``: one LOP3 and one FMA per code, no int->float conversion) and put back in
 K order by a tree of ``tl.interleave`` (a join of in-thread values: no data movement), so
-each thread's codes of one word stay in that thread, consecutive in K.  (A PTX bf16x2
-unpack for symmetric bf16, two codes per LOP3, gave wrong results on an H200 for several
-configurations and was removed; git has it.)
+each thread's codes of one word stay in that thread, consecutive in K.
+
+Where it applies (:func:`packed_unpack_applies`: bf16/fp16 activations and scales,
+integer zero points in the scales' dtype or none, ``BLOCK_K >= 128``, the scale before
+the dot, sm_90) the unpack is packed-half PTX instead (``_UNPACK``): two codes per LOP3,
+one packed subtract and one packed multiply per pair, the same bits as the fp32 unpack
+(the reference's rounding of ``(code - zero) * scale``).  Its main loop is about a third
+shorter (``tests/kernels/test_wna16_tc.py``, sm_90 SASS); on an H100 (2026-12-07,
+``benchmarks/wna16_tc_sweep.py``) a 256-row step of 32 Llama-3-8B layers went from 11.0
+to 9.6 ms symmetric and 13.2 to 11.3 ms with zero points.  With ``BLOCK_K = 64`` and
+``BLOCK_N = 256`` it gave wrong, run-to-run different results on an H100 (the fp32
+unpack of the same configurations was right), so block-64 tiles keep the fp32 unpack.
 
 Two ways to meet the activations (``SWAP``, compile-time):
 
@@ -132,13 +141,66 @@ def _dequant_nk(words_nk, sc, z, dtype: tl.constexpr, SCALE_AFTER: tl.constexpr)
     return tl.interleave(even, odd)
 
 
+# Packed-half unpack (PTX, sm_90): nibbles s and s + 4 of a word sit 16 bits apart, so one
+# LOP3 ``(w >> 4s) & 0x000F000F | MAGIC`` makes two halves ``BIAS + code`` (the code lands
+# in the mantissa: exact), one packed subtract takes ``BIAS + zero`` off (exact: small
+# integers) and one packed multiply applies the scale, rounded once as the reference
+# rounds ``(code - zero) * scale``.  Operands: $8 the word, $9 the scale, $10 ``BIAS +
+# zero`` (halves); outputs $0..$7 the slots 0..7.
+_UNPACK = """{
+.reg .b32 t0, t1, t2, t3, w, s, b;
+mov.b32 s, {$9, $9};
+mov.b32 b, {$10, $10};
+lop3.b32 t0, $8, 0x000F000F, MAGIC, 0xEA;
+shr.u32 w, $8, 4;
+lop3.b32 t1, w, 0x000F000F, MAGIC, 0xEA;
+shr.u32 w, $8, 8;
+lop3.b32 t2, w, 0x000F000F, MAGIC, 0xEA;
+shr.u32 w, $8, 12;
+lop3.b32 t3, w, 0x000F000F, MAGIC, 0xEA;
+sub.rn.T t0, t0, b;
+sub.rn.T t1, t1, b;
+sub.rn.T t2, t2, b;
+sub.rn.T t3, t3, b;
+mul.rn.T t0, t0, s;
+mul.rn.T t1, t1, s;
+mul.rn.T t2, t2, s;
+mul.rn.T t3, t3, s;
+mov.b32 {$0, $4}, t0;
+mov.b32 {$1, $5}, t1;
+mov.b32 {$2, $6}, t2;
+mov.b32 {$3, $7}, t3;
+}"""
+_UNPACK_BF16 = tl.constexpr(_UNPACK.replace("MAGIC", "0x43004300").replace("T ", "bf16x2 "))
+_UNPACK_F16 = tl.constexpr(_UNPACK.replace("MAGIC", "0x64006400").replace("T ", "f16x2 "))
+
+
+@triton.jit
+def _dequant_nk_packed(words_nk, sc, z):
+    """:func:`_dequant_nk` (scaled) with packed-half arithmetic: ``sc [BN, 1]`` in the
+    activations' dtype (bf16 or fp16), ``z`` fp32 integer zero points (or 8.0)."""
+    if sc.dtype == tl.bfloat16:
+        zb = (z + 128.0).to(tl.bfloat16)  # 0x4300 = 128.0
+        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+            _UNPACK_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [words_nk, sc, zb],
+            dtype=(tl.bfloat16, ) * 8, is_pure=True, pack=1)
+    else:
+        zb = (z + 1024.0).to(tl.float16)  # 0x6400 = 1024.0
+        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+            _UNPACK_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [words_nk, sc, zb],
+            dtype=(tl.float16, ) * 8, is_pure=True, pack=1)
+    even = tl.interleave(tl.interleave(c0, c4), tl.interleave(c2, c6))
+    odd = tl.interleave(tl.interleave(c1, c5), tl.interleave(c3, c7))
+    return tl.interleave(even, odd)
+
+
 @triton.jit
 def _w4a16_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stride_om,
                      stride_os, K: tl.constexpr, GROUP: tl.constexpr,
                      HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_CHUNK: tl.constexpr,
                      SWAP: tl.constexpr, SCALE_AFTER: tl.constexpr, IEEE: tl.constexpr,
-                     EVEN_N: tl.constexpr, USE_PDL: tl.constexpr):
+                     EVEN_N: tl.constexpr, USE_PDL: tl.constexpr, PACKED: tl.constexpr):
     """One ``[BLOCK_M, BLOCK_N]`` output tile over ``K_CHUNK`` inputs (module doc)."""
     # Nothing before the first loads of x: start dependents, wait for the predecessor.
     pdl_start(USE_PDL)
@@ -186,7 +248,13 @@ def _w4a16_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stri
             z_next = tl.load(z_ptr + g_next * N + cols).to(tl.float32)
         else:
             z = 8.0
-        if SCALE_AFTER:
+        if PACKED:  # packed-half unpack (scaled: the launcher never pairs it with SCALE_AFTER)
+            if HAS_ZERO:
+                w_nk = _dequant_nk_packed(tl.trans(words), sc[:, None], z)
+            else:
+                w_nk = _dequant_nk_packed(tl.trans(words), sc[:, None],
+                                      tl.full([BLOCK_N, 1], 8.0, tl.float32))
+        elif SCALE_AFTER:
             w_nk = _dequant_nk(tl.trans(words), sc, z, x_ptr.dtype.element_ty, True)
         else:
             w_nk = _dequant_nk(tl.trans(words), sc[:, None], z, x_ptr.dtype.element_ty,
@@ -243,6 +311,19 @@ def even_split(k: int, block_k: int, split: int) -> tuple[int, int]:
     while steps % split:
         split -= 1
     return k // split, split
+
+
+def packed_unpack_applies(x: torch.Tensor, scales_t: torch.Tensor,
+                          zeros_t: torch.Tensor | None, block_k: int,
+                          scale_after: bool) -> bool:
+    """Whether a launch unpacks with the packed-half PTX (module doc): CUDA on sm_90+,
+    bf16/fp16 activations with scales of the same dtype, zero points none or in that
+    dtype (integers: ``int_cuda`` keeps fp32 for any other), ``block_k >= 128`` and the
+    scale applied before the dot."""
+    return (x.is_cuda and not _INTERPRET and not scale_after and block_k >= 128
+            and x.dtype in (torch.bfloat16, torch.float16) and scales_t.dtype == x.dtype
+            and (zeros_t is None or zeros_t.dtype == x.dtype)
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
 def _check(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor,
@@ -310,13 +391,14 @@ def w4a16_tc_gemm(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tens
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32,
                                                 device=x.device)
     ieee = x.dtype == torch.float32 or (_INTERPRET and x.dtype != torch.float32)
+    packed = not ieee and packed_unpack_applies(x, scales_t, zeros_t, bk, bool(after))
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
     _w4a16_tc_kernel[grid](
         x, qweight_t, scales_t, zeros_t if zeros_t is not None else scales_t, target, m, n,
         x.stride(0), n, m * n if split > 1 else 0, K=k, GROUP=group_size,
         HAS_ZERO=zeros_t is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
         K_CHUNK=k_chunk, SWAP=bool(swap), SCALE_AFTER=bool(after), IEEE=ieee,
-        EVEN_N=n % bn == 0,
+        EVEN_N=n % bn == 0, PACKED=packed,
         num_warps=warps, num_stages=stages, **pdl_launch_args(x.device))
     if split > 1:
         splitk_reduce(target, out)  # fixed order: deterministic

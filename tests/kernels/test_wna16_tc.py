@@ -7,11 +7,11 @@ points, group 128 / 256 / channel-wise, rows as wgmma's N (``swap``) or M, the s
 before or after the dot, split-K, ragged M and N.  Bounds: fp32 activations and scales
 against the fp32 reference: ``1e-5`` of the output's max (fp32 accumulation order; the
 interpreter runs the dot in fp32); bf16 activations: ``2**-7`` (the interpreter
-truncates to bf16 instead of rounding, output and weight).  On an H100/H200 the sm_90
+truncates to bf16 instead of rounding, output and weight).  Without a GPU the sm_90
 compile test checks that the priors and a few other configurations build with no
-register spills, on wgmma, with the PTX bf16x2 unpack where it applies (ptxas checks its
-syntax; its arithmetic is checked on the GPU by ``benchmarks/wna16_tc_sweep.py``, which
-falls back to the fp32 unpack if it is wrong)."""
+register spills, on wgmma, and that the packed-half PTX unpack shortens the main loop
+(ptxas checks its syntax); its arithmetic is checked on the GPU (``-m gpu``: the same
+bits as the fp32 unpack) and by ``benchmarks/wna16_tc_sweep.py``'s checks."""
 
 from __future__ import annotations
 
@@ -343,28 +343,58 @@ def test_gpu_tc_gemm_llama3_shapes(n: int, k: int, m: int, monkeypatch) -> None:
     assert float((got.float() - ref).abs().max()) <= 2 ** -7 * float(ref.abs().max())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("zeros", [False, True])
+@pytest.mark.parametrize("cfg", [(16, 128, 128, 1, 4, 4, 8, 1, 0),
+                                 (64, 128, 128, 4, 4, 3, 4, 1, 0),
+                                 (128, 256, 128, 8, 8, 3, 1, 1, 0),
+                                 (64, 128, 128, 4, 4, 3, 1, 0, 0)])
+def test_gpu_packed_unpack_gives_the_fp32_unpack_bits(dtype: torch.dtype, zeros: bool,
+                                                      cfg: tuple[int, ...],
+                                                      monkeypatch) -> None:
+    """The packed-half PTX unpack (``wna16_tc.packed_unpack_applies``) against the fp32
+    unpack of the same configuration: the same weight tile, so the same bits, at 100
+    rows (ragged) of a Llama-3-8B down_proj, with and without zero points (in the
+    activations' dtype, as ``int_cuda`` stores them)."""
+    from pagedllm.kernels import wna16_tc
+
+    n, k = 4096, 14336
+    qw, sc, zp = _weight(n, k, 128, zeros, 7)
+    qt, st, zt = _tc_args(qw.cuda(), sc.to(dtype).cuda(), None if zp is None else zp.cuda())
+    zt = None if zt is None else zt.to(dtype)
+    x = torch.randn(100, k, device="cuda", dtype=dtype)
+    assert wna16_tc.packed_unpack_applies(x, st, zt, cfg[2], bool(cfg[8]))
+    got = w4a16_tc_gemm(x, qt, st, zt, 128, config=cfg)
+    again = w4a16_tc_gemm(x, qt, st, zt, 128, config=cfg)
+    monkeypatch.setattr(wna16_tc, "packed_unpack_applies", lambda *a: False)
+    want = w4a16_tc_gemm(x, qt, st, zt, 128, config=cfg)
+    assert torch.equal(got, again) and torch.equal(got, want)
+
+
 _SCRIPT = textwrap.dedent(r"""
     import json, re, sys
     import torch
-    from tests.kernels.sm90_compile import compile_sm90
+    from tests.kernels.sm90_compile import compile_sm90, sass_loops
     from pagedllm.kernels import wna16_tc as tc
     from pagedllm.kernels.wna16_tc_config import prior_config
 
     H200 = torch.device("cpu")  # block shapes only; the split is set below
     out = []
-    for name, m, n, k, zeros, split, cfg in json.loads(sys.argv[1]):
+    for name, m, n, k, zeros, split, cfg, x2 in json.loads(sys.argv[1]):
         if cfg is None:
             p = prior_config(m, n, k, H200)
             cfg = list(p[:6]) + list(p[7:])  # without the split (set below)
         bm, bn, bk, gm, warps, stages, swap, after = cfg
         sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16",
-               "z_ptr": "*fp32" if zeros else "*bf16",
+               "z_ptr": "*fp32" if zeros and not x2 else "*bf16",
                "out_ptr": "*fp32" if split else "*bf16"}
         for a in ("M", "N", "stride_xm", "stride_om", "stride_os"):
             sig[a] = "i32"
         consts = dict(K=k, GROUP=128, HAS_ZERO=zeros, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                       GROUP_M=gm, K_CHUNK=k // 4 if split else k, SWAP=bool(swap),
-                      SCALE_AFTER=bool(after), IEEE=False, EVEN_N=True, USE_PDL=True)
+                      SCALE_AFTER=bool(after), IEEE=False, EVEN_N=True, USE_PDL=True,
+                      PACKED=x2)
         div = [i for i, a in enumerate(sig) if a != "M"]
         kern, st = compile_sm90(tc._w4a16_tc_kernel, sig, consts,
                                 {"num_warps": warps, "num_stages": stages}, div)
@@ -372,6 +402,8 @@ _SCRIPT = textwrap.dedent(r"""
         # in-loop waits that leave wgmmas in flight (dequantisation overlaps the MMA)
         st["async_waits"] = len(re.findall(r"wgmma.wait_group.sync.aligned [1-9]",
                                            kern.asm["ptx"]))
+        loops = sass_loops(kern.asm["cubin"])
+        st["loop"] = max(loops, key=lambda lp: lp["instructions"]) if loops else None
         out.append({"name": name, **st})
     print(json.dumps(out))
 """)
@@ -379,12 +411,20 @@ _SCRIPT = textwrap.dedent(r"""
 # (name, M, N, K, zeros, split-K, config or None = the priors): the priors of each row
 # bucket at the 8B shapes, zero points, split partials.
 CASES = [
-    ("prior o_proj M=16 split", 16, 4096, 4096, False, True, None),
-    ("prior down M=64 zeros", 64, 4096, 14336, True, False, None),
-    ("prior gate_up M=2048", 2048, 28672, 4096, False, False, None),
-    ("scale after M=16", 16, 6144, 4096, False, True, [16, 128, 128, 1, 4, 4, 1, 1]),
-    ("B operand M=256 zeros", 256, 6144, 4096, True, False, [128, 256, 64, 8, 8, 3, 0, 0]),
-    ("swap M=2048 zeros", 2048, 4096, 14336, True, False, [256, 128, 64, 8, 8, 3, 1, 0]),
+    ("prior o_proj M=16 split", 16, 4096, 4096, False, True, None, True),
+    ("prior down M=64 zeros", 64, 4096, 14336, True, False, None, True),
+    ("prior gate_up M=2048", 2048, 28672, 4096, False, False, None, True),
+    ("scale after M=16", 16, 6144, 4096, False, True, [16, 128, 128, 1, 4, 4, 1, 1], False),
+    ("B operand M=256 zeros", 256, 6144, 4096, True, False, [128, 256, 64, 8, 8, 3, 0, 0],
+     True),
+    ("swap M=2048 zeros", 2048, 4096, 14336, True, False, [256, 128, 64, 8, 8, 3, 1, 0],
+     True),
+    # the fp32 unpack (fp32 zero points) of the table's 256-row gate_up configuration,
+    # against the packed-half unpack of the same configuration
+    ("fp32 unpack M=256 zeros", 256, 28672, 4096, True, False, [128, 256, 128, 8, 8, 3, 1, 0],
+     False),
+    ("x2 unpack M=256 zeros", 256, 28672, 4096, True, False, [128, 256, 128, 8, 8, 3, 1, 0],
+     True),
 ]
 
 
@@ -398,3 +438,8 @@ def test_tc_kernel_compiles_for_sm90_on_wgmma_without_spills(tmp_path) -> None:
         assert r["shared"] <= 232448, r  # an H100/H200 block's shared memory
         if r["name"].startswith("prior"):
             assert r["async_waits"] >= 1, r
+    # The packed-half unpack (two codes per LOP3, HADD2 / HMUL2 on pairs) leaves no fp32
+    # multiply in the main loop and takes about a third fewer instructions there.
+    fp32, x2 = results[-2]["loop"], results[-1]["loop"]
+    assert x2["ops"].get("HMUL2", 0) > 0 and x2["ops"].get("FMUL", 0) == 0, x2
+    assert x2["instructions"] < 0.75 * fp32["instructions"], (fp32, x2)

@@ -321,13 +321,13 @@ def _store_tc(layer: LinearBase, iw: IntWeight, qweight: torch.Tensor, stripe: b
         layer.int_tc_qweight.packed_factor = 0  # type: ignore[union-attr]  (weight_bytes)
     _register(layer, "int_tc_scales", iw.scales.to(dtype).t() if use else None)
     # Symmetric weights get an explicit zero point of 8: one kernel path (HAS_ZERO) for
-    # every weight, the one the sweep checks and times on the GPU (the symmetric
-    # constexpr-zero path and its PTX bf16x2 unpack are not shipped).
+    # every weight, the one the sweep checks and times on the GPU.  In the scales' dtype
+    # where exact (``_kmajor_zeros``), so the packed-half unpack applies.
     zeros = None
     if use:
-        zeros = (iw.zeros.float().t().contiguous() if iw.zeros is not None else
-                 torch.full((iw.scales.shape[1], iw.scales.shape[0]), 8.0,
-                            dtype=torch.float32, device=qweight.device))
+        zeros = (_kmajor_zeros(iw, dtype) if iw.zeros is not None else
+                 torch.full((iw.scales.shape[1], iw.scales.shape[0]), 8.0, dtype=dtype,
+                            device=qweight.device))
     _register(layer, "int_tc_zeros", zeros)
 
 
