@@ -16,9 +16,9 @@ striped kernel summed over the four projections (below it the striped path stays
 Safety (H200 run 1: wrong results, then an illegal address that killed the run):
 
 * Check first, in ``--procs`` worker processes (they also warm the compile cache): each
-  configuration against the fp32 reference, with zero points (the only path the layers
-  ship: symmetric weights are stored with zero = 8), twice on the same input (the bits
-  must agree: a race or a read of uninitialised memory shows).  A CUDA error is sticky
+  configuration against the fp32 reference, with zero points and symmetric (the K-major
+  layers ship both kernel paths), twice on the same input (the bits must agree: a race
+  or a read of uninitialised memory shows).  A CUDA error is sticky
   in a context, so a worker that hits one reports it and exits; its unchecked jobs go to
   a fresh worker.
 * Only configurations that passed are ever run in this process (timed, re-checked
@@ -128,13 +128,19 @@ def _check_worker(jobs: list[tuple[int, Job]], path: str) -> None:
                     cache[name] = _weights(n, k, dev, seed=1)
                 qw, _, qt, sc, sct, zt, zp = cache[name]
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-                ref = wna16_ref(x.float(), qw, sc, zp, None, 4, GROUP)
-                got = w4a16_tc_gemm(x, qt, sct, zt, GROUP, config=cfg)  # type: ignore[arg-type]
-                again = w4a16_tc_gemm(x, qt, sct, zt, GROUP, config=cfg)  # type: ignore[arg-type]
-                torch.cuda.synchronize()
-                rec["err"] = _rel(got, ref)
-                rec["same_bits"] = bool(torch.equal(got, again))
-                rec["ok"] = rec["err"] < TOL and rec["same_bits"]
+                errs, same = [], True
+                for zs, zr in ((zt, zp), (None, None)):  # zero points, then symmetric
+                    ref = wna16_ref(x.float(), qw, sc, zr, None, 4, GROUP)
+                    got = w4a16_tc_gemm(x, qt, sct, zs, GROUP,
+                                        config=cfg)  # type: ignore[arg-type]
+                    again = w4a16_tc_gemm(x, qt, sct, zs, GROUP,
+                                          config=cfg)  # type: ignore[arg-type]
+                    torch.cuda.synchronize()
+                    errs.append(_rel(got, ref))
+                    same = same and bool(torch.equal(got, again))
+                rec["err"], rec["err_symmetric"] = errs
+                rec["same_bits"] = same
+                rec["ok"] = max(errs) < TOL and same
             except Exception as e:  # noqa: BLE001  (reported; the context may be dead)
                 rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
                 fh.write(json.dumps(rec) + "\n")
