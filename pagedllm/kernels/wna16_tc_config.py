@@ -85,17 +85,19 @@ def auto_split(m: int, n: int, k: int, bm: int, bn: int, bk: int,
 
 
 def prior_config(m: int, n: int, k: int, device: torch.device) -> TcConfig:
-    """Priors (compile-checked for sm_90, not yet timed): the rows as wgmma's N dimension
-    (``swap``: the dequantised weight tile is the register A operand, so the wgmmas stay
-    in flight while the next tile is dequantised) at every M."""
+    """Priors (compile-checked for sm_90): the rows as wgmma's N dimension (``swap``: the
+    dequantised weight tile is the register A operand, so the wgmmas stay in flight while
+    the next tile is dequantised) at every M, and 128-input K tiles: they take the
+    packed-half unpack (``wna16_tc``), and on an H100 (2026-12-07) several 64-input
+    tiles gave results that differed run to run or between the two unpacks."""
     if m <= 16:
         bm, bn, bk, gm, warps, stages = 16, 128, 128, 1, 4, 4
     elif m <= 32:
         bm, bn, bk, gm, warps, stages = 32, 128, 128, 4, 4, 4
     elif m <= 64:
-        bm, bn, bk, gm, warps, stages = 64, 128, 64, 4, 4, 4
+        bm, bn, bk, gm, warps, stages = 64, 128, 128, 4, 4, 3
     else:
-        bm, bn, bk, gm, warps, stages = 128, 128, 64, 8, 8, 4
+        bm, bn, bk, gm, warps, stages = 128, 128, 128, 8, 8, 3
     return (bm, bn, bk, gm, warps, stages, auto_split(m, n, k, bm, bn, bk, device), 1, 0)
 
 
