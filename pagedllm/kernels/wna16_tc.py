@@ -23,16 +23,17 @@ code * 2**o``: one LOP3 and one FMA per code, no int->float conversion) and put 
 K order by a tree of ``tl.interleave`` (a join of in-thread values: no data movement), so
 each thread's codes of one word stay in that thread, consecutive in K.
 
-Where it applies (:func:`packed_unpack_applies`: bf16/fp16 activations and scales,
-integer zero points in the scales' dtype or none, ``BLOCK_K >= 128``, the scale before
-the dot, sm_90) the unpack is packed-half PTX instead (``_UNPACK``): two codes per LOP3,
-one packed subtract and one packed multiply per pair, the same bits as the fp32 unpack
-(the reference's rounding of ``(code - zero) * scale``).  Its main loop is about a third
-shorter (``tests/kernels/test_wna16_tc.py``, sm_90 SASS); on an H100 (2026-12-07,
-``benchmarks/wna16_tc_sweep.py``) a 256-row step of 32 Llama-3-8B layers went from 11.0
-to 9.6 ms symmetric and 13.2 to 11.3 ms with zero points.  With ``BLOCK_K = 64`` and
-``BLOCK_N = 256`` it gave wrong, run-to-run different results on an H100 (the fp32
-unpack of the same configurations was right), so block-64 tiles keep the fp32 unpack.
+Where it applies (:func:`packed_unpack_applies`: bf16 activations and scales, integer
+zero points in bf16 or none, ``BLOCK_K >= 128``, the scale before the dot, sm_90) the
+unpack is packed-bf16 PTX instead (``_UNPACK``): two codes per LOP3, one packed subtract
+and one packed multiply per pair, the same bits as the fp32 unpack (the reference's
+rounding of ``(code - zero) * scale``).  Its main loop is about a third shorter
+(``tests/kernels/test_wna16_tc.py``, sm_90 SASS); on an H100 (2026-12-07, the same
+configurations A/B, best per projection) a 256-row step of 32 Llama-3-8B layers went from
+11.0 to 9.6 ms symmetric and 13.2 to 11.3 ms with zero points.  With 64-input K tiles
+some configurations gave wrong, run-to-run different results on an H100 (zero points at
+``BLOCK_N = 256``; symmetric outputs unlike the fp32 unpack's), so those tiles keep the
+fp32 unpack and the priors use 128-input tiles.
 
 Two ways to meet the activations (``SWAP``, compile-time):
 
@@ -172,23 +173,16 @@ mov.b32 {$2, $6}, t2;
 mov.b32 {$3, $7}, t3;
 }"""
 _UNPACK_BF16 = tl.constexpr(_UNPACK.replace("MAGIC", "0x43004300").replace("T ", "bf16x2 "))
-_UNPACK_F16 = tl.constexpr(_UNPACK.replace("MAGIC", "0x64006400").replace("T ", "f16x2 "))
 
 
 @triton.jit
 def _dequant_nk_packed(words_nk, sc, z):
-    """:func:`_dequant_nk` (scaled) with packed-half arithmetic: ``sc [BN, 1]`` in the
-    activations' dtype (bf16 or fp16), ``z`` fp32 integer zero points (or 8.0)."""
-    if sc.dtype == tl.bfloat16:
-        zb = (z + 128.0).to(tl.bfloat16)  # 0x4300 = 128.0
-        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-            _UNPACK_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [words_nk, sc, zb],
-            dtype=(tl.bfloat16, ) * 8, is_pure=True, pack=1)
-    else:
-        zb = (z + 1024.0).to(tl.float16)  # 0x6400 = 1024.0
-        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-            _UNPACK_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [words_nk, sc, zb],
-            dtype=(tl.float16, ) * 8, is_pure=True, pack=1)
+    """:func:`_dequant_nk` (scaled) with packed-bf16 arithmetic: ``sc [BN, 1]`` bf16,
+    ``z`` fp32 integer zero points (or 8.0)."""
+    zb = (z + 128.0).to(tl.bfloat16)  # 0x4300 = 128.0
+    c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+        _UNPACK_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [words_nk, sc, zb],
+        dtype=(tl.bfloat16, ) * 8, is_pure=True, pack=1)
     even = tl.interleave(tl.interleave(c0, c4), tl.interleave(c2, c6))
     odd = tl.interleave(tl.interleave(c1, c5), tl.interleave(c3, c7))
     return tl.interleave(even, odd)
@@ -317,11 +311,11 @@ def packed_unpack_applies(x: torch.Tensor, scales_t: torch.Tensor,
                           zeros_t: torch.Tensor | None, block_k: int,
                           scale_after: bool) -> bool:
     """Whether a launch unpacks with the packed-half PTX (module doc): CUDA on sm_90+,
-    bf16/fp16 activations with scales of the same dtype, zero points none or in that
-    dtype (integers: ``int_cuda`` keeps fp32 for any other), ``block_k >= 128`` and the
-    scale applied before the dot."""
+    bf16 activations and scales (fp16 would take ``f16x2`` ops and ``0x6400``, not yet
+    checked on a GPU), zero points none or bf16 (integers: ``int_cuda`` keeps fp32 for
+    any other), ``block_k >= 128`` and the scale applied before the dot."""
     return (x.is_cuda and not _INTERPRET and not scale_after and block_k >= 128
-            and x.dtype in (torch.bfloat16, torch.float16) and scales_t.dtype == x.dtype
+            and x.dtype == torch.bfloat16 and scales_t.dtype == x.dtype
             and (zeros_t is None or zeros_t.dtype == x.dtype)
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
