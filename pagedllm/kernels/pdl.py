@@ -63,13 +63,19 @@ def _capability_ok(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def sm90_or_newer(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA device of compute capability 9.0 or more (cached per
+    device: cheap enough for every launch)."""
+    return device.type == "cuda" and _capability_ok(
+        device.index if device.index is not None else torch.cuda.current_device())
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels launched on ``device`` use PDL (read per launch, so the
     interpreter switch takes effect without a restart)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
-    return _capability_ok(device.index if device.index is not None
-                          else torch.cuda.current_device())
+    return sm90_or_newer(device)
 
 
 def pdl_launch_args(device: torch.device) -> dict[str, Any]:

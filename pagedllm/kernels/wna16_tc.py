@@ -73,7 +73,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.int8_gemm import splitk_reduce
-from pagedllm.kernels.pdl import pdl_launch_args, pdl_start
+from pagedllm.kernels.pdl import pdl_launch_args, pdl_start, sm90_or_newer
 from pagedllm.kernels.wna16_stripe import _slot
 from pagedllm.kernels.wna16_tc_config import TcConfig, tc_config
 
@@ -243,11 +243,9 @@ def _w4a16_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stri
         else:
             z = 8.0
         if PACKED:  # packed-half unpack (scaled: the launcher never pairs it with SCALE_AFTER)
-            if HAS_ZERO:
-                w_nk = _dequant_nk_packed(tl.trans(words), sc[:, None], z)
-            else:
-                w_nk = _dequant_nk_packed(tl.trans(words), sc[:, None],
-                                      tl.full([BLOCK_N, 1], 8.0, tl.float32))
+            if not HAS_ZERO:
+                z = tl.full([BLOCK_N, 1], 8.0, tl.float32)  # the asm takes a tensor
+            w_nk = _dequant_nk_packed(tl.trans(words), sc[:, None], z)
         elif SCALE_AFTER:
             w_nk = _dequant_nk(tl.trans(words), sc, z, x_ptr.dtype.element_ty, True)
         else:
@@ -314,10 +312,9 @@ def packed_unpack_applies(x: torch.Tensor, scales_t: torch.Tensor,
     bf16 activations and scales (fp16 would take ``f16x2`` ops and ``0x6400``, not yet
     checked on a GPU), zero points none or bf16 (integers: ``int_cuda`` keeps fp32 for
     any other), ``block_k >= 128`` and the scale applied before the dot."""
-    return (x.is_cuda and not _INTERPRET and not scale_after and block_k >= 128
+    return (not _INTERPRET and not scale_after and block_k >= 128
             and x.dtype == torch.bfloat16 and scales_t.dtype == x.dtype
-            and (zeros_t is None or zeros_t.dtype == x.dtype)
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+            and (zeros_t is None or zeros_t.dtype == x.dtype) and sm90_or_newer(x.device))
 
 
 def _check(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor,
@@ -385,7 +382,7 @@ def w4a16_tc_gemm(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tens
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32,
                                                 device=x.device)
     ieee = x.dtype == torch.float32 or (_INTERPRET and x.dtype != torch.float32)
-    packed = not ieee and packed_unpack_applies(x, scales_t, zeros_t, bk, bool(after))
+    packed = packed_unpack_applies(x, scales_t, zeros_t, bk, bool(after))  # implies not ieee
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
     _w4a16_tc_kernel[grid](
         x, qweight_t, scales_t, zeros_t if zeros_t is not None else scales_t, target, m, n,

@@ -380,20 +380,20 @@ _SCRIPT = textwrap.dedent(r"""
 
     H200 = torch.device("cpu")  # block shapes only; the split is set below
     out = []
-    for name, m, n, k, zeros, split, cfg, x2 in json.loads(sys.argv[1]):
+    for name, m, n, k, zeros, split, cfg, packed in json.loads(sys.argv[1]):
         if cfg is None:
             p = prior_config(m, n, k, H200)
             cfg = list(p[:6]) + list(p[7:])  # without the split (set below)
         bm, bn, bk, gm, warps, stages, swap, after = cfg
         sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16",
-               "z_ptr": "*fp32" if zeros and not x2 else "*bf16",
+               "z_ptr": "*fp32" if zeros and not packed else "*bf16",
                "out_ptr": "*fp32" if split else "*bf16"}
         for a in ("M", "N", "stride_xm", "stride_om", "stride_os"):
             sig[a] = "i32"
         consts = dict(K=k, GROUP=128, HAS_ZERO=zeros, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                       GROUP_M=gm, K_CHUNK=k // 4 if split else k, SWAP=bool(swap),
                       SCALE_AFTER=bool(after), IEEE=False, EVEN_N=True, USE_PDL=True,
-                      PACKED=x2)
+                      PACKED=packed)
         div = [i for i, a in enumerate(sig) if a != "M"]
         kern, st = compile_sm90(tc._w4a16_tc_kernel, sig, consts,
                                 {"num_warps": warps, "num_stages": stages}, div)
@@ -407,8 +407,8 @@ _SCRIPT = textwrap.dedent(r"""
     print(json.dumps(out))
 """)
 
-# (name, M, N, K, zeros, split-K, config or None = the priors): the priors of each row
-# bucket at the 8B shapes, zero points, split partials.
+# (name, M, N, K, zeros, split-K, config or None = the priors, packed unpack): the priors
+# of each row bucket at the 8B shapes, zero points, split partials.
 CASES = [
     ("prior o_proj M=16 split", 16, 4096, 4096, False, True, None, True),
     ("prior down M=64 zeros", 64, 4096, 14336, True, False, None, True),
@@ -422,7 +422,7 @@ CASES = [
     # against the packed-half unpack of the same configuration
     ("fp32 unpack M=256 zeros", 256, 28672, 4096, True, False, [128, 256, 128, 8, 8, 3, 1, 0],
      False),
-    ("x2 unpack M=256 zeros", 256, 28672, 4096, True, False, [128, 256, 128, 8, 8, 3, 1, 0],
+    ("packed unpack M=256 zeros", 256, 28672, 4096, True, False, [128, 256, 128, 8, 8, 3, 1, 0],
      True),
 ]
 
@@ -439,6 +439,6 @@ def test_tc_kernel_compiles_for_sm90_on_wgmma_without_spills(tmp_path) -> None:
             assert r["async_waits"] >= 1, r
     # The packed-half unpack (two codes per LOP3, HADD2 / HMUL2 on pairs) leaves no fp32
     # multiply in the main loop and takes about a third fewer instructions there.
-    fp32, x2 = results[-2]["loop"], results[-1]["loop"]
-    assert x2["ops"].get("HMUL2", 0) > 0 and x2["ops"].get("FMUL", 0) == 0, x2
-    assert x2["instructions"] < 0.75 * fp32["instructions"], (fp32, x2)
+    fp32, packed = results[-2]["loop"], results[-1]["loop"]
+    assert packed["ops"].get("HMUL2", 0) > 0 and packed["ops"].get("FMUL", 0) == 0, packed
+    assert packed["instructions"] < 0.75 * fp32["instructions"], (fp32, packed)
