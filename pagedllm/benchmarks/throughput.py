@@ -86,6 +86,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Time HF on only the first N requests of each configuration (HF "
                         "is slow; its tok/s is still comparable).")
     p.add_argument("--output-json", default=None, help="Write the results here as JSON.")
+    p.add_argument("--step-log", default=None, metavar="FILE.json",
+                   help="Log every engine step of the timed runs (scheduled tokens and "
+                        "requests, seconds) to this file and print the last run's time "
+                        "by step kind (decode-only or mixed) and padded size "
+                        "(benchmarks/step_log.py). Default: off.")
     p.add_argument("--llama-cpp-python", default=None, metavar="PYTHON",
                    help="Batch-1 rows of a GGUF model: also time llama.cpp on the same "
                         "file and prompts, run by this Python interpreter, which must have "
@@ -134,10 +139,11 @@ def _requests(args: argparse.Namespace, llm: Any) -> list[BenchRequest]:
 
 
 def _run_pagedllm(llm: Any, reqs: list[BenchRequest], loras: list[Any] | None = None,
-                  peaks: dict[str, int] | None = None) -> float:
+                  peaks: dict[str, int] | None = None, step_log: Any = None) -> float:
     """Seconds to generate ``reqs``; ``peaks`` receives the run's peak KV blocks in use
     and peak running requests (when the engine core is in this process), and the prompt
-    tokens served from the prefix cache."""
+    tokens served from the prefix cache; ``step_log`` (a ``StepLog``) records the run's
+    steps."""
     from pagedllm import SamplingParams
 
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
@@ -149,10 +155,14 @@ def _run_pagedllm(llm: Any, reqs: list[BenchRequest], loras: list[Any] | None = 
     if sched is not None:
         sched.kv.pool.reset_peak()
         sched.peak_num_running = 0
+    if step_log is not None:
+        step_log.start()
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False,
                         lora_request=spread(loras or [], len(reqs)))
     dt = time.perf_counter() - t0
+    if step_log is not None:
+        step_log.stop()
     if sched is not None and peaks is not None:
         peaks["kv_peak_blocks"] = max(peaks.get("kv_peak_blocks", 0),
                                       sched.kv.pool.peak_blocks_in_use)
@@ -208,6 +218,11 @@ def main(args: argparse.Namespace) -> int:
         from pagedllm.benchmarks.vlm import EncoderProbe, processor_seconds
 
         probe = EncoderProbe(llm)
+    step_log = None
+    if args.step_log:
+        from pagedllm.benchmarks.step_log import StepLog
+
+        step_log = StepLog(llm)
 
     hf_model = None
     if args.hf:
@@ -224,7 +239,8 @@ def main(args: argparse.Namespace) -> int:
         peaks: dict[str, int] = {}
         if probe is not None:
             probe.reset()
-        runs = [_run_pagedllm(llm, reqs, loras, peaks) for _ in range(args.repeats)]
+        runs = [_run_pagedllm(llm, reqs, loras, peaks, step_log)
+                for _ in range(args.repeats)]
         ours = statistics.median(runs)
         row: dict[str, Any] = {"config": name, "requests": len(reqs), "prompt_tokens": n_in,
                                "output_tokens": n_out, "pagedllm_s": ours,
@@ -265,6 +281,13 @@ def main(args: argparse.Namespace) -> int:
                   f"{r['encoder_s']:.2f} s = {r['encoder_share']:.1%} of the wall time, "
                   f"prefix-cache hit rate {r['prefix_cache_hit_rate']:.1%}; the front "
                   f"end's processor takes {r['processor_s']:.2f} s for the requests")
+    if step_log is not None:
+        from pagedllm.benchmarks import step_log as sl
+
+        steps = sl.summarise(step_log.runs[-1], *step_log.ladders(), step_log.replay_ms())
+        print(f"steps of the last timed run ({groups[-1][0]}):")
+        sl.print_summary(steps)
+        sl.write(args.step_log, step_log, steps)
     if args.plot:
         from pagedllm.benchmarks.plot import plot_throughput
 

@@ -1,0 +1,126 @@
+"""``bench throughput --step-log FILE``: what every engine step of a timed run computed
+and how long it took, summed by step kind and size.
+
+An offline run's time is the sum of its steps', and which steps a workload makes is the
+scheduler's doing (the throughput policy paces prefill over the decode horizon and fills
+mixed steps up to their CUDA graph's size), so a kernel that is faster per call can still
+lose end to end.  This log shows where the time went: each step's scheduled tokens and
+requests (``SchedulerStats``) and its duration, the time between consecutive steps'
+outputs (the core stamps each step's outputs when its update is done; the first step of a
+run counts from the run's start).  A step with as many tokens as requests decodes only;
+any other mixes prompt tokens in.  Sizes are bucketed as the runner pads them: decode
+steps by the decode graphs' batch sizes, mixed steps by the chunk graphs' token counts
+(beyond the largest: ``eager``).
+
+The JSON written holds every run's steps as ``[seconds, tokens, requests]`` and the last
+run's summary rows.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import statistics
+import time
+from typing import Any
+
+from pagedllm.messages import EngineCoreOutputs
+
+
+class StepLog:
+    """Records the steps of ``llm`` (an ``LLM``) between :meth:`start` and :meth:`stop`
+    through the engine's ``step_listeners``."""
+
+    def __init__(self, llm: Any) -> None:
+        self.engine = llm.llm_engine
+        self.runs: list[list[tuple[float, int, int]]] = []
+        self._t0: float | None = None
+        self._last = 0.0
+        self.engine.step_listeners.append(self._on_step)
+
+    def start(self) -> None:
+        self.runs.append([])
+        self._t0 = self._last = time.time()
+
+    def stop(self) -> None:
+        self._t0 = None
+
+    def _on_step(self, out: EngineCoreOutputs) -> None:
+        st = out.scheduler_stats
+        if self._t0 is None or st is None or not st.num_scheduled_tokens:
+            return
+        stamp = out.timestamp or time.time()
+        self.runs[-1].append((stamp - self._last, st.num_scheduled_tokens,
+                              st.num_scheduled_reqs))
+        self._last = stamp
+
+    def ladders(self) -> tuple[list[int], list[int]]:
+        """``(decode batch sizes, chunk token counts)`` the runner pads steps up to: its
+        captured graphs' where it has them, else the nominal ladders."""
+        from pagedllm.worker.cuda_graphs import CHUNK_SIZES, capture_sizes
+
+        cfg = self.engine.config.scheduler_config
+        decode = capture_sizes(cfg.max_num_seqs)
+        chunks = list(CHUNK_SIZES)
+        core = getattr(self.engine.client, "core", None)
+        runner = getattr(getattr(getattr(core, "executor", None), "worker", None),
+                         "runner", None)
+        graphs = getattr(runner, "graphs", None)
+        if graphs is not None:
+            decode, chunks = sorted(graphs.sizes), sorted(graphs.chunk_sizes)
+        return decode, chunks
+
+    def replay_ms(self) -> dict[tuple[str, int], float]:
+        """``(kind, size) -> ms`` of the captured graphs' replays, timed at capture
+        (context ~0: the step's model alone), where the runner has graphs."""
+        core = getattr(self.engine.client, "core", None)
+        runner = getattr(getattr(getattr(core, "executor", None), "worker", None),
+                         "runner", None)
+        graphs = getattr(runner, "graphs", None)
+        if graphs is None:
+            return {}
+        return {("decode" if s.decode else "mixed", s.reqs if s.decode else s.tokens): ms
+                for s, ms in graphs.replay_ms.items()}
+
+
+def summarise(steps: list[tuple[float, int, int]], decode_sizes: list[int],
+              chunk_sizes: list[int], replay_ms: dict[tuple[str, int], float] | None = None
+              ) -> list[dict[str, Any]]:
+    """One row per (kind, bucket) with the steps' count, total and median seconds, share
+    of the run, mean tokens and requests, and the bucket's graph replay time where
+    ``replay_ms`` has it; decode rows first, by size."""
+    groups: dict[tuple[str, int], list[tuple[float, int, int]]] = {}
+    for s in steps:
+        dt, tokens, reqs = s
+        kind, n, ladder = (("decode", reqs, decode_sizes) if tokens == reqs
+                           else ("mixed", tokens, chunk_sizes))
+        i = bisect.bisect_left(ladder, n)
+        groups.setdefault((kind, ladder[i] if i < len(ladder) else 0), []).append(s)
+    total = sum(s[0] for s in steps) or 1.0
+    rows = []
+    for (kind, size), g in sorted(groups.items(), key=lambda e: (e[0][0], e[0][1] or 1 << 30)):
+        secs = sum(s[0] for s in g)
+        rows.append({"kind": kind, "size": size or "eager", "steps": len(g),
+                     "seconds": secs, "share": secs / total,
+                     "median_ms": 1e3 * statistics.median(s[0] for s in g),
+                     "mean_tokens": sum(s[1] for s in g) / len(g),
+                     "mean_reqs": sum(s[2] for s in g) / len(g),
+                     "replay_ms": (replay_ms or {}).get((kind, size))})
+    return rows
+
+
+def print_summary(rows: list[dict[str, Any]]) -> None:
+    """The table ``bench throughput --step-log`` prints (``graph ms``: the bucket's graph
+    replay at capture, ``-`` without one)."""
+    print(f"{'step':<7}{'<= size':>8}{'steps':>7}{'seconds':>9}{'share':>7}"
+          f"{'median ms':>11}{'graph ms':>10}{'tokens':>8}{'requests':>9}")
+    for r in rows:
+        graph = "-" if r["replay_ms"] is None else f"{r['replay_ms']:.2f}"
+        print(f"{r['kind']:<7}{r['size']:>8}{r['steps']:>7}{r['seconds']:>9.3f}"
+              f"{r['share']:>7.1%}{r['median_ms']:>11.2f}{graph:>10}"
+              f"{r['mean_tokens']:>8.1f}{r['mean_reqs']:>9.1f}")
+
+
+def write(path: str, log: StepLog, rows: list[dict[str, Any]]) -> None:
+    with open(path, "w") as f:
+        json.dump({"runs": log.runs, "summary": rows}, f)
