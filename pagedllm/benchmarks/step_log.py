@@ -59,28 +59,27 @@ class StepLog:
         captured graphs' where it has them, else the nominal ladders."""
         from pagedllm.worker.cuda_graphs import CHUNK_SIZES, capture_sizes
 
-        cfg = self.engine.config.scheduler_config
-        decode = capture_sizes(cfg.max_num_seqs)
-        chunks = list(CHUNK_SIZES)
-        core = getattr(self.engine.client, "core", None)
-        runner = getattr(getattr(getattr(core, "executor", None), "worker", None),
-                         "runner", None)
-        graphs = getattr(runner, "graphs", None)
+        graphs = self._graphs()
         if graphs is not None:
-            decode, chunks = sorted(graphs.sizes), sorted(graphs.chunk_sizes)
-        return decode, chunks
+            return sorted(graphs.sizes), sorted(graphs.chunk_sizes)
+        return capture_sizes(self.engine.config.scheduler_config.max_num_seqs), \
+            list(CHUNK_SIZES)
 
     def replay_ms(self) -> dict[tuple[str, int], float]:
         """``(kind, size) -> ms`` of the captured graphs' replays, timed at capture
         (context ~0: the step's model alone), where the runner has graphs."""
-        core = getattr(self.engine.client, "core", None)
-        runner = getattr(getattr(getattr(core, "executor", None), "worker", None),
-                         "runner", None)
-        graphs = getattr(runner, "graphs", None)
+        graphs = self._graphs()
         if graphs is None:
             return {}
         return {("decode" if s.decode else "mixed", s.reqs if s.decode else s.tokens): ms
                 for s, ms in graphs.replay_ms.items()}
+
+    def _graphs(self) -> Any:
+        """The in-process runner's ``CudaGraphRunner`` (None: eager, or the worker runs in
+        another process)."""
+        core = getattr(self.engine.client, "core", None)
+        worker = getattr(getattr(core, "executor", None), "worker", None)
+        return getattr(getattr(worker, "runner", None), "graphs", None)
 
 
 def summarise(steps: list[tuple[float, int, int]], decode_sizes: list[int],
