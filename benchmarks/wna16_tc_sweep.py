@@ -5,7 +5,7 @@ under CUDA-graph replay; prints the per-step totals (32 layers) and writes the l
 table to ship.  One device call (< 4 min):
 
     python benchmarks/wna16_tc_sweep.py --out $OUT/wna16_tc_sweep.json \
-        --table $OUT/wna16_tc_NVIDIA_H200.json [--budget-s 150] [--rows 16,64,256,1024,2048]
+        --table $OUT/wna16_tc_NVIDIA_H200.json [--budget-s 150] [--rows 16,64,...]
 
 ``--table`` is the format of ``PAGEDLLM_WNA16_TC_CONFIGS`` (``kernels/wna16_tc_config``);
 copy it to ``pagedllm/kernels/tuned/`` to ship it.  Per ``(M, projection)`` the table
@@ -28,6 +28,13 @@ Safety (H200 run 1: wrong results, then an illegal address that killed the run):
 Timing: every variant is a CUDA graph that runs one call per weight copy (> 256 MB of
 copies: every call reads its weight from HBM, as in a real step), median of 10 replays.
 Past ``--budget-s`` the remaining configurations are skipped (reported).
+
+Rows: an entry serves every M up to its own, so the grid must be fine where the faster
+path changes.  W1 is mostly mixed steps of 384 and 512 tokens (``bench throughput
+--step-log``, H100 2026-12-07); with entries at 256 and 1,024 only, every step of
+257-1,024 rows took the 1,024 entry's dequantise + cuBLAS, ~8 ms a step above bf16
+however few rows it has (per step of 32 layers: the kernel 10.5 ms at 256 rows, 18.1 at
+512; dequantise + cuBLAS 14.9 and 17.4): the crossover lies between.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from gpu_timing import graph_us
 
-ROWS = (16, 64, 256, 1024, 2048)
+ROWS = (16, 64, 128, 256, 384, 512, 768, 1024, 2048)
 PROJ = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
         "down_proj": (4096, 14336)}
 GROUP = 128
