@@ -35,10 +35,10 @@ if [ "$what" = tc ]; then
   # GPU check of the default routing (no table: striped / dequantise paths), then the
   # sweep (only checked configurations are timed or written), then the
   # routing test again and W1 with the table -- or without one if the sweep wrote none.
-  unset PAGEDLLM_WNA16_TC_CONFIGS PAGEDLLM_WNA16_TC_CVT
+  unset PAGEDLLM_WNA16_TC_CONFIGS
   step python -m pytest -q -x -p no:cacheprovider tests/kernels/test_wna16_tc.py \
     -k gpu_default_routing 2>&1 | tail -5
-  table=$OUT/wna16_tc_NVIDIA_H200.json
+  table=$OUT/wna16_tc_$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr " " "_").json
   step python benchmarks/wna16_tc_sweep.py --out "$OUT/wna16_tc_sweep.json" \
     --table "$table" --budget-s "${TC_BUDGET_S:-150}" 2>&1 | grep -v "^check FAILED" \
     | tail -40
