@@ -139,7 +139,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     # "throughput": offline batches; longest max_tokens first, prefill paced over the
-    # decode horizon (core/scheduler.py, Scheduler._prefill_cap).
+    # decode horizon (core/prefill_pacing.py).
     policy: Literal["fcfs", "priority", "throughput"] = "fcfs"
     # How a preempted request gives back its blocks: drop and recompute them later, or
     # copy them to CPU swap space and back.

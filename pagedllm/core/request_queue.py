@@ -194,7 +194,7 @@ class LongestFirstQueue(RequestQueue):
         computed first), ``s = running_slack`` (steps before the first of them must
         decode), ``L = horizon``, ``S_j`` the tokens of the first ``j`` requests in
         queue order and ``o_j`` the j-th's remaining output (see
-        ``Scheduler._prefill_cap``).  Only the first ``scan`` requests are read (a
+        ``core/prefill_pacing.py``).  Only the first ``scan`` requests are read (a
         bounded per-step cost; later ones have the latest deadlines), and the scan stops
         once the rate reaches ``limit`` (more is never granted) or no later request can
         raise it.

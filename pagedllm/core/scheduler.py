@@ -20,7 +20,7 @@ The throughput policy (offline batches; ``LLM``'s default on CUDA) changes two t
 only, and only for requests whose length is known (no EOS, stop token or stop string can
 end them early): the waiting order (longest ``max_tokens`` first) and how many prompt
 tokens a step may compute while requests wait (prefill paced over the decode horizon:
-``Scheduler._prefill_cap``).  Other requests go first and are never delayed.
+``core/prefill_pacing.py``).  Other requests go first and are never delayed.
 
 A prompt longer than the remaining budget is cut into a chunk; the rest comes next step,
 mixed with other requests' decode tokens.  Work per step is O(number of requests): no
@@ -41,7 +41,6 @@ Memory sharing stays phase-less too (docs/memory_sharing.md):
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -61,7 +60,8 @@ from pagedllm.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagedllm.core.request_queue import DUE_NOW, LongestFirstQueue, make_queue
+from pagedllm.core.prefill_pacing import prefill_cap_for
+from pagedllm.core.request_queue import LongestFirstQueue, make_queue
 from pagedllm.core.swap import SwapManager
 from pagedllm.messages import (
     EngineCoreOutput,
@@ -140,7 +140,7 @@ class Scheduler:
         self.config = scheduler_config
         # Token counts the runner pads a mixed step up to (its chunk CUDA graphs): the
         # throughput policy fills that padding with prompt tokens, which then cost
-        # nothing extra (``_prefill_cap``).
+        # nothing extra (``core/prefill_pacing.py``).
         self._step_sizes = sorted(padded_step_sizes)
         self._max_model_len = scheduler_config.max_model_len  # read per request per step
         self.block_size = cache_config.block_size
@@ -376,8 +376,10 @@ class Scheduler:
             else (0, 0)
         # Throughput policy: how many prompt tokens (running chunks and new requests)
         # this step may compute; None = no limit beyond the budget.
-        prefill_cap = self._prefill_cap() if self._lpt is not None and len(self._lpt) \
-            else None
+        prefill_cap = prefill_cap_for(self.running, self._lpt,
+                                      self.config.max_num_batched_tokens,
+                                      self._step_sizes) \
+            if self._lpt is not None and len(self._lpt) else None
         step = _Step(budget=self.config.max_num_batched_tokens,
                      in_flight=in_flight_req_ids, max_reqs=max_num_scheduled_reqs,
                      prefill_cap=prefill_cap, spec_cap=spec_cap, spec_next=spec_next,
@@ -580,66 +582,6 @@ class Scheduler:
             num_spec_proposals=step.spec_next,
             scheduled_encoder_inputs=self.encoder.scheduled,
             free_encoder_inputs=self.encoder.free)
-
-    def _prefill_cap(self) -> int:
-        """Throughput policy: the prompt tokens -- running requests' unfinished chunks
-        first, then waiting requests -- that this step may compute.
-
-        A decode step's GEMMs read every weight however few tokens it carries, so prompt
-        tokens spread over the decode steps ride along almost free, while a step full of
-        prompt tokens is compute-bound and delays every decode.  Prefill is therefore
-        paced: ``L``, the longest remaining output of any request, is a lower bound on
-        the steps left (the makespan), and a waiting request that will generate ``o``
-        tokens must start decoding by step ``L - o``.  The rate is the smallest even
-        prefill rate meeting every such deadline in queue (longest-first) order::
-
-            rate = max(P / max(1, L - o_P), max over j of (P + S_j) / max(1, L - o_j))
-
-        with ``P`` the prompt tokens of running requests still to compute (unfinished
-        chunks, which go first; ``o_P`` the longest remaining output among them, so they
-        too finish by their deadline rather than in the next step whatever their size)
-        and ``S_j`` the tokens of the first ``j`` waiting requests (the first 512 only,
-        to bound the per-step cost).  When every request
-        has the same ``max_tokens`` the first deadline is step 0 and the rule is
-        "prefill everything now", as under FCFS.  Only requests of known length
-        (``Request.length_known``: they cannot stop before ``max_tokens``) are planned
-        with: one that may stop early sets no horizon and is due now (its ``max_tokens``
-        is only a bound, and pacing by it could delay prompts for steps that never
-        come), so a batch of such requests runs as under FCFS.
-
-        With CUDA graphs the runner pads a mixed step up to its graph's size, so the cap
-        is raised to fill that padding (``padded_step_sizes``).  A waiting request's
-        tokens all count as to compute (prefix-cache hits are not known before it is
-        admitted; counting them only makes the rate conservative).  O(running) per step,
-        and only while requests wait.
-        """
-        waiting = self._lpt
-        assert waiting is not None
-        horizon = waiting.longest_remaining_output()
-        p_run = decodes = 0
-        chunk_out = 0  # the longest output of a request with an unfinished chunk
-        for r in self.running:
-            left = r.num_tokens - r.num_computed_tokens
-            if r.length_known:
-                rest = r.max_tokens - r.num_output_tokens
-                horizon = max(horizon, rest)
-            else:  # it may stop at any step: it sets no horizon, and its chunk is due now
-                rest = -DUE_NOW
-            if left > 1:
-                p_run += left
-                chunk_out = max(chunk_out, rest)
-            elif r.num_placeholders or left == 1:
-                decodes += 1
-        budget = self.config.max_num_batched_tokens
-        rate = waiting.paced_rate(p_run, horizon, limit=budget,
-                                  running_slack=horizon - chunk_out)
-        cap = min(rate, budget - decodes)
-        sizes = self._step_sizes
-        if cap > 0 and sizes:
-            i = bisect.bisect_left(sizes, decodes + cap)
-            if i < len(sizes) and sizes[i] <= budget:
-                cap = sizes[i] - decodes
-        return max(cap, 1)
 
     def _admit(self, req: Request, n: int, step: _Step, now: float) -> None:
         """Move a request that just got its blocks into ``running`` and tell the runner
