@@ -34,20 +34,20 @@ class StepLog:
     def __init__(self, llm: Any) -> None:
         self.engine = llm.llm_engine
         self.runs: list[list[tuple[float, int, int]]] = []
-        self._t0: float | None = None
-        self._last = 0.0
+        self._recording = False
+        self._last = 0.0  # the previous step's stamp (the run's start before its first)
         self.engine.step_listeners.append(self._on_step)
 
     def start(self) -> None:
         self.runs.append([])
-        self._t0 = self._last = time.time()
+        self._recording, self._last = True, time.time()
 
     def stop(self) -> None:
-        self._t0 = None
+        self._recording = False
 
     def _on_step(self, out: EngineCoreOutputs) -> None:
         st = out.scheduler_stats
-        if self._t0 is None or st is None or not st.num_scheduled_tokens:
+        if not self._recording or st is None or not st.num_scheduled_tokens:
             return
         stamp = out.timestamp or time.time()
         self.runs[-1].append((stamp - self._last, st.num_scheduled_tokens,
