@@ -24,6 +24,7 @@ import statistics
 import time
 from typing import Any
 
+from pagedllm.benchmarks.workloads import inproc_runner
 from pagedllm.messages import EngineCoreOutputs
 
 
@@ -32,6 +33,7 @@ class StepLog:
     through the engine's ``step_listeners``."""
 
     def __init__(self, llm: Any) -> None:
+        self.llm = llm
         self.engine = llm.llm_engine
         self.runs: list[list[tuple[float, int, int]]] = []
         self._recording = False
@@ -77,9 +79,7 @@ class StepLog:
     def _graphs(self) -> Any:
         """The in-process runner's ``CudaGraphRunner`` (None: eager, or the worker runs in
         another process)."""
-        core = getattr(self.engine.client, "core", None)
-        worker = getattr(getattr(core, "executor", None), "worker", None)
-        return getattr(getattr(worker, "runner", None), "graphs", None)
+        return getattr(inproc_runner(self.llm), "graphs", None)
 
 
 def summarise(steps: list[tuple[float, int, int]], decode_sizes: list[int],

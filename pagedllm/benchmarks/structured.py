@@ -32,7 +32,13 @@ import time
 from typing import Any
 
 import pagedllm.envs as envs
-from pagedllm.benchmarks.workloads import DUMMY_CONFIGS, engine_summary, summary_line, w4
+from pagedllm.benchmarks.workloads import (
+    DUMMY_CONFIGS,
+    engine_summary,
+    inproc_runner,
+    summary_line,
+    w4,
+)
 from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_from_cli
 
 DEFAULT_SCHEMA: dict[str, Any] = {
@@ -132,9 +138,7 @@ def _trace_split(path: str, spans: list[tuple[float, float]], reqs: int) -> dict
 
 def _grammar_batch(llm: Any) -> Any:
     """The runner's ``GrammarBatch`` when the engine runs in this process, else None."""
-    core = getattr(getattr(llm.llm_engine, "client", None), "core", None)
-    worker = getattr(getattr(core, "executor", None), "worker", None)
-    grammar = getattr(getattr(worker, "runner", None), "grammar", None)
+    grammar = getattr(inproc_runner(llm), "grammar", None)
     return getattr(grammar, "_grammars", None)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pagedllm.benchmarks.workloads import inproc_runner
 from pagedllm.multimodal.processor import MultiModalProcessor
 
 
@@ -55,9 +56,7 @@ def processor_seconds(llm: Any, prompts: list[Any]) -> float:
 def encoder_cache_of(llm: Any) -> Any:
     """The in-process model runner's encoder cache (None: a text-only model, or an
     engine core in another process)."""
-    core = getattr(getattr(llm.llm_engine, "client", None), "core", None)
-    worker = getattr(getattr(core, "executor", None), "worker", None)
-    return getattr(getattr(worker, "runner", None), "mm", None)
+    return getattr(inproc_runner(llm), "mm", None)
 
 
 class EncoderProbe:

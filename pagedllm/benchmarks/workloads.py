@@ -383,6 +383,14 @@ def kv_block_bytes(llm: Any) -> int:
     return per_block
 
 
+def inproc_runner(llm: Any) -> Any:
+    """The ``ModelRunner`` of ``llm``'s engine when its worker runs in this process (the
+    uniprocess executor), else None."""
+    core = getattr(getattr(llm.llm_engine, "client", None), "core", None)
+    worker = getattr(getattr(core, "executor", None), "worker", None)
+    return getattr(worker, "runner", None)
+
+
 def kv_peak_tracker(llm: Any) -> Any:
     """The in-process scheduler, whose KV pool and queues record their peaks (None when
     the engine core runs in another process)."""
