@@ -143,36 +143,35 @@ def _dequant_nk(words_nk, sc, z, dtype: tl.constexpr, SCALE_AFTER: tl.constexpr)
 
 
 # Packed-half unpack (PTX, sm_90): nibbles s and s + 4 of a word sit 16 bits apart, so one
-# LOP3 ``(w >> 4s) & 0x000F000F | MAGIC`` makes two halves ``BIAS + code`` (the code lands
-# in the mantissa: exact), one packed subtract takes ``BIAS + zero`` off (exact: small
+# LOP3 ``(w >> 4s) & 0x000F000F | 0x43004300`` makes two bf16 ``128 + code`` (the code lands
+# in the mantissa: exact), one packed subtract takes ``128 + zero`` off (exact: small
 # integers) and one packed multiply applies the scale, rounded once as the reference
-# rounds ``(code - zero) * scale``.  Operands: $8 the word, $9 the scale, $10 ``BIAS +
-# zero`` (halves); outputs $0..$7 the slots 0..7.
-_UNPACK = """{
+# rounds ``(code - zero) * scale``.  Operands: $8 the word, $9 the scale, $10 ``128 +
+# zero`` (bf16); outputs $0..$7 the slots 0..7.
+_UNPACK = tl.constexpr("""{
 .reg .b32 t0, t1, t2, t3, w, s, b;
 mov.b32 s, {$9, $9};
 mov.b32 b, {$10, $10};
-lop3.b32 t0, $8, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 t0, $8, 0x000F000F, 0x43004300, 0xEA;
 shr.u32 w, $8, 4;
-lop3.b32 t1, w, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 t1, w, 0x000F000F, 0x43004300, 0xEA;
 shr.u32 w, $8, 8;
-lop3.b32 t2, w, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 t2, w, 0x000F000F, 0x43004300, 0xEA;
 shr.u32 w, $8, 12;
-lop3.b32 t3, w, 0x000F000F, MAGIC, 0xEA;
-sub.rn.T t0, t0, b;
-sub.rn.T t1, t1, b;
-sub.rn.T t2, t2, b;
-sub.rn.T t3, t3, b;
-mul.rn.T t0, t0, s;
-mul.rn.T t1, t1, s;
-mul.rn.T t2, t2, s;
-mul.rn.T t3, t3, s;
+lop3.b32 t3, w, 0x000F000F, 0x43004300, 0xEA;
+sub.rn.bf16x2 t0, t0, b;
+sub.rn.bf16x2 t1, t1, b;
+sub.rn.bf16x2 t2, t2, b;
+sub.rn.bf16x2 t3, t3, b;
+mul.rn.bf16x2 t0, t0, s;
+mul.rn.bf16x2 t1, t1, s;
+mul.rn.bf16x2 t2, t2, s;
+mul.rn.bf16x2 t3, t3, s;
 mov.b32 {$0, $4}, t0;
 mov.b32 {$1, $5}, t1;
 mov.b32 {$2, $6}, t2;
 mov.b32 {$3, $7}, t3;
-}"""
-_UNPACK_BF16 = tl.constexpr(_UNPACK.replace("MAGIC", "0x43004300").replace("T ", "bf16x2 "))
+}""")
 
 
 @triton.jit
@@ -181,7 +180,7 @@ def _dequant_nk_packed(words_nk, sc, z):
     ``z`` fp32 integer zero points (or 8.0)."""
     zb = (z + 128.0).to(tl.bfloat16)  # 0x4300 = 128.0
     c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-        _UNPACK_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [words_nk, sc, zb],
+        _UNPACK, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [words_nk, sc, zb],
         dtype=(tl.bfloat16, ) * 8, is_pure=True, pack=1)
     even = tl.interleave(tl.interleave(c0, c4), tl.interleave(c2, c6))
     odd = tl.interleave(tl.interleave(c1, c5), tl.interleave(c3, c7))
