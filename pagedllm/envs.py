@@ -19,7 +19,7 @@ Variable (type, default): why it exists.
 * ``PAGEDLLM_KERNEL_WARMUP`` (bool, on; ``0`` off): compile the Triton kernels in a
   helper process while the model loads.
 * ``PAGEDLLM_STEP_TRACE`` (path, unset): one JSON line per engine step (a diagnostic
-  that the W2 suite and ``bench structured`` read).
+  that the W2 suite, ``bench structured`` and ``bench throughput --step-log`` read).
 * ``PAGEDLLM_TEMPLATE_MEMORY_BYTES`` (int, ``1 << 30``): the memory limit of the process
   that renders request-supplied chat templates.
 * ``PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING`` (bool, off; vLLM's name works too): the
@@ -73,8 +73,8 @@ def kernel_warmup() -> bool:
 
 def step_trace_path() -> str | None:
     """``PAGEDLLM_STEP_TRACE``: a JSONL file that ``EngineCore.step()`` appends one line
-    per step to (``engine/step_trace.py``; read by ``benchmarks/profile_step.py`` and
-    ``pagedllm bench structured``)."""
+    per step to (``engine/step_trace.py``; read by ``benchmarks/profile_step.py``,
+    ``pagedllm bench structured`` and ``bench throughput --step-log``)."""
     return os.environ.get("PAGEDLLM_STEP_TRACE") or None
 
 

@@ -94,10 +94,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_hits: int = 0  # tokens found this step
     num_free_blocks: int = 0
     num_total_blocks: int = 0
-    # Tokens computed by the step this snapshot follows (0 for idle/heartbeat snapshots),
-    # and the requests they belong to (a step of as many tokens as requests decodes only).
+    # Tokens computed by the step this snapshot follows (0 for idle/heartbeat snapshots).
     num_scheduled_tokens: int = 0
-    num_scheduled_reqs: int = 0
     # Speculative decoding in this step (vLLM's spec_decode_* counters): requests that
     # verified drafts, drafts verified, drafts accepted, accepted per draft position.
     spec_num_drafts: int = 0

@@ -4,13 +4,13 @@ and how long it took, summed by step kind and size.
 An offline run's time is the sum of its steps', and which steps a workload makes is the
 scheduler's doing (the throughput policy paces prefill over the decode horizon and fills
 mixed steps up to their CUDA graph's size), so a kernel that is faster per call can still
-lose end to end.  This log shows where the time went: each step's scheduled tokens and
-requests (``SchedulerStats``) and its duration, the time between consecutive steps'
-outputs (the core stamps each step's outputs when its update is done; the first step of a
-run counts from the run's start).  A step with as many tokens as requests decodes only;
-any other mixes prompt tokens in.  Sizes are bucketed as the runner pads them: decode
-steps by the decode graphs' batch sizes, mixed steps by the chunk graphs' token counts
-(beyond the largest: ``eager``).
+lose end to end.  The steps come from the engine core's step trace
+(``PAGEDLLM_STEP_TRACE``, ``engine/step_trace.py``: one line per step with its wall start,
+scheduled tokens and requests); a step lasts until the next one starts (the run's last,
+until the run ends).  A step with as many tokens as requests decodes only; any other
+mixes prompt tokens in.  Sizes are bucketed as the runner pads them: decode steps by the
+decode graphs' batch sizes, mixed steps by the chunk graphs' token counts (beyond the
+largest: ``eager``).
 
 The JSON written holds every run's steps as ``[seconds, tokens, requests]`` and the last
 run's summary rows.
@@ -20,66 +20,77 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import statistics
+import tempfile
 import time
 from typing import Any
 
+import pagedllm.envs as envs
 from pagedllm.benchmarks.workloads import inproc_runner
-from pagedllm.messages import EngineCoreOutputs
 
 
 class StepLog:
-    """Records the steps of ``llm`` (an ``LLM``) between :meth:`start` and :meth:`stop`
-    through the engine's ``step_listeners``."""
+    """The timed runs' steps, read from the engine core's step trace.  Build it before the
+    ``LLM`` (the core opens the trace file named by ``PAGEDLLM_STEP_TRACE`` at start-up:
+    the caller's, else a temporary one set here); bracket each timed run with
+    :meth:`start` and :meth:`stop`."""
 
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
-        self.engine = llm.llm_engine
-        self.runs: list[list[tuple[float, int, int]]] = []
-        self._recording = False
-        self._last = 0.0  # the previous step's stamp (the run's start before its first)
-        self.engine.step_listeners.append(self._on_step)
+    def __init__(self) -> None:
+        path = envs.step_trace_path()
+        self.own_file = path is None
+        if path is None:
+            fd, path = tempfile.mkstemp(prefix="step-log-", suffix=".jsonl")
+            os.close(fd)
+            os.environ["PAGEDLLM_STEP_TRACE"] = path  # for the engine core built next
+        self.path = path
+        self.spans: list[tuple[float, float]] = []  # each timed run's wall start, end
+        self._start = 0.0
 
     def start(self) -> None:
-        self.runs.append([])
-        self._recording, self._last = True, time.time()
+        self._start = time.time()
 
     def stop(self) -> None:
-        self._recording = False
+        self.spans.append((self._start, time.time()))
 
-    def _on_step(self, out: EngineCoreOutputs) -> None:
-        st = out.scheduler_stats
-        if not self._recording or st is None or not st.num_scheduled_tokens:
-            return
-        stamp = out.timestamp or time.time()
-        self.runs[-1].append((stamp - self._last, st.num_scheduled_tokens,
-                              st.num_scheduled_reqs))
-        self._last = stamp
+    def runs(self) -> list[list[tuple[float, int, int]]]:
+        """Per timed run, its steps as ``(seconds, tokens, requests)``."""
+        with open(self.path) as f:
+            trace = [json.loads(line) for line in f]
+        out = []
+        for a, b in self.spans:
+            steps = [r for r in trace if a <= r["t"] <= b]
+            ends = [r["t"] for r in steps[1:]] + [b]
+            out.append([(end - r["t"], r["tokens"], r["reqs"]) for r, end in zip(steps, ends)])
+        return out
 
-    def ladders(self) -> tuple[list[int], list[int]]:
-        """``(decode batch sizes, chunk token counts)`` the runner pads steps up to: its
-        captured graphs' where it has them, else the nominal ladders."""
+    def close(self) -> None:
+        """Delete the trace file if this log made it."""
+        if self.own_file:
+            os.environ.pop("PAGEDLLM_STEP_TRACE", None)
+            os.unlink(self.path)
+
+    @staticmethod
+    def ladders(llm: Any) -> tuple[list[int], list[int]]:
+        """``(decode batch sizes, chunk token counts)`` ``llm``'s runner pads steps up to:
+        its captured graphs' where it has them, else the nominal ladders."""
         from pagedllm.worker.cuda_graphs import CHUNK_SIZES, capture_sizes
 
-        graphs = self._graphs()
+        graphs = getattr(inproc_runner(llm), "graphs", None)
         if graphs is not None:
             return sorted(graphs.sizes), sorted(graphs.chunk_sizes)
-        return capture_sizes(self.engine.config.scheduler_config.max_num_seqs), \
+        return capture_sizes(llm.llm_engine.config.scheduler_config.max_num_seqs), \
             list(CHUNK_SIZES)
 
-    def replay_ms(self) -> dict[tuple[str, int], float]:
+    @staticmethod
+    def replay_ms(llm: Any) -> dict[tuple[str, int], float]:
         """``(kind, size) -> ms`` of the captured graphs' replays, timed at capture
-        (context ~0: the step's model alone), where the runner has graphs."""
-        graphs = self._graphs()
+        (context ~0: the step's model alone), where ``llm``'s runner has graphs."""
+        graphs = getattr(inproc_runner(llm), "graphs", None)
         if graphs is None:
             return {}
         return {("decode" if s.decode else "mixed", s.reqs if s.decode else s.tokens): ms
                 for s, ms in graphs.replay_ms.items()}
-
-    def _graphs(self) -> Any:
-        """The in-process runner's ``CudaGraphRunner`` (None: eager, or the worker runs in
-        another process)."""
-        return getattr(inproc_runner(self.llm), "graphs", None)
 
 
 def summarise(steps: list[tuple[float, int, int]], decode_sizes: list[int],
@@ -120,6 +131,7 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
               f"{r['mean_tokens']:>8.1f}{r['mean_reqs']:>9.1f}")
 
 
-def write(path: str, log: StepLog, rows: list[dict[str, Any]]) -> None:
+def write(path: str, runs: list[list[tuple[float, int, int]]],
+          rows: list[dict[str, Any]]) -> None:
     with open(path, "w") as f:
-        json.dump({"runs": log.runs, "summary": rows}, f)
+        json.dump({"runs": runs, "summary": rows}, f)

@@ -200,6 +200,11 @@ def main(args: argparse.Namespace) -> int:
 
     check_plot_path(args.plot)
 
+    step_log = None
+    if args.step_log:  # before the engine: its core opens the step trace at start-up
+        from pagedllm.benchmarks.step_log import StepLog
+
+        step_log = StepLog()
     llm = build_llm(args)
     all_reqs = _requests(args, llm)
     # --lora N: requests spread evenly over N dummy adapters (lora_adapters.py).
@@ -218,11 +223,6 @@ def main(args: argparse.Namespace) -> int:
         from pagedllm.benchmarks.vlm import EncoderProbe, processor_seconds
 
         probe = EncoderProbe(llm)
-    step_log = None
-    if args.step_log:
-        from pagedllm.benchmarks.step_log import StepLog
-
-        step_log = StepLog(llm)
 
     hf_model = None
     if args.hf:
@@ -284,10 +284,12 @@ def main(args: argparse.Namespace) -> int:
     if step_log is not None:
         from pagedllm.benchmarks import step_log as sl
 
-        steps = sl.summarise(step_log.runs[-1], *step_log.ladders(), step_log.replay_ms())
+        logged = step_log.runs()
+        steps = sl.summarise(logged[-1], *step_log.ladders(llm), step_log.replay_ms(llm))
         print(f"steps of the last timed run ({groups[-1][0]}):")
         sl.print_summary(steps)
-        sl.write(args.step_log, step_log, steps)
+        sl.write(args.step_log, logged, steps)
+        step_log.close()
     if args.plot:
         from pagedllm.benchmarks.plot import plot_throughput
 

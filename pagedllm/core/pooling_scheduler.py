@@ -95,7 +95,6 @@ class PoolingScheduler(Scheduler):
                 first_scheduled_time=req.first_scheduled_time, pooling_output=vec))
         stats = self.make_stats()
         stats.num_scheduled_tokens = sched.total_num_scheduled_tokens
-        stats.num_scheduled_reqs = len(sched.num_scheduled_tokens)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
 
     def make_stats(self) -> SchedulerStats:

@@ -691,7 +691,6 @@ class Scheduler:
         outputs.extend(self.beams.on_update())  # beam groups whose beams all reported
         stats = self.make_stats()
         stats.num_scheduled_tokens = sched.total_num_scheduled_tokens
-        stats.num_scheduled_reqs = len(sched.num_scheduled_tokens)
         if spec is not None:
             (stats.spec_num_drafts, stats.spec_num_draft_tokens,
              stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos) = spec.end_update(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
@@ -18,7 +17,6 @@ from pagedllm.engine.input_processor import (
 )
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.gc_heap import freeze_gc_heap, release_gc_heap
-from pagedllm.messages import EngineCoreOutputs
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -41,9 +39,6 @@ class LLMEngine:
             config.model_config.served_model_name, max_model_len=config.model_config.max_model_len,
             process_collectors=False,
             speculative=config.scheduler_config.speculative_config is not None)
-        # Called with every step's core outputs before they are processed (the bench's
-        # ``--step-log``, ``benchmarks/step_log.py``); must not raise or block.
-        self.step_listeners: list[Callable[[EngineCoreOutputs], None]] = []
         # The core runs in this process: keep its start-up heap out of full collections.
         freeze_gc_heap("LLM engine")
 
@@ -93,8 +88,6 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         core_out = self.client.get_output()
         self.metrics.on_outputs(core_out)
-        for listener in self.step_listeners:
-            listener(core_out)
         processed = self.output_processor.process_outputs(core_out)
         if processed.reqs_to_abort:  # stop strings found here
             self.metrics.on_finished(processed.reqs_to_abort, "stop")
