@@ -10,7 +10,8 @@ scheduled tokens and requests); a step lasts until the next one starts (the run'
 until the run ends).  A step with as many tokens as requests decodes only; any other
 mixes prompt tokens in.  Sizes are bucketed as the runner pads them: decode steps by the
 decode graphs' batch sizes, mixed steps by the chunk graphs' token counts (beyond the
-largest: ``eager``).
+largest: ``eager``).  Kernel time per step (under the profiler):
+``benchmarks/profile_step.py --per-step``.
 
 The JSON written holds every run's steps as ``[seconds, tokens, requests]`` and the last
 run's summary rows.
