@@ -111,7 +111,7 @@ def simulate(policy: str, budget: int = 8192, num_prompts: int = 256,
                                   policy=policy),  # type: ignore[arg-type]
                   CacheConfig(block_size=16, enable_prefix_caching=True),
                   num_blocks=num_blocks,
-                  padded_step_sizes=chunk_capture_sizes(budget, max_len) if fill else ())
+                  fill_step_sizes=chunk_capture_sizes(budget, max_len) if fill else ())
     for i, r in enumerate(reqs):
         sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
         s.add_request(Request(str(i), r.prompt_token_ids, sp, eos_token_id=2))

@@ -135,13 +135,14 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, num_cpu_blocks: int = 0,
-                 padded_step_sizes: Sequence[int] = (),
+                 fill_step_sizes: Sequence[int] = (),
                  step_cost: StepCostCurve | None = None) -> None:
         self.config = scheduler_config
-        # Token counts the runner pads a mixed step up to (its chunk CUDA graphs): the
-        # throughput policy fills that padding with prompt tokens, which then cost
-        # nothing extra (``core/prefill_pacing.py``).
-        self._step_sizes = sorted(padded_step_sizes)
+        # Token counts the throughput policy fills a mixed step up to: the runner's chunk
+        # CUDA graph sizes on or near their cost curve's convex hull (a step pads up to
+        # its graph anyway, so prompt tokens in that padding cost nothing extra:
+        # ``core/prefill_pacing.py``).
+        self._step_sizes = sorted(fill_step_sizes)
         self._max_model_len = scheduler_config.max_model_len  # read per request per step
         self.block_size = cache_config.block_size
         # One block table per KV cache group: several for a model mixing sliding and

@@ -47,7 +47,7 @@ class EngineCore:
         extra = {"step_cost": StepCostCurve.from_dict(cost)} if cost is not None else {}
         self.scheduler = scheduler_cls(config.scheduler_config, config.cache_config,
                                    self.num_blocks, self.executor.num_cpu_blocks,
-                                   self.executor.padded_step_sizes, **extra)
+                                   self.executor.fill_step_sizes, **extra)
         self.max_model_len = config.model_config.max_model_len
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._inflight: tuple[SchedulerOutput, StepResult] | None = None

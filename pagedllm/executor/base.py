@@ -44,14 +44,14 @@ class StepResult(Protocol):
 
 class Executor(ABC):
     """See the module doc.  After construction: ``config`` (with ``num_blocks``),
-    ``num_blocks``, ``num_cpu_blocks``, ``padded_step_sizes`` and ``step_cost`` (the
+    ``num_blocks``, ``num_cpu_blocks``, ``fill_step_sizes`` and ``step_cost`` (the
     output rank's measured step-cost curve as ``StepCostCurve.to_dict``, with
     speculative decoding; else None)."""
 
     config: EngineConfig
     num_blocks: int
     num_cpu_blocks: int
-    padded_step_sizes: list[int]
+    fill_step_sizes: list[int]
     step_cost: dict[str, Any] | None = None
 
     @abstractmethod

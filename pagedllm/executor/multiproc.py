@@ -151,7 +151,7 @@ class MultiprocExecutor(Executor):
         self.config = config.with_num_blocks(self.num_blocks)
         out = caches[self.output_rank]
         self.num_cpu_blocks = out.num_cpu_blocks
-        self.padded_step_sizes = list(out.padded_step_sizes)
+        self.fill_step_sizes = list(out.fill_step_sizes)
         self.step_cost = out.step_cost
 
     def _await_subscriptions(self) -> None:

@@ -69,7 +69,7 @@ class RayWorkerWrapper:
     def initialize_cache(self, num_blocks: int,
                          ) -> tuple[int, list[int], dict[str, Any] | None]:
         self.worker.initialize_cache(num_blocks)
-        return (int(self.worker.num_cpu_blocks), list(self.worker.padded_step_sizes()),
+        return (int(self.worker.num_cpu_blocks), list(self.worker.fill_step_sizes()),
                 self.worker.step_cost_curve())
 
     def execute(self, payload: bytes, sampled: bytes | None = None) -> bytes | None:
@@ -147,7 +147,7 @@ class RayExecutor(Executor):
                         self.world_size, time.perf_counter() - t0, blocks, self.num_blocks)
             caches = self._get([a.initialize_cache.remote(self.num_blocks)
                                 for a in self.actors], "allocate its KV cache")
-            self.num_cpu_blocks, self.padded_step_sizes, self.step_cost = \
+            self.num_cpu_blocks, self.fill_step_sizes, self.step_cost = \
                 caches[self.output_rank]
             self.config = config.with_num_blocks(self.num_blocks)
         except BaseException:

@@ -24,7 +24,7 @@ class UniProcExecutor(Executor):
             self.worker.initialize_cache(self.num_blocks)
         self.config = config.with_num_blocks(self.num_blocks)
         self.num_cpu_blocks = self.worker.num_cpu_blocks
-        self.padded_step_sizes = self.worker.padded_step_sizes()
+        self.fill_step_sizes = self.worker.fill_step_sizes()
         self.step_cost = self.worker.step_cost_curve()
 
     def set_grammar_compiler(self, compiler: object) -> None:

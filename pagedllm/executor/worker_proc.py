@@ -56,7 +56,7 @@ class WorkerReady(msgspec.Struct):
 
 class WorkerCacheReady(msgspec.Struct):
     num_cpu_blocks: int
-    padded_step_sizes: list[int]
+    fill_step_sizes: list[int]
     step_cost: dict[str, Any] | None = None  # Worker.step_cost_curve
 
 
@@ -164,7 +164,7 @@ def _serve(config: Any, rank: int, local_rank: int, init_method: str, sub: zmq.S
         if kind == KIND_INIT_CACHE:
             worker.initialize_cache(msgspec.msgpack.decode(payload, type=int))
             push.send_multipart([KIND_CACHE_READY, me, ENCODER.encode(WorkerCacheReady(
-                worker.num_cpu_blocks, worker.padded_step_sizes(),
+                worker.num_cpu_blocks, worker.fill_step_sizes(),
                 worker.step_cost_curve()))])
             break
     while True:

@@ -20,6 +20,7 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.kv_cache_dtype import check_backend, kv_torch_dtype
 from pagedllm.config import EngineConfig, ParallelConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.prefill_pacing import fill_sizes
 from pagedllm.distributed.parallel_state import (
     SINGLE_RANK,
     ParallelState,
@@ -437,11 +438,23 @@ class Worker:
             logger.info("Triton: %d kernel variants compiled (%.1f s of compiler time), "
                         "%d loaded from the cache", st.compiled, st.compile_s, st.cache_hits)
 
-    def padded_step_sizes(self) -> list[int]:
-        """Token counts a mixed step is padded up to (the chunk CUDA graphs' sizes; none
-        when running eagerly)."""
+    def fill_step_sizes(self) -> list[int]:
+        """Token counts the throughput policy fills a mixed step up to: the chunk CUDA
+        graphs' sizes (a step pads up to one) that lie on or near the lower convex hull
+        of their replay times (``core.prefill_pacing.fill_sizes``); none when running
+        eagerly."""
         graphs = self.runner.graphs if self.runner is not None else None
-        return list(graphs.chunk_sizes) if graphs is not None else []
+        if graphs is None:
+            return []
+        # the kept chunk graphs' replay times at capture (pruned ones are not timed here)
+        costs = sorted((s.tokens, ms) for s, ms in graphs.replay_ms.items() if not s.decode)
+        sizes = fill_sizes(costs)
+        if len(sizes) < len(costs):
+            logger.info("throughput policy: mixed steps fill up to %s tokens (left out, "
+                        "dearer than their neighbours per token: %s)",
+                        ",".join(map(str, sizes)),
+                        ",".join(str(t) for t, _ in costs if t not in sizes))
+        return sizes
 
     def step_cost_curve(self) -> dict[str, Any] | None:
         """The measured step-cost curve as plain lists (None without speculation)."""

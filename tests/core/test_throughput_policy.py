@@ -98,7 +98,7 @@ def _w1_like(policy: str, seed: int, step_sizes: tuple[int, ...] = ()):
     rng = random.Random(seed)
     s = make_scheduler(num_blocks=64 * 1600 // 16 + 1, block_size=16, budget=8192,
                        max_seqs=64, policy=policy, max_model_len=2048)
-    s._step_sizes = list(step_sizes)  # as Scheduler(..., padded_step_sizes=...) sets it
+    s._step_sizes = list(step_sizes)  # as Scheduler(..., fill_step_sizes=...) sets it
     max_tokens = {}
     for i in range(64):
         plen, olen = rng.randint(128, 1024), rng.randint(32, 512)
