@@ -449,7 +449,7 @@ class Worker:
         # the kept chunk graphs' replay times at capture (pruned ones are not timed here)
         costs = sorted((s.tokens, ms) for s, ms in graphs.replay_ms.items() if not s.decode)
         sizes = fill_sizes(costs)
-        if len(sizes) < len(costs):
+        if len(sizes) < len(costs) and self.config.scheduler_config.policy == "throughput":
             logger.info("throughput policy: mixed steps fill up to %s tokens (left out, "
                         "dearer than their neighbours per token: %s)",
                         ",".join(map(str, sizes)),
