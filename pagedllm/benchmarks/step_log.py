@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import bisect
 import json
-import os
 import statistics
-import tempfile
 import time
 from typing import Any
 
-import pagedllm.envs as envs
 from pagedllm.benchmarks.workloads import inproc_runner
+from pagedllm.engine.step_trace import TraceFile
 
 
 class StepLog:
@@ -38,13 +36,7 @@ class StepLog:
     :meth:`start` and :meth:`stop`."""
 
     def __init__(self) -> None:
-        path = envs.step_trace_path()
-        self.own_file = path is None
-        if path is None:
-            fd, path = tempfile.mkstemp(prefix="step-log-", suffix=".jsonl")
-            os.close(fd)
-            os.environ["PAGEDLLM_STEP_TRACE"] = path  # for the engine core built next
-        self.path = path
+        self.trace = TraceFile(prefix="step-log-")
         self.spans: list[tuple[float, float]] = []  # each timed run's wall start, end
         self._start = 0.0
 
@@ -56,8 +48,7 @@ class StepLog:
 
     def runs(self) -> list[list[tuple[float, int, int]]]:
         """Per timed run, its steps as ``(seconds, tokens, requests)``."""
-        with open(self.path) as f:
-            trace = [json.loads(line) for line in f]
+        trace = self.trace.read()
         out = []
         for a, b in self.spans:
             steps = [r for r in trace if a <= r["t"] <= b]
@@ -67,9 +58,7 @@ class StepLog:
 
     def close(self) -> None:
         """Delete the trace file if this log made it."""
-        if self.own_file:
-            os.environ.pop("PAGEDLLM_STEP_TRACE", None)
-            os.unlink(self.path)
+        self.trace.close()
 
     @staticmethod
     def ladders(llm: Any) -> tuple[list[int], list[int]]:

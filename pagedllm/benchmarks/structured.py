@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import tempfile
 import time
 from typing import Any
 
-import pagedllm.envs as envs
 from pagedllm.benchmarks.workloads import (
     DUMMY_CONFIGS,
     engine_summary,
@@ -39,6 +36,7 @@ from pagedllm.benchmarks.workloads import (
     summary_line,
     w4,
 )
+from pagedllm.engine.step_trace import TraceFile
 from pagedllm.entrypoints.engine_cli_args import add_engine_args, engine_args_from_cli
 
 DEFAULT_SCHEMA: dict[str, Any] = {
@@ -122,17 +120,16 @@ def _invalid_outputs(llm: Any, schema: dict[str, Any], outs: list[Any]) -> int:
     return bad
 
 
-def _trace_split(path: str, spans: list[tuple[float, float]], reqs: int) -> dict[str, float]:
+def _trace_split(trace: list[dict[str, Any]], spans: list[tuple[float, float]],
+                 reqs: int) -> dict[str, float]:
     """Median step-trace fields of the decode steps (every request, one token each)
     that began within ``spans``."""
     rows: dict[str, list[float]] = {f: [] for f in TRACE_FIELDS}
-    with open(path) as f:
-        for line in f:
-            r = json.loads(line)
-            if r["reqs"] == reqs and r["tokens"] == reqs and any(
-                    a <= r["t"] <= b for a, b in spans):
-                for k in TRACE_FIELDS:
-                    rows[k].append(r[k])
+    for r in trace:
+        if r["reqs"] == reqs and r["tokens"] == reqs and any(
+                a <= r["t"] <= b for a, b in spans):
+            for k in TRACE_FIELDS:
+                rows[k].append(r[k])
     return {k: statistics.median(v) for k, v in rows.items() if v}
 
 
@@ -177,12 +174,7 @@ def main(args: argparse.Namespace) -> int:
         args.tokenizer = args.tokenizer or default_model_path()
     eargs = engine_args_from_cli(args)
     # The engine core's step trace (host/device split), unless the caller set one.
-    trace = envs.step_trace_path()
-    own_trace = trace is None
-    if trace is None:
-        fd, trace = tempfile.mkstemp(prefix="structured-trace-", suffix=".jsonl")
-        os.close(fd)
-        os.environ["PAGEDLLM_STEP_TRACE"] = trace  # for the engine core built below
+    trace = TraceFile(prefix="structured-trace-")  # written by the engine core built below
     llm = LLM(eargs.model, **{k: v for k, v in vars(eargs).items()
                               if k not in ("model", "extra")})
     hi = min(llm.llm_engine.config.model_config.vocab_size, 40000)
@@ -211,7 +203,8 @@ def main(args: argparse.Namespace) -> int:
         t1, tn = min(times[kind][1]), min(times[kind][args.output_len])
         res[kind] = {"t1_s": t1, "tn_s": tn,
                      "tpot_ms": 1000 * (tn - t1) / (args.output_len - 1),
-                     "step_trace_ms": _trace_split(trace, spans[kind], args.num_prompts)}
+                     "step_trace_ms": _trace_split(trace.read(), spans[kind],
+                                                   args.num_prompts)}
     if gb is not None and g0 is not None and gb.num_fills > g0[2]:
         steps = gb.num_fills - g0[2]
         res["json_schema"]["grammar_host_ms_per_step"] = {
@@ -224,8 +217,7 @@ def main(args: argparse.Namespace) -> int:
                invalid_outputs=_invalid_outputs(llm, schema, last_outs),
                device=llm.llm_engine.config.device_config.device,
                date=time.strftime("%Y-%m-%d"), **engine_summary(llm))
-    if own_trace:
-        os.unlink(trace)
+    trace.close()
     print(summary_line(res))
     print(f"{'':12} {'T(1) s':>8} {f'T({args.output_len}) s':>9} {'TPOT ms':>9}  "
           "decode step, median ms: sched / launch / wait / update")

@@ -20,7 +20,9 @@ sets it for W2.
 from __future__ import annotations
 
 import json
-from typing import IO
+import os
+import tempfile
+from typing import IO, Any
 
 import pagedllm.envs as envs
 from pagedllm.core.outputs import SchedulerOutput
@@ -53,3 +55,29 @@ class StepTrace:
 
     def close(self) -> None:
         self.file.close()
+
+
+class TraceFile:
+    """For a tool that reads the trace of an engine it builds next: the file named by
+    ``PAGEDLLM_STEP_TRACE`` if the caller set one, else a temporary file that this sets
+    the variable to (so the engine core built next writes it) and :meth:`close` deletes."""
+
+    def __init__(self, prefix: str = "step-trace-") -> None:
+        path = envs.step_trace_path()
+        self.owned = path is None
+        if path is None:
+            fd, path = tempfile.mkstemp(prefix=prefix, suffix=".jsonl")
+            os.close(fd)
+            os.environ[TRACE_ENV] = path
+        self.path = path
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every line written so far, parsed."""
+        with open(self.path) as f:
+            return [json.loads(line) for line in f]
+
+    def close(self) -> None:
+        """Unset the variable and delete the file, if this made it."""
+        if self.owned:
+            os.environ.pop(TRACE_ENV, None)
+            os.unlink(self.path)

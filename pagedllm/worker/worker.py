@@ -43,7 +43,7 @@ from pagedllm.worker.kv_groups import bind_kv_cache_groups
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
 from pagedllm.worker.profile import profile_run, profile_tokens, warm_logits_and_sampling
 from pagedllm.worker.startup_memory import check_cpu_kv_fits
-from pagedllm.worker.step_cost import measure_step_cost
+from pagedllm.worker.step_cost import curve_from_graphs, measure_step_cost
 
 logger = logging.getLogger("pagedllm")
 
@@ -444,10 +444,10 @@ class Worker:
         of their replay times (``core.prefill_pacing.fill_sizes``); none when running
         eagerly."""
         graphs = self.runner.graphs if self.runner is not None else None
-        if graphs is None:
+        curve = curve_from_graphs(graphs) if graphs is not None else None
+        if curve is None:
             return []
-        # the kept chunk graphs' replay times at capture (pruned ones are not timed here)
-        costs = sorted((s.tokens, ms) for s, ms in graphs.replay_ms.items() if not s.decode)
+        costs = curve.mixed  # the kept chunk graphs' replay times at capture
         sizes = fill_sizes(costs)
         if len(sizes) < len(costs) and self.config.scheduler_config.policy == "throughput":
             logger.info("throughput policy: mixed steps fill up to %s tokens (left out, "
