@@ -348,6 +348,7 @@ def test_gpu_tc_gemm_llama3_shapes(n: int, k: int, m: int, monkeypatch) -> None:
 @pytest.mark.parametrize("cfg", [(16, 128, 128, 1, 4, 4, 8, 1, 0),
                                  (64, 128, 128, 4, 4, 3, 4, 1, 0),
                                  (128, 256, 128, 8, 8, 3, 1, 1, 0),
+                                 (256, 128, 128, 8, 8, 3, 1, 1, 0),
                                  (64, 128, 128, 4, 4, 3, 1, 0, 0)])
 def test_gpu_packed_unpack_gives_the_fp32_unpack_bits(zeros: bool, cfg: tuple[int, ...],
                                                       monkeypatch) -> None:
@@ -417,6 +418,9 @@ CASES = [
     ("B operand M=256 zeros", 256, 6144, 4096, True, False, [128, 256, 64, 8, 8, 3, 0, 0],
      True),
     ("swap M=2048 zeros", 2048, 4096, 14336, True, False, [256, 128, 64, 8, 8, 3, 1, 0],
+     True),
+    # the H100 table's tile from 256 rows up (wgmma N = 256, 248 registers)
+    ("table M=1024 gate_up", 1024, 28672, 4096, False, False, [256, 128, 128, 8, 8, 3, 1, 0],
      True),
     # the fp32 unpack (fp32 zero points) of the table's 256-row gate_up configuration,
     # against the packed-half unpack of the same configuration
