@@ -30,8 +30,9 @@ copies: every call reads its weight from HBM, as in a real step), median of 10 r
 Past ``--budget-s`` the remaining configurations are skipped (reported).
 
 Rows: an entry serves every M up to its own, so the grid must be fine where the faster
-path changes.  W1 is mostly mixed steps of 384 and 512 tokens (``bench throughput
---step-log``, H100 2026-12-07); with entries at 256 and 1,024 only, every step of
+path changes and at the step sizes W1 runs: decode steps of up to 256 rows and mixed
+steps filled to chunk-graph sizes (``prefill_pacing.fill_sizes``; int4 on the H100,
+2026-12-07: 1,024 or 1,280 tokens).  With entries at 256 and 1,024 only, every step of
 257-1,024 rows took the 1,024 entry's dequantise + cuBLAS, ~8 ms a step above bf16
 however few rows it has (per step of 32 layers: the kernel 10.5 ms at 256 rows, 18.1 at
 512; dequantise + cuBLAS 14.9 and 17.4): the crossover lies between.
@@ -52,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from gpu_timing import graph_us
 
-ROWS = (16, 64, 128, 256, 384, 512, 768, 1024, 2048)
+ROWS = (16, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 2048)
 PROJ = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
         "down_proj": (4096, 14336)}
 GROUP = 128
