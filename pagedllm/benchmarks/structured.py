@@ -199,11 +199,12 @@ def main(args: argparse.Namespace) -> int:
                 if n == args.output_len:
                     spans[kind].append((w0, w1))
     res: dict[str, Any] = {}
+    steps_traced = trace.read()
     for kind, _ in kinds:
         t1, tn = min(times[kind][1]), min(times[kind][args.output_len])
         res[kind] = {"t1_s": t1, "tn_s": tn,
                      "tpot_ms": 1000 * (tn - t1) / (args.output_len - 1),
-                     "step_trace_ms": _trace_split(trace.read(), spans[kind],
+                     "step_trace_ms": _trace_split(steps_traced, spans[kind],
                                                    args.num_prompts)}
     if gb is not None and g0 is not None and gb.num_fills > g0[2]:
         steps = gb.num_fills - g0[2]
