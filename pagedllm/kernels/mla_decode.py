@@ -123,7 +123,7 @@ def _mla_decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, KV_FP8: tl.constexpr,
-    SEARCH: tl.constexpr,
+    SEARCH: tl.constexpr, ROWS: tl.constexpr,
 ):
     h_block = tl.program_id(0) % HEAD_BLOCKS
     split = tl.program_id(2)
@@ -142,6 +142,12 @@ def _mla_decode_kernel(
         q_len = tl.load(qsl_ptr + req + 1) - q_start
     if q_block * BLOCK_Q >= q_len:
         return  # a surplus program (a shorter request, a padded empty one)
+    if ROWS == 1:  # one-token requests only (``MlaLaunch.decodes_apart``)
+        if q_len != 1:
+            return
+    if ROWS == 2:  # multi-token requests only
+        if q_len == 1:
+            return
     seq_len = tl.load(seq_lens_ptr + req)
 
     rows = tl.arange(0, BLOCK_Q * BLOCK_H)
@@ -250,6 +256,9 @@ class MlaLaunch:
     num_splits: int  # 1 = one pass; > 1 = split-KV + reduce
     num_warps: int = 4
     num_stages: int = 2
+    # Multi-token launches: one-token requests (a mixed step's decodes) run in a second
+    # launch of one-query programs instead of padding a block_q-query tile.
+    decodes_apart: bool = False
 
 
 def plan_mla_decode(*, num_reqs: int, max_query_len: int, num_heads: int,
@@ -365,25 +374,33 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     # every request -- a CUDA graph's chunk step (a 1,024-token graph with 256 request
     # slots) would otherwise launch 65k programs, nearly all exiting at once.
     search = max_query_len > 1
+    apart = search and launch.decodes_apart
     grid = ((t // launch.block_q + num_reqs) * head_blocks, 1, splits) if search \
         else (q_blocks * head_blocks, num_reqs, splits)
+    args = (q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc)
+    strides = (q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+               kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0))
+    consts = dict(L=lat, R=rope, BLOCK_L=block_l,
+                  BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_H=launch.block_h,
+                  HEAD_BLOCKS=head_blocks, BLOCK_N=launch.block_n,
+                  BLOCK_SIZE=kv_cache.shape[2], F32_DOT=f32_dot,
+                  WHILE_LOOP=_interpreting(), KV_FP8=kv_fp8, num_stages=launch.num_stages)
     _mla_decode_kernel[grid](
-        q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, target, lse,
-        scale * kv_scale * _LOG2E, kv_scale, h, splits, num_reqs,
-        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
-        kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
-        stride_ot, stride_oh,
-        L=lat, R=rope, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope)),
-        BLOCK_H=launch.block_h, BLOCK_Q=launch.block_q, HEAD_BLOCKS=head_blocks,
-        BLOCK_N=launch.block_n, BLOCK_SIZE=kv_cache.shape[2], SPLIT=splits > 1,
-        F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), KV_FP8=kv_fp8, SEARCH=search,
-        num_warps=launch.num_warps,
-        num_stages=launch.num_stages)
+        *args, target, lse, scale * kv_scale * _LOG2E, kv_scale, h, splits, num_reqs,
+        *strides, stride_ot, stride_oh, BLOCK_Q=launch.block_q, SPLIT=splits > 1,
+        SEARCH=search, ROWS=2 if apart else 0, num_warps=launch.num_warps, **consts)
     if splits > 1:
         _mla_reduce_kernel[(t, h)](
             part, lse, out, query_start_loc, num_reqs, h, splits, out.stride(0),
             out.stride(1), L=lat, BLOCK_L=block_l,
             SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
+    if apart:
+        # After the merge, which wrote every row (the one-token rows from partials no
+        # program filled): one 16-row program per (request, head block), one split.
+        _mla_decode_kernel[(head_blocks, num_reqs, 1)](
+            *args, out, seq_lens, scale * kv_scale * _LOG2E, kv_scale, h, 1, num_reqs,
+            *strides, out.stride(0), out.stride(1), BLOCK_Q=1, SPLIT=False,
+            SEARCH=False, ROWS=1, num_warps=4, **consts)
     return out
 
 

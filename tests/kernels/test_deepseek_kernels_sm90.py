@@ -47,7 +47,8 @@ _SCRIPT = textwrap.dedent(r"""
         consts = dict(L=512, R=64, BLOCK_L=512, BLOCK_R=64, BLOCK_H=p.block_h,
                       BLOCK_Q=p.block_q, HEAD_BLOCKS=-(-heads // p.block_h),
                       BLOCK_N=p.block_n, BLOCK_SIZE=16, SPLIT=split, F32_DOT=False,
-                      WHILE_LOOP=False, KV_FP8=2 if kv_fp8 else 0, SEARCH=mql > 1)
+                      WHILE_LOOP=False, KV_FP8=2 if kv_fp8 else 0, SEARCH=mql > 1,
+                      ROWS=0)
         # Pointers and the (multiple-of-64) strides are specialised as divisible by 16.
         div = [i for i, n in enumerate(sig) if sig[n].startswith("*")
                or (n.startswith("stride") and n != "stride_bt")]

@@ -69,11 +69,13 @@ def test_decode_ragged(dtype: torch.dtype, splits: int) -> None:
 @pytest.mark.parametrize("launch", [
     MlaLaunch(block_h=16, block_q=4, block_n=16, num_splits=1),
     MlaLaunch(block_h=16, block_q=2, block_n=16, num_splits=2),  # two query blocks
-], ids=["one-block", "qblocks-split"])
+    MlaLaunch(block_h=16, block_q=4, block_n=16, num_splits=2, decodes_apart=True),
+], ids=["one-block", "qblocks-split", "decodes-apart"])
 def test_multi_token_queries(dtype: torch.dtype, launch: MlaLaunch) -> None:
-    """Speculative-verify / short-chunk shapes: 3, 1, 4 and 2 new tokens, the causal
-    mask inside the query block (a query whose whole request is new: 4 of 4)."""
-    _check([3, 1, 4, 2], [21, 9, 4, 38], 4, dtype, launch, seed=2)
+    """Speculative-verify / short-chunk shapes: 3, 1, 4, 2 and 1 new tokens, the causal
+    mask inside the query block (a query whose whole request is new: 4 of 4); with
+    ``decodes_apart`` the one-token requests run in their own launch after the merge."""
+    _check([3, 1, 4, 2, 1], [21, 9, 4, 38, 17], 4, dtype, launch, seed=2)
 
 
 def test_heads_over_two_blocks() -> None:
