@@ -34,7 +34,11 @@ Grid::
             query tiles on axis 0, as ``paged_attention.py`` does: a program finds its
             request by binary search over ``query_start_loc`` (tile start
             ``query_start_loc[r] // BLOCK_Q + r``), and the grid is the upper bound
-            ``num_tokens // BLOCK_Q + num_reqs`` tiles (axis 1 is 1).
+            ``num_tokens // BLOCK_Q + num_reqs`` tiles (axis 1 is 1).  With
+            ``MlaLaunch.decodes_apart`` the first ``num_reqs`` (x head blocks) programs
+            serve the one-token requests (a chunk step's decodes) with one-query tiles
+            and the tile programs skip them, so a decode does not run as one valid
+            query of a ``BLOCK_Q``-query tile.
     axis 2: KV splits.  Split ``s`` of ``S`` takes a contiguous, BLOCK_N-aligned run of
             the positions its rows need, writes its normalised partial output and its
             log-sum-exp (log2 domain), and ``_mla_reduce_kernel`` merges the S partials.
@@ -113,41 +117,18 @@ def _mla_tile(start, kv_hi, q_lat, q_rope, q_pos, m_i, l_i, acc, kv_ptr, bt_row,
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_bt", "num_reqs"])
-def _mla_decode_kernel(
-    ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr,
-    scale_log2, kv_scale, num_heads, num_splits, num_reqs,
-    stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kvb, stride_kvs, stride_bt,
-    stride_ot, stride_oh,
-    L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-    F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, KV_FP8: tl.constexpr,
-    SEARCH: tl.constexpr, ROWS: tl.constexpr,
-):
-    h_block = tl.program_id(0) % HEAD_BLOCKS
-    split = tl.program_id(2)
-    if SEARCH:  # query tiles of all requests on axis 0 (module doc, "Grid")
-        tile_idx = tl.program_id(0) // HEAD_BLOCKS
-        if tile_idx >= tl.load(qsl_ptr + num_reqs) // BLOCK_Q + num_reqs:
-            return  # past the last real tile of the upper-bound grid
-        req = _find_request(qsl_ptr, tile_idx, num_reqs, BLOCK_Q)
-        q_start = tl.load(qsl_ptr + req)
-        q_len = tl.load(qsl_ptr + req + 1) - q_start
-        q_block = tile_idx - (q_start // BLOCK_Q + req)
-    else:
-        req = tl.program_id(1)
-        q_block = tl.program_id(0) // HEAD_BLOCKS
-        q_start = tl.load(qsl_ptr + req)
-        q_len = tl.load(qsl_ptr + req + 1) - q_start
-    if q_block * BLOCK_Q >= q_len:
-        return  # a surplus program (a shorter request, a padded empty one)
-    if ROWS == 1:  # one-token requests only (``MlaLaunch.decodes_apart``)
-        if q_len != 1:
-            return
-    if ROWS == 2:  # multi-token requests only
-        if q_len == 1:
-            return
+@triton.jit
+def _mla_rows(ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr, scale_log2,
+              kv_scale, num_heads, num_splits, req, q_block, h_block, q_start, q_len, split,
+              stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kvb, stride_kvs,
+              stride_bt, stride_ot, stride_oh,
+              L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+              BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
+              WHILE_LOOP: tl.constexpr, KV_FP8: tl.constexpr):
+    """One program's rows: queries ``q_block * BLOCK_Q ..`` of request ``req`` (which
+    has ``q_len`` new tokens from ``q_start``) x heads of ``h_block``, over KV split
+    ``split`` -> their outputs, or their partials and log-sum-exps (``SPLIT``)."""
     seq_len = tl.load(seq_lens_ptr + req)
 
     rows = tl.arange(0, BLOCK_Q * BLOCK_H)
@@ -220,6 +201,95 @@ def _mla_decode_kernel(
                  mask=row_ok[:, None] & l_ok[None, :])
 
 
+
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "num_reqs"])
+def _mla_decode_kernel(
+    ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr,
+    scale_log2, kv_scale, num_heads, num_splits, num_reqs,
+    stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kvb, stride_kvs, stride_bt,
+    stride_ot, stride_oh,
+    L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+    F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, KV_FP8: tl.constexpr,
+    SEARCH: tl.constexpr, DECODES_APART: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(2)
+    if DECODES_APART:
+        # The first num_reqs * HEAD_BLOCKS programs serve the one-token requests with
+        # one-query tiles; the query-tile programs after them skip those requests.
+        n_apart = num_reqs * HEAD_BLOCKS
+        if pid < n_apart:
+            req = pid // HEAD_BLOCKS
+            q_start = tl.load(qsl_ptr + req)
+            q_len = tl.load(qsl_ptr + req + 1) - q_start
+            if q_len == 1:
+                _mla_rows(ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+                          scale_log2, kv_scale, num_heads, num_splits, req, 0,
+                          pid % HEAD_BLOCKS, q_start, q_len, split, stride_qlt,
+                          stride_qlh, stride_qpt, stride_qph, stride_kvb, stride_kvs,
+                          stride_bt, stride_ot, stride_oh, L, R, BLOCK_L, BLOCK_R,
+                          BLOCK_H, 1, BLOCK_N, BLOCK_SIZE, SPLIT, F32_DOT, WHILE_LOOP,
+                          KV_FP8)
+        else:
+            _mla_query_tiles(pid - n_apart, split, ql_ptr, qp_ptr, kv_ptr, bt_ptr,
+                             seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr, scale_log2, kv_scale,
+                             num_heads, num_splits, num_reqs, stride_qlt, stride_qlh,
+                             stride_qpt, stride_qph, stride_kvb, stride_kvs, stride_bt,
+                             stride_ot, stride_oh, L, R, BLOCK_L, BLOCK_R, BLOCK_H, BLOCK_Q,
+                             HEAD_BLOCKS, BLOCK_N, BLOCK_SIZE, SPLIT, F32_DOT, WHILE_LOOP,
+                             KV_FP8, SEARCH, True)
+    else:
+        _mla_query_tiles(pid, split, ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
+                         out_ptr, lse_ptr, scale_log2, kv_scale, num_heads, num_splits,
+                         num_reqs, stride_qlt, stride_qlh, stride_qpt, stride_qph,
+                         stride_kvb, stride_kvs, stride_bt, stride_ot, stride_oh, L, R,
+                         BLOCK_L, BLOCK_R, BLOCK_H, BLOCK_Q, HEAD_BLOCKS, BLOCK_N,
+                         BLOCK_SIZE, SPLIT, F32_DOT, WHILE_LOOP, KV_FP8, SEARCH, False)
+
+
+@triton.jit
+def _mla_query_tiles(pid, split, ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
+                     out_ptr, lse_ptr, scale_log2, kv_scale, num_heads, num_splits,
+                     num_reqs, stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kvb,
+                     stride_kvs, stride_bt, stride_ot, stride_oh,
+                     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
+                     HEAD_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
+                     WHILE_LOOP: tl.constexpr, KV_FP8: tl.constexpr, SEARCH: tl.constexpr,
+                     SKIP_DECODES: tl.constexpr):
+    """Program ``pid`` of the query-tile grid (module doc, "Grid"); ``SKIP_DECODES``:
+    one-token requests are served elsewhere."""
+    h_block = pid % HEAD_BLOCKS
+    if SEARCH:  # query tiles of all requests on axis 0
+        tile_idx = pid // HEAD_BLOCKS
+        # Past the last real tile of the upper-bound grid: clamped to a request whose
+        # q_block is then out of range (the program does nothing).
+        last = tl.load(qsl_ptr + num_reqs) // BLOCK_Q + num_reqs
+        req = _find_request(qsl_ptr, tl.minimum(tile_idx, last), num_reqs, BLOCK_Q)
+        q_start = tl.load(qsl_ptr + req)
+        q_len = tl.load(qsl_ptr + req + 1) - q_start
+        q_block = tl.where(tile_idx < last, tile_idx - (q_start // BLOCK_Q + req), q_len)
+    else:
+        req = tl.program_id(1)
+        q_block = pid // HEAD_BLOCKS
+        q_start = tl.load(qsl_ptr + req)
+        q_len = tl.load(qsl_ptr + req + 1) - q_start
+    # A surplus program (a shorter request, a padded empty one) does nothing.
+    if SKIP_DECODES:
+        go = (q_block * BLOCK_Q < q_len) & (q_len > 1)
+    else:
+        go = q_block * BLOCK_Q < q_len
+    if go:
+        _mla_rows(ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr, scale_log2,
+                  kv_scale, num_heads, num_splits, req, q_block, h_block, q_start, q_len,
+                  split, stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kvb,
+                  stride_kvs, stride_bt, stride_ot, stride_oh, L, R, BLOCK_L, BLOCK_R,
+                  BLOCK_H, BLOCK_Q, BLOCK_N, BLOCK_SIZE, SPLIT, F32_DOT, WHILE_LOOP, KV_FP8)
+
+
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _mla_reduce_kernel(
     part_ptr, lse_ptr, out_ptr, qsl_ptr, num_reqs, num_heads, num_splits,
@@ -256,8 +326,8 @@ class MlaLaunch:
     num_splits: int  # 1 = one pass; > 1 = split-KV + reduce
     num_warps: int = 4
     num_stages: int = 2
-    # Multi-token launches: one-token requests (a mixed step's decodes) run in a second
-    # launch of one-query programs instead of padding a block_q-query tile.
+    # Multi-token launches: one-token requests (a mixed step's decodes) get one-query
+    # programs of their own in the same launch instead of a padded block_q-query tile.
     decodes_apart: bool = False
 
 
@@ -375,32 +445,25 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     # slots) would otherwise launch 65k programs, nearly all exiting at once.
     search = max_query_len > 1
     apart = search and launch.decodes_apart
-    grid = ((t // launch.block_q + num_reqs) * head_blocks, 1, splits) if search \
-        else (q_blocks * head_blocks, num_reqs, splits)
-    args = (q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc)
-    strides = (q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
-               kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0))
-    consts = dict(L=lat, R=rope, BLOCK_L=block_l,
-                  BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_H=launch.block_h,
-                  HEAD_BLOCKS=head_blocks, BLOCK_N=launch.block_n,
-                  BLOCK_SIZE=kv_cache.shape[2], F32_DOT=f32_dot,
-                  WHILE_LOOP=_interpreting(), KV_FP8=kv_fp8, num_stages=launch.num_stages)
+    grid = ((t // launch.block_q + num_reqs * (1 + apart)) * head_blocks, 1, splits) \
+        if search else (q_blocks * head_blocks, num_reqs, splits)
     _mla_decode_kernel[grid](
-        *args, target, lse, scale * kv_scale * _LOG2E, kv_scale, h, splits, num_reqs,
-        *strides, stride_ot, stride_oh, BLOCK_Q=launch.block_q, SPLIT=splits > 1,
-        SEARCH=search, ROWS=2 if apart else 0, num_warps=launch.num_warps, **consts)
+        q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, target, lse,
+        scale * kv_scale * _LOG2E, kv_scale, h, splits, num_reqs,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
+        stride_ot, stride_oh,
+        L=lat, R=rope, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope)),
+        BLOCK_H=launch.block_h, BLOCK_Q=launch.block_q, HEAD_BLOCKS=head_blocks,
+        BLOCK_N=launch.block_n, BLOCK_SIZE=kv_cache.shape[2], SPLIT=splits > 1,
+        F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), KV_FP8=kv_fp8, SEARCH=search,
+        DECODES_APART=int(apart), num_warps=launch.num_warps,
+        num_stages=launch.num_stages)
     if splits > 1:
         _mla_reduce_kernel[(t, h)](
             part, lse, out, query_start_loc, num_reqs, h, splits, out.stride(0),
             out.stride(1), L=lat, BLOCK_L=block_l,
             SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
-    if apart:
-        # After the merge, which wrote every row (the one-token rows from partials no
-        # program filled): one 16-row program per (request, head block), one split.
-        _mla_decode_kernel[(head_blocks, num_reqs, 1)](
-            *args, out, seq_lens, scale * kv_scale * _LOG2E, kv_scale, h, 1, num_reqs,
-            *strides, out.stride(0), out.stride(1), BLOCK_Q=1, SPLIT=False,
-            SEARCH=False, ROWS=1, num_warps=4, **consts)
     return out
 
 

@@ -70,7 +70,8 @@ def test_decode_ragged(dtype: torch.dtype, splits: int) -> None:
     MlaLaunch(block_h=16, block_q=4, block_n=16, num_splits=1),
     MlaLaunch(block_h=16, block_q=2, block_n=16, num_splits=2),  # two query blocks
     MlaLaunch(block_h=16, block_q=4, block_n=16, num_splits=2, decodes_apart=True),
-], ids=["one-block", "qblocks-split", "decodes-apart"])
+    MlaLaunch(block_h=16, block_q=2, block_n=16, num_splits=1, decodes_apart=True),
+], ids=["one-block", "qblocks-split", "decodes-apart-split", "decodes-apart"])
 def test_multi_token_queries(dtype: torch.dtype, launch: MlaLaunch) -> None:
     """Speculative-verify / short-chunk shapes: 3, 1, 4, 2 and 1 new tokens, the causal
     mask inside the query block (a query whose whole request is new: 4 of 4); with
