@@ -9,6 +9,8 @@ Usage (on the H200)::
     python benchmarks/mla_fp8_bench.py --sections mla --kv-cache-dtype fp8   # e4m3 cache
     python benchmarks/mla_fp8_bench.py --sections mla --sweep --batch 256 --context 1536 \
         --context-min 128                               # W1-like ragged contexts
+    python benchmarks/mla_fp8_bench.py --sections mla --batch 142 --context 1536 \
+        --context-min 128 --chunk 370 --sweep           # a W1 chunk graph's step
     python benchmarks/mla_fp8_bench.py --sections fp8 --sweep --ms 1 32 128
     TRITON_INTERPRET=1 python benchmarks/mla_fp8_bench.py --smoke   # CPU: checks only
 
@@ -19,7 +21,10 @@ random permutation of the pool.  Achieved bandwidth counts the latent cache's by
 time; the issue's target is >= 70% of 4.2 TB/s.  ``--context-min`` makes the contexts
 ragged (uniform from it to ``--context``): with one program per request (the plan's
 choice at 132+ requests) the longest context sets the time.  ``--sweep`` times a grid of launch
-plans (tile, splits, warps, stages) and prints the best.  ``--kv-cache-dtype fp8``: the
+plans (tile, splits, warps, stages) and prints the best.  ``--chunk N``: a chunk CUDA
+graph's step instead (the decodes plus one request's N prompt tokens, padded to
+``--graph-tokens`` rows and ``--slots`` requests), under the default plan and with
+``decodes_apart``; bandwidth there counts the contexts' bytes once.  ``--kv-cache-dtype fp8``: the
 same cache rounded to e4m3 (scale 1.0; 576 bytes a token), checked against the oracle
 over the same fp8 entries, and its plans (``plan_mla_decode(kv_fp8=True)``).
 
@@ -37,6 +42,7 @@ Results: printed, and as JSON in ``$OUT/mla_fp8_bench.json`` (``$OUT`` default
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -112,6 +118,37 @@ def mla_inputs(batch: int, context: int, heads: int, lat: int, rope: int, bs: in
     return q_lat, q_pe, kv, tables, seq, qsl
 
 
+def add_chunk(inputs: tuple[torch.Tensor, ...], chunk: int, prior: int, slots: int,
+              graph_tokens: int, seed: int = 1) -> tuple[torch.Tensor, ...]:
+    """A chunk graph's step: the decodes of ``inputs``, then one request computing
+    ``chunk`` prompt tokens over ``prior`` cached ones, padded as the runner pads a
+    chunk graph (``graph_tokens`` query rows, ``slots`` requests; the padding requests
+    have no tokens and no context)."""
+    q_lat, q_pe, kv, tables, seq, qsl = inputs
+    dev, batch = kv.device, seq.shape[0]
+    if batch + 1 > slots or batch + chunk > graph_tokens:
+        raise SystemExit(f"--chunk: {batch} decodes + {chunk} tokens do not fit "
+                         f"{slots} slots / {graph_tokens} graph tokens")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    bs = kv.shape[2]
+    need = -(-(chunk + prior) // bs)
+    extra = torch.randn(1, need, *kv.shape[2:], generator=g, device=dev, dtype=kv.dtype)
+    kv = torch.cat([kv, extra], dim=1)
+    width = max(tables.shape[1], need)
+    t = torch.zeros(slots, width, dtype=torch.int32, device=dev)
+    t[:batch, :tables.shape[1]] = tables
+    t[batch, :need] = torch.arange(kv.shape[1] - need, kv.shape[1], device=dev)
+    s = torch.zeros(slots, dtype=torch.int32, device=dev)
+    s[:batch] = seq
+    s[batch] = chunk + prior
+    q = torch.full((slots + 1,), batch + chunk, dtype=torch.int32, device=dev)
+    q[:batch + 1] = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+    heads, lat, rope = q_lat.shape[1], q_lat.shape[2], q_pe.shape[2]
+    ql = torch.randn(graph_tokens, heads, lat, generator=g, device=dev, dtype=q_lat.dtype)
+    qp = torch.randn(graph_tokens, heads, rope, generator=g, device=dev, dtype=q_pe.dtype)
+    return ql, qp, kv, t, s, q
+
+
 def bench_mla(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
     heads, lat, rope, bs = args.heads, 512, 64, 16
     if args.smoke:
@@ -124,43 +161,63 @@ def bench_mla(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
 
         inputs = (*inputs[:2], quantize_kv(inputs[2], 1.0), *inputs[3:])
     scale = (128 + rope) ** -0.5
+    mql, reqs = 1, args.batch
+    if args.chunk:
+        inputs = add_chunk(inputs, args.chunk, args.chunk_prior, args.slots,
+                           args.graph_tokens)
+        mql, reqs = args.graph_tokens, args.slots
     q_lat, q_pe, kv, tables, seq, qsl = inputs
+    tokens = int(qsl[-1])
     # Bytes a decode must move: every context token's latent row once, q and out.
     nbytes = (int(seq.sum()) * (lat + rope) * kv.element_size()
               + (2 * q_lat.numel() + q_pe.numel()) * 2)
     # Check a slice of the batch against the oracle (the whole batch at 4k on the GPU is
-    # fine too, but the reference is a python loop).
-    ref_n = min(args.batch, 8)
-    ref = mla_decode_ref(q_lat[:ref_n], q_pe[:ref_n], kv, tables[:ref_n], seq[:ref_n],
-                         qsl[:ref_n + 1], scale).float()
-    plans = [plan_mla_decode(num_reqs=args.batch, max_query_len=1, num_heads=heads,
-                             kv_lora_rank=lat, kv_fp8=fp8)]
-    if args.sweep:
+    # fine too, but the reference is a python loop), and the chunk.
+    ref_reqs = list(range(min(args.batch, 8))) + ([args.batch] if args.chunk else [])
+    ref_rows = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in ref_reqs])
+    ref = torch.cat([mla_decode_ref(
+        q_lat[int(qsl[r]):int(qsl[r + 1])], q_pe[int(qsl[r]):int(qsl[r + 1])], kv,
+        tables[r:r + 1], seq[r:r + 1], (qsl[r:r + 2] - qsl[r]).contiguous(), scale)
+        for r in ref_reqs]).float()
+    base = plan_mla_decode(num_reqs=reqs, max_query_len=mql, num_heads=heads,
+                           kv_lora_rank=lat, kv_fp8=fp8)
+    plans = [base]
+    if args.chunk:  # the same tiles with the decodes apart, then the sweep's grid
+        plans.append(dataclasses.replace(base, decodes_apart=True))
+        if args.sweep:
+            for bq, sp, w, apart in itertools.product((1, 2, 4), (1, 2, 4), (4, 8),
+                                                      (False, True)):
+                if not (apart and bq == 1):
+                    plans.append(MlaLaunch(block_h=base.block_h, block_q=bq,
+                                           block_n=base.block_n, num_splits=sp,
+                                           num_warps=w, decodes_apart=apart))
+    elif args.sweep:
         for bn, sp, w, st in itertools.product((16, 32, 64), (1, 2, 4, 8, 16), (4, 8),
                                                (2, 3)):
             plans.append(MlaLaunch(block_h=plans[0].block_h, block_q=1, block_n=bn,
                                     num_splits=sp, num_warps=w, num_stages=st))
     rows = []
     for i, plan in enumerate(plans):
-        call = functools.partial(mla_decode, *inputs, scale, 1, launch=plan)
+        call = functools.partial(mla_decode, *inputs, scale, mql, launch=plan)
         try:
             out = call()
         except Exception as e:  # noqa: BLE001  (a sweep point out of resources)
             print(f"mla {plan}: {type(e).__name__}: {str(e)[:120]}")
             continue
-        err = float((out[:ref_n].float() - ref).abs().max())
+        err = float((out[ref_rows].float() - ref).abs().max())
         ok = err < 2e-2 * max(1.0, float(ref.abs().max()))
         us = _time([call]) if ok else None
         row = {"section": "mla", "default": i == 0, "plan": plan.__dict__,
                "kv_cache_dtype": args.kv_cache_dtype,
                "batch": args.batch, "context": args.context,
-               "context_min": args.context_min, "heads": heads,
+               "context_min": args.context_min, "heads": heads, "chunk": args.chunk,
+               "chunk_prior": args.chunk_prior, "tokens": tokens,
                "max_abs_err": err, "ok": ok, "us": us,
                "GBps": None if us is None else nbytes / us / 1e3}
         if us is not None:
             row["pct_of_4.2TBps"] = 100 * row["GBps"] / (HBM_TBPS * 1e3)
         rows.append(row)
-        if i == 0 or args.verbose:
+        if i < (2 if args.chunk else 1) or args.verbose:  # the default plan(s)
             _print_mla(row)
     timed = [r for r in rows if r["us"] is not None]
     if args.sweep and timed:
@@ -174,8 +231,10 @@ def _print_mla(r: dict[str, Any]) -> None:
     t = "untimed" if r["us"] is None else (f"{r['us']:8.1f} us {r['GBps']:7.0f} GB/s "
                                            f"({r['pct_of_4.2TBps']:.0f}% of 4.2 TB/s)")
     ctx = r["context"] if r["context_min"] is None else f"{r['context_min']}..{r['context']}"
-    print(f"mla {r['kv_cache_dtype']} b{r['batch']} x {ctx} H{r['heads']} "
-          f"block_h {p['block_h']} block_n {p['block_n']} "
+    chunk = f" + chunk {r['chunk']} over {r['chunk_prior']}" if r["chunk"] else ""
+    print(f"mla {r['kv_cache_dtype']} b{r['batch']} x {ctx}{chunk} H{r['heads']} "
+          f"block_h {p['block_h']} block_q {p['block_q']} block_n {p['block_n']} "
+          f"apart {int(p['decodes_apart'])} "
           f"splits {p['num_splits']} warps {p['num_warps']} stages {p['num_stages']}: "
           f"{t}  err {r['max_abs_err']:.2e} {'ok' if r['ok'] else 'WRONG'}")
 
@@ -290,6 +349,18 @@ def main() -> None:
     ap.add_argument("--context-min", type=int, default=None,
                     help="ragged contexts, uniform in [this, --context] (W1-like: "
                          "--batch 256 --context 1536 --context-min 128)")
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="MLA: a chunk graph's step instead of a decode step -- the "
+                         "--batch decodes plus one request computing this many prompt "
+                         "tokens (W1-like: --batch 142 --context 1536 --context-min 128 "
+                         "--chunk 370), timed with the default plan and with the "
+                         "decodes apart (--sweep: a grid of both)")
+    ap.add_argument("--chunk-prior", type=int, default=0,
+                    help="--chunk: cached tokens before the chunk")
+    ap.add_argument("--graph-tokens", type=int, default=512,
+                    help="--chunk: the chunk graph's token count (its max_query_len)")
+    ap.add_argument("--slots", type=int, default=256,
+                    help="--chunk: the chunk graph's request slots (max_num_seqs)")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                     help="the MLA section's latent cache: bf16 (auto) or e4m3")

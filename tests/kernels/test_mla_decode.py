@@ -167,3 +167,22 @@ def test_graph_chunk_step_searches_query_tiles(splits: int) -> None:
                          qsl.cpu(), 0.1)
     assert_close(out[:t], ref, torch.float32, 9)
     assert bool((out[t:] == 7.0).all())
+
+
+def test_chunk_step_bench_smoke(tmp_path) -> None:
+    """``benchmarks/mla_fp8_bench.py --chunk``: a chunk graph's padded step (decodes and a
+    chunk over cached tokens) builds, and its default and decodes-apart plans and the
+    sweep's grid all equal the oracle under the interpreter (exit status 0)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OUT": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "mla_fp8_bench.py"), "--smoke",
+         "--sections", "mla", "--chunk", "5", "--chunk-prior", "7", "--graph-tokens", "16",
+         "--slots", "8", "--sweep"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 wrong result(s)" in r.stdout
