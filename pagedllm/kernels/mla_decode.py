@@ -201,7 +201,6 @@ def _mla_rows(ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr, sc
                  mask=row_ok[:, None] & l_ok[None, :])
 
 
-
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "num_reqs"])
 def _mla_decode_kernel(
     ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr,
@@ -445,8 +444,10 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     # slots) would otherwise launch 65k programs, nearly all exiting at once.
     search = max_query_len > 1
     apart = search and launch.decodes_apart
-    grid = ((t // launch.block_q + num_reqs * (1 + apart)) * head_blocks, 1, splits) \
-        if search else (q_blocks * head_blocks, num_reqs, splits)
+    # With the decodes apart, num_reqs more programs (x head blocks) lead the tile grid.
+    tiles = t // launch.block_q + num_reqs * (2 if apart else 1)
+    grid = (tiles * head_blocks, 1, splits) if search \
+        else (q_blocks * head_blocks, num_reqs, splits)
     _mla_decode_kernel[grid](
         q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, target, lse,
         scale * kv_scale * _LOG2E, kv_scale, h, splits, num_reqs,
