@@ -132,7 +132,8 @@ def add_chunk(inputs: tuple[torch.Tensor, ...], chunk: int, prior: int, slots: i
     g = torch.Generator(device=dev).manual_seed(seed)
     bs = kv.shape[2]
     need = -(-(chunk + prior) // bs)
-    extra = torch.randn(1, need, *kv.shape[2:], generator=g, device=dev, dtype=kv.dtype)
+    extra = torch.randn(1, need, *kv.shape[2:], generator=g, device=dev,
+                        dtype=torch.bfloat16).to(kv.dtype)  # e4m3 holds N(0, 1) as is
     kv = torch.cat([kv, extra], dim=1)
     width = max(tables.shape[1], need)
     t = torch.zeros(slots, width, dtype=torch.int32, device=dev)
