@@ -35,10 +35,10 @@ Grid::
             request by binary search over ``query_start_loc`` (tile start
             ``query_start_loc[r] // BLOCK_Q + r``), and the grid is the upper bound
             ``num_tokens // BLOCK_Q + num_reqs`` tiles (axis 1 is 1).  With
-            ``MlaLaunch.decodes_apart`` the first ``num_reqs`` (x head blocks) programs
-            serve the one-token requests (a chunk step's decodes) with one-query tiles
-            and the tile programs skip them, so a decode does not run as one valid
-            query of a ``BLOCK_Q``-query tile.
+            ``MlaLaunch.decodes_apart`` the tile programs skip the one-token requests
+            (a chunk step's decodes), and ``num_reqs`` (x head blocks) programs after
+            them serve those with one-query tiles, so a decode does not run as one
+            valid query of a ``BLOCK_Q``-query tile.
     axis 2: KV splits.  Split ``s`` of ``S`` takes a contiguous, BLOCK_N-aligned run of
             the positions its rows need, writes its normalised partial output and its
             log-sum-exp (log2 domain), and ``_mla_reduce_kernel`` merges the S partials.
@@ -216,29 +216,31 @@ def _mla_decode_kernel(
     pid = tl.program_id(0)
     split = tl.program_id(2)
     if DECODES_APART:
-        # The first num_reqs * HEAD_BLOCKS programs serve the one-token requests with
-        # one-query tiles; the query-tile programs after them skip those requests.
-        n_apart = num_reqs * HEAD_BLOCKS
-        if pid < n_apart:
-            req = pid // HEAD_BLOCKS
+        # The query-tile programs come first and skip the one-token requests; the last
+        # num_reqs * HEAD_BLOCKS programs serve those with one-query tiles.  The GPU
+        # starts programs roughly in grid order, so the tiles, which walk the longest
+        # contexts, run beside the decodes (as ``paged_attention._mixed_attn_kernel``).
+        n_tiles = tl.num_programs(0) - num_reqs * HEAD_BLOCKS
+        if pid < n_tiles:
+            _mla_query_tiles(pid, split, ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr,
+                             qsl_ptr, out_ptr, lse_ptr, scale_log2, kv_scale, num_heads,
+                             num_splits, num_reqs, stride_qlt, stride_qlh, stride_qpt,
+                             stride_qph, stride_kvb, stride_kvs, stride_bt, stride_ot,
+                             stride_oh, L, R, BLOCK_L, BLOCK_R, BLOCK_H, BLOCK_Q,
+                             HEAD_BLOCKS, BLOCK_N, BLOCK_SIZE, SPLIT, F32_DOT, WHILE_LOOP,
+                             KV_FP8, SEARCH, True)
+        else:
+            req = (pid - n_tiles) // HEAD_BLOCKS
             q_start = tl.load(qsl_ptr + req)
             q_len = tl.load(qsl_ptr + req + 1) - q_start
             if q_len == 1:
                 _mla_rows(ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
                           scale_log2, kv_scale, num_heads, num_splits, req, 0,
-                          pid % HEAD_BLOCKS, q_start, q_len, split, stride_qlt,
-                          stride_qlh, stride_qpt, stride_qph, stride_kvb, stride_kvs,
-                          stride_bt, stride_ot, stride_oh, L, R, BLOCK_L, BLOCK_R,
-                          BLOCK_H, 1, BLOCK_N, BLOCK_SIZE, SPLIT, F32_DOT, WHILE_LOOP,
-                          KV_FP8)
-        else:
-            _mla_query_tiles(pid - n_apart, split, ql_ptr, qp_ptr, kv_ptr, bt_ptr,
-                             seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr, scale_log2, kv_scale,
-                             num_heads, num_splits, num_reqs, stride_qlt, stride_qlh,
-                             stride_qpt, stride_qph, stride_kvb, stride_kvs, stride_bt,
-                             stride_ot, stride_oh, L, R, BLOCK_L, BLOCK_R, BLOCK_H, BLOCK_Q,
-                             HEAD_BLOCKS, BLOCK_N, BLOCK_SIZE, SPLIT, F32_DOT, WHILE_LOOP,
-                             KV_FP8, SEARCH, True)
+                          (pid - n_tiles) % HEAD_BLOCKS, q_start, q_len, split,
+                          stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kvb,
+                          stride_kvs, stride_bt, stride_ot, stride_oh, L, R, BLOCK_L,
+                          BLOCK_R, BLOCK_H, 1, BLOCK_N, BLOCK_SIZE, SPLIT, F32_DOT,
+                          WHILE_LOOP, KV_FP8)
     else:
         _mla_query_tiles(pid, split, ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
                          out_ptr, lse_ptr, scale_log2, kv_scale, num_heads, num_splits,
@@ -444,7 +446,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     # slots) would otherwise launch 65k programs, nearly all exiting at once.
     search = max_query_len > 1
     apart = search and launch.decodes_apart
-    # With the decodes apart, num_reqs more programs (x head blocks) lead the tile grid.
+    # With the decodes apart, num_reqs more programs (x head blocks) follow the tiles.
     tiles = t // launch.block_q + num_reqs * (2 if apart else 1)
     grid = (tiles * head_blocks, 1, splits) if search \
         else (q_blocks * head_blocks, num_reqs, splits)

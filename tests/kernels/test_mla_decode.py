@@ -75,7 +75,7 @@ def test_decode_ragged(dtype: torch.dtype, splits: int) -> None:
 def test_multi_token_queries(dtype: torch.dtype, launch: MlaLaunch) -> None:
     """Speculative-verify / short-chunk shapes: 3, 1, 4, 2 and 1 new tokens, the causal
     mask inside the query block (a query whose whole request is new: 4 of 4); with
-    ``decodes_apart`` the one-token requests run in their own launch after the merge."""
+    ``decodes_apart`` the one-token requests run as one-query programs after the tiles."""
     _check([3, 1, 4, 2, 1], [21, 9, 4, 38, 17], 4, dtype, launch, seed=2)
 
 
