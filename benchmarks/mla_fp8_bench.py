@@ -23,8 +23,9 @@ ragged (uniform from it to ``--context``): with one program per request (the pla
 choice at 132+ requests) the longest context sets the time.  ``--sweep`` times a grid of launch
 plans (tile, splits, warps, stages) and prints the best.  ``--chunk N``: a chunk CUDA
 graph's step instead (the decodes plus one request's N prompt tokens, padded to
-``--graph-tokens`` rows and ``--slots`` requests), under the default plan and with
-``decodes_apart``; bandwidth there counts the contexts' bytes once.  ``--kv-cache-dtype fp8``: the
+``--graph-tokens`` rows and ``--slots`` requests) under the default plan (one query a
+program; ``--sweep``: query tiles of 1, 2 and 4); bandwidth there counts the contexts'
+bytes once.  ``--kv-cache-dtype fp8``: the
 same cache rounded to e4m3 (scale 1.0; 576 bytes a token), checked against the oracle
 over the same fp8 entries, and its plans (``plan_mla_decode(kv_fp8=True)``).
 
@@ -42,7 +43,6 @@ Results: printed, and as JSON in ``$OUT/mla_fp8_bench.json`` (``$OUT`` default
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import itertools
 import json
@@ -183,15 +183,10 @@ def bench_mla(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
     base = plan_mla_decode(num_reqs=reqs, max_query_len=mql, num_heads=heads,
                            kv_lora_rank=lat, kv_fp8=fp8)
     plans = [base]
-    if args.chunk:  # the same tiles with the decodes apart, then the sweep's grid
-        plans.append(dataclasses.replace(base, decodes_apart=True))
-        if args.sweep:
-            for bq, sp, w, apart in itertools.product((1, 2, 4), (1, 2, 4), (4, 8),
-                                                      (False, True)):
-                if not (apart and bq == 1):
-                    plans.append(MlaLaunch(block_h=base.block_h, block_q=bq,
-                                           block_n=base.block_n, num_splits=sp,
-                                           num_warps=w, decodes_apart=apart))
+    if args.chunk and args.sweep:
+        for bq, sp, w in itertools.product((1, 2, 4), (1, 2, 4), (4, 8)):
+            plans.append(MlaLaunch(block_h=base.block_h, block_q=bq, block_n=base.block_n,
+                                   num_splits=sp, num_warps=w))
     elif args.sweep:
         for bn, sp, w, st in itertools.product((16, 32, 64), (1, 2, 4, 8, 16), (4, 8),
                                                (2, 3)):
@@ -218,7 +213,7 @@ def bench_mla(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
         if us is not None:
             row["pct_of_4.2TBps"] = 100 * row["GBps"] / (HBM_TBPS * 1e3)
         rows.append(row)
-        if i < (2 if args.chunk else 1) or args.verbose:  # the default plan(s)
+        if i == 0 or args.verbose:  # the default plan
             _print_mla(row)
     timed = [r for r in rows if r["us"] is not None]
     if args.sweep and timed:
@@ -235,7 +230,6 @@ def _print_mla(r: dict[str, Any]) -> None:
     chunk = f" + chunk {r['chunk']} over {r['chunk_prior']}" if r["chunk"] else ""
     print(f"mla {r['kv_cache_dtype']} b{r['batch']} x {ctx}{chunk} H{r['heads']} "
           f"block_h {p['block_h']} block_q {p['block_q']} block_n {p['block_n']} "
-          f"apart {int(p['decodes_apart'])} "
           f"splits {p['num_splits']} warps {p['num_warps']} stages {p['num_stages']}: "
           f"{t}  err {r['max_abs_err']:.2e} {'ok' if r['ok'] else 'WRONG'}")
 
@@ -354,8 +348,8 @@ def main() -> None:
                     help="MLA: a chunk graph's step instead of a decode step -- the "
                          "--batch decodes plus one request computing this many prompt "
                          "tokens (W1-like: --batch 142 --context 1536 --context-min 128 "
-                         "--chunk 370), timed with the default plan and with the "
-                         "decodes apart (--sweep: a grid of both)")
+                         "--chunk 370), timed with the default plan (--sweep: a grid "
+                         "of query tiles, splits and warps)")
     ap.add_argument("--chunk-prior", type=int, default=0,
                     help="--chunk: cached tokens before the chunk")
     ap.add_argument("--graph-tokens", type=int, default=512,

@@ -210,7 +210,7 @@ def per_step(prof, trace_path: str, skip: int, out_dir: str) -> None:
     for kind, kk in by_kind_kernel.items():
         n = sum(1 for r in rows if r["mixed"] == (kind == "mixed"))
         print(f"top kernels of the {n} {kind} steps (total ms / per step ms):")
-        for name, us in sorted(kk.items(), key=lambda kv: -kv[1])[:14]:
+        for name, us in sorted(kk.items(), key=lambda kv: -kv[1])[:24]:
             print(f"  {us / 1e3:8.2f} {us / 1e3 / max(n, 1):7.3f}  {name[:90]}")
 
 

@@ -34,11 +34,7 @@ Grid::
             query tiles on axis 0, as ``paged_attention.py`` does: a program finds its
             request by binary search over ``query_start_loc`` (tile start
             ``query_start_loc[r] // BLOCK_Q + r``), and the grid is the upper bound
-            ``num_tokens // BLOCK_Q + num_reqs`` tiles (axis 1 is 1).  With
-            ``MlaLaunch.decodes_apart`` the tile programs skip the one-token requests
-            (a chunk step's decodes), and ``num_reqs`` (x head blocks) programs after
-            them serve those with one-query tiles, so a decode does not run as one
-            valid query of a ``BLOCK_Q``-query tile.
+            ``num_tokens // BLOCK_Q + num_reqs`` tiles (axis 1 is 1).
     axis 2: KV splits.  Split ``s`` of ``S`` takes a contiguous, BLOCK_N-aligned run of
             the positions its rows need, writes its normalised partial output and its
             log-sum-exp (log2 domain), and ``_mla_reduce_kernel`` merges the S partials.
@@ -83,6 +79,9 @@ import triton.language as tl
 from pagedllm.kernels.paged_attention import _LOG2E, _find_request, _interpreting, _mma
 
 MAX_SPLITS = 32
+# Multi-token queries up to this length (speculative verification) share their
+# program's KV tiles; longer ones (chunk steps) run one query a program (plan_mla_decode).
+MAX_TILED_QUERY_LEN = 8
 # Query dtypes the kernel takes over an fp8 cache.
 _FP8_QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -117,18 +116,35 @@ def _mla_tile(start, kv_hi, q_lat, q_rope, q_pos, m_i, l_i, acc, kv_ptr, bt_row,
     return m_new, l_i, acc
 
 
-@triton.jit
-def _mla_rows(ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr, scale_log2,
-              kv_scale, num_heads, num_splits, req, q_block, h_block, q_start, q_len, split,
-              stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kvb, stride_kvs,
-              stride_bt, stride_ot, stride_oh,
-              L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-              BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
-              WHILE_LOOP: tl.constexpr, KV_FP8: tl.constexpr):
-    """One program's rows: queries ``q_block * BLOCK_Q ..`` of request ``req`` (which
-    has ``q_len`` new tokens from ``q_start``) x heads of ``h_block``, over KV split
-    ``split`` -> their outputs, or their partials and log-sum-exps (``SPLIT``)."""
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "num_reqs"])
+def _mla_decode_kernel(
+    ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr,
+    scale_log2, kv_scale, num_heads, num_splits, num_reqs,
+    stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kvb, stride_kvs, stride_bt,
+    stride_ot, stride_oh,
+    L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+    F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, KV_FP8: tl.constexpr,
+    SEARCH: tl.constexpr,
+):
+    h_block = tl.program_id(0) % HEAD_BLOCKS
+    split = tl.program_id(2)
+    if SEARCH:  # query tiles of all requests on axis 0 (module doc, "Grid")
+        tile_idx = tl.program_id(0) // HEAD_BLOCKS
+        if tile_idx >= tl.load(qsl_ptr + num_reqs) // BLOCK_Q + num_reqs:
+            return  # past the last real tile of the upper-bound grid
+        req = _find_request(qsl_ptr, tile_idx, num_reqs, BLOCK_Q)
+        q_start = tl.load(qsl_ptr + req)
+        q_len = tl.load(qsl_ptr + req + 1) - q_start
+        q_block = tile_idx - (q_start // BLOCK_Q + req)
+    else:
+        req = tl.program_id(1)
+        q_block = tl.program_id(0) // HEAD_BLOCKS
+        q_start = tl.load(qsl_ptr + req)
+        q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return  # a surplus program (a shorter request, a padded empty one)
     seq_len = tl.load(seq_lens_ptr + req)
 
     rows = tl.arange(0, BLOCK_Q * BLOCK_H)
@@ -201,96 +217,6 @@ def _mla_rows(ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr, sc
                  mask=row_ok[:, None] & l_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_bt", "num_reqs"])
-def _mla_decode_kernel(
-    ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr,
-    scale_log2, kv_scale, num_heads, num_splits, num_reqs,
-    stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kvb, stride_kvs, stride_bt,
-    stride_ot, stride_oh,
-    L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-    F32_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, KV_FP8: tl.constexpr,
-    SEARCH: tl.constexpr, DECODES_APART: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    split = tl.program_id(2)
-    if DECODES_APART:
-        # The query-tile programs come first and skip the one-token requests; the last
-        # num_reqs * HEAD_BLOCKS programs serve those with one-query tiles.  The GPU
-        # starts programs roughly in grid order, so the tiles, which walk the longest
-        # contexts, run beside the decodes (as ``paged_attention._mixed_attn_kernel``).
-        n_tiles = tl.num_programs(0) - num_reqs * HEAD_BLOCKS
-        if pid < n_tiles:
-            _mla_query_tiles(pid, split, ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr,
-                             qsl_ptr, out_ptr, lse_ptr, scale_log2, kv_scale, num_heads,
-                             num_splits, num_reqs, stride_qlt, stride_qlh, stride_qpt,
-                             stride_qph, stride_kvb, stride_kvs, stride_bt, stride_ot,
-                             stride_oh, L, R, BLOCK_L, BLOCK_R, BLOCK_H, BLOCK_Q,
-                             HEAD_BLOCKS, BLOCK_N, BLOCK_SIZE, SPLIT, F32_DOT, WHILE_LOOP,
-                             KV_FP8, SEARCH, True)
-        else:
-            req = (pid - n_tiles) // HEAD_BLOCKS
-            q_start = tl.load(qsl_ptr + req)
-            q_len = tl.load(qsl_ptr + req + 1) - q_start
-            if q_len == 1:
-                _mla_rows(ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
-                          scale_log2, kv_scale, num_heads, num_splits, req, 0,
-                          (pid - n_tiles) % HEAD_BLOCKS, q_start, q_len, split,
-                          stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kvb,
-                          stride_kvs, stride_bt, stride_ot, stride_oh, L, R, BLOCK_L,
-                          BLOCK_R, BLOCK_H, 1, BLOCK_N, BLOCK_SIZE, SPLIT, F32_DOT,
-                          WHILE_LOOP, KV_FP8)
-    else:
-        _mla_query_tiles(pid, split, ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
-                         out_ptr, lse_ptr, scale_log2, kv_scale, num_heads, num_splits,
-                         num_reqs, stride_qlt, stride_qlh, stride_qpt, stride_qph,
-                         stride_kvb, stride_kvs, stride_bt, stride_ot, stride_oh, L, R,
-                         BLOCK_L, BLOCK_R, BLOCK_H, BLOCK_Q, HEAD_BLOCKS, BLOCK_N,
-                         BLOCK_SIZE, SPLIT, F32_DOT, WHILE_LOOP, KV_FP8, SEARCH, False)
-
-
-@triton.jit
-def _mla_query_tiles(pid, split, ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
-                     out_ptr, lse_ptr, scale_log2, kv_scale, num_heads, num_splits,
-                     num_reqs, stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kvb,
-                     stride_kvs, stride_bt, stride_ot, stride_oh,
-                     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
-                     HEAD_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
-                     WHILE_LOOP: tl.constexpr, KV_FP8: tl.constexpr, SEARCH: tl.constexpr,
-                     SKIP_DECODES: tl.constexpr):
-    """Program ``pid`` of the query-tile grid (module doc, "Grid"); ``SKIP_DECODES``:
-    one-token requests are served elsewhere."""
-    h_block = pid % HEAD_BLOCKS
-    if SEARCH:  # query tiles of all requests on axis 0
-        tile_idx = pid // HEAD_BLOCKS
-        # Past the last real tile of the upper-bound grid: clamped to a request whose
-        # q_block is then out of range (the program does nothing).
-        last = tl.load(qsl_ptr + num_reqs) // BLOCK_Q + num_reqs
-        req = _find_request(qsl_ptr, tl.minimum(tile_idx, last), num_reqs, BLOCK_Q)
-        q_start = tl.load(qsl_ptr + req)
-        q_len = tl.load(qsl_ptr + req + 1) - q_start
-        q_block = tl.where(tile_idx < last, tile_idx - (q_start // BLOCK_Q + req), q_len)
-    else:
-        req = tl.program_id(1)
-        q_block = pid // HEAD_BLOCKS
-        q_start = tl.load(qsl_ptr + req)
-        q_len = tl.load(qsl_ptr + req + 1) - q_start
-    # A surplus program (a shorter request, a padded empty one) does nothing.
-    if SKIP_DECODES:
-        go = (q_block * BLOCK_Q < q_len) & (q_len > 1)
-    else:
-        go = q_block * BLOCK_Q < q_len
-    if go:
-        _mla_rows(ql_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr, scale_log2,
-                  kv_scale, num_heads, num_splits, req, q_block, h_block, q_start, q_len,
-                  split, stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kvb,
-                  stride_kvs, stride_bt, stride_ot, stride_oh, L, R, BLOCK_L, BLOCK_R,
-                  BLOCK_H, BLOCK_Q, BLOCK_N, BLOCK_SIZE, SPLIT, F32_DOT, WHILE_LOOP, KV_FP8)
-
-
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _mla_reduce_kernel(
     part_ptr, lse_ptr, out_ptr, qsl_ptr, num_reqs, num_heads, num_splits,
@@ -327,9 +253,6 @@ class MlaLaunch:
     num_splits: int  # 1 = one pass; > 1 = split-KV + reduce
     num_warps: int = 4
     num_stages: int = 2
-    # Multi-token launches: one-token requests (a mixed step's decodes) get one-query
-    # programs of their own in the same launch instead of a padded block_q-query tile.
-    decodes_apart: bool = False
 
 
 def plan_mla_decode(*, num_reqs: int, max_query_len: int, num_heads: int,
@@ -342,7 +265,12 @@ def plan_mla_decode(*, num_reqs: int, max_query_len: int, num_heads: int,
     Rows per program are capped at 64 (at the 512-wide latent a 64 x 512 fp32
     accumulator is 128 registers a thread at 8 warps); heads fill the rows first, so a
     decode of DeepSeek-V2-Lite's 16 heads is one 16-row program per request and
-    two-token queries share one 32-row program.  When the (request, query block, head
+    two-token queries share one 32-row program.  Launches for queries longer than
+    ``MAX_TILED_QUERY_LEN`` tokens (a chunk step, whose CUDA graph plans with its token
+    count) run one query a program: such a step mixes one-token decodes, which a
+    multi-query tile would pad, with prompt chunks (H100, DeepSeek-V2-Lite W1: 7,592
+    output tok/s against 7,090 / 7,115 with 4-query tiles; a lone 512-token prompt's
+    TTFT 18.19 against 17.69 ms).  When the (request, query block, head
     block) programs cannot fill two per multiprocessor (the decode plan's registers
     allow two), each context is split into ``2 * sm_count // programs`` parts (up to
     ``MAX_SPLITS``): all resident in one wave, and no more partials than that to write
@@ -356,8 +284,8 @@ def plan_mla_decode(*, num_reqs: int, max_query_len: int, num_heads: int,
     rows x 512."""
     max_rows = 64 if kv_lora_rank <= 512 and not kv_fp8 else 32
     block_h = min(max(16, triton.next_power_of_2(num_heads)), max_rows)
-    block_q = max(1, min(triton.next_power_of_2(max(1, max_query_len)),
-                         max_rows // block_h))
+    block_q = 1 if max_query_len > MAX_TILED_QUERY_LEN else max(
+        1, min(triton.next_power_of_2(max(1, max_query_len)), max_rows // block_h))
     head_blocks = -(-num_heads // block_h)
     q_blocks = -(-max(1, max_query_len) // block_q)
     block_n = 32 if kv_lora_rank >= 256 else 64
@@ -445,10 +373,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     # every request -- a CUDA graph's chunk step (a 1,024-token graph with 256 request
     # slots) would otherwise launch 65k programs, nearly all exiting at once.
     search = max_query_len > 1
-    apart = search and launch.decodes_apart
-    # With the decodes apart, num_reqs more programs (x head blocks) follow the tiles.
-    tiles = t // launch.block_q + num_reqs * (2 if apart else 1)
-    grid = (tiles * head_blocks, 1, splits) if search \
+    grid = ((t // launch.block_q + num_reqs) * head_blocks, 1, splits) if search \
         else (q_blocks * head_blocks, num_reqs, splits)
     _mla_decode_kernel[grid](
         q_latent, q_pe, kv_cache, block_tables, seq_lens, query_start_loc, target, lse,
@@ -460,7 +385,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
         BLOCK_H=launch.block_h, BLOCK_Q=launch.block_q, HEAD_BLOCKS=head_blocks,
         BLOCK_N=launch.block_n, BLOCK_SIZE=kv_cache.shape[2], SPLIT=splits > 1,
         F32_DOT=f32_dot, WHILE_LOOP=_interpreting(), KV_FP8=kv_fp8, SEARCH=search,
-        DECODES_APART=int(apart), num_warps=launch.num_warps,
+        num_warps=launch.num_warps,
         num_stages=launch.num_stages)
     if splits > 1:
         _mla_reduce_kernel[(t, h)](

@@ -31,7 +31,7 @@ _SCRIPT = textwrap.dedent(r"""
 
     cases = json.loads(sys.argv[1])
     out = []
-    for reqs, mql, heads, kv_fp8, apart in cases["mla"]:
+    for reqs, mql, heads, kv_fp8 in cases["mla"]:
         p = plan_mla_decode(num_reqs=reqs, max_query_len=mql, num_heads=heads,
                             kv_lora_rank=512, kv_fp8=bool(kv_fp8))
         split = p.num_splits > 1
@@ -47,15 +47,13 @@ _SCRIPT = textwrap.dedent(r"""
         consts = dict(L=512, R=64, BLOCK_L=512, BLOCK_R=64, BLOCK_H=p.block_h,
                       BLOCK_Q=p.block_q, HEAD_BLOCKS=-(-heads // p.block_h),
                       BLOCK_N=p.block_n, BLOCK_SIZE=16, SPLIT=split, F32_DOT=False,
-                      WHILE_LOOP=False, KV_FP8=2 if kv_fp8 else 0, SEARCH=mql > 1,
-                      DECODES_APART=apart)
+                      WHILE_LOOP=False, KV_FP8=2 if kv_fp8 else 0, SEARCH=mql > 1)
         # Pointers and the (multiple-of-64) strides are specialised as divisible by 16.
         div = [i for i, n in enumerate(sig) if sig[n].startswith("*")
                or (n.startswith("stride") and n != "stride_bt")]
         _, st = compile_sm90(_mla_decode_kernel, sig, consts,
                              {"num_warps": p.num_warps, "num_stages": p.num_stages}, div)
-        out.append({"case": f"mla {reqs} x {mql} x {heads}{' fp8' if kv_fp8 else ''}"
-                    f"{' decodes apart' if apart else ''}",
+        out.append({"case": f"mla {reqs} x {mql} x {heads}{' fp8' if kv_fp8 else ''}",
                     **st})
     for m, n, k in cases["gemm"]:
         bm, bn, w, stages, split, swap = default_block_config(m, n, k)
@@ -78,11 +76,11 @@ _SCRIPT = textwrap.dedent(r"""
 
 
 def test_plans_fit_sm90(tmp_path) -> None:
-    # [requests, max_query_len, heads, fp8 cache, decodes apart]: decodes, a 4-token
-    # verify, and a 512-token chunk graph's launch with its decodes apart.
-    cases = {"mla": [[64, 1, 16, 0, 0], [256, 1, 128, 0, 0], [64, 4, 16, 0, 0],
-                     [64, 1, 16, 1, 0], [256, 1, 128, 1, 0], [64, 4, 16, 1, 0],
-                     [256, 512, 16, 0, 1]],
+    # [requests, max_query_len, heads, fp8 cache]: decodes, a 4-token verify, and a
+    # 512-token chunk graph's launch (one query a program).
+    cases = {"mla": [[64, 1, 16, 0], [256, 1, 128, 0], [64, 4, 16, 0],
+                     [64, 1, 16, 1], [256, 1, 128, 1], [64, 4, 16, 1],
+                     [256, 512, 16, 0], [256, 512, 16, 1]],
              "gemm": [[1, 4096, 7168], [512, 24576, 1536]]}
     res = run_script(_SCRIPT, tmp_path, json.dumps(cases))
     for r in res:

@@ -69,13 +69,12 @@ def test_decode_ragged(dtype: torch.dtype, splits: int) -> None:
 @pytest.mark.parametrize("launch", [
     MlaLaunch(block_h=16, block_q=4, block_n=16, num_splits=1),
     MlaLaunch(block_h=16, block_q=2, block_n=16, num_splits=2),  # two query blocks
-    MlaLaunch(block_h=16, block_q=4, block_n=16, num_splits=2, decodes_apart=True),
-    MlaLaunch(block_h=16, block_q=2, block_n=16, num_splits=1, decodes_apart=True),
-], ids=["one-block", "qblocks-split", "decodes-apart-split", "decodes-apart"])
+    MlaLaunch(block_h=16, block_q=1, block_n=16, num_splits=2),  # a chunk step's plan
+], ids=["one-block", "qblocks-split", "one-query-split"])
 def test_multi_token_queries(dtype: torch.dtype, launch: MlaLaunch) -> None:
     """Speculative-verify / short-chunk shapes: 3, 1, 4, 2 and 1 new tokens, the causal
-    mask inside the query block (a query whose whole request is new: 4 of 4); with
-    ``decodes_apart`` the one-token requests run as one-query programs after the tiles."""
+    mask inside the query block (a query whose whole request is new: 4 of 4); one query
+    a program is the plan of chunk steps (over ``MAX_TILED_QUERY_LEN`` tokens)."""
     _check([3, 1, 4, 2, 1], [21, 9, 4, 38, 17], 4, dtype, launch, seed=2)
 
 
@@ -95,7 +94,8 @@ def test_planned_launch() -> None:
 
 def test_plan() -> None:
     """Host-only plan: V2-Lite decode at batch 64 splits to 2 programs per SM; V3's
-    128 heads use 64-head blocks; a 2-token verify packs both tokens in one program."""
+    128 heads use 64-head blocks; a 2-token verify packs both tokens in one program, a
+    chunk step does not."""
     p = plan_mla_decode(num_reqs=64, max_query_len=1, num_heads=16, kv_lora_rank=512)
     assert (p.block_h, p.block_q, p.num_splits) == (16, 1, 4)
     p = plan_mla_decode(num_reqs=256, max_query_len=1, num_heads=128, kv_lora_rank=512)
@@ -103,6 +103,9 @@ def test_plan() -> None:
     p = plan_mla_decode(num_reqs=8, max_query_len=2, num_heads=16, kv_lora_rank=512,
                         max_seq_len=100)
     assert (p.block_q, p.num_splits) == (2, 1)
+    # A chunk graph's launch (its token count as max_query_len): one query a program.
+    p = plan_mla_decode(num_reqs=256, max_query_len=512, num_heads=16, kv_lora_rank=512)
+    assert (p.block_q, p.num_splits, p.num_warps) == (1, 1, 4)
 
 
 def test_agrees_with_the_model_backend() -> None:
@@ -171,8 +174,8 @@ def test_graph_chunk_step_searches_query_tiles(splits: int) -> None:
 
 def test_chunk_step_bench_smoke(tmp_path) -> None:
     """``benchmarks/mla_fp8_bench.py --chunk``: a chunk graph's padded step (decodes and a
-    chunk over cached tokens) builds, and its default and decodes-apart plans and the
-    sweep's grid all equal the oracle under the interpreter (exit status 0)."""
+    chunk over cached tokens) builds, and its default plan and the sweep's grid all
+    equal the oracle under the interpreter (exit status 0)."""
     import os
     import subprocess
     import sys
